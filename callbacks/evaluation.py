@@ -1,0 +1,36 @@
+"""Greedy evaluation on the held-out tasks before and after training, printed side by side."""
+
+from __future__ import annotations
+
+import lightning as L
+
+
+class HeldOutEvaluation(L.Callback):
+    def __init__(self, metric: str = "reward"):
+        """
+        Args:
+            metric: The reported metric that the before/after line leads with (``reward`` or one the
+                reward function reports, e.g. ``success``).
+        """
+        self.metric = metric
+        self.before: dict[str, float] | None = None
+        self.after: dict[str, float] | None = None
+
+    def _evaluate(self, trainer: L.Trainer, pl_module, tag: str) -> dict[str, float]:
+        results = trainer.datamodule.evaluate(pl_module.agents)
+        if self.metric not in results:
+            raise ValueError(f"HeldOutEvaluation.metric={self.metric!r} is not reported; choose from {sorted(results)}")
+        if trainer.logger is not None:
+            trainer.logger.log_metrics({f"heldout/{k}": v for k, v in results.items()}, step=trainer.global_step)
+        print(f"[held-out, {tag}] " + "  ".join(f"{k}={v:.3f}" for k, v in sorted(results.items())), flush=True)
+        return results
+
+    def on_train_start(self, trainer: L.Trainer, pl_module) -> None:
+        self.before = self._evaluate(trainer, pl_module, "before training")
+
+    def on_train_end(self, trainer: L.Trainer, pl_module) -> None:
+        self.after = self._evaluate(trainer, pl_module, "after training")
+        m = self.metric
+        print(f"\nHeld-out {m} (greedy): before {self.before[m]:.3f} -> after {self.after[m]:.3f}", flush=True)
+        if trainer.logger is not None and trainer.logger.log_dir:
+            print(f"TensorBoard logs: {trainer.logger.log_dir}  (tensorboard --logdir {trainer.logger.save_dir})", flush=True)

@@ -1,0 +1,3 @@
+from lit_marl.algorithms.magrpo import MAGRPO
+
+__all__ = ["MAGRPO"]

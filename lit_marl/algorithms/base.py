@@ -1,0 +1,112 @@
+"""What every algorithm shares: a team of agents, one optimizer per agent, manual optimization
+over micro-batches, and logging of rollouts. Algorithms add their loss."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import lightning as L
+import torch
+from torch import nn
+
+from lit_marl.agents import Agent, LoraSettings
+from lit_marl.models import check_source
+from lit_marl.rollout.batch import AgentSamples, RolloutBatch
+
+
+class AgentTeamModule(L.LightningModule):
+    def __init__(
+        self,
+        model: str | list[str] = "tiny-random",
+        num_agents: int = 2,
+        lora: LoraSettings | None = None,
+        system_prompt: str | None = None,
+        learning_rate: float = 1e-5,
+        max_grad_norm: float = 1.0,
+        train_batch_size: int = 16,
+    ):
+        """
+        Args:
+            model: Model source of every agent (each gets its own copy of the weights), or one source
+                per agent: ``tiny-random``, ``smollm2-135m-instruct``, an HF id or a local folder.
+            num_agents: Number of agents; the CLI links it to the number of ``data.agent_prompts``.
+            lora: LoRA adapters per agent instead of full fine-tuning (omit for full fine-tuning).
+            system_prompt: System message for every agent (omit to keep the chat template's default).
+            learning_rate: AdamW learning rate of every agent.
+            max_grad_norm: Gradient norm clipping per agent (0 disables).
+            train_batch_size: Rows per forward/backward micro-batch; one optimizer step per agent
+                per training step whatever the number of micro-batches.
+        """
+        super().__init__()
+        sources = [model] * num_agents if isinstance(model, str) else list(model)
+        if num_agents < 1:
+            raise ValueError(f"model.num_agents={num_agents}: must be at least 1")
+        if len(sources) != num_agents:
+            raise ValueError(f"model.model lists {len(sources)} sources for {num_agents} agents: give one per agent")
+        for i, source in enumerate(sources):
+            check_source(source, field=f"model.model[{i}]" if not isinstance(model, str) else "model.model")
+        if train_batch_size < 1:
+            raise ValueError(f"model.train_batch_size={train_batch_size}: must be at least 1")
+        self.save_hyperparameters()
+        self.sources = sources
+        self.lora = LoraSettings(**lora) if isinstance(lora, dict) else lora
+        self.system_prompt = system_prompt
+        self.automatic_optimization = False
+        self.agents: nn.ModuleList | None = None
+
+    def configure_model(self) -> None:
+        if self.agents is None:  # loads weights: kept out of __init__ so bad configs fail first
+            self.agents = nn.ModuleList(Agent(s, self.lora, self.system_prompt) for s in self.sources)
+
+    def configure_optimizers(self):
+        return [torch.optim.AdamW(a.trainable_parameters(), lr=self.hparams.learning_rate, weight_decay=0.0) for a in self.agents]
+
+    def setup(self, stage: str) -> None:
+        data = self.trainer.datamodule
+        if data is not None and data.num_agents != self.hparams.num_agents:
+            raise ValueError(
+                f"data.agent_prompts has {data.num_agents} templates but model.num_agents={self.hparams.num_agents}"
+            )
+
+    def update_agent(self, index: int, samples: AgentSamples, loss_fn: Callable[[AgentSamples], torch.Tensor]) -> float:
+        """One optimizer step for agent ``index``: ``loss_fn`` returns the summed loss of a micro-batch,
+        which is divided by the whole batch size so micro-batching does not change the gradient."""
+        optimizers = self.optimizers()
+        optimizer = optimizers[index] if isinstance(optimizers, list) else optimizers
+        total = len(samples)
+        loss_sum = 0.0
+        for rows in torch.arange(total, device=samples.input_ids.device).split(self.hparams.train_batch_size):
+            loss = loss_fn(samples.select(rows)) / total
+            self.manual_backward(loss)
+            loss_sum += float(loss.detach())
+        if self.hparams.max_grad_norm > 0:
+            self.clip_gradients(optimizer, gradient_clip_val=self.hparams.max_grad_norm, gradient_clip_algorithm="norm")
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss_sum
+
+    def log_rollout(self, batch: RolloutBatch, prefix: str) -> None:
+        size = int(batch.rewards.numel())
+        self.log(f"{prefix}/reward", batch.rewards.mean(), prog_bar=True, batch_size=size)
+        for key, value in batch.metrics.items():
+            self.log(f"{prefix}/{key}", value, batch_size=size)
+        if prefix == "train":
+            self.log("train/reward_std", batch.rewards.std(unbiased=False), batch_size=size)
+            for key, value in batch.stats.items():
+                self.log(key, value, prog_bar=key == "rollout/tokens_per_s", batch_size=size)
+
+    def validation_step(self, batch: RolloutBatch, batch_idx: int) -> None:
+        self.log_rollout(batch, "val")
+
+    def test_step(self, batch: RolloutBatch, batch_idx: int) -> None:
+        self.log_rollout(batch, "test")
+
+
+class Timer:
+    def __enter__(self) -> "Timer":
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.seconds = time.perf_counter() - self.start

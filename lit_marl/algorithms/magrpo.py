@@ -1,0 +1,80 @@
+"""MAGRPO: multi-agent group-relative policy optimization on joint rollout trees.
+
+Each agent's response is scored by the joint reward of the joint action(s) it took part in; the
+advantage compares it with its siblings (the G responses the agent sampled at the same node).
+Each agent then takes one policy-gradient step on its own samples with its own optimizer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lit_marl.algorithms.base import AgentTeamModule, Timer
+from lit_marl.agents import LoraSettings
+from lit_marl.generation import completion_logprobs
+from lit_marl.returns import Baseline, group_advantages
+from lit_marl.rollout.batch import AgentSamples, RolloutBatch
+
+
+class MAGRPO(AgentTeamModule):
+    def __init__(
+        self,
+        model: str | list[str] = "tiny-random",
+        num_agents: int = 2,
+        lora: LoraSettings | None = None,
+        system_prompt: str | None = None,
+        learning_rate: float = 1e-5,
+        max_grad_norm: float = 1.0,
+        train_batch_size: int = 16,
+        baseline: Baseline = "mean",
+        scale_advantages_by_std: bool = False,
+    ):
+        """
+        Args:
+            baseline: Group baseline: ``mean`` (r - mean), ``raw`` (r), ``max`` (r - max) or
+                ``loo`` (r - mean of the others).
+            scale_advantages_by_std: Divide advantages by the group's reward std (GRPO's scaling).
+        """
+        super().__init__(model, num_agents, lora, system_prompt, learning_rate, max_grad_norm, train_batch_size)
+        if baseline not in ("mean", "raw", "max", "loo"):
+            raise ValueError(f"model.baseline={baseline!r}: choose mean, raw, max or loo")
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        data = self.trainer.datamodule
+        if stage == "fit" and data is not None and data.num_generations < 2:
+            raise ValueError(
+                f"data.num_generations={data.num_generations}: MAGRPO compares each response with its "
+                "siblings and needs at least 2 per node; set data.num_generations >= 2"
+            )
+
+    def advantages(self, samples: AgentSamples) -> torch.Tensor:
+        """Rows come grouped by node, all groups of one size (one per tree node)."""
+        num_groups = int(samples.group_ids.max()) + 1
+        grouped = samples.returns.view(num_groups, -1)
+        return group_advantages(grouped, self.hparams.baseline, self.hparams.scale_advantages_by_std).reshape(-1)
+
+    def policy_loss(self, model: torch.nn.Module, samples: AgentSamples) -> torch.Tensor:
+        """Summed over rows: -A * (mean log-prob of the response's tokens)."""
+        logprobs = completion_logprobs(model, samples.input_ids, samples.attention_mask, samples.num_completion)
+        mask = samples.completion_mask.float()
+        seq_logprob = (logprobs * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        return -(samples.advantages * seq_logprob).sum()
+
+    def training_step(self, batch: RolloutBatch, batch_idx: int) -> None:
+        with Timer() as train_time:
+            for i, (agent, samples) in enumerate(zip(self.agents, batch.agents)):
+                advantages = self.advantages(samples)
+                # Rows with zero advantage carry no gradient: skip their forward/backward, but keep
+                # at least one so that every agent (and rank) takes the same steps.
+                rows = torch.nonzero(advantages != 0).flatten()
+                if rows.numel() == 0:
+                    rows = rows.new_zeros(1)
+                kept = samples.with_advantages(advantages).select(rows)
+                # normalized by the whole batch, so dropping zero rows changes no gradient
+                scale = len(kept) / len(samples)
+                loss = self.update_agent(i, kept, lambda mb, m=agent.model: self.policy_loss(m, mb) * scale)
+                self.log(f"train/loss_agent{i}", loss, batch_size=len(samples))
+                self.log(f"train/advantage_abs_agent{i}", advantages.abs().mean(), batch_size=len(samples))
+        self.log("time/train_s", train_time.seconds)
+        self.log_rollout(batch, "train")

