@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from lit_marl import ConfigError
+
 import lightning as L
 
 
@@ -19,7 +21,7 @@ class HeldOutEvaluation(L.Callback):
     def _evaluate(self, trainer: L.Trainer, pl_module, tag: str) -> dict[str, float]:
         results = trainer.datamodule.evaluate(pl_module.agents)
         if self.metric not in results:
-            raise ValueError(f"HeldOutEvaluation.metric={self.metric!r} is not reported; choose from {sorted(results)}")
+            raise ConfigError(f"HeldOutEvaluation.metric={self.metric!r} is not reported; choose from {sorted(results)}")
         if trainer.logger is not None:
             trainer.logger.log_metrics({f"heldout/{k}": v for k, v in results.items()}, step=trainer.global_step)
         print(f"[held-out, {tag}] " + "  ".join(f"{k}={v:.3f}" for k, v in sorted(results.items())), flush=True)

@@ -13,6 +13,7 @@ def build_cli(args: list[str] | None = None, run: bool = True):
     import transformers
     from lightning.pytorch.cli import LightningCLI
 
+    from lit_marl import ConfigError
     from lit_marl.algorithms.base import AgentTeamModule
     from lit_marl.data import RolloutDataModule
 
@@ -23,6 +24,18 @@ def build_cli(args: list[str] | None = None, run: bool = True):
     transformers.utils.logging.set_verbosity_error()
 
     class LitMarlCLI(LightningCLI):
+        def instantiate_classes(self) -> None:
+            # jsonargparse wraps errors raised in __init__ in a long union report; surface ours
+            try:
+                super().instantiate_classes()
+            except ValueError as err:
+                cause = err
+                while cause is not None and not isinstance(cause, ConfigError):
+                    cause = cause.__cause__
+                if cause is None:
+                    raise
+                raise cause from None
+
         def add_arguments_to_parser(self, parser) -> None:
             # the number of agents is the number of prompt templates: said once, in the data
             parser.link_arguments("data.num_agents", "model.init_args.num_agents", apply_on="instantiate")
@@ -39,7 +52,14 @@ def build_cli(args: list[str] | None = None, run: bool = True):
 
 
 def main() -> None:
-    build_cli()
+    import sys
+
+    from lit_marl import ConfigError
+
+    try:
+        build_cli()
+    except ConfigError as err:
+        sys.exit(f"lit-marl: configuration error: {err}")
 
 
 if __name__ == "__main__":

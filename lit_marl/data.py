@@ -7,6 +7,8 @@ every rollout comes from the current weights (the loader's prefetch only touches
 
 from __future__ import annotations
 
+from lit_marl import ConfigError
+
 import importlib
 import string
 from pathlib import Path
@@ -23,16 +25,16 @@ def import_object(path: str, field: str):
     """``package.module:name`` or ``package.module.name`` -> the object, or a clear error."""
     module_name, sep, attr = path.partition(":") if ":" in path else path.rpartition(".")
     if not sep or not module_name or not attr:
-        raise ValueError(f"{field}={path!r}: give an import path like 'package.module:function'")
+        raise ConfigError(f"{field}={path!r}: give an import path like 'package.module:function'")
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
-        raise ValueError(f"{field}={path!r}: cannot import module {module_name!r} ({err})") from err
+        raise ConfigError(f"{field}={path!r}: cannot import module {module_name!r} ({err})") from err
     if not hasattr(module, attr):
-        raise ValueError(f"{field}={path!r}: module {module_name!r} has no attribute {attr!r}")
+        raise ConfigError(f"{field}={path!r}: module {module_name!r} has no attribute {attr!r}")
     obj = getattr(module, attr)
     if not callable(obj):
-        raise ValueError(f"{field}={path!r} is not callable")
+        raise ConfigError(f"{field}={path!r} is not callable")
     return obj
 
 
@@ -43,22 +45,22 @@ def template_fields(template: str) -> set[str]:
 def load_tasks(path: str, field: str, required: set[str]) -> list[dict]:
     """Rows of a local JSONL/JSON/CSV/Parquet file (through ``datasets``), checked for ``required``."""
     if not Path(path).is_file():
-        raise ValueError(f"{field}={path!r}: file not found")
+        raise ConfigError(f"{field}={path!r}: file not found")
     import datasets
 
     kind = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}.get(Path(path).suffix)
     if kind is None:
-        raise ValueError(f"{field}={path!r}: use a .jsonl, .json, .csv or .parquet file")
+        raise ConfigError(f"{field}={path!r}: use a .jsonl, .json, .csv or .parquet file")
     datasets.disable_progress_bars()
     ds = datasets.load_dataset(kind, data_files=path, split="train")
     missing = sorted(required - set(ds.column_names))
     if missing:
-        raise ValueError(
+        raise ConfigError(
             f"{field}={path!r} lacks the field(s) {missing} that data.agent_prompts uses; "
             f"its fields are {ds.column_names}"
         )
     if len(ds) == 0:
-        raise ValueError(f"{field}={path!r} holds no rows")
+        raise ConfigError(f"{field}={path!r} holds no rows")
     return ds.to_list()
 
 
@@ -98,13 +100,19 @@ class RolloutDataModule(L.LightningDataModule):
         """
         super().__init__()
         if not agent_prompts:
-            raise ValueError("data.agent_prompts: give one prompt template per agent")
+            raise ConfigError("data.agent_prompts: give one prompt template per agent")
         if num_generations < 1:
-            raise ValueError(f"data.num_generations={num_generations}: must be at least 1")
+            raise ConfigError(f"data.num_generations={num_generations}: must be at least 1")
         if joint_mode not in ("aligned", "cross"):
-            raise ValueError(f"data.joint_mode={joint_mode!r}: choose aligned or cross")
+            raise ConfigError(f"data.joint_mode={joint_mode!r}: choose aligned or cross")
+        if max_new_tokens < 1:
+            raise ConfigError(f"data.max_new_tokens={max_new_tokens}: must be at least 1")
+        if not temperature > 0:
+            raise ConfigError(f"data.temperature={temperature}: must be > 0 (evaluation is greedy anyway)")
+        if not 0 < top_p <= 1:
+            raise ConfigError(f"data.top_p={top_p}: must be in (0, 1]")
         if tasks_per_step < 1 or eval_tasks_per_step < 1:
-            raise ValueError("data.tasks_per_step and data.eval_tasks_per_step must be at least 1")
+            raise ConfigError("data.tasks_per_step and data.eval_tasks_per_step must be at least 1")
         self.save_hyperparameters()
         self.agent_prompts = list(agent_prompts)
         self.reward: RewardFn = import_object(reward_fn, "data.reward_fn")
@@ -156,7 +164,7 @@ class RolloutDataModule(L.LightningDataModule):
     def evaluate(self, agents) -> dict[str, float]:
         """Greedy rollouts on all held-out tasks; the mean reward and reported metrics."""
         if not self.val_tasks:
-            raise ValueError("data.val_path: the held-out evaluation needs held-out tasks")
+            raise ConfigError("data.val_path: the held-out evaluation needs held-out tasks")
         totals: dict[str, float] = {}
         for batch in self.val_dataloader():
             rollout = self.rollout(agents, batch, greedy=True)

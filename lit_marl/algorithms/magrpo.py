@@ -7,6 +7,8 @@ Each agent then takes one policy-gradient step on its own samples with its own o
 
 from __future__ import annotations
 
+from lit_marl import ConfigError
+
 import torch
 
 from lit_marl.algorithms.base import AgentTeamModule, Timer
@@ -37,13 +39,13 @@ class MAGRPO(AgentTeamModule):
         """
         super().__init__(model, num_agents, lora, system_prompt, learning_rate, max_grad_norm, train_batch_size)
         if baseline not in ("mean", "raw", "max", "loo"):
-            raise ValueError(f"model.baseline={baseline!r}: choose mean, raw, max or loo")
+            raise ConfigError(f"model.baseline={baseline!r}: choose mean, raw, max or loo")
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
         data = self.trainer.datamodule
         if stage == "fit" and data is not None and data.num_generations < 2:
-            raise ValueError(
+            raise ConfigError(
                 f"data.num_generations={data.num_generations}: MAGRPO compares each response with its "
                 "siblings and needs at least 2 per node; set data.num_generations >= 2"
             )

@@ -1,0 +1,72 @@
+"""Shared test setup: offline, single-threaded, and a throwaway model cache.
+
+The model cache (``LIT_MARL_CACHE``) points at a fresh temporary folder for the session, so the
+tests also cover building the tiny random model from scratch and never touch the user's cache.
+Set ``LIT_MARL_TEST_CACHE=/some/folder`` to reuse a cache between runs instead. The slow SmolLM2
+test switches to the real default cache itself.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["OMP_NUM_THREADS"] = "1"
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+if os.environ.get("LIT_MARL_TEST_CACHE"):
+    os.environ["LIT_MARL_CACHE"] = os.environ["LIT_MARL_TEST_CACHE"]
+else:
+    _session_cache = tempfile.mkdtemp(prefix="lit_marl_test_cache-")
+    os.environ["LIT_MARL_CACHE"] = _session_cache
+    atexit.register(shutil.rmtree, _session_cache, ignore_errors=True)
+
+# `datasets` caches every task file it reads: keep that out of the user's HF cache too
+_datasets_cache = tempfile.mkdtemp(prefix="lit_marl_test_datasets-")
+os.environ["HF_DATASETS_CACHE"] = _datasets_cache
+atexit.register(shutil.rmtree, _datasets_cache, ignore_errors=True)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+from helpers import REPO_ROOT  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return REPO_ROOT
+
+
+@pytest.fixture
+def in_repo_root(repo_root, monkeypatch) -> Path:
+    """Run the test from the repository root, where the configs' relative data paths resolve.
+
+    Also hides pytest's own command line from LightningCLI, which reads ``sys.argv``.
+    """
+    monkeypatch.chdir(repo_root)
+    monkeypatch.setattr(sys, "argv", ["lit-marl"])
+    return repo_root
+
+
+@pytest.fixture(scope="session")
+def tiny_agent():
+    """One tiny-random agent shared by tests that do not change its weights or tokenizer."""
+    from lit_marl.agents import Agent
+
+    return Agent("tiny-random")
+
+
+@pytest.fixture(scope="session")
+def tiny_agents():
+    """Two independent tiny-random agents (shared, read-only)."""
+    from lit_marl.agents import Agent
+
+    return [Agent("tiny-random"), Agent("tiny-random")]

@@ -1,0 +1,54 @@
+"""Paths and builders shared by the tests (plain functions; fixtures live in conftest.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SLOGAN_TRAIN = REPO_ROOT / "data" / "slogan" / "train.jsonl"
+SLOGAN_HELDOUT = REPO_ROOT / "data" / "slogan" / "heldout.jsonl"
+SLOGAN_PROMPTS = [
+    'Write line 1 of a slogan for {topic} with the word "{word0}".',
+    'Write line 2 of a slogan for {topic} with the word "{word1}".',
+]
+
+
+def slogan_data(**overrides):
+    """A RolloutDataModule on the slogan task (absolute paths: works from any folder)."""
+    from lit_marl.data import RolloutDataModule
+
+    kwargs = dict(
+        train_path=str(SLOGAN_TRAIN),
+        val_path=str(SLOGAN_HELDOUT),
+        agent_prompts=SLOGAN_PROMPTS,
+        reward_fn="lit_marl.envs.slogan:reward",
+        tasks_per_step=2,
+        num_generations=4,
+        max_new_tokens=8,
+        eval_tasks_per_step=16,
+    )
+    kwargs.update(overrides)
+    return RolloutDataModule(**kwargs)
+
+
+def make_trainer(tmp_path, **overrides):
+    """A small CPU trainer that writes only under ``tmp_path`` (TensorBoard logger by default)."""
+    import lightning as L
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    kwargs = dict(
+        accelerator="cpu",
+        max_epochs=1,
+        limit_train_batches=2,
+        limit_val_batches=1,
+        num_sanity_val_steps=0,
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    kwargs.update(overrides)
+    if "logger" not in kwargs:
+        kwargs["logger"] = TensorBoardLogger(str(tmp_path))
+    return L.Trainer(**kwargs)

@@ -1,0 +1,255 @@
+"""Bad input fails with one error that names the field to fix, before any model weights load."""
+
+from __future__ import annotations
+
+import json
+
+import lightning as L
+import pytest
+
+from helpers import SLOGAN_HELDOUT, SLOGAN_PROMPTS, SLOGAN_TRAIN
+from lit_marl.algorithms import MAGRPO
+from lit_marl.algorithms import base as base_module
+from lit_marl.data import RolloutDataModule
+
+REWARD = "lit_marl.envs.slogan:reward"
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    """Any attempt to build an agent (load weights) is recorded and refused."""
+    calls = []
+
+    def refuse(*args, **kwargs):
+        calls.append(args)
+        raise AssertionError("a model was loaded although the configuration is invalid")
+
+    monkeypatch.setattr(base_module, "Agent", refuse)
+    return calls
+
+
+def datamodule(**overrides) -> RolloutDataModule:
+    kwargs = dict(
+        train_path=str(SLOGAN_TRAIN),
+        val_path=str(SLOGAN_HELDOUT),
+        agent_prompts=SLOGAN_PROMPTS,
+        reward_fn=REWARD,
+        tasks_per_step=2,
+        num_generations=2,
+        max_new_tokens=4,
+    )
+    kwargs.update(overrides)
+    return RolloutDataModule(**kwargs)
+
+
+def trainer(tmp_path) -> L.Trainer:
+    return L.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        limit_train_batches=1,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+
+
+# --------------------------------------------------------------------------- model
+def test_unknown_model(no_model_loads):
+    with pytest.raises(ValueError, match=r"^model\.model='no-such-model-xyz'.*HF_HUB_OFFLINE"):
+        MAGRPO(model="no-such-model-xyz")
+    assert no_model_loads == []
+
+
+def test_unknown_model_in_list_names_its_index():
+    with pytest.raises(ValueError, match=r"^model\.model\[1\]='no-such-model-xyz'"):
+        MAGRPO(model=["tiny-random", "no-such-model-xyz"])
+
+
+def test_model_list_length_must_match_num_agents():
+    with pytest.raises(ValueError, match=r"model\.model lists 3 sources for 2 agents"):
+        MAGRPO(model=["tiny-random"] * 3, num_agents=2)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"num_agents": 0}, "model.num_agents=0"),
+        ({"train_batch_size": 0}, "model.train_batch_size=0"),
+        ({"baseline": "median"}, "model.baseline='median'"),
+    ],
+)
+def test_bad_model_settings(kwargs, field):
+    with pytest.raises(ValueError) as err:
+        MAGRPO(**kwargs)
+    assert field in str(err.value)
+
+
+def test_valid_module_loads_nothing_in_init(no_model_loads):
+    module = MAGRPO(model="tiny-random")
+    assert module.agents is None
+    assert no_model_loads == []
+
+
+# --------------------------------------------------------------------------- data
+@pytest.mark.parametrize(
+    "reward_fn, detail",
+    [
+        ("lit_marl.envs.slogan:nope", "has no attribute 'nope'"),
+        ("no_such_module:f", "cannot import module 'no_such_module'"),
+        ("lit_marl.envs.slogan.nope", "has no attribute 'nope'"),  # dotted form
+        ("nocolon", "give an import path"),
+        ("lit_marl.envs.slogan:MAX_WORDS", "is not callable"),
+    ],
+)
+def test_bad_reward_fn(reward_fn, detail):
+    with pytest.raises(ValueError, match=r"^data\.reward_fn=") as err:
+        datamodule(reward_fn=reward_fn)
+    assert detail in str(err.value)
+    assert repr(reward_fn) in str(err.value)
+
+
+def test_dotted_reward_path_works():
+    from lit_marl.envs.slogan import reward
+
+    assert datamodule(reward_fn="lit_marl.envs.slogan.reward").reward is reward
+
+
+def test_jsonl_missing_prompt_field(tmp_path):
+    path = tmp_path / "tasks.jsonl"
+    path.write_text("\n".join(json.dumps({"topic": f"t{i}", "word0": "sun"}) for i in range(3)) + "\n")
+    with pytest.raises(ValueError, match=r"^data\.train_path=") as err:
+        datamodule(train_path=str(path))
+    message = str(err.value)
+    assert "['word1']" in message
+    assert "data.agent_prompts" in message
+
+
+def test_val_file_missing_prompt_field(tmp_path):
+    path = tmp_path / "val.jsonl"
+    path.write_text(json.dumps({"topic": "t", "word1": "sun"}) + "\n")
+    with pytest.raises(ValueError, match=r"^data\.val_path=.*\['word0'\]"):
+        datamodule(val_path=str(path))
+
+
+def test_missing_train_file(tmp_path):
+    with pytest.raises(ValueError, match=r"^data\.train_path=.*file not found"):
+        datamodule(train_path=str(tmp_path / "nope.jsonl"))
+
+
+def test_unsupported_file_type(tmp_path):
+    path = tmp_path / "tasks.txt"
+    path.write_text("topic\n")
+    with pytest.raises(ValueError, match=r"^data\.train_path=.*\.jsonl"):
+        datamodule(train_path=str(path))
+
+
+def test_csv_tasks_are_read(tmp_path):
+    path = tmp_path / "tasks.csv"
+    path.write_text("topic,word0,word1\ntea,sun,moon\nbread,cat,dog\n")
+    data = datamodule(train_path=str(path))
+    assert data.train_tasks == [
+        {"topic": "tea", "word0": "sun", "word1": "moon"},
+        {"topic": "bread", "word0": "cat", "word1": "dog"},
+    ]
+    assert data.prompts_for(data.train_tasks[:1]) == [
+        ['Write line 1 of a slogan for tea with the word "sun".', 'Write line 2 of a slogan for tea with the word "moon".']
+    ]
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        ({"agent_prompts": []}, "data.agent_prompts"),
+        ({"num_generations": 0}, "data.num_generations=0"),
+        ({"joint_mode": "both"}, "data.joint_mode='both'"),
+        ({"tasks_per_step": 0}, "data.tasks_per_step"),
+    ],
+)
+def test_bad_data_settings(overrides, field):
+    with pytest.raises(ValueError) as err:
+        datamodule(**overrides)
+    assert field in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        ({"temperature": 0.0}, "data.temperature"),
+        ({"temperature": -1.0}, "data.temperature"),
+        ({"max_new_tokens": 0}, "data.max_new_tokens"),
+        ({"top_p": 1.5}, "data.top_p"),
+    ],
+    ids=["temperature=0", "temperature<0", "max_new_tokens=0", "top_p>1"],
+)
+def test_bad_sampling_settings_fail_at_config_time(overrides, field):
+    """Sampling settings that generation rejects must fail here, naming the field, not at the
+    first training step after the models have loaded (with a message that names no field)."""
+    with pytest.raises(ValueError) as err:
+        datamodule(**overrides)
+    assert field in str(err.value)
+
+
+# --------------------------------------------------------------------------- at fit time
+def test_one_generation_fails_in_fit_before_loading(tmp_path, no_model_loads):
+    module = MAGRPO(model="tiny-random")
+    with pytest.raises(ValueError, match=r"data\.num_generations=1") as err:
+        trainer(tmp_path).fit(module, datamodule=datamodule(num_generations=1))
+    assert "num_generations >= 2" in str(err.value)
+    assert module.agents is None
+    assert no_model_loads == []
+
+
+def test_agent_count_mismatch_fails_in_fit_before_loading(tmp_path, no_model_loads):
+    module = MAGRPO(model="tiny-random", num_agents=3)
+    with pytest.raises(ValueError, match=r"data\.agent_prompts has 2 templates but model\.num_agents=3"):
+        trainer(tmp_path).fit(module, datamodule=datamodule())
+    assert module.agents is None
+    assert no_model_loads == []
+
+
+# --------------------------------------------------------------------------- through the CLI
+def _cli_fit(tmp_path, *extra):
+    from lit_marl.cli import build_cli
+
+    return build_cli(
+        args=[
+            "fit",
+            "--config",
+            "configs/magrpo/slogan_tiny.yaml",
+            "--trainer.logger.init_args.save_dir",
+            str(tmp_path),
+            *extra,
+        ]
+    )
+
+
+def test_cli_one_generation(in_repo_root, tmp_path, no_model_loads):
+    with pytest.raises(ValueError, match=r"data\.num_generations=1"):
+        _cli_fit(tmp_path, "--data.num_generations", "1")
+    assert no_model_loads == []
+
+
+def test_cli_bad_reward_fn(in_repo_root, tmp_path, no_model_loads):
+    with pytest.raises(ValueError, match=r"^data\.reward_fn='lit_marl\.envs\.slogan:nope'"):
+        _cli_fit(tmp_path, "--data.reward_fn", "lit_marl.envs.slogan:nope")
+    assert no_model_loads == []
+
+
+def test_cli_unknown_model(in_repo_root, tmp_path, no_model_loads):
+    with pytest.raises(ValueError) as err:
+        _cli_fit(tmp_path, "--model.init_args.model", "no-such-model-xyz")
+    assert "model.model='no-such-model-xyz'" in str(err.value)
+    assert no_model_loads == []
+
+
+def test_cli_unknown_model_error_is_clear(in_repo_root, tmp_path):
+    """The CLI must give the same one-line error as the class, not bury it in jsonargparse's
+    'Does not validate against any of the Union subtypes ... Expected a NoneType ... Namespace(...)'."""
+    with pytest.raises(ValueError) as err:
+        _cli_fit(tmp_path, "--model.init_args.model", "no-such-model-xyz")
+    message = str(err.value)
+    assert message.startswith("model.model='no-such-model-xyz'"), message
+    assert "NoneType" not in message
