@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from lit_marl import ConfigError
 
+import time
+
 import lightning as L
 
 
@@ -29,8 +31,11 @@ class HeldOutEvaluation(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module) -> None:
         self.before = self._evaluate(trainer, pl_module, "before training")
+        self.train_start = time.perf_counter()
 
     def on_train_end(self, trainer: L.Trainer, pl_module) -> None:
+        steps = trainer.fit_loop.epoch_loop.batch_progress.total.completed
+        print(f"Trained {steps} steps in {time.perf_counter() - self.train_start:.0f} s", flush=True)
         self.after = self._evaluate(trainer, pl_module, "after training")
         m = self.metric
         print(f"\nHeld-out {m} (greedy): before {self.before[m]:.3f} -> after {self.after[m]:.3f}", flush=True)

@@ -212,3 +212,43 @@ def test_completion_logprobs_match_unpadded_forward(tiny_agent, prompts):
     # the comparison is sensitive: attending to the left padding changes the padded row's scores
     assert (unmasked[1] - batched[1]).abs().max() > 1e-3
     torch.testing.assert_close(unmasked[0], batched[0], atol=1e-4, rtol=0)  # row 0 has no padding
+
+
+def test_shared_prefix_logprobs_and_gradients_equal_full_forward(prompts):
+    """Running each distinct prompt once and sharing its KV cache among its G samples changes
+    neither the log-probs nor the gradient (LoRA adapters sit on q/k/v/o, so the gradient has to
+    flow back through the shared prompt cache)."""
+    from lit_marl.agents import Agent, LoraSettings
+
+    agent = Agent("tiny-random", LoraSettings(r=4))
+    torch.manual_seed(0)
+    for p in agent.trainable_parameters():  # peft starts B at zero: make the adapters matter
+        p.data.normal_(0, 0.05)
+    gen = generate(agent, prompts, num_samples=3, max_new_tokens=7)
+    input_ids = torch.cat([gen.prompt_ids, gen.completion_ids], dim=1)
+    attention_mask = torch.cat([gen.prompt_mask, gen.completion_mask], dim=1)
+    groups = torch.arange(len(prompts)).repeat_interleave(3)
+    C, keep = gen.completion_ids.shape[1], gen.completion_mask.float()
+    params = agent.trainable_parameters()
+
+    full = completion_logprobs(agent.model, input_ids, attention_mask, C)
+    shared = completion_logprobs(agent.model, input_ids, attention_mask, C, prompt_groups=groups)
+    torch.testing.assert_close(shared * keep, full * keep, atol=1e-5, rtol=0)
+    grad_full = torch.autograd.grad((full * keep).sum(), params)
+    grad_shared = torch.autograd.grad((shared * keep).sum(), params)
+    assert max(g.abs().max() for g in grad_full) > 1e-3
+    for a, b in zip(grad_full, grad_shared):
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+
+    # groups given out of order and with single rows still map rows to their own prompts
+    order = torch.tensor([5, 0, 3, 4])
+    subset = completion_logprobs(agent.model, input_ids[order], attention_mask[order], C, prompt_groups=groups[order])
+    torch.testing.assert_close(subset * keep[order], full[order] * keep[order], atol=1e-5, rtol=0)
+
+
+def test_shared_prefix_rejects_groups_with_different_prompts(tiny_agent, prompts):
+    gen = generate(tiny_agent, prompts, num_samples=1, max_new_tokens=3)
+    input_ids = torch.cat([gen.prompt_ids, gen.completion_ids], dim=1)
+    attention_mask = torch.cat([gen.prompt_mask, gen.completion_mask], dim=1)
+    with pytest.raises(ValueError, match="same prompt"):
+        completion_logprobs(tiny_agent.model, input_ids, attention_mask, 3, prompt_groups=torch.zeros(len(prompts)))

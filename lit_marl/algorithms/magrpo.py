@@ -58,7 +58,9 @@ class MAGRPO(AgentTeamModule):
 
     def policy_loss(self, model: torch.nn.Module, samples: AgentSamples) -> torch.Tensor:
         """Summed over rows: -A * (mean log-prob of the response's tokens)."""
-        logprobs = completion_logprobs(model, samples.input_ids, samples.attention_mask, samples.num_completion)
+        logprobs = completion_logprobs(
+            model, samples.input_ids, samples.attention_mask, samples.num_completion, prompt_groups=samples.group_ids
+        )
         mask = samples.completion_mask.float()
         seq_logprob = (logprobs * mask).sum(-1) / mask.sum(-1).clamp(min=1)
         return -(samples.advantages * seq_logprob).sum()
