@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from lit_marl import ConfigError
-
 import time
 
 import lightning as L
+
+from lit_marl import ConfigError
 
 
 class HeldOutEvaluation(L.Callback):
@@ -23,7 +23,9 @@ class HeldOutEvaluation(L.Callback):
     def _evaluate(self, trainer: L.Trainer, pl_module, tag: str) -> dict[str, float]:
         results = trainer.datamodule.evaluate(pl_module.agents)
         if self.metric not in results:
-            raise ConfigError(f"HeldOutEvaluation.metric={self.metric!r} is not reported; choose from {sorted(results)}")
+            raise ConfigError(
+                f"HeldOutEvaluation.metric={self.metric!r} is not reported; choose from {sorted(results)}"
+            )
         if trainer.logger is not None:
             trainer.logger.log_metrics({f"heldout/{k}": v for k, v in results.items()}, step=trainer.global_step)
         print(f"[held-out, {tag}] " + "  ".join(f"{k}={v:.3f}" for k, v in sorted(results.items())), flush=True)
@@ -40,4 +42,7 @@ class HeldOutEvaluation(L.Callback):
         m = self.metric
         print(f"\nHeld-out {m} (greedy): before {self.before[m]:.3f} -> after {self.after[m]:.3f}", flush=True)
         if trainer.logger is not None and trainer.logger.log_dir:
-            print(f"TensorBoard logs: {trainer.logger.log_dir}  (tensorboard --logdir {trainer.logger.save_dir})", flush=True)
+            print(
+                f"TensorBoard logs: {trainer.logger.log_dir}  (tensorboard --logdir {trainer.logger.save_dir})",
+                flush=True,
+            )

@@ -7,8 +7,6 @@ every rollout comes from the current weights (the loader's prefetch only touches
 
 from __future__ import annotations
 
-from lit_marl import ConfigError
-
 import importlib
 import string
 from pathlib import Path
@@ -17,6 +15,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
+from lit_marl import ConfigError
 from lit_marl.rollout.batch import RolloutBatch
 from lit_marl.rollout.tree import JointMode, RewardFn, build_tree
 

@@ -11,8 +11,6 @@ The cache lives outside the repo: ``$LIT_MARL_CACHE`` or ``~/.cache/lit_marl``.
 
 from __future__ import annotations
 
-from lit_marl import ConfigError
-
 import importlib.util
 import os
 import shutil
@@ -23,6 +21,8 @@ from urllib.parse import urlparse
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from lit_marl import ConfigError
 
 TINY_RANDOM = "tiny-random"
 SMOLLM2 = "smollm2-135m-instruct"

@@ -6,8 +6,8 @@ import json
 
 import lightning as L
 import pytest
+from helpers import SLOGAN_HELDOUT, SLOGAN_PROMPTS, SLOGAN_TRAIN, make_trainer
 
-from helpers import SLOGAN_HELDOUT, SLOGAN_PROMPTS, SLOGAN_TRAIN
 from lit_marl.algorithms import MAGRPO
 from lit_marl.algorithms import base as base_module
 from lit_marl.data import RolloutDataModule
@@ -43,17 +43,7 @@ def datamodule(**overrides) -> RolloutDataModule:
 
 
 def trainer(tmp_path) -> L.Trainer:
-    return L.Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        limit_train_batches=1,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
+    return make_trainer(tmp_path, limit_train_batches=1, limit_val_batches=0, logger=False)
 
 
 # --------------------------------------------------------------------------- model
@@ -155,7 +145,10 @@ def test_csv_tasks_are_read(tmp_path):
         {"topic": "bread", "word0": "cat", "word1": "dog"},
     ]
     assert data.prompts_for(data.train_tasks[:1]) == [
-        ['Write line 1 of a slogan for tea with the word "sun".', 'Write line 2 of a slogan for tea with the word "moon".']
+        [
+            'Write line 1 of a slogan for tea with the word "sun".',
+            'Write line 2 of a slogan for tea with the word "moon".',
+        ]
     ]
 
 

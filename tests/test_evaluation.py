@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import lightning as L
 import pytest
-
 from helpers import make_trainer, slogan_data
-from lit_marl.algorithms import MAGRPO
 from lit_marl.callbacks import HeldOutEvaluation
+
+from lit_marl.algorithms import MAGRPO
 
 
 def test_heldout_evaluation_prints_before_and_after(tmp_path, capsys):

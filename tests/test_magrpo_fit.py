@@ -7,8 +7,8 @@ import math
 import lightning as L
 import pytest
 import torch
-
 from helpers import make_trainer, slogan_data
+
 from lit_marl.algorithms import MAGRPO
 from lit_marl.returns import group_advantages
 from lit_marl.rollout.tree import build_tree
@@ -82,7 +82,9 @@ def test_single_agent_advantages_are_grpo(tiny_agent):
     """With one agent, MAGRPO's advantage is GRPO's: r - mean(r) over the G samples of a prompt."""
     torch.manual_seed(0)
     tasks = [{"topic": t} for t in ("tea", "bread", "rockets")]
-    batch = build_tree([tiny_agent], tasks, [[f"a slogan for {t['topic']}"] for t in tasks], _length_reward, 4, max_new_tokens=6)
+    batch = build_tree(
+        [tiny_agent], tasks, [[f"a slogan for {t['topic']}"] for t in tasks], _length_reward, 4, max_new_tokens=6
+    )
     samples = batch.agents[0]
     assert torch.equal(samples.returns, batch.rewards)
     expected = _per_group_minus_mean(batch.rewards, samples.group_ids)

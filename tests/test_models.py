@@ -24,7 +24,9 @@ def test_tiny_random_loads_offline():
     assert tokenizer.eos_token_id != tokenizer.pad_token_id
     assert tokenizer.eos_token_id < model.config.vocab_size
     assert len(tokenizer) <= model.config.vocab_size
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
     assert text.endswith("<|im_start|>assistant\n")
     # the tokenizer round-trips ordinary text (byte-level BPE)
     sample = "def f(a, b): return a + b  # ocean!"
@@ -115,7 +117,9 @@ def test_smollm2_names_a_missing_package(monkeypatch, package):
         pytest.skip("SmolLM2 is converted in this cache: its packages are no longer needed")
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == package else find_spec(name, *a))
-    with pytest.raises(ValueError, match=rf"^model='smollm2-135m-instruct' needs the package '{package}': run `make install`"):
+    with pytest.raises(
+        ValueError, match=rf"^model='smollm2-135m-instruct' needs the package '{package}': run `make install`"
+    ):
         check_source("smollm2-135m-instruct")
 
 

@@ -101,7 +101,10 @@ def test_empty_lines():
 def test_batch_of_joint_actions_uses_each_task():
     other = {"topic": "a bakery", "word0": "bread", "word1": "smile"}
     out = reward(
-        [[LINE0, LINE0, "Warm bread for the whole street today!"], [LINE1, LINE1, "Come inside and leave with a smile!"]],
+        [
+            [LINE0, LINE0, "Warm bread for the whole street today!"],
+            [LINE1, LINE1, "Come inside and leave with a smile!"],
+        ],
         [TASK, other, other],
     )
     assert set(out) == LEVELS

@@ -70,7 +70,9 @@ def test_build_tree_two_agents(tiny_agents, joint_mode):
     torch.manual_seed(0)
     G, N, T = 2, 2, len(TASKS)
     reward = CountingReward()
-    batch = build_tree(tiny_agents, TASKS, _prompts(N), reward, num_generations=G, joint_mode=joint_mode, max_new_tokens=4)
+    batch = build_tree(
+        tiny_agents, TASKS, _prompts(N), reward, num_generations=G, joint_mode=joint_mode, max_new_tokens=4
+    )
 
     assert reward.calls == 1, "one batched reward call per turn"
     per_node = G if joint_mode == "aligned" else G**N

@@ -3,8 +3,6 @@ over micro-batches, and logging of rollouts. Algorithms add their loss."""
 
 from __future__ import annotations
 
-from lit_marl import ConfigError
-
 import time
 from collections.abc import Callable
 
@@ -12,6 +10,7 @@ import lightning as L
 import torch
 from torch import nn
 
+from lit_marl import ConfigError
 from lit_marl.agents import Agent, LoraSettings
 from lit_marl.models import check_source
 from lit_marl.rollout.batch import AgentSamples, RolloutBatch
@@ -62,7 +61,10 @@ class AgentTeamModule(L.LightningModule):
             self.agents = nn.ModuleList(Agent(s, self.lora, self.system_prompt) for s in self.sources)
 
     def configure_optimizers(self):
-        return [torch.optim.AdamW(a.trainable_parameters(), lr=self.hparams.learning_rate, weight_decay=0.0) for a in self.agents]
+        return [
+            torch.optim.AdamW(a.trainable_parameters(), lr=self.hparams.learning_rate, weight_decay=0.0)
+            for a in self.agents
+        ]
 
     def setup(self, stage: str) -> None:
         data = self.trainer.datamodule

@@ -7,37 +7,25 @@ Each agent then takes one policy-gradient step on its own samples with its own o
 
 from __future__ import annotations
 
-from lit_marl import ConfigError
-
 import torch
 
+from lit_marl import ConfigError
 from lit_marl.algorithms.base import AgentTeamModule, Timer
-from lit_marl.agents import LoraSettings
 from lit_marl.generation import completion_logprobs
 from lit_marl.returns import Baseline, group_advantages
 from lit_marl.rollout.batch import AgentSamples, RolloutBatch
 
 
 class MAGRPO(AgentTeamModule):
-    def __init__(
-        self,
-        model: str | list[str] = "tiny-random",
-        num_agents: int = 2,
-        lora: LoraSettings | None = None,
-        system_prompt: str | None = None,
-        learning_rate: float = 1e-5,
-        max_grad_norm: float = 1.0,
-        train_batch_size: int = 16,
-        baseline: Baseline = "mean",
-        scale_advantages_by_std: bool = False,
-    ):
+    def __init__(self, baseline: Baseline = "mean", scale_advantages_by_std: bool = False, **kwargs):
         """
         Args:
             baseline: Group baseline: ``mean`` (r - mean), ``raw`` (r), ``max`` (r - max) or
                 ``loo`` (r - mean of the others).
             scale_advantages_by_std: Divide advantages by the group's reward std (GRPO's scaling).
+            **kwargs: The team's settings (model, lora, learning_rate, ...): see ``AgentTeamModule``.
         """
-        super().__init__(model, num_agents, lora, system_prompt, learning_rate, max_grad_norm, train_batch_size)
+        super().__init__(**kwargs)
         if baseline not in ("mean", "raw", "max", "loo"):
             raise ConfigError(f"model.baseline={baseline!r}: choose mean, raw, max or loo")
 
@@ -77,7 +65,7 @@ class MAGRPO(AgentTeamModule):
                 kept = samples.with_advantages(advantages).select(rows)
                 # normalized by the whole batch, so dropping zero rows changes no gradient
                 scale = len(kept) / len(samples)
-                loss = self.update_agent(i, kept, lambda mb, m=agent.model: self.policy_loss(m, mb) * scale)
+                loss = self.update_agent(i, kept, lambda mb, m=agent.model, s=scale: self.policy_loss(m, mb) * s)
                 self.log(f"train/loss_agent{i}", loss, batch_size=len(samples))
                 self.log(f"train/advantage_abs_agent{i}", advantages.abs().mean(), batch_size=len(samples))
         self.log("time/train_s", train_time.seconds)
