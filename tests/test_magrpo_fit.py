@@ -269,3 +269,20 @@ def test_rollouts_come_from_the_current_weights(tmp_path):
     assert events[0][1] != events[2][1] != events[4][1], "the weights did not change between steps"
     assert events[-1][2] is True  # validation is greedy
     assert events[-1][1] == _checksum(module.agents)
+
+
+def test_non_finite_loss_stops_training_with_weights_untouched(tmp_path, monkeypatch):
+    """A NaN loss must never reach the weights: training stops with a clear error instead."""
+    L.seed_everything(0)
+    module = MAGRPO(model="tiny-random", num_agents=2, learning_rate=1e-2)
+    module.configure_model()
+    before = [{n: p.detach().clone() for n, p in agent.model.named_parameters()} for agent in module.agents]
+    original = MAGRPO.policy_loss
+    monkeypatch.setattr(MAGRPO, "policy_loss", lambda self, model, mb: original(self, model, mb) * float("nan"))
+    trainer = make_trainer(tmp_path, limit_val_batches=0)
+    with pytest.raises(FloatingPointError, match="agent 0: non-finite loss"):
+        trainer.fit(module, datamodule=slogan_data(max_new_tokens=16))
+    for i, agent in enumerate(module.agents):
+        for n, p in agent.model.named_parameters():
+            assert torch.equal(p.detach(), before[i][n]), n
+            assert p.grad is None, n

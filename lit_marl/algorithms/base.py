@@ -3,6 +3,7 @@ over micro-batches, and logging of rollouts. Algorithms add their loss."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
@@ -84,6 +85,13 @@ class AgentTeamModule(L.LightningModule):
             loss = loss_fn(samples.select(rows)) / total
             self.manual_backward(loss)
             loss_sum += float(loss.detach())
+        if not math.isfinite(loss_sum):
+            # a NaN/inf loss would write NaN into the weights: stop, with the weights untouched
+            optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(
+                f"agent {index}: non-finite loss {loss_sum} at global step {self.global_step}; the optimizer "
+                "step was skipped and the weights are unchanged. Lower model.learning_rate or check the rewards."
+            )
         if self.hparams.max_grad_norm > 0:
             self.clip_gradients(optimizer, gradient_clip_val=self.hparams.max_grad_norm, gradient_clip_algorithm="norm")
         optimizer.step()
