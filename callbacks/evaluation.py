@@ -20,6 +20,10 @@ class HeldOutEvaluation(L.Callback):
         self.before: dict[str, float] | None = None
         self.after: dict[str, float] | None = None
 
+    def setup(self, trainer: L.Trainer, pl_module, stage: str) -> None:
+        if not getattr(trainer.datamodule, "val_tasks", None):  # checked before any model loads
+            raise ConfigError("HeldOutEvaluation needs held-out tasks: set data.val_path")
+
     def _evaluate(self, trainer: L.Trainer, pl_module, tag: str) -> dict[str, float]:
         results = trainer.datamodule.evaluate(pl_module.agents)
         if self.metric not in results:

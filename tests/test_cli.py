@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import REPO_ROOT
 
+from helpers import REPO_ROOT
 from lit_marl.algorithms import MAGRPO
 from lit_marl.algorithms import base as base_module
 from lit_marl.cli import build_cli

@@ -6,8 +6,8 @@ import json
 
 import lightning as L
 import pytest
-from helpers import SLOGAN_HELDOUT, SLOGAN_PROMPTS, SLOGAN_TRAIN, make_trainer
 
+from helpers import SLOGAN_HELDOUT, SLOGAN_PROMPTS, SLOGAN_TRAIN, make_trainer
 from lit_marl.algorithms import MAGRPO
 from lit_marl.algorithms import base as base_module
 from lit_marl.data import RolloutDataModule

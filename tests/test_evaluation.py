@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import lightning as L
 import pytest
-from helpers import make_trainer, slogan_data
-from lit_marl.callbacks import HeldOutEvaluation
 
+from helpers import make_trainer, slogan_data
+from lit_marl import ConfigError
 from lit_marl.algorithms import MAGRPO
+from lit_marl.callbacks import HeldOutEvaluation
 
 
 def test_heldout_evaluation_prints_before_and_after(tmp_path, capsys):
@@ -42,3 +43,11 @@ def test_heldout_evaluation_rejects_unknown_metric(tmp_path):
     )
     with pytest.raises(ValueError, match=r"HeldOutEvaluation\.metric='accuracy' is not reported"):
         trainer.fit(module, datamodule=slogan_data(max_new_tokens=2, eval_tasks_per_step=32))
+
+
+def test_missing_heldout_tasks_fail_before_models_load(tmp_path):
+    module = MAGRPO(model="tiny-random", num_agents=2)
+    trainer = make_trainer(tmp_path, callbacks=[HeldOutEvaluation()])
+    with pytest.raises(ConfigError, match="data.val_path"):
+        trainer.fit(module, datamodule=slogan_data(val_path=None))
+    assert module.agents is None

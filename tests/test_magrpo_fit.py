@@ -7,8 +7,8 @@ import math
 import lightning as L
 import pytest
 import torch
-from helpers import make_trainer, slogan_data
 
+from helpers import make_trainer, slogan_data
 from lit_marl.algorithms import MAGRPO
 from lit_marl.returns import group_advantages
 from lit_marl.rollout.tree import build_tree
