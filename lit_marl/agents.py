@@ -45,8 +45,11 @@ class Agent(nn.Module):
         self.source = source
         self.system_prompt = system_prompt
 
-    def encode_prompt(self, text: str) -> list[int]:
-        """Render one user message with the model's chat template, ready for the assistant's reply."""
+    def encode_prompt(self, text: str, raw: bool = False) -> list[int]:
+        """Render one user message with the model's chat template, ready for the assistant's reply;
+        ``raw`` tokenizes the text verbatim instead (a transition that formats prompts itself)."""
+        if raw:
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
         messages = [{"role": "user", "content": text}]
         if self.system_prompt is not None:
             messages.insert(0, {"role": "system", "content": self.system_prompt})

@@ -7,7 +7,9 @@ every rollout comes from the current weights (the loader's prefetch only touches
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 import string
 from pathlib import Path
 
@@ -78,6 +80,12 @@ class RolloutDataModule(L.LightningDataModule):
         top_p: float = 1.0,
         eval_tasks_per_step: int = 16,
         seed: int = 0,
+        num_turns: int = 1,
+        transition: str | None = None,
+        transition_kwargs: dict | None = None,
+        external_prompt_passthrough: bool = False,
+        discount: float = 1.0,
+        early_termination_threshold: float | None = None,
     ):
         """
         Args:
@@ -96,6 +104,17 @@ class RolloutDataModule(L.LightningDataModule):
             top_p: Nucleus sampling for training rollouts.
             eval_tasks_per_step: Tasks per batch in validation/test (greedy, one response each).
             seed: Seed of the task order.
+            num_turns: Turns T of the joint tree (G^T leaves per task when aligned).
+            transition: Import path of the external transition that builds each child node's
+                prompts from its branch's histories (needed when num_turns > 1), e.g.
+                ``lit_marl.rollout.transitions:plain``.
+            transition_kwargs: Extra keyword arguments bound to the transition.
+            external_prompt_passthrough: Use the transition's prompts verbatim instead of rendering
+                them with the agent's chat template.
+            discount: Return of a joint action = its reward + discount * mean return of its child.
+            early_termination_threshold: A node whose mean reward exceeds this gets no children;
+                None (default) never stops early - a threshold such as CoMLRL's -0.2 would end every
+                tree after one turn whenever rewards are non-negative.
         """
         super().__init__()
         if not agent_prompts:
@@ -110,11 +129,30 @@ class RolloutDataModule(L.LightningDataModule):
             raise ConfigError(f"data.temperature={temperature}: must be > 0 (evaluation is greedy anyway)")
         if not 0 < top_p <= 1:
             raise ConfigError(f"data.top_p={top_p}: must be in (0, 1]")
+        if num_turns < 1:
+            raise ConfigError(f"data.num_turns={num_turns}: must be at least 1")
+        if num_turns > 1 and transition is None:
+            raise ConfigError(
+                f"data.num_turns={num_turns} needs data.transition (e.g. lit_marl.rollout.transitions:plain) "
+                "to build the next turn's prompts"
+            )
+        if not 0 <= discount <= 1:
+            raise ConfigError(f"data.discount={discount}: must be in [0, 1]")
         if tasks_per_step < 1 or eval_tasks_per_step < 1:
             raise ConfigError("data.tasks_per_step and data.eval_tasks_per_step must be at least 1")
         self.save_hyperparameters()
         self.agent_prompts = list(agent_prompts)
         self.reward: RewardFn = import_object(reward_fn, "data.reward_fn")
+        self.transition = None
+        if transition is not None:
+            fn = import_object(transition, "data.transition")
+            try:
+                inspect.signature(fn).bind_partial(**(transition_kwargs or {}))
+            except TypeError as err:
+                raise ConfigError(
+                    f"data.transition_kwargs={transition_kwargs!r} do not fit {transition}: {err}"
+                ) from err
+            self.transition = functools.partial(fn, **(transition_kwargs or {}))
         required = set().union(*(template_fields(t) for t in self.agent_prompts))
         self.train_tasks = load_tasks(train_path, "data.train_path", required)
         self.val_tasks = load_tasks(val_path, "data.val_path", required) if val_path else []
@@ -154,6 +192,11 @@ class RolloutDataModule(L.LightningDataModule):
             temperature=hp.temperature,
             top_p=hp.top_p,
             greedy=greedy,
+            num_turns=hp.num_turns,
+            transition=self.transition,
+            discount=hp.discount,
+            early_termination_threshold=hp.early_termination_threshold,
+            external_prompt_passthrough=hp.external_prompt_passthrough,
         )
 
     def on_after_batch_transfer(self, batch: list[dict], dataloader_idx: int) -> RolloutBatch:

@@ -52,3 +52,31 @@ def cross_agent_returns(joint_returns: torch.Tensor) -> torch.Tensor:
     return torch.stack(
         [joint_returns.mean(dim=tuple(d for d in range(num_agents) if d != agent)) for agent in range(num_agents)]
     )
+
+
+def tree_returns(
+    rewards: list[torch.Tensor], children: list[torch.Tensor], discount: float = 1.0
+) -> list[torch.Tensor]:
+    """Returns of every joint action of a rollout tree, level by level (level t = turn t).
+
+    ``rewards[t]`` is ``[nodes_t, J]``: the immediate reward of each of a node's J joint actions.
+    ``children[t]`` is ``[nodes_t, J]``: the index in level t+1 of the child node that joint action
+    led to, or -1 if it has none (last turn, or the node terminated early).
+    R = r for a joint action without a child; otherwise R = r + discount * mean(R of the child's
+    joint actions).
+    """
+    if len(rewards) != len(children):
+        raise ValueError("rewards and children need one entry per level")
+    returns: list[torch.Tensor] = [torch.empty(0)] * len(rewards)
+    below: torch.Tensor | None = None  # mean return of each node of the next level
+    for level in reversed(range(len(rewards))):
+        r, child = rewards[level], children[level]
+        if below is None:
+            if (child >= 0).any():
+                raise ValueError(f"level {level} points to children but there is no level below it")
+            returns[level] = r.clone()
+        else:
+            bootstrap = torch.where(child >= 0, below[child.clamp(min=0)], torch.zeros_like(r))
+            returns[level] = r + discount * bootstrap
+        below = returns[level].mean(dim=1)
+    return returns

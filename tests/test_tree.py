@@ -140,7 +140,11 @@ def test_build_tree_passes_reward_metrics(tiny_agents):
 
     batch = build_tree(tiny_agents, TASKS, _prompts(2), reward, num_generations=2, max_new_tokens=2)
     assert batch.rewards.tolist() == [float(j) for j in range(6)]
-    assert batch.metrics == {"level": pytest.approx(5 / 6)}
+    assert batch.metrics == {
+        "level": pytest.approx(5 / 6),
+        "turn0/reward": pytest.approx(2.5),  # one turn: the return is the reward
+        "turn0/return": pytest.approx(2.5),
+    }
 
 
 # --------------------------------------------------------------------------- call_reward

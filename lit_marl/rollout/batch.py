@@ -31,6 +31,34 @@ class AgentSamples:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    @staticmethod
+    def cat(parts: list["AgentSamples"], pad_id: int) -> "AgentSamples":
+        """Stack samples of different prompt/completion widths (e.g. of several turns): prompts stay
+        left-padded and completions right-padded, so positions and masks keep their meaning."""
+        if len(parts) == 1:
+            return parts[0]
+        prompt_width = max(p.input_ids.shape[1] - p.num_completion for p in parts)
+        completion_width = max(p.num_completion for p in parts)
+        rows = sum(len(p) for p in parts)
+        like = parts[0].input_ids
+        input_ids = like.new_full((rows, prompt_width + completion_width), pad_id)
+        attention_mask = like.new_zeros((rows, prompt_width + completion_width))
+        completion_mask = like.new_zeros((rows, completion_width))
+        start = 0
+        for p in parts:
+            end, P, C = start + len(p), p.input_ids.shape[1] - p.num_completion, p.num_completion
+            input_ids[start:end, prompt_width - P : prompt_width + C] = p.input_ids
+            attention_mask[start:end, prompt_width - P : prompt_width + C] = p.attention_mask
+            completion_mask[start:end, :C] = p.completion_mask
+            start = end
+        return AgentSamples(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            completion_mask=completion_mask,
+            returns=torch.cat([p.returns for p in parts]),
+            group_ids=torch.cat([p.group_ids for p in parts]),
+        )
+
     def with_advantages(self, advantages: torch.Tensor) -> "AgentSamples":
         return replace(self, advantages=advantages)
 
@@ -52,7 +80,7 @@ class AgentSamples:
 @dataclass
 class RolloutBatch:
     agents: list[AgentSamples]
-    rewards: torch.Tensor  # [num_joint_actions] joint reward of each leaf
+    rewards: torch.Tensor  # [joint actions] immediate joint reward of every joint action, turn after turn
     metrics: dict[str, float] = field(default_factory=dict)  # means over joint actions, for logging
     stats: dict[str, float] = field(default_factory=dict)  # timings and token counts
-    completions: list[list[str]] = field(default_factory=list)  # [agent][joint action], for logging
+    completions: list[list[str]] = field(default_factory=list)  # [agent][joint action], as in rewards

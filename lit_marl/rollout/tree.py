@@ -1,6 +1,10 @@
-"""Joint rollout tree (one turn so far): every agent samples G responses per task, joint actions
-pair them (``aligned``: by index, G per task; ``cross``: Cartesian product, G^N per task), one
-batched reward call scores all joint actions of the turn.
+"""Joint rollout tree, built breadth-first over turns.
+
+At every open node each agent samples G responses; joint actions pair them (``aligned``: by
+index, G per node, G^T leaves after T turns; ``cross``: Cartesian product, G^N per node,
+G^(N*T) leaves). Per turn: ONE batched generate per agent over all open nodes of all tasks, ONE
+reward call over all their joint actions. Each joint action of a non-terminal node opens a child
+node whose prompts the external transition builds from that branch's own histories.
 """
 
 from __future__ import annotations
@@ -8,17 +12,19 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
 from lit_marl.agents import Agent
 from lit_marl.generation import generate
-from lit_marl.returns import cross_agent_returns
+from lit_marl.returns import cross_agent_returns, tree_returns
 from lit_marl.rollout.batch import AgentSamples, RolloutBatch
 
 JointMode = Literal["aligned", "cross"]
 RewardFn = Callable[..., Sequence[float] | Mapping[str, Sequence[float]]]
+Transition = Callable[..., Sequence[str]]
 
 
 def joint_indices(num_agents: int, num_generations: int, joint_mode: JointMode) -> list[tuple[int, ...]]:
@@ -31,7 +37,7 @@ def joint_indices(num_agents: int, num_generations: int, joint_mode: JointMode) 
 
 
 def call_reward(
-    reward_fn: RewardFn, agent_completions: list[list[str]], tasks: list[dict]
+    reward_fn: RewardFn, agent_completions: list[list[str]], tasks: list[dict], turn: int = 0
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """One batched call; returns the rewards and the mean of each extra metric it reported.
 
@@ -48,12 +54,43 @@ def call_reward(
         out = out["reward"]
     rewards = torch.as_tensor(list(out), dtype=torch.float32)
     if rewards.shape != (len(tasks),):
-        raise ValueError(f"reward function {name} returned {rewards.numel()} rewards for {len(tasks)} joint actions")
+        raise ValueError(
+            f"reward function {name} returned {rewards.numel()} rewards for {len(tasks)} joint actions at turn {turn}"
+        )
     if not torch.isfinite(rewards).all():
         bad = [tasks[i] for i in torch.nonzero(~torch.isfinite(rewards)).flatten().tolist()[:3]]
-        raise ValueError(f"reward function {name} returned a non-finite reward (NaN/inf), e.g. for tasks {bad}")
+        raise ValueError(
+            f"reward function {name} returned a non-finite reward (NaN/inf) at turn {turn}, e.g. for tasks {bad}"
+        )
     metrics = {k: float(torch.as_tensor(list(v), dtype=torch.float32).mean()) for k, v in extra.items()}
     return rewards, metrics
+
+
+@dataclass
+class _Node:
+    task: int
+    prompt_history: list[list[str]]  # per agent; the last entry is this node's prompt
+    response_history: list[list[str]]  # per agent; responses of the turns before this node
+
+
+def call_transition(
+    transition: Transition, node: _Node, completions: list[str], tasks: list[dict], turn: int
+) -> list[str]:
+    num_agents = len(completions)
+    prompts = transition(
+        prompt=[history[0] for history in node.prompt_history],
+        agent_completions=completions,
+        num_agents=num_agents,
+        prompt_history_per_agent=[list(h) for h in node.prompt_history],
+        response_history_per_agent=[list(h) + [c] for h, c in zip(node.response_history, completions)],
+    )
+    name = getattr(transition, "__qualname__", repr(transition))
+    if isinstance(prompts, str) or len(prompts) != num_agents or not all(isinstance(p, str) for p in prompts):
+        raise ValueError(
+            f"transition {name} must return {num_agents} strings (one prompt per agent); it returned "
+            f"{prompts!r:.200} after turn {turn} of task {tasks[node.task]!r:.200}"
+        )
+    return list(prompts)
 
 
 def build_tree(
@@ -67,56 +104,127 @@ def build_tree(
     temperature: float = 1.0,
     top_p: float = 1.0,
     greedy: bool = False,
+    num_turns: int = 1,
+    transition: Transition | None = None,
+    discount: float = 1.0,
+    early_termination_threshold: float | None = None,
+    external_prompt_passthrough: bool = False,
 ) -> RolloutBatch:
-    """``prompts[t][i]`` is agent i's prompt text for task t."""
-    num_agents, num_tasks, G = len(agents), len(tasks), num_generations
-    t0 = time.perf_counter()
-    gens = []
-    for i, agent in enumerate(agents):  # ONE batched generate per agent for all tasks x G samples
-        encoded = [agent.encode_prompt(p[i]) for p in prompts]
-        gens.append(generate(agent, encoded, G, max_new_tokens, temperature, top_p, greedy))
-    texts = [agent.decode(g.completion_ids, g.completion_mask) for agent, g in zip(agents, gens)]
-    t1 = time.perf_counter()
-
+    """``prompts[t][i]`` is agent i's first-turn prompt text for task t."""
+    if num_turns > 1 and transition is None:
+        raise ValueError(f"num_turns={num_turns} needs a transition that builds the next turn's prompts")
+    num_agents, G = len(agents), num_generations
     combos = joint_indices(num_agents, G, joint_mode)
-    agent_completions = [[] for _ in agents]
-    joint_tasks = []
-    for t in range(num_tasks):
-        for combo in combos:
-            joint_tasks.append(tasks[t])
-            for i, k in enumerate(combo):
-                agent_completions[i].append(texts[i][t * G + k])
-    rewards, metrics = call_reward(reward_fn, agent_completions, joint_tasks)
-    t2 = time.perf_counter()
+    nodes = [_Node(t, [[p] for p in prompts[t]], [[] for _ in agents]) for t in range(len(tasks))]
+    level_rewards, level_children, level_samples = [], [], []  # per turn
+    metric_sums: dict[str, float] = {}
+    all_completions: list[list[str]] = [[] for _ in agents]  # [agent][joint action of every turn]
+    stats = {"time/generate_s": 0.0, "time/reward_s": 0.0, "time/transition_s": 0.0, "rollout/generated_tokens": 0.0}
+    truncated = num_responses = 0
+    for turn in range(num_turns):
+        t0 = time.perf_counter()
+        gens = []
+        for i, agent in enumerate(agents):  # ONE batched generate per agent over all open nodes
+            raw = turn > 0 and external_prompt_passthrough
+            encoded = [agent.encode_prompt(node.prompt_history[i][-1], raw=raw) for node in nodes]
+            gens.append(generate(agent, encoded, G, max_new_tokens, temperature, top_p, greedy))
+        texts = [agent.decode(g.completion_ids, g.completion_mask) for agent, g in zip(agents, gens)]
+        t1 = time.perf_counter()
 
-    if joint_mode == "aligned":
-        per_agent_returns = rewards.view(num_tasks, G).unsqueeze(0).expand(num_agents, -1, -1)
-    else:
-        per_agent_returns = torch.stack(
-            [cross_agent_returns(r.view((G,) * num_agents)) for r in rewards.view(num_tasks, -1)], dim=1
-        )  # [num_agents, num_tasks, G]
+        agent_completions = [[] for _ in agents]
+        joint_tasks = []
+        for n, node in enumerate(nodes):
+            for combo in combos:
+                joint_tasks.append(tasks[node.task])
+                for i, k in enumerate(combo):
+                    agent_completions[i].append(texts[i][n * G + k])
+        rewards, metrics = call_reward(reward_fn, agent_completions, joint_tasks, turn)
+        for i in range(num_agents):
+            all_completions[i] += agent_completions[i]
+        rewards = rewards.view(len(nodes), len(combos))
+        t2 = time.perf_counter()
 
-    samples = []
-    for i, g in enumerate(gens):
-        device = g.completion_ids.device
-        samples.append(
-            AgentSamples(
-                input_ids=torch.cat([g.prompt_ids, g.completion_ids], dim=1),
-                attention_mask=torch.cat([g.prompt_mask, g.completion_mask], dim=1),
-                completion_mask=g.completion_mask,
-                returns=per_agent_returns[i].reshape(-1).to(device),
-                group_ids=torch.arange(num_tasks, device=device).repeat_interleave(G),
+        for key, value in metrics.items():
+            metric_sums[key] = metric_sums.get(key, 0.0) + value * rewards.numel()
+        metric_sums[f"turn{turn}/reward"] = float(rewards.sum())
+        stopped = torch.zeros(len(nodes), dtype=torch.bool)
+        if early_termination_threshold is not None:
+            stopped = rewards.mean(dim=1) > early_termination_threshold
+        children = torch.full_like(rewards, -1, dtype=torch.long)
+        next_nodes = []
+        if turn + 1 < num_turns:
+            for n, node in enumerate(nodes):
+                if stopped[n]:
+                    continue
+                for j, combo in enumerate(combos):
+                    completions = [texts[i][n * G + k] for i, k in enumerate(combo)]
+                    child_prompts = call_transition(transition, node, completions, tasks, turn)
+                    children[n, j] = len(next_nodes)
+                    next_nodes.append(
+                        _Node(
+                            node.task,
+                            [h + [p] for h, p in zip(node.prompt_history, child_prompts)],
+                            [h + [c] for h, c in zip(node.response_history, completions)],
+                        )
+                    )
+        t3 = time.perf_counter()
+
+        level_rewards.append(rewards)
+        level_children.append(children)
+        level_samples.append(gens)
+        stats["time/generate_s"] += t1 - t0
+        stats["time/reward_s"] += t2 - t1
+        stats["time/transition_s"] += t3 - t2
+        stats["rollout/generated_tokens"] += sum(g.num_generated_tokens for g in gens)
+        stats[f"rollout/turn{turn}_nodes"] = float(len(nodes))
+        # a response without its end token hit max_new_tokens
+        truncated += sum(int((~(g.completion_ids == a.eos_token_id).any(-1)).sum()) for a, g in zip(agents, gens))
+        num_responses += num_agents * len(nodes) * G
+        nodes = next_nodes
+        if not nodes:
+            break
+
+    returns = tree_returns(level_rewards, level_children, discount)
+    samples_per_agent: list[list[AgentSamples]] = [[] for _ in agents]
+    node_offset = 0
+    for turn, (gens, level_returns) in enumerate(zip(level_samples, returns)):
+        num_nodes = level_returns.shape[0]
+        metric_sums[f"turn{turn}/return"] = float(level_returns.sum())
+        metric_sums[f"turn{turn}/joint_actions"] = float(level_returns.numel())
+        if joint_mode == "aligned":
+            per_agent = level_returns.unsqueeze(0).expand(num_agents, -1, -1)
+        else:  # each response's return: mean over the joint actions that contain it
+            per_agent = torch.stack([cross_agent_returns(r.view((G,) * num_agents)) for r in level_returns], dim=1)
+        for i, g in enumerate(gens):
+            device = g.completion_ids.device
+            samples_per_agent[i].append(
+                AgentSamples(
+                    input_ids=torch.cat([g.prompt_ids, g.completion_ids], dim=1),
+                    attention_mask=torch.cat([g.prompt_mask, g.completion_mask], dim=1),
+                    completion_mask=g.completion_mask,
+                    returns=per_agent[i].reshape(-1).to(device),
+                    group_ids=node_offset + torch.arange(num_nodes, device=device).repeat_interleave(G),
+                )
             )
-        )
-    generated = sum(g.num_generated_tokens for g in gens)
-    # a response without its end token hit max_new_tokens
-    truncated = sum(int((~(g.completion_ids == a.eos_token_id).any(-1)).sum()) for a, g in zip(agents, gens))
-    stats = {
-        "time/generate_s": t1 - t0,
-        "time/reward_s": t2 - t1,
-        "rollout/generated_tokens": float(generated),
-        "rollout/tokens_per_s": generated / max(t1 - t0, 1e-9),
-        "rollout/truncated_frac": truncated / (num_agents * num_tasks * G),
-        "rollout/completion_len": generated / max(1, num_agents * num_tasks * G),
-    }
-    return RolloutBatch(agents=samples, rewards=rewards, metrics=metrics, stats=stats, completions=agent_completions)
+        node_offset += num_nodes
+
+    all_rewards = torch.cat([r.reshape(-1) for r in level_rewards])
+    metrics = {}
+    for key, total in metric_sums.items():
+        if key.startswith("turn"):
+            continue
+        metrics[key] = total / all_rewards.numel()
+    for turn in range(len(level_rewards)):
+        count = metric_sums[f"turn{turn}/joint_actions"]
+        metrics[f"turn{turn}/reward"] = metric_sums[f"turn{turn}/reward"] / count
+        metrics[f"turn{turn}/return"] = metric_sums[f"turn{turn}/return"] / count
+    stats["rollout/tokens_per_s"] = stats["rollout/generated_tokens"] / max(stats["time/generate_s"], 1e-9)
+    stats["rollout/truncated_frac"] = truncated / num_responses
+    stats["rollout/completion_len"] = stats["rollout/generated_tokens"] / num_responses
+    return RolloutBatch(
+        agents=[AgentSamples.cat(parts, agent.pad_token_id) for parts, agent in zip(samples_per_agent, agents)],
+        rewards=all_rewards,
+        metrics=metrics,
+        stats=stats,
+        completions=all_completions,
+    )
