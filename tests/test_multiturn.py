@@ -1,0 +1,229 @@
+"""Multi-turn joint trees: tree sizes, returns, early termination, transitions, invariants."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lit_marl.rollout.tree as tree_module
+from helpers import make_trainer, slogan_data
+from lit_marl import ConfigError
+from lit_marl.algorithms import MAGRPO
+from lit_marl.generation import generate
+from lit_marl.returns import tree_returns
+from lit_marl.rollout.transitions import plain
+from lit_marl.rollout.tree import build_tree
+
+TASKS = [{"topic": "tea"}, {"topic": "winter"}]
+
+
+def _prompts(num_agents: int) -> list[list[str]]:
+    return [[f"agent {i}: write about {t['topic']}" for i in range(num_agents)] for t in TASKS]
+
+
+def _len_reward(agent_completions, tasks):
+    return [float(sum(len(agent[j]) for agent in agent_completions) % 7) for j in range(len(tasks))]
+
+
+# --------------------------------------------------------------------------- returns (pure)
+def _hand_tree():
+    rewards = [torch.tensor([[1.0, 0.0]]), torch.tensor([[0.5, 1.5], [2.0, 0.0]]), torch.tensor([[4.0, 2.0]])]
+    children = [torch.tensor([[0, 1]]), torch.tensor([[0, -1], [-1, -1]]), torch.tensor([[-1, -1]])]
+    return rewards, children
+
+
+def test_tree_returns_discounted():
+    rewards, children = _hand_tree()
+    returns = tree_returns(rewards, children, discount=0.9)
+    # level 2: leaves; level 1: 0.5 + 0.9 * mean(4, 2) = 3.2; level 0: 1 + 0.9 * mean(3.2, 1.5), 0 + 0.9 * mean(2, 0)
+    torch.testing.assert_close(returns[2], torch.tensor([[4.0, 2.0]]))
+    torch.testing.assert_close(returns[1], torch.tensor([[3.2, 1.5], [2.0, 0.0]]))
+    torch.testing.assert_close(returns[0], torch.tensor([[1.0 + 0.9 * 2.35, 0.9 * 1.0]]))
+
+
+def test_tree_returns_undiscounted_is_the_sum():
+    rewards, children = _hand_tree()
+    returns = tree_returns(rewards, children, discount=1.0)
+    torch.testing.assert_close(returns[1], torch.tensor([[3.5, 1.5], [2.0, 0.0]]))
+    torch.testing.assert_close(returns[0], torch.tensor([[3.5, 1.0]]))
+
+
+def test_tree_returns_rejects_dangling_children():
+    with pytest.raises(ValueError, match="no level below"):
+        tree_returns([torch.zeros(1, 2)], [torch.tensor([[0, -1]])])
+
+
+# --------------------------------------------------------------------------- tree sizes
+@pytest.mark.parametrize(
+    "joint_mode, G, T",
+    [("aligned", 2, 1), ("aligned", 2, 2), ("aligned", 2, 3), ("aligned", 3, 2), ("cross", 2, 1), ("cross", 2, 2)]
+    + [("cross", 2, 3), ("cross", 3, 2)],
+)
+def test_node_and_leaf_counts(tiny_agents, monkeypatch, joint_mode, G, T):
+    calls = []
+
+    def counting_generate(*args, **kwargs):
+        calls.append(1)
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(tree_module, "generate", counting_generate)
+    N = 2
+    batch = build_tree(
+        tiny_agents, TASKS, _prompts(N), _len_reward, G, joint_mode, max_new_tokens=2, num_turns=T, transition=plain
+    )
+    per_node = G if joint_mode == "aligned" else G**N
+    for t in range(T):
+        assert batch.stats[f"rollout/turn{t}_nodes"] == len(TASKS) * per_node**t
+    leaves = per_node**T  # aligned: G^T, cross: G^(N*T)
+    total_joint_actions = len(TASKS) * sum(per_node ** (t + 1) for t in range(T))
+    assert batch.rewards.numel() == total_joint_actions
+    assert batch.stats[f"rollout/turn{T - 1}_nodes"] * per_node == len(TASKS) * leaves
+    # every node gives every agent G rows; breadth-first: one generate per agent per turn
+    assert all(len(samples) == len(TASKS) * G * sum(per_node**t for t in range(T)) for samples in batch.agents)
+    assert len(calls) == N * T
+
+
+def test_early_termination_stops_branching(tiny_agents):
+    def always_one(agent_completions, tasks):
+        return [1.0] * len(tasks)
+
+    kwargs = dict(max_new_tokens=2, num_turns=3, transition=plain)
+    stopped = build_tree(tiny_agents, TASKS, _prompts(2), always_one, 2, early_termination_threshold=0.5, **kwargs)
+    assert "rollout/turn1_nodes" not in stopped.stats
+    assert stopped.rewards.numel() == len(TASKS) * 2
+    assert all(float(r) == 1.0 for r in stopped.agents[0].returns)  # no bootstrap from missing children
+    going = build_tree(tiny_agents, TASKS, _prompts(2), always_one, 2, early_termination_threshold=1.0, **kwargs)
+    assert going.stats["rollout/turn2_nodes"] == len(TASKS) * 4  # "exceeds": equal is not enough
+    assert going.metrics["turn0/return"] == pytest.approx(3.0)
+
+
+# --------------------------------------------------------------------------- invariant: a single path
+def test_single_response_tree_follows_sequential_turns(tiny_agents):
+    """G=1 aligned, greedy: the tree is one path per task, identical to playing T turns by hand."""
+    T = 3
+    batch = build_tree(
+        tiny_agents, TASKS, _prompts(2), _len_reward, 1, max_new_tokens=4, greedy=True, num_turns=T, transition=plain
+    )
+    expected = [[], []]
+    expected_rewards = []
+    for t, prompts in enumerate(_prompts(2)):
+        histories = [[p] for p in prompts]
+        responses = [[], []]
+        current = list(prompts)
+        for turn in range(T):
+            texts = []
+            for i, agent in enumerate(tiny_agents):
+                g = generate(agent, [agent.encode_prompt(current[i])], 1, 4, greedy=True)
+                texts.append(agent.decode(g.completion_ids, g.completion_mask)[0])
+            expected_rewards.append((turn, t, _len_reward([[x] for x in texts], [TASKS[t]])[0]))
+            for i in range(2):
+                expected[i].append((turn, t, texts[i]))
+                responses[i].append(texts[i])
+            current = plain(
+                prompt=prompts,
+                agent_completions=texts,
+                num_agents=2,
+                prompt_history_per_agent=histories,
+                response_history_per_agent=responses,
+            )
+            histories = [h + [p] for h, p in zip(histories, current)]
+    # the tree lists joint actions turn by turn, task by task within a turn
+    for i in range(2):
+        assert batch.completions[i] == [text for _, _, text in sorted(expected[i])]
+    rewards = [r for _, _, r in sorted(expected_rewards)]
+    assert batch.rewards.tolist() == rewards
+    # undiscounted return of each turn = the rewards from that turn on
+    by_task = {t: [r for turn, task, r in sorted(expected_rewards) if task == t] for t in range(len(TASKS))}
+    returns = batch.agents[0].returns.tolist()  # rows: turn-major, task-minor (G=1)
+    for turn in range(T):
+        for t in range(len(TASKS)):
+            assert returns[turn * len(TASKS) + t] == pytest.approx(sum(by_task[t][turn:]))
+
+
+# --------------------------------------------------------------------------- transitions
+def test_transition_sees_its_own_branch(tiny_agents):
+    seen = []
+
+    def recording(*, prompt, agent_completions, num_agents, prompt_history_per_agent, response_history_per_agent):
+        seen.append((list(agent_completions), [h[-1] for h in response_history_per_agent]))
+        assert [len(h) for h in prompt_history_per_agent] == [len(h) for h in response_history_per_agent]
+        return [f"{prompt[i]} / revise: {agent_completions[i]}" for i in range(num_agents)]
+
+    batch = build_tree(
+        tiny_agents, TASKS, _prompts(2), _len_reward, 2, "cross", max_new_tokens=3, num_turns=2, transition=recording
+    )
+    assert len(seen) == len(TASKS) * 4  # one per joint action of every non-terminal node
+    assert all(completions == last for completions, last in seen)
+    # the first-turn joint actions' completions are exactly what the transitions received
+    first_turn = [[batch.completions[i][j] for i in range(2)] for j in range(len(TASKS) * 4)]
+    assert first_turn == [completions for completions, _ in seen]
+
+
+@pytest.mark.parametrize("bad", [["only one"], "a string", ["ok", 3]])
+def test_bad_transition_output_names_turn_and_task(tiny_agents, bad):
+    def broken(**kwargs):
+        return bad
+
+    with pytest.raises(ValueError, match=r"must return 2 strings.*after turn 0 of task \{'topic': 'tea'\}"):
+        build_tree(tiny_agents, TASKS, _prompts(2), _len_reward, 2, max_new_tokens=2, num_turns=2, transition=broken)
+
+
+def test_multi_turn_without_transition_is_rejected(tiny_agents):
+    with pytest.raises(ValueError, match="needs a transition"):
+        build_tree(tiny_agents, TASKS, _prompts(2), _len_reward, 2, max_new_tokens=2, num_turns=2)
+
+
+def test_passthrough_uses_transition_prompts_verbatim(tiny_agents, monkeypatch):
+    raw_flags = []
+    original = type(tiny_agents[0]).encode_prompt
+
+    def spy(self, text, raw=False):
+        raw_flags.append(raw)
+        return original(self, text, raw=raw)
+
+    monkeypatch.setattr(type(tiny_agents[0]), "encode_prompt", spy)
+    kwargs = dict(max_new_tokens=2, num_turns=2, transition=plain)
+    build_tree(tiny_agents, TASKS, _prompts(2), _len_reward, 2, external_prompt_passthrough=True, **kwargs)
+    n_first = 2 * len(TASKS)
+    assert raw_flags[:n_first] == [False] * n_first and all(raw_flags[n_first:]) and len(raw_flags) > n_first
+    agent = tiny_agents[0]
+    text = "plain text, no template"
+    assert original(agent, text, raw=True) == agent.tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert original(agent, text) != original(agent, text, raw=True)
+
+
+# --------------------------------------------------------------------------- config and a fit
+def test_data_config_errors():
+    with pytest.raises(ConfigError, match=r"data\.num_turns=2 needs data\.transition"):
+        slogan_data(num_turns=2)
+    with pytest.raises(ConfigError, match=r"data\.transition_kwargs"):
+        slogan_data(num_turns=2, transition="lit_marl.rollout.transitions:plain", transition_kwargs={"nope": 1})
+    with pytest.raises(ConfigError, match=r"data\.transition="):
+        slogan_data(num_turns=2, transition="lit_marl.rollout.transitions:missing")
+    with pytest.raises(ConfigError, match=r"data\.discount"):
+        slogan_data(discount=1.5)
+
+
+@pytest.mark.parametrize("joint_mode", ["aligned", "cross"])
+def test_two_turn_fit_updates_every_agent(tmp_path, joint_mode):
+    import lightning as L
+
+    L.seed_everything(0)
+    module = MAGRPO(model="tiny-random", num_agents=2, learning_rate=1e-2)
+    module.configure_model()
+    before = [{n: p.detach().clone() for n, p in a.model.named_parameters()} for a in module.agents]
+    data = slogan_data(
+        num_turns=2,
+        transition="lit_marl.rollout.transitions:plain",
+        joint_mode=joint_mode,
+        num_generations=2,
+        max_new_tokens=16,
+    )
+    trainer = make_trainer(tmp_path, limit_train_batches=1, limit_val_batches=0)
+    trainer.fit(module, datamodule=data)
+    metrics = trainer.callback_metrics
+    for key in ("train/turn0/reward", "train/turn1/reward", "train/turn0/return", "train/loss_agent0"):
+        assert key in metrics and torch.isfinite(metrics[key]), key
+    for i, agent in enumerate(module.agents):
+        changed = sum(not torch.equal(p.detach(), before[i][n]) for n, p in agent.model.named_parameters())
+        assert changed > 0, f"agent {i} did not move"
