@@ -12,6 +12,7 @@ import importlib
 import inspect
 import string
 from pathlib import Path
+from typing import Literal
 
 import lightning as L
 import torch
@@ -86,6 +87,7 @@ class RolloutDataModule(L.LightningDataModule):
         external_prompt_passthrough: bool = False,
         discount: float = 1.0,
         early_termination_threshold: float | None = None,
+        on_reward_error: Literal["raise", "skip"] = "raise",
     ):
         """
         Args:
@@ -115,6 +117,9 @@ class RolloutDataModule(L.LightningDataModule):
             early_termination_threshold: A node whose mean reward exceeds this gets no children;
                 None (default) never stops early - a threshold such as CoMLRL's -0.2 would end every
                 tree after one turn whenever rewards are non-negative.
+            on_reward_error: ``raise`` (default) stops on a reward function that raises or returns
+                NaN/inf, naming the task and turn; ``skip`` gives such samples a neutral reward (no
+                advantage) and reports their fraction as the metric ``skipped_reward_frac``.
         """
         super().__init__()
         if not agent_prompts:
@@ -136,6 +141,8 @@ class RolloutDataModule(L.LightningDataModule):
                 f"data.num_turns={num_turns} needs data.transition (e.g. lit_marl.rollout.transitions:plain) "
                 "to build the next turn's prompts"
             )
+        if on_reward_error not in ("raise", "skip"):
+            raise ConfigError(f"data.on_reward_error={on_reward_error!r}: choose raise or skip")
         if not 0 <= discount <= 1:
             raise ConfigError(f"data.discount={discount}: must be in [0, 1]")
         if tasks_per_step < 1 or eval_tasks_per_step < 1:
@@ -197,6 +204,7 @@ class RolloutDataModule(L.LightningDataModule):
             discount=hp.discount,
             early_termination_threshold=hp.early_termination_threshold,
             external_prompt_passthrough=hp.external_prompt_passthrough,
+            on_reward_error=hp.on_reward_error,
         )
 
     def on_after_batch_transfer(self, batch: list[dict], dataloader_idx: int) -> RolloutBatch:

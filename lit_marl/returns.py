@@ -6,36 +6,38 @@ from typing import Literal
 
 import torch
 
-Baseline = Literal["mean", "raw", "max", "loo"]
+AdvantageMode = Literal["mean", "raw", "max", "rloo"]
 
 
-def group_advantages(returns: torch.Tensor, baseline: Baseline = "mean", scale_by_std: bool = False) -> torch.Tensor:
+def group_advantages(
+    returns: torch.Tensor, mode: AdvantageMode = "mean", normalize: bool = False, std_floor: float = 1e-6
+) -> torch.Tensor:
     """Group-relative advantages; ``returns`` is ``[num_groups, G]`` (one group = one tree node).
 
-    - ``mean``: r - mean(group) (GRPO / MAGRPO's default)
-    - ``raw``: r itself (no baseline)
-    - ``max``: r - max(group) (only the best sample is not pushed down)
-    - ``loo``: r - mean(others) (leave-one-out, RLOO): equals G/(G-1) * (r - mean)
-    ``scale_by_std`` divides by the group's standard deviation (+1e-6); groups with equal returns
-    then keep advantage 0 instead of blowing up.
+    - ``mean``: r - mean(group) (MAGRPO / GRPO)
+    - ``raw``: r itself, no baseline (MAREINFORCE)
+    - ``max``: r - max(group) (MAReMax: only the best sample is not pushed down)
+    - ``rloo``: r - mean(others), leave-one-out (MARLOO): equals G/(G-1) * (r - mean)
+    ``normalize`` divides by the group's standard deviation, floored at ``std_floor`` so that
+    groups with (nearly) equal returns keep small advantages instead of blowing up.
     """
     if returns.dim() != 2:
         raise ValueError(f"returns must be [num_groups, G], got shape {tuple(returns.shape)}")
     size = returns.shape[1]
-    if baseline == "mean":
+    if mode == "mean":
         adv = returns - returns.mean(dim=1, keepdim=True)
-    elif baseline == "raw":
+    elif mode == "raw":
         adv = returns.clone()
-    elif baseline == "max":
+    elif mode == "max":
         adv = returns - returns.max(dim=1, keepdim=True).values
-    elif baseline == "loo":
+    elif mode == "rloo":
         if size < 2:
-            raise ValueError("baseline='loo' needs groups of at least 2")
+            raise ValueError("advantage_mode='rloo' needs groups of at least 2")
         adv = returns - (returns.sum(dim=1, keepdim=True) - returns) / (size - 1)
     else:
-        raise ValueError(f"baseline={baseline!r}: choose one of mean, raw, max, loo")
-    if scale_by_std:
-        adv = adv / (returns.std(dim=1, keepdim=True, unbiased=size > 1) + 1e-6)
+        raise ValueError(f"advantage_mode={mode!r}: choose one of mean, raw, max, rloo")
+    if normalize:
+        adv = adv / returns.std(dim=1, keepdim=True, unbiased=size > 1).clamp(min=std_floor)
     return adv
 
 

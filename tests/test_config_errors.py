@@ -68,7 +68,7 @@ def test_model_list_length_must_match_num_agents():
     [
         ({"num_agents": 0}, "model.num_agents=0"),
         ({"train_batch_size": 0}, "model.train_batch_size=0"),
-        ({"baseline": "median"}, "model.baseline='median'"),
+        ({"advantage_mode": "median"}, "model.advantage_mode='median'"),
     ],
 )
 def test_bad_model_settings(kwargs, field):

@@ -89,20 +89,24 @@ def test_single_agent_advantages_are_grpo(tiny_agent):
     assert torch.equal(samples.returns, batch.rewards)
     expected = _per_group_minus_mean(batch.rewards, samples.group_ids)
     assert expected.abs().sum() > 0, "rewards equal within every group: the check below is void"
-    module = MAGRPO(model="tiny-random", num_agents=1)
+    module = MAGRPO(model="tiny-random", num_agents=1, advantage_normalization=False)
     torch.testing.assert_close(module.advantages(samples), expected)
+    # GRPO's scaling: the same, divided by the group's std
+    scaled = MAGRPO(model="tiny-random", num_agents=1).advantages(samples)
+    stds = torch.stack([batch.rewards[samples.group_ids == g].std(unbiased=True) for g in samples.group_ids])
+    torch.testing.assert_close(scaled, expected / stds.clamp(min=1e-3))
 
 
-@pytest.mark.parametrize("baseline", ["mean", "raw", "max", "loo"])
+@pytest.mark.parametrize("baseline", ["mean", "raw", "max", "rloo"])
 @pytest.mark.parametrize("scale", [False, True])
 def test_advantages_follow_the_settings(tiny_agents, baseline, scale):
     torch.manual_seed(2)
     tasks = [{"topic": "tea"}, {"topic": "bread"}]
     prompts = [[f"line {i} for {t['topic']}" for i in range(2)] for t in tasks]
     batch = build_tree(tiny_agents, tasks, prompts, _length_reward, 3, joint_mode="cross", max_new_tokens=5)
-    module = MAGRPO(model="tiny-random", baseline=baseline, scale_advantages_by_std=scale)
+    module = MAGRPO(model="tiny-random", advantage_mode=baseline, advantage_normalization=scale)
     for samples in batch.agents:
-        expected = group_advantages(samples.returns.view(2, 3), baseline, scale).reshape(-1)
+        expected = group_advantages(samples.returns.view(2, 3), baseline, scale, 1e-3).reshape(-1)
         torch.testing.assert_close(module.advantages(samples), expected)
 
 
@@ -145,15 +149,24 @@ class SGDRecordingMAGRPO(MAGRPO):
         return super().training_step(batch, batch_idx)
 
 
-@pytest.mark.parametrize("train_batch_size, joint_mode", [(1, "aligned"), (3, "cross"), (64, "aligned")])
-def test_update_is_the_policy_gradient(tmp_path, train_batch_size, joint_mode):
+@pytest.mark.parametrize(
+    "train_batch_size, joint_mode, reduction",
+    [(1, "aligned", "mean"), (3, "cross", "mean"), (64, "aligned", "mean"), (3, "aligned", "sum")],
+)
+def test_update_is_the_policy_gradient(tmp_path, train_batch_size, joint_mode, reduction):
     """Whatever the micro-batching and row skipping, an agent's step follows the gradient of
-    -mean over rows of A * (mean log-prob of the response's tokens)."""
+    -mean over rows of A * (mean or sum of the log-probs of the response's tokens)."""
     from lit_marl.agents import Agent
     from lit_marl.generation import completion_logprobs
 
     L.seed_everything(3)
-    module = SGDRecordingMAGRPO(model="tiny-random", num_agents=2, max_grad_norm=0.0, train_batch_size=train_batch_size)
+    module = SGDRecordingMAGRPO(
+        model="tiny-random",
+        num_agents=2,
+        max_grad_norm=0.0,
+        train_batch_size=train_batch_size,
+        logprob_reduction=reduction,
+    )
     data = slogan_data(max_new_tokens=16, num_generations=3, joint_mode=joint_mode, tasks_per_step=3)
     make_trainer(tmp_path, limit_train_batches=1, limit_val_batches=0, logger=False).fit(module, datamodule=data)
     (batch,) = module.seen
@@ -170,7 +183,9 @@ def test_update_is_the_policy_gradient(tmp_path, train_batch_size, joint_mode):
         reference.zero_grad()
         logprobs = completion_logprobs(reference, samples.input_ids, samples.attention_mask, samples.num_completion)
         mask = samples.completion_mask.float()
-        seq_logprob = (logprobs * mask).sum(-1) / mask.sum(-1)
+        seq_logprob = (logprobs * mask).sum(-1)
+        if reduction == "mean":
+            seq_logprob = seq_logprob / mask.sum(-1)
         (-(advantages * seq_logprob).mean()).backward()
         grads = dict(reference.named_parameters())
         for name, p in agent.model.named_parameters():

@@ -12,7 +12,7 @@ from lit_marl.algorithms import MAGRPO
 from lit_marl.generation import generate
 from lit_marl.returns import tree_returns
 from lit_marl.rollout.transitions import plain
-from lit_marl.rollout.tree import build_tree
+from lit_marl.rollout.tree import RewardError, build_tree
 
 TASKS = [{"topic": "tea"}, {"topic": "winter"}]
 
@@ -227,3 +227,51 @@ def test_two_turn_fit_updates_every_agent(tmp_path, joint_mode):
     for i, agent in enumerate(module.agents):
         changed = sum(not torch.equal(p.detach(), before[i][n]) for n, p in agent.model.named_parameters())
         assert changed > 0, f"agent {i} did not move"
+
+
+# --------------------------------------------------------------------------- bad rewards
+def _raises_on_winter(agent_completions, tasks):
+    if any(t["topic"] == "winter" for t in tasks):
+        raise RuntimeError("scorer crashed")
+    return [1.0 + j for j in range(len(tasks))]
+
+
+def test_reward_that_raises_names_task_and_turn(tiny_agents):
+    with pytest.raises(RewardError, match=r"raised RuntimeError: scorer crashed at turn 0 on tasks .*winter"):
+        build_tree(tiny_agents, TASKS, _prompts(2), _raises_on_winter, 2, max_new_tokens=2)
+
+
+def test_nan_reward_names_task_and_turn(tiny_agents):
+    calls = []
+
+    def nan_later(agent_completions, tasks):
+        calls.append(1)
+        return [0.5 if len(calls) == 1 else float("nan")] * len(tasks)
+
+    with pytest.raises(
+        RewardError, match=r"non-finite reward \(NaN/inf\) at turn 1, e.g. for tasks \[\{'topic': 'tea'\}"
+    ):
+        build_tree(tiny_agents, TASKS, _prompts(2), nan_later, 2, max_new_tokens=2, num_turns=2, transition=plain)
+
+
+def test_skip_mode_isolates_bad_rewards_and_keeps_training_data(tiny_agents):
+    batch = build_tree(tiny_agents, TASKS, _prompts(2), _raises_on_winter, 2, max_new_tokens=2, on_reward_error="skip")
+    # tea's joint actions were scored one by one (1.0 each), winter's all failed: neutral 0
+    assert batch.rewards.tolist() == [1.0, 1.0, 0.0, 0.0]
+    assert batch.metrics["skipped_reward_frac"] == pytest.approx(0.5)
+    assert all(len(samples) == len(TASKS) * 2 for samples in batch.agents)  # no sample dropped
+
+
+def test_skip_mode_fills_a_nan_with_its_node_mean(tiny_agents):
+    def one_nan(agent_completions, tasks):
+        return [float("nan") if j == 1 else float(j) for j in range(len(tasks))]
+
+    batch = build_tree(tiny_agents, TASKS, _prompts(2), one_nan, 3, max_new_tokens=2, on_reward_error="skip")
+    # node 0 (tea) scored [0, NaN, 2] -> the NaN becomes mean(0, 2) = 1: advantage 0, baseline unchanged
+    assert batch.rewards.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert batch.metrics["skipped_reward_frac"] == pytest.approx(1 / 6)
+
+
+def test_on_reward_error_config():
+    with pytest.raises(ConfigError, match=r"data\.on_reward_error='ignore'"):
+        slogan_data(on_reward_error="ignore")

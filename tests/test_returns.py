@@ -38,24 +38,24 @@ def test_max_baseline():
 
 def test_loo_baseline():
     # r - mean(others): 1 - 11/3, 2 - 10/3, 3 - 9/3, 6 - 6/3
-    close(group_advantages(RETURNS, "loo"), [[-8 / 3, -4 / 3, 0.0, 4.0], [0.0, 0.0, 0.0, 0.0]])
+    close(group_advantages(RETURNS, "rloo"), [[-8 / 3, -4 / 3, 0.0, 4.0], [0.0, 0.0, 0.0, 0.0]])
 
 
 @pytest.mark.parametrize("size", [2, 3, 5])
 def test_loo_equals_scaled_mean(size):
     returns = torch.randn(4, size, generator=torch.Generator().manual_seed(size))
     expected = size / (size - 1) * (returns - returns.mean(dim=1, keepdim=True))
-    close(group_advantages(returns, "loo"), expected)
+    close(group_advantages(returns, "rloo"), expected)
 
 
 def test_loo_needs_two():
     with pytest.raises(ValueError, match="at least 2"):
-        group_advantages(torch.tensor([[1.0], [2.0]]), "loo")
+        group_advantages(torch.tensor([[1.0], [2.0]]), "rloo")
 
 
 def test_scale_by_std():
     std = math.sqrt(14 / 3)  # unbiased std of [1, 2, 3, 6]
-    adv = group_advantages(RETURNS, "mean", scale_by_std=True)
+    adv = group_advantages(RETURNS, "mean", normalize=True)
     close(adv[0], [-2 / std, -1 / std, 0.0, 3 / std])
     # equal rewards: advantage exactly 0, not nan/inf
     assert torch.isfinite(adv).all()
@@ -63,18 +63,18 @@ def test_scale_by_std():
 
 
 def test_scale_by_std_single_sample_groups_are_finite():
-    adv = group_advantages(torch.tensor([[5.0], [7.0]]), "mean", scale_by_std=True)
+    adv = group_advantages(torch.tensor([[5.0], [7.0]]), "mean", normalize=True)
     assert torch.isfinite(adv).all()
     assert torch.equal(adv, torch.zeros(2, 1))
 
 
 def test_scale_by_std_with_max_baseline():
     std = math.sqrt(14 / 3)
-    close(group_advantages(RETURNS, "max", scale_by_std=True)[0], [-5 / std, -4 / std, -3 / std, 0.0])
+    close(group_advantages(RETURNS, "max", normalize=True)[0], [-5 / std, -4 / std, -3 / std, 0.0])
 
 
 def test_bad_baseline():
-    with pytest.raises(ValueError, match="baseline='median'"):
+    with pytest.raises(ValueError, match="advantage_mode='median'"):
         group_advantages(RETURNS, "median")
 
 

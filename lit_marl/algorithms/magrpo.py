@@ -7,27 +7,43 @@ Each agent then takes one policy-gradient step on its own samples with its own o
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
 from lit_marl import ConfigError
 from lit_marl.algorithms.base import AgentTeamModule, Timer
 from lit_marl.generation import completion_logprobs
-from lit_marl.returns import Baseline, group_advantages
+from lit_marl.returns import AdvantageMode, group_advantages
 from lit_marl.rollout.batch import AgentSamples, RolloutBatch
 
 
 class MAGRPO(AgentTeamModule):
-    def __init__(self, baseline: Baseline = "mean", scale_advantages_by_std: bool = False, **kwargs):
+    def __init__(
+        self,
+        advantage_mode: AdvantageMode = "mean",
+        advantage_normalization: bool = True,
+        advantage_std_floor: float = 1e-3,
+        logprob_reduction: Literal["sum", "mean"] = "sum",
+        **kwargs,
+    ):
         """
         Args:
-            baseline: Group baseline: ``mean`` (r - mean), ``raw`` (r), ``max`` (r - max) or
-                ``loo`` (r - mean of the others).
-            scale_advantages_by_std: Divide advantages by the group's reward std (GRPO's scaling).
+            advantage_mode: Baseline within each node's G siblings: ``mean`` (MAGRPO), ``raw``
+                (MAREINFORCE), ``max`` (MAReMax) or ``rloo`` (MARLOO, leave-one-out).
+            advantage_normalization: Divide each node's advantages by the std of its returns.
+            advantage_std_floor: Lower bound of that std.
+            logprob_reduction: REINFORCE on the ``sum`` of a response's token log-probs (the
+                sequence log-likelihood) or on their ``mean`` (length-normalized).
             **kwargs: The team's settings (model, lora, learning_rate, ...): see ``AgentTeamModule``.
         """
         super().__init__(**kwargs)
-        if baseline not in ("mean", "raw", "max", "loo"):
-            raise ConfigError(f"model.baseline={baseline!r}: choose mean, raw, max or loo")
+        if advantage_mode not in ("mean", "raw", "max", "rloo"):
+            raise ConfigError(f"model.advantage_mode={advantage_mode!r}: choose mean, raw, max or rloo")
+        if logprob_reduction not in ("sum", "mean"):
+            raise ConfigError(f"model.logprob_reduction={logprob_reduction!r}: choose sum or mean")
+        if not advantage_std_floor > 0:
+            raise ConfigError(f"model.advantage_std_floor={advantage_std_floor}: must be > 0")
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
@@ -42,15 +58,20 @@ class MAGRPO(AgentTeamModule):
         """Rows come grouped by node, all groups of one size (one per tree node)."""
         num_groups = int(samples.group_ids.max()) + 1
         grouped = samples.returns.view(num_groups, -1)
-        return group_advantages(grouped, self.hparams.baseline, self.hparams.scale_advantages_by_std).reshape(-1)
+        hp = self.hparams
+        adv = group_advantages(grouped, hp.advantage_mode, hp.advantage_normalization, hp.advantage_std_floor)
+        return adv.reshape(-1)
 
     def policy_loss(self, model: torch.nn.Module, samples: AgentSamples) -> torch.Tensor:
-        """Summed over rows: -A * (mean log-prob of the response's tokens)."""
+        """Summed over rows: -A * (sum or mean of the log-probs of the response's tokens, end token
+        included, padding excluded)."""
         logprobs = completion_logprobs(
             model, samples.input_ids, samples.attention_mask, samples.num_completion, prompt_groups=samples.group_ids
         )
         mask = samples.completion_mask.float()
-        seq_logprob = (logprobs * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        seq_logprob = (logprobs * mask).sum(-1)
+        if self.hparams.logprob_reduction == "mean":
+            seq_logprob = seq_logprob / mask.sum(-1).clamp(min=1)
         return -(samples.advantages * seq_logprob).sum()
 
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> None:

@@ -36,16 +36,17 @@ def joint_indices(num_agents: int, num_generations: int, joint_mode: JointMode) 
     raise ValueError(f"joint_mode={joint_mode!r}: choose aligned or cross")
 
 
-def call_reward(
-    reward_fn: RewardFn, agent_completions: list[list[str]], tasks: list[dict], turn: int = 0
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """One batched call; returns the rewards and the mean of each extra metric it reported.
+class RewardError(ValueError):
+    """The reward function raised, or scored a joint action NaN/inf."""
 
-    A reward function returns one float per joint action, or a mapping with key ``reward`` and
-    further per-joint-action metrics (e.g. the levels of a level-based reward).
-    """
-    name = getattr(reward_fn, "__qualname__", repr(reward_fn))
-    out = reward_fn(agent_completions=agent_completions, tasks=tasks)
+
+def _reward_once(reward_fn: RewardFn, agent_completions, tasks, turn, name) -> tuple[torch.Tensor, dict]:
+    try:
+        out = reward_fn(agent_completions=agent_completions, tasks=tasks)
+    except Exception as err:
+        raise RewardError(
+            f"reward function {name} raised {type(err).__name__}: {err} at turn {turn} on tasks {tasks[:3]!r:.300}"
+        ) from err
     extra = {}
     if isinstance(out, Mapping):
         if "reward" not in out:
@@ -57,13 +58,63 @@ def call_reward(
         raise ValueError(
             f"reward function {name} returned {rewards.numel()} rewards for {len(tasks)} joint actions at turn {turn}"
         )
-    if not torch.isfinite(rewards).all():
-        bad = [tasks[i] for i in torch.nonzero(~torch.isfinite(rewards)).flatten().tolist()[:3]]
-        raise ValueError(
-            f"reward function {name} returned a non-finite reward (NaN/inf) at turn {turn}, e.g. for tasks {bad}"
+    return rewards, extra
+
+
+def call_reward(
+    reward_fn: RewardFn,
+    agent_completions: list[list[str]],
+    tasks: list[dict],
+    turn: int = 0,
+    on_error: Literal["raise", "skip"] = "raise",
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """One batched call; returns the rewards and the mean of each extra metric it reported.
+
+    A reward function returns one float per joint action, or a mapping with key ``reward`` and
+    further per-joint-action metrics (e.g. the levels of a level-based reward).
+
+    ``on_error="raise"`` stops on a reward that raises or is NaN/inf, naming the task and turn.
+    ``"skip"`` isolates the culprits (after a raising batch call, one call per joint action),
+    returns NaN for them and reports their fraction as ``skipped_reward_frac``; the tree then gives them
+    a neutral reward.
+    """
+    name = getattr(reward_fn, "__qualname__", repr(reward_fn))
+    try:
+        rewards, extra = _reward_once(reward_fn, agent_completions, tasks, turn, name)
+    except RewardError:
+        if on_error == "raise":
+            raise
+        rewards, extra = torch.full((len(tasks),), float("nan")), {}
+        for j in range(len(tasks)):
+            try:
+                rewards[j] = _reward_once(
+                    reward_fn, [a[j : j + 1] for a in agent_completions], tasks[j : j + 1], turn, name
+                )[0][0]
+            except RewardError:
+                pass
+    bad = ~torch.isfinite(rewards)
+    if bad.any() and on_error == "raise":
+        examples = [tasks[i] for i in torch.nonzero(bad).flatten().tolist()[:3]]
+        raise RewardError(
+            f"reward function {name} returned a non-finite reward (NaN/inf) at turn {turn}, e.g. for tasks "
+            f"{examples!r:.300}; set data.on_reward_error=skip to skip such samples instead"
         )
-    metrics = {k: float(torch.as_tensor(list(v), dtype=torch.float32).mean()) for k, v in extra.items()}
-    return rewards, metrics
+    metrics = {}
+    for key, values in extra.items():
+        values = torch.as_tensor(list(values), dtype=torch.float32)
+        metrics[key] = float(values[~bad].mean()) if (~bad).any() else 0.0
+    if on_error == "skip":
+        metrics["skipped_reward_frac"] = float(bad.float().mean())
+    return torch.where(bad, torch.full_like(rewards, float("nan")), rewards), metrics
+
+
+def neutral_fill(rewards: torch.Tensor) -> torch.Tensor:
+    """``[nodes, J]`` rewards with NaN (skipped) entries replaced by the mean of their node's valid
+    ones (0 if none), so a skipped sample gets no advantage and shifts no baseline."""
+    valid = torch.isfinite(rewards)
+    counts = valid.sum(dim=1, keepdim=True)
+    means = torch.where(valid, rewards, 0.0).sum(dim=1, keepdim=True) / counts.clamp(min=1)
+    return torch.where(valid, rewards, means.expand_as(rewards))
 
 
 @dataclass
@@ -109,6 +160,7 @@ def build_tree(
     discount: float = 1.0,
     early_termination_threshold: float | None = None,
     external_prompt_passthrough: bool = False,
+    on_reward_error: Literal["raise", "skip"] = "raise",
 ) -> RolloutBatch:
     """``prompts[t][i]`` is agent i's first-turn prompt text for task t."""
     if num_turns > 1 and transition is None:
@@ -138,10 +190,10 @@ def build_tree(
                 joint_tasks.append(tasks[node.task])
                 for i, k in enumerate(combo):
                     agent_completions[i].append(texts[i][n * G + k])
-        rewards, metrics = call_reward(reward_fn, agent_completions, joint_tasks, turn)
+        rewards, metrics = call_reward(reward_fn, agent_completions, joint_tasks, turn, on_reward_error)
         for i in range(num_agents):
             all_completions[i] += agent_completions[i]
-        rewards = rewards.view(len(nodes), len(combos))
+        rewards = neutral_fill(rewards.view(len(nodes), len(combos)))
         t2 = time.perf_counter()
 
         for key, value in metrics.items():
