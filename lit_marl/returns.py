@@ -61,7 +61,8 @@ def tree_returns(
 ) -> list[torch.Tensor]:
     """Returns of every joint action of a rollout tree, level by level (level t = turn t).
 
-    ``rewards[t]`` is ``[nodes_t, J]``: the immediate reward of each of a node's J joint actions.
+    ``rewards[t]`` is ``[nodes_t, J]`` (or ``[nodes_t, J, num_agents]`` for per-agent rewards): the
+    immediate reward of each of a node's J joint actions.
     ``children[t]`` is ``[nodes_t, J]``: the index in level t+1 of the child node that joint action
     led to, or -1 if it has none (last turn, or the node terminated early).
     R = r for a joint action without a child; otherwise R = r + discount * mean(R of the child's
@@ -78,7 +79,8 @@ def tree_returns(
                 raise ValueError(f"level {level} points to children but there is no level below it")
             returns[level] = r.clone()
         else:
-            bootstrap = torch.where(child >= 0, below[child.clamp(min=0)], torch.zeros_like(r))
+            has_child = (child >= 0).view(*child.shape, *([1] * (r.dim() - 2)))  # per-agent rewards: [.., N]
+            bootstrap = torch.where(has_child, below[child.clamp(min=0)], torch.zeros_like(r))
             returns[level] = r + discount * bootstrap
         below = returns[level].mean(dim=1)
     return returns

@@ -275,3 +275,41 @@ def test_skip_mode_fills_a_nan_with_its_node_mean(tiny_agents):
 def test_on_reward_error_config():
     with pytest.raises(ConfigError, match=r"data\.on_reward_error='ignore'"):
         slogan_data(on_reward_error="ignore")
+
+
+# --------------------------------------------------------------------------- per-agent rewards
+def _per_agent_reward(agent_completions, tasks):
+    return [[float(j), 10.0 + 2 * j] for j in range(len(tasks))]
+
+
+def test_per_agent_rewards_aligned(tiny_agents):
+    batch = build_tree(tiny_agents, TASKS, _prompts(2), _per_agent_reward, 2, max_new_tokens=2)
+    assert batch.agents[0].returns.tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert batch.agents[1].returns.tolist() == [10.0, 12.0, 14.0, 16.0]
+    assert batch.rewards.tolist() == [5.0, 6.5, 8.0, 9.5]  # the team mean, for logging
+
+
+def test_per_agent_rewards_cross(tiny_agents):
+    G = 2
+    batch = build_tree(tiny_agents, TASKS, _prompts(2), _per_agent_reward, G, "cross", max_new_tokens=2)
+    # task 0's joint actions j = 0..3 pair (k0, k1) = (0,0), (0,1), (1,0), (1,1)
+    # agent 0, response k0=0: mean of its rewards at j=0,1 -> 0.5; k0=1: j=2,3 -> 2.5
+    # agent 1, response k1=0: mean of its rewards at j=0,2 -> (10 + 14) / 2 = 12; k1=1: j=1,3 -> 14
+    assert batch.agents[0].returns.tolist()[:2] == [0.5, 2.5]
+    assert batch.agents[1].returns.tolist()[:2] == [12.0, 14.0]
+    assert batch.agents[0].returns.tolist()[2:] == [4.5, 6.5]  # task 1: j = 4..7
+
+
+def test_per_agent_tree_returns():
+    rewards = [torch.tensor([[[1.0, 2.0], [0.0, 0.0]]]), torch.tensor([[[3.0, 5.0], [1.0, 1.0]]])]
+    children = [torch.tensor([[0, -1]]), torch.tensor([[-1, -1]])]
+    returns = tree_returns(rewards, children, discount=0.5)
+    # the child node's mean return per agent is (2, 3): 1 + 0.5 * 2 = 2, 2 + 0.5 * 3 = 3.5
+    torch.testing.assert_close(returns[0], torch.tensor([[[2.0, 3.5], [0.0, 0.0]]]))
+
+
+def test_per_agent_rewards_of_the_wrong_width(tiny_agents):
+    with pytest.raises(ValueError, match=r"give one float \(joint reward\) or 2 floats"):
+        build_tree(
+            tiny_agents, TASKS, _prompts(2), lambda agent_completions, tasks: [[1.0]] * len(tasks), 2, max_new_tokens=2
+        )

@@ -80,7 +80,7 @@ class AgentSamples:
 @dataclass
 class RolloutBatch:
     agents: list[AgentSamples]
-    rewards: torch.Tensor  # [joint actions] immediate joint reward of every joint action, turn after turn
+    rewards: torch.Tensor  # [joint actions] immediate reward (mean over agents) of every joint action, turn by turn
     metrics: dict[str, float] = field(default_factory=dict)  # means over joint actions, for logging
     stats: dict[str, float] = field(default_factory=dict)  # timings and token counts
     completions: list[list[str]] = field(default_factory=list)  # [agent][joint action], as in rewards

@@ -53,10 +53,22 @@ def _reward_once(reward_fn: RewardFn, agent_completions, tasks, turn, name) -> t
             raise ValueError(f"reward function {name} returned a mapping without the key 'reward'")
         extra = {k: v for k, v in out.items() if k != "reward"}
         out = out["reward"]
-    rewards = torch.as_tensor(list(out), dtype=torch.float32)
-    if rewards.shape != (len(tasks),):
+    try:
+        rewards = torch.as_tensor([list(r) if isinstance(r, Sequence) else r for r in out], dtype=torch.float32)
+    except (TypeError, ValueError) as err:
         raise ValueError(
-            f"reward function {name} returned {rewards.numel()} rewards for {len(tasks)} joint actions at turn {turn}"
+            f"reward function {name} returned {out!r:.200}: give floats, or one list per joint action"
+        ) from err
+    num_agents = len(agent_completions)
+    if rewards.dim() == 0 or len(rewards) != len(tasks):
+        count = 0 if rewards.dim() == 0 else len(rewards)
+        raise ValueError(
+            f"reward function {name} returned {count} rewards for {len(tasks)} joint actions at turn {turn}"
+        )
+    if rewards.dim() > 2 or (rewards.dim() == 2 and rewards.shape[1] != num_agents):
+        raise ValueError(
+            f"reward function {name} returned rewards of shape {tuple(rewards.shape)} at turn {turn}: give one float "
+            f"(joint reward) or {num_agents} floats (one per agent) for each joint action"
         )
     return rewards, extra
 
@@ -70,8 +82,10 @@ def call_reward(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """One batched call; returns the rewards and the mean of each extra metric it reported.
 
-    A reward function returns one float per joint action, or a mapping with key ``reward`` and
-    further per-joint-action metrics (e.g. the levels of a level-based reward).
+    A reward function returns one float per joint action (a joint reward, shared by the agents) or
+    one list of ``num_agents`` floats per joint action (per-agent rewards: ``[J]`` or ``[J, N]``
+    comes back), or a mapping with key ``reward`` holding either and further per-joint-action
+    metrics (e.g. the levels of a level-based reward).
 
     ``on_error="raise"`` stops on a reward that raises or is NaN/inf, naming the task and turn.
     ``"skip"`` isolates the culprits (after a raising batch call, one call per joint action),
@@ -84,15 +98,17 @@ def call_reward(
     except RewardError:
         if on_error == "raise":
             raise
-        rewards, extra = torch.full((len(tasks),), float("nan")), {}
+        scored = []
         for j in range(len(tasks)):
+            one = [a[j : j + 1] for a in agent_completions]
             try:
-                rewards[j] = _reward_once(
-                    reward_fn, [a[j : j + 1] for a in agent_completions], tasks[j : j + 1], turn, name
-                )[0][0]
+                scored.append(_reward_once(reward_fn, one, tasks[j : j + 1], turn, name)[0][0])
             except RewardError:
-                pass
-    bad = ~torch.isfinite(rewards)
+                scored.append(None)
+        width = next((r.shape for r in scored if r is not None), ())
+        rewards = torch.stack([torch.full(width, float("nan")) if r is None else r for r in scored])
+        extra = {}
+    bad = ~torch.isfinite(rewards) if rewards.dim() == 1 else ~torch.isfinite(rewards).all(dim=1)
     if bad.any() and on_error == "raise":
         examples = [tasks[i] for i in torch.nonzero(bad).flatten().tolist()[:3]]
         raise RewardError(
@@ -105,12 +121,13 @@ def call_reward(
         metrics[key] = float(values[~bad].mean()) if (~bad).any() else 0.0
     if on_error == "skip":
         metrics["skipped_reward_frac"] = float(bad.float().mean())
+    bad = bad.view(-1, *([1] * (rewards.dim() - 1)))
     return torch.where(bad, torch.full_like(rewards, float("nan")), rewards), metrics
 
 
 def neutral_fill(rewards: torch.Tensor) -> torch.Tensor:
-    """``[nodes, J]`` rewards with NaN (skipped) entries replaced by the mean of their node's valid
-    ones (0 if none), so a skipped sample gets no advantage and shifts no baseline."""
+    """``[nodes, J, ...]`` rewards with NaN (skipped) entries replaced by the mean of their node's
+    valid ones (0 if none), so a skipped sample gets no advantage and shifts no baseline."""
     valid = torch.isfinite(rewards)
     counts = valid.sum(dim=1, keepdim=True)
     means = torch.where(valid, rewards, 0.0).sum(dim=1, keepdim=True) / counts.clamp(min=1)
@@ -193,16 +210,18 @@ def build_tree(
         rewards, metrics = call_reward(reward_fn, agent_completions, joint_tasks, turn, on_reward_error)
         for i in range(num_agents):
             all_completions[i] += agent_completions[i]
-        rewards = neutral_fill(rewards.view(len(nodes), len(combos)))
+        if rewards.dim() == 1:  # a joint reward is every agent's reward
+            rewards = rewards.unsqueeze(1).expand(-1, num_agents)
+        rewards = neutral_fill(rewards.reshape(len(nodes), len(combos), num_agents))
         t2 = time.perf_counter()
 
         for key, value in metrics.items():
-            metric_sums[key] = metric_sums.get(key, 0.0) + value * rewards.numel()
-        metric_sums[f"turn{turn}/reward"] = float(rewards.sum())
+            metric_sums[key] = metric_sums.get(key, 0.0) + value * rewards.shape[0] * rewards.shape[1]
+        metric_sums[f"turn{turn}/reward"] = float(rewards.mean(dim=2).sum())
         stopped = torch.zeros(len(nodes), dtype=torch.bool)
         if early_termination_threshold is not None:
-            stopped = rewards.mean(dim=1) > early_termination_threshold
-        children = torch.full_like(rewards, -1, dtype=torch.long)
+            stopped = rewards.mean(dim=(1, 2)) > early_termination_threshold
+        children = torch.full(rewards.shape[:2], -1, dtype=torch.long)
         next_nodes = []
         if turn + 1 < num_turns:
             for n, node in enumerate(nodes):
@@ -240,13 +259,18 @@ def build_tree(
     samples_per_agent: list[list[AgentSamples]] = [[] for _ in agents]
     node_offset = 0
     for turn, (gens, level_returns) in enumerate(zip(level_samples, returns)):
-        num_nodes = level_returns.shape[0]
-        metric_sums[f"turn{turn}/return"] = float(level_returns.sum())
-        metric_sums[f"turn{turn}/joint_actions"] = float(level_returns.numel())
+        num_nodes = level_returns.shape[0]  # level_returns: [nodes, J, agents]
+        metric_sums[f"turn{turn}/return"] = float(level_returns.mean(dim=2).sum())
+        metric_sums[f"turn{turn}/joint_actions"] = float(num_nodes * level_returns.shape[1])
         if joint_mode == "aligned":
-            per_agent = level_returns.unsqueeze(0).expand(num_agents, -1, -1)
+            per_agent = level_returns.permute(2, 0, 1)  # [agents, nodes, G]
         else:  # each response's return: mean over the joint actions that contain it
-            per_agent = torch.stack([cross_agent_returns(r.view((G,) * num_agents)) for r in level_returns], dim=1)
+            per_agent = torch.stack(
+                [
+                    torch.stack([cross_agent_returns(r[:, i].reshape((G,) * num_agents))[i] for r in level_returns])
+                    for i in range(num_agents)
+                ]
+            )
         for i, g in enumerate(gens):
             device = g.completion_ids.device
             samples_per_agent[i].append(
@@ -260,7 +284,7 @@ def build_tree(
             )
         node_offset += num_nodes
 
-    all_rewards = torch.cat([r.reshape(-1) for r in level_rewards])
+    all_rewards = torch.cat([r.mean(dim=2).reshape(-1) for r in level_rewards])  # team mean per joint action
     metrics = {}
     for key, total in metric_sums.items():
         if key.startswith("turn"):
