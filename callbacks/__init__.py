@@ -1,3 +1,4 @@
+from lit_marl.callbacks.buffer_flush import BufferFlush
 from lit_marl.callbacks.evaluation import HeldOutEvaluation
 
-__all__ = ["HeldOutEvaluation"]
+__all__ = ["BufferFlush", "HeldOutEvaluation"]

@@ -67,7 +67,7 @@ def test_model_list_length_must_match_num_agents():
     "kwargs, field",
     [
         ({"num_agents": 0}, "model.num_agents=0"),
-        ({"train_batch_size": 0}, "model.train_batch_size=0"),
+        ({"forward_batch_size": 0}, "model.forward_batch_size=0"),
         ({"advantage_mode": "median"}, "model.advantage_mode='median'"),
     ],
 )

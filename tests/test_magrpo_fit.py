@@ -150,10 +150,10 @@ class SGDRecordingMAGRPO(MAGRPO):
 
 
 @pytest.mark.parametrize(
-    "train_batch_size, joint_mode, reduction",
+    "forward_batch_size, joint_mode, reduction",
     [(1, "aligned", "mean"), (3, "cross", "mean"), (64, "aligned", "mean"), (3, "aligned", "sum")],
 )
-def test_update_is_the_policy_gradient(tmp_path, train_batch_size, joint_mode, reduction):
+def test_update_is_the_policy_gradient(tmp_path, forward_batch_size, joint_mode, reduction):
     """Whatever the micro-batching and row skipping, an agent's step follows the gradient of
     -mean over rows of A * (mean or sum of the log-probs of the response's tokens)."""
     from lit_marl.agents import Agent
@@ -164,7 +164,7 @@ def test_update_is_the_policy_gradient(tmp_path, train_batch_size, joint_mode, r
         model="tiny-random",
         num_agents=2,
         max_grad_norm=0.0,
-        train_batch_size=train_batch_size,
+        forward_batch_size=forward_batch_size,
         logprob_reduction=reduction,
     )
     data = slogan_data(max_new_tokens=16, num_generations=3, joint_mode=joint_mode, tasks_per_step=3)

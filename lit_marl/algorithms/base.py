@@ -26,7 +26,7 @@ class AgentTeamModule(L.LightningModule):
         system_prompt: str | None = None,
         learning_rate: float = 1e-5,
         max_grad_norm: float = 1.0,
-        train_batch_size: int = 16,
+        forward_batch_size: int = 16,
     ):
         """
         Args:
@@ -37,8 +37,8 @@ class AgentTeamModule(L.LightningModule):
             system_prompt: System message for every agent (omit to keep the chat template's default).
             learning_rate: AdamW learning rate of every agent.
             max_grad_norm: Gradient norm clipping per agent (0 disables).
-            train_batch_size: Rows per forward/backward micro-batch; one optimizer step per agent
-                per training step whatever the number of micro-batches.
+            forward_batch_size: Rows per forward/backward pass (memory only: gradients of a
+                mini-batch are accumulated over its passes before the one optimizer step).
         """
         super().__init__()
         sources = [model] * num_agents if isinstance(model, str) else list(model)
@@ -48,8 +48,8 @@ class AgentTeamModule(L.LightningModule):
             raise ConfigError(f"model.model lists {len(sources)} sources for {num_agents} agents: give one per agent")
         for i, source in enumerate(sources):
             check_source(source, field=f"model.model[{i}]" if not isinstance(model, str) else "model.model")
-        if train_batch_size < 1:
-            raise ConfigError(f"model.train_batch_size={train_batch_size}: must be at least 1")
+        if forward_batch_size < 1:
+            raise ConfigError(f"model.forward_batch_size={forward_batch_size}: must be at least 1")
         self.save_hyperparameters()
         self.sources = sources
         self.lora = LoraSettings(**lora) if isinstance(lora, dict) else lora
@@ -81,7 +81,7 @@ class AgentTeamModule(L.LightningModule):
         optimizer = optimizers[index] if isinstance(optimizers, list) else optimizers
         total = len(samples)
         loss_sum = 0.0
-        for rows in torch.arange(total, device=samples.input_ids.device).split(self.hparams.train_batch_size):
+        for rows in torch.arange(total, device=samples.input_ids.device).split(self.hparams.forward_batch_size):
             loss = loss_fn(samples.select(rows)) / total
             self.manual_backward(loss)
             loss_sum += float(loss.detach())

@@ -13,9 +13,11 @@ import torch
 
 from lit_marl import ConfigError
 from lit_marl.algorithms.base import AgentTeamModule, Timer
+from lit_marl.callbacks.buffer_flush import BufferFlush
 from lit_marl.generation import completion_logprobs
 from lit_marl.returns import AdvantageMode, group_advantages
 from lit_marl.rollout.batch import AgentSamples, RolloutBatch
+from lit_marl.rollout.buffer import RolloutBuffer, minibatches
 
 
 class MAGRPO(AgentTeamModule):
@@ -25,6 +27,8 @@ class MAGRPO(AgentTeamModule):
         advantage_normalization: bool = True,
         advantage_std_floor: float = 1e-3,
         logprob_reduction: Literal["sum", "mean"] = "sum",
+        rollout_buffer_size: int | None = None,
+        train_batch_size: int | None = None,
         **kwargs,
     ):
         """
@@ -35,6 +39,11 @@ class MAGRPO(AgentTeamModule):
             advantage_std_floor: Lower bound of that std.
             logprob_reduction: REINFORCE on the ``sum`` of a response's token log-probs (the
                 sequence log-likelihood) or on their ``mean`` (length-normalized).
+            rollout_buffer_size: An update fires when each agent's buffer holds this many samples
+                (tree nodes); None: after every training step. What is left at the end of an epoch
+                is used by the BufferFlush callback.
+            train_batch_size: Samples (nodes) per mini-batch, one optimizer step each, mini-batches
+                grouped by turn and shuffled; None: the whole buffer in one step.
             **kwargs: The team's settings (model, lora, learning_rate, ...): see ``AgentTeamModule``.
         """
         super().__init__(**kwargs)
@@ -44,6 +53,15 @@ class MAGRPO(AgentTeamModule):
             raise ConfigError(f"model.logprob_reduction={logprob_reduction!r}: choose sum or mean")
         if not advantage_std_floor > 0:
             raise ConfigError(f"model.advantage_std_floor={advantage_std_floor}: must be > 0")
+        for name, value in (("rollout_buffer_size", rollout_buffer_size), ("train_batch_size", train_batch_size)):
+            if value is not None and value < 1:
+                raise ConfigError(f"model.{name}={value}: must be at least 1 (or null)")
+        self.buffers = [RolloutBuffer() for _ in range(self.hparams.num_agents)]
+        # mini-batch order: seeded, and apart from the sampling RNG so batching changes no rollout
+        self.shuffle_generator = torch.Generator().manual_seed(torch.initial_seed() % 2**63)
+
+    def configure_callbacks(self):
+        return [BufferFlush()]
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
@@ -75,19 +93,33 @@ class MAGRPO(AgentTeamModule):
         return -(samples.advantages * seq_logprob).sum()
 
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> None:
-        with Timer() as train_time:
-            for i, (agent, samples) in enumerate(zip(self.agents, batch.agents)):
-                advantages = self.advantages(samples)
-                # Rows with zero advantage carry no gradient: skip their forward/backward, but keep
-                # at least one so that every agent (and rank) takes the same steps.
-                rows = torch.nonzero(advantages != 0).flatten()
-                if rows.numel() == 0:
-                    rows = rows.new_zeros(1)
-                kept = samples.with_advantages(advantages).select(rows)
-                # normalized by the whole batch, so dropping zero rows changes no gradient
-                scale = len(kept) / len(samples)
-                loss = self.update_agent(i, kept, lambda mb, m=agent.model, s=scale: self.policy_loss(m, mb) * s)
-                self.log(f"train/loss_agent{i}", loss, batch_size=len(samples))
-                self.log(f"train/advantage_abs_agent{i}", advantages.abs().mean(), batch_size=len(samples))
-        self.log("time/train_s", train_time.seconds)
+        for buffer, samples in zip(self.buffers, batch.agents):
+            buffer.add(samples.with_advantages(self.advantages(samples)))
+        size = self.hparams.rollout_buffer_size
+        if size is None or len(self.buffers[0]) >= size:
+            self.flush_buffers()
         self.log_rollout(batch, "train")
+
+    def flush_buffers(self) -> None:
+        """Update every agent on all samples in its buffer, one optimizer step per mini-batch."""
+        if not len(self.buffers[0]):
+            return
+        with Timer() as train_time:
+            for i, (agent, buffer) in enumerate(zip(self.agents, self.buffers)):
+                samples = buffer.drain(agent.pad_token_id)
+                losses = []
+                for rows in minibatches(samples, self.hparams.train_batch_size, self.shuffle_generator):
+                    batch = samples.select(rows)
+                    # Rows with zero advantage carry no gradient: skip their forward/backward, but
+                    # keep at least one so that every agent (and rank) takes the same steps.
+                    kept_rows = torch.nonzero(batch.advantages != 0).flatten()
+                    kept = batch.select(kept_rows if kept_rows.numel() else kept_rows.new_zeros(1))
+                    # normalized by the whole mini-batch, so dropping zero rows changes no gradient
+                    scale = len(kept) / len(batch)
+                    losses.append(
+                        self.update_agent(i, kept, lambda mb, m=agent.model, s=scale: self.policy_loss(m, mb) * s)
+                    )
+                self.log(f"train/loss_agent{i}", sum(losses) / len(losses), batch_size=len(samples))
+                self.log(f"train/advantage_abs_agent{i}", samples.advantages.abs().mean(), batch_size=len(samples))
+                self.log(f"train/optimizer_steps_agent{i}", float(len(losses)), batch_size=len(samples))
+        self.log("time/train_s", train_time.seconds)

@@ -21,7 +21,8 @@ class AgentSamples:
     attention_mask: torch.Tensor  # [B, P + C]
     completion_mask: torch.Tensor  # [B, C]
     returns: torch.Tensor  # [B]
-    group_ids: torch.Tensor  # [B]
+    group_ids: torch.Tensor  # [B] tree node of each row
+    turn_ids: torch.Tensor  # [B] turn of that node
     advantages: torch.Tensor | None = None  # [B], set by the algorithm
 
     @property
@@ -57,6 +58,8 @@ class AgentSamples:
             completion_mask=completion_mask,
             returns=torch.cat([p.returns for p in parts]),
             group_ids=torch.cat([p.group_ids for p in parts]),
+            turn_ids=torch.cat([p.turn_ids for p in parts]),
+            advantages=None if any(p.advantages is None for p in parts) else torch.cat([p.advantages for p in parts]),
         )
 
     def with_advantages(self, advantages: torch.Tensor) -> "AgentSamples":
@@ -73,6 +76,7 @@ class AgentSamples:
             completion_mask=self.completion_mask[rows, :width],
             returns=self.returns[rows],
             group_ids=self.group_ids[rows],
+            turn_ids=self.turn_ids[rows],
             advantages=None if self.advantages is None else self.advantages[rows],
         )
 

@@ -280,6 +280,7 @@ def build_tree(
                     completion_mask=g.completion_mask,
                     returns=per_agent[i].reshape(-1).to(device),
                     group_ids=node_offset + torch.arange(num_nodes, device=device).repeat_interleave(G),
+                    turn_ids=torch.full((num_nodes * G,), turn, device=device),
                 )
             )
         node_offset += num_nodes

@@ -1,0 +1,64 @@
+"""Per-agent rollout buffers: samples wait here, by tree node, until an update consumes them."""
+
+from __future__ import annotations
+
+import torch
+
+from lit_marl.rollout.batch import AgentSamples
+
+
+class RolloutBuffer:
+    """One agent's samples (each tree node = one sample: its G responses and their advantages)."""
+
+    def __init__(self) -> None:
+        self.parts: list[AgentSamples] = []
+        self.num_nodes = 0
+
+    def __len__(self) -> int:
+        return self.num_nodes
+
+    def add(self, samples: AgentSamples) -> None:
+        if samples.advantages is None:
+            raise ValueError("RolloutBuffer.add: compute the advantages first (they need the whole node)")
+        _, local = torch.unique(samples.group_ids, return_inverse=True)  # node ids unique in the buffer
+        self.parts.append(
+            AgentSamples(
+                input_ids=samples.input_ids,
+                attention_mask=samples.attention_mask,
+                completion_mask=samples.completion_mask,
+                returns=samples.returns,
+                group_ids=local + self.num_nodes,
+                turn_ids=samples.turn_ids,
+                advantages=samples.advantages,
+            )
+        )
+        self.num_nodes += int(local.max()) + 1
+
+    def drain(self, pad_id: int) -> AgentSamples | None:
+        """Everything in the buffer as one batch; the buffer is empty afterwards."""
+        if not self.parts:
+            return None
+        samples = AgentSamples.cat(self.parts, pad_id)
+        self.parts, self.num_nodes = [], 0
+        return samples
+
+
+def minibatches(samples: AgentSamples, nodes_per_batch: int | None, generator: torch.Generator) -> list[torch.Tensor]:
+    """Row indices of the mini-batches of one update; every row is in exactly one.
+
+    ``None``: the whole buffer is one mini-batch. Otherwise nodes are grouped by turn (a mini-batch
+    holds one turn, so its prompts have similar lengths), shuffled within their turn, cut into
+    ``nodes_per_batch`` nodes, and the mini-batches shuffled.
+    """
+    device = samples.group_ids.device
+    if nodes_per_batch is None:
+        return [torch.arange(len(samples), device=device)]
+    group_ids, turn_ids = samples.group_ids.cpu(), samples.turn_ids.cpu()
+    batches = []
+    for turn in torch.unique(turn_ids).tolist():
+        nodes = torch.unique(group_ids[turn_ids == turn])
+        nodes = nodes[torch.randperm(len(nodes), generator=generator)]
+        for chunk in nodes.split(nodes_per_batch):
+            batches.append(torch.nonzero(torch.isin(group_ids, chunk)).flatten().to(device))
+    order = torch.randperm(len(batches), generator=generator).tolist()
+    return [batches[i] for i in order]

@@ -1,0 +1,95 @@
+"""Rollout buffers, mini-batches and the BufferFlush callback."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+
+from helpers import make_trainer, slogan_data
+from lit_marl.algorithms import MAGRPO
+from lit_marl.rollout.batch import AgentSamples
+from lit_marl.rollout.buffer import RolloutBuffer, minibatches
+
+
+def _samples(num_nodes: int, G: int, turns: list[int], prompt_len: int = 3, completion_len: int = 2) -> AgentSamples:
+    rows = num_nodes * G
+    return AgentSamples(
+        input_ids=torch.arange(rows * (prompt_len + completion_len)).view(rows, -1),
+        attention_mask=torch.ones(rows, prompt_len + completion_len, dtype=torch.long),
+        completion_mask=torch.ones(rows, completion_len, dtype=torch.long),
+        returns=torch.arange(rows, dtype=torch.float32),
+        group_ids=torch.arange(num_nodes).repeat_interleave(G),
+        turn_ids=torch.tensor(turns).repeat_interleave(G),
+        advantages=torch.ones(rows),
+    )
+
+
+def test_minibatches_cover_every_row_once_and_keep_turns_and_nodes_together():
+    samples = _samples(7, 3, turns=[0, 0, 0, 1, 1, 1, 1])
+    batches = minibatches(samples, 2, torch.Generator().manual_seed(0))
+    rows = torch.cat(batches).sort().values
+    assert torch.equal(rows, torch.arange(21))
+    # turn 0: 3 nodes -> 2 + 1; turn 1: 4 nodes -> 2 + 2
+    assert sorted(len(b) // 3 for b in batches) == [1, 2, 2, 2]
+    for b in batches:
+        assert len(torch.unique(samples.turn_ids[b])) == 1
+        for node in torch.unique(samples.group_ids[b]):
+            assert (samples.group_ids[b] == node).sum() == 3  # a node's G rows stay together
+    assert minibatches(samples, None, torch.Generator())[0].tolist() == list(range(21))
+
+
+def test_minibatch_order_is_shuffled_and_seeded():
+    samples = _samples(8, 2, turns=[0] * 8)
+    first = [b.tolist() for b in minibatches(samples, 1, torch.Generator().manual_seed(1))]
+    again = [b.tolist() for b in minibatches(samples, 1, torch.Generator().manual_seed(1))]
+    other = [b.tolist() for b in minibatches(samples, 1, torch.Generator().manual_seed(2))]
+    assert first == again and first != other
+
+
+def test_buffer_keeps_node_ids_unique_and_drains():
+    buffer = RolloutBuffer()
+    buffer.add(_samples(2, 2, turns=[0, 0]))
+    buffer.add(_samples(3, 2, turns=[0, 1, 1], prompt_len=5, completion_len=4))
+    assert len(buffer) == 5
+    drained = buffer.drain(pad_id=0)
+    assert drained.group_ids.tolist() == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+    assert drained.input_ids.shape == (10, 5 + 4)  # re-padded to the widest prompt and completion
+    assert drained.advantages.shape == (10,)
+    assert len(buffer) == 0 and buffer.drain(0) is None
+    with pytest.raises(ValueError, match="advantages first"):
+        buffer.add(_samples(1, 2, turns=[0]).with_advantages(None))
+
+
+def test_buffer_fills_across_steps_and_flushes_at_epoch_end(tmp_path):
+    L.seed_everything(0)
+    module = MAGRPO(model="tiny-random", num_agents=2, learning_rate=1e-2, rollout_buffer_size=3)
+    # 2 nodes per step: step 1 waits (2), step 2 updates (4), step 3 waits (2) until the epoch ends
+    steps = []
+    update_agent = module.update_agent
+    module.update_agent = lambda i, samples, loss_fn: (
+        steps.append((i, len(samples))) or update_agent(i, samples, loss_fn)
+    )
+    trainer = make_trainer(tmp_path, limit_train_batches=3, limit_val_batches=0)
+    trainer.fit(module, datamodule=slogan_data(max_new_tokens=16, tasks_per_step=2))
+    assert [i for i, _ in steps] == [0, 1, 0, 1]  # two updates x two agents, one optimizer step each
+    assert all(len(b) == 0 for b in module.buffers)
+    # Lightning counts the optimizer steps taken inside training_step only, not the epoch-end flush
+    assert trainer.global_step == 2
+
+
+def test_one_optimizer_step_per_minibatch(tmp_path):
+    L.seed_everything(0)
+    module = MAGRPO(model="tiny-random", num_agents=2, learning_rate=1e-2, train_batch_size=1)
+    data = slogan_data(
+        max_new_tokens=8,
+        tasks_per_step=2,
+        num_generations=2,
+        num_turns=2,
+        transition="lit_marl.rollout.transitions:plain",
+    )
+    trainer = make_trainer(tmp_path, limit_train_batches=1, limit_val_batches=0)
+    trainer.fit(module, datamodule=data)
+    nodes = 2 + 2 * 2  # aligned G=2: 2 roots + 4 children
+    assert float(trainer.callback_metrics["train/optimizer_steps_agent0"]) == nodes
+    assert trainer.global_step == 2 * nodes
