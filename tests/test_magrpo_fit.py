@@ -301,3 +301,16 @@ def test_non_finite_loss_stops_training_with_weights_untouched(tmp_path, monkeyp
         for n, p in agent.model.named_parameters():
             assert torch.equal(p.detach(), before[i][n]), n
             assert p.grad is None, n
+
+
+@pytest.mark.parametrize("name, mode", [("MAREINFORCE", "raw"), ("MAReMax", "max"), ("MARLOO", "rloo")])
+def test_named_variants_fix_the_advantage_mode(name, mode, in_repo_root):
+    import lit_marl.algorithms as algorithms
+    from lit_marl.cli import build_cli
+
+    cls = getattr(algorithms, name)
+    assert cls(model="tiny-random").advantage_mode == mode
+    cli = build_cli(
+        args=["--config", "configs/magrpo/slogan_tiny.yaml", "--model", f"lit_marl.algorithms.{name}"], run=False
+    )
+    assert type(cli.model) is cls and cli.model.advantage_mode == mode

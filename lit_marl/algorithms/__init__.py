@@ -1,3 +1,3 @@
-from lit_marl.algorithms.magrpo import MAGRPO
+from lit_marl.algorithms.magrpo import MAGRPO, MAREINFORCE, MARLOO, MAReMax
 
-__all__ = ["MAGRPO"]
+__all__ = ["MAGRPO", "MAREINFORCE", "MAReMax", "MARLOO"]

@@ -56,6 +56,14 @@ class MAGRPO(AgentTeamModule):
         for name, value in (("rollout_buffer_size", rollout_buffer_size), ("train_batch_size", train_batch_size)):
             if value is not None and value < 1:
                 raise ConfigError(f"model.{name}={value}: must be at least 1 (or null)")
+        # kept as attributes: under LightningCLI, hparams hold only the keys the config gave, and the
+        # named variants (MARLOO, ...) fix advantage_mode without exposing it
+        self.advantage_mode = advantage_mode
+        self.advantage_normalization = advantage_normalization
+        self.advantage_std_floor = advantage_std_floor
+        self.logprob_reduction = logprob_reduction
+        self.rollout_buffer_size = rollout_buffer_size
+        self.train_batch_size = train_batch_size
         self.buffers = [RolloutBuffer() for _ in range(self.hparams.num_agents)]
         # mini-batch order: seeded, and apart from the sampling RNG so batching changes no rollout
         self.shuffle_generator = torch.Generator().manual_seed(torch.initial_seed() % 2**63)
@@ -76,8 +84,7 @@ class MAGRPO(AgentTeamModule):
         """Rows come grouped by node, all groups of one size (one per tree node)."""
         num_groups = int(samples.group_ids.max()) + 1
         grouped = samples.returns.view(num_groups, -1)
-        hp = self.hparams
-        adv = group_advantages(grouped, hp.advantage_mode, hp.advantage_normalization, hp.advantage_std_floor)
+        adv = group_advantages(grouped, self.advantage_mode, self.advantage_normalization, self.advantage_std_floor)
         return adv.reshape(-1)
 
     def policy_loss(self, model: torch.nn.Module, samples: AgentSamples) -> torch.Tensor:
@@ -88,14 +95,14 @@ class MAGRPO(AgentTeamModule):
         )
         mask = samples.completion_mask.float()
         seq_logprob = (logprobs * mask).sum(-1)
-        if self.hparams.logprob_reduction == "mean":
+        if self.logprob_reduction == "mean":
             seq_logprob = seq_logprob / mask.sum(-1).clamp(min=1)
         return -(samples.advantages * seq_logprob).sum()
 
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> None:
         for buffer, samples in zip(self.buffers, batch.agents):
             buffer.add(samples.with_advantages(self.advantages(samples)))
-        size = self.hparams.rollout_buffer_size
+        size = self.rollout_buffer_size
         if size is None or len(self.buffers[0]) >= size:
             self.flush_buffers()
         self.log_rollout(batch, "train")
@@ -108,7 +115,7 @@ class MAGRPO(AgentTeamModule):
             for i, (agent, buffer) in enumerate(zip(self.agents, self.buffers)):
                 samples = buffer.drain(agent.pad_token_id)
                 losses = []
-                for rows in minibatches(samples, self.hparams.train_batch_size, self.shuffle_generator):
+                for rows in minibatches(samples, self.train_batch_size, self.shuffle_generator):
                     batch = samples.select(rows)
                     # Rows with zero advantage carry no gradient: skip their forward/backward, but
                     # keep at least one so that every agent (and rank) takes the same steps.
@@ -123,3 +130,24 @@ class MAGRPO(AgentTeamModule):
                 self.log(f"train/advantage_abs_agent{i}", samples.advantages.abs().mean(), batch_size=len(samples))
                 self.log(f"train/optimizer_steps_agent{i}", float(len(losses)), batch_size=len(samples))
         self.log("time/train_s", train_time.seconds)
+
+
+class MAREINFORCE(MAGRPO):
+    """MAGRPO without a baseline: each response's advantage is its return."""
+
+    def __init__(self, **kwargs):
+        super().__init__(advantage_mode="raw", **kwargs)
+
+
+class MAReMax(MAGRPO):
+    """MAGRPO with the group's best return as the baseline."""
+
+    def __init__(self, **kwargs):
+        super().__init__(advantage_mode="max", **kwargs)
+
+
+class MARLOO(MAGRPO):
+    """MAGRPO with the leave-one-out baseline (the mean of the other G-1 siblings)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(advantage_mode="rloo", **kwargs)
