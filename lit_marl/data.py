@@ -186,7 +186,7 @@ class RolloutDataModule(L.LightningDataModule):
     def prompts_for(self, tasks: list[dict]) -> list[list[str]]:
         return [[t.format(**task) for t in self.agent_prompts] for task in tasks]
 
-    def rollout(self, agents, tasks: list[dict], greedy: bool) -> RolloutBatch:
+    def rollout(self, agents, tasks: list[dict], greedy: bool, response_penalty=None) -> RolloutBatch:
         hp = self.hparams
         return build_tree(
             agents,
@@ -205,10 +205,14 @@ class RolloutDataModule(L.LightningDataModule):
             early_termination_threshold=hp.early_termination_threshold,
             external_prompt_passthrough=hp.external_prompt_passthrough,
             on_reward_error=hp.on_reward_error,
+            response_penalty=response_penalty,
         )
 
     def on_after_batch_transfer(self, batch: list[dict], dataloader_idx: int) -> RolloutBatch:
-        return self.rollout(self.trainer.lightning_module.agents, batch, greedy=not self.trainer.training)
+        module = self.trainer.lightning_module
+        if not self.trainer.training:
+            return self.rollout(module.agents, batch, greedy=True)
+        return self.rollout(module.agents, batch, greedy=False, response_penalty=module.response_penalty)
 
     @torch.no_grad()
     def evaluate(self, agents) -> dict[str, float]:

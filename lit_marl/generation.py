@@ -23,6 +23,7 @@ class Generation:
     prompt_mask: torch.Tensor  # [B, P]
     completion_ids: torch.Tensor  # [B, C] right-padded after the end token
     completion_mask: torch.Tensor  # [B, C] 1 on generated tokens up to and including the end token
+    num_samples: int = 1  # rows per prompt
 
     @property
     def num_generated_tokens(self) -> int:
@@ -76,7 +77,8 @@ def generate(
     finally:
         model.train(was_training)
     completion_ids = out[:, prompt_ids.shape[1] :]
-    return Generation(prompt_ids, prompt_mask, completion_ids, mask_through_first(completion_ids, agent.eos_token_id))
+    completion_mask = mask_through_first(completion_ids, agent.eos_token_id)
+    return Generation(prompt_ids, prompt_mask, completion_ids, completion_mask, num_samples)
 
 
 def completion_logprobs(

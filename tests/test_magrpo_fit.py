@@ -266,9 +266,9 @@ def test_rollouts_come_from_the_current_weights(tmp_path):
     data = slogan_data(max_new_tokens=16, tasks_per_step=2)
     rollout = data.rollout
 
-    def recording_rollout(agents, tasks, greedy):
+    def recording_rollout(agents, tasks, greedy, **kwargs):
         events.append(("rollout", _checksum(agents), greedy, len(tasks)))
-        return rollout(agents, tasks, greedy)
+        return rollout(agents, tasks, greedy, **kwargs)
 
     data.rollout = recording_rollout
     L.seed_everything(0)

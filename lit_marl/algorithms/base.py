@@ -13,11 +13,15 @@ from torch import nn
 
 from lit_marl import ConfigError
 from lit_marl.agents import Agent, LoraSettings
+from lit_marl.generation import Generation
 from lit_marl.models import check_source
 from lit_marl.rollout.batch import AgentSamples, RolloutBatch
 
 
 class AgentTeamModule(L.LightningModule):
+    # per-response reward shaping applied inside the rollout (e.g. a KL penalty); None: none
+    response_penalty: Callable[[int, Generation], torch.Tensor] | None = None
+
     def __init__(
         self,
         model: str | list[str] = "tiny-random",

@@ -7,14 +7,16 @@ Each agent then takes one policy-gradient step on its own samples with its own o
 
 from __future__ import annotations
 
+import copy
 from typing import Literal
 
 import torch
+from torch import nn
 
 from lit_marl import ConfigError
 from lit_marl.algorithms.base import AgentTeamModule, Timer
 from lit_marl.callbacks.buffer_flush import BufferFlush
-from lit_marl.generation import completion_logprobs
+from lit_marl.generation import Generation, completion_logprobs
 from lit_marl.returns import AdvantageMode, group_advantages
 from lit_marl.rollout.batch import AgentSamples, RolloutBatch
 from lit_marl.rollout.buffer import RolloutBuffer, minibatches
@@ -29,6 +31,7 @@ class MAGRPO(AgentTeamModule):
         logprob_reduction: Literal["sum", "mean"] = "sum",
         rollout_buffer_size: int | None = None,
         train_batch_size: int | None = None,
+        reference_kl_coef: float = 0.0,
         **kwargs,
     ):
         """
@@ -44,6 +47,9 @@ class MAGRPO(AgentTeamModule):
                 is used by the BufferFlush callback.
             train_batch_size: Samples (nodes) per mini-batch, one optimizer step each, mini-batches
                 grouped by turn and shuffled; None: the whole buffer in one step.
+            reference_kl_coef: Weight of the KL to the reference policy (the initial weights; with
+                LoRA the base model with adapters disabled, no copy), estimated per response as the
+                summed k3 estimate and subtracted from the agent's reward before returns.
             **kwargs: The team's settings (model, lora, learning_rate, ...): see ``AgentTeamModule``.
         """
         super().__init__(**kwargs)
@@ -64,9 +70,39 @@ class MAGRPO(AgentTeamModule):
         self.logprob_reduction = logprob_reduction
         self.rollout_buffer_size = rollout_buffer_size
         self.train_batch_size = train_batch_size
+        if reference_kl_coef < 0:
+            raise ConfigError(f"model.reference_kl_coef={reference_kl_coef}: must be >= 0")
+        self.reference_kl_coef = reference_kl_coef
+        self.references: nn.ModuleList | None = None
+        if reference_kl_coef > 0:
+            self.response_penalty = self.reference_kl
         self.buffers = [RolloutBuffer() for _ in range(self.hparams.num_agents)]
         # mini-batch order: seeded, and apart from the sampling RNG so batching changes no rollout
         self.shuffle_generator = torch.Generator().manual_seed(torch.initial_seed() % 2**63)
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        if self.reference_kl_coef > 0 and self.lora is None and self.references is None:
+            self.references = nn.ModuleList(copy.deepcopy(agent.model).requires_grad_(False) for agent in self.agents)
+
+    @torch.no_grad()
+    def reference_kl(self, index: int, gen: Generation) -> torch.Tensor:
+        """reference_kl_coef x KL(policy || reference) of each response: the k3 estimate
+        exp(d) - d - 1 with d = log p_ref - log p, summed over the response's tokens."""
+        model = self.agents[index].model
+        input_ids = torch.cat([gen.prompt_ids, gen.completion_ids], dim=1)
+        attention_mask = torch.cat([gen.prompt_mask, gen.completion_mask], dim=1)
+        groups = torch.arange(len(input_ids), device=input_ids.device) // gen.num_samples
+        args = (input_ids, attention_mask, gen.completion_ids.shape[1], groups)
+        logprobs = completion_logprobs(model, *args)
+        if self.references is not None:
+            ref_logprobs = completion_logprobs(self.references[index], *args)
+        else:
+            with model.disable_adapter():
+                ref_logprobs = completion_logprobs(model, *args)
+        delta = ref_logprobs - logprobs
+        k3 = (delta.exp() - delta - 1) * gen.completion_mask
+        return self.reference_kl_coef * k3.sum(-1)
 
     def configure_callbacks(self):
         return [BufferFlush()]

@@ -18,7 +18,7 @@ from typing import Literal
 import torch
 
 from lit_marl.agents import Agent
-from lit_marl.generation import generate
+from lit_marl.generation import Generation, generate
 from lit_marl.returns import cross_agent_returns, tree_returns
 from lit_marl.rollout.batch import AgentSamples, RolloutBatch
 
@@ -178,14 +178,21 @@ def build_tree(
     early_termination_threshold: float | None = None,
     external_prompt_passthrough: bool = False,
     on_reward_error: Literal["raise", "skip"] = "raise",
+    response_penalty: Callable[[int, Generation], torch.Tensor] | None = None,
 ) -> RolloutBatch:
-    """``prompts[t][i]`` is agent i's first-turn prompt text for task t."""
+    """``prompts[t][i]`` is agent i's first-turn prompt text for task t.
+
+    ``response_penalty(agent_index, generation)`` gives one value per generated response (e.g. the
+    KL to a reference model), subtracted from that agent's immediate reward of every joint action
+    the response is part of, before returns are computed.
+    """
     if num_turns > 1 and transition is None:
         raise ValueError(f"num_turns={num_turns} needs a transition that builds the next turn's prompts")
     num_agents, G = len(agents), num_generations
     combos = joint_indices(num_agents, G, joint_mode)
+    combo_index = torch.tensor(combos)  # [J, agents]: each agent's response index in joint action j
     nodes = [_Node(t, [[p] for p in prompts[t]], [[] for _ in agents]) for t in range(len(tasks))]
-    level_rewards, level_children, level_samples = [], [], []  # per turn
+    level_rewards, level_shaped, level_children, level_samples = [], [], [], []  # per turn
     metric_sums: dict[str, float] = {}
     all_completions: list[list[str]] = [[] for _ in agents]  # [agent][joint action of every turn]
     stats = {"time/generate_s": 0.0, "time/reward_s": 0.0, "time/transition_s": 0.0, "rollout/generated_tokens": 0.0}
@@ -213,6 +220,17 @@ def build_tree(
         if rewards.dim() == 1:  # a joint reward is every agent's reward
             rewards = rewards.unsqueeze(1).expand(-1, num_agents)
         rewards = neutral_fill(rewards.reshape(len(nodes), len(combos), num_agents))
+        shaped = rewards  # what returns are built from; logs and early termination use the task reward
+        if response_penalty is not None:
+            penalties = torch.stack(
+                [
+                    response_penalty(i, g).float().cpu().view(len(nodes), G)[:, combo_index[:, i]]
+                    for i, g in enumerate(gens)
+                ],
+                dim=2,
+            )  # [nodes, J, agents]
+            shaped = rewards - penalties
+            metric_sums["penalty"] = metric_sums.get("penalty", 0.0) + float(penalties.mean(dim=2).sum())
         t2 = time.perf_counter()
 
         for key, value in metrics.items():
@@ -241,6 +259,7 @@ def build_tree(
         t3 = time.perf_counter()
 
         level_rewards.append(rewards)
+        level_shaped.append(shaped)
         level_children.append(children)
         level_samples.append(gens)
         stats["time/generate_s"] += t1 - t0
@@ -255,7 +274,7 @@ def build_tree(
         if not nodes:
             break
 
-    returns = tree_returns(level_rewards, level_children, discount)
+    returns = tree_returns(level_shaped, level_children, discount)
     samples_per_agent: list[list[AgentSamples]] = [[] for _ in agents]
     node_offset = 0
     for turn, (gens, level_returns) in enumerate(zip(level_samples, returns)):

@@ -1,0 +1,87 @@
+"""Reference KL: the k3 estimate per response, subtracted from the reward before returns."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+
+from helpers import make_trainer, slogan_data
+from lit_marl.agents import LoraSettings
+from lit_marl.algorithms import MAGRPO
+from lit_marl.generation import completion_logprobs, generate
+from lit_marl.rollout.tree import build_tree
+
+TASKS = [{"topic": "tea"}, {"topic": "winter"}]
+PROMPTS = [[f"agent {i}: write about {t['topic']}" for i in range(2)] for t in TASKS]
+
+
+def _module(lora=None) -> MAGRPO:
+    module = MAGRPO(model="tiny-random", num_agents=2, reference_kl_coef=0.5, lora=lora)
+    module.configure_model()
+    return module
+
+
+def _gen(module, index=0):
+    agent = module.agents[index]
+    torch.manual_seed(0)
+    return generate(agent, [agent.encode_prompt(p[index]) for p in PROMPTS], 3, 6)
+
+
+@pytest.mark.parametrize("lora", [None, LoraSettings(r=4)])
+def test_kl_is_zero_before_training(lora):
+    module = _module(lora)
+    assert module.response_penalty is not None
+    assert (module.references is None) == (lora is not None)  # LoRA: the base is the reference, no copy
+    torch.testing.assert_close(module.reference_kl(0, _gen(module)), torch.zeros(6), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("lora", [None, LoraSettings(r=4)])
+def test_kl_matches_the_k3_estimate(lora):
+    module = _module(lora)
+    with torch.no_grad():
+        for p in module.agents[0].trainable_parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    gen = _gen(module)
+    kl = module.reference_kl(0, gen)
+    ids = torch.cat([gen.prompt_ids, gen.completion_ids], 1)
+    mask = torch.cat([gen.prompt_mask, gen.completion_mask], 1)
+    C = gen.completion_ids.shape[1]
+    model = module.agents[0].model
+    with torch.no_grad():
+        logp = completion_logprobs(model, ids, mask, C)
+        if lora is None:
+            ref = completion_logprobs(module.references[0], ids, mask, C)
+        else:
+            with model.disable_adapter():
+                ref = completion_logprobs(model, ids, mask, C)
+    d = ref - logp
+    expected = 0.5 * ((d.exp() - d - 1) * gen.completion_mask).sum(-1)
+    assert expected.min() > 0
+    torch.testing.assert_close(kl, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_penalty_is_subtracted_from_each_agents_reward(tiny_agents):
+    def reward(agent_completions, tasks):
+        return [1.0] * len(tasks)
+
+    def penalty(index, gen):  # row r of agent i costs 0.1 * r + i
+        return 0.1 * torch.arange(len(gen.completion_ids)) + index
+
+    batch = build_tree(tiny_agents, TASKS, PROMPTS, reward, 2, max_new_tokens=2, response_penalty=penalty)
+    torch.testing.assert_close(batch.agents[0].returns, 1.0 - 0.1 * torch.arange(4.0))
+    torch.testing.assert_close(batch.agents[1].returns, 1.0 - 0.1 * torch.arange(4.0) - 1.0)
+    assert batch.rewards.tolist() == [1.0] * 4  # logged rewards are the task's
+    assert batch.metrics["penalty"] == pytest.approx(float((0.1 * torch.arange(4.0) + 0.5).mean()))
+
+
+def test_fit_with_reference_kl(tmp_path):
+    L.seed_everything(0)
+    module = MAGRPO(
+        model="tiny-random", num_agents=2, learning_rate=1e-2, reference_kl_coef=0.1, lora=LoraSettings(r=4)
+    )
+    trainer = make_trainer(tmp_path, limit_train_batches=2, limit_val_batches=0)
+    trainer.fit(module, datamodule=slogan_data(max_new_tokens=16))
+    metrics = trainer.callback_metrics
+    assert torch.isfinite(metrics["train/penalty"]) and float(metrics["train/penalty"]) >= 0
+    assert torch.isfinite(metrics["train/loss_agent0"])
