@@ -25,6 +25,15 @@ class Generation:
     completion_mask: torch.Tensor  # [B, C] 1 on generated tokens up to and including the end token
     num_samples: int = 1  # rows per prompt
 
+    def rows(self, index: slice) -> "Generation":
+        return Generation(
+            self.prompt_ids[index],
+            self.prompt_mask[index],
+            self.completion_ids[index],
+            self.completion_mask[index],
+            self.num_samples,
+        )
+
     @property
     def num_generated_tokens(self) -> int:
         return int(self.completion_mask.sum())

@@ -295,7 +295,7 @@ def test_non_finite_loss_stops_training_with_weights_untouched(tmp_path, monkeyp
     original = MAGRPO.policy_loss
     monkeypatch.setattr(MAGRPO, "policy_loss", lambda self, model, mb: original(self, model, mb) * float("nan"))
     trainer = make_trainer(tmp_path, limit_val_batches=0)
-    with pytest.raises(FloatingPointError, match="agent 0: non-finite loss"):
+    with pytest.raises(FloatingPointError, match="agent0: non-finite loss"):
         trainer.fit(module, datamodule=slogan_data(max_new_tokens=16))
     for i, agent in enumerate(module.agents):
         for n, p in agent.model.named_parameters():

@@ -31,6 +31,7 @@ class AgentTeamModule(L.LightningModule):
         learning_rate: float = 1e-5,
         max_grad_norm: float = 1.0,
         forward_batch_size: int = 16,
+        share_parameters: bool = False,
     ):
         """
         Args:
@@ -43,6 +44,8 @@ class AgentTeamModule(L.LightningModule):
             max_grad_norm: Gradient norm clipping per agent (0 disables).
             forward_batch_size: Rows per forward/backward pass (memory only: gradients of a
                 mini-batch are accumulated over its passes before the one optimizer step).
+            share_parameters: One model plays every role (one set of weights, one optimizer, one
+                batched generate per turn for all roles); needs one model source.
         """
         super().__init__()
         sources = [model] * num_agents if isinstance(model, str) else list(model)
@@ -50,6 +53,8 @@ class AgentTeamModule(L.LightningModule):
             raise ConfigError(f"model.num_agents={num_agents}: must be at least 1")
         if len(sources) != num_agents:
             raise ConfigError(f"model.model lists {len(sources)} sources for {num_agents} agents: give one per agent")
+        if share_parameters and len(set(sources)) != 1:
+            raise ConfigError(f"model.share_parameters=true needs one model source, got {sources}")
         for i, source in enumerate(sources):
             check_source(source, field=f"model.model[{i}]" if not isinstance(model, str) else "model.model")
         if forward_batch_size < 1:
@@ -58,17 +63,32 @@ class AgentTeamModule(L.LightningModule):
         self.sources = sources
         self.lora = LoraSettings(**lora) if isinstance(lora, dict) else lora
         self.system_prompt = system_prompt
+        self.share_parameters = share_parameters
         self.automatic_optimization = False
         self.agents: nn.ModuleList | None = None
 
     def configure_model(self) -> None:
         if self.agents is None:  # loads weights: kept out of __init__ so bad configs fail first
-            self.agents = nn.ModuleList(Agent(s, self.lora, self.system_prompt) for s in self.sources)
+            if self.share_parameters:
+                shared = Agent(self.sources[0], self.lora, self.system_prompt)
+                self.agents = nn.ModuleList([shared] * len(self.sources))
+            else:
+                self.agents = nn.ModuleList(Agent(s, self.lora, self.system_prompt) for s in self.sources)
+
+    @property
+    def learners(self) -> list[list[int]]:
+        """The roles each distinct model plays: one optimizer per entry."""
+        return [[0, *range(1, len(self.sources))]] if self.share_parameters else [[i] for i in range(len(self.sources))]
+
+    def learner_name(self, index: int) -> str:
+        return "shared" if self.share_parameters else f"agent{index}"
 
     def configure_optimizers(self):
         return [
-            torch.optim.AdamW(a.trainable_parameters(), lr=self.hparams.learning_rate, weight_decay=0.0)
-            for a in self.agents
+            torch.optim.AdamW(
+                self.agents[roles[0]].trainable_parameters(), lr=self.hparams.learning_rate, weight_decay=0.0
+            )
+            for roles in self.learners
         ]
 
     def setup(self, stage: str) -> None:
@@ -79,8 +99,8 @@ class AgentTeamModule(L.LightningModule):
             )
 
     def update_agent(self, index: int, samples: AgentSamples, loss_fn: Callable[[AgentSamples], torch.Tensor]) -> float:
-        """One optimizer step for agent ``index``: ``loss_fn`` returns the summed loss of a micro-batch,
-        which is divided by the whole batch size so micro-batching does not change the gradient."""
+        """One optimizer step for learner ``index`` (see ``learners``): ``loss_fn`` returns the summed
+        loss of a micro-batch, divided by the whole batch size so micro-batching changes no gradient."""
         optimizers = self.optimizers()
         optimizer = optimizers[index] if isinstance(optimizers, list) else optimizers
         total = len(samples)
@@ -93,8 +113,9 @@ class AgentTeamModule(L.LightningModule):
             # a NaN/inf loss would write NaN into the weights: stop, with the weights untouched
             optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(
-                f"agent {index}: non-finite loss {loss_sum} at global step {self.global_step}; the optimizer "
-                "step was skipped and the weights are unchanged. Lower model.learning_rate or check the rewards."
+                f"{self.learner_name(index)}: non-finite loss {loss_sum} at global step {self.global_step}; the "
+                "optimizer step was skipped and the weights are unchanged. Lower model.learning_rate or check "
+                "the rewards."
             )
         if self.hparams.max_grad_norm > 0:
             self.clip_gradients(optimizer, gradient_clip_val=self.hparams.max_grad_norm, gradient_clip_algorithm="norm")

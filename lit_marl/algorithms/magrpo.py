@@ -83,7 +83,9 @@ class MAGRPO(AgentTeamModule):
     def configure_model(self) -> None:
         super().configure_model()
         if self.reference_kl_coef > 0 and self.lora is None and self.references is None:
-            self.references = nn.ModuleList(copy.deepcopy(agent.model).requires_grad_(False) for agent in self.agents)
+            self.references = nn.ModuleList(
+                copy.deepcopy(self.agents[roles[0]].model).requires_grad_(False) for roles in self.learners
+            )
 
     @torch.no_grad()
     def reference_kl(self, index: int, gen: Generation) -> torch.Tensor:
@@ -96,7 +98,8 @@ class MAGRPO(AgentTeamModule):
         args = (input_ids, attention_mask, gen.completion_ids.shape[1], groups)
         logprobs = completion_logprobs(model, *args)
         if self.references is not None:
-            ref_logprobs = completion_logprobs(self.references[index], *args)
+            learner = next(n for n, roles in enumerate(self.learners) if index in roles)
+            ref_logprobs = completion_logprobs(self.references[learner], *args)
         else:
             with model.disable_adapter():
                 ref_logprobs = completion_logprobs(model, *args)
@@ -144,27 +147,31 @@ class MAGRPO(AgentTeamModule):
         self.log_rollout(batch, "train")
 
     def flush_buffers(self) -> None:
-        """Update every agent on all samples in its buffer, one optimizer step per mini-batch."""
+        """Update every learner on all samples in its roles' buffers, one optimizer step per mini-batch."""
         if not len(self.buffers[0]):
             return
         with Timer() as train_time:
-            for i, (agent, buffer) in enumerate(zip(self.agents, self.buffers)):
-                samples = buffer.drain(agent.pad_token_id)
+            for index, roles in enumerate(self.learners):
+                agent = self.agents[roles[0]]
+                merged = RolloutBuffer()  # a shared model learns from every role it played
+                for role in roles:
+                    merged.add(self.buffers[role].drain(agent.pad_token_id))
+                samples = merged.drain(agent.pad_token_id)
                 losses = []
                 for rows in minibatches(samples, self.train_batch_size, self.shuffle_generator):
                     batch = samples.select(rows)
                     # Rows with zero advantage carry no gradient: skip their forward/backward, but
-                    # keep at least one so that every agent (and rank) takes the same steps.
+                    # keep at least one so that every learner (and rank) takes the same steps.
                     kept_rows = torch.nonzero(batch.advantages != 0).flatten()
                     kept = batch.select(kept_rows if kept_rows.numel() else kept_rows.new_zeros(1))
                     # normalized by the whole mini-batch, so dropping zero rows changes no gradient
                     scale = len(kept) / len(batch)
-                    losses.append(
-                        self.update_agent(i, kept, lambda mb, m=agent.model, s=scale: self.policy_loss(m, mb) * s)
-                    )
-                self.log(f"train/loss_agent{i}", sum(losses) / len(losses), batch_size=len(samples))
-                self.log(f"train/advantage_abs_agent{i}", samples.advantages.abs().mean(), batch_size=len(samples))
-                self.log(f"train/optimizer_steps_agent{i}", float(len(losses)), batch_size=len(samples))
+                    loss_fn = lambda mb, m=agent.model, s=scale: self.policy_loss(m, mb) * s  # noqa: E731
+                    losses.append(self.update_agent(index, kept, loss_fn))
+                name, size = self.learner_name(index), len(samples)
+                self.log(f"train/loss_{name}", sum(losses) / len(losses), batch_size=size)
+                self.log(f"train/advantage_abs_{name}", samples.advantages.abs().mean(), batch_size=size)
+                self.log(f"train/optimizer_steps_{name}", float(len(losses)), batch_size=size)
         self.log("time/train_s", train_time.seconds)
 
 

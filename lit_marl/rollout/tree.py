@@ -134,6 +134,14 @@ def neutral_fill(rewards: torch.Tensor) -> torch.Tensor:
     return torch.where(valid, rewards, means.expand_as(rewards))
 
 
+def _roles_by_model(agents: list[Agent]) -> list[list[int]]:
+    """Roles grouped by the agent object that plays them (a parameter-shared team is one)."""
+    groups: dict[int, list[int]] = {}
+    for i, agent in enumerate(agents):
+        groups.setdefault(id(agent), []).append(i)
+    return list(groups.values())
+
+
 @dataclass
 class _Node:
     task: int
@@ -199,11 +207,14 @@ def build_tree(
     truncated = num_responses = 0
     for turn in range(num_turns):
         t0 = time.perf_counter()
-        gens = []
-        for i, agent in enumerate(agents):  # ONE batched generate per agent over all open nodes
-            raw = turn > 0 and external_prompt_passthrough
-            encoded = [agent.encode_prompt(node.prompt_history[i][-1], raw=raw) for node in nodes]
-            gens.append(generate(agent, encoded, G, max_new_tokens, temperature, top_p, greedy))
+        gens: list[Generation] = [None] * num_agents
+        raw = turn > 0 and external_prompt_passthrough
+        for roles in _roles_by_model(agents):  # ONE batched generate per model over all open nodes
+            agent = agents[roles[0]]
+            encoded = [agent.encode_prompt(node.prompt_history[i][-1], raw=raw) for i in roles for node in nodes]
+            generated = generate(agent, encoded, G, max_new_tokens, temperature, top_p, greedy)
+            for r, i in enumerate(roles):  # a parameter-shared model played several roles at once
+                gens[i] = generated.rows(slice(r * len(nodes) * G, (r + 1) * len(nodes) * G))
         texts = [agent.decode(g.completion_ids, g.completion_mask) for agent, g in zip(agents, gens)]
         t1 = time.perf_counter()
 
