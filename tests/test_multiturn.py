@@ -57,7 +57,7 @@ def test_tree_returns_rejects_dangling_children():
 @pytest.mark.parametrize(
     "joint_mode, G, T",
     [("aligned", 2, 1), ("aligned", 2, 2), ("aligned", 2, 3), ("aligned", 3, 2), ("cross", 2, 1), ("cross", 2, 2)]
-    + [("cross", 2, 3), ("cross", 3, 2)],
+    + [("cross", 2, 3), ("cross", 3, 2), ("aligned", 4, 1), ("aligned", 4, 3), ("cross", 4, 1)],
 )
 def test_node_and_leaf_counts(tiny_agents, monkeypatch, joint_mode, G, T):
     calls = []
