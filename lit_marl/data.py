@@ -84,6 +84,7 @@ class RolloutDataModule(L.LightningDataModule):
         num_turns: int = 1,
         transition: str | None = None,
         transition_kwargs: dict | None = None,
+        batched_transition: bool = False,
         external_prompt_passthrough: bool = False,
         discount: float = 1.0,
         early_termination_threshold: float | None = None,
@@ -111,6 +112,9 @@ class RolloutDataModule(L.LightningDataModule):
                 prompts from its branch's histories (needed when num_turns > 1), e.g.
                 ``lit_marl.rollout.transitions:plain``.
             transition_kwargs: Extra keyword arguments bound to the transition.
+            batched_transition: Call the transition once per turn with every keyword argument a list
+                over all branches (it returns one prompt list per branch), e.g. to run all branches'
+                tests in one pool; otherwise once per branch (CoMLRL's interface).
             external_prompt_passthrough: Use the transition's prompts verbatim instead of rendering
                 them with the agent's chat template.
             discount: Return of a joint action = its reward + discount * mean return of its child.
@@ -201,6 +205,7 @@ class RolloutDataModule(L.LightningDataModule):
             greedy=greedy,
             num_turns=hp.num_turns,
             transition=self.transition,
+            batched_transition=hp.batched_transition,
             discount=hp.discount,
             early_termination_threshold=hp.early_termination_threshold,
             external_prompt_passthrough=hp.external_prompt_passthrough,

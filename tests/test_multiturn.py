@@ -313,3 +313,46 @@ def test_per_agent_rewards_of_the_wrong_width(tiny_agents):
         build_tree(
             tiny_agents, TASKS, _prompts(2), lambda agent_completions, tasks: [[1.0]] * len(tasks), 2, max_new_tokens=2
         )
+
+
+def test_batched_transition_is_called_once_per_turn(tiny_agents):
+    calls = []
+
+    def batched_plain(*, prompt, agent_completions, num_agents, prompt_history_per_agent, response_history_per_agent):
+        calls.append(len(prompt))
+        return [
+            plain(
+                prompt=p,
+                agent_completions=c,
+                num_agents=num_agents,
+                prompt_history_per_agent=ph,
+                response_history_per_agent=rh,
+            )
+            for p, c, ph, rh in zip(prompt, agent_completions, prompt_history_per_agent, response_history_per_agent)
+        ]
+
+    kwargs = dict(max_new_tokens=3, greedy=True, num_turns=3)
+    batched = build_tree(
+        tiny_agents, TASKS, _prompts(2), _len_reward, 2, transition=batched_plain, batched_transition=True, **kwargs
+    )
+    assert calls == [len(TASKS) * 2, len(TASKS) * 4]  # every branch of a turn in one call
+    one_by_one = build_tree(tiny_agents, TASKS, _prompts(2), _len_reward, 2, transition=plain, **kwargs)
+    assert batched.completions == one_by_one.completions
+
+
+def test_batched_transition_must_answer_every_branch(tiny_agents):
+    def short(**kwargs):
+        return [["a", "b"]]
+
+    with pytest.raises(ValueError, match="returned 1 results for 4 branches"):
+        build_tree(
+            tiny_agents,
+            TASKS,
+            _prompts(2),
+            _len_reward,
+            2,
+            max_new_tokens=2,
+            num_turns=2,
+            transition=short,
+            batched_transition=True,
+        )

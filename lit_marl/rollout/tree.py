@@ -149,24 +149,42 @@ class _Node:
     response_history: list[list[str]]  # per agent; responses of the turns before this node
 
 
-def call_transition(
-    transition: Transition, node: _Node, completions: list[str], tasks: list[dict], turn: int
-) -> list[str]:
-    num_agents = len(completions)
-    prompts = transition(
-        prompt=[history[0] for history in node.prompt_history],
-        agent_completions=completions,
-        num_agents=num_agents,
-        prompt_history_per_agent=[list(h) for h in node.prompt_history],
-        response_history_per_agent=[list(h) + [c] for h, c in zip(node.response_history, completions)],
-    )
-    name = getattr(transition, "__qualname__", repr(transition))
-    if isinstance(prompts, str) or len(prompts) != num_agents or not all(isinstance(p, str) for p in prompts):
-        raise ValueError(
-            f"transition {name} must return {num_agents} strings (one prompt per agent); it returned "
-            f"{prompts!r:.200} after turn {turn} of task {tasks[node.task]!r:.200}"
+def call_transitions(
+    transition: Transition,
+    branches: list[tuple[_Node, list[str]]],
+    tasks: list[dict],
+    turn: int,
+    batched: bool,
+) -> list[list[str]]:
+    """Next prompts of every branch of a turn: one call per branch, or one call for all of them
+    (``batched``: every keyword argument is then a list over branches, and so is the result)."""
+    kwargs = [
+        dict(
+            prompt=[history[0] for history in node.prompt_history],
+            agent_completions=completions,
+            prompt_history_per_agent=[list(h) for h in node.prompt_history],
+            response_history_per_agent=[list(h) + [c] for h, c in zip(node.response_history, completions)],
         )
-    return list(prompts)
+        for node, completions in branches
+    ]
+    num_agents = len(branches[0][1]) if branches else 0
+    if batched:
+        out = (
+            transition(num_agents=num_agents, **{key: [k[key] for k in kwargs] for key in kwargs[0]}) if kwargs else []
+        )
+        if isinstance(out, str) or len(out) != len(branches):
+            name = getattr(transition, "__qualname__", repr(transition))
+            raise ValueError(f"batched transition {name} returned {len(out)} results for {len(branches)} branches")
+    else:
+        out = [transition(num_agents=num_agents, **k) for k in kwargs]
+    for (node, _), prompts in zip(branches, out):
+        if isinstance(prompts, str) or len(prompts) != num_agents or not all(isinstance(p, str) for p in prompts):
+            name = getattr(transition, "__qualname__", repr(transition))
+            raise ValueError(
+                f"transition {name} must return {num_agents} strings (one prompt per agent); it returned "
+                f"{prompts!r:.200} after turn {turn} of task {tasks[node.task]!r:.200}"
+            )
+    return [list(p) for p in out]
 
 
 def build_tree(
@@ -182,6 +200,7 @@ def build_tree(
     greedy: bool = False,
     num_turns: int = 1,
     transition: Transition | None = None,
+    batched_transition: bool = False,
     discount: float = 1.0,
     early_termination_threshold: float | None = None,
     external_prompt_passthrough: bool = False,
@@ -253,20 +272,23 @@ def build_tree(
         children = torch.full(rewards.shape[:2], -1, dtype=torch.long)
         next_nodes = []
         if turn + 1 < num_turns:
+            branches, parents = [], []
             for n, node in enumerate(nodes):
                 if stopped[n]:
                     continue
                 for j, combo in enumerate(combos):
-                    completions = [texts[i][n * G + k] for i, k in enumerate(combo)]
-                    child_prompts = call_transition(transition, node, completions, tasks, turn)
-                    children[n, j] = len(next_nodes)
-                    next_nodes.append(
-                        _Node(
-                            node.task,
-                            [h + [p] for h, p in zip(node.prompt_history, child_prompts)],
-                            [h + [c] for h, c in zip(node.response_history, completions)],
-                        )
+                    branches.append((node, [texts[i][n * G + k] for i, k in enumerate(combo)]))
+                    parents.append((n, j))
+            child_prompts = call_transitions(transition, branches, tasks, turn, batched_transition)
+            for (node, completions), (n, j), prompts_ in zip(branches, parents, child_prompts):
+                children[n, j] = len(next_nodes)
+                next_nodes.append(
+                    _Node(
+                        node.task,
+                        [h + [p] for h, p in zip(node.prompt_history, prompts_)],
+                        [h + [c] for h, c in zip(node.response_history, completions)],
                     )
+                )
         t3 = time.perf_counter()
 
         level_rewards.append(rewards)
