@@ -222,7 +222,8 @@ def build_tree(
     level_rewards, level_shaped, level_children, level_samples = [], [], [], []  # per turn
     metric_sums: dict[str, float] = {}
     all_completions: list[list[str]] = [[] for _ in agents]  # [agent][joint action of every turn]
-    stats = {"time/generate_s": 0.0, "time/reward_s": 0.0, "time/transition_s": 0.0, "rollout/generated_tokens": 0.0}
+    stats = dict.fromkeys(("time/generate_s", "time/reward_s", "time/penalty_s", "time/transition_s"), 0.0)
+    stats["rollout/generated_tokens"] = 0.0
     truncated = num_responses = 0
     for turn in range(num_turns):
         t0 = time.perf_counter()
@@ -250,6 +251,7 @@ def build_tree(
         if rewards.dim() == 1:  # a joint reward is every agent's reward
             rewards = rewards.unsqueeze(1).expand(-1, num_agents)
         rewards = neutral_fill(rewards.reshape(len(nodes), len(combos), num_agents))
+        t2 = time.perf_counter()
         shaped = rewards  # what returns are built from; logs and early termination use the task reward
         if response_penalty is not None:
             penalties = torch.stack(
@@ -261,7 +263,7 @@ def build_tree(
             )  # [nodes, J, agents]
             shaped = rewards - penalties
             metric_sums["penalty"] = metric_sums.get("penalty", 0.0) + float(penalties.mean(dim=2).sum())
-        t2 = time.perf_counter()
+        t_penalty = time.perf_counter()
 
         for key, value in metrics.items():
             metric_sums[key] = metric_sums.get(key, 0.0) + value * rewards.shape[0] * rewards.shape[1]
@@ -297,7 +299,8 @@ def build_tree(
         level_samples.append(gens)
         stats["time/generate_s"] += t1 - t0
         stats["time/reward_s"] += t2 - t1
-        stats["time/transition_s"] += t3 - t2
+        stats["time/penalty_s"] += t_penalty - t2
+        stats["time/transition_s"] += t3 - t_penalty
         stats["rollout/generated_tokens"] += sum(g.num_generated_tokens for g in gens)
         stats[f"rollout/turn{turn}_nodes"] = float(len(nodes))
         # a response without its end token hit max_new_tokens
