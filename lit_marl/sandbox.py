@@ -73,9 +73,13 @@ def _set_limits(limits: Limits) -> None:  # runs in the child between fork and e
 
 
 def _command(code_path: str, workdir: str, isolate: bool, limits: Limits) -> list[str]:
-    python = [sys.executable, "-I", "-B", code_path]
+    # the real interpreter, not a venv's link to it: the sandbox needs no site-packages, and a venv
+    # inside /tmp would be hidden by the sandbox's private /tmp
+    python = [os.path.realpath(sys.executable), "-I", "-B", code_path]
     if not isolate:
         return python
+    base = os.path.realpath(sys.base_prefix)
+    keep_python = ["--ro-bind", base, base] if base.startswith("/tmp/") else []
     # the limits are applied to bwrap itself and inherited; NPROC is set inside for the sandbox user
     return [
         "bwrap",
@@ -83,6 +87,7 @@ def _command(code_path: str, workdir: str, isolate: bool, limits: Limits) -> lis
         "--dev", "/dev",
         "--proc", "/proc",
         "--tmpfs", "/tmp",
+        *keep_python,
         "--bind", workdir, workdir,
         "--chdir", workdir,
         "--unshare-all",
