@@ -70,3 +70,12 @@ class Agent(nn.Module):
     @torch.no_grad()
     def decode(self, ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
         return [self.tokenizer.decode(row[m.bool()], skip_special_tokens=True) for row, m in zip(ids, mask)]
+
+
+def roles_by_model(agents: list[Agent]) -> list[list[int]]:
+    """Roles grouped by the agent object that plays them: a parameter-shared team is one group,
+    separate agents are one group each. One generate per group and turn, one optimizer per group."""
+    groups: dict[int, list[int]] = {}
+    for i, agent in enumerate(agents):
+        groups.setdefault(id(agent), []).append(i)
+    return list(groups.values())

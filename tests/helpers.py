@@ -52,3 +52,10 @@ def make_trainer(tmp_path, **overrides):
     if "logger" not in kwargs:
         kwargs["logger"] = TensorBoardLogger(str(tmp_path))
     return L.Trainer(**kwargs)
+
+
+def cli_fit(tmp_path, *extra, config: str = "configs/magrpo/slogan_tiny.yaml"):
+    """``lit-marl fit --config <config>`` with logs under ``tmp_path`` (run from the repo root)."""
+    from lit_marl.cli import build_cli
+
+    return build_cli(args=["fit", "--config", config, "--trainer.logger.init_args.save_dir", str(tmp_path), *extra])

@@ -7,7 +7,7 @@ import json
 import lightning as L
 import pytest
 
-from helpers import SLOGAN_HELDOUT, SLOGAN_PROMPTS, SLOGAN_TRAIN, make_trainer
+from helpers import SLOGAN_HELDOUT, SLOGAN_PROMPTS, SLOGAN_TRAIN, cli_fit, make_trainer
 from lit_marl.algorithms import MAGRPO
 from lit_marl.algorithms import base as base_module
 from lit_marl.data import RolloutDataModule
@@ -205,18 +205,7 @@ def test_agent_count_mismatch_fails_in_fit_before_loading(tmp_path, no_model_loa
 
 # --------------------------------------------------------------------------- through the CLI
 def _cli_fit(tmp_path, *extra):
-    from lit_marl.cli import build_cli
-
-    return build_cli(
-        args=[
-            "fit",
-            "--config",
-            "configs/magrpo/slogan_tiny.yaml",
-            "--trainer.logger.init_args.save_dir",
-            str(tmp_path),
-            *extra,
-        ]
-    )
+    return cli_fit(tmp_path, *extra)
 
 
 def test_cli_one_generation(in_repo_root, tmp_path, no_model_loads):

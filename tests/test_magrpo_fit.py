@@ -8,7 +8,7 @@ import lightning as L
 import pytest
 import torch
 
-from helpers import make_trainer, slogan_data
+from helpers import cli_fit, make_trainer, slogan_data
 from lit_marl.algorithms import MAGRPO
 from lit_marl.returns import group_advantages
 from lit_marl.rollout.tree import build_tree
@@ -112,21 +112,7 @@ def test_advantages_follow_the_settings(tiny_agents, baseline, scale):
 
 # --------------------------------------------------------------------------- through the CLI
 def test_cli_fit_end_to_end(in_repo_root, tmp_path):
-    from lit_marl.cli import build_cli
-
-    cli = build_cli(
-        args=[
-            "fit",
-            "--config",
-            "configs/magrpo/slogan_tiny.yaml",
-            "--trainer.logger.init_args.save_dir",
-            str(tmp_path),
-            "--trainer.limit_train_batches",
-            "2",
-            "--data.max_new_tokens",
-            "8",
-        ]
-    )
+    cli = cli_fit(tmp_path, "--trainer.limit_train_batches", "2", "--data.max_new_tokens", "8")
     assert cli.trainer.state.finished
     assert cli.trainer.global_step == 2 * 2
     assert isinstance(cli.model, MAGRPO) and len(cli.model.agents) == 2

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from lit_marl import ConfigError
-from lit_marl.agents import Agent, LoraSettings
+from lit_marl.agents import Agent, LoraSettings, roles_by_model
 from lit_marl.generation import Generation
 from lit_marl.models import check_source
 from lit_marl.rollout.batch import AgentSamples, RolloutBatch
@@ -78,10 +78,11 @@ class AgentTeamModule(L.LightningModule):
     @property
     def learners(self) -> list[list[int]]:
         """The roles each distinct model plays: one optimizer per entry."""
-        return [[0, *range(1, len(self.sources))]] if self.share_parameters else [[i] for i in range(len(self.sources))]
+        return roles_by_model(list(self.agents))
 
     def learner_name(self, index: int) -> str:
-        return "shared" if self.share_parameters else f"agent{index}"
+        roles = self.learners[index]
+        return "shared" if len(roles) > 1 else f"agent{roles[0]}"
 
     def configure_optimizers(self):
         return [

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from lit_marl.rollout.batch import AgentSamples
@@ -21,17 +23,7 @@ class RolloutBuffer:
         if samples.advantages is None:
             raise ValueError("RolloutBuffer.add: compute the advantages first (they need the whole node)")
         _, local = torch.unique(samples.group_ids, return_inverse=True)  # node ids unique in the buffer
-        self.parts.append(
-            AgentSamples(
-                input_ids=samples.input_ids,
-                attention_mask=samples.attention_mask,
-                completion_mask=samples.completion_mask,
-                returns=samples.returns,
-                group_ids=local + self.num_nodes,
-                turn_ids=samples.turn_ids,
-                advantages=samples.advantages,
-            )
-        )
+        self.parts.append(replace(samples, group_ids=local + self.num_nodes))
         self.num_nodes += int(local.max()) + 1
 
     def drain(self, pad_id: int) -> AgentSamples | None:

@@ -17,7 +17,7 @@ from typing import Literal
 
 import torch
 
-from lit_marl.agents import Agent
+from lit_marl.agents import Agent, roles_by_model
 from lit_marl.generation import Generation, generate
 from lit_marl.returns import cross_agent_returns, tree_returns
 from lit_marl.rollout.batch import AgentSamples, RolloutBatch
@@ -134,14 +134,6 @@ def neutral_fill(rewards: torch.Tensor) -> torch.Tensor:
     return torch.where(valid, rewards, means.expand_as(rewards))
 
 
-def _roles_by_model(agents: list[Agent]) -> list[list[int]]:
-    """Roles grouped by the agent object that plays them (a parameter-shared team is one)."""
-    groups: dict[int, list[int]] = {}
-    for i, agent in enumerate(agents):
-        groups.setdefault(id(agent), []).append(i)
-    return list(groups.values())
-
-
 @dataclass
 class _Node:
     task: int
@@ -229,7 +221,7 @@ def build_tree(
         t0 = time.perf_counter()
         gens: list[Generation] = [None] * num_agents
         raw = turn > 0 and external_prompt_passthrough
-        for roles in _roles_by_model(agents):  # ONE batched generate per model over all open nodes
+        for roles in roles_by_model(agents):  # ONE batched generate per model over all open nodes
             agent = agents[roles[0]]
             encoded = [agent.encode_prompt(node.prompt_history[i][-1], raw=raw) for i in roles for node in nodes]
             generated = generate(agent, encoded, G, max_new_tokens, temperature, top_p, greedy)
