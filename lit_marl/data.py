@@ -7,9 +7,7 @@ every rollout comes from the current weights (the loader's prefetch only touches
 
 from __future__ import annotations
 
-import functools
 import importlib
-import inspect
 import string
 from pathlib import Path
 from typing import Literal
@@ -19,8 +17,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from lit_marl import ConfigError
+from lit_marl.envs.base import FunctionEnv, JointEnv
 from lit_marl.rollout.batch import RolloutBatch
-from lit_marl.rollout.tree import JointMode, RewardFn, build_tree
+from lit_marl.rollout.tree import JointMode, build_tree
 
 
 def import_object(path: str, field: str):
@@ -70,8 +69,9 @@ class RolloutDataModule(L.LightningDataModule):
     def __init__(
         self,
         train_path: str,
-        agent_prompts: list[str],
-        reward_fn: str,
+        agent_prompts: list[str] | None = None,
+        reward_fn: str | None = None,
+        env: JointEnv | None = None,
         val_path: str | None = None,
         tasks_per_step: int = 4,
         num_generations: int = 4,
@@ -92,11 +92,16 @@ class RolloutDataModule(L.LightningDataModule):
     ):
         """
         Args:
-            train_path: Task rows for training (JSONL/JSON/CSV/Parquet), read with ``datasets``.
+            train_path: Task rows for training (JSONL/JSON/CSV/Parquet), read with ``datasets``, or a
+                source the environment knows (e.g. ``humaneval[:130]`` for the code environment).
             agent_prompts: One format string per agent, filled from a task row's fields
-                (``{topic}``); the number of entries is the number of agents.
+                (``{topic}``); the number of entries is the number of agents. With ``reward_fn``;
+                not with ``env``.
             reward_fn: Import path of the joint reward function (``module:function``), called once
                 per turn with ``agent_completions=[agent][joint action]`` and ``tasks=[joint action]``.
+            env: An environment (``class_path`` + ``init_args``, e.g. ``lit_marl.envs.code.CodeEnv``)
+                that gives the prompts, the rewards and the next turn's prompts; replaces
+                ``agent_prompts``, ``reward_fn`` and ``transition``.
             val_path: Held-out task rows for validation, test and the before/after evaluation.
             tasks_per_step: Tasks (tree roots) per training step.
             num_generations: Responses G each agent samples at every tree node.
@@ -126,8 +131,15 @@ class RolloutDataModule(L.LightningDataModule):
                 advantage) and reports their fraction as the metric ``skipped_reward_frac``.
         """
         super().__init__()
-        if not agent_prompts:
-            raise ConfigError("data.agent_prompts: give one prompt template per agent")
+        if env is not None and (agent_prompts or reward_fn or transition):
+            raise ConfigError(
+                "data.env gives the prompts, rewards and transitions: drop data.agent_prompts, data.reward_fn and "
+                "data.transition, or drop data.env"
+            )
+        if env is None and not agent_prompts:
+            raise ConfigError("data.agent_prompts: give one prompt template per agent (or give data.env)")
+        if env is None and not reward_fn:
+            raise ConfigError("data.reward_fn: give the import path of a reward function (or give data.env)")
         if num_generations < 1:
             raise ConfigError(f"data.num_generations={num_generations}: must be at least 1")
         if joint_mode not in ("aligned", "cross"):
@@ -140,7 +152,7 @@ class RolloutDataModule(L.LightningDataModule):
             raise ConfigError(f"data.top_p={top_p}: must be in (0, 1]")
         if num_turns < 1:
             raise ConfigError(f"data.num_turns={num_turns}: must be at least 1")
-        if num_turns > 1 and transition is None:
+        if num_turns > 1 and transition is None and env is None:
             raise ConfigError(
                 f"data.num_turns={num_turns} needs data.transition (e.g. lit_marl.rollout.transitions:plain) "
                 "to build the next turn's prompts"
@@ -151,28 +163,26 @@ class RolloutDataModule(L.LightningDataModule):
             raise ConfigError(f"data.discount={discount}: must be in [0, 1]")
         if tasks_per_step < 1 or eval_tasks_per_step < 1:
             raise ConfigError("data.tasks_per_step and data.eval_tasks_per_step must be at least 1")
-        self.save_hyperparameters()
-        self.agent_prompts = list(agent_prompts)
-        self.reward: RewardFn = import_object(reward_fn, "data.reward_fn")
-        self.transition = None
-        if transition is not None:
-            fn = import_object(transition, "data.transition")
-            try:
-                inspect.signature(fn).bind_partial(**(transition_kwargs or {}))
-            except TypeError as err:
-                raise ConfigError(
-                    f"data.transition_kwargs={transition_kwargs!r} do not fit {transition}: {err}"
-                ) from err
-            self.transition = functools.partial(fn, **(transition_kwargs or {}))
-        required = set().union(*(template_fields(t) for t in self.agent_prompts))
-        self.train_tasks = load_tasks(train_path, "data.train_path", required)
-        self.val_tasks = load_tasks(val_path, "data.val_path", required) if val_path else []
+        self.save_hyperparameters(ignore=["env"])
+        if env is None:
+            env = FunctionEnv(
+                agent_prompts,
+                import_object(reward_fn, "data.reward_fn"),
+                import_object(transition, "data.transition") if transition else None,
+                transition_kwargs,
+                batched_transition,
+            )
+        if num_turns > 1 and not env.has_transition:
+            raise ConfigError(f"data.num_turns={num_turns}: {type(env).__name__} has no transition (single-turn)")
+        self.env = env
+        self.train_tasks = env.load_tasks(train_path, "data.train_path")
+        self.val_tasks = env.load_tasks(val_path, "data.val_path") if val_path else []
         self.num_generations = num_generations
         self.joint_mode = joint_mode
 
     @property
     def num_agents(self) -> int:
-        return len(self.agent_prompts)
+        return self.env.num_agents
 
     def _loader(self, tasks: list[dict], batch_size: int, shuffle: bool) -> DataLoader:
         generator = torch.Generator().manual_seed(self.hparams.seed)
@@ -188,7 +198,7 @@ class RolloutDataModule(L.LightningDataModule):
         return self.val_dataloader()
 
     def prompts_for(self, tasks: list[dict]) -> list[list[str]]:
-        return [[t.format(**task) for t in self.agent_prompts] for task in tasks]
+        return [self.env.prompts(task) for task in tasks]
 
     def rollout(self, agents, tasks: list[dict], greedy: bool, response_penalty=None) -> RolloutBatch:
         hp = self.hparams
@@ -196,7 +206,7 @@ class RolloutDataModule(L.LightningDataModule):
             agents,
             tasks,
             self.prompts_for(tasks),
-            self.reward,
+            self.env.reward,
             num_generations=1 if greedy else self.num_generations,
             joint_mode=self.joint_mode,
             max_new_tokens=hp.max_new_tokens,
@@ -204,8 +214,8 @@ class RolloutDataModule(L.LightningDataModule):
             top_p=hp.top_p,
             greedy=greedy,
             num_turns=hp.num_turns,
-            transition=self.transition,
-            batched_transition=hp.batched_transition,
+            transition=self.env.transition if self.env.has_transition else None,
+            batched_transition=True,
             discount=hp.discount,
             early_termination_threshold=hp.early_termination_threshold,
             external_prompt_passthrough=hp.external_prompt_passthrough,

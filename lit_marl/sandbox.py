@@ -102,8 +102,9 @@ def _command(code_path: str, workdir: str, isolate: bool, limits: Limits) -> lis
     ]  # fmt: skip
 
 
-def run_python(code: str, limits: Limits = Limits(), isolate: bool | None = None) -> Result:
-    """Run ``code`` with ``python -I`` in a sandbox; never raises for anything the program does."""
+def run_python(code: str, limits: Limits = Limits(), isolate: bool | None = None, stdin: str = "") -> Result:
+    """Run ``code`` with ``python -I`` in a sandbox, ``stdin`` on its standard input; never raises for
+    anything the program does."""
     global _warned_no_bwrap
     if isolate is None:
         isolate = bubblewrap_available()
@@ -123,7 +124,7 @@ def run_python(code: str, limits: Limits = Limits(), isolate: bool | None = None
         proc = subprocess.Popen(
             _command(code_path, workdir, isolate, limits),
             cwd=workdir,
-            stdin=subprocess.DEVNULL,
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             preexec_fn=lambda: _set_limits(limits),
@@ -131,7 +132,7 @@ def run_python(code: str, limits: Limits = Limits(), isolate: bool | None = None
         )
         timed_out = False
         try:
-            stdout, stderr = proc.communicate(timeout=limits.wall_s)
+            stdout, stderr = proc.communicate(stdin.encode(), timeout=limits.wall_s)
         except subprocess.TimeoutExpired:
             timed_out = True
             try:
@@ -151,8 +152,11 @@ def run_python(code: str, limits: Limits = Limits(), isolate: bool | None = None
     )
 
 
-def run_many(programs: list[str], limits: Limits = Limits(), max_workers: int | None = None) -> list[Result]:
-    """Run programs in parallel (bounded), results in input order."""
+def run_many(
+    programs: list[str], limits: Limits = Limits(), max_workers: int | None = None, stdins: list[str] | None = None
+) -> list[Result]:
+    """Run programs in parallel (bounded), results in input order; ``stdins[i]`` feeds program i."""
     workers = max_workers or min(len(programs), 2 * (os.cpu_count() or 1)) or 1
+    stdins = stdins if stdins is not None else [""] * len(programs)
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        return list(pool.map(lambda code: run_python(code, limits), programs))
+        return list(pool.map(lambda job: run_python(job[0], limits, stdin=job[1]), zip(programs, stdins)))

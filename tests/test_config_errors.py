@@ -104,7 +104,7 @@ def test_bad_reward_fn(reward_fn, detail):
 def test_dotted_reward_path_works():
     from lit_marl.envs.slogan import reward
 
-    assert datamodule(reward_fn="lit_marl.envs.slogan.reward").reward is reward
+    assert datamodule(reward_fn="lit_marl.envs.slogan.reward").env.reward_fn is reward
 
 
 def test_jsonl_missing_prompt_field(tmp_path):

@@ -142,6 +142,7 @@ def test_build_tree_passes_reward_metrics(tiny_agents):
     assert batch.rewards.tolist() == [float(j) for j in range(6)]
     assert batch.metrics == {
         "level": pytest.approx(5 / 6),
+        "turn0/level": pytest.approx(5 / 6),  # each reported metric also per turn
         "turn0/reward": pytest.approx(2.5),  # one turn: the return is the reward
         "turn0/return": pytest.approx(2.5),
     }

@@ -9,6 +9,7 @@ node whose prompts the external transition builds from that branch's own histori
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -149,9 +150,12 @@ def call_transitions(
     batched: bool,
 ) -> list[list[str]]:
     """Next prompts of every branch of a turn: one call per branch, or one call for all of them
-    (``batched``: every keyword argument is then a list over branches, and so is the result)."""
+    (``batched``: every keyword argument is then a list over branches, and so is the result).
+    A transition with a ``task`` parameter (an environment's) also gets the branch's task row."""
+    with_task = "task" in inspect.signature(transition).parameters
     kwargs = [
         dict(
+            **({"task": tasks[node.task]} if with_task else {}),
             prompt=[history[0] for history in node.prompt_history],
             agent_completions=completions,
             prompt_history_per_agent=[list(h) for h in node.prompt_history],
@@ -213,6 +217,7 @@ def build_tree(
     nodes = [_Node(t, [[p] for p in prompts[t]], [[] for _ in agents]) for t in range(len(tasks))]
     level_rewards, level_shaped, level_children, level_samples = [], [], [], []  # per turn
     metric_sums: dict[str, float] = {}
+    turn_metrics: dict[str, float] = {}  # the reward's own metrics (e.g. levels) per turn
     all_completions: list[list[str]] = [[] for _ in agents]  # [agent][joint action of every turn]
     stats = dict.fromkeys(("time/generate_s", "time/reward_s", "time/penalty_s", "time/transition_s"), 0.0)
     stats["rollout/generated_tokens"] = 0.0
@@ -259,6 +264,7 @@ def build_tree(
 
         for key, value in metrics.items():
             metric_sums[key] = metric_sums.get(key, 0.0) + value * rewards.shape[0] * rewards.shape[1]
+            turn_metrics[f"turn{turn}/{key}"] = value
         metric_sums[f"turn{turn}/reward"] = float(rewards.mean(dim=2).sum())
         stopped = torch.zeros(len(nodes), dtype=torch.bool)
         if early_termination_threshold is not None:
@@ -333,7 +339,7 @@ def build_tree(
         node_offset += num_nodes
 
     all_rewards = torch.cat([r.mean(dim=2).reshape(-1) for r in level_rewards])  # team mean per joint action
-    metrics = {}
+    metrics = dict(turn_metrics)
     for key, total in metric_sums.items():
         if key.startswith("turn"):
             continue

@@ -1,0 +1,120 @@
+"""The environment protocol that rollouts drive.
+
+A *joint* environment is stateless: its state is a branch's histories, so the tree branches it
+for free and an episode is one branch. Per task it gives every agent a first prompt; per turn it
+scores all joint actions of all open nodes in ONE batched call (rewards plus per-level metrics),
+and builds the next prompts of all branches in ONE batched call. CoMLRL's pair "reward function +
+external transition" is exactly this (``FunctionEnv``); code tasks are ``envs.code.CodeEnv``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+
+from lit_marl import ConfigError
+
+
+class JointEnv(ABC):
+    cloneable = True
+    """Stateless: a branch is its histories, so branching never copies anything."""
+
+    @property
+    @abstractmethod
+    def num_agents(self) -> int: ...
+
+    def load_tasks(self, source: str, field: str) -> list[dict]:
+        """Task rows of ``source`` (a file path by default; an env may know dataset names)."""
+        from lit_marl.data import load_tasks
+
+        return load_tasks(source, field, self.required_fields())
+
+    def required_fields(self) -> set[str]:
+        return set()
+
+    @abstractmethod
+    def prompts(self, task: dict) -> list[str]:
+        """reset: each agent's first prompt for ``task``."""
+
+    @abstractmethod
+    def reward(
+        self, agent_completions: list[list[str]], tasks: list[dict]
+    ) -> Sequence[float] | Mapping[str, Sequence[float]]:
+        """step, scoring part: ``agent_completions[agent][j]`` is joint action j on ``tasks[j]``.
+        One float per joint action, one list per joint action (per agent), or a mapping with key
+        ``reward`` and further per-joint-action metrics."""
+
+    def transition(
+        self,
+        *,
+        task: list[dict],
+        prompt: list[list[str]],
+        agent_completions: list[list[str]],
+        num_agents: int,
+        prompt_history_per_agent: list[list[list[str]]],
+        response_history_per_agent: list[list[list[str]]],
+    ) -> list[list[str]]:
+        """step, observation part, batched over branches: every argument is a list with one entry
+        per branch (its task, first prompts, this turn's completions, histories); returns each
+        branch's next prompt per agent."""
+        raise NotImplementedError(f"{type(self).__name__} is single-turn: it has no transition")
+
+    @property
+    def has_transition(self) -> bool:
+        return type(self).transition is not JointEnv.transition
+
+
+class FunctionEnv(JointEnv):
+    """Prompt templates + an importable reward function (+ an external transition)."""
+
+    def __init__(
+        self,
+        agent_prompts: list[str],
+        reward_fn,
+        transition=None,
+        transition_kwargs: dict | None = None,
+        batched_transition: bool = False,
+    ):
+        from lit_marl.data import template_fields
+
+        self.agent_prompts = list(agent_prompts)
+        self.reward_fn = reward_fn
+        self.batched_transition = batched_transition
+        self.transition_fn = None
+        self._fields = set().union(*(template_fields(t) for t in self.agent_prompts))
+        if transition is not None:
+            try:
+                inspect.signature(transition).bind_partial(**(transition_kwargs or {}))
+            except TypeError as err:
+                name = getattr(transition, "__qualname__", repr(transition))
+                raise ConfigError(f"data.transition_kwargs={transition_kwargs!r} do not fit {name}: {err}") from err
+            self.transition_fn = functools.partial(transition, **(transition_kwargs or {}))
+
+    @property
+    def num_agents(self) -> int:
+        return len(self.agent_prompts)
+
+    def required_fields(self) -> set[str]:
+        return self._fields
+
+    def prompts(self, task: dict) -> list[str]:
+        return [t.format(**task) for t in self.agent_prompts]
+
+    def reward(self, agent_completions, tasks):
+        return self.reward_fn(agent_completions=agent_completions, tasks=tasks)
+
+    @property
+    def has_transition(self) -> bool:
+        return self.transition_fn is not None
+
+    def transition(self, *, task, num_agents, **branches):
+        """CoMLRL's transition interface has no ``task``: called once per branch, or once for all
+        branches when it is ``batched_transition``."""
+        if self.batched_transition:
+            return self.transition_fn(num_agents=num_agents, **branches)
+        return [
+            self.transition_fn(num_agents=num_agents, **{key: values[b] for key, values in branches.items()})
+            for b in range(len(task))
+        ]

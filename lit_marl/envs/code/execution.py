@@ -1,0 +1,134 @@
+"""Run a program's tests in the sandbox, each test recorded on its own (trainer side).
+
+``split_tests`` turns a HumanEval-style ``check(candidate)`` (or plain top-level asserts, as in
+MBPP) into separate tests; ``run_tests`` runs many programs in parallel through
+``lit_marl.sandbox``, each under the two-process harness of ``harness.py``, and reads back the
+signed per-test report. Anything that keeps the report from arriving (the harness killed, the
+wall timeout) counts as no test passed.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lit_marl.sandbox import Limits, run_many
+
+HARNESS = (Path(__file__).parent / "harness.py").read_text()
+
+
+@dataclass(frozen=True)
+class TestCase:
+    setup: str
+    """Code run before the test in a fresh namespace (the test file's imports, helper values)."""
+    code: str
+    """One statement holding the assert(s), e.g. ``assert candidate(2) == 4``."""
+
+
+@dataclass(frozen=True)
+class TestOutcome:
+    passed: bool
+    error: str = ""
+    """Exception type (``AssertionError``, ``ProgramDied``, ``NotRun`` ...); empty when passed."""
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class ExecReport:
+    loaded: bool
+    """The program's module ran to the end (its definitions exist)."""
+    load_error: str
+    outcomes: list[TestOutcome] = field(default_factory=list)
+    harness_ok: bool = True
+    """False when no signed report came back (the harness was killed or timed out)."""
+    seconds: float = 0.0
+
+    @property
+    def passed_frac(self) -> float:
+        return sum(o.passed for o in self.outcomes) / len(self.outcomes) if self.outcomes else 0.0
+
+
+@dataclass(frozen=True)
+class TestLimits:
+    test_timeout_s: float = 3.0
+    """Time for one test's calls into the program (a hung program is restarted for the next test)."""
+    budget_s: float = 10.0
+    """Time for all tests of one program; tests after it are recorded as not run."""
+    memory_mb: int = 1024
+    """Address space of the harness and of the program, each."""
+    processes: int = 32
+    max_response_bytes: int = 1_000_000
+
+
+def _names(node: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+
+
+def split_tests(test_source: str, entry_point: str) -> list[TestCase]:
+    """One TestCase per top-level statement of ``check``'s body that asserts something about the
+    program (it mentions ``candidate`` or the entry point); the statements before it (loops'
+    data, imports) become its setup. Asserts that never touch the program (``assert True``) are
+    dropped: they would give credit to any program."""
+    tree = ast.parse(test_source)
+    check = next((s for s in tree.body if isinstance(s, ast.FunctionDef) and s.name == "check"), None)
+    module = [s for s in tree.body if s is not check]
+    if check is None:  # MBPP style: asserts at the top level
+        body, module, param = tree.body, [], "candidate"
+    else:
+        body, param = check.body, check.args.args[0].arg if check.args.args else "candidate"
+    alias = [] if param == "candidate" else [ast.parse(f"{param} = candidate").body[0]]
+    tests, prefix = [], []
+    for stmt in body:
+        if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant):
+            continue  # a docstring
+        has_assert = any(isinstance(n, ast.Assert) for n in ast.walk(stmt))
+        if not has_assert:
+            prefix.append(stmt)
+        elif _names(stmt) & {param, entry_point}:
+            setup = ast.unparse(ast.Module(body=module + alias + prefix, type_ignores=[]))
+            tests.append(TestCase(setup=setup, code=ast.unparse(stmt)))
+    return tests
+
+
+def run_tests(
+    jobs: list[tuple[str, list[TestCase], str]], limits: TestLimits = TestLimits(), max_workers: int | None = None
+) -> list[ExecReport]:
+    """``jobs[i] = (program source, its tests, entry point)``; all run in parallel, reports in order."""
+    nonces = [secrets.token_hex(16) for _ in jobs]
+    stdins = [
+        json.dumps(
+            {
+                "nonce": nonce,
+                "program": program,
+                "tests": [{"setup": t.setup, "code": t.code} for t in tests],
+                "entry_point": entry_point,
+                "test_timeout_s": limits.test_timeout_s,
+                "budget_s": limits.budget_s,
+                "max_response_bytes": limits.max_response_bytes,
+            }
+        )
+        for nonce, (program, tests, entry_point) in zip(nonces, jobs)
+    ]
+    sandbox = Limits(
+        wall_s=limits.budget_s + limits.test_timeout_s + 5.0,
+        cpu_s=int(limits.budget_s + limits.test_timeout_s) + 5,
+        memory_mb=limits.memory_mb,
+        processes=limits.processes,
+    )
+    results = run_many([HARNESS] * len(jobs), sandbox, max_workers=max_workers, stdins=stdins)
+    reports = []
+    for nonce, (_, tests, _), result in zip(nonces, jobs, results):
+        line = next((ln for ln in result.stdout.splitlines() if ln.startswith(nonce)), None)
+        if line is None:
+            why = "timed out" if result.timed_out else f"exited with {result.returncode}"
+            message = f"the harness gave no report ({why}): {result.stderr[-300:]}"
+            outcomes = [TestOutcome(False, "NoReport", message)] * len(tests)
+            reports.append(ExecReport(False, message, outcomes, harness_ok=False, seconds=result.seconds))
+            continue
+        raw = json.loads(line[len(nonce) :])
+        outcomes = [TestOutcome(o["passed"], o["error"], o["message"]) for o in raw["tests"]]
+        reports.append(ExecReport(raw["loaded"], raw["load_error"], outcomes, seconds=result.seconds))
+    return reports

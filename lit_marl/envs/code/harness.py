@@ -1,0 +1,248 @@
+"""Test harness that runs INSIDE the sandbox (stdlib only; this file is the sandboxed program).
+
+Why two processes: a check that runs in the candidate's own process can be forged (patch
+``assert`` or ``__eq__``, ``os._exit(0)`` before the tests, print a fake report, find any nonce
+through ``gc`` or ``/proc/self``). So the candidate program is loaded into a child process (the
+*server*) and the tests run here, in the harness, calling the candidate's functions through a
+pipe. Only plain data crosses the pipe (None, bool, int, float, str, bytes, list, tuple, dict,
+set, decoded into fresh builtins here), so every comparison runs on untouched builtins in a
+process the candidate cannot reach: the harness makes itself non-dumpable (no ``/proc/<pid>/mem``
+or ``/proc/<pid>/fd`` for same-user processes), closes its fds in the child, and signs its
+report with a nonce that it read from stdin before the candidate ran. A candidate that kills
+the harness, or exits, or hangs gets no credit for tests it did not pass.
+
+Input (stdin, JSON): nonce, program (source), tests ([{setup, code}]), test_timeout_s,
+budget_s, max_response_bytes. Output: one line ``<nonce><JSON report>`` on stdout.
+"""
+
+import ctypes
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
+SERVER = r'''
+import json, os, sys
+out = os.fdopen(os.dup(1), "w")  # the reply channel; the candidate's prints go to stderr
+os.dup2(2, 1)
+inp = sys.stdin
+
+def enc(v):
+    t = type(v)
+    if v is None or t in (bool, int, str):
+        return v
+    if t is float:
+        return {"__t": "float", "v": repr(v)}
+    if t is list:
+        return [enc(x) for x in v]
+    if t is tuple:
+        return {"__t": "tuple", "v": [enc(x) for x in v]}
+    if t is dict:
+        return {"__t": "dict", "v": [[enc(k), enc(x)] for k, x in v.items()]}
+    if t in (set, frozenset):
+        return {"__t": t.__name__, "v": [enc(x) for x in v]}
+    if t is bytes:
+        return {"__t": "bytes", "v": v.hex()}
+    raise TypeError(f"the return value has type {t.__name__}; only plain data can be checked")
+
+def dec(v):
+    if isinstance(v, list):
+        return [dec(x) for x in v]
+    if isinstance(v, dict):
+        t, x = v["__t"], v["v"]
+        if t == "float":
+            return float(x)
+        if t == "bytes":
+            return bytes.fromhex(x)
+        if t == "dict":
+            return {dec(k): dec(y) for k, y in x}
+        return {"tuple": tuple, "set": set, "frozenset": frozenset}[t](dec(y) for y in x)
+    return v
+
+def send(msg):
+    out.write(json.dumps(msg) + "\n")
+    out.flush()
+
+ns = {"__name__": "__main__"}
+try:
+    exec(compile(json.loads(inp.readline()), "<program>", "exec"), ns)
+    send({"ok": True, "names": [k for k, v in ns.items() if callable(v) and not k.startswith("__")]})
+except BaseException as e:
+    send({"ok": False, "error": type(e).__name__, "message": str(e)[:300]})
+    raise SystemExit(0)
+for line in inp:
+    req = json.loads(line)
+    try:
+        value = ns[req["name"]](*dec(req["args"]), **{k: dec(v) for k, v in req["kwargs"].items()})
+        send({"ok": True, "value": enc(value)})
+    except BaseException as e:
+        send({"ok": False, "error": type(e).__name__, "message": str(e)[:300]})
+'''
+
+
+def encode(v):
+    t = type(v)
+    if v is None or t in (bool, int, str):
+        return v
+    if t is float:
+        return {"__t": "float", "v": repr(v)}
+    if t is list:
+        return [encode(x) for x in v]
+    if t is tuple:
+        return {"__t": "tuple", "v": [encode(x) for x in v]}
+    if t is dict:
+        return {"__t": "dict", "v": [[encode(k), encode(x)] for k, x in v.items()]}
+    if t in (set, frozenset):
+        return {"__t": t.__name__, "v": [encode(x) for x in v]}
+    if t is bytes:
+        return {"__t": "bytes", "v": v.hex()}
+    raise TypeError(f"a test passed an argument of type {t.__name__}, which cannot cross to the program")
+
+
+def decode(v):
+    if isinstance(v, list):
+        return [decode(x) for x in v]
+    if isinstance(v, dict):
+        t, x = v["__t"], v["v"]
+        if t == "float":
+            return float(x)
+        if t == "bytes":
+            return bytes.fromhex(x)
+        if t == "dict":
+            return {decode(k): decode(y) for k, y in x}
+        return {"tuple": tuple, "set": set, "frozenset": frozenset}[t](decode(y) for y in x)
+    if v is None or type(v) in (bool, int, str):
+        return v
+    raise TypeError("malformed reply")
+
+
+class ProgramDied(Exception):
+    """The program's process exited, hung past the test's time or broke the protocol."""
+
+
+class Server:
+    """The candidate program in its own process; calls cross a pipe as plain data."""
+
+    def __init__(self, program: str, max_bytes: int, timeout: float):
+        self.max_bytes = max_bytes
+        self.proc = subprocess.Popen(
+            [sys.executable, "-I", "-B", "-c", SERVER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            process_group=0,  # killed as a group: the candidate's own children go with it
+            preexec_fn=lambda: ctypes.CDLL(None).prctl(1, signal.SIGKILL),  # dies with the harness
+        )
+        self.buffer = b""
+        self.send(program)
+        reply = self.receive(time.monotonic() + timeout)
+        if not reply["ok"]:
+            raise ProgramDied(f"{reply['error']}: {reply['message']}")
+        self.names = reply["names"]
+
+    def send(self, msg) -> None:
+        try:
+            self.proc.stdin.write((json.dumps(msg) + "\n").encode())
+            self.proc.stdin.flush()
+        except OSError as err:
+            raise ProgramDied("the program's process exited") from err
+
+    def receive(self, deadline: float) -> dict:
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self.buffer:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ProgramDied("timed out")
+            if not select.select([fd], [], [], left)[0]:
+                continue
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                raise ProgramDied("the program's process exited")
+            self.buffer += chunk
+            if len(self.buffer) > self.max_bytes:
+                raise ProgramDied("the program's reply is too large")
+        line, _, self.buffer = self.buffer.partition(b"\n")
+        try:
+            reply = json.loads(line)
+            return {**reply, "value": decode(reply["value"])} if reply.get("ok") and "value" in reply else reply
+        except (ValueError, KeyError, TypeError) as err:
+            raise ProgramDied("the program broke the harness protocol") from err
+
+    def proxy(self, name: str, deadline_of):
+        def call(*args, **kwargs):
+            self.send({"name": name, "args": encode(list(args)), "kwargs": {k: encode(v) for k, v in kwargs.items()}})
+            reply = self.receive(deadline_of())
+            if not reply["ok"]:
+                raise RuntimeError(f"{reply['error']}: {reply['message']}")
+            return reply["value"]
+
+        call.__name__ = name
+        return call
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+
+def main() -> None:
+    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: same-user processes cannot read our memory
+    spec = json.loads(sys.stdin.read())
+    nonce, tests = spec["nonce"], spec["tests"]
+    budget_end = time.monotonic() + spec["budget_s"]
+    report = {"loaded": False, "load_error": "", "tests": []}
+    server, why_not = None, ""
+    deadline = [0.0]
+
+    def start():
+        deadline[0] = min(time.monotonic() + spec["test_timeout_s"], budget_end)
+        return Server(spec["program"], spec["max_response_bytes"], deadline[0] - time.monotonic())
+
+    try:
+        server = start()
+        report["loaded"] = True
+    except ProgramDied as err:
+        report["load_error"] = why_not = str(err)
+    for test in tests:
+        if server is None:  # a program that cannot load (or exhausted its time) passes nothing
+            report["tests"].append({"passed": False, "error": "NotRun", "message": why_not})
+            continue
+        deadline[0] = min(time.monotonic() + spec["test_timeout_s"], budget_end)
+        env = {"__builtins__": __builtins__}
+        for name in server.names:
+            env[name] = server.proxy(name, lambda: deadline[0])
+        if spec["entry_point"] in server.names:
+            env["candidate"] = env[spec["entry_point"]]
+        outcome = {"passed": False, "error": "", "message": ""}
+        try:
+            exec(test["setup"], env)
+            exec(test["code"], env)
+            outcome["passed"] = True
+        except ProgramDied as err:
+            outcome.update(error="ProgramDied", message=str(err))
+        except AssertionError as err:
+            outcome.update(error="AssertionError", message=str(err)[:300])
+        except Exception as err:
+            outcome.update(error=type(err).__name__, message=str(err)[:300])
+        report["tests"].append(outcome)
+        if outcome["error"] == "ProgramDied":  # a fresh process for the next test
+            server.kill()
+            server, why_not = None, "not run: the time budget is spent"
+            if time.monotonic() < budget_end:
+                try:
+                    server = start()
+                except ProgramDied as err:
+                    why_not = f"not run: the program did not restart ({err})"
+    if server is not None:
+        server.kill()
+    sys.stdout.write(nonce + json.dumps(report) + "\n")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
