@@ -3,7 +3,8 @@
 Each program runs in a fresh process group under resource limits (CPU seconds, address space,
 processes, file size) with a wall-clock timeout that kills the whole group. Where bubblewrap
 (`bwrap`, Debian package `bubblewrap`) is available the process also gets no network, a
-read-only root, a private writable /tmp and an unprivileged user; where it is not, the program
+file system of only the system folders and the interpreter (read-only), a private writable /tmp
+and work folder, and an unprivileged user; where it is not, the program
 runs with the limits and the timeout in a private temporary folder, and a warning says so once.
 Many programs run at once (``run_many``), so a turn's rewards take about as long as the slowest
 program, not the sum.
@@ -68,7 +69,9 @@ def _set_limits(limits: Limits) -> None:  # runs in the child between fork and e
     resource.setrlimit(resource.RLIMIT_AS, (limits.memory_mb * mb, limits.memory_mb * mb))
     resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_mb * mb, limits.file_mb * mb))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    if os.getuid() != 0:  # root ignores RLIMIT_NPROC; under bwrap the program is an unprivileged user
+    # the kernel does not apply RLIMIT_NPROC to root's processes, even as a mapped user under bwrap;
+    # the code harness therefore also forbids its candidate to fork (a seccomp filter)
+    if os.getuid() != 0:
         resource.setrlimit(resource.RLIMIT_NPROC, (limits.processes, limits.processes))
 
 
@@ -78,17 +81,27 @@ def _command(code_path: str, workdir: str, isolate: bool, limits: Limits) -> lis
     python = [os.path.realpath(sys.executable), "-I", "-B", code_path]
     if not isolate:
         return python
+    # only the system's programs and libraries and the interpreter are visible (read-only): not the
+    # home folders, the checkout or the data, which the sandbox user could otherwise read (when the
+    # trainer runs as root, root's files belong to the sandbox's mapped user)
+    system = []
+    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/usr"):
+        if os.path.islink(top):
+            system += ["--symlink", os.readlink(top), top]
+        elif os.path.isdir(top):
+            system += ["--ro-bind", top, top]
     base = os.path.realpath(sys.base_prefix)
-    keep_python = ["--ro-bind", base, base] if base.startswith("/tmp/") else []
+    if not base.startswith("/usr/"):
+        system += ["--ro-bind", base, base]
     # the limits are applied to bwrap itself and inherited; NPROC is set inside for the sandbox user
     return [
         "bwrap",
-        "--ro-bind", "/", "/",
+        *system,
         "--dev", "/dev",
         "--proc", "/proc",
         "--tmpfs", "/tmp",
-        *keep_python,
         "--bind", workdir, workdir,
+        "--remount-ro", "/",
         "--chdir", workdir,
         "--unshare-all",
         "--unshare-user",
@@ -153,10 +166,14 @@ def run_python(code: str, limits: Limits = Limits(), isolate: bool | None = None
 
 
 def run_many(
-    programs: list[str], limits: Limits = Limits(), max_workers: int | None = None, stdins: list[str] | None = None
+    programs: list[str],
+    limits: Limits = Limits(),
+    max_workers: int | None = None,
+    stdins: list[str] | None = None,
+    isolate: bool | None = None,
 ) -> list[Result]:
     """Run programs in parallel (bounded), results in input order; ``stdins[i]`` feeds program i."""
     workers = max_workers or min(len(programs), 2 * (os.cpu_count() or 1)) or 1
     stdins = stdins if stdins is not None else [""] * len(programs)
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        return list(pool.map(lambda job: run_python(job[0], limits, stdin=job[1]), zip(programs, stdins)))
+        return list(pool.map(lambda job: run_python(job[0], limits, isolate, job[1]), zip(programs, stdins)))

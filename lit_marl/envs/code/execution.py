@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import json
+import logging
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,14 @@ from pathlib import Path
 from lit_marl.sandbox import Limits, run_many
 
 HARNESS = (Path(__file__).parent / "harness.py").read_text()
+log = logging.getLogger(__name__)
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        log.warning(message)
 
 
 @dataclass(frozen=True)
@@ -94,9 +103,13 @@ def split_tests(test_source: str, entry_point: str) -> list[TestCase]:
 
 
 def run_tests(
-    jobs: list[tuple[str, list[TestCase], str]], limits: TestLimits = TestLimits(), max_workers: int | None = None
+    jobs: list[tuple[str, list[TestCase], str]],
+    limits: TestLimits = TestLimits(),
+    max_workers: int | None = None,
+    isolate: bool | None = None,
 ) -> list[ExecReport]:
-    """``jobs[i] = (program source, its tests, entry point)``; all run in parallel, reports in order."""
+    """``jobs[i] = (program source, its tests, entry point)``; all run in parallel, reports in order.
+    ``isolate``: bubblewrap or not (default: where it is installed)."""
     nonces = [secrets.token_hex(16) for _ in jobs]
     stdins = [
         json.dumps(
@@ -118,7 +131,7 @@ def run_tests(
         memory_mb=limits.memory_mb,
         processes=limits.processes,
     )
-    results = run_many([HARNESS] * len(jobs), sandbox, max_workers=max_workers, stdins=stdins)
+    results = run_many([HARNESS] * len(jobs), sandbox, max_workers, stdins, isolate)
     reports = []
     for nonce, (_, tests, _), result in zip(nonces, jobs, results):
         line = next((ln for ln in result.stdout.splitlines() if ln.startswith(nonce)), None)
@@ -129,6 +142,9 @@ def run_tests(
             reports.append(ExecReport(False, message, outcomes, harness_ok=False, seconds=result.seconds))
             continue
         raw = json.loads(line[len(nonce) :])
+        if raw["guard"]:
+            _warn_once(f"the code harness could not forbid forks ({raw['guard']}): a fork bomb is bounded only by "
+                       "the wall timeout")
         outcomes = [TestOutcome(o["passed"], o["error"], o["message"]) for o in raw["tests"]]
         reports.append(ExecReport(raw["loaded"], raw["load_error"], outcomes, seconds=result.seconds))
     return reports

@@ -25,10 +25,52 @@ import sys
 import time
 
 SERVER = r'''
-import json, os, sys
+import ctypes, json, os, platform, sys
 out = os.fdopen(os.dup(1), "w")  # the reply channel; the candidate's prints go to stderr
 os.dup2(2, 1)
 inp = sys.stdin
+
+def forbid_fork():
+    """A seccomp filter: no new processes (fork, vfork, clone without CLONE_THREAD), threads still
+    work. RLIMIT_NPROC cannot stop a fork bomb when the trainer runs as root."""
+    spec = {"x86_64": (0xC000003E, [57, 58], 56), "aarch64": (0xC00000B7, [], 220)}.get(platform.machine())
+    if spec is None:
+        return f"no fork filter for {platform.machine()}"
+    audit, forks, clone = spec
+    LD, JEQ, JGE, JSET, RET = 0x20, 0x15, 0x35, 0x45, 0x06
+    ins = []
+    def op(code, k=0, jt=0, jf=0):
+        ins.append([code, jt, jf, k])
+    op(LD, 4)  # the calling convention: any other (e.g. 32-bit syscalls) is refused
+    op(JEQ, audit, 0, "deny")
+    op(LD, 0)  # the syscall number
+    if audit == 0xC000003E:
+        op(JGE, 0x40000000, "deny", 0)  # the x32 ABI
+    for nr in forks:
+        op(JEQ, nr, "deny", 0)
+    op(JEQ, 435, "nosys", 0)  # clone3: its flags are out of reach; libc falls back to clone
+    op(JEQ, clone, 0, "allow")
+    op(LD, 16)  # clone's flags (low word of the first argument)
+    op(JSET, 0x10000, "allow", "deny")  # CLONE_THREAD
+    labels = {}
+    for name, k in (("allow", 0x7FFF0000), ("deny", 0x00050001), ("nosys", 0x00050026)):
+        labels[name] = len(ins)
+        op(RET, k)
+    for i, x in enumerate(ins):
+        for j in (1, 2):
+            if isinstance(x[j], str):
+                x[j] = labels[x[j]] - i - 1
+    class Filter(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint)]
+    class Program(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(Filter))]
+    program = Program(len(ins), (Filter * len(ins))(*[Filter(*x) for x in ins]))
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(38, 1, 0, 0, 0) or libc.prctl(22, 2, ctypes.byref(program), 0, 0):
+        return f"seccomp refused (errno {ctypes.get_errno()})"
+    return ""
+
+guard = forbid_fork()
 
 def enc(v):
     t = type(v)
@@ -69,7 +111,7 @@ def send(msg):
 ns = {"__name__": "__main__"}
 try:
     exec(compile(json.loads(inp.readline()), "<program>", "exec"), ns)
-    send({"ok": True, "names": [k for k, v in ns.items() if callable(v) and not k.startswith("__")]})
+    send({"ok": True, "guard": guard, "names": [k for k, v in ns.items() if callable(v) and not k.startswith("__")]})
 except BaseException as e:
     send({"ok": False, "error": type(e).__name__, "message": str(e)[:300]})
     raise SystemExit(0)
@@ -141,7 +183,7 @@ class Server:
         reply = self.receive(time.monotonic() + timeout)
         if not reply["ok"]:
             raise ProgramDied(f"{reply['error']}: {reply['message']}")
-        self.names = reply["names"]
+        self.names, self.guard = reply["names"], reply["guard"]
 
     def send(self, msg) -> None:
         try:
@@ -195,7 +237,7 @@ def main() -> None:
     spec = json.loads(sys.stdin.read())
     nonce, tests = spec["nonce"], spec["tests"]
     budget_end = time.monotonic() + spec["budget_s"]
-    report = {"loaded": False, "load_error": "", "tests": []}
+    report = {"loaded": False, "load_error": "", "guard": "", "tests": []}
     server, why_not = None, ""
     deadline = [0.0]
 
@@ -205,7 +247,7 @@ def main() -> None:
 
     try:
         server = start()
-        report["loaded"] = True
+        report["loaded"], report["guard"] = True, server.guard
     except ProgramDied as err:
         report["load_error"] = why_not = str(err)
     for test in tests:

@@ -1,0 +1,417 @@
+"""Cooperative code generation: agents write functions of one program, tests decide the reward.
+
+Roles are data: each writes one function (``defines``) from its own prompt template; the
+program is the task's prelude (its imports and given helpers) + every role's code in order, and
+the last role writes the entry point. ``single`` is one role; ``aux_main`` is CoMLRL's split
+(agent 0 writes ``aux``, agent 1 the entry point, which may call it).
+
+Level-based reward (each level is also reported as a metric, per turn):
+
+1. definitions: the fraction of roles whose code defines their function; below 1 the reward
+   stops here (``definitions`` weight times that fraction);
+2. syntax: every role's code and the combined program parse; otherwise stop;
+3. tests: the fraction of the task's tests passed, each test run on its own in the sandbox
+   (``execution.py``); a program that cannot load passes none;
+4. collaboration (two or more roles, and only once a test passes): the entry point calls a
+   helper (+), is not a thin wrapper that only returns a helper's result (+), and does not call a
+   helper and drop its result (-).
+
+The reward is the weighted sum divided by the most a program can get, so 1.0 means every test
+passed (and, with helpers, used well) in every role layout.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Literal
+
+from lit_marl import ConfigError
+from lit_marl.envs.base import JointEnv
+from lit_marl.envs.code.execution import ExecReport, TestCase, TestLimits, run_tests, split_tests
+from lit_marl.envs.code.expert import Expert
+from lit_marl.envs.code.problems import load_problems
+
+
+@dataclass
+class Role:
+    defines: str
+    """The function this role writes; ``{entry_point}`` stands for the task's entry point."""
+    prompt: str
+    """Template over the task's fields (``{prompt}``, ``{entry_point}`` ...), ``{defines}`` and
+    ``{helpers}`` (the functions the other roles write)."""
+    name: str = ""
+
+
+SINGLE_PROMPT = (
+    "Write a complete Python function `{defines}` that solves the task below. Reply with the code only, "
+    "in one ```python block.\n\n{prompt}"
+)
+AUX_PROMPT = (
+    "You and a teammate solve the task below together. You write a helper function `aux` that your "
+    "teammate's function `{entry_point}` will call: choose arguments and a result that do a useful part of the "
+    "work. Reply with the code of `aux` only, in one ```python block.\n\n{prompt}"
+)
+MAIN_PROMPT = (
+    "You and a teammate solve the task below together. Write a complete Python function `{defines}`. Your "
+    "teammate writes a helper `aux(...)` that you can call; do not define `aux` yourself. Reply with the code "
+    "only, in one ```python block.\n\n{prompt}"
+)
+LAYOUTS = {
+    "single": [Role("{entry_point}", SINGLE_PROMPT, "main")],
+    "aux_main": [Role("aux", AUX_PROMPT, "helper"), Role("{entry_point}", MAIN_PROMPT, "main")],
+}
+REVISE = "Revise your code and reply with the complete improved version only, in one ```python block."
+
+
+@dataclass
+class RewardWeights:
+    definitions: float = 0.1
+    syntax: float = 0.1
+    tests: float = 0.6
+    calls_helper: float = 0.1
+    not_wrapper: float = 0.1
+    ignored_result: float = -0.1
+    """Added (a penalty) when the entry point calls a helper as a statement, dropping its result."""
+
+
+_FENCE = re.compile(r"```[\w+-]*[ \t]*\n(.*?)(?:\n[ \t]*```|\Z)", re.S)
+_KEEP = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Assign, ast.AnnAssign)
+
+
+def extract_code(text: str, drop: set[str] = frozenset()) -> str:
+    """The code of a reply: its (first function-bearing) fenced block, else the whole text, keeping
+    only imports, definitions and assignments (no demo prints or tests at the top level) and no
+    definition of a name in ``drop`` (another role's function). Unparseable code is kept as is so
+    that the syntax level sees it."""
+    blocks = _FENCE.findall(text)
+    code = next((b for b in blocks if "def " in b), blocks[0] if blocks else text)
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return code.strip("\n")
+    keep = [
+        s
+        for s in tree.body
+        if isinstance(s, _KEEP) and not (isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef)) and s.name in drop)
+    ]
+    return ast.unparse(ast.Module(body=keep, type_ignores=[]))
+
+
+def prelude(task_prompt: str, skip: set[str]) -> str:
+    """What the task gives every program: the prompt's imports and its complete helper functions
+    (e.g. HumanEval's ``poly``), without the stub of the functions the roles write."""
+    try:
+        tree = ast.parse(task_prompt)
+    except SyntaxError:  # a prose prompt (MBPP): no code to give
+        return ""
+    keep = [
+        s
+        for s in tree.body
+        if isinstance(s, (ast.Import, ast.ImportFrom))
+        or (isinstance(s, (ast.FunctionDef, ast.ClassDef)) and s.name not in skip)
+    ]
+    return ast.unparse(ast.Module(body=keep, type_ignores=[]))
+
+
+def _function(code: str, name: str) -> ast.FunctionDef | None:
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return None
+    return next((s for s in tree.body if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef)) and s.name == name), None)
+
+
+@dataclass
+class Analysis:
+    """Everything known about one joint action's program; the reward and the feedback read it."""
+
+    codes: list[str]
+    names: list[str]
+    program: str
+    defined: list[bool]
+    syntax_errors: list[str]  # per role ("" when it parses), then the combined program's
+    calls_helper: bool = False
+    thin_wrapper: bool = False
+    ignored_result: bool = False
+    report: ExecReport | None = None
+    redefined: list[list[str]] = field(default_factory=list)  # per role: other roles' functions it wrote
+
+    @property
+    def syntax_ok(self) -> bool:
+        return not any(self.syntax_errors)
+
+
+def _syntax_error(code: str, what: str) -> str:
+    try:
+        ast.parse(code)
+    except SyntaxError as err:
+        return f"SyntaxError in {what} at line {err.lineno}, column {err.offset}: {err.msg}"
+    return ""
+
+
+class CodeEnv(JointEnv):
+    def __init__(
+        self,
+        roles: list[Role] | Literal["single", "aux_main"] = "single",
+        transition: Literal["plain", "level_feedback", "expert_edits"] = "level_feedback",
+        sandbox_slice: int | Literal["all"] | None = 1,
+        include_original_prompt: bool = True,
+        history: Literal["last", "all", "none"] = "last",
+        show_teammates: bool = True,
+        revise_instruction: str = REVISE,
+        weights: RewardWeights = RewardWeights(),
+        test_limits: TestLimits = TestLimits(),
+        expert: Expert | None = None,
+        max_workers: int | None = None,
+    ):
+        """
+        Args:
+            roles: ``single``, ``aux_main`` (CoMLRL's helper + main split) or a list of roles
+                (``defines`` + ``prompt`` template each); the last role writes the entry point.
+            transition: Next-turn prompts: ``plain`` (previous code + revise instruction),
+                ``level_feedback`` (static checks and the results of the revealed tests) or
+                ``expert_edits`` (edits an expert model proposes; needs ``expert``).
+            sandbox_slice: Tests the feedback reveals: 1 (the first), n > 0 (first n), n < 0 (last |n|),
+                0 / None / "all" (all). The reward always uses all tests.
+            include_original_prompt: Repeat the agent's first prompt in later turns.
+            history: Previous code shown: ``last`` turn's, ``all`` turns', or ``none``.
+            show_teammates: Also show the other roles' latest code (e.g. aux's signature to main).
+            revise_instruction: The closing instruction of a later turn's prompt.
+            weights: Weights of the reward levels.
+            test_limits: Per-test timeout, per-program budget and memory of the sandboxed tests.
+            expert: The expert model for ``expert_edits`` (a local model source, or an
+                OpenAI-compatible endpoint).
+            max_workers: Programs tested at once (default: twice the CPU count).
+        """
+        self.roles = [Role(**r) if isinstance(r, dict) else r for r in (LAYOUTS[roles] if isinstance(roles, str) else roles)]
+        if isinstance(roles, str) and roles not in LAYOUTS:
+            raise ConfigError(f"data.env.roles={roles!r}: choose {' or '.join(LAYOUTS)} or give a list of roles")
+        if not self.roles:
+            raise ConfigError("data.env.roles: give at least one role")
+        if self.roles[-1].defines != "{entry_point}":
+            raise ConfigError(
+                f"data.env.roles: the last role writes the entry point (defines: '{{entry_point}}'), "
+                f"not {self.roles[-1].defines!r}"
+            )
+        if len({r.defines for r in self.roles}) != len(self.roles):
+            raise ConfigError("data.env.roles: two roles define the same function")
+        if transition not in ("plain", "level_feedback", "expert_edits"):
+            raise ConfigError(f"data.env.transition={transition!r}: choose plain, level_feedback or expert_edits")
+        if transition == "expert_edits" and expert is None:
+            raise ConfigError("data.env.transition=expert_edits needs data.env.expert (a model or an endpoint)")
+        if isinstance(sandbox_slice, str) and sandbox_slice != "all":
+            raise ConfigError(f"data.env.sandbox_slice={sandbox_slice!r}: give an integer, 'all' or null")
+        if history not in ("last", "all", "none"):
+            raise ConfigError(f"data.env.history={history!r}: choose last, all or none")
+        self.mode = transition
+        self.sandbox_slice = sandbox_slice
+        self.include_original_prompt = include_original_prompt
+        self.history = history
+        self.show_teammates = show_teammates
+        self.revise_instruction = revise_instruction
+        self.weights = weights
+        self.test_limits = test_limits
+        self.expert = expert
+        self.max_workers = max_workers
+        self._tests: dict[str, list[TestCase]] = {}
+        self._reports: OrderedDict[tuple[str, str], ExecReport] = OrderedDict()  # the turn's runs, for feedback
+
+    # ------------------------------------------------------------------ tasks and prompts
+    @property
+    def num_agents(self) -> int:
+        return len(self.roles)
+
+    def load_tasks(self, source: str, field: str) -> list[dict]:
+        rows = load_problems(source, field)
+        for role in self.roles:
+            try:
+                self._role_prompt(role, rows[0])
+            except KeyError as err:
+                raise ConfigError(
+                    f"data.env.roles: the prompt of role {role.name or role.defines!r} uses the field {err} that "
+                    f"the rows of {field}={source!r} lack; their fields are {sorted(rows[0])}"
+                ) from None
+        return rows
+
+    def names(self, task: dict) -> list[str]:
+        return [r.defines.format(entry_point=task["entry_point"]) for r in self.roles]
+
+    def _role_prompt(self, role: Role, task: dict) -> str:
+        names = self.names(task)
+        own = role.defines.format(entry_point=task["entry_point"])
+        helpers = ", ".join(n for n in names if n != own)
+        return role.prompt.format(**{**task, "defines": own, "helpers": helpers})
+
+    def prompts(self, task: dict) -> list[str]:
+        return [self._role_prompt(role, task) for role in self.roles]
+
+    # ------------------------------------------------------------------ analysis and tests
+    def analyze(self, task: dict, completions: list[str]) -> Analysis:
+        names = self.names(task)
+        codes, redefined = [], []
+        for i, text in enumerate(completions):
+            others = set(names) - {names[i]}
+            codes.append(extract_code(text, drop=others))
+            redefined.append(sorted(others & {n for n in re.findall(r"def\s+(\w+)", text)}))
+        program = "\n\n".join(p for p in [prelude(task["prompt"], set(names)), *codes] if p)
+        errors = [_syntax_error(code, f"the code of {names[i]}") for i, code in enumerate(codes)]
+        errors.append("" if any(errors) else _syntax_error(program, "the combined program"))
+        defined = [_function(code, name) is not None for code, name in zip(codes, names)]
+        out = Analysis(codes, names, program, defined, errors, redefined=redefined)
+        main = _function(codes[-1], names[-1])
+        helpers = set(names[:-1])
+        if main is not None and helpers:
+            calls = [n for n in ast.walk(main) if isinstance(n, ast.Call) and getattr(n.func, "id", None) in helpers]
+            out.calls_helper = bool(calls)
+            body = [s for s in main.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+            out.thin_wrapper = (
+                len(body) == 1 and isinstance(body[0], ast.Return) and any(body[0].value is c for c in calls)
+            )
+            out.ignored_result = any(
+                isinstance(s, ast.Expr) and any(s.value is c for c in calls) for s in ast.walk(main)
+            )
+        return out
+
+    def tests_of(self, task: dict) -> list[TestCase]:
+        key = task["task_id"] + task["test"]
+        if key not in self._tests:
+            self._tests[key] = split_tests(task["test"], task["entry_point"])
+            if not self._tests[key]:
+                raise ConfigError(f"task {task['task_id']!r}: its test has no assert that calls {task['entry_point']}")
+        return self._tests[key]
+
+    def run(self, tasks: list[dict], analyses: list[Analysis]) -> None:
+        """Fill in the test reports of every analysis whose program parses: cached ones from this
+        turn's reward, the rest in one parallel batch."""
+        todo = []
+        for task, a in zip(tasks, analyses):
+            if not (all(a.defined) and a.syntax_ok):
+                continue
+            key = (task["task_id"], a.program)
+            if key in self._reports:
+                a.report = self._reports[key]
+            else:
+                todo.append((task, a, key))
+        unique = {key: (task, a) for task, a, key in todo}
+        jobs = [(a.program, self.tests_of(task), task["entry_point"]) for task, a in unique.values()]
+        for key, report in zip(unique, run_tests(jobs, self.test_limits, self.max_workers)):
+            self._reports[key] = report
+            while len(self._reports) > 8192:
+                self._reports.popitem(last=False)
+        for _, a, key in todo:
+            a.report = self._reports[key]
+
+    # ------------------------------------------------------------------ reward
+    def reward(self, agent_completions: list[list[str]], tasks: list[dict]) -> dict[str, list[float]]:
+        analyses = [self.analyze(task, [agent[j] for agent in agent_completions]) for j, task in enumerate(tasks)]
+        self.run(tasks, analyses)
+        w = self.weights
+        collab = len(self.roles) > 1
+        best = w.definitions + w.syntax + w.tests + (w.calls_helper + w.not_wrapper if collab else 0.0)
+        out: dict[str, list[float]] = {
+            key: []
+            for key in ["reward", "success", "level/definitions", "level/syntax", "level/loaded", "level/tests_passed"]
+            + (["collab/calls_helper", "collab/not_wrapper", "collab/ignored_result"] if collab else [])
+        }
+        for a in analyses:
+            defs = sum(a.defined) / len(a.defined)
+            syntax = float(defs == 1 and a.syntax_ok)
+            passed = a.report.passed_frac if a.report else 0.0
+            score = w.definitions * defs + syntax * (w.syntax + w.tests * passed)
+            out["level/definitions"].append(defs)
+            out["level/syntax"].append(syntax)
+            out["level/loaded"].append(float(bool(a.report and a.report.loaded)))
+            out["level/tests_passed"].append(passed)
+            out["success"].append(float(passed == 1.0))
+            if collab:
+                active = passed > 0  # no bonus for calling a helper in a program that passes nothing
+                bonus = [active and a.calls_helper, active and a.calls_helper and not a.thin_wrapper]
+                penalty = active and a.ignored_result
+                score += w.calls_helper * bonus[0] + w.not_wrapper * bonus[1] + w.ignored_result * penalty
+                out["collab/calls_helper"].append(float(a.calls_helper))
+                out["collab/not_wrapper"].append(float(a.calls_helper and not a.thin_wrapper))
+                out["collab/ignored_result"].append(float(a.ignored_result))
+            out["reward"].append(score / best)
+        return out
+
+    # ------------------------------------------------------------------ feedback and transitions
+    def revealed(self, count: int) -> range:
+        s = self.sandbox_slice
+        if s in (0, None, "all"):
+            return range(count)
+        return range(min(s, count)) if s > 0 else range(max(count + s, 0), count)
+
+    def feedback(self, task: dict, a: Analysis, agent: int) -> str:
+        """Static checks, then the revealed tests' results; for the entry point the helper notes."""
+        lines = []
+        for name, ok in zip(a.names, a.defined):
+            lines.append(f"- `{name}` is defined." if ok else f"- `{name}` is missing: define `def {name}(...)`.")
+        if a.redefined[agent]:
+            lines.append(f"- You also defined {', '.join(a.redefined[agent])}; your teammate's version is used.")
+        errors = [e for e in a.syntax_errors if e]
+        lines += [f"- {e}" for e in errors] or (["- The code parses."] if all(a.defined) else [])
+        if a.report is not None:
+            if not a.report.loaded:
+                lines.append(f"- Running the program failed: {a.report.load_error}")
+            tests = self.tests_of(task)
+            shown = self.revealed(len(tests))
+            for k in shown:
+                outcome = a.report.outcomes[k]
+                verdict = "passed" if outcome.passed else f"failed: {outcome.error} {outcome.message}".rstrip()
+                lines.append(f"- Test `{tests[k].code}` {verdict}")
+            lines.append(f"- {sum(a.report.outcomes[k].passed for k in shown)} of the {len(shown)} shown tests passed.")
+        if agent == len(a.names) - 1 and len(a.names) > 1 and all(a.defined):
+            helpers = ", ".join(f"`{n}`" for n in a.names[:-1])
+            if not a.calls_helper:
+                lines.append(f"- Your function does not call {helpers}.")
+            elif a.thin_wrapper:
+                lines.append(f"- Your function only returns {helpers}'s result: do part of the work yourself.")
+            if a.ignored_result:
+                lines.append(f"- Your function calls {helpers} but ignores the result.")
+        return "\n".join(lines)
+
+    def transition(
+        self,
+        *,
+        task: list[dict],
+        prompt: list[list[str]],
+        agent_completions: list[list[str]],
+        num_agents: int,
+        prompt_history_per_agent: list[list[list[str]]],
+        response_history_per_agent: list[list[list[str]]],
+    ) -> list[list[str]]:
+        analyses = [self.analyze(t, list(c)) for t, c in zip(task, agent_completions)]
+        extra: list[list[str]] = [[""] * num_agents for _ in task]
+        if self.mode == "level_feedback":
+            self.run(task, analyses)
+            extra = [
+                ["Feedback on the team's program:\n" + self.feedback(t, a, i) for i in range(num_agents)]
+                for t, a in zip(task, analyses)
+            ]
+        elif self.mode == "expert_edits":
+            edits = self.expert.propose([t["prompt"] for t in task], [a.program for a in analyses])
+            extra = [[f"An expert reviewed the team's program and suggests:\n{e}"] * num_agents for e in edits]
+        out = []
+        for b, a in enumerate(analyses):
+            prompts = []
+            for i in range(num_agents):
+                parts = [prompt[b][i]] if self.include_original_prompt else []
+                past = response_history_per_agent[b][i]
+                shown = {"last": past[-1:], "all": past, "none": []}[self.history]
+                for k, response in enumerate(shown):
+                    turn = len(past) - len(shown) + k + 1
+                    code = extract_code(response, drop=set(a.names) - {a.names[i]})
+                    parts.append(f"Your code at turn {turn}:\n```python\n{code}\n```")
+                if self.show_teammates and num_agents > 1:
+                    parts += [
+                        f"Your teammate's `{a.names[j]}`:\n```python\n{a.codes[j]}\n```"
+                        for j in range(num_agents)
+                        if j != i
+                    ]
+                parts += [p for p in (extra[b][i], self.revise_instruction) if p]
+                prompts.append("\n\n".join(parts))
+            out.append(prompts)
+        return out
