@@ -31,6 +31,8 @@ def _warn_once(message: str) -> None:
 
 @dataclass(frozen=True)
 class TestCase:
+    __test__ = False  # not a pytest class
+
     setup: str
     """Code run before the test in a fresh namespace (the test file's imports, helper values)."""
     code: str
@@ -39,6 +41,8 @@ class TestCase:
 
 @dataclass(frozen=True)
 class TestOutcome:
+    __test__ = False  # not a pytest class
+
     passed: bool
     error: str = ""
     """Exception type (``AssertionError``, ``ProgramDied``, ``NotRun`` ...); empty when passed."""
@@ -62,6 +66,8 @@ class ExecReport:
 
 @dataclass(frozen=True)
 class TestLimits:
+    __test__ = False  # not a pytest class
+
     test_timeout_s: float = 3.0
     """Time for one test's calls into the program (a hung program is restarted for the next test)."""
     budget_s: float = 10.0
