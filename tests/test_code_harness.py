@@ -129,7 +129,9 @@ def test_adversarial_program_gets_no_credit(isolate, name):
 def test_new_processes_are_refused_but_threads_work(isolate):
     # RLIMIT_NPROC does not bind root (even mapped under bwrap), so the harness refuses forks itself
     forking = "import os, time\ndef add(a, b):\n    if os.fork() == 0:\n        time.sleep(60)\n    return a + b"
-    spawning = "import subprocess\ndef add(a, b):\n    return int(subprocess.check_output(['expr', str(a), '+', str(b)]))"
+    spawning = (
+        "import subprocess\ndef add(a, b):\n    return int(subprocess.check_output(['expr', str(a), '+', str(b)]))"
+    )
     threads = (
         "import threading\ndef add(a, b):\n    out = []\n    t = threading.Thread(target=lambda: out.append(a + b))\n"
         "    t.start()\n    t.join()\n    return out[0]"
@@ -221,12 +223,18 @@ def test_humaneval_canonical_solutions_get_full_credit_and_broken_ones_none():
     assert out["level/tests_passed"] == [1.0] * 164
     assert out["reward"] == pytest.approx([1.0] * 164)
 
-    jobs = [(_without_returns(s, p["entry_point"]), env.tests_of(p), p["entry_point"]) for s, p in zip(solutions, problems)]
+    jobs = [
+        (_without_returns(s, p["entry_point"]), env.tests_of(p), p["entry_point"]) for s, p in zip(solutions, problems)
+    ]
     broken = run_tests(jobs)
     credited = [i for i, r in enumerate(broken) if r.passed_frac > 0]
     assert len(credited) <= 10, [problems[i]["task_id"] for i in credited]
     stubs = [
-        (f"def {problems[i]['entry_point']}(*args, **kwargs):\n    return None", env.tests_of(problems[i]), problems[i]["entry_point"])
+        (
+            f"def {problems[i]['entry_point']}(*args, **kwargs):\n    return None",
+            env.tests_of(problems[i]),
+            problems[i]["entry_point"],
+        )
         for i in credited
     ]
     for i, stub in zip(credited, run_tests(stubs)):

@@ -151,8 +151,9 @@ def call_transitions(
 ) -> list[list[str]]:
     """Next prompts of every branch of a turn: one call per branch, or one call for all of them
     (``batched``: every keyword argument is then a list over branches, and so is the result).
-    A transition with a ``task`` parameter (an environment's) also gets the branch's task row."""
-    with_task = "task" in inspect.signature(transition).parameters
+    A transition with a ``task`` parameter (an environment's) or ``**kwargs`` also gets the branch's task row."""
+    parameters = inspect.signature(transition).parameters
+    with_task = "task" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
     kwargs = [
         dict(
             **({"task": tasks[node.task]} if with_task else {}),

@@ -121,7 +121,9 @@ def _function(code: str, name: str) -> ast.FunctionDef | None:
         tree = ast.parse(code)
     except SyntaxError:
         return None
-    return next((s for s in tree.body if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef)) and s.name == name), None)
+    return next(
+        (s for s in tree.body if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef)) and s.name == name), None
+    )
 
 
 @dataclass
@@ -186,7 +188,9 @@ class CodeEnv(JointEnv):
                 OpenAI-compatible endpoint).
             max_workers: Programs tested at once (default: twice the CPU count).
         """
-        self.roles = [Role(**r) if isinstance(r, dict) else r for r in (LAYOUTS[roles] if isinstance(roles, str) else roles)]
+        self.roles = [
+            Role(**r) if isinstance(r, dict) else r for r in (LAYOUTS[roles] if isinstance(roles, str) else roles)
+        ]
         if isinstance(roles, str) and roles not in LAYOUTS:
             raise ConfigError(f"data.env.roles={roles!r}: choose {' or '.join(LAYOUTS)} or give a list of roles")
         if not self.roles:
@@ -259,7 +263,8 @@ class CodeEnv(JointEnv):
         program = "\n\n".join(p for p in [prelude(task["prompt"], set(names)), *codes] if p)
         errors = [_syntax_error(code, f"the code of {names[i]}") for i, code in enumerate(codes)]
         errors.append("" if any(errors) else _syntax_error(program, "the combined program"))
-        defined = [_function(code, name) is not None for code, name in zip(codes, names)]
+        # textual, so that a definition with a syntax error still counts for the first level
+        defined = [bool(re.search(rf"^(async\s+)?def\s+{re.escape(n)}\s*\(", c, re.M)) for c, n in zip(codes, names)]
         out = Analysis(codes, names, program, defined, errors, redefined=redefined)
         main = _function(codes[-1], names[-1])
         helpers = set(names[:-1])

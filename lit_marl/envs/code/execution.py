@@ -149,8 +149,10 @@ def run_tests(
             continue
         raw = json.loads(line[len(nonce) :])
         if raw["guard"]:
-            _warn_once(f"the code harness could not forbid forks ({raw['guard']}): a fork bomb is bounded only by "
-                       "the wall timeout")
+            _warn_once(
+                f"the code harness could not forbid forks ({raw['guard']}): a fork bomb is bounded only by "
+                "the wall timeout"
+            )
         outcomes = [TestOutcome(o["passed"], o["error"], o["message"]) for o in raw["tests"]]
         reports.append(ExecReport(raw["loaded"], raw["load_error"], outcomes, seconds=result.seconds))
     return reports

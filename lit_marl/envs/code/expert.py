@@ -87,7 +87,9 @@ class Expert:
                 return reply["choices"][0]["message"]["content"].strip()
             except (urllib.error.URLError, TimeoutError, ConnectionError) as err:
                 if attempt == self.retries:
-                    detail = err.read().decode(errors="replace")[:300] if isinstance(err, urllib.error.HTTPError) else ""
+                    detail = (
+                        err.read().decode(errors="replace")[:300] if isinstance(err, urllib.error.HTTPError) else ""
+                    )
                     raise RuntimeError(
                         f"expert endpoint {url} (model {self.model!r}) failed after {attempt + 1} attempts: {err} {detail}"
                     ) from err
