@@ -34,7 +34,10 @@ def test_config_prints(config, in_repo_root, capsys):
     printed = yaml.safe_load(out)
     source = yaml.safe_load((REPO_ROOT / config).read_text())
     assert printed["model"]["class_path"] == source["model"]["class_path"]
-    assert printed["data"]["agent_prompts"] == source["data"]["agent_prompts"]
+    if "agent_prompts" in source["data"]:
+        assert printed["data"]["agent_prompts"] == source["data"]["agent_prompts"]
+    else:  # an environment gives the prompts
+        assert printed["data"]["env"]["class_path"] == source["data"]["env"]["class_path"]
     # the number of agents is linked to the prompts at instantiation, so it is not a config key
     assert "num_agents" not in printed["model"]["init_args"]
 
@@ -50,7 +53,9 @@ def test_config_instantiates_without_loading_models(config, in_repo_root, monkey
     assert isinstance(cli.model, MAGRPO)
     assert isinstance(cli.datamodule, RolloutDataModule)
     assert cli.model.agents is None
-    assert cli.model.hparams.num_agents == cli.datamodule.num_agents == len(source["data"]["agent_prompts"])
+    data = source["data"]
+    agents = len(data["agent_prompts"]) if "agent_prompts" in data else cli.datamodule.env.num_agents
+    assert cli.model.hparams.num_agents == cli.datamodule.num_agents == agents
     assert cli.model.sources == [source["model"]["init_args"]["model"]] * cli.datamodule.num_agents
     assert len(cli.datamodule.train_tasks) > 0
     if "val_path" in source["data"]:

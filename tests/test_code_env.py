@@ -7,8 +7,8 @@ import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
-from helpers import REPO_ROOT
 
+from helpers import REPO_ROOT
 from lit_marl import ConfigError
 from lit_marl.envs.code import CodeEnv, Expert, RewardWeights, Role, extract_code, load_problems
 

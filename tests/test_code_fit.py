@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
-from helpers import REPO_ROOT, cli_fit, make_trainer
 
+from helpers import REPO_ROOT, cli_fit, make_trainer
 from lit_marl.algorithms import MAGRPO
 from lit_marl.data import RolloutDataModule
 from lit_marl.envs.code import CodeEnv, TestLimits

@@ -10,8 +10,8 @@ import time
 import uuid
 
 import pytest
-from helpers import REPO_ROOT
 
+from helpers import REPO_ROOT
 from lit_marl.envs.code import CodeEnv, TestLimits, load_problems, run_tests, split_tests
 from lit_marl.sandbox import bubblewrap_available
 
@@ -98,15 +98,19 @@ ADVERSARIAL = {
     "kill_parent": "import os, signal\ndef add(a, b):\n    os.kill(os.getppid(), signal.SIGKILL)",
     "exit_before_tests": "import os\nos._exit(0)\ndef add(a, b):\n    return a + b",
     "sys_exit_in_call": "import sys\ndef add(a, b):\n    sys.exit(0)",
-    "patch_assert": "import builtins\nbuiltins.AssertionError = type('Quiet', (Exception,), {})\ndef add(a, b):\n    return 0",
-    "override_builtins": "import builtins\nbuiltins.abs = lambda x: 0\nbuiltins.len = lambda x: 0\ndef add(a, b):\n    return 0",
+    "patch_assert": "import builtins\nbuiltins.AssertionError = type('Quiet', (Exception,), {})\n"
+    "def add(a, b):\n    return 0",
+    "override_builtins": "import builtins\nbuiltins.abs = lambda x: 0\nbuiltins.len = lambda x: 0\n"
+    "def add(a, b):\n    return 0",
     "always_equal": "class Any:\n    def __eq__(self, other):\n        return True\ndef add(a, b):\n    return Any()",
-    "int_subclass_equal": "class I(int):\n    def __eq__(self, other):\n        return True\ndef add(a, b):\n    return I(0)",
+    "int_subclass_equal": "class I(int):\n    def __eq__(self, other):\n        return True\n"
+    "def add(a, b):\n    return I(0)",
     "fake_report": "import sys, json\nprint(json.dumps({'loaded': True, 'tests': [{'passed': True}] * 2}))\n"
     "def add(a, b):\n    sys.stdout.write('PASSED\\n')\n    return 0",
     "tamper_with_harness": "import os\ndef add(a, b):\n    p = os.getppid()\n"
     "    open(f'/proc/{p}/fd/1', 'w').write('{\"loaded\": true}\\n')\n    return 0",
-    "read_harness_memory": "import os\ndef add(a, b):\n    open(f'/proc/{os.getppid()}/mem', 'rb').read(1)\n    return 0",
+    "read_harness_memory": "import os\ndef add(a, b):\n"
+    "    open(f'/proc/{os.getppid()}/mem', 'rb').read(1)\n    return 0",
 }
 
 

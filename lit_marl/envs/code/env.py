@@ -66,7 +66,7 @@ LAYOUTS = {
 REVISE = "Revise your code and reply with the complete improved version only, in one ```python block."
 
 
-@dataclass
+@dataclass(frozen=True)
 class RewardWeights:
     definitions: float = 0.1
     syntax: float = 0.1

@@ -91,7 +91,8 @@ class Expert:
                         err.read().decode(errors="replace")[:300] if isinstance(err, urllib.error.HTTPError) else ""
                     )
                     raise RuntimeError(
-                        f"expert endpoint {url} (model {self.model!r}) failed after {attempt + 1} attempts: {err} {detail}"
+                        f"expert endpoint {url} (model {self.model!r}) failed after {attempt + 1} attempts: "
+                        f"{err} {detail}"
                     ) from err
                 time.sleep(0.5 * 2**attempt)
             except (KeyError, IndexError, ValueError) as err:
