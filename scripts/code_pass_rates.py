@@ -55,7 +55,9 @@ def main() -> None:
                 decoded = agent.decode(out.completion_ids, out.completion_mask)
                 for k in range(len(chunk)):
                     texts[start + k][role] = decoded[k * samples : (k + 1) * samples]
-        completions = [[texts[i][r][s] for i in range(len(problems)) for s in range(samples)] for r in range(len(env.roles))]
+        completions = [
+            [texts[i][r][s] for i in range(len(problems)) for s in range(samples)] for r in range(len(env.roles))
+        ]
         tasks = [task for task in problems for _ in range(samples)]
         passed = env.reward(completions, tasks)["level/tests_passed"]
         return [passed[i * samples : (i + 1) * samples] for i in range(len(problems))]

@@ -27,7 +27,9 @@ def test_two_turn_level_feedback_fit(tmp_path, monkeypatch):
     L.seed_everything(0)
     module = MAGRPO(model="tiny-random", num_agents=2, learning_rate=1e-2)
     module.configure_model()
-    env = CodeEnv(roles="aux_main", transition="level_feedback", test_limits=TestLimits(1.0, 3.0))
+    env = CodeEnv(
+        roles="aux_main", transition="level_feedback", test_limits=TestLimits(test_timeout_s=1.0, budget_s=3.0)
+    )
     data = RolloutDataModule(
         train_path=str(EASY / "easy_train.jsonl"),
         env=env,

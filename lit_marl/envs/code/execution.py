@@ -68,6 +68,8 @@ class ExecReport:
 class TestLimits:
     __test__ = False  # not a pytest class
 
+    load_timeout_s: float = 5.0
+    """Time to start the program's process and run its top level (also after a restart)."""
     test_timeout_s: float = 3.0
     """Time for one test's calls into the program (a hung program is restarted for the next test)."""
     budget_s: float = 10.0
@@ -76,6 +78,11 @@ class TestLimits:
     """Address space of the harness and of the program, each."""
     processes: int = 32
     max_response_bytes: int = 1_000_000
+
+    @property
+    def wall_s(self) -> float:
+        """The whole run's limit: a load, the tests' budget, one restart's load and a test's overrun."""
+        return self.budget_s + 2 * self.load_timeout_s + self.test_timeout_s + 2.0
 
 
 def _names(node: ast.AST) -> set[str]:
@@ -124,6 +131,7 @@ def run_tests(
                 "program": program,
                 "tests": [{"setup": t.setup, "code": t.code} for t in tests],
                 "entry_point": entry_point,
+                "load_timeout_s": limits.load_timeout_s,
                 "test_timeout_s": limits.test_timeout_s,
                 "budget_s": limits.budget_s,
                 "max_response_bytes": limits.max_response_bytes,
@@ -132,8 +140,8 @@ def run_tests(
         for nonce, (program, tests, entry_point) in zip(nonces, jobs)
     ]
     sandbox = Limits(
-        wall_s=limits.budget_s + limits.test_timeout_s + 5.0,
-        cpu_s=int(limits.budget_s + limits.test_timeout_s) + 5,
+        wall_s=limits.wall_s,
+        cpu_s=int(limits.wall_s) + 1,
         memory_mb=limits.memory_mb,
         processes=limits.processes,
     )

@@ -11,8 +11,9 @@ or ``/proc/<pid>/fd`` for same-user processes), closes its fds in the child, and
 report with a nonce that it read from stdin before the candidate ran. A candidate that kills
 the harness, or exits, or hangs gets no credit for tests it did not pass.
 
-Input (stdin, JSON): nonce, program (source), tests ([{setup, code}]), test_timeout_s,
-budget_s, max_response_bytes. Output: one line ``<nonce><JSON report>`` on stdout.
+Input (stdin, JSON): nonce, program (source), tests ([{setup, code}]), entry_point,
+load_timeout_s, test_timeout_s, budget_s, max_response_bytes.
+Output: one line ``<nonce><JSON report>`` on stdout.
 """
 
 import ctypes
@@ -236,20 +237,19 @@ def main() -> None:
     ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: same-user processes cannot read our memory
     spec = json.loads(sys.stdin.read())
     nonce, tests = spec["nonce"], spec["tests"]
-    budget_end = time.monotonic() + spec["budget_s"]
     report = {"loaded": False, "load_error": "", "guard": "", "tests": []}
     server, why_not = None, ""
     deadline = [0.0]
 
-    def start():
-        deadline[0] = min(time.monotonic() + spec["test_timeout_s"], budget_end)
-        return Server(spec["program"], spec["max_response_bytes"], deadline[0] - time.monotonic())
+    def start():  # loading (interpreter start + the program's top level) has its own allowance
+        return Server(spec["program"], spec["max_response_bytes"], spec["load_timeout_s"])
 
     try:
         server = start()
         report["loaded"], report["guard"] = True, server.guard
     except ProgramDied as err:
         report["load_error"] = why_not = str(err)
+    budget_end = time.monotonic() + spec["budget_s"]
     for test in tests:
         if server is None:  # a program that cannot load (or exhausted its time) passes nothing
             report["tests"].append({"passed": False, "error": "NotRun", "message": why_not})
