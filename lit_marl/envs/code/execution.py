@@ -149,13 +149,16 @@ def run_tests(
     reports = []
     for nonce, (_, tests, _), result in zip(nonces, jobs, results):
         line = next((ln for ln in result.stdout.splitlines() if ln.startswith(nonce)), None)
-        if line is None:
+        try:
+            raw = json.loads(line[len(nonce) :])
+            if len(raw["tests"]) != len(tests):
+                raise ValueError("a report of another length")
+        except (TypeError, ValueError, KeyError):  # no report (the harness died) or a damaged one
             why = "timed out" if result.timed_out else f"exited with {result.returncode}"
             message = f"the harness gave no report ({why}): {result.stderr[-300:]}"
             outcomes = [TestOutcome(False, "NoReport", message)] * len(tests)
             reports.append(ExecReport(False, message, outcomes, harness_ok=False, seconds=result.seconds))
             continue
-        raw = json.loads(line[len(nonce) :])
         if raw["guard"]:
             _warn_once(
                 f"the code harness could not forbid forks ({raw['guard']}): a fork bomb is bounded only by "

@@ -19,111 +19,12 @@ Output: one line ``<nonce><JSON report>`` on stdout.
 import ctypes
 import json
 import os
+import platform
 import select
 import signal
 import subprocess
 import sys
 import time
-
-SERVER = r'''
-import ctypes, json, os, platform, sys
-out = os.fdopen(os.dup(1), "w")  # the reply channel; the candidate's prints go to stderr
-os.dup2(2, 1)
-inp = sys.stdin
-
-def forbid_fork():
-    """A seccomp filter: no new processes (fork, vfork, clone without CLONE_THREAD), threads still
-    work. RLIMIT_NPROC cannot stop a fork bomb when the trainer runs as root."""
-    spec = {"x86_64": (0xC000003E, [57, 58], 56), "aarch64": (0xC00000B7, [], 220)}.get(platform.machine())
-    if spec is None:
-        return f"no fork filter for {platform.machine()}"
-    audit, forks, clone = spec
-    LD, JEQ, JGE, JSET, RET = 0x20, 0x15, 0x35, 0x45, 0x06
-    ins = []
-    def op(code, k=0, jt=0, jf=0):
-        ins.append([code, jt, jf, k])
-    op(LD, 4)  # the calling convention: any other (e.g. 32-bit syscalls) is refused
-    op(JEQ, audit, 0, "deny")
-    op(LD, 0)  # the syscall number
-    if audit == 0xC000003E:
-        op(JGE, 0x40000000, "deny", 0)  # the x32 ABI
-    for nr in forks:
-        op(JEQ, nr, "deny", 0)
-    op(JEQ, 435, "nosys", 0)  # clone3: its flags are out of reach; libc falls back to clone
-    op(JEQ, clone, 0, "allow")
-    op(LD, 16)  # clone's flags (low word of the first argument)
-    op(JSET, 0x10000, "allow", "deny")  # CLONE_THREAD
-    labels = {}
-    for name, k in (("allow", 0x7FFF0000), ("deny", 0x00050001), ("nosys", 0x00050026)):
-        labels[name] = len(ins)
-        op(RET, k)
-    for i, x in enumerate(ins):
-        for j in (1, 2):
-            if isinstance(x[j], str):
-                x[j] = labels[x[j]] - i - 1
-    class Filter(ctypes.Structure):
-        _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint)]
-    class Program(ctypes.Structure):
-        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(Filter))]
-    program = Program(len(ins), (Filter * len(ins))(*[Filter(*x) for x in ins]))
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(38, 1, 0, 0, 0) or libc.prctl(22, 2, ctypes.byref(program), 0, 0):
-        return f"seccomp refused (errno {ctypes.get_errno()})"
-    return ""
-
-guard = forbid_fork()
-
-def enc(v):
-    t = type(v)
-    if v is None or t in (bool, int, str):
-        return v
-    if t is float:
-        return {"__t": "float", "v": repr(v)}
-    if t is list:
-        return [enc(x) for x in v]
-    if t is tuple:
-        return {"__t": "tuple", "v": [enc(x) for x in v]}
-    if t is dict:
-        return {"__t": "dict", "v": [[enc(k), enc(x)] for k, x in v.items()]}
-    if t in (set, frozenset):
-        return {"__t": t.__name__, "v": [enc(x) for x in v]}
-    if t is bytes:
-        return {"__t": "bytes", "v": v.hex()}
-    raise TypeError(f"the return value has type {t.__name__}; only plain data can be checked")
-
-def dec(v):
-    if isinstance(v, list):
-        return [dec(x) for x in v]
-    if isinstance(v, dict):
-        t, x = v["__t"], v["v"]
-        if t == "float":
-            return float(x)
-        if t == "bytes":
-            return bytes.fromhex(x)
-        if t == "dict":
-            return {dec(k): dec(y) for k, y in x}
-        return {"tuple": tuple, "set": set, "frozenset": frozenset}[t](dec(y) for y in x)
-    return v
-
-def send(msg):
-    out.write(json.dumps(msg) + "\n")
-    out.flush()
-
-ns = {"__name__": "__main__"}
-try:
-    exec(compile(json.loads(inp.readline()), "<program>", "exec"), ns)
-    send({"ok": True, "guard": guard, "names": [k for k, v in ns.items() if callable(v) and not k.startswith("__")]})
-except BaseException as e:
-    send({"ok": False, "error": type(e).__name__, "message": str(e)[:300]})
-    raise SystemExit(0)
-for line in inp:
-    req = json.loads(line)
-    try:
-        value = ns[req["name"]](*dec(req["args"]), **{k: dec(v) for k, v in req["kwargs"].items()})
-        send({"ok": True, "value": enc(value)})
-    except BaseException as e:
-        send({"ok": False, "error": type(e).__name__, "message": str(e)[:300]})
-'''
 
 
 def encode(v):
@@ -142,7 +43,7 @@ def encode(v):
         return {"__t": t.__name__, "v": [encode(x) for x in v]}
     if t is bytes:
         return {"__t": "bytes", "v": v.hex()}
-    raise TypeError(f"a test passed an argument of type {t.__name__}, which cannot cross to the program")
+    raise TypeError(f"a value of type {t.__name__} cannot cross between the tests and the program (plain data only)")
 
 
 def decode(v):
@@ -162,6 +63,80 @@ def decode(v):
     raise TypeError("malformed reply")
 
 
+def forbid_fork():
+    """A seccomp filter: no new processes (fork, vfork, clone without CLONE_THREAD), threads still
+    work. RLIMIT_NPROC cannot stop a fork bomb when the trainer runs as root."""
+    spec = {"x86_64": (0xC000003E, [57, 58], 56), "aarch64": (0xC00000B7, [], 220)}.get(platform.machine())
+    if spec is None:
+        return f"no fork filter for {platform.machine()}"
+    audit, forks, clone = spec
+    LD, JEQ, JGE, JSET, RET = 0x20, 0x15, 0x35, 0x45, 0x06
+    ins = []
+
+    def op(code, k=0, jt=0, jf=0):
+        ins.append([code, jt, jf, k])
+
+    op(LD, 4)  # the calling convention: any other (e.g. 32-bit syscalls) is refused
+    op(JEQ, audit, 0, "deny")
+    op(LD, 0)  # the syscall number
+    if audit == 0xC000003E:
+        op(JGE, 0x40000000, "deny", 0)  # the x32 ABI
+    for nr in forks:
+        op(JEQ, nr, "deny", 0)
+    op(JEQ, 435, "nosys", 0)  # clone3: its flags are out of reach; libc falls back to clone
+    op(JEQ, clone, 0, "allow")
+    op(LD, 16)  # clone's flags (low word of the first argument)
+    op(JSET, 0x10000, "allow", "deny")  # CLONE_THREAD
+    labels = {}
+    for name, k in (("allow", 0x7FFF0000), ("deny", 0x00050001), ("nosys", 0x00050026)):
+        labels[name] = len(ins)
+        op(RET, k)
+    for i, x in enumerate(ins):
+        for j in (1, 2):
+            if isinstance(x[j], str):
+                x[j] = labels[x[j]] - i - 1
+
+    class Filter(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint)]
+
+    class Program(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(Filter))]
+
+    program = Program(len(ins), (Filter * len(ins))(*[Filter(*x) for x in ins]))
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(38, 1, 0, 0, 0) or libc.prctl(22, 2, ctypes.byref(program), 0, 0):
+        return f"seccomp refused (errno {ctypes.get_errno()})"
+    return ""
+
+
+def serve() -> None:
+    """The server: load the candidate program, then answer calls (one JSON line each way)."""
+    out = os.fdopen(os.dup(1), "w")  # the reply channel; the candidate's prints go to stderr
+    os.dup2(2, 1)
+
+    def send(msg):
+        out.write(json.dumps(msg) + "\n")
+        out.flush()
+
+    guard = forbid_fork()
+    ns = {"__name__": "__main__"}
+    try:
+        exec(compile(json.loads(sys.stdin.readline()), "<program>", "exec"), ns)
+        names = [k for k, v in ns.items() if callable(v) and not k.startswith("__")]
+        send({"ok": True, "guard": guard, "names": names})
+    except BaseException as e:
+        send({"ok": False, "error": type(e).__name__, "message": str(e)[:300]})
+        return
+    for line in sys.stdin:
+        request = json.loads(line)
+        try:
+            args = decode(request["args"])
+            kwargs = {k: decode(v) for k, v in request["kwargs"].items()}
+            send({"ok": True, "value": encode(ns[request["name"]](*args, **kwargs))})
+        except BaseException as e:
+            send({"ok": False, "error": type(e).__name__, "message": str(e)[:300]})
+
+
 class ProgramDied(Exception):
     """The program's process exited, hung past the test's time or broke the protocol."""
 
@@ -172,7 +147,7 @@ class Server:
     def __init__(self, program: str, max_bytes: int, timeout: float):
         self.max_bytes = max_bytes
         self.proc = subprocess.Popen(
-            [sys.executable, "-I", "-B", "-c", SERVER],
+            [sys.executable, "-I", "-B", os.path.abspath(__file__), "--serve"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -208,10 +183,15 @@ class Server:
             if len(self.buffer) > self.max_bytes:
                 raise ProgramDied("the program's reply is too large")
         line, _, self.buffer = self.buffer.partition(b"\n")
-        try:
+        try:  # the candidate can write to this pipe itself: trust only the shape
             reply = json.loads(line)
-            return {**reply, "value": decode(reply["value"])} if reply.get("ok") and "value" in reply else reply
-        except (ValueError, KeyError, TypeError) as err:
+            if reply["ok"] is True:
+                expected = {"ok", "value"} if "value" in reply else {"ok", "guard", "names"}
+                if set(reply) != expected:
+                    raise ValueError("unexpected fields")
+                return {**reply, "value": decode(reply["value"])} if "value" in reply else reply
+            return {"ok": False, "error": str(reply["error"]), "message": str(reply["message"])}
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise ProgramDied("the program broke the harness protocol") from err
 
     def proxy(self, name: str, deadline_of):
@@ -287,4 +267,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    serve() if sys.argv[1:] == ["--serve"] else main()
