@@ -84,3 +84,118 @@ def tree_returns(
             returns[level] = r + discount * bootstrap
         below = returns[level].mean(dim=1)
     return returns
+
+
+# --------------------------------------------------------------------------- multi-turn episodes
+def turn_rewards(
+    scores: torch.Tensor,
+    won: torch.Tensor,
+    max_score: torch.Tensor,
+    num_turns: torch.Tensor,
+    density: Literal["sparse", "dense"] = "sparse",
+    score_weight: float | None = None,
+) -> torch.Tensor:
+    """Each turn's reward of a batch of episodes, ``[B, T]`` (0 after an episode's last turn).
+
+    ``scores[b, t]`` is the env's score after turn t (``[B, T]``), ``won[b]`` the terminal success,
+    ``max_score[b]`` the episode's best possible score, ``num_turns[b]`` its length.
+
+    - ``sparse``: the outcome on the last turn: ``won`` (1 or 0) + ``score_weight`` × final
+      score / max_score (default 0: the pure outcome);
+    - ``dense``: each turn's score delta × ``score_weight`` / max_score (default 0.5), and ``won``
+      on the last turn.
+
+    With ``score_weight < 1`` a lost episode totals at most ``score_weight`` < 1 <= a won one's total:
+    milestones never outscore success.
+    """
+    if score_weight is None:
+        score_weight = 0.0 if density == "sparse" else 0.5
+    if not 0 <= score_weight < 1:
+        raise ValueError(f"score_weight={score_weight}: must be in [0, 1) so that no lost episode outscores a won one")
+    B, T = scores.shape
+    turns = torch.arange(T).expand(B, T)
+    alive = turns < num_turns.unsqueeze(1)
+    last = turns == (num_turns - 1).unsqueeze(1)
+    scale = score_weight / max_score.clamp(min=1e-8).unsqueeze(1).float()
+    if density == "sparse":
+        final = scores.gather(1, (num_turns - 1).clamp(min=0).unsqueeze(1)).float()
+        out = last * (won.float().unsqueeze(1) + final * scale)
+    elif density == "dense":
+        delta = scores.float() - torch.cat([torch.zeros(B, 1), scores[:, :-1].float()], dim=1)
+        out = delta * scale + last * won.float().unsqueeze(1)
+    else:
+        raise ValueError(f"reward_density={density!r}: choose sparse or dense")
+    return torch.where(alive, out, torch.zeros(()))
+
+
+def token_gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, lam: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE over the agent's own tokens (``mask`` 1), ``[B, L]`` each; observation and padding tokens
+    (``mask`` 0) are skipped: the next value and the running GAE are carried across them, so the
+    agent's tokens form one chain. Rewards sit on action tokens (e.g. each turn's end token).
+    Returns (advantages, returns = advantages + values), zero where ``mask`` is 0."""
+    B, L = rewards.shape
+    advantages = torch.zeros(B, L, dtype=torch.float32)
+    next_value = torch.zeros(B)
+    running = torch.zeros(B)
+    for t in range(L - 1, -1, -1):
+        m = mask[:, t].bool()
+        delta = rewards[:, t].float() + gamma * next_value - values[:, t].float()
+        new_running = delta + gamma * lam * running
+        advantages[:, t] = torch.where(m, new_running, torch.zeros(()))
+        running = torch.where(m, new_running, running)
+        next_value = torch.where(m, values[:, t].float(), next_value)
+    returns = torch.where(mask.bool(), advantages + values.float(), torch.zeros(()))
+    return advantages, returns
+
+
+def turn_gae(
+    rewards: torch.Tensor, values: torch.Tensor, alive: torch.Tensor, gamma: float = 1.0, lam: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE with one value per turn, ``[B, T]`` each (``alive`` 0 after an episode's end): turn
+    advantages, broadcast to each turn's tokens by the caller. Returns (advantages, returns)."""
+    return token_gae(rewards, values, alive, gamma, lam)
+
+
+def returns_to_go(rewards: torch.Tensor, alive: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """Discounted return from each turn on, ``[B, T]`` (0 where not ``alive``)."""
+    out = torch.zeros_like(rewards, dtype=torch.float32)
+    running = torch.zeros(rewards.shape[0])
+    for t in range(rewards.shape[1] - 1, -1, -1):
+        running = torch.where(alive[:, t].bool(), rewards[:, t].float() + gamma * running, running)
+        out[:, t] = torch.where(alive[:, t].bool(), running, torch.zeros(()))
+    return out
+
+
+def episode_group_advantages(
+    returns: torch.Tensor, alive: torch.Tensor, group_size: int, mode: Literal["grpo", "rloo"], normalize: bool
+) -> torch.Tensor:
+    """Per-turn advantages of G episodes per task (consecutive rows), ``[B, T]``.
+
+    The baseline of episode e at turn t is the mean (``grpo``) or the leave-one-out mean
+    (``rloo``) of the other group members' returns at that turn, over the members still alive
+    there; with the episode return at turn 0 for every turn this is plain GRPO/RLOO, with
+    returns-to-go it is the turn-level variant for dense rewards. ``normalize`` divides by the
+    group's std at that turn (GRPO's scaling)."""
+    B, T = returns.shape
+    if B % group_size:
+        raise ValueError(f"{B} episodes do not split into groups of {group_size}")
+    r = returns.float().view(-1, group_size, T)
+    a = alive.float().view(-1, group_size, T)
+    count = a.sum(dim=1, keepdim=True)
+    total = (r * a).sum(dim=1, keepdim=True)
+    if mode == "grpo":
+        baseline = total / count.clamp(min=1)
+    elif mode == "rloo":
+        baseline = (total - r * a) / (count - 1).clamp(min=1)
+    else:
+        raise ValueError(f"mode={mode!r}: choose grpo or rloo")
+    adv = (r - baseline) * a
+    if mode == "rloo":
+        adv = torch.where(count > 1, adv, torch.zeros(()))  # alone at that turn: no baseline, no signal
+    if normalize:
+        mean = total / count.clamp(min=1)
+        var = (((r - mean) * a) ** 2).sum(dim=1, keepdim=True) / count.clamp(min=1)
+        adv = adv / (var.sqrt() + 1e-6)
+    return adv.view(B, T)

@@ -1,0 +1,95 @@
+"""Multi-turn episode math with hand-computed numbers: reward placement, GAE over masked tokens,
+turn-level GAE, returns-to-go, GRPO/RLOO group baselines over episodes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lit_marl.returns import episode_group_advantages, returns_to_go, token_gae, turn_gae, turn_rewards
+
+T = torch.tensor
+
+
+def test_token_gae_skips_observation_tokens():
+    # prompt, 2 action tokens (turn 1 ends with reward 0.5), 2 observation tokens, 2 action tokens (reward 1)
+    mask = T([[0, 1, 1, 0, 0, 1, 1]])
+    rewards = T([[0, 0, 0.5, 0, 0, 0, 1.0]])
+    values = T([[9, 0.1, 0.2, 9, 9, 0.3, 0.4]])  # values at masked positions must not matter
+    adv, ret = token_gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    # by hand, backwards over the chain of action tokens (V = .1 .2 .3 .4, r = 0 .5 0 1):
+    # d6 = 1 - .4 = .6                A6 = .6
+    # d5 = .9*.4 - .3 = .06           A5 = .06 + .72*.6 = .492
+    # d2 = .5 + .9*.3 - .2 = .57      A2 = .57 + .72*.492 = .92424
+    # d1 = .9*.2 - .1 = .08           A1 = .08 + .72*.92424 = .7454528
+    expected = T([[0, 0.7454528, 0.92424, 0, 0, 0.492, 0.6]])
+    assert torch.allclose(adv, expected, atol=1e-6)
+    assert torch.allclose(ret, T([[0, 0.8454528, 1.12424, 0, 0, 0.792, 1.0]]), atol=1e-6)
+    values[0, 3] = values[0, 4] = -100.0
+    assert torch.allclose(token_gae(rewards, values, mask, 0.9, 0.8)[0], expected, atol=1e-6)
+
+
+def test_token_gae_lambda_one_gamma_one_is_return_minus_value():
+    mask = T([[1, 1, 0, 1, 0, 0]])
+    rewards = T([[0.0, 1.0, 0.0, 2.0, 0.0, 0.0]])
+    values = torch.rand(1, 6)
+    adv, ret = token_gae(rewards, values, mask)
+    assert torch.allclose(ret[mask.bool()], T([3.0, 3.0, 2.0]))
+    assert torch.allclose(adv[mask.bool()], T([3.0, 3.0, 2.0]) - values[mask.bool()])
+
+
+def test_turn_gae_and_returns_to_go():
+    rewards = T([[0.0, 0.5, 1.0], [1.0, 0.0, 0.0]])
+    alive = T([[1, 1, 1], [1, 0, 0]])
+    values = T([[0.2, 0.4, 0.6], [0.5, 7.0, 7.0]])
+    adv, ret = turn_gae(rewards, values, alive, gamma=0.5, lam=1.0)
+    # episode 0: returns with gamma .5: t2 1.0; t1 .5 + .5*1 = 1.0; t0 0 + .5*1 = .5 (lam 1: A = G - V)
+    assert torch.allclose(ret, T([[0.5, 1.0, 1.0], [1.0, 0, 0]]))
+    assert torch.allclose(adv, T([[0.3, 0.6, 0.4], [0.5, 0, 0]]))
+    assert torch.allclose(returns_to_go(rewards, alive, 0.5), T([[0.5, 1.0, 1.0], [1.0, 0, 0]]))
+
+
+def test_sparse_and_dense_reward_placement():
+    scores = T([[1, 1, 3], [1, 2, 2], [1, 2, 0]])
+    won = T([1, 0, 0])
+    max_score = T([3, 3, 4])
+    turns = T([3, 3, 2])  # the third episode ended after 2 turns
+    sparse = turn_rewards(scores, won, max_score, turns, "sparse")
+    assert torch.allclose(sparse, T([[0, 0, 1.0], [0, 0, 0], [0, 0, 0]]))
+    with_score = turn_rewards(scores, won, max_score, turns, "sparse", score_weight=0.5)
+    assert torch.allclose(with_score, T([[0, 0, 1.5], [0, 0, 1 / 3], [0, 0.25, 0]]))
+    dense = turn_rewards(scores, won, max_score, turns, "dense")
+    # deltas x 0.5 / max_score, plus won on the last turn; nothing after the end
+    assert torch.allclose(dense, T([[1 / 6, 0, 2 / 6 + 1], [1 / 6, 1 / 6, 0], [1 / 8, 1 / 8, 0]]))
+
+
+def test_lost_episode_never_outscores_a_won_one():
+    # lost with every milestone vs won with none: normalised by each episode's own max_score
+    scores = T([[2, 5, 10], [0, 0, 0]])
+    won, max_score, turns = T([0, 1]), T([10, 3]), T([3, 3])
+    for density in ("sparse", "dense"):
+        for weight in (0.0, 0.5, 0.99):
+            totals = turn_rewards(scores, won, max_score, turns, density, weight).sum(dim=1)
+            assert totals[0] < totals[1], (density, weight)
+    with pytest.raises(ValueError, match="score_weight=1"):
+        turn_rewards(scores, won, max_score, turns, "dense", 1.0)
+
+
+def test_episode_group_baselines():
+    returns = T([[1.0], [0.0], [0.5], [0.5]])
+    alive = torch.ones(4, 1)
+    assert torch.allclose(episode_group_advantages(returns, alive, 2, "grpo", False), T([[0.5], [-0.5], [0], [0]]))
+    assert torch.allclose(episode_group_advantages(returns, alive, 2, "rloo", False), T([[1.0], [-1.0], [0], [0]]))
+    normed = episode_group_advantages(returns, alive, 2, "grpo", True)
+    assert torch.allclose(normed, T([[1.0], [-1.0], [0], [0]]), atol=1e-5)  # std of (1, 0) is .5
+
+
+def test_turn_level_group_baselines_count_only_live_members():
+    returns = T([[1.0, 0.5], [0.0, 0.0], [0.2, 0.1]])
+    alive = T([[1, 1], [1, 0], [1, 1]])
+    grpo = episode_group_advantages(returns, alive, 3, "grpo", False)
+    assert torch.allclose(grpo, T([[0.6, 0.2], [-0.4, 0.0], [-0.2, -0.2]]))
+    rloo = episode_group_advantages(returns, alive, 3, "rloo", False)
+    assert torch.allclose(rloo, T([[0.9, 0.4], [-0.6, 0.0], [-0.3, -0.4]]))
+    lonely = episode_group_advantages(T([[1.0, 1.0], [0.0, 0.0]]), T([[1, 1], [1, 0]]), 2, "rloo", False)
+    assert lonely[0, 1] == 0  # alone at turn 1: no leave-one-out baseline, no signal
