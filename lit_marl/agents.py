@@ -56,6 +56,31 @@ class Agent(nn.Module):
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
+    def chat_continuation(self, text: str, closed: bool = True) -> list[int]:
+        """Token ids that follow an assistant reply to add the user message ``text`` and open the
+        next reply: only the new chat segment, rendered by the chat template (the reply's own
+        tokens are never re-tokenized). ``closed``: the reply ended with its end-of-turn token;
+        otherwise (cut by the token budget) the segment starts with the template's closing."""
+        marker = "\u2063REPLY\u2063"
+        head = [{"role": "user", "content": "x"}, {"role": "assistant", "content": marker}]
+        if self.system_prompt is not None:
+            head.insert(0, {"role": "system", "content": self.system_prompt})
+        render = self.tokenizer.apply_chat_template
+        base = render(head, tokenize=False)
+        full = render([*head, {"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+        if not full.startswith(base) or marker not in base:
+            raise ValueError(
+                f"the chat template of {self.source} does not extend a conversation by appending to it; "
+                "multi-turn token-in/token-out needs one that does"
+            )
+        closing = base[base.index(marker) + len(marker) :]  # e.g. "<|im_end|>\n"
+        eos = self.tokenizer.decode([self.eos_token_id])
+        if closed:
+            if not closing.startswith(eos):
+                raise ValueError(f"the chat template of {self.source} does not close a reply with {eos!r}")
+            closing = closing[len(eos) :]
+        return self.tokenizer(closing + full[len(base) :], add_special_tokens=False)["input_ids"]
+
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 

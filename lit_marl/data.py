@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import string
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal
 
@@ -63,6 +64,12 @@ def load_tasks(path: str, field: str, required: set[str]) -> list[dict]:
     if len(ds) == 0:
         raise ConfigError(f"{field}={path!r} holds no rows")
     return ds.to_list()
+
+
+def task_loader(tasks: list[dict], batch_size: int, shuffle: bool, seed: int) -> DataLoader:
+    """Task rows in batches (plain lists of dicts); the order is seeded."""
+    generator = torch.Generator().manual_seed(seed)
+    return DataLoader(tasks, batch_size=batch_size, shuffle=shuffle, collate_fn=list, generator=generator)
 
 
 class RolloutDataModule(L.LightningDataModule):
@@ -185,8 +192,7 @@ class RolloutDataModule(L.LightningDataModule):
         return self.env.num_agents
 
     def _loader(self, tasks: list[dict], batch_size: int, shuffle: bool) -> DataLoader:
-        generator = torch.Generator().manual_seed(self.hparams.seed)
-        return DataLoader(tasks, batch_size=batch_size, shuffle=shuffle, collate_fn=list, generator=generator)
+        return task_loader(tasks, batch_size, shuffle, self.hparams.seed)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_tasks, self.hparams.tasks_per_step, shuffle=True)
@@ -240,3 +246,126 @@ class RolloutDataModule(L.LightningDataModule):
             for key, value in {"reward": float(rollout.rewards.mean()), **rollout.metrics}.items():
                 totals[key] = totals.get(key, 0.0) + value * len(batch)
         return {key: value / len(self.val_tasks) for key, value in totals.items()}
+
+
+class EpisodeDataModule(L.LightningDataModule):
+    """Task rows in, multi-turn episodes in a stateful environment out (``rollout/episode.py``),
+    built on the fly with the current policy, G episodes per task."""
+
+    def __init__(
+        self,
+        train_path: str,
+        env: str = "corridor",
+        env_kwargs: dict | None = None,
+        val_path: str | None = None,
+        tasks_per_step: int = 4,
+        num_generations: int = 4,
+        max_turns: int = 8,
+        max_new_tokens: int = 32,
+        max_context_tokens: int = 2048,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        reward_density: Literal["sparse", "dense"] = "sparse",
+        score_weight: float | None = None,
+        eval_tasks_per_step: int = 16,
+        env_workers: int = 8,
+        seed: int = 0,
+    ):
+        """
+        Args:
+            train_path: Task rows for training (JSONL/JSON/CSV/Parquet), one episode start each.
+            env: Registered environment name (``corridor``, ...).
+            env_kwargs: Keyword arguments of the environment's constructor.
+            val_path: Held-out task rows (validation/test: one greedy episode each).
+            tasks_per_step: Tasks per training step.
+            num_generations: Episodes G per task from the same start (GRPO/RLOO groups; 1 for PPO).
+            max_turns: Turns per episode; an episode still running after them is ``truncated``.
+            max_new_tokens: Tokens per reply.
+            max_context_tokens: Budget of a whole episode's sequence: when the next observation and
+                a reply would not fit, the episode ends as ``truncated`` with what it earned.
+            temperature: Sampling temperature of training episodes.
+            top_p: Nucleus sampling of training episodes.
+            reward_density: ``sparse``: the outcome (won) on the last reply's end token; ``dense``:
+                each turn's score delta (normalized by the episode's max_score) on its end token,
+                plus the outcome at the end.
+            score_weight: Weight of the normalized score (sparse: the final score; dense: the deltas),
+                in [0, 1) so no lost episode outscores a won one; default 0 (sparse), 0.5 (dense).
+            eval_tasks_per_step: Tasks per validation batch.
+            env_workers: Threads that step the environments of a turn in parallel.
+            seed: Seed of the task order.
+        """
+        super().__init__()
+        from lit_marl.envs.base import make_env
+
+        make_env(env, env_kwargs)  # fails now, with the field named, on a bad name or kwargs
+        checks = {
+            "tasks_per_step": tasks_per_step,
+            "num_generations": num_generations,
+            "max_turns": max_turns,
+            "max_new_tokens": max_new_tokens,
+            "eval_tasks_per_step": eval_tasks_per_step,
+            "env_workers": env_workers,
+        }
+        for name, value in checks.items():
+            if value < 1:
+                raise ConfigError(f"data.{name}={value}: must be at least 1")
+        if max_context_tokens <= max_new_tokens:
+            raise ConfigError(f"data.max_context_tokens={max_context_tokens}: must exceed max_new_tokens")
+        if reward_density not in ("sparse", "dense"):
+            raise ConfigError(f"data.reward_density={reward_density!r}: choose sparse or dense")
+        if score_weight is not None and not 0 <= score_weight < 1:
+            raise ConfigError(
+                f"data.score_weight={score_weight}: must be in [0, 1) so no lost episode outscores a won one"
+            )
+        if not temperature > 0 or not 0 < top_p <= 1:
+            raise ConfigError(
+                f"data.temperature={temperature} / data.top_p={top_p}: need temperature > 0, 0 < top_p <= 1"
+            )
+        self.save_hyperparameters()
+        self.train_tasks = load_tasks(train_path, "data.train_path", set())
+        self.val_tasks = load_tasks(val_path, "data.val_path", set()) if val_path else []
+        self.num_generations = num_generations
+        self.pool = ThreadPoolExecutor(max_workers=env_workers)
+
+    num_agents = 1
+
+    def make_env(self):
+        from lit_marl.envs.base import make_env
+
+        return make_env(self.hparams.env, self.hparams.env_kwargs)
+
+    def train_dataloader(self) -> DataLoader:
+        return task_loader(self.train_tasks, self.hparams.tasks_per_step, True, self.hparams.seed)
+
+    def val_dataloader(self) -> DataLoader:
+        return task_loader(self.val_tasks, self.hparams.eval_tasks_per_step, False, self.hparams.seed)
+
+    def test_dataloader(self) -> DataLoader:
+        return self.val_dataloader()
+
+    def rollout(self, agent, tasks: list[dict], greedy: bool):
+        from lit_marl.returns import turn_rewards
+        from lit_marl.rollout.episode import run_episodes
+
+        hp = self.hparams
+        batch = run_episodes(
+            agent,
+            tasks,
+            self.make_env,
+            group_size=1 if greedy else hp.num_generations,
+            max_turns=hp.max_turns,
+            max_new_tokens=hp.max_new_tokens,
+            max_context_tokens=hp.max_context_tokens,
+            temperature=hp.temperature,
+            top_p=hp.top_p,
+            greedy=greedy,
+            pool=self.pool,
+        )
+        batch.rewards = turn_rewards(
+            batch.scores, batch.won, batch.max_score, batch.num_turns, hp.reward_density, hp.score_weight
+        )
+        return batch
+
+    def on_after_batch_transfer(self, batch: list[dict], dataloader_idx: int):
+        agent = self.trainer.lightning_module.agents[0]
+        return self.rollout(agent, batch, greedy=not self.trainer.training)

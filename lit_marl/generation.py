@@ -146,3 +146,11 @@ def completion_logprobs(
             logits = torch.cat([logits, rest], dim=1)
     targets = input_ids[:, -num_completion:]
     return -F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")
+
+
+def sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Log-prob of every token given the tokens before it, ``[B, L]`` (column 0, which has no
+    context, is 0): what ``generate`` computed for the tokens it sampled, for whole left-padded
+    multi-turn sequences."""
+    logprobs = completion_logprobs(model, input_ids, attention_mask, input_ids.shape[1] - 1)
+    return F.pad(logprobs, (1, 0))

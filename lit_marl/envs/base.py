@@ -9,10 +9,13 @@ external transition" is exactly this (``FunctionEnv``); code tasks are ``envs.co
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 from lit_marl import ConfigError
 
@@ -118,3 +121,71 @@ class FunctionEnv(JointEnv):
             self.transition_fn(num_agents=num_agents, **{key: values[b] for key, values in branches.items()})
             for b in range(len(task))
         ]
+
+
+# --------------------------------------------------------------------------- stateful environments
+@dataclass
+class StepResult:
+    observations: list[str]
+    """The next observation of each agent."""
+    terminated: bool = False
+    """The episode ended inside the environment (won or lost)."""
+    truncated: bool = False
+    """The environment cut the episode short (its own step limit)."""
+    info: dict = field(default_factory=dict)
+    """``won``, ``lost``, ``score`` (cumulative) and ``max_score`` at least."""
+
+
+class Env(ABC):
+    """A stateful environment, one instance per episode: ``reset(task)`` gives each agent its first
+    observation, ``step(actions)`` (one text per agent) the next ones. Rewards are derived from
+    ``info`` (``won``, ``score``, ``max_score``) by the rollout's ``reward_density``, so every env
+    is scored the same way."""
+
+    num_agents: int = 1
+    cloneable: bool = False
+    """Whether ``clone()`` gives an independent copy (for branching a tree mid-episode)."""
+
+    @abstractmethod
+    def reset(self, task: dict) -> list[str]: ...
+
+    @abstractmethod
+    def step(self, actions: list[str]) -> StepResult: ...
+
+    def clone(self) -> "Env":
+        if not self.cloneable:
+            raise TypeError(f"{type(self).__name__} cannot be cloned: replay the action prefix instead")
+        return copy.deepcopy(self)
+
+
+REGISTRY: dict[str, type[Env]] = {}
+
+
+def register(name: str):
+    """Class decorator: make an environment selectable by ``name`` in YAML (``data.env: name``)."""
+
+    def add(cls: type[Env]) -> type[Env]:
+        if name in REGISTRY and REGISTRY[name] is not cls:
+            raise ValueError(f"environment name {name!r} is taken by {REGISTRY[name].__qualname__}")
+        REGISTRY[name] = cls
+        return cls
+
+    return add
+
+
+def make_env(name: str, kwargs: dict | None = None, field_name: str = "data.env") -> Env:
+    if name not in REGISTRY:
+        import lit_marl.envs  # noqa: F401  (registers the built-in environments)
+    if name not in REGISTRY:
+        raise ConfigError(f"{field_name}={name!r}: not a registered environment; choose one of {sorted(REGISTRY)}")
+    try:
+        return REGISTRY[name](**(kwargs or {}))
+    except TypeError as err:
+        raise ConfigError(f"{field_name}_kwargs={kwargs!r} do not fit environment {name!r}: {err}") from err
+
+
+def step_all(envs: list[Env], actions: list[list[str]], pool: ThreadPoolExecutor | None = None) -> list[StepResult]:
+    """Step many episodes at once (in a thread pool when given), results in order."""
+    if pool is None:
+        return [env.step(a) for env, a in zip(envs, actions)]
+    return list(pool.map(lambda pair: pair[0].step(pair[1]), zip(envs, actions)))

@@ -88,3 +88,39 @@ class RolloutBatch:
     metrics: dict[str, float] = field(default_factory=dict)  # means over joint actions, for logging
     stats: dict[str, float] = field(default_factory=dict)  # timings and token counts
     completions: list[list[str]] = field(default_factory=list)  # [agent][joint action], as in rewards
+
+
+@dataclass
+class TrajectorySamples:
+    """Whole multi-turn episodes as training rows, one token sequence each (left-padded).
+
+    Per-token tensors are ``[B, L]`` and aligned with ``input_ids``: entry t belongs to token t
+    (its log-prob is that of token t given the tokens before it); ``loss_mask`` marks the agent's
+    own tokens. ``group_ids`` is the task of each episode (GRPO/RLOO groups, mini-batches keep a
+    group together); ``turn_ids`` is 0 for every row (a row is a whole episode)."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    loss_mask: torch.Tensor
+    advantages: torch.Tensor
+    old_logprobs: torch.Tensor
+    returns: torch.Tensor
+    old_values: torch.Tensor
+    value_mask: torch.Tensor
+    """Where the value loss applies: every action token (token-level GAE) or each turn's first one."""
+    ref_logprobs: torch.Tensor | None
+    group_ids: torch.Tensor
+    turn_ids: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, rows: torch.Tensor) -> "TrajectorySamples":
+        """The given rows, trimmed of the columns that are left padding in all of them."""
+        first = int((self.attention_mask[rows].cumsum(-1) == 0).sum(-1).min())
+        return TrajectorySamples(
+            **{
+                name: None if value is None else (value[rows, first:] if value.dim() == 2 else value[rows])
+                for name, value in vars(self).items()
+            }
+        )

@@ -49,10 +49,12 @@ SINGLE_PROMPT = (
     "Write a complete Python function `{defines}` that solves the task below. Reply with the code only, "
     "in one ```python block.\n\n{prompt}"
 )
+# the task comes first and the role last: small models otherwise write the task's own function
+# (SmolLM2-135M: 0 of 3 defined aux with the role first, 4 of 8 this way)
 AUX_PROMPT = (
-    "You and a teammate solve the task below together. You write a helper function `aux` that your "
-    "teammate's function `{entry_point}` will call: choose arguments and a result that do a useful part of the "
-    "work. Reply with the code of `aux` only, in one ```python block.\n\n{prompt}"
+    "Here is a coding task:\n\n{prompt}\nYour teammate will write `{entry_point}`. Your job is different: write "
+    "a small helper function named `aux` that `{entry_point}` can call to do part of the work. Do not write "
+    "`{entry_point}`. Reply with one ```python block that starts with `def aux(`."
 )
 MAIN_PROMPT = (
     "You and a teammate solve the task below together. Write a complete Python function `{defines}`. Your "
