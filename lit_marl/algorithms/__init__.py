@@ -1,3 +1,5 @@
+from lit_marl.algorithms.grpo import GRPO, RLOO
 from lit_marl.algorithms.magrpo import MAGRPO, MAREINFORCE, MARLOO, MAReMax
+from lit_marl.algorithms.ppo import PPO
 
-__all__ = ["MAGRPO", "MAREINFORCE", "MAReMax", "MARLOO"]
+__all__ = ["GRPO", "MAGRPO", "MAREINFORCE", "MAReMax", "MARLOO", "PPO", "RLOO"]

@@ -1,0 +1,206 @@
+"""What the multi-turn episode algorithms share (PPO, GRPO, RLOO): whole episodes as training rows,
+a clipped surrogate over the agent's own tokens, several epochs over mini-batches of tasks, an
+optional KL to a reference (the base weights with LoRA disabled, or a frozen copy), and per-turn
+metrics. Subclasses say how advantages (and, for PPO, values) are made."""
+
+from __future__ import annotations
+
+import copy
+from typing import Literal
+
+import torch
+from torch import nn
+
+from lit_marl import ConfigError
+from lit_marl.agents import LoraSettings
+from lit_marl.algorithms.base import AgentTeamModule, Timer
+from lit_marl.generation import sequence_logprobs
+from lit_marl.rollout.batch import TrajectorySamples
+from lit_marl.rollout.buffer import minibatches
+from lit_marl.rollout.episode import EpisodeBatch
+
+
+class EpisodicModule(AgentTeamModule):
+    def __init__(
+        self,
+        model: str = "tiny-random",
+        lora: LoraSettings | None = None,
+        system_prompt: str | None = None,
+        learning_rate: float = 1e-5,
+        max_grad_norm: float = 1.0,
+        forward_batch_size: int = 8,
+        clip_range: float = 0.2,
+        ppo_epochs: int = 1,
+        train_batch_size: int | None = None,
+        discount: float = 1.0,
+        kl_coef: float = 0.0,
+        kl_mode: Literal["loss", "reward"] = "loss",
+        num_agents: int = 1,
+    ):
+        """
+        Args:
+            model: Model source of the policy.
+            lora: LoRA adapters instead of full fine-tuning (the KL reference is then the base).
+            system_prompt: System message (omit to keep the chat template's default).
+            learning_rate: AdamW learning rate of the policy.
+            max_grad_norm: Gradient norm clipping (0 disables).
+            forward_batch_size: Episodes per forward/backward pass (memory only).
+            clip_range: PPO's ratio clipping epsilon.
+            ppo_epochs: Passes over the step's episodes (the behaviour log-probs stay those of the rollout).
+            train_batch_size: Tasks per mini-batch (all of a task's episodes together); None: one
+                mini-batch per epoch.
+            discount: Discount gamma between turns / tokens (1.0, the practitioner guide's finding).
+            kl_coef: Weight of KL(policy || reference); 0 disables.
+            kl_mode: ``loss``: a loss term (k3 estimate per token); ``reward``: subtracted from each
+                token's reward before advantages are computed.
+            num_agents: One agent (episodes play one policy).
+        """
+        super().__init__(
+            model=model,
+            num_agents=num_agents,
+            lora=lora,
+            system_prompt=system_prompt,
+            learning_rate=learning_rate,
+            max_grad_norm=max_grad_norm,
+            forward_batch_size=forward_batch_size,
+        )
+        if num_agents != 1:
+            raise ConfigError(f"model.num_agents={num_agents}: multi-turn episode algorithms train one policy")
+        if not 0 < clip_range < 1:
+            raise ConfigError(f"model.clip_range={clip_range}: must be in (0, 1)")
+        if ppo_epochs < 1:
+            raise ConfigError(f"model.ppo_epochs={ppo_epochs}: must be at least 1")
+        if not 0 <= discount <= 1:
+            raise ConfigError(f"model.discount={discount}: must be in [0, 1]")
+        if kl_coef < 0 or kl_mode not in ("loss", "reward"):
+            raise ConfigError(f"model.kl_coef={kl_coef}, model.kl_mode={kl_mode!r}: need kl_coef >= 0, loss or reward")
+        self.clip_range, self.ppo_epochs, self.train_batch_size = clip_range, ppo_epochs, train_batch_size
+        self.discount, self.kl_coef, self.kl_mode = discount, kl_coef, kl_mode
+        self.reference: nn.Module | None = None
+        self.shuffle_generator = torch.Generator().manual_seed(torch.initial_seed() % 2**63)
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        if self.kl_coef > 0 and self.lora is None and self.reference is None:
+            self.reference = copy.deepcopy(self.agents[0].model).requires_grad_(False)
+
+    def setup(self, stage: str) -> None:
+        data = self.trainer.datamodule
+        if data is not None and not hasattr(data, "make_env"):
+            raise ConfigError(
+                f"{type(self).__name__} trains on multi-turn episodes: use data: lit_marl.data.EpisodeDataModule"
+            )
+
+    # ------------------------------------------------------------------ what subclasses provide
+    def advantages(self, batch: EpisodeBatch, token_rewards: torch.Tensor, samples: dict) -> dict:
+        """Fill ``advantages``, ``returns``, ``old_values`` and ``value_mask`` into ``samples``."""
+        raise NotImplementedError
+
+    def extra_loss(self, samples: TrajectorySamples, outputs) -> torch.Tensor:
+        """Added to the policy loss (summed over tokens), e.g. PPO's value loss; none by default."""
+        return torch.zeros(())
+
+    def forward(self, samples: TrajectorySamples):
+        """Per-token log-probs of the policy (subclasses add values)."""
+        return sequence_logprobs(self.agents[0].model, samples.input_ids, samples.attention_mask), None
+
+    # ------------------------------------------------------------------ the step
+    @torch.no_grad()
+    def reference_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        if self.reference is not None:
+            return sequence_logprobs(self.reference, input_ids, attention_mask)
+        with self.agents[0].model.disable_adapter():
+            return sequence_logprobs(self.agents[0].model, input_ids, attention_mask)
+
+    @torch.no_grad()
+    def prepare(self, batch: EpisodeBatch) -> TrajectorySamples:
+        model = self.agents[0].model
+        old_logprobs = torch.cat(
+            [
+                sequence_logprobs(model, batch.input_ids[rows], batch.attention_mask[rows])
+                for rows in torch.arange(len(batch.input_ids)).split(self.hparams.forward_batch_size)
+            ]
+        )
+        token_rewards = batch.token_rewards(batch.rewards).to(old_logprobs.device)
+        ref = None
+        if self.kl_coef > 0:
+            ref = self.reference_logprobs(batch.input_ids, batch.attention_mask)
+            if self.kl_mode == "reward":
+                delta = old_logprobs - ref  # the per-token KL estimate of the sampled tokens
+                token_rewards = token_rewards - self.kl_coef * delta * batch.loss_mask
+        fields = dict(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            loss_mask=batch.loss_mask,
+            old_logprobs=old_logprobs,
+            ref_logprobs=ref if self.kl_mode == "loss" else None,
+            group_ids=batch.group_ids.to(batch.input_ids.device),
+            turn_ids=torch.zeros_like(batch.group_ids).to(batch.input_ids.device),
+        )
+        return TrajectorySamples(**self.advantages(batch, token_rewards, fields))
+
+    def loss(self, samples: TrajectorySamples, stats: dict) -> torch.Tensor:
+        """Summed over this micro-batch's action tokens."""
+        logprobs, outputs = self.forward(samples)
+        mask = samples.loss_mask.float()
+        ratio = (logprobs - samples.old_logprobs).exp()
+        clipped = ratio.clamp(1 - self.clip_range, 1 + self.clip_range)
+        surrogate = -torch.minimum(ratio * samples.advantages, clipped * samples.advantages)
+        loss = (surrogate * mask).sum()
+        if samples.ref_logprobs is not None:
+            delta = samples.ref_logprobs - logprobs
+            loss = loss + self.kl_coef * ((delta.exp() - delta - 1) * mask).sum()
+        loss = loss + self.extra_loss(samples, outputs)
+        with torch.no_grad():
+            log_ratio = logprobs - samples.old_logprobs
+            stats["approx_kl"] += float((((ratio - 1) - log_ratio) * mask).sum())
+            stats["clip_frac"] += float((((ratio - 1).abs() > self.clip_range).float() * mask).sum())
+            stats["tokens"] += float(mask.sum())
+        return loss
+
+    def training_step(self, batch: EpisodeBatch, batch_idx: int) -> None:
+        with Timer() as train_time:
+            samples = self.prepare(batch)
+            stats = dict.fromkeys(("approx_kl", "clip_frac", "tokens"), 0.0)
+            losses = []
+            for _ in range(self.ppo_epochs):
+                for rows in minibatches(samples, self.train_batch_size, self.shuffle_generator):
+                    mini = samples.select(rows)
+                    # a token mean over the mini-batch (update_agent divides by its row count: undone)
+                    scale = len(mini) / max(int(mini.loss_mask.sum()), 1)
+                    loss_fn = lambda mb, s=scale: self.loss(mb, stats) * s  # noqa: E731
+                    losses.append(self.update_agent(0, mini, loss_fn))
+        self.log("time/train_s", train_time.seconds)
+        self.log("train/loss", sum(losses) / len(losses), prog_bar=True)
+        self.log("train/approx_kl", stats["approx_kl"] / max(stats["tokens"], 1))
+        self.log("train/clip_frac", stats["clip_frac"] / max(stats["tokens"], 1))
+        self.log("train/optimizer_steps", float(len(losses)))
+        self.log_episodes(batch, "train", samples)
+
+    def log_episodes(self, batch: EpisodeBatch, prefix: str, samples: TrajectorySamples | None = None) -> None:
+        size = len(batch.won)
+        episode_reward = batch.rewards.sum(dim=1)
+        self.log(f"{prefix}/reward", episode_reward.mean(), prog_bar=True, batch_size=size)
+        self.log(f"{prefix}/won", batch.won.float().mean(), prog_bar=True, batch_size=size)
+        self.log(f"{prefix}/lost", batch.lost.float().mean(), batch_size=size)
+        self.log(f"{prefix}/truncated", batch.truncated.float().mean(), batch_size=size)
+        self.log(f"{prefix}/turns", batch.num_turns.float().mean(), batch_size=size)
+        self.log(f"{prefix}/final_score", (batch.scores[:, -1] / batch.max_score).mean(), batch_size=size)
+        alive = batch.alive
+        for t in range(alive.shape[1]):
+            live = alive[:, t]
+            count = int(live.sum())
+            self.log(f"{prefix}/turn{t}/reward", batch.rewards[live, t].mean(), batch_size=count)
+            self.log(f"{prefix}/turn{t}/episodes", float(count), batch_size=count)
+            if samples is not None:
+                turn = batch.turn_ids() == t
+                self.log(f"{prefix}/turn{t}/advantage", samples.advantages[turn].mean(), batch_size=count)
+        if prefix == "train":
+            for key, value in batch.stats.items():
+                self.log(key, value, prog_bar=key == "rollout/tokens_per_s", batch_size=size)
+
+    def validation_step(self, batch: EpisodeBatch, batch_idx: int) -> None:
+        self.log_episodes(batch, "val")
+
+    def test_step(self, batch: EpisodeBatch, batch_idx: int) -> None:
+        self.log_episodes(batch, "test")

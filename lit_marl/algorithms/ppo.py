@@ -1,0 +1,169 @@
+"""PPO on multi-turn episodes with a critic: a value head on the policy's last hidden state, or a
+separate critic model with its own head. Token-level GAE over the agent's own tokens (observation
+spans skipped, values and GAE state carried across them), or turn-level GAE (one value per turn,
+read where the turn's reply starts; its advantage broadcast to the turn's tokens)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lit_marl import ConfigError
+from lit_marl.algorithms.episodic import EpisodicModule
+from lit_marl.models import load_model_and_tokenizer
+from lit_marl.returns import token_gae, turn_gae
+
+
+class ValueHead(nn.Module):
+    """MLP -> tanh -> scalar on a hidden state."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(hidden_size, hidden_size), nn.Tanh(), nn.Linear(hidden_size, 1))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.net(hidden.float()).squeeze(-1)
+
+
+class PPO(EpisodicModule):
+    def __init__(
+        self,
+        critic: Literal["head", "model"] = "head",
+        critic_model: str | None = None,
+        critic_learning_rate: float | None = None,
+        gae: Literal["token", "turn"] = "token",
+        gae_lambda: float = 0.95,
+        value_loss_coef: float = 0.5,
+        value_clip_range: float | None = 0.2,
+        advantage_normalization: bool = True,
+        ppo_epochs: int = 2,
+        **kwargs,
+    ):
+        """
+        Args:
+            critic: ``head``: a value head on the policy's last hidden state; ``model``: a separate
+                critic model (``critic_model``, default the policy's source) with its own head.
+            critic_model: Model source of the separate critic (same tokenizer as the policy).
+            critic_learning_rate: Learning rate of the critic's parameters (default: the policy's).
+            gae: ``token``: GAE over the agent's tokens; ``turn``: one value and advantage per turn.
+            gae_lambda: GAE lambda.
+            value_loss_coef: Weight of the value loss.
+            value_clip_range: Clip the new value to the old one +- this in the value loss; None: no clipping.
+            advantage_normalization: Whiten the advantages over the step's action tokens.
+            ppo_epochs: Passes over the step's episodes.
+            **kwargs: The shared settings of ``EpisodicModule`` (model, clip_range, discount, kl_coef, ...).
+        """
+        super().__init__(ppo_epochs=ppo_epochs, **kwargs)
+        if critic not in ("head", "model"):
+            raise ConfigError(f"model.critic={critic!r}: choose head or model")
+        if gae not in ("token", "turn"):
+            raise ConfigError(f"model.gae={gae!r}: choose token or turn")
+        if not 0 <= gae_lambda <= 1:
+            raise ConfigError(f"model.gae_lambda={gae_lambda}: must be in [0, 1]")
+        if critic == "head" and critic_model is not None:
+            raise ConfigError("model.critic_model is for critic: model; a value head lives on the policy")
+        self.critic_kind, self.critic_source = critic, critic_model
+        self.critic_learning_rate = critic_learning_rate or self.hparams.learning_rate
+        self.gae_mode, self.gae_lambda = gae, gae_lambda
+        self.value_loss_coef, self.value_clip_range = value_loss_coef, value_clip_range
+        self.advantage_normalization = advantage_normalization
+        self.value_head: ValueHead | None = None
+        self.critic_backbone: nn.Module | None = None
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        if self.value_head is not None:
+            return
+        actor = self.agents[0]
+        if self.critic_kind == "model":
+            backbone, tokenizer = load_model_and_tokenizer(self.critic_source or self.sources[0])
+            if tokenizer.get_vocab() != actor.tokenizer.get_vocab():
+                raise ConfigError(
+                    f"model.critic_model={self.critic_source!r} has another tokenizer than the policy: the critic "
+                    "reads the policy's token ids"
+                )
+            self.critic_backbone = backbone
+        config = (self.critic_backbone or actor.model).config
+        self.value_head = ValueHead(config.hidden_size)
+
+    def configure_optimizers(self):
+        critic = list(self.value_head.parameters())
+        if self.critic_backbone is not None:
+            critic += [p for p in self.critic_backbone.parameters() if p.requires_grad]
+        groups = [
+            {"params": self.agents[0].trainable_parameters(), "lr": self.hparams.learning_rate},
+            {"params": critic, "lr": self.critic_learning_rate},
+        ]
+        return torch.optim.AdamW(groups, weight_decay=0.0)
+
+    def forward(self, samples):
+        """Per-token log-probs and values ``[B, L]``; entry t is about token t given the ones before."""
+        ids, mask = samples.input_ids, samples.attention_mask
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        args = dict(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
+        out = self.agents[0].model(**args, output_hidden_states=self.critic_backbone is None)
+        logprobs = -F.cross_entropy(out.logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none")
+        if self.critic_backbone is None:
+            hidden = out.hidden_states[-1]
+        else:
+            hidden = self.critic_backbone(**args, output_hidden_states=True).hidden_states[-1]
+        values = self.value_head(hidden[:, :-1])
+        return F.pad(logprobs, (1, 0)), F.pad(values, (1, 0))
+
+    @torch.no_grad()
+    def advantages(self, batch, token_rewards, samples):
+        values = torch.cat(
+            [
+                self.forward(_Rows(batch.input_ids[rows], batch.attention_mask[rows]))[1]
+                for rows in torch.arange(len(batch.input_ids)).split(self.hparams.forward_batch_size)
+            ]
+        )
+        mask = batch.loss_mask.float()
+        if self.gae_mode == "token":
+            advantages, returns = token_gae(token_rewards, values * mask, mask, self.discount, self.gae_lambda)
+            value_mask = mask
+        else:
+            turn_of_token = batch.turn_ids()
+            alive = batch.alive
+            T = alive.shape[1]
+            first = torch.stack([(turn_of_token == t).float().argmax(dim=1) for t in range(T)], dim=1)  # [B, T]
+            turn_values = values.gather(1, first) * alive
+            per_turn = torch.stack([(token_rewards * (turn_of_token == t)).sum(dim=1) for t in range(T)], dim=1)
+            turn_adv, turn_ret = turn_gae(per_turn, turn_values, alive, self.discount, self.gae_lambda)
+            advantages = torch.zeros_like(values)
+            for t in range(T):
+                advantages = torch.where(turn_of_token == t, turn_adv[:, t : t + 1], advantages)
+            value_mask = torch.zeros_like(values)
+            returns = torch.zeros_like(values)
+            rows, turns = torch.nonzero(alive, as_tuple=True)
+            value_mask[rows, first[rows, turns]] = 1.0
+            returns[rows, first[rows, turns]] = turn_ret[rows, turns]
+        if self.advantage_normalization:
+            chosen = advantages[mask.bool()]
+            if chosen.numel() > 1:
+                advantages = (advantages - chosen.mean()) / (chosen.std() + 1e-6) * mask
+        returns_v, values_v = returns[value_mask.bool()], values[value_mask.bool()]
+        self.log("train/value_mean", values_v.mean(), batch_size=len(values))
+        explained = 1 - (returns_v - values_v).var() / returns_v.var().clamp(min=1e-8)
+        self.log("train/explained_variance", explained, batch_size=len(values))
+        return {**samples, "advantages": advantages, "returns": returns, "old_values": values, "value_mask": value_mask}
+
+    def extra_loss(self, samples, values) -> torch.Tensor:
+        """0.5 x (value - return)^2 on the value positions, clipped around the old value (PPO2)."""
+        error = (values - samples.returns) ** 2
+        if self.value_clip_range is not None:
+            clipped = samples.old_values + (values - samples.old_values).clamp(
+                -self.value_clip_range, self.value_clip_range
+            )
+            error = torch.maximum(error, (clipped - samples.returns) ** 2)
+        return self.value_loss_coef * 0.5 * (error * samples.value_mask).sum()
+
+
+class _Rows:
+    """The two fields ``PPO.forward`` reads, for the value pass over a raw episode batch."""
+
+    def __init__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+        self.input_ids, self.attention_mask = input_ids, attention_mask

@@ -1,0 +1,248 @@
+"""Multi-turn episodes: the env protocol, the Corridor game, token-in/token-out trajectories, budgets,
+and tiny-model fits of PPO (value head and separate critic), GRPO and RLOO."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+
+import lit_marl.rollout.episode as episode_module
+from helpers import REPO_ROOT, make_trainer
+from lit_marl import ConfigError
+from lit_marl.agents import Agent
+from lit_marl.algorithms import GRPO, PPO, RLOO
+from lit_marl.data import EpisodeDataModule
+from lit_marl.envs.base import REGISTRY, Env, StepResult, make_env, register
+from lit_marl.envs.corridor import expert_actions, parse_command
+from lit_marl.rollout.episode import run_episodes
+
+CORRIDOR = REPO_ROOT / "data" / "corridor"
+
+
+@register("letter-count")
+class LetterCount(Env):
+    """A test game whose score is the number of 'e' in the replies so far (capped): random text
+    gets different scores, so group baselines have something to compare."""
+
+    def reset(self, task):
+        self.score, self.steps = 0, 0
+        return [f"Say something with many e's ({task['task_id']})."]
+
+    def step(self, actions):
+        self.steps += 1
+        self.score = min(self.score + actions[0].count("e"), 9)
+        return StepResult(
+            [f"You have {self.score} points."],
+            info={"won": self.score >= 9, "lost": False, "score": self.score, "max_score": 9},
+        )
+
+
+# --------------------------------------------------------------------------- the game
+def test_corridor_expert_wins_and_the_pit_loses():
+    for task in ({"length": 4, "key_room": 2}, {"length": 5, "key_room": 3, "pit": True}):
+        env = make_env("corridor")
+        env.reset(task)
+        scores = []
+        for action in expert_actions(task):
+            result = env.step([f"I will {action} now."])
+            scores.append(result.info["score"])
+        assert result.terminated and result.info["won"] and scores[-1] == 3 and sorted(scores) == scores
+    env = make_env("corridor")
+    env.reset({"length": 4, "key_room": 2, "pit": True})
+    result = env.step(["west"])
+    assert result.terminated and result.info["lost"] and not result.info["won"]
+
+
+def test_corridor_truncates_and_clones():
+    env = make_env("corridor")
+    env.reset({"length": 3, "key_room": 1, "max_steps": 2})
+    assert not env.step(["dance"]).truncated
+    copy = env.clone()
+    assert env.step(["dance"]).truncated
+    assert copy.step(["east"]).info["score"] == 0 and copy.room == 1 and env.room == 0
+
+
+def test_parse_command_takes_the_first():
+    assert parse_command("Let me go east, then take key") == "east"
+    assert parse_command("TAKE KEY!") == "take key"
+    assert parse_command("eastward ho") is None
+
+
+def test_registry_errors():
+    with pytest.raises(ConfigError, match=r"data\.env='maze'.*corridor"):
+        make_env("maze")
+    with pytest.raises(ConfigError, match=r"do not fit environment 'corridor'"):
+        make_env("corridor", {"walls": 3})
+    with pytest.raises(ValueError, match="taken"):
+        register("corridor")(LetterCount)
+    assert REGISTRY["letter-count"] is LetterCount
+
+
+# --------------------------------------------------------------------------- token-in / token-out
+@pytest.fixture(scope="module")
+def agent():
+    return Agent("tiny-random")
+
+
+def test_training_ids_are_exactly_what_generation_saw_and_produced(agent, monkeypatch):
+    calls = []
+    generate = episode_module.generate
+
+    def recording(agent_, prompts, *args, **kwargs):
+        out = generate(agent_, prompts, *args, **kwargs)
+        calls.append(([list(p) for p in prompts], out))
+        return out
+
+    monkeypatch.setattr(episode_module, "generate", recording)
+    torch.manual_seed(0)
+    tasks = [{"length": 5, "key_room": 3}, {"length": 6, "key_room": 2}]
+    batch = run_episodes(agent, tasks, lambda: make_env("corridor"), group_size=1, max_turns=3, max_new_tokens=6)
+    assert len(calls) == 3 and batch.num_turns.tolist() == [3, 3]
+    for row in range(2):
+        ids = batch.input_ids[row][batch.attention_mask[row].bool()].tolist()
+        loss_mask = batch.loss_mask[row][batch.attention_mask[row].bool()].tolist()
+        sampled = []
+        for prompts, out in calls:
+            seen = prompts[row]
+            produced = out.completion_ids[row][out.completion_mask[row].bool()].tolist()
+            assert ids[: len(seen)] == seen  # the context of every turn is a prefix of the trajectory
+            assert ids[len(seen) : len(seen) + len(produced)] == produced  # then what it produced
+            assert loss_mask[len(seen) : len(seen) + len(produced)] == [1] * len(produced)
+            sampled += list(range(len(seen), len(seen) + len(produced)))
+        # the loss mask is exactly the sampled tokens: no prompt, observation or template token
+        assert [i for i, m in enumerate(loss_mask) if m] == sampled
+        assert (
+            ids
+            == calls[-1][0][row] + calls[-1][1].completion_ids[row][calls[-1][1].completion_mask[row].bool()].tolist()
+        )
+    # observations are the template's segments: the decoded text is a well-formed ChatML dialogue
+    text = agent.tokenizer.decode(batch.input_ids[0][batch.attention_mask[0].bool()])
+    assert text.count("<|im_start|>user") == 3 and text.count("<|im_start|>assistant") == 3
+    assert text.count("<|im_end|>") == 5  # 3 user messages + 2 closed replies (the last one trails)
+
+
+def test_reply_cut_by_the_budget_is_closed_by_the_next_segment(agent):
+    torch.manual_seed(1)
+    batch = run_episodes(
+        agent, [{"length": 4, "key_room": 2}], lambda: make_env("corridor"), max_turns=2, max_new_tokens=3
+    )
+    ids = batch.input_ids[0].tolist()
+    end = int(batch.end_positions[0, 0])
+    if ids[end] != agent.eos_token_id:  # cut at 3 tokens: the template's closing comes first, untrained
+        assert ids[end + 1] == agent.eos_token_id and batch.loss_mask[0, end + 1] == 0
+
+
+def test_context_budget_truncates_and_keeps_the_reward(agent):
+    torch.manual_seed(0)
+    start = len(agent.encode_prompt(make_env("letter-count").reset({"task_id": "t"})[0]))
+    data = EpisodeDataModule(
+        train_path=str(CORRIDOR / "train.jsonl"),
+        env="letter-count",
+        num_generations=1,
+        max_turns=5,
+        max_new_tokens=8,
+        max_context_tokens=start + 30,
+        reward_density="dense",
+    )
+    batch = data.rollout(agent, [{"task_id": "t"}], greedy=False)
+    assert batch.truncated.all() and int(batch.num_turns[0]) < 5
+    assert int(batch.attention_mask.sum()) <= start + 30
+    played = int(batch.num_turns[0])  # the turns it played keep their rewards
+    assert torch.allclose(batch.rewards[0, :played].sum(), batch.scores[0, played - 1] * 0.5 / 9)
+    with pytest.raises(ValueError, match="leaves no room for a reply"):
+        run_episodes(
+            agent, [{"task_id": "t"}], lambda: make_env("letter-count"), max_new_tokens=8, max_context_tokens=start
+        )
+
+
+def test_token_rewards_sit_on_each_turns_end_token(agent):
+    torch.manual_seed(0)
+    data = EpisodeDataModule(
+        train_path=str(CORRIDOR / "train.jsonl"),
+        env="letter-count",
+        num_generations=1,
+        max_turns=3,
+        max_new_tokens=6,
+        reward_density="dense",
+    )
+    batch = data.rollout(agent, [{"task_id": "a"}, {"task_id": "b"}], greedy=False)
+    placed = batch.token_rewards(batch.rewards)
+    for b in range(2):
+        for t in range(int(batch.num_turns[b])):
+            assert placed[b, batch.end_positions[b, t]] == batch.rewards[b, t]
+            assert batch.loss_mask[b, batch.end_positions[b, t]] == 1
+    assert torch.allclose(placed.sum(dim=1), batch.rewards.sum(dim=1))
+
+
+# --------------------------------------------------------------------------- fits
+def _fit(tmp_path, module, env, num_generations, **data_kwargs):
+    L.seed_everything(0)
+    module.configure_model()
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    data = EpisodeDataModule(
+        train_path=str(CORRIDOR / "train.jsonl"),
+        env=env,
+        tasks_per_step=2,
+        num_generations=num_generations,
+        max_turns=3,
+        max_new_tokens=6,
+        temperature=1.5,
+        **data_kwargs,
+    )
+    trainer = make_trainer(tmp_path, limit_train_batches=1, limit_val_batches=0)
+    trainer.fit(module, datamodule=data)
+    moved = {n for n, p in module.named_parameters() if not torch.equal(p.detach(), before[n])}
+    return trainer.callback_metrics, moved
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"critic": "head", "gae": "token"},
+        {"critic": "model", "gae": "turn", "critic_learning_rate": 1e-3},
+        {"critic": "head", "gae": "token", "kl_coef": 0.1, "kl_mode": "reward"},
+    ],
+)
+def test_ppo_fit_moves_policy_and_critic(tmp_path, kwargs):
+    module = PPO(model="tiny-random", learning_rate=1e-2, ppo_epochs=2, **kwargs)
+    metrics, moved = _fit(tmp_path, module, "corridor", 1, reward_density="dense")
+    for key in (
+        "train/loss",
+        "train/approx_kl",
+        "train/clip_frac",
+        "train/explained_variance",
+        "train/value_mean",
+        "train/turn0/reward",
+        "train/turn2/advantage",
+        "train/won",
+        "train/truncated",
+    ):
+        assert key in metrics and torch.isfinite(metrics[key]), key
+    assert any(n.startswith("agents.0.") for n in moved)
+    assert any(n.startswith("value_head.") for n in moved)
+    if kwargs["critic"] == "model":
+        assert any(n.startswith("critic_backbone.") for n in moved)
+
+
+@pytest.mark.parametrize("cls, turn_level", [(GRPO, False), (RLOO, False), (GRPO, True), (RLOO, True)])
+def test_group_fits_move_the_policy(tmp_path, cls, turn_level):
+    module = cls(model="tiny-random", learning_rate=1e-2, turn_level_advantages=turn_level)
+    metrics, moved = _fit(tmp_path, module, "letter-count", 4, reward_density="dense")
+    for key in ("train/loss", "train/turn0/reward", "train/turn1/advantage", "train/reward"):
+        assert key in metrics and torch.isfinite(metrics[key]), key
+    assert any(n.startswith("agents.0.") for n in moved)
+
+
+def test_group_algorithms_need_groups(tmp_path):
+    with pytest.raises(ConfigError, match=r"data\.num_generations=1"):
+        _fit(tmp_path, GRPO(model="tiny-random"), "corridor", 1)
+
+
+def test_episode_data_errors():
+    with pytest.raises(ConfigError, match=r"data\.max_context_tokens=8"):
+        EpisodeDataModule(train_path=str(CORRIDOR / "train.jsonl"), max_new_tokens=8, max_context_tokens=8)
+    with pytest.raises(ConfigError, match=r"data\.score_weight=1\.0"):
+        EpisodeDataModule(train_path=str(CORRIDOR / "train.jsonl"), score_weight=1.0)
+    with pytest.raises(ConfigError, match=r"data\.env='nope'"):
+        EpisodeDataModule(train_path=str(CORRIDOR / "train.jsonl"), env="nope")
