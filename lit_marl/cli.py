@@ -15,7 +15,7 @@ def build_cli(args: list[str] | None = None, run: bool = True):
 
     from lit_marl import ConfigError
     from lit_marl.algorithms.base import AgentTeamModule
-    from lit_marl.data import RolloutDataModule
+    from lit_marl.data import TaskDataModule
 
     # HF models load in eval mode and we keep it: no dropout, so training scores the very policy
     # that sampled (the warning assumes supervised training)
@@ -42,8 +42,9 @@ def build_cli(args: list[str] | None = None, run: bool = True):
 
     return LitMarlCLI(
         AgentTeamModule,
-        RolloutDataModule,
+        TaskDataModule,
         subclass_mode_model=True,
+        subclass_mode_data=True,
         args=args,
         run=run,
         save_config_kwargs={"overwrite": True},

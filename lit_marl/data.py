@@ -72,7 +72,24 @@ def task_loader(tasks: list[dict], batch_size: int, shuffle: bool, seed: int) ->
     return DataLoader(tasks, batch_size=batch_size, shuffle=shuffle, collate_fn=list, generator=generator)
 
 
-class RolloutDataModule(L.LightningDataModule):
+class TaskDataModule(L.LightningDataModule):
+    """Task rows in batches; subclasses turn each batch into rollouts (trees or episodes) right
+    before the training step. Configs name the subclass: ``data: {class_path: ..., init_args: ...}``."""
+
+    train_tasks: list[dict]
+    val_tasks: list[dict]
+
+    def train_dataloader(self) -> DataLoader:
+        return task_loader(self.train_tasks, self.hparams.tasks_per_step, True, self.hparams.seed)
+
+    def val_dataloader(self) -> DataLoader:
+        return task_loader(self.val_tasks, self.hparams.eval_tasks_per_step, False, self.hparams.seed)
+
+    def test_dataloader(self) -> DataLoader:
+        return self.val_dataloader()
+
+
+class RolloutDataModule(TaskDataModule):
     def __init__(
         self,
         train_path: str,
@@ -191,18 +208,6 @@ class RolloutDataModule(L.LightningDataModule):
     def num_agents(self) -> int:
         return self.env.num_agents
 
-    def _loader(self, tasks: list[dict], batch_size: int, shuffle: bool) -> DataLoader:
-        return task_loader(tasks, batch_size, shuffle, self.hparams.seed)
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_tasks, self.hparams.tasks_per_step, shuffle=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_tasks, self.hparams.eval_tasks_per_step, shuffle=False)
-
-    def test_dataloader(self) -> DataLoader:
-        return self.val_dataloader()
-
     def prompts_for(self, tasks: list[dict]) -> list[list[str]]:
         return [self.env.prompts(task) for task in tasks]
 
@@ -248,7 +253,7 @@ class RolloutDataModule(L.LightningDataModule):
         return {key: value / len(self.val_tasks) for key, value in totals.items()}
 
 
-class EpisodeDataModule(L.LightningDataModule):
+class EpisodeDataModule(TaskDataModule):
     """Task rows in, multi-turn episodes in a stateful environment out (``rollout/episode.py``),
     built on the fly with the current policy, G episodes per task."""
 
@@ -334,15 +339,6 @@ class EpisodeDataModule(L.LightningDataModule):
 
         return make_env(self.hparams.env, self.hparams.env_kwargs)
 
-    def train_dataloader(self) -> DataLoader:
-        return task_loader(self.train_tasks, self.hparams.tasks_per_step, True, self.hparams.seed)
-
-    def val_dataloader(self) -> DataLoader:
-        return task_loader(self.val_tasks, self.hparams.eval_tasks_per_step, False, self.hparams.seed)
-
-    def test_dataloader(self) -> DataLoader:
-        return self.val_dataloader()
-
     def rollout(self, agent, tasks: list[dict], greedy: bool):
         from lit_marl.returns import turn_rewards
         from lit_marl.rollout.episode import run_episodes
@@ -369,3 +365,21 @@ class EpisodeDataModule(L.LightningDataModule):
     def on_after_batch_transfer(self, batch: list[dict], dataloader_idx: int):
         agent = self.trainer.lightning_module.agents[0]
         return self.rollout(agent, batch, greedy=not self.trainer.training)
+
+    @torch.no_grad()
+    def evaluate(self, agents) -> dict[str, float]:
+        """One greedy episode per held-out task: win rate, mean episode reward, final score, length."""
+        if not self.val_tasks:
+            raise ConfigError("data.val_path: the held-out evaluation needs held-out tasks")
+        totals: dict[str, float] = {}
+        for batch in self.val_dataloader():
+            episodes = self.rollout(agents[0], batch, greedy=True)
+            values = {
+                "reward": float(episodes.rewards.sum(dim=1).mean()),
+                "won": float(episodes.won.float().mean()),
+                "final_score": float((episodes.scores[:, -1] / episodes.max_score).mean()),
+                "turns": float(episodes.num_turns.float().mean()),
+            }
+            for key, value in values.items():
+                totals[key] = totals.get(key, 0.0) + value * len(batch)
+        return {key: value / len(self.val_tasks) for key, value in totals.items()}

@@ -11,10 +11,10 @@ import pytest
 import yaml
 
 from helpers import REPO_ROOT
-from lit_marl.algorithms import MAGRPO
 from lit_marl.algorithms import base as base_module
+from lit_marl.algorithms.base import AgentTeamModule
 from lit_marl.cli import build_cli
-from lit_marl.data import RolloutDataModule
+from lit_marl.data import RolloutDataModule, TaskDataModule
 
 CONFIGS = sorted(p.relative_to(REPO_ROOT).as_posix() for p in (REPO_ROOT / "configs").rglob("*.yaml"))
 
@@ -34,10 +34,12 @@ def test_config_prints(config, in_repo_root, capsys):
     printed = yaml.safe_load(out)
     source = yaml.safe_load((REPO_ROOT / config).read_text())
     assert printed["model"]["class_path"] == source["model"]["class_path"]
-    if "agent_prompts" in source["data"]:
-        assert printed["data"]["agent_prompts"] == source["data"]["agent_prompts"]
-    else:  # an environment gives the prompts
-        assert printed["data"]["env"]["class_path"] == source["data"]["env"]["class_path"]
+    assert printed["data"]["class_path"] == source["data"]["class_path"]
+    data, printed_data = source["data"]["init_args"], printed["data"]["init_args"]
+    if "agent_prompts" in data:
+        assert printed_data["agent_prompts"] == data["agent_prompts"]
+    elif isinstance(data.get("env"), dict):  # an environment gives the prompts
+        assert printed_data["env"]["class_path"] == data["env"]["class_path"]
     # the number of agents is linked to the prompts at instantiation, so it is not a config key
     assert "num_agents" not in printed["model"]["init_args"]
 
@@ -50,19 +52,22 @@ def test_config_instantiates_without_loading_models(config, in_repo_root, monkey
     monkeypatch.setattr(base_module, "Agent", refuse)
     cli = build_cli(args=["--config", config], run=False)
     source = yaml.safe_load((REPO_ROOT / config).read_text())
-    assert isinstance(cli.model, MAGRPO)
-    assert isinstance(cli.datamodule, RolloutDataModule)
+    assert isinstance(cli.model, AgentTeamModule)
+    assert isinstance(cli.datamodule, TaskDataModule)
     assert cli.model.agents is None
-    data = source["data"]
-    agents = len(data["agent_prompts"]) if "agent_prompts" in data else cli.datamodule.env.num_agents
+    data = source["data"]["init_args"]
+    if "agent_prompts" in data:
+        agents = len(data["agent_prompts"])
+    else:
+        agents = cli.datamodule.env.num_agents if isinstance(cli.datamodule, RolloutDataModule) else 1
     assert cli.model.hparams.num_agents == cli.datamodule.num_agents == agents
     assert cli.model.sources == [source["model"]["init_args"]["model"]] * cli.datamodule.num_agents
     assert len(cli.datamodule.train_tasks) > 0
-    if "val_path" in source["data"]:
+    if "val_path" in source["data"]["init_args"]:
         assert len(cli.datamodule.val_tasks) > 0
-    # every train row fills every prompt template
-    prompts = cli.datamodule.prompts_for(cli.datamodule.train_tasks)
-    assert all(len(p) == cli.datamodule.num_agents and "{" not in "".join(p) for p in prompts)
+    if isinstance(cli.datamodule, RolloutDataModule):  # every train row fills every prompt template
+        prompts = cli.datamodule.prompts_for(cli.datamodule.train_tasks)
+        assert all(len(p) == cli.datamodule.num_agents and "{" not in "".join(p) for p in prompts)
     callbacks = {type(c).__name__ for c in cli.trainer.callbacks}
     for entry in source["trainer"].get("callbacks", []):
         assert entry["class_path"].rsplit(".", 1)[-1] in callbacks

@@ -246,3 +246,13 @@ def test_episode_data_errors():
         EpisodeDataModule(train_path=str(CORRIDOR / "train.jsonl"), score_weight=1.0)
     with pytest.raises(ConfigError, match=r"data\.env='nope'"):
         EpisodeDataModule(train_path=str(CORRIDOR / "train.jsonl"), env="nope")
+
+
+@pytest.mark.parametrize("config", ["configs/ppo/corridor_tiny.yaml", "configs/grpo/corridor_tiny.yaml"])
+def test_episode_configs_run_from_the_cli(tmp_path, monkeypatch, config):
+    from helpers import cli_fit
+
+    monkeypatch.chdir(REPO_ROOT)
+    cli = cli_fit(tmp_path, "--trainer.limit_train_batches=1", config=config)
+    metrics = cli.trainer.callback_metrics
+    assert torch.isfinite(metrics["train/loss"]) and "val/won" in metrics and "train/turn0/reward" in metrics
