@@ -202,6 +202,8 @@ def _fit(tmp_path, module, env, num_generations, **data_kwargs):
         {"critic": "head", "gae": "token"},
         {"critic": "model", "gae": "turn", "critic_learning_rate": 1e-3},
         {"critic": "head", "gae": "token", "kl_coef": 0.1, "kl_mode": "reward"},
+        # LoRA: the KL reference is the base with the adapters disabled (no copy of the weights)
+        {"critic": "head", "gae": "turn", "kl_coef": 0.1, "kl_mode": "loss", "lora": {"r": 4, "alpha": 8}},
     ],
 )
 def test_ppo_fit_moves_policy_and_critic(tmp_path, kwargs):
@@ -221,6 +223,8 @@ def test_ppo_fit_moves_policy_and_critic(tmp_path, kwargs):
         assert key in metrics and torch.isfinite(metrics[key]), key
     assert any(n.startswith("agents.0.") for n in moved)
     assert any(n.startswith("value_head.") for n in moved)
+    if "lora" in kwargs:
+        assert module.reference is None and all("lora_" in n for n in moved if n.startswith("agents.0."))
     if kwargs["critic"] == "model":
         assert any(n.startswith("critic_backbone.") for n in moved)
 

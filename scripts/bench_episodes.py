@@ -1,0 +1,69 @@
+"""Env steps and generated tokens per second for 64 parallel episodes of the Corridor game.
+
+    .venv/bin/python scripts/bench_episodes.py --episodes 64 --max-turns 6 --max-new-tokens 8
+
+One batched generate per turn over all live episodes; the environments step in a thread pool.
+Prints one JSON line per repeat and a summary line (medians).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+from concurrent.futures import ThreadPoolExecutor
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="tiny-random")
+    parser.add_argument("--episodes", type=int, default=64)
+    parser.add_argument("--max-turns", type=int, default=6)
+    parser.add_argument("--max-new-tokens", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--env-workers", type=int, default=8)
+    args = parser.parse_args()
+
+    import torch
+
+    from lit_marl.agents import Agent
+    from lit_marl.data import load_tasks
+    from lit_marl.envs.base import make_env
+    from lit_marl.rollout.episode import run_episodes
+
+    torch.set_num_threads(args.threads)
+    agent = Agent(args.model)
+    agent.model.requires_grad_(False)
+    rows = load_tasks("data/corridor/train.jsonl", "tasks", set())
+    tasks = [rows[i % len(rows)] for i in range(args.episodes)]
+    pool = ThreadPoolExecutor(args.env_workers)
+    results = []
+    for repeat in range(args.repeats):
+        torch.manual_seed(repeat)
+        with torch.no_grad():
+            batch = run_episodes(
+                agent, tasks, lambda: make_env("corridor"), 1, args.max_turns, args.max_new_tokens, pool=pool
+            )
+        s = batch.stats
+        line = {
+            "repeat": repeat,
+            "episodes": args.episodes,
+            "env_steps": int(s["rollout/env_steps"]),
+            "seconds": round(s["time/rollout_s"], 3),
+            "env_steps_per_s": round(s["rollout/env_steps_per_s"], 1),
+            "generated_tokens_per_s": round(s["rollout/generated_tokens"] / s["time/rollout_s"], 1),
+            "generate_share": round(s["time/generate_s"] / s["time/rollout_s"], 3),
+            "env_share": round(s["time/env_s"] / s["time/rollout_s"], 4),
+        }
+        results.append(line)
+        print(json.dumps(line))
+    summary = {key: statistics.median(r[key] for r in results) for key in results[0] if key != "repeat"}
+    print(json.dumps({"model": args.model, **summary}))
+
+
+if __name__ == "__main__":
+    main()
