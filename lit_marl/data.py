@@ -302,7 +302,7 @@ class EpisodeDataModule(TaskDataModule):
         super().__init__()
         from lit_marl.envs.base import make_env
 
-        make_env(env, env_kwargs)  # fails now, with the field named, on a bad name or kwargs
+        self.num_agents = make_env(env, env_kwargs).num_agents  # a bad name or kwargs fails here, field named
         checks = {
             "tasks_per_step": tasks_per_step,
             "num_generations": num_generations,
@@ -332,20 +332,19 @@ class EpisodeDataModule(TaskDataModule):
         self.num_generations = num_generations
         self.pool = ThreadPoolExecutor(max_workers=env_workers)
 
-    num_agents = 1
-
     def make_env(self):
         from lit_marl.envs.base import make_env
 
         return make_env(self.hparams.env, self.hparams.env_kwargs)
 
-    def rollout(self, agent, tasks: list[dict], greedy: bool):
+    def rollout(self, agents, tasks: list[dict], greedy: bool):
+        """One batch per agent; the team shares the turn rewards made from the env's score."""
         from lit_marl.returns import turn_rewards
         from lit_marl.rollout.episode import run_episodes
 
         hp = self.hparams
-        batch = run_episodes(
-            agent,
+        batches = run_episodes(
+            list(agents),
             tasks,
             self.make_env,
             group_size=1 if greedy else hp.num_generations,
@@ -357,14 +356,16 @@ class EpisodeDataModule(TaskDataModule):
             greedy=greedy,
             pool=self.pool,
         )
-        batch.rewards = turn_rewards(
-            batch.scores, batch.won, batch.max_score, batch.num_turns, hp.reward_density, hp.score_weight
+        first = batches[0]
+        rewards = turn_rewards(
+            first.scores, first.won, first.max_score, first.num_turns, hp.reward_density, hp.score_weight
         )
-        return batch
+        for batch in batches:
+            batch.rewards = rewards
+        return batches
 
     def on_after_batch_transfer(self, batch: list[dict], dataloader_idx: int):
-        agent = self.trainer.lightning_module.agents[0]
-        return self.rollout(agent, batch, greedy=not self.trainer.training)
+        return self.rollout(self.trainer.lightning_module.agents, batch, greedy=not self.trainer.training)
 
     @torch.no_grad()
     def evaluate(self, agents) -> dict[str, float]:
@@ -373,7 +374,7 @@ class EpisodeDataModule(TaskDataModule):
             raise ConfigError("data.val_path: the held-out evaluation needs held-out tasks")
         totals: dict[str, float] = {}
         for batch in self.val_dataloader():
-            episodes = self.rollout(agents[0], batch, greedy=True)
+            episodes = self.rollout(agents, batch, greedy=True)[0]
             values = {
                 "reward": float(episodes.rewards.sum(dim=1).mean()),
                 "won": float(episodes.won.float().mean()),

@@ -45,8 +45,8 @@ def main() -> None:
     for repeat in range(args.repeats):
         torch.manual_seed(repeat)
         with torch.no_grad():
-            batch = run_episodes(
-                agent, tasks, lambda: make_env("corridor"), 1, args.max_turns, args.max_new_tokens, pool=pool
+            (batch,) = run_episodes(
+                [agent], tasks, lambda: make_env("corridor"), 1, args.max_turns, args.max_new_tokens, pool=pool
             )
         s = batch.stats
         line = {

@@ -38,6 +38,24 @@ class LetterCount(Env):
         )
 
 
+@register("two-letters")
+class TwoLetters(Env):
+    """A two-agent test game: agent 0 scores the 'e' it writes, agent 1 the 'a'; the team's score is
+    the sum (capped). Each agent sees its own observation."""
+
+    num_agents = 2
+
+    def reset(self, task):
+        self.score = 0
+        return ["Write many e's.", "Write many a's."]
+
+    def step(self, actions):
+        counts = [actions[0].count("e"), actions[1].count("a")]
+        self.score = min(self.score + sum(counts), 12)
+        info = {"won": self.score >= 12, "lost": False, "score": self.score, "max_score": 12}
+        return StepResult([f"You wrote {counts[0]} e's.", f"You wrote {counts[1]} a's."], info=info)
+
+
 # --------------------------------------------------------------------------- the game
 def test_corridor_expert_wins_and_the_pit_loses():
     for task in ({"length": 4, "key_room": 2}, {"length": 5, "key_room": 3, "pit": True}):
@@ -97,7 +115,7 @@ def test_training_ids_are_exactly_what_generation_saw_and_produced(agent, monkey
     monkeypatch.setattr(episode_module, "generate", recording)
     torch.manual_seed(0)
     tasks = [{"length": 5, "key_room": 3}, {"length": 6, "key_room": 2}]
-    batch = run_episodes(agent, tasks, lambda: make_env("corridor"), group_size=1, max_turns=3, max_new_tokens=6)
+    (batch,) = run_episodes([agent], tasks, lambda: make_env("corridor"), group_size=1, max_turns=3, max_new_tokens=6)
     assert len(calls) == 3 and batch.num_turns.tolist() == [3, 3]
     for row in range(2):
         ids = batch.input_ids[row][batch.attention_mask[row].bool()].tolist()
@@ -124,8 +142,8 @@ def test_training_ids_are_exactly_what_generation_saw_and_produced(agent, monkey
 
 def test_reply_cut_by_the_budget_is_closed_by_the_next_segment(agent):
     torch.manual_seed(1)
-    batch = run_episodes(
-        agent, [{"length": 4, "key_room": 2}], lambda: make_env("corridor"), max_turns=2, max_new_tokens=3
+    (batch,) = run_episodes(
+        [agent], [{"length": 4, "key_room": 2}], lambda: make_env("corridor"), max_turns=2, max_new_tokens=3
     )
     ids = batch.input_ids[0].tolist()
     end = int(batch.end_positions[0, 0])
@@ -145,14 +163,14 @@ def test_context_budget_truncates_and_keeps_the_reward(agent):
         max_context_tokens=start + 30,
         reward_density="dense",
     )
-    batch = data.rollout(agent, [{"task_id": "t"}], greedy=False)
+    (batch,) = data.rollout([agent], [{"task_id": "t"}], greedy=False)
     assert batch.truncated.all() and int(batch.num_turns[0]) < 5
     assert int(batch.attention_mask.sum()) <= start + 30
     played = int(batch.num_turns[0])  # the turns it played keep their rewards
     assert torch.allclose(batch.rewards[0, :played].sum(), batch.scores[0, played - 1] * 0.5 / 9)
     with pytest.raises(ValueError, match="leaves no room for a reply"):
         run_episodes(
-            agent, [{"task_id": "t"}], lambda: make_env("letter-count"), max_new_tokens=8, max_context_tokens=start
+            [agent], [{"task_id": "t"}], lambda: make_env("letter-count"), max_new_tokens=8, max_context_tokens=start
         )
 
 
@@ -166,7 +184,7 @@ def test_token_rewards_sit_on_each_turns_end_token(agent):
         max_new_tokens=6,
         reward_density="dense",
     )
-    batch = data.rollout(agent, [{"task_id": "a"}, {"task_id": "b"}], greedy=False)
+    (batch,) = data.rollout([agent], [{"task_id": "a"}, {"task_id": "b"}], greedy=False)
     placed = batch.token_rewards(batch.rewards)
     for b in range(2):
         for t in range(int(batch.num_turns[b])):
@@ -222,11 +240,11 @@ def test_ppo_fit_moves_policy_and_critic(tmp_path, kwargs):
     ):
         assert key in metrics and torch.isfinite(metrics[key]), key
     assert any(n.startswith("agents.0.") for n in moved)
-    assert any(n.startswith("value_head.") for n in moved)
+    assert any(n.startswith("value_heads.0.") for n in moved)
     if "lora" in kwargs:
-        assert module.reference is None and all("lora_" in n for n in moved if n.startswith("agents.0."))
+        assert module.references is None and all("lora_" in n for n in moved if n.startswith("agents.0."))
     if kwargs["critic"] == "model":
-        assert any(n.startswith("critic_backbone.") for n in moved)
+        assert any(n.startswith("critic_backbones.0.") for n in moved)
 
 
 @pytest.mark.parametrize("cls, turn_level", [(GRPO, False), (RLOO, False), (GRPO, True), (RLOO, True)])
@@ -260,3 +278,34 @@ def test_episode_configs_run_from_the_cli(tmp_path, monkeypatch, config):
     cli = cli_fit(tmp_path, "--trainer.limit_train_batches=1", config=config)
     metrics = cli.trainer.callback_metrics
     assert torch.isfinite(metrics["train/loss"]) and "val/won" in metrics and "train/turn0/reward" in metrics
+
+
+# --------------------------------------------------------------------------- several agents
+def test_each_agent_has_its_own_sequence(agent):
+    torch.manual_seed(0)
+    other = Agent("tiny-random")
+    batches = run_episodes(
+        [agent, other], [{"task_id": "t"}], lambda: make_env("two-letters"), group_size=2, max_turns=3, max_new_tokens=5
+    )
+    assert len(batches) == 2
+    texts = [agent.tokenizer.decode(b.input_ids[0][b.attention_mask[0].bool()]) for b in batches]
+    assert "many e's" in texts[0] and "many a's" not in texts[0] and "e's." in texts[0]
+    assert "many a's" in texts[1] and "many e's" not in texts[1]
+    assert torch.equal(batches[0].won, batches[1].won) and torch.equal(batches[0].scores, batches[1].scores)
+    for b in batches:  # each turn's end token is the agent's own sampled token
+        assert all(b.loss_mask[r, b.end_positions[r, t]] == 1 for r in range(2) for t in range(int(b.num_turns[r])))
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_two_agent_fits(tmp_path, share):
+    module = GRPO(model="tiny-random", num_agents=2, share_parameters=share, learning_rate=1e-2)
+    metrics, moved = _fit(tmp_path, module, "two-letters", 4, reward_density="dense")
+    names = ["shared"] if share else ["agent0", "agent1"]
+    for name in names:
+        assert torch.isfinite(metrics[f"train/loss_{name}"]), name
+    assert any(n.startswith("agents.0.") for n in moved)
+    if not share:
+        assert any(n.startswith("agents.1.") for n in moved)
+    ppo = PPO(model="tiny-random", num_agents=2, learning_rate=1e-2)
+    metrics, moved = _fit(tmp_path, ppo, "two-letters", 1, reward_density="dense")
+    assert any(n.startswith("value_heads.1.") for n in moved) and any(n.startswith("agents.1.") for n in moved)

@@ -36,6 +36,7 @@ class EpisodicModule(AgentTeamModule):
         kl_coef: float = 0.0,
         kl_mode: Literal["loss", "reward"] = "loss",
         num_agents: int = 1,
+        share_parameters: bool = False,
     ):
         """
         Args:
@@ -53,7 +54,9 @@ class EpisodicModule(AgentTeamModule):
             kl_coef: Weight of KL(policy || reference); 0 disables.
             kl_mode: ``loss``: a loss term (k3 estimate per token); ``reward``: subtracted from each
                 token's reward before advantages are computed.
-            num_agents: One agent (episodes play one policy).
+            num_agents: Agents in the environment (the CLI links it to the environment's); each plays
+                its own token sequence, separate or shared weights (``share_parameters``).
+            share_parameters: One model plays every agent (one optimizer, one generate per turn).
         """
         super().__init__(
             model=model,
@@ -63,9 +66,8 @@ class EpisodicModule(AgentTeamModule):
             learning_rate=learning_rate,
             max_grad_norm=max_grad_norm,
             forward_batch_size=forward_batch_size,
+            share_parameters=share_parameters,
         )
-        if num_agents != 1:
-            raise ConfigError(f"model.num_agents={num_agents}: multi-turn episode algorithms train one policy")
         if not 0 < clip_range < 1:
             raise ConfigError(f"model.clip_range={clip_range}: must be in (0, 1)")
         if ppo_epochs < 1:
@@ -76,15 +78,21 @@ class EpisodicModule(AgentTeamModule):
             raise ConfigError(f"model.kl_coef={kl_coef}, model.kl_mode={kl_mode!r}: need kl_coef >= 0, loss or reward")
         self.clip_range, self.ppo_epochs, self.train_batch_size = clip_range, ppo_epochs, train_batch_size
         self.discount, self.kl_coef, self.kl_mode = discount, kl_coef, kl_mode
-        self.reference: nn.Module | None = None
+        self.references: nn.ModuleList | None = None
         self.shuffle_generator = torch.Generator().manual_seed(torch.initial_seed() % 2**63)
 
     def configure_model(self) -> None:
         super().configure_model()
-        if self.kl_coef > 0 and self.lora is None and self.reference is None:
-            self.reference = copy.deepcopy(self.agents[0].model).requires_grad_(False)
+        if self.kl_coef > 0 and self.lora is None and self.references is None:
+            self.references = nn.ModuleList(
+                copy.deepcopy(self.agents[roles[0]].model).requires_grad_(False) for roles in self.learners
+            )
+
+    def model_of(self, learner: int) -> nn.Module:
+        return self.agents[self.learners[learner][0]].model
 
     def setup(self, stage: str) -> None:
+        super().setup(stage)
         data = self.trainer.datamodule
         if data is not None and not hasattr(data, "make_env"):
             raise ConfigError(
@@ -92,29 +100,29 @@ class EpisodicModule(AgentTeamModule):
             )
 
     # ------------------------------------------------------------------ what subclasses provide
-    def advantages(self, batch: EpisodeBatch, token_rewards: torch.Tensor, samples: dict) -> dict:
+    def advantages(self, batch: EpisodeBatch, token_rewards: torch.Tensor, samples: dict, learner: int) -> dict:
         """Fill ``advantages``, ``returns``, ``old_values`` and ``value_mask`` into ``samples``."""
         raise NotImplementedError
 
-    def extra_loss(self, samples: TrajectorySamples, outputs) -> torch.Tensor:
+    def extra_loss(self, samples: TrajectorySamples, outputs, learner: int) -> torch.Tensor:
         """Added to the policy loss (summed over tokens), e.g. PPO's value loss; none by default."""
         return torch.zeros(())
 
-    def forward(self, samples: TrajectorySamples):
-        """Per-token log-probs of the policy (subclasses add values)."""
-        return sequence_logprobs(self.agents[0].model, samples.input_ids, samples.attention_mask), None
+    def forward(self, samples: TrajectorySamples, learner: int = 0):
+        """Per-token log-probs of a learner's policy (subclasses add values)."""
+        return sequence_logprobs(self.model_of(learner), samples.input_ids, samples.attention_mask), None
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
-    def reference_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        if self.reference is not None:
-            return sequence_logprobs(self.reference, input_ids, attention_mask)
-        with self.agents[0].model.disable_adapter():
-            return sequence_logprobs(self.agents[0].model, input_ids, attention_mask)
+    def reference_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, learner: int) -> torch.Tensor:
+        if self.references is not None:
+            return sequence_logprobs(self.references[learner], input_ids, attention_mask)
+        with self.model_of(learner).disable_adapter():
+            return sequence_logprobs(self.model_of(learner), input_ids, attention_mask)
 
     @torch.no_grad()
-    def prepare(self, batch: EpisodeBatch) -> TrajectorySamples:
-        model = self.agents[0].model
+    def prepare(self, batch: EpisodeBatch, learner: int) -> TrajectorySamples:
+        model = self.model_of(learner)
         old_logprobs = torch.cat(
             [
                 sequence_logprobs(model, batch.input_ids[rows], batch.attention_mask[rows])
@@ -124,7 +132,7 @@ class EpisodicModule(AgentTeamModule):
         token_rewards = batch.token_rewards(batch.rewards).to(old_logprobs.device)
         ref = None
         if self.kl_coef > 0:
-            ref = self.reference_logprobs(batch.input_ids, batch.attention_mask)
+            ref = self.reference_logprobs(batch.input_ids, batch.attention_mask, learner)
             if self.kl_mode == "reward":
                 delta = old_logprobs - ref  # the per-token KL estimate of the sampled tokens
                 token_rewards = token_rewards - self.kl_coef * delta * batch.loss_mask
@@ -137,11 +145,11 @@ class EpisodicModule(AgentTeamModule):
             group_ids=batch.group_ids.to(batch.input_ids.device),
             turn_ids=torch.zeros_like(batch.group_ids).to(batch.input_ids.device),
         )
-        return TrajectorySamples(**self.advantages(batch, token_rewards, fields))
+        return TrajectorySamples(**self.advantages(batch, token_rewards, fields, learner))
 
-    def loss(self, samples: TrajectorySamples, stats: dict) -> torch.Tensor:
+    def loss(self, samples: TrajectorySamples, stats: dict, learner: int) -> torch.Tensor:
         """Summed over this micro-batch's action tokens."""
-        logprobs, outputs = self.forward(samples)
+        logprobs, outputs = self.forward(samples, learner)
         mask = samples.loss_mask.float()
         ratio = (logprobs - samples.old_logprobs).exp()
         clipped = ratio.clamp(1 - self.clip_range, 1 + self.clip_range)
@@ -150,7 +158,7 @@ class EpisodicModule(AgentTeamModule):
         if samples.ref_logprobs is not None:
             delta = samples.ref_logprobs - logprobs
             loss = loss + self.kl_coef * ((delta.exp() - delta - 1) * mask).sum()
-        loss = loss + self.extra_loss(samples, outputs)
+        loss = loss + self.extra_loss(samples, outputs, learner)
         with torch.no_grad():
             log_ratio = logprobs - samples.old_logprobs
             stats["approx_kl"] += float((((ratio - 1) - log_ratio) * mask).sum())
@@ -158,24 +166,33 @@ class EpisodicModule(AgentTeamModule):
             stats["tokens"] += float(mask.sum())
         return loss
 
-    def training_step(self, batch: EpisodeBatch, batch_idx: int) -> None:
+    def training_step(self, batches: list[EpisodeBatch], batch_idx: int) -> None:
+        """Each learner (a model) updates on the sequences of every agent it plays."""
         with Timer() as train_time:
-            samples = self.prepare(batch)
             stats = dict.fromkeys(("approx_kl", "clip_frac", "tokens"), 0.0)
-            losses = []
-            for _ in range(self.ppo_epochs):
-                for rows in minibatches(samples, self.train_batch_size, self.shuffle_generator):
-                    mini = samples.select(rows)
-                    # a token mean over the mini-batch (update_agent divides by its row count: undone)
-                    scale = len(mini) / max(int(mini.loss_mask.sum()), 1)
-                    loss_fn = lambda mb, s=scale: self.loss(mb, stats) * s  # noqa: E731
-                    losses.append(self.update_agent(0, mini, loss_fn))
+            first, all_losses = None, []
+            for index, roles in enumerate(self.learners):
+                parts = [self.prepare(batches[role], index) for role in roles]
+                if first is None:
+                    first = parts[0]
+                samples = TrajectorySamples.cat(parts, self.agents[roles[0]].pad_token_id)
+                losses = []
+                for _ in range(self.ppo_epochs):
+                    for rows in minibatches(samples, self.train_batch_size, self.shuffle_generator):
+                        mini = samples.select(rows)
+                        # a token mean over the mini-batch (update_agent divides by its row count: undone)
+                        scale = len(mini) / max(int(mini.loss_mask.sum()), 1)
+                        loss_fn = lambda mb, s=scale, i=index: self.loss(mb, stats, i) * s  # noqa: E731
+                        losses.append(self.update_agent(index, mini, loss_fn))
+                all_losses += losses
+                name = self.learner_name(index)
+                self.log(f"train/loss_{name}", sum(losses) / len(losses))
+                self.log(f"train/optimizer_steps_{name}", float(len(losses)))
         self.log("time/train_s", train_time.seconds)
-        self.log("train/loss", sum(losses) / len(losses), prog_bar=True)
+        self.log("train/loss", sum(all_losses) / len(all_losses), prog_bar=True)
         self.log("train/approx_kl", stats["approx_kl"] / max(stats["tokens"], 1))
         self.log("train/clip_frac", stats["clip_frac"] / max(stats["tokens"], 1))
-        self.log("train/optimizer_steps", float(len(losses)))
-        self.log_episodes(batch, "train", samples)
+        self.log_episodes(batches[0], "train", first)
 
     def log_episodes(self, batch: EpisodeBatch, prefix: str, samples: TrajectorySamples | None = None) -> None:
         size = len(batch.won)
@@ -199,8 +216,8 @@ class EpisodicModule(AgentTeamModule):
             for key, value in batch.stats.items():
                 self.log(key, value, prog_bar=key == "rollout/tokens_per_s", batch_size=size)
 
-    def validation_step(self, batch: EpisodeBatch, batch_idx: int) -> None:
-        self.log_episodes(batch, "val")
+    def validation_step(self, batches: list[EpisodeBatch], batch_idx: int) -> None:
+        self.log_episodes(batches[0], "val")  # the outcome is the team's
 
-    def test_step(self, batch: EpisodeBatch, batch_idx: int) -> None:
-        self.log_episodes(batch, "test")
+    def test_step(self, batches: list[EpisodeBatch], batch_idx: int) -> None:
+        self.log_episodes(batches[0], "test")

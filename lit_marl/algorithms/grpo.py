@@ -36,7 +36,7 @@ class GRPO(EpisodicModule):
                 "against the other episodes of its task; set data.num_generations >= 2"
             )
 
-    def advantages(self, batch, token_rewards, samples):
+    def advantages(self, batch, token_rewards, samples, learner):
         alive = batch.alive
         # rewards per turn as the tokens carry them (a KL-in-reward term included)
         per_turn = torch.zeros(alive.shape)

@@ -70,54 +70,63 @@ class PPO(EpisodicModule):
         self.gae_mode, self.gae_lambda = gae, gae_lambda
         self.value_loss_coef, self.value_clip_range = value_loss_coef, value_clip_range
         self.advantage_normalization = advantage_normalization
-        self.value_head: ValueHead | None = None
-        self.critic_backbone: nn.Module | None = None
+        self.value_heads: nn.ModuleList | None = None  # one critic per learner
+        self.critic_backbones: nn.ModuleList | None = None
 
     def configure_model(self) -> None:
         super().configure_model()
-        if self.value_head is not None:
+        if self.value_heads is not None:
             return
         actor = self.agents[0]
         if self.critic_kind == "model":
-            backbone, tokenizer = load_model_and_tokenizer(self.critic_source or self.sources[0])
-            if tokenizer.get_vocab() != actor.tokenizer.get_vocab():
-                raise ConfigError(
-                    f"model.critic_model={self.critic_source!r} has another tokenizer than the policy: the critic "
-                    "reads the policy's token ids"
-                )
-            self.critic_backbone = backbone
-        config = (self.critic_backbone or actor.model).config
-        self.value_head = ValueHead(config.hidden_size)
+            backbones = []
+            for _ in self.learners:
+                backbone, tokenizer = load_model_and_tokenizer(self.critic_source or self.sources[0])
+                if tokenizer.get_vocab() != actor.tokenizer.get_vocab():
+                    raise ConfigError(
+                        f"model.critic_model={self.critic_source!r} has another tokenizer than the policy: the "
+                        "critic reads the policy's token ids"
+                    )
+                backbones.append(backbone)
+            self.critic_backbones = nn.ModuleList(backbones)
+        hidden = [
+            (self.critic_backbones[i] if self.critic_backbones else self.model_of(i)).config.hidden_size
+            for i in range(len(self.learners))
+        ]
+        self.value_heads = nn.ModuleList(ValueHead(h) for h in hidden)
 
     def configure_optimizers(self):
-        critic = list(self.value_head.parameters())
-        if self.critic_backbone is not None:
-            critic += [p for p in self.critic_backbone.parameters() if p.requires_grad]
-        groups = [
-            {"params": self.agents[0].trainable_parameters(), "lr": self.hparams.learning_rate},
-            {"params": critic, "lr": self.critic_learning_rate},
-        ]
-        return torch.optim.AdamW(groups, weight_decay=0.0)
+        optimizers = []
+        for index, roles in enumerate(self.learners):
+            critic = list(self.value_heads[index].parameters())
+            if self.critic_backbones is not None:
+                critic += [p for p in self.critic_backbones[index].parameters() if p.requires_grad]
+            groups = [
+                {"params": self.agents[roles[0]].trainable_parameters(), "lr": self.hparams.learning_rate},
+                {"params": critic, "lr": self.critic_learning_rate},
+            ]
+            optimizers.append(torch.optim.AdamW(groups, weight_decay=0.0))
+        return optimizers
 
-    def forward(self, samples):
+    def forward(self, samples, learner: int = 0):
         """Per-token log-probs and values ``[B, L]``; entry t is about token t given the ones before."""
         ids, mask = samples.input_ids, samples.attention_mask
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
         args = dict(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
-        out = self.agents[0].model(**args, output_hidden_states=self.critic_backbone is None)
+        out = self.model_of(learner)(**args, output_hidden_states=self.critic_backbones is None)
         logprobs = -F.cross_entropy(out.logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none")
-        if self.critic_backbone is None:
+        if self.critic_backbones is None:
             hidden = out.hidden_states[-1]
         else:
-            hidden = self.critic_backbone(**args, output_hidden_states=True).hidden_states[-1]
-        values = self.value_head(hidden[:, :-1])
+            hidden = self.critic_backbones[learner](**args, output_hidden_states=True).hidden_states[-1]
+        values = self.value_heads[learner](hidden[:, :-1])
         return F.pad(logprobs, (1, 0)), F.pad(values, (1, 0))
 
     @torch.no_grad()
-    def advantages(self, batch, token_rewards, samples):
+    def advantages(self, batch, token_rewards, samples, learner):
         values = torch.cat(
             [
-                self.forward(_Rows(batch.input_ids[rows], batch.attention_mask[rows]))[1]
+                self.forward(_Rows(batch.input_ids[rows], batch.attention_mask[rows]), learner)[1]
                 for rows in torch.arange(len(batch.input_ids)).split(self.hparams.forward_batch_size)
             ]
         )
@@ -151,7 +160,7 @@ class PPO(EpisodicModule):
         self.log("train/explained_variance", explained, batch_size=len(values))
         return {**samples, "advantages": advantages, "returns": returns, "old_values": values, "value_mask": value_mask}
 
-    def extra_loss(self, samples, values) -> torch.Tensor:
+    def extra_loss(self, samples, values, learner) -> torch.Tensor:
         """0.5 x (value - return)^2 on the value positions, clipped around the old value (PPO2)."""
         error = (values - samples.returns) ** 2
         if self.value_clip_range is not None:

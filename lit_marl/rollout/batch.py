@@ -115,6 +115,32 @@ class TrajectorySamples:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    @staticmethod
+    def cat(parts: list["TrajectorySamples"], pad_id: int) -> "TrajectorySamples":
+        """Stack rows of different widths (e.g. the sequences of several agents one model plays),
+        left-padded; group ids stay distinct per part."""
+        if len(parts) == 1:
+            return parts[0]
+        width = max(p.input_ids.shape[1] for p in parts)
+        fields = {}
+        offset, group_parts = 0, []
+        for p in parts:
+            group_parts.append(p.group_ids + offset)
+            offset += int(p.group_ids.max()) + 1
+        for name in vars(parts[0]):
+            values = [getattr(p, name) for p in parts]
+            if values[0] is None:
+                fields[name] = None
+            elif values[0].dim() == 2:
+                fill = pad_id if name == "input_ids" else 0
+                fields[name] = torch.cat(
+                    [torch.nn.functional.pad(v, (width - v.shape[1], 0), value=fill) for v in values]
+                )
+            else:
+                fields[name] = torch.cat(values)
+        fields["group_ids"] = torch.cat(group_parts)
+        return TrajectorySamples(**fields)
+
     def select(self, rows: torch.Tensor) -> "TrajectorySamples":
         """The given rows, trimmed of the columns that are left padding in all of them."""
         first = int((self.attention_mask[rows].cumsum(-1) == 0).sum(-1).min())

@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from lit_marl.agents import Agent
+from lit_marl.agents import Agent, roles_by_model
 from lit_marl.envs.base import Env, StepResult, step_all
 from lit_marl.generation import generate, left_pad
 
@@ -74,18 +74,18 @@ class EpisodeBatch:
 @dataclass
 class _Live:
     env: Env
-    ids: list[int]
-    mask: list[int]
-    ends: list[int] = field(default_factory=list)
+    ids: list[list[int]]  # per agent
+    mask: list[list[int]]
+    ends: list[list[int]]
+    replies: list[list[str]]
     scores: list[float] = field(default_factory=list)
-    replies: list[str] = field(default_factory=list)
     info: dict = field(default_factory=dict)
     done: bool = False
     truncated: bool = False
 
 
 def run_episodes(
-    agent: Agent,
+    agents: list[Agent],
     tasks: list[dict],
     make_env: Callable[[], Env],
     group_size: int = 1,
@@ -96,26 +96,33 @@ def run_episodes(
     top_p: float = 1.0,
     greedy: bool = False,
     pool: ThreadPoolExecutor | None = None,
-) -> EpisodeBatch:
-    """``group_size`` episodes per task from the same start; returns them as one batch."""
+) -> list[EpisodeBatch]:
+    """``group_size`` episodes per task from the same start; one batch per agent (agent i's own
+    token sequences: its observations and its replies), sharing the outcome fields. Agents that are
+    one model (a parameter-shared team) generate in one batched call per turn."""
     start = time.perf_counter()
-    episodes = [_Live(make_env(), [], []) for _ in tasks for _ in range(group_size)]
+    n = len(agents)
     rows = [task for task in tasks for _ in range(group_size)]
+    episodes = [
+        _Live(make_env(), [[] for _ in agents], [[] for _ in agents], [[] for _ in agents], [[] for _ in agents])
+        for _ in rows
+    ]
+    if episodes[0].env.num_agents != n:
+        raise ValueError(f"{type(episodes[0].env).__name__} has {episodes[0].env.num_agents} agents, the team {n}")
     first = (
         list(pool.map(lambda pair: pair[0].env.reset(pair[1]), zip(episodes, rows)))
         if pool
         else [e.env.reset(task) for e, task in zip(episodes, rows)]
     )
-    for e, obs in zip(episodes, first):
-        if e.env.num_agents != 1:
-            raise ValueError(f"{type(e.env).__name__} has {e.env.num_agents} agents; episodes play one agent")
-        e.ids = agent.encode_prompt(obs[0])
-        e.mask = [0] * len(e.ids)
-        if len(e.ids) + max_new_tokens > max_context_tokens:
-            raise ValueError(
-                f"the first observation takes {len(e.ids)} tokens: it leaves no room for a reply of "
-                f"{max_new_tokens} within max_context_tokens={max_context_tokens}"
-            )
+    for e, observations in zip(episodes, first):
+        for i, agent in enumerate(agents):
+            e.ids[i] = agent.encode_prompt(observations[i])
+            e.mask[i] = [0] * len(e.ids[i])
+            if len(e.ids[i]) + max_new_tokens > max_context_tokens:
+                raise ValueError(
+                    f"the first observation takes {len(e.ids[i])} tokens: it leaves no room for a reply of "
+                    f"{max_new_tokens} within max_context_tokens={max_context_tokens}"
+                )
     generate_s = env_s = 0.0
     generated = 0
     for turn in range(max_turns):
@@ -123,19 +130,25 @@ def run_episodes(
         if not live:
             break
         t0 = time.perf_counter()
-        out = generate(agent, [e.ids for e in live], 1, max_new_tokens, temperature, top_p, greedy)
-        texts = agent.decode(out.completion_ids, out.completion_mask)
+        texts: list[list[str]] = [[""] * n for _ in live]  # [episode][agent]
+        closed: list[list[bool]] = [[True] * n for _ in live]
+        for roles in roles_by_model(agents):  # ONE batched generate per model and turn
+            agent = agents[roles[0]]
+            out = generate(
+                agent, [e.ids[i] for i in roles for e in live], 1, max_new_tokens, temperature, top_p, greedy
+            )
+            decoded = agent.decode(out.completion_ids, out.completion_mask)
+            for k, (ids, m) in enumerate(zip(out.completion_ids, out.completion_mask)):
+                i, b = roles[k // len(live)], k % len(live)
+                e, reply = live[b], ids[m.bool()].tolist()
+                e.ids[i] += reply
+                e.mask[i] += [1] * len(reply)
+                e.ends[i].append(len(e.ids[i]) - 1)
+                e.replies[i].append(decoded[k])
+                texts[b][i], closed[b][i] = decoded[k], reply[-1] == agent.eos_token_id
+                generated += len(reply)
         t1 = time.perf_counter()
-        closed = []
-        for e, ids, m, text in zip(live, out.completion_ids, out.completion_mask, texts):
-            reply = ids[m.bool()].tolist()
-            e.ids += reply
-            e.mask += [1] * len(reply)
-            e.ends.append(len(e.ids) - 1)
-            e.replies.append(text)
-            closed.append(reply[-1] == agent.eos_token_id)
-            generated += len(reply)
-        results: list[StepResult] = step_all([e.env for e in live], [[t] for t in texts], pool)
+        results: list[StepResult] = step_all([e.env for e in live], texts, pool)
         t2 = time.perf_counter()
         for e, result, was_closed in zip(live, results, closed):
             e.info = result.info
@@ -143,47 +156,54 @@ def run_episodes(
             if result.terminated or result.truncated or turn == max_turns - 1:
                 e.done, e.truncated = True, not result.terminated
                 continue
-            segment = agent.chat_continuation(result.observations[0], was_closed)
-            if len(e.ids) + len(segment) + max_new_tokens > max_context_tokens:
+            segments = [a.chat_continuation(o, c) for a, o, c in zip(agents, result.observations, was_closed)]
+            if any(len(ids) + len(seg) + max_new_tokens > max_context_tokens for ids, seg in zip(e.ids, segments)):
                 e.done = e.truncated = True  # the overflow policy: end as truncated, keep its reward
                 continue
-            e.ids += segment
-            e.mask += [0] * len(segment)
+            for i, seg in enumerate(segments):
+                e.ids[i] += seg
+                e.mask[i] += [0] * len(seg)
         generate_s += t1 - t0
         env_s += t2 - t1
-    device = next(agent.model.parameters()).device
-    input_ids, attention_mask = left_pad([e.ids for e in episodes], agent.pad_token_id, device)
-    loss_mask, _ = left_pad([e.mask for e in episodes], 0, device)
-    width = input_ids.shape[1]
-    T = max(len(e.ends) for e in episodes)
-    ends = torch.full((len(episodes), T), -1, dtype=torch.long)
-    scores = torch.zeros(len(episodes), T)
-    for b, e in enumerate(episodes):
-        pad = width - len(e.ids)
-        ends[b, : len(e.ends)] = torch.tensor(e.ends) + pad
-        scores[b] = torch.tensor(e.scores + [e.scores[-1]] * (T - len(e.scores)))
+    T = max(len(e.scores) for e in episodes)
+    scores = torch.tensor([e.scores + [e.scores[-1]] * (T - len(e.scores)) for e in episodes])
     info = [e.info for e in episodes]
+    steps = sum(len(e.scores) for e in episodes)
     seconds = time.perf_counter() - start
-    return EpisodeBatch(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        loss_mask=loss_mask,
-        end_positions=ends,
+    shared = dict(
         scores=scores,
         won=torch.tensor([bool(i["won"]) for i in info]),
         lost=torch.tensor([bool(i["lost"]) for i in info]),
         truncated=torch.tensor([e.truncated for e in episodes]),
         max_score=torch.tensor([float(i["max_score"]) for i in info]),
-        num_turns=torch.tensor([len(e.ends) for e in episodes]),
+        num_turns=torch.tensor([len(e.scores) for e in episodes]),
         group_ids=torch.arange(len(tasks)).repeat_interleave(group_size),
-        replies=[e.replies for e in episodes],
         stats={
             "time/generate_s": generate_s,
             "time/env_s": env_s,
             "time/rollout_s": seconds,
             "rollout/generated_tokens": float(generated),
             "rollout/tokens_per_s": generated / max(generate_s, 1e-9),
-            "rollout/env_steps": float(sum(len(e.ends) for e in episodes)),
-            "rollout/env_steps_per_s": sum(len(e.ends) for e in episodes) / max(seconds, 1e-9),
+            "rollout/env_steps": float(steps),
+            "rollout/env_steps_per_s": steps / max(seconds, 1e-9),
         },
     )
+    batches = []
+    for i, agent in enumerate(agents):
+        device = next(agent.model.parameters()).device
+        input_ids, attention_mask = left_pad([e.ids[i] for e in episodes], agent.pad_token_id, device)
+        loss_mask, _ = left_pad([e.mask[i] for e in episodes], 0, device)
+        ends = torch.full((len(episodes), T), -1, dtype=torch.long)
+        for b, e in enumerate(episodes):
+            ends[b, : len(e.ends[i])] = torch.tensor(e.ends[i]) + input_ids.shape[1] - len(e.ids[i])
+        batches.append(
+            EpisodeBatch(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                loss_mask=loss_mask,
+                end_positions=ends,
+                replies=[e.replies[i] for e in episodes],
+                **shared,
+            )
+        )
+    return batches
