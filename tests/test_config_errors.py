@@ -197,7 +197,7 @@ def test_one_generation_fails_in_fit_before_loading(tmp_path, no_model_loads):
 
 def test_agent_count_mismatch_fails_in_fit_before_loading(tmp_path, no_model_loads):
     module = MAGRPO(model="tiny-random", num_agents=3)
-    with pytest.raises(ValueError, match=r"data\.agent_prompts has 2 templates but model\.num_agents=3"):
+    with pytest.raises(ValueError, match=r"the data gives 2 agents \(data\.agent_prompts.*model\.num_agents=3"):
         trainer(tmp_path).fit(module, datamodule=datamodule())
     assert module.agents is None
     assert no_model_loads == []

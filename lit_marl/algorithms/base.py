@@ -96,7 +96,8 @@ class AgentTeamModule(L.LightningModule):
         data = self.trainer.datamodule
         if data is not None and data.num_agents != self.hparams.num_agents:
             raise ConfigError(
-                f"data.agent_prompts has {data.num_agents} templates but model.num_agents={self.hparams.num_agents}"
+                f"the data gives {data.num_agents} agents (data.agent_prompts / its environment) but "
+                f"model.num_agents={self.hparams.num_agents}"
             )
 
     def update_agent(self, index: int, samples: AgentSamples, loss_fn: Callable[[AgentSamples], torch.Tensor]) -> float:

@@ -113,26 +113,27 @@ class EpisodicModule(AgentTeamModule):
         return sequence_logprobs(self.model_of(learner), samples.input_ids, samples.attention_mask), None
 
     # ------------------------------------------------------------------ the step
+    def chunked(self, fn, batch: EpisodeBatch) -> torch.Tensor:
+        """``fn(input_ids, attention_mask)`` over the batch in forward_batch_size pieces, concatenated."""
+        rows = torch.arange(len(batch.input_ids)).split(self.hparams.forward_batch_size)
+        return torch.cat([fn(batch.input_ids[r], batch.attention_mask[r]) for r in rows])
+
     @torch.no_grad()
-    def reference_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, learner: int) -> torch.Tensor:
+    def reference_logprobs(self, batch: EpisodeBatch, learner: int) -> torch.Tensor:
         if self.references is not None:
-            return sequence_logprobs(self.references[learner], input_ids, attention_mask)
-        with self.model_of(learner).disable_adapter():
-            return sequence_logprobs(self.model_of(learner), input_ids, attention_mask)
+            return self.chunked(lambda ids, mask: sequence_logprobs(self.references[learner], ids, mask), batch)
+        model = self.model_of(learner)
+        with model.disable_adapter():
+            return self.chunked(lambda ids, mask: sequence_logprobs(model, ids, mask), batch)
 
     @torch.no_grad()
     def prepare(self, batch: EpisodeBatch, learner: int) -> TrajectorySamples:
         model = self.model_of(learner)
-        old_logprobs = torch.cat(
-            [
-                sequence_logprobs(model, batch.input_ids[rows], batch.attention_mask[rows])
-                for rows in torch.arange(len(batch.input_ids)).split(self.hparams.forward_batch_size)
-            ]
-        )
+        old_logprobs = self.chunked(lambda ids, mask: sequence_logprobs(model, ids, mask), batch)
         token_rewards = batch.token_rewards(batch.rewards).to(old_logprobs.device)
         ref = None
         if self.kl_coef > 0:
-            ref = self.reference_logprobs(batch.input_ids, batch.attention_mask, learner)
+            ref = self.reference_logprobs(batch, learner)
             if self.kl_mode == "reward":
                 delta = old_logprobs - ref  # the per-token KL estimate of the sampled tokens
                 token_rewards = token_rewards - self.kl_coef * delta * batch.loss_mask

@@ -124,12 +124,7 @@ class PPO(EpisodicModule):
 
     @torch.no_grad()
     def advantages(self, batch, token_rewards, samples, learner):
-        values = torch.cat(
-            [
-                self.forward(_Rows(batch.input_ids[rows], batch.attention_mask[rows]), learner)[1]
-                for rows in torch.arange(len(batch.input_ids)).split(self.hparams.forward_batch_size)
-            ]
-        )
+        values = self.chunked(lambda ids, mask: self.forward(_Rows(ids, mask), learner)[1], batch)
         mask = batch.loss_mask.float()
         if self.gae_mode == "token":
             advantages, returns = token_gae(token_rewards, values * mask, mask, self.discount, self.gae_lambda)
