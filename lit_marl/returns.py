@@ -199,3 +199,43 @@ def episode_group_advantages(
         var = (((r - mean) * a) ** 2).sum(dim=1, keepdim=True) / count.clamp(min=1)
         adv = adv / (var.sqrt() + 1e-6)
     return adv.view(B, T)
+
+
+# --------------------------------------------------------------------------- actor-critic (one trajectory per episode)
+def td_targets(rewards: torch.Tensor, values: torch.Tensor, alive: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """One-step TD targets ``[B, T]``: y_t = r_t + gamma * V(h_{t+1}) while the episode goes on,
+    y_t = r_t at its last turn (the final or an early-terminated one: no bootstrap after it), 0 where
+    the episode had ended. ``values[b, t]`` is V(h_t) of the turn's state."""
+    alive = alive.bool()
+    next_alive = torch.cat([alive[:, 1:], torch.zeros_like(alive[:, :1])], dim=1)
+    next_values = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], dim=1).float()
+    targets = rewards.float() + gamma * torch.where(next_alive, next_values, torch.zeros(()))
+    return torch.where(alive, targets, torch.zeros(()))
+
+
+def td_advantages(
+    targets: torch.Tensor, values: torch.Tensor, alive: torch.Tensor, normalize: bool = False
+) -> torch.Tensor:
+    """A_t = y_t - V(h_t) ``[B, T]``, optionally z-scored per turn over the episodes alive at it
+    (one (agent, turn) group when the rows are one agent's episodes)."""
+    alive = alive.bool()
+    adv = torch.where(alive, targets.float() - values.float(), torch.zeros(()))
+    if normalize:
+        count = alive.sum(dim=0, keepdim=True).clamp(min=1)
+        mean = adv.sum(dim=0, keepdim=True) / count
+        var = (torch.where(alive, adv - mean, torch.zeros(())) ** 2).sum(dim=0, keepdim=True) / count
+        adv = torch.where(alive, (adv - mean) / (var.sqrt() + 1e-6), torch.zeros(()))
+    return adv
+
+
+def value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, clip_range: float | None
+) -> torch.Tensor:
+    """Mean over ``mask`` of (y - V)^2, or with ``clip_range`` the larger of it and (y - V_clip)^2
+    where V_clip = V_old + clip(V - V_old, +-clip_range) (PPO-style value clipping)."""
+    error = (values.float() - targets.float()) ** 2
+    if clip_range is not None:
+        clipped = old_values.float() + (values.float() - old_values.float()).clamp(-clip_range, clip_range)
+        error = torch.maximum(error, (clipped - targets.float()) ** 2)
+    mask = mask.float()
+    return (error * mask).sum() / mask.sum().clamp(min=1)
