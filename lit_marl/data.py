@@ -88,6 +88,21 @@ class TaskDataModule(L.LightningDataModule):
     def test_dataloader(self) -> DataLoader:
         return self.val_dataloader()
 
+    def evaluation_metrics(self, agents, tasks: list[dict]) -> dict[str, float]:
+        """Means over one greedy batch of held-out tasks."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def evaluate(self, agents) -> dict[str, float]:
+        """Greedy rollouts on all held-out tasks; each metric's mean over the tasks."""
+        if not self.val_tasks:
+            raise ConfigError("data.val_path: the held-out evaluation needs held-out tasks")
+        totals: dict[str, float] = {}
+        for batch in self.val_dataloader():
+            for key, value in self.evaluation_metrics(agents, batch).items():
+                totals[key] = totals.get(key, 0.0) + value * len(batch)
+        return {key: value / len(self.val_tasks) for key, value in totals.items()}
+
 
 class RolloutDataModule(TaskDataModule):
     def __init__(
@@ -240,17 +255,10 @@ class RolloutDataModule(TaskDataModule):
             return self.rollout(module.agents, batch, greedy=True)
         return self.rollout(module.agents, batch, greedy=False, response_penalty=module.response_penalty)
 
-    @torch.no_grad()
-    def evaluate(self, agents) -> dict[str, float]:
-        """Greedy rollouts on all held-out tasks; the mean reward and reported metrics."""
-        if not self.val_tasks:
-            raise ConfigError("data.val_path: the held-out evaluation needs held-out tasks")
-        totals: dict[str, float] = {}
-        for batch in self.val_dataloader():
-            rollout = self.rollout(agents, batch, greedy=True)
-            for key, value in {"reward": float(rollout.rewards.mean()), **rollout.metrics}.items():
-                totals[key] = totals.get(key, 0.0) + value * len(batch)
-        return {key: value / len(self.val_tasks) for key, value in totals.items()}
+    def evaluation_metrics(self, agents, tasks: list[dict]) -> dict[str, float]:
+        """The mean reward and the metrics the reward reported."""
+        rollout = self.rollout(agents, tasks, greedy=True)
+        return {"reward": float(rollout.rewards.mean()), **rollout.metrics}
 
 
 class EpisodeDataModule(TaskDataModule):
@@ -367,20 +375,12 @@ class EpisodeDataModule(TaskDataModule):
     def on_after_batch_transfer(self, batch: list[dict], dataloader_idx: int):
         return self.rollout(self.trainer.lightning_module.agents, batch, greedy=not self.trainer.training)
 
-    @torch.no_grad()
-    def evaluate(self, agents) -> dict[str, float]:
-        """One greedy episode per held-out task: win rate, mean episode reward, final score, length."""
-        if not self.val_tasks:
-            raise ConfigError("data.val_path: the held-out evaluation needs held-out tasks")
-        totals: dict[str, float] = {}
-        for batch in self.val_dataloader():
-            episodes = self.rollout(agents, batch, greedy=True)[0]
-            values = {
-                "reward": float(episodes.rewards.sum(dim=1).mean()),
-                "won": float(episodes.won.float().mean()),
-                "final_score": float((episodes.scores[:, -1] / episodes.max_score).mean()),
-                "turns": float(episodes.num_turns.float().mean()),
-            }
-            for key, value in values.items():
-                totals[key] = totals.get(key, 0.0) + value * len(batch)
-        return {key: value / len(self.val_tasks) for key, value in totals.items()}
+    def evaluation_metrics(self, agents, tasks: list[dict]) -> dict[str, float]:
+        """One greedy episode per task: win rate, mean episode reward, final score, length."""
+        episodes = self.rollout(agents, tasks, greedy=True)[0]  # the outcome is the team's
+        return {
+            "reward": float(episodes.rewards.sum(dim=1).mean()),
+            "won": float(episodes.won.float().mean()),
+            "final_score": float((episodes.scores[:, -1] / episodes.max_score).mean()),
+            "turns": float(episodes.num_turns.float().mean()),
+        }

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from lit_marl import ConfigError
 from lit_marl.algorithms.episodic import EpisodicModule
 from lit_marl.returns import episode_group_advantages, returns_to_go
 
@@ -29,8 +30,6 @@ class GRPO(EpisodicModule):
         super().setup(stage)
         data = self.trainer.datamodule
         if stage == "fit" and data is not None and data.num_generations < 2:
-            from lit_marl import ConfigError
-
             raise ConfigError(
                 f"data.num_generations={data.num_generations}: {type(self).__name__} baselines an episode "
                 "against the other episodes of its task; set data.num_generations >= 2"
