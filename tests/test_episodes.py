@@ -309,3 +309,15 @@ def test_two_agent_fits(tmp_path, share):
     ppo = PPO(model="tiny-random", num_agents=2, learning_rate=1e-2)
     metrics, moved = _fit(tmp_path, ppo, "two-letters", 1, reward_density="dense")
     assert any(n.startswith("value_heads.1.") for n in moved) and any(n.startswith("agents.1.") for n in moved)
+
+
+def test_episode_held_out_evaluation(agent):
+    data = EpisodeDataModule(
+        train_path=str(CORRIDOR / "train.jsonl"),
+        val_path=str(CORRIDOR / "heldout.jsonl"),
+        max_turns=2,
+        max_new_tokens=4,
+        eval_tasks_per_step=4,
+    )
+    results = data.evaluate([agent])
+    assert set(results) == {"reward", "won", "final_score", "turns"} and results["turns"] == 2.0
