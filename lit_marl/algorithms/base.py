@@ -100,6 +100,15 @@ class AgentTeamModule(L.LightningModule):
                 f"model.num_agents={self.hparams.num_agents}"
             )
 
+    def require_groups(self, stage: str, compares: str) -> None:
+        """Group baselines need at least 2 samples per group: fail before the first rollout."""
+        data = self.trainer.datamodule
+        if stage == "fit" and data is not None and data.num_generations < 2:
+            raise ConfigError(
+                f"data.num_generations={data.num_generations}: {type(self).__name__} compares {compares} and "
+                "needs at least 2; set data.num_generations >= 2"
+            )
+
     def update_agent(self, index: int, samples: AgentSamples, loss_fn: Callable[[AgentSamples], torch.Tensor]) -> float:
         """One optimizer step for learner ``index`` (see ``learners``): ``loss_fn`` returns the summed
         loss of a micro-batch, divided by the whole batch size so micro-batching changes no gradient."""

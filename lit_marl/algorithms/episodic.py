@@ -211,7 +211,7 @@ class EpisodicModule(AgentTeamModule):
             self.log(f"{prefix}/turn{t}/reward", batch.rewards[live, t].mean(), batch_size=count)
             self.log(f"{prefix}/turn{t}/episodes", float(count), batch_size=count)
             if samples is not None:
-                turn = batch.turn_ids() == t
+                turn = batch.turn_ids == t
                 self.log(f"{prefix}/turn{t}/advantage", samples.advantages[turn].mean(), batch_size=count)
         if prefix == "train":
             for key, value in batch.stats.items():

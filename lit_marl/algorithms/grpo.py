@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import torch
 
-from lit_marl import ConfigError
 from lit_marl.algorithms.episodic import EpisodicModule
 from lit_marl.returns import episode_group_advantages, returns_to_go
 
@@ -28,32 +27,20 @@ class GRPO(EpisodicModule):
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
-        data = self.trainer.datamodule
-        if stage == "fit" and data is not None and data.num_generations < 2:
-            raise ConfigError(
-                f"data.num_generations={data.num_generations}: {type(self).__name__} baselines an episode "
-                "against the other episodes of its task; set data.num_generations >= 2"
-            )
+        self.require_groups(stage, "each episode with the other episodes of its task")
 
     def advantages(self, batch, token_rewards, samples, learner):
         alive = batch.alive
-        # rewards per turn as the tokens carry them (a KL-in-reward term included)
-        per_turn = torch.zeros(alive.shape)
-        turn_of_token = batch.turn_ids()
-        for t in range(alive.shape[1]):
-            per_turn[:, t] = (token_rewards.cpu() * (turn_of_token == t)).sum(dim=1)
+        per_turn = batch.per_turn(token_rewards.cpu())  # a KL-in-reward term included
         to_go = returns_to_go(per_turn, alive, self.discount)
         returns = to_go if self.turn_level_advantages else to_go[:, :1].expand_as(to_go) * alive
         group_size = int((batch.group_ids == batch.group_ids[0]).sum())
         turn_adv = episode_group_advantages(returns, alive, group_size, self.baseline, self.advantage_normalization)
-        token_adv = torch.zeros(batch.input_ids.shape)
-        for t in range(alive.shape[1]):
-            token_adv = torch.where(turn_of_token == t, turn_adv[:, t : t + 1], token_adv)
         device = batch.input_ids.device
         zeros = torch.zeros(batch.input_ids.shape, device=device)
         return {
             **samples,
-            "advantages": token_adv.to(device),
+            "advantages": batch.to_tokens(turn_adv).to(device),
             "returns": zeros,
             "old_values": zeros,
             "value_mask": zeros,

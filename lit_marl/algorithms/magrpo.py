@@ -112,12 +112,7 @@ class MAGRPO(AgentTeamModule):
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
-        data = self.trainer.datamodule
-        if stage == "fit" and data is not None and data.num_generations < 2:
-            raise ConfigError(
-                f"data.num_generations={data.num_generations}: MAGRPO compares each response with its "
-                "siblings and needs at least 2 per node; set data.num_generations >= 2"
-            )
+        self.require_groups(stage, "each response with its siblings at a tree node")
 
     def advantages(self, samples: AgentSamples) -> torch.Tensor:
         """Rows come grouped by node, all groups of one size (one per tree node)."""

@@ -130,16 +130,12 @@ class PPO(EpisodicModule):
             advantages, returns = token_gae(token_rewards, values * mask, mask, self.discount, self.gae_lambda)
             value_mask = mask
         else:
-            turn_of_token = batch.turn_ids()
             alive = batch.alive
-            T = alive.shape[1]
-            first = torch.stack([(turn_of_token == t).float().argmax(dim=1) for t in range(T)], dim=1)  # [B, T]
+            first = batch.turn_starts()  # the value of a turn is read where its reply starts
             turn_values = values.gather(1, first) * alive
-            per_turn = torch.stack([(token_rewards * (turn_of_token == t)).sum(dim=1) for t in range(T)], dim=1)
+            per_turn = batch.per_turn(token_rewards)
             turn_adv, turn_ret = turn_gae(per_turn, turn_values, alive, self.discount, self.gae_lambda)
-            advantages = torch.zeros_like(values)
-            for t in range(T):
-                advantages = torch.where(turn_of_token == t, turn_adv[:, t : t + 1], advantages)
+            advantages = batch.to_tokens(turn_adv)
             value_mask = torch.zeros_like(values)
             returns = torch.zeros_like(values)
             rows, turns = torch.nonzero(alive, as_tuple=True)

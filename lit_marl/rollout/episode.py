@@ -14,6 +14,7 @@ sequence: when the next observation plus a reply would not fit, the episode ends
 
 from __future__ import annotations
 
+import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -54,14 +55,32 @@ class EpisodeBatch:
         """``[B, T]``: whether the episode played turn t."""
         return self.end_positions >= 0
 
+    @functools.cached_property
     def turn_ids(self) -> torch.Tensor:
         """``[B, L]``: the turn each sampled token belongs to, -1 elsewhere."""
         out = torch.full_like(self.input_ids, -1)
-        positions = torch.arange(self.input_ids.shape[1])
+        positions = torch.arange(self.input_ids.shape[1], device=self.input_ids.device)
         for t in range(self.end_positions.shape[1] - 1, -1, -1):
-            end = self.end_positions[:, t : t + 1]
+            end = self.end_positions[:, t : t + 1].to(positions.device)
             out = torch.where((positions <= end) & (end >= 0) & self.loss_mask.bool(), t, out)
         return out
+
+    def per_turn(self, token_values: torch.Tensor) -> torch.Tensor:
+        """``[B, L]`` -> ``[B, T]``: the sum over each turn's sampled tokens."""
+        turns = self.turn_ids.to(token_values.device)
+        return torch.stack([(token_values * (turns == t)).sum(dim=1) for t in range(self.alive.shape[1])], dim=1)
+
+    def to_tokens(self, turn_values: torch.Tensor) -> torch.Tensor:
+        """``[B, T]`` -> ``[B, L]``: each turn's value on every token it sampled, 0 elsewhere."""
+        turns = self.turn_ids.to(turn_values.device)
+        out = torch.zeros(turns.shape, dtype=turn_values.dtype, device=turn_values.device)
+        for t in range(turn_values.shape[1]):
+            out = torch.where(turns == t, turn_values[:, t : t + 1], out)
+        return out
+
+    def turn_starts(self) -> torch.Tensor:
+        """``[B, T]``: index of each turn's first sampled token (0 where the turn was not played)."""
+        return torch.stack([(self.turn_ids == t).float().argmax(dim=1) for t in range(self.alive.shape[1])], dim=1)
 
     def token_rewards(self, turn_rewards: torch.Tensor) -> torch.Tensor:
         """Each turn's reward ``[B, T]`` on that turn's last sampled token, ``[B, L]``."""
