@@ -108,44 +108,66 @@ def completion_logprobs(
     rows, gradient included: the prompt is usually most of the sequence, so this cuts the training
     forward/backward by up to G times.
     """
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     if prompt_groups is None:
-        logits = model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            logits_to_keep=num_completion + 1,
-            use_cache=False,
-        ).logits[:, :-1]
-    else:
-        prompt_len = input_ids.shape[1] - num_completion
-        _, inverse = torch.unique(prompt_groups, return_inverse=True)
-        first = torch.full((int(inverse.max()) + 1,), -1, dtype=torch.long, device=inverse.device)
-        first.scatter_reduce_(0, inverse, torch.arange(len(inverse), device=inverse.device), "amin", include_self=False)
-        prompts, prompt_mask = input_ids[first, :prompt_len], attention_mask[first, :prompt_len]
-        if not torch.equal(prompts[inverse], input_ids[:, :prompt_len]):
-            raise ValueError("prompt_groups: rows of one group must have the same prompt")
-        prefix = model(
-            input_ids=prompts,
-            attention_mask=prompt_mask,
-            position_ids=position_ids[first, :prompt_len],
-            logits_to_keep=1,
+        return completion_forward(model, input_ids, attention_mask, num_completion)[0]
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    prompt_len = input_ids.shape[1] - num_completion
+    _, inverse = torch.unique(prompt_groups, return_inverse=True)
+    first = torch.full((int(inverse.max()) + 1,), -1, dtype=torch.long, device=inverse.device)
+    first.scatter_reduce_(0, inverse, torch.arange(len(inverse), device=inverse.device), "amin", include_self=False)
+    prompts, prompt_mask = input_ids[first, :prompt_len], attention_mask[first, :prompt_len]
+    if not torch.equal(prompts[inverse], input_ids[:, :prompt_len]):
+        raise ValueError("prompt_groups: rows of one group must have the same prompt")
+    prefix = model(
+        input_ids=prompts,
+        attention_mask=prompt_mask,
+        position_ids=position_ids[first, :prompt_len],
+        logits_to_keep=1,
+        use_cache=True,
+    )
+    logits = prefix.logits[inverse]  # predicts the first completion token
+    if num_completion > 1:
+        cache = prefix.cache
+        cache.batch_select_indices(inverse)
+        rest = model(
+            input_ids=input_ids[:, prompt_len:-1],
+            attention_mask=attention_mask[:, :-1],
+            position_ids=position_ids[:, prompt_len:-1],
+            cache=cache,
             use_cache=True,
-        )
-        logits = prefix.logits[inverse]  # predicts the first completion token
-        if num_completion > 1:
-            cache = prefix.cache
-            cache.batch_select_indices(inverse)
-            rest = model(
-                input_ids=input_ids[:, prompt_len:-1],
-                attention_mask=attention_mask[:, :-1],
-                position_ids=position_ids[:, prompt_len:-1],
-                cache=cache,
-                use_cache=True,
-            ).logits
-            logits = torch.cat([logits, rest], dim=1)
+        ).logits
+        logits = torch.cat([logits, rest], dim=1)
     targets = input_ids[:, -num_completion:]
     return -F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")
+
+
+def completion_forward(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    num_completion: int,
+    entropy: bool = False,
+    hidden: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """One forward: the log-probs ``[B, num_completion]`` of the last ``num_completion`` tokens (as
+    ``completion_logprobs``), with ``entropy`` the policy's entropy at those positions (same shape),
+    with ``hidden`` the last layer's hidden states ``[B, L, H]`` (for a value head)."""
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        logits_to_keep=num_completion + 1,
+        use_cache=False,
+        output_hidden_states=hidden,
+    )
+    logits = out.logits[:, :-1].float()
+    logprobs = -F.cross_entropy(logits.transpose(1, 2), input_ids[:, -num_completion:], reduction="none")
+    entropies = None
+    if entropy:
+        log_p = F.log_softmax(logits, dim=-1)
+        entropies = -(log_p.exp() * log_p).sum(-1)
+    return logprobs, entropies, out.hidden_states[-1] if hidden else None
 
 
 def sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -202,29 +202,30 @@ def episode_group_advantages(
 
 
 # --------------------------------------------------------------------------- actor-critic (one trajectory per episode)
-def td_targets(rewards: torch.Tensor, values: torch.Tensor, alive: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
-    """One-step TD targets ``[B, T]``: y_t = r_t + gamma * V(h_{t+1}) while the episode goes on,
-    y_t = r_t at its last turn (the final or an early-terminated one: no bootstrap after it), 0 where
-    the episode had ended. ``values[b, t]`` is V(h_t) of the turn's state."""
-    alive = alive.bool()
-    next_alive = torch.cat([alive[:, 1:], torch.zeros_like(alive[:, :1])], dim=1)
-    next_values = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], dim=1).float()
-    targets = rewards.float() + gamma * torch.where(next_alive, next_values, torch.zeros(()))
-    return torch.where(alive, targets, torch.zeros(()))
+def td_targets(
+    rewards: torch.Tensor, values: torch.Tensor, next_rows: torch.Tensor, gamma: float = 1.0
+) -> torch.Tensor:
+    """One-step TD targets, one per row (a turn of one episode): y = r + gamma * V(h_next) where
+    ``next_rows`` points at the row of the episode's next turn, y = r at its last turn (the final or
+    an early-terminated one, ``next_rows = -1``: no bootstrap after it). ``values[row]`` is V(h) of
+    that row's state."""
+    following = values.float()[next_rows.clamp(min=0)]
+    return rewards.float() + gamma * torch.where(next_rows >= 0, following, torch.zeros(()))
 
 
 def td_advantages(
-    targets: torch.Tensor, values: torch.Tensor, alive: torch.Tensor, normalize: bool = False
+    targets: torch.Tensor, values: torch.Tensor, groups: torch.Tensor, normalize: bool = False
 ) -> torch.Tensor:
-    """A_t = y_t - V(h_t) ``[B, T]``, optionally z-scored per turn over the episodes alive at it
-    (one (agent, turn) group when the rows are one agent's episodes)."""
-    alive = alive.bool()
-    adv = torch.where(alive, targets.float() - values.float(), torch.zeros(()))
+    """A = y - V(h) per row, optionally z-scored within each group (e.g. the rows of one agent's
+    turn: an (agent, turn) group); a group of one row is centred to 0."""
+    adv = targets.float() - values.float()
     if normalize:
-        count = alive.sum(dim=0, keepdim=True).clamp(min=1)
-        mean = adv.sum(dim=0, keepdim=True) / count
-        var = (torch.where(alive, adv - mean, torch.zeros(())) ** 2).sum(dim=0, keepdim=True) / count
-        adv = torch.where(alive, (adv - mean) / (var.sqrt() + 1e-6), torch.zeros(()))
+        _, index = torch.unique(groups, return_inverse=True)
+        count = torch.zeros(int(index.max()) + 1).index_add_(0, index, torch.ones_like(adv))
+        mean = torch.zeros_like(count).index_add_(0, index, adv) / count
+        centred = adv - mean[index]
+        var = torch.zeros_like(count).index_add_(0, index, centred**2) / count
+        adv = centred / (var[index].sqrt() + 1e-6)
     return adv
 
 

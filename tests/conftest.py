@@ -70,3 +70,19 @@ def tiny_agents():
     from lit_marl.agents import Agent
 
     return [Agent("tiny-random"), Agent("tiny-random")]
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    """Any attempt to build an agent or a critic (load weights) is recorded and refused."""
+    from lit_marl.algorithms import actor_critic, base
+
+    calls = []
+
+    def refuse(*args, **kwargs):
+        calls.append(args)
+        raise AssertionError("a model was loaded although the configuration is invalid")
+
+    monkeypatch.setattr(base, "Agent", refuse)
+    monkeypatch.setattr(actor_critic, "load_model_and_tokenizer", refuse)
+    return calls

@@ -10,40 +10,45 @@ from lit_marl.returns import td_advantages, td_targets, value_loss
 T = torch.tensor
 
 
+NONE = -1  # next_rows of an episode's last turn
+
+
 def test_one_turn_has_no_bootstrap():
     for gamma in (0.9, 1.0):
-        y = td_targets(T([[1.0]]), T([[0.4]]), T([[1]]), gamma)
-        assert torch.allclose(y, T([[1.0]]))
-        assert torch.allclose(td_advantages(y, T([[0.4]]), T([[1]])), T([[0.6]]))
+        y = td_targets(T([1.0]), T([0.4]), T([NONE]), gamma)
+        assert torch.allclose(y, T([1.0]))
+        assert torch.allclose(td_advantages(y, T([0.4]), T([0])), T([0.6]))
 
 
 @pytest.mark.parametrize("gamma, y0", [(0.9, 0.5 + 0.9 * 0.6), (1.0, 1.1)])
 def test_two_turns_bootstrap_from_the_next_state(gamma, y0):
-    values = T([[0.2, 0.6]])
-    y = td_targets(T([[0.5, 1.0]]), values, T([[1, 1]]), gamma)
-    assert torch.allclose(y, T([[y0, 1.0]]))
-    assert torch.allclose(td_advantages(y, values, T([[1, 1]])), T([[y0 - 0.2, 0.4]]))
+    values = T([0.2, 0.6])  # rows: turn 0, turn 1 of one episode
+    y = td_targets(T([0.5, 1.0]), values, T([1, NONE]), gamma)
+    assert torch.allclose(y, T([y0, 1.0]))
+    assert torch.allclose(td_advantages(y, values, T([0, 1])), T([y0 - 0.2, 0.4]))
 
 
 @pytest.mark.parametrize("gamma", [0.9, 1.0])
 def test_three_turns_full_and_terminated_early(gamma):
-    rewards = T([[1.0, 0.0, 2.0], [0.0, 2.0, 5.0]])
-    values = T([[0.3, 0.7, 1.1], [1.0, 0.5, 9.0]])
-    alive = T([[1, 1, 1], [1, 1, 0]])  # the second episode ended (early termination) after turn 1
-    y = td_targets(rewards, values, alive, gamma)
-    expected = T([[1 + gamma * 0.7, gamma * 1.1, 2.0], [gamma * 0.5, 2.0, 0.0]])
-    assert torch.allclose(y, expected)  # no bootstrap after the last played turn, nothing after it
-    adv = td_advantages(y, values, alive)
-    assert torch.allclose(adv, expected - values * alive)
+    # rows as the tree lays them out, turn by turn: episode a (3 turns) and episode b, which ended
+    # after its turn 1 (early termination); b's value of 9.0 belongs to nobody's next state
+    #          a0   b0   a1   b1   a2
+    rewards = T([1.0, 0.0, 0.0, 2.0, 2.0])
+    values = T([0.3, 1.0, 0.7, 0.5, 1.1])
+    next_rows = T([2, 3, 4, NONE, NONE])
+    turns = T([0, 0, 1, 1, 2])
+    y = td_targets(rewards, values, next_rows, gamma)
+    expected = T([1 + gamma * 0.7, gamma * 0.5, gamma * 1.1, 2.0, 2.0])
+    assert torch.allclose(y, expected)  # no bootstrap after the last played turn
+    assert torch.allclose(td_advantages(y, values, turns), expected - values)
 
 
-def test_advantages_z_scored_per_turn_over_live_episodes():
-    y = T([[1.0, 2.0], [3.0, 0.0]])
-    v = torch.zeros(2, 2)
-    alive = T([[1, 1], [1, 0]])
-    adv = td_advantages(y, v, alive, normalize=True)
-    assert torch.allclose(adv[:, 0], T([-1.0, 1.0]), atol=1e-5)  # mean 2, std 1
-    assert adv[0, 1] == 0 and adv[1, 1] == 0  # alone at turn 1: centred to 0; ended: 0
+def test_advantages_z_scored_per_turn_group():
+    y = T([1.0, 3.0, 2.0])
+    v = torch.zeros(3)
+    adv = td_advantages(y, v, T([0, 0, 1]), normalize=True)
+    assert torch.allclose(adv[:2], T([-1.0, 1.0]), atol=1e-5)  # turn 0: mean 2, std 1
+    assert adv[2] == 0  # alone at turn 1: centred to 0
 
 
 def test_value_loss_clipping():

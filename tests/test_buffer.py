@@ -57,8 +57,28 @@ def test_buffer_keeps_node_ids_unique_and_drains():
     assert drained.input_ids.shape == (10, 5 + 4)  # re-padded to the widest prompt and completion
     assert drained.advantages.shape == (10,)
     assert len(buffer) == 0 and buffer.drain(0) is None
-    with pytest.raises(ValueError, match="advantages first"):
-        buffer.add(_samples(1, 2, turns=[0]).with_advantages(None))
+
+
+def test_buffer_renumbers_next_node_links_with_the_nodes():
+    """TD targets follow next_group from a turn's node to the node its joint action opened: the
+    link must survive the renumbering that makes node ids unique in the buffer."""
+    from dataclasses import replace
+
+    buffer = RolloutBuffer()
+    first = replace(_samples(3, 1, turns=[0, 1, 0]), next_group=torch.tensor([1, -1, -1]))
+    # a second rollout whose tree numbered its nodes 5, 7, 9 (9 is the child of 5)
+    second = replace(
+        _samples(3, 1, turns=[0, 0, 1]), group_ids=torch.tensor([5, 7, 9]), next_group=torch.tensor([9, -1, -1])
+    )
+    buffer.add(first)
+    buffer.add(second.with_advantages(None))  # actor-critic samples wait without advantages
+    drained = buffer.drain(pad_id=0)
+    assert drained.group_ids.tolist() == [0, 1, 2, 3, 4, 5]
+    assert drained.next_group.tolist() == [1, -1, -1, 5, -1, -1]
+    assert drained.advantages is None
+    broken = replace(_samples(2, 1, turns=[0, 1]), next_group=torch.tensor([3, -1]))
+    with pytest.raises(ValueError, match="not in these samples"):
+        buffer.add(broken)
 
 
 def test_buffer_fills_across_steps_and_flushes_at_epoch_end(tmp_path):

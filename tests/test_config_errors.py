@@ -9,23 +9,9 @@ import pytest
 
 from helpers import SLOGAN_HELDOUT, SLOGAN_PROMPTS, SLOGAN_TRAIN, cli_fit, make_trainer
 from lit_marl.algorithms import MAGRPO
-from lit_marl.algorithms import base as base_module
 from lit_marl.data import RolloutDataModule
 
 REWARD = "lit_marl.envs.slogan:reward"
-
-
-@pytest.fixture
-def no_model_loads(monkeypatch):
-    """Any attempt to build an agent (load weights) is recorded and refused."""
-    calls = []
-
-    def refuse(*args, **kwargs):
-        calls.append(args)
-        raise AssertionError("a model was loaded although the configuration is invalid")
-
-    monkeypatch.setattr(base_module, "Agent", refuse)
-    return calls
 
 
 def datamodule(**overrides) -> RolloutDataModule:

@@ -114,19 +114,23 @@ class AgentTeamModule(L.LightningModule):
         loss of a micro-batch, divided by the whole batch size so micro-batching changes no gradient."""
         optimizers = self.optimizers()
         optimizer = optimizers[index] if isinstance(optimizers, list) else optimizers
-        total = len(samples)
+        return self.optimizer_step_on(optimizer, samples, loss_fn, self.learner_name(index))
+
+    def optimizer_step_on(self, optimizer, rows, loss_fn: Callable, name: str) -> float:
+        """One step of ``optimizer`` on ``rows`` (anything with ``len`` and ``select``), accumulated
+        over micro-batches of ``forward_batch_size`` rows; returns the loss."""
+        total = len(rows)
         loss_sum = 0.0
-        for rows in torch.arange(total, device=samples.input_ids.device).split(self.hparams.forward_batch_size):
-            loss = loss_fn(samples.select(rows)) / total
+        for chunk in torch.arange(total, device=self.device).split(self.hparams.forward_batch_size):
+            loss = loss_fn(rows.select(chunk)) / total
             self.manual_backward(loss)
             loss_sum += float(loss.detach())
         if not math.isfinite(loss_sum):
             # a NaN/inf loss would write NaN into the weights: stop, with the weights untouched
             optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(
-                f"{self.learner_name(index)}: non-finite loss {loss_sum} at global step {self.global_step}; the "
-                "optimizer step was skipped and the weights are unchanged. Lower model.learning_rate or check "
-                "the rewards."
+                f"{name}: non-finite loss {loss_sum} at global step {self.global_step}; the optimizer step was "
+                "skipped and the weights are unchanged. Lower model.learning_rate or check the rewards."
             )
         if self.hparams.max_grad_norm > 0:
             self.clip_gradients(optimizer, gradient_clip_val=self.hparams.max_grad_norm, gradient_clip_algorithm="norm")

@@ -14,7 +14,8 @@ class AgentSamples:
     ``input_ids`` ends with the ``num_completion`` response positions; ``completion_mask`` marks the
     tokens the agent produced (end token included, padding excluded). ``returns`` holds each
     response's return and ``group_ids`` the tree node it was sampled at, so that group baselines
-    compare siblings only.
+    compare siblings only. ``rewards`` and ``next_group`` are what one-step TD targets need: the
+    response's immediate reward and the node its joint action led to.
     """
 
     input_ids: torch.Tensor  # [B, P + C]
@@ -24,6 +25,14 @@ class AgentSamples:
     group_ids: torch.Tensor  # [B] tree node of each row
     turn_ids: torch.Tensor  # [B] turn of that node
     advantages: torch.Tensor | None = None  # [B], set by the algorithm
+    rewards: torch.Tensor | None = None  # [B] immediate (shaped) reward, before returns
+    # [B] the tree node (a group id) the row's joint action opened; -1: none (the branch ended, or
+    # ambiguous: in cross mode with G > 1 a response takes part in several joint actions)
+    next_group: torch.Tensor | None = None
+    # set by actor-critic updates: behaviour log-probs [B, C], critic values [B], TD targets [B]
+    old_logprobs: torch.Tensor | None = None
+    old_values: torch.Tensor | None = None
+    targets: torch.Tensor | None = None
 
     @property
     def num_completion(self) -> int:
@@ -44,23 +53,24 @@ class AgentSamples:
         like = parts[0].input_ids
         input_ids = like.new_full((rows, prompt_width + completion_width), pad_id)
         attention_mask = like.new_zeros((rows, prompt_width + completion_width))
-        completion_mask = like.new_zeros((rows, completion_width))
         start = 0
         for p in parts:
             end, P, C = start + len(p), p.input_ids.shape[1] - p.num_completion, p.num_completion
             input_ids[start:end, prompt_width - P : prompt_width + C] = p.input_ids
             attention_mask[start:end, prompt_width - P : prompt_width + C] = p.attention_mask
-            completion_mask[start:end, :C] = p.completion_mask
             start = end
-        return AgentSamples(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            completion_mask=completion_mask,
-            returns=torch.cat([p.returns for p in parts]),
-            group_ids=torch.cat([p.group_ids for p in parts]),
-            turn_ids=torch.cat([p.turn_ids for p in parts]),
-            advantages=None if any(p.advantages is None for p in parts) else torch.cat([p.advantages for p in parts]),
-        )
+        fields = dict(input_ids=input_ids, attention_mask=attention_mask)
+        for name in _ROW_FIELDS:
+            values = [getattr(p, name) for p in parts]
+            if any(v is None for v in values):
+                fields[name] = None
+            elif name in _COMPLETION_FIELDS:  # [B, C]: right-padded with zeros
+                fields[name] = torch.cat(
+                    [torch.nn.functional.pad(v, (0, completion_width - v.shape[1])) for v in values]
+                )
+            else:
+                fields[name] = torch.cat(values)
+        return AgentSamples(**fields)
 
     def with_advantages(self, advantages: torch.Tensor) -> "AgentSamples":
         return replace(self, advantages=advantages)
@@ -68,17 +78,30 @@ class AgentSamples:
     def select(self, rows: torch.Tensor) -> "AgentSamples":
         """The given rows, trimmed of completion columns that are padding in all of them."""
         width = max(int(self.completion_mask[rows].sum(-1).max()), 1)
-        cut = self.num_completion - width
-        end = self.input_ids.shape[1] - cut
-        return AgentSamples(
-            input_ids=self.input_ids[rows, :end],
-            attention_mask=self.attention_mask[rows, :end],
-            completion_mask=self.completion_mask[rows, :width],
-            returns=self.returns[rows],
-            group_ids=self.group_ids[rows],
-            turn_ids=self.turn_ids[rows],
-            advantages=None if self.advantages is None else self.advantages[rows],
-        )
+        end = self.input_ids.shape[1] - (self.num_completion - width)
+        fields = dict(input_ids=self.input_ids[rows, :end], attention_mask=self.attention_mask[rows, :end])
+        for name in _ROW_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                value = value[rows, :width] if name in _COMPLETION_FIELDS else value[rows]
+            fields[name] = value
+        return AgentSamples(**fields)
+
+
+# the per-row fields besides the token sequence; the [B, C] ones are aligned with the completion
+_ROW_FIELDS = (
+    "completion_mask",
+    "returns",
+    "group_ids",
+    "turn_ids",
+    "advantages",
+    "rewards",
+    "next_group",
+    "old_logprobs",
+    "old_values",
+    "targets",
+)
+_COMPLETION_FIELDS = ("completion_mask", "old_logprobs")
 
 
 @dataclass

@@ -10,7 +10,7 @@ from lit_marl.rollout.batch import AgentSamples
 
 
 class RolloutBuffer:
-    """One agent's samples (each tree node = one sample: its G responses and their advantages)."""
+    """One agent's samples (each tree node = one sample: its G responses)."""
 
     def __init__(self) -> None:
         self.parts: list[AgentSamples] = []
@@ -20,11 +20,18 @@ class RolloutBuffer:
         return self.num_nodes
 
     def add(self, samples: AgentSamples) -> None:
-        if samples.advantages is None:
-            raise ValueError("RolloutBuffer.add: compute the advantages first (they need the whole node)")
-        _, local = torch.unique(samples.group_ids, return_inverse=True)  # node ids unique in the buffer
-        self.parts.append(replace(samples, group_ids=local + self.num_nodes))
-        self.num_nodes += int(local.max()) + 1
+        """Node ids become unique in the buffer (``next_group`` links follow them; a link always
+        points into the same rollout, whose nodes come in one ``add``)."""
+        nodes, local = torch.unique(samples.group_ids, return_inverse=True)
+        next_group = samples.next_group
+        if next_group is not None:
+            linked = next_group >= 0
+            position = torch.searchsorted(nodes, next_group.clamp(min=0))
+            if linked.any() and not torch.equal(nodes[position.clamp(max=len(nodes) - 1)][linked], next_group[linked]):
+                raise ValueError("RolloutBuffer.add: next_group links to a node that is not in these samples")
+            next_group = torch.where(linked, position + self.num_nodes, -1)
+        self.parts.append(replace(samples, group_ids=local + self.num_nodes, next_group=next_group))
+        self.num_nodes += len(nodes)
 
     def drain(self, pad_id: int) -> AgentSamples | None:
         """Everything in the buffer as one batch; the buffer is empty afterwards."""

@@ -135,6 +135,21 @@ def neutral_fill(rewards: torch.Tensor) -> torch.Tensor:
     return torch.where(valid, rewards, means.expand_as(rewards))
 
 
+def per_response(values: torch.Tensor, joint_mode: JointMode, G: int) -> torch.Tensor:
+    """``[nodes, J, agents]`` values of joint actions -> ``[agents, nodes, G]`` values of each
+    agent's responses: in ``aligned`` mode joint action k is response k; in ``cross`` mode a
+    response gets the mean over the joint actions that contain it."""
+    if joint_mode == "aligned":
+        return values.permute(2, 0, 1)
+    num_agents = values.shape[2]
+    return torch.stack(
+        [
+            torch.stack([cross_agent_returns(v[:, i].reshape((G,) * num_agents))[i] for v in values])
+            for i in range(num_agents)
+        ]
+    )
+
+
 @dataclass
 class _Node:
     task: int
@@ -316,15 +331,13 @@ def build_tree(
         num_nodes = level_returns.shape[0]  # level_returns: [nodes, J, agents]
         metric_sums[f"turn{turn}/return"] = float(level_returns.mean(dim=2).sum())
         metric_sums[f"turn{turn}/joint_actions"] = float(num_nodes * level_returns.shape[1])
-        if joint_mode == "aligned":
-            per_agent = level_returns.permute(2, 0, 1)  # [agents, nodes, G]
-        else:  # each response's return: mean over the joint actions that contain it
-            per_agent = torch.stack(
-                [
-                    torch.stack([cross_agent_returns(r[:, i].reshape((G,) * num_agents))[i] for r in level_returns])
-                    for i in range(num_agents)
-                ]
-            )
+        response_returns = per_response(level_returns, joint_mode, G)
+        response_rewards = per_response(level_shaped[turn], joint_mode, G)
+        children = level_children[turn]  # [nodes, J]: the child node of each joint action
+        if joint_mode == "aligned" or G == 1:  # joint action k holds response k of every agent
+            next_group = torch.where(children >= 0, children + node_offset + num_nodes, -1).reshape(-1)
+        else:
+            next_group = torch.full((num_nodes * G,), -1, dtype=torch.long)
         for i, g in enumerate(gens):
             device = g.completion_ids.device
             samples_per_agent[i].append(
@@ -332,9 +345,11 @@ def build_tree(
                     input_ids=torch.cat([g.prompt_ids, g.completion_ids], dim=1),
                     attention_mask=torch.cat([g.prompt_mask, g.completion_mask], dim=1),
                     completion_mask=g.completion_mask,
-                    returns=per_agent[i].reshape(-1).to(device),
+                    returns=response_returns[i].reshape(-1).to(device),
                     group_ids=node_offset + torch.arange(num_nodes, device=device).repeat_interleave(G),
                     turn_ids=torch.full((num_nodes * G,), turn, device=device),
+                    rewards=response_rewards[i].reshape(-1).to(device),
+                    next_group=next_group.to(device),
                 )
             )
         node_offset += num_nodes

@@ -1,0 +1,503 @@
+"""Actor-critic on single-trajectory episodes: IAC (a critic per agent) and MAAC (one centralized
+critic over the joint state).
+
+The rollout is the joint tree with one response per agent and node (``data.num_generations=1``):
+one joint trajectory per task, each turn's node linked to the next by ``next_group``. At an update
+every row (one agent's turn) gets the one-step TD target y = r + gamma * V(h_next) (gamma: ``data.discount``) - no
+bootstrap after the final or an early-terminated turn - and the advantage A = y - V(h), optionally z-scored
+per (agent, turn). The actor's loss is CoMLRL's ratio-free -log pi(a) * A, or the clipped PPO
+surrogate against the behaviour log-probs over several epochs, with an entropy bonus and a
+``target_kl`` stop: with per-agent value heads that is IPPO, with the centralized critic MAPPO.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import torch
+from torch import nn
+
+from lit_marl import ConfigError
+from lit_marl.algorithms.base import AgentTeamModule, Timer
+from lit_marl.algorithms.ppo import ValueHead
+from lit_marl.callbacks.buffer_flush import BufferFlush
+from lit_marl.generation import completion_forward, left_pad
+from lit_marl.models import load_model_and_tokenizer
+from lit_marl.returns import td_advantages, td_targets, value_loss
+from lit_marl.rollout.batch import AgentSamples, RolloutBatch
+from lit_marl.rollout.buffer import RolloutBuffer, minibatches
+
+CriticType = Literal["v", "q"]
+
+
+@dataclass
+class CriticInputs:
+    """What a critic model reads: token rows (left-padded) and the position of each row's value."""
+
+    input_ids: torch.Tensor  # [B, L]
+    attention_mask: torch.Tensor  # [B, L]
+    positions: torch.Tensor  # [B]
+    old_values: torch.Tensor | None = None  # [B]
+    targets: torch.Tensor | None = None  # [B]
+    turn_ids: torch.Tensor | None = None  # [B]
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, rows: torch.Tensor) -> "CriticInputs":
+        return CriticInputs(**{k: None if v is None else v[rows] for k, v in vars(self).items()})
+
+
+def read_positions(samples: AgentSamples, critic_type: CriticType) -> torch.Tensor:
+    """Where V(h) (``v``: the last prompt token) or Q(h, a) (``q``: the last token of prompt +
+    response, the end token included) is read in each row of ``samples.input_ids``."""
+    prompt_width = samples.input_ids.shape[1] - samples.num_completion
+    if critic_type == "v":
+        return torch.full((len(samples),), prompt_width - 1, device=samples.input_ids.device)
+    return prompt_width - 1 + samples.completion_mask.sum(-1).clamp(min=1)
+
+
+def critic_inputs(samples: AgentSamples, critic_type: CriticType) -> CriticInputs:
+    """A separate critic model's view of one agent's rows (for ``v`` only the prompt: it is causal)."""
+    positions = read_positions(samples, critic_type)
+    end = int(positions.max()) + 1
+    return CriticInputs(samples.input_ids[:, :end], samples.attention_mask[:, :end], positions)
+
+
+def joint_critic_inputs(per_agent: list[AgentSamples], critic_type: CriticType, pad_id: int) -> CriticInputs:
+    """The joint state of each node for a centralized critic: every agent's prompt (``v``), or
+    every agent's prompt and response (``q``: the joint action), one after the other; the value is
+    read at the last token."""
+    ends = [read_positions(samples, critic_type) + 1 for samples in per_agent]
+    rows = []
+    for r in range(len(per_agent[0])):
+        joint: list[int] = []
+        for samples, end in zip(per_agent, ends):
+            ids, mask = samples.input_ids[r, : int(end[r])], samples.attention_mask[r, : int(end[r])]
+            joint += ids[mask.bool()].tolist()
+        rows.append(joint)
+    device = per_agent[0].input_ids.device
+    input_ids, attention_mask = left_pad(rows, pad_id, device)
+    positions = torch.full((len(rows),), input_ids.shape[1] - 1, device=device)
+    return CriticInputs(input_ids, attention_mask, positions)
+
+
+class Critic(nn.Module):
+    """A value head (MLP -> tanh -> scalar) on a backbone of its own (a critic model), or on the
+    actor's hidden states (``backbone`` None: the head is trained through the actor's loss)."""
+
+    def __init__(self, hidden_size: int, backbone: nn.Module | None = None):
+        super().__init__()
+        self.backbone = backbone
+        self.head = ValueHead(hidden_size)
+
+    def read(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden[torch.arange(len(positions), device=hidden.device), positions])
+
+    def forward(self, inputs: CriticInputs) -> torch.Tensor:
+        mask = inputs.attention_mask
+        out = self.backbone(
+            input_ids=inputs.input_ids,
+            attention_mask=mask,
+            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+            output_hidden_states=True,
+            logits_to_keep=1,  # only the hidden states are read
+            use_cache=False,
+        )
+        return self.read(out.hidden_states[-1], inputs.positions)
+
+
+class ActorCritic(AgentTeamModule):
+    """What IAC and MAAC share; ``centralized`` says which critic they learn."""
+
+    centralized = False
+
+    def __init__(
+        self,
+        critic: Literal["head", "model"] = "head",
+        critic_model: str | None = None,
+        critic_type: CriticType = "v",
+        critic_learning_rate: float | None = None,
+        value_loss_coef: float = 0.5,
+        value_clip_range: float | None = None,
+        advantage_normalization: bool = True,
+        policy_loss: Literal["reinforce", "ppo"] = "reinforce",
+        clip_range: float = 0.2,
+        ppo_epochs: int = 1,
+        target_kl: float | None = None,
+        entropy_coef: float = 0.0,
+        logprob_reduction: Literal["sum", "mean"] = "mean",
+        rollout_buffer_size: int | None = None,
+        train_batch_size: int | None = None,
+        **kwargs,
+    ):
+        """
+        Args:
+            critic: ``head``: a value head on each actor's last hidden state (trained with the
+                actor's loss, ``critic_learning_rate`` on its own parameters); ``model``: a separate
+                critic model with its own optimizer. MAAC's centralized critic is always a model.
+            critic_model: Source of the critic model (default: the agent's own source); it must use
+                the actors' tokenizer, as it reads their token ids.
+            critic_type: ``v``: V(h) read at the last prompt token; ``q``: Q(h, a) read at the last
+                token of prompt + response.
+            critic_learning_rate: Learning rate of the critic (default: the actors').
+            value_loss_coef: Weight of the value loss (y - V)^2.
+            value_clip_range: Clip the new value to the old one +- this in the value loss; None: no clipping.
+            advantage_normalization: z-score the advantages per (agent, turn) group of an update.
+            policy_loss: ``reinforce``: CoMLRL's ratio-free -log pi(a) * A; ``ppo``: the clipped
+                surrogate with the importance ratio against the behaviour log-probs.
+            clip_range: PPO's ratio clipping epsilon (``policy_loss=ppo``).
+            ppo_epochs: Passes over each update's samples (``ppo`` only; the ratio-free loss is on-policy).
+            target_kl: Stop the remaining epochs of an update once an epoch's mean approximate KL to
+                the behaviour policy (measured on each mini-batch's forward, before its step, as
+                cleanrl does) exceeds this (``ppo`` only); None: never.
+            entropy_coef: Weight of the entropy bonus on the response tokens (0: none).
+            logprob_reduction: A response's loss is the ``sum`` or the ``mean`` of its tokens' terms.
+            rollout_buffer_size: An update fires when each agent's buffer holds this many samples (one
+                per turn of an episode); None: after every training step. The rest is used at epoch end.
+            train_batch_size: Samples per mini-batch, one optimizer step each, grouped by turn and
+                shuffled; None: the whole buffer in one step.
+            **kwargs: The team's settings (model, num_agents, lora, learning_rate, ...): see ``AgentTeamModule``.
+        """
+        super().__init__(**kwargs)
+        if critic not in ("head", "model"):
+            raise ConfigError(f"model.critic={critic!r}: choose head (on the actor) or model (separate)")
+        if critic_type not in ("v", "q"):
+            raise ConfigError(
+                f"model.critic_type={critic_type!r}: choose v (V(h), read at the last prompt token) or q "
+                "(Q(h, a), read at the last response token)"
+            )
+        if self.centralized and critic == "head":
+            raise ConfigError(
+                "model.critic=head: the centralized critic of MAAC reads every agent's tokens and is a model of its "
+                "own; set model.critic=model (or use IAC for value heads on the actors)"
+            )
+        if critic == "head" and critic_model is not None:
+            raise ConfigError(
+                f"model.critic=head puts the value head on the actor, which reads the actor's own tokens and hidden "
+                f"states; model.critic_model={critic_model!r} would be unused. Drop model.critic_model or set "
+                "model.critic=model"
+            )
+        if policy_loss not in ("reinforce", "ppo"):
+            raise ConfigError(f"model.policy_loss={policy_loss!r}: choose reinforce or ppo")
+        if policy_loss == "reinforce" and (ppo_epochs != 1 or target_kl is not None):
+            raise ConfigError(
+                "model.ppo_epochs / model.target_kl need model.policy_loss=ppo: the ratio-free loss is only "
+                "correct on the samples of the current policy"
+            )
+        if not 0 < clip_range < 1:
+            raise ConfigError(f"model.clip_range={clip_range}: must be in (0, 1)")
+        if ppo_epochs < 1:
+            raise ConfigError(f"model.ppo_epochs={ppo_epochs}: must be at least 1")
+        if target_kl is not None and not target_kl > 0:
+            raise ConfigError(f"model.target_kl={target_kl}: must be > 0 (or null)")
+        if value_clip_range is not None and not value_clip_range > 0:
+            raise ConfigError(f"model.value_clip_range={value_clip_range}: must be > 0 (or null)")
+        if logprob_reduction not in ("sum", "mean"):
+            raise ConfigError(f"model.logprob_reduction={logprob_reduction!r}: choose sum or mean")
+        if entropy_coef < 0 or value_loss_coef < 0:
+            raise ConfigError("model.entropy_coef and model.value_loss_coef must be >= 0")
+        for name, value in (("rollout_buffer_size", rollout_buffer_size), ("train_batch_size", train_batch_size)):
+            if value is not None and value < 1:
+                raise ConfigError(f"model.{name}={value}: must be at least 1 (or null)")
+        self.critic_kind, self.critic_source, self.critic_type = critic, critic_model, critic_type
+        self.critic_learning_rate = critic_learning_rate or self.hparams.learning_rate
+        self.value_loss_coef, self.value_clip_range = value_loss_coef, value_clip_range
+        self.discount = 1.0  # gamma between turns: the rollout's (data.discount), read in setup
+        self.advantage_normalization = advantage_normalization
+        self.policy_form, self.clip_range, self.ppo_epochs = policy_loss, clip_range, ppo_epochs
+        self.target_kl, self.entropy_coef, self.logprob_reduction = target_kl, entropy_coef, logprob_reduction
+        self.rollout_buffer_size, self.train_batch_size = rollout_buffer_size, train_batch_size
+        self.critics: nn.ModuleList | None = None
+        self.buffers = [RolloutBuffer() for _ in range(self.hparams.num_agents)]
+        self.shuffle_generator = torch.Generator().manual_seed(torch.initial_seed() % 2**63)
+
+    # ------------------------------------------------------------------ models and optimizers
+    def configure_model(self) -> None:
+        super().configure_model()
+        if self.critics is not None:
+            return
+        if self.critic_kind == "head":  # one head per learner, on its actor
+            self.critics = nn.ModuleList(Critic(self.model_of(i).config.hidden_size) for i in range(len(self.learners)))
+            return
+        sources = [self.sources[0]] if self.centralized else [self.sources[roles[0]] for roles in self.learners]
+        critics = []
+        for source in sources:
+            backbone, tokenizer = load_model_and_tokenizer(self.critic_source or source)
+            for i, agent in enumerate(self.agents):
+                if tokenizer.get_vocab() != agent.tokenizer.get_vocab():
+                    raise ConfigError(
+                        f"model.critic_model={self.critic_source or source!r} has another tokenizer than agent {i} "
+                        f"({agent.source}): the critic reads the actors' token ids; give a critic model with the "
+                        "same tokenizer"
+                    )
+                if not self.centralized:
+                    break
+            critics.append(Critic(backbone.config.hidden_size, backbone))
+        self.critics = nn.ModuleList(critics)
+
+    def model_of(self, learner: int) -> nn.Module:
+        return self.agents[self.learners[learner][0]].model
+
+    def configure_optimizers(self):
+        optimizers = []
+        for index, roles in enumerate(self.learners):
+            groups = [{"params": self.agents[roles[0]].trainable_parameters(), "lr": self.hparams.learning_rate}]
+            if self.critic_kind == "head":
+                groups.append({"params": list(self.critics[index].parameters()), "lr": self.critic_learning_rate})
+            optimizers.append(torch.optim.AdamW(groups, weight_decay=0.0))
+        if self.critic_kind == "model":
+            for critic in self.critics:
+                params = [p for p in critic.parameters() if p.requires_grad]
+                optimizers.append(torch.optim.AdamW(params, lr=self.critic_learning_rate, weight_decay=0.0))
+        return optimizers
+
+    def configure_callbacks(self):
+        return [BufferFlush()]
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        from lit_marl.data import RolloutDataModule
+
+        data = self.trainer.datamodule
+        if data is None or stage != "fit":
+            return
+        if not isinstance(data, RolloutDataModule):
+            raise ConfigError(
+                f"{type(self).__name__} learns from joint rollouts: use data: lit_marl.data.RolloutDataModule"
+            )
+        self.discount = data.hparams.discount
+        if data.num_generations > 1 and data.hparams.num_turns > 1:
+            raise ConfigError(
+                f"data.num_generations={data.num_generations} with data.num_turns={data.hparams.num_turns}: "
+                f"{type(self).__name__} follows one trajectory per episode (its TD targets bootstrap from the next "
+                "turn's state); set data.num_generations=1"
+            )
+        if self.centralized and data.num_generations > 1 and data.joint_mode == "cross":
+            raise ConfigError(
+                "data.joint_mode=cross with data.num_generations > 1: a centralized critic scores joint actions, "
+                "and a response of cross mode takes part in several; use aligned or num_generations=1"
+            )
+
+    # ------------------------------------------------------------------ values, targets, advantages
+    def critic_optimizer(self, critic: int):
+        return self.optimizers()[len(self.learners) + critic]
+
+    def learner_of(self, role: int) -> int:
+        return next(n for n, roles in enumerate(self.learners) if role in roles)
+
+    def actor_forward(self, learner: int, samples: AgentSamples, entropy: bool = False):
+        """Completion log-probs, entropies (or None) and, for a value head, the values."""
+        head = self.critic_kind == "head"
+        logprobs, entropies, hidden = completion_forward(
+            self.model_of(learner),
+            samples.input_ids,
+            samples.attention_mask,
+            samples.num_completion,
+            entropy=entropy,
+            hidden=head,
+        )
+        values = self.critics[learner].read(hidden, read_positions(samples, self.critic_type)) if head else None
+        return logprobs, entropies, values
+
+    @torch.no_grad()
+    def prepare(self, per_agent: list[AgentSamples]) -> tuple[list[AgentSamples], list[CriticInputs]]:
+        """Behaviour log-probs, values, TD targets and advantages of every row; the inputs of the
+        critic models (one per learner for IAC, one joint for MAAC; none for value heads)."""
+        group_ids = per_agent[0].group_ids
+        if any(not torch.equal(s.group_ids, group_ids) for s in per_agent):
+            raise ValueError("the agents' buffers hold different nodes; they must be filled by the same rollouts")
+        next_group = per_agent[0].next_group
+        counts = torch.bincount(group_ids)
+        if (next_group >= 0).any() and (counts > 1).any():
+            raise ValueError("TD targets follow one trajectory: a multi-turn rollout needs data.num_generations=1")
+        row_of = torch.zeros(len(counts), dtype=torch.long, device=group_ids.device)
+        row_of[group_ids] = torch.arange(len(group_ids), device=group_ids.device)
+        next_rows = torch.where(next_group >= 0, row_of[next_group.clamp(min=0)], -1)
+        turns = per_agent[0].turn_ids
+        chunks = lambda n: torch.arange(n, device=group_ids.device).split(self.hparams.forward_batch_size)  # noqa: E731
+
+        old_logprobs, values = [], []
+        for role, samples in enumerate(per_agent):
+            learner = self.learner_of(role)
+            parts = [self.actor_forward(learner, samples.select(rows)) for rows in chunks(len(samples))]
+            width = samples.num_completion
+            old_logprobs.append(torch.cat([torch.nn.functional.pad(p[0], (0, width - p[0].shape[1])) for p in parts]))
+            if self.critic_kind == "head":
+                values.append(torch.cat([p[2] for p in parts]))
+        inputs: list[CriticInputs] = []
+        if self.centralized:
+            joint = joint_critic_inputs(per_agent, self.critic_type, self.agents[0].pad_token_id)
+            joint_values = torch.cat([self.critics[0](joint.select(rows)) for rows in chunks(len(joint))])
+            team_rewards = torch.stack([s.rewards for s in per_agent]).mean(0)  # the joint reward
+            targets = td_targets(team_rewards, joint_values, next_rows, self.discount)
+            inputs.append(replace(joint, old_values=joint_values, targets=targets, turn_ids=turns))
+            values = [joint_values] * len(per_agent)
+            all_targets = [targets] * len(per_agent)
+        else:
+            if self.critic_kind == "model":
+                for role, samples in enumerate(per_agent):
+                    view = critic_inputs(samples, self.critic_type)
+                    critic = self.critics[self.learner_of(role)]
+                    values.append(torch.cat([critic(view.select(rows)) for rows in chunks(len(view))]))
+            all_targets = [td_targets(s.rewards, v, next_rows, self.discount) for s, v in zip(per_agent, values)]
+            if self.critic_kind == "model":
+                inputs = [
+                    replace(critic_inputs(s, self.critic_type), old_values=v, targets=y, turn_ids=turns)
+                    for s, v, y in zip(per_agent, values, all_targets)
+                ]
+        prepared = []
+        for role, samples in enumerate(per_agent):
+            advantages = td_advantages(all_targets[role], values[role], turns, self.advantage_normalization)
+            prepared.append(
+                replace(
+                    samples,
+                    advantages=advantages,
+                    old_logprobs=old_logprobs[role],
+                    old_values=values[role],
+                    targets=all_targets[role],
+                )
+            )
+        self.log_values(prepared)
+        return prepared, inputs
+
+    def log_values(self, per_agent: list[AgentSamples]) -> None:
+        """Per turn and agent: value mean, explained variance of the targets, advantage mean and std."""
+        for role, samples in enumerate(per_agent):
+            for turn in torch.unique(samples.turn_ids).tolist():
+                rows = samples.turn_ids == turn
+                count = int(rows.sum())
+                v, y, a = samples.old_values[rows], samples.targets[rows], samples.advantages[rows]
+                if not self.centralized or role == 0:  # a centralized critic's values once
+                    name = "critic" if self.centralized else f"agent{role}"
+                    self.log(f"train/turn{turn}/value_mean_{name}", v.mean(), batch_size=count)
+                    explained = 1 - (y - v).var(unbiased=False) / y.var(unbiased=False).clamp(min=1e-8)
+                    self.log(f"train/turn{turn}/explained_variance_{name}", explained, batch_size=count)
+                self.log(f"train/turn{turn}/advantage_mean_agent{role}", a.mean(), batch_size=count)
+                self.log(f"train/turn{turn}/advantage_std_agent{role}", a.std(unbiased=False), batch_size=count)
+
+    # ------------------------------------------------------------------ losses
+    def actor_loss(self, learner: int, samples: AgentSamples, stats: dict) -> torch.Tensor:
+        """Summed over rows: the policy term of each response (its tokens' sum or mean), minus the
+        entropy bonus, plus for a value head the weighted value loss."""
+        logprobs, entropies, values = self.actor_forward(learner, samples, entropy=self.entropy_coef > 0)
+        mask = samples.completion_mask.float()
+        advantages = samples.advantages.unsqueeze(1)
+        if self.policy_form == "ppo":
+            ratio = (logprobs - samples.old_logprobs).exp()
+            clipped = ratio.clamp(1 - self.clip_range, 1 + self.clip_range)
+            per_token = -torch.minimum(ratio * advantages, clipped * advantages)
+        else:
+            per_token = -logprobs * advantages
+        if entropies is not None:
+            per_token = per_token - self.entropy_coef * entropies
+        per_row = (per_token * mask).sum(-1)
+        if self.logprob_reduction == "mean":
+            per_row = per_row / mask.sum(-1).clamp(min=1)
+        loss = per_row.sum()
+        if values is not None:
+            loss = loss + self.value_term(values, samples.old_values, samples.targets)
+        with torch.no_grad():
+            log_ratio = logprobs - samples.old_logprobs
+            for turn in torch.unique(samples.turn_ids).tolist():
+                rows = (samples.turn_ids == turn).float().unsqueeze(1) * mask
+                stat = stats.setdefault(turn, dict.fromkeys(("approx_kl", "clip_frac", "entropy", "tokens"), 0.0))
+                stat["approx_kl"] += float(((log_ratio.exp() - 1 - log_ratio) * rows).sum())
+                stat["clip_frac"] += float((((log_ratio.exp() - 1).abs() > self.clip_range).float() * rows).sum())
+                if entropies is not None:
+                    stat["entropy"] += float((entropies * rows).sum())
+                stat["tokens"] += float(rows.sum())
+        return loss
+
+    def value_term(self, values: torch.Tensor, old_values: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """value_loss_coef x the (clipped) squared error, summed over rows."""
+        ones = torch.ones_like(values)
+        return self.value_loss_coef * value_loss(values, old_values, targets, ones, self.value_clip_range) * len(values)
+
+    def critic_loss(self, critic: int, inputs: CriticInputs) -> torch.Tensor:
+        return self.value_term(self.critics[critic](inputs), inputs.old_values, inputs.targets)
+
+    # ------------------------------------------------------------------ the step
+    def training_step(self, batch: RolloutBatch, batch_idx: int) -> None:
+        for buffer, samples in zip(self.buffers, batch.agents):
+            buffer.add(samples)
+        size = self.rollout_buffer_size
+        if size is None or len(self.buffers[0]) >= size:
+            self.flush_buffers()
+        self.log_rollout(batch, "train")
+
+    def flush_buffers(self) -> None:
+        """One update on everything buffered: actors, then critics, on the same mini-batches."""
+        if not len(self.buffers[0]):
+            return
+        with Timer() as train_time:
+            per_agent, inputs = self.prepare(
+                [buffer.drain(agent.pad_token_id) for buffer, agent in zip(self.buffers, self.agents)]
+            )
+            actor_losses: dict[int, list[float]] = {i: [] for i in range(len(self.learners))}
+            critic_losses: dict[int, list[float]] = {i: [] for i in range(len(inputs))}
+            epochs = 0
+            for _ in range(self.ppo_epochs):
+                stats: dict[int, dict[str, float]] = {}
+                for rows in minibatches(per_agent[0], self.train_batch_size, self.shuffle_generator):
+                    for index, roles in enumerate(self.learners):
+                        agent = self.agents[roles[0]]
+                        mini = AgentSamples.cat([per_agent[r].select(rows) for r in roles], agent.pad_token_id)
+                        loss_fn = lambda mb, i=index, s=stats: self.actor_loss(i, mb, s)  # noqa: E731
+                        actor_losses[index].append(self.update_agent(index, mini, loss_fn))
+                    for c, critic_rows in enumerate(inputs):
+                        name = "critic" if self.centralized else f"critic_{self.learner_name(c)}"
+                        loss_fn = lambda mb, c=c: self.critic_loss(c, mb)  # noqa: E731
+                        step = self.optimizer_step_on(self.critic_optimizer(c), critic_rows.select(rows), loss_fn, name)
+                        critic_losses[c].append(step)
+                epochs += 1
+                self.log_policy_stats(stats)
+                if self.target_kl is not None:
+                    tokens = sum(s["tokens"] for s in stats.values())
+                    kl = torch.tensor(sum(s["approx_kl"] for s in stats.values()) / max(tokens, 1.0))
+                    # the same decision on every rank, so that all take the same optimizer steps
+                    if float(self.trainer.strategy.reduce(kl, reduce_op="mean")) > self.target_kl:
+                        break
+        size = len(per_agent[0])
+        for index, losses in actor_losses.items():
+            name = self.learner_name(index)
+            self.log(f"train/loss_{name}", sum(losses) / len(losses), batch_size=size)
+            self.log(f"train/optimizer_steps_{name}", float(len(losses)), batch_size=size)
+        for c, losses in critic_losses.items():
+            name = "critic" if self.centralized else f"critic_{self.learner_name(c)}"
+            self.log(f"train/loss_{name}", sum(losses) / len(losses), batch_size=size)
+            self.log(f"train/optimizer_steps_{name}", float(len(losses)), batch_size=size)
+        self.log("train/ppo_epochs_run", float(epochs), batch_size=size)
+        self.log("time/train_s", train_time.seconds)
+
+    def log_policy_stats(self, stats: dict[int, dict[str, float]]) -> None:
+        """Per turn, over the last epoch's tokens: approximate KL to the behaviour policy (measured
+        before each mini-batch's step), clip fraction, entropy."""
+        for turn, stat in stats.items():
+            tokens = max(stat["tokens"], 1.0)
+            self.log(f"train/turn{turn}/approx_kl", stat["approx_kl"] / tokens)
+            self.log(f"train/turn{turn}/clip_frac", stat["clip_frac"] / tokens)
+            if self.entropy_coef > 0:
+                self.log(f"train/turn{turn}/entropy", stat["entropy"] / tokens)
+
+
+class IAC(ActorCritic):
+    """Independent actor-critic: each agent learns its own critic from its own reward (a value
+    head on its actor, or a critic model). With ``policy_loss=ppo``: IPPO."""
+
+
+class MAAC(ActorCritic):
+    """Multi-agent actor-critic with one centralized critic over the joint state (and, for
+    ``critic_type=q``, the joint action), trained once per mini-batch - not once per agent - on the
+    team reward; every agent's advantage comes from it. With ``policy_loss=ppo``: MAPPO."""
+
+    centralized = True
+
+    def __init__(self, critic: Literal["model"] = "model", **kwargs):
+        """
+        Args:
+            critic: Always ``model``: the centralized critic reads every agent's tokens.
+            **kwargs: See ``ActorCritic``.
+        """
+        super().__init__(critic=critic, **kwargs)

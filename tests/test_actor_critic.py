@@ -1,0 +1,269 @@
+"""IAC and MAAC on single-trajectory episodes: rollout links, read positions, tiny-model fits,
+the PPO-form invariant, the target-KL stop, and clear errors for bad settings."""
+
+from __future__ import annotations
+
+import math
+
+import lightning as L
+import pytest
+import torch
+
+from helpers import cli_fit, make_trainer, slogan_data
+from lit_marl import ConfigError
+from lit_marl.algorithms import IAC, MAAC
+from lit_marl.algorithms.actor_critic import critic_inputs, joint_critic_inputs, read_positions
+from lit_marl.returns import td_targets
+from lit_marl.rollout.batch import AgentSamples
+from lit_marl.rollout.transitions import plain
+from lit_marl.rollout.tree import build_tree
+
+PLAIN = "lit_marl.rollout.transitions:plain"
+
+
+def two_turn_data(**overrides):
+    kwargs = dict(num_generations=1, num_turns=2, transition=PLAIN, max_new_tokens=12, tasks_per_step=3)
+    kwargs.update(overrides)
+    return slogan_data(**kwargs)
+
+
+def snapshot(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad}
+
+
+def unchanged(module: torch.nn.Module, before: dict[str, torch.Tensor]) -> list[str]:
+    return [n for n, p in module.named_parameters() if n in before and torch.equal(p.detach(), before[n])]
+
+
+# --------------------------------------------------------------------------- the rollout
+def test_single_trajectory_rollout_links_turns_and_keeps_rewards(tiny_agents):
+    """G=1 aligned: one row per agent per turn and task; ``next_group`` points at the same task's
+    next turn, none after the last played turn (an episode stopped early ends at turn 0)."""
+    tasks = [{"id": 0, "stop": True}, {"id": 1, "stop": False}, {"id": 2, "stop": False}]
+
+    def reward(agent_completions, tasks):
+        return [1.0 if t["stop"] else 0.25 * t["id"] for t in tasks]
+
+    torch.manual_seed(0)
+    batch = build_tree(
+        tiny_agents,
+        tasks,
+        [["a", "b"]] * 3,
+        reward,
+        num_generations=1,
+        max_new_tokens=4,
+        num_turns=3,
+        transition=plain,
+        early_termination_threshold=0.9,
+    )
+    for samples in batch.agents:
+        # turn 0: tasks 0, 1, 2 (nodes 0-2); turn 1: tasks 1, 2 (nodes 3-4); turn 2: nodes 5-6
+        assert samples.turn_ids.tolist() == [0, 0, 0, 1, 1, 2, 2]
+        assert samples.group_ids.tolist() == list(range(7))
+        assert samples.next_group.tolist() == [-1, 3, 4, 5, 6, -1, -1]
+        assert samples.rewards.tolist() == [1.0, 0.25, 0.5, 0.25, 0.5, 0.25, 0.5]
+    # the targets the actor-critic builds from these links, with values by hand
+    s = batch.agents[0]
+    values = torch.arange(7, dtype=torch.float32) / 10
+    y = td_targets(s.rewards, values, s.next_group, gamma=0.9)  # one row per node: rows = groups
+    assert torch.allclose(
+        y, torch.tensor([1.0, 0.25 + 0.9 * 0.3, 0.5 + 0.9 * 0.4, 0.25 + 0.9 * 0.5, 0.5 + 0.9 * 0.6, 0.25, 0.5])
+    )
+
+
+def _samples() -> AgentSamples:
+    # two rows, prompts left-padded to width 3 (row 0's prompt is 2 tokens), completions of 2 and 1
+    # tokens (right-padded to width 2)
+    return AgentSamples(
+        input_ids=torch.tensor([[0, 11, 12, 13, 14], [21, 22, 23, 24, 0]]),
+        attention_mask=torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 0]]),
+        completion_mask=torch.tensor([[1, 1], [1, 0]]),
+        returns=torch.zeros(2),
+        group_ids=torch.arange(2),
+        turn_ids=torch.zeros(2, dtype=torch.long),
+    )
+
+
+def test_v_reads_the_last_prompt_token_and_q_the_last_response_token():
+    samples = _samples()
+    assert read_positions(samples, "v").tolist() == [2, 2]  # tokens 12 and 23
+    assert read_positions(samples, "q").tolist() == [4, 3]  # tokens 14 and 24 (the end token)
+    v = critic_inputs(samples, "v")
+    assert v.input_ids.tolist() == [[0, 11, 12], [21, 22, 23]]  # V never sees the response
+    assert v.input_ids[torch.arange(2), v.positions].tolist() == [12, 23]
+    q = critic_inputs(samples, "q")
+    assert q.input_ids[torch.arange(2), q.positions].tolist() == [14, 24]
+
+
+def test_joint_critic_reads_every_agent_prompt_and_for_q_the_joint_action():
+    a, b = _samples(), _samples()
+    b.input_ids = b.input_ids + 100 * b.attention_mask
+    v = joint_critic_inputs([a, b], "v", pad_id=0)
+    rows = [row[m.bool()].tolist() for row, m in zip(v.input_ids, v.attention_mask)]
+    assert rows == [[11, 12, 111, 112], [21, 22, 23, 121, 122, 123]]
+    assert (v.positions == v.input_ids.shape[1] - 1).all()
+    q = joint_critic_inputs([a, b], "q", pad_id=0)
+    rows = [row[m.bool()].tolist() for row, m in zip(q.input_ids, q.attention_mask)]
+    assert rows == [[11, 12, 13, 14, 111, 112, 113, 114], [21, 22, 23, 24, 121, 122, 123, 124]]
+
+
+# --------------------------------------------------------------------------- tiny-model fits
+@pytest.mark.parametrize("critic, critic_type", [("head", "v"), ("model", "q")])
+def test_iac_fit_moves_actors_and_critics(tmp_path, critic, critic_type):
+    L.seed_everything(0)
+    module = IAC(model="tiny-random", num_agents=2, learning_rate=1e-3, critic=critic, critic_type=critic_type)
+    module.configure_model()
+    actors = [snapshot(a.model) for a in module.agents]
+    critics = [snapshot(c) for c in module.critics]
+    assert len(module.critics) == 2  # one critic per agent
+    trainer = make_trainer(tmp_path, limit_val_batches=0)
+    trainer.fit(module, datamodule=two_turn_data())
+    for i, agent in enumerate(module.agents):
+        assert not unchanged(agent.model, actors[i]), f"agent {i}: parameters not updated"
+        assert all(torch.isfinite(p).all() for p in agent.model.parameters())
+    for c, critic_module in enumerate(module.critics):
+        assert not unchanged(critic_module, critics[c]), f"critic {c}: parameters not updated"
+    metrics = trainer.callback_metrics
+    for key in ("train/loss_agent0", "train/loss_agent1", "train/turn1/value_mean_agent0", "train/turn0/approx_kl"):
+        assert math.isfinite(float(metrics[key])), key
+    if critic == "model":  # separate optimizers: 2 actors + 2 critics, one step each per update, 2 updates
+        assert trainer.global_step == 2 * 4
+        assert math.isfinite(float(metrics["train/loss_critic_agent0"]))
+    else:  # the head trains with its actor's optimizer
+        assert trainer.global_step == 2 * 2
+
+
+@pytest.mark.parametrize("critic_type", ["v", "q"])
+def test_maac_centralized_critic_steps_once_per_update(tmp_path, critic_type):
+    L.seed_everything(1)
+    module = MAAC(model="tiny-random", num_agents=2, learning_rate=1e-3, critic_type=critic_type)
+    module.configure_model()
+    assert len(module.critics) == 1
+    actors = [snapshot(a.model) for a in module.agents]
+    critic = snapshot(module.critics[0])
+    trainer = make_trainer(tmp_path, limit_val_batches=0)
+    trainer.fit(module, datamodule=two_turn_data())
+    for i, agent in enumerate(module.agents):
+        assert not unchanged(agent.model, actors[i]), f"agent {i}: parameters not updated"
+    assert not unchanged(module.critics[0], critic)
+    # two training steps = two updates: the critic's optimizer stepped exactly twice, not 2 x agents
+    critic_optimizer = trainer.optimizers[-1]
+    steps = {int(state["step"]) for state in critic_optimizer.state.values()}
+    assert steps == {2}
+    assert trainer.global_step == 2 * 3
+    assert float(trainer.callback_metrics["train/optimizer_steps_critic"]) == 1.0
+    assert math.isfinite(float(trainer.callback_metrics["train/loss_critic"]))
+
+
+def test_target_kl_stops_the_remaining_epochs(tmp_path):
+    L.seed_everything(2)
+    kwargs = dict(model="tiny-random", num_agents=2, learning_rate=1e-2, policy_loss="ppo", ppo_epochs=3)
+    free = IAC(**kwargs)
+    trainer = make_trainer(tmp_path / "free", limit_val_batches=0, limit_train_batches=1)
+    trainer.fit(free, datamodule=two_turn_data())
+    assert float(trainer.callback_metrics["train/ppo_epochs_run"]) == 3
+    # the KL is measured on each mini-batch's forward, before its step: epoch 1 (one mini-batch)
+    # sees the behaviour policy itself (KL 0), epoch 2 the policy after one step, past any such KL
+    stopped = IAC(target_kl=1e-12, **kwargs)
+    trainer = make_trainer(tmp_path / "stopped", limit_val_batches=0, limit_train_batches=1)
+    trainer.fit(stopped, datamodule=two_turn_data())
+    assert float(trainer.callback_metrics["train/ppo_epochs_run"]) == 2
+    assert trainer.global_step == 2 * 2  # two epochs, one step per agent each
+
+
+# --------------------------------------------------------------------------- invariant
+def test_ppo_form_at_the_first_step_has_the_ratio_free_gradient(tiny_agents):
+    """With the behaviour log-probs equal to the current ones the ratio is 1 and no clipping is
+    active: d/dθ [ratio * A] = A * d/dθ log pi, the ratio-free gradient."""
+    torch.manual_seed(0)
+    batch = build_tree(
+        tiny_agents,
+        [{"t": 0}, {"t": 1}],
+        [["a", "b"], ["c", "d"]],
+        lambda agent_completions, tasks: [0.0] * len(tasks),
+        1,
+        max_new_tokens=6,
+    )
+    samples = batch.agents[0]
+    gradients = {}
+    for form in ("reinforce", "ppo"):
+        module = IAC(model="tiny-random", num_agents=2, policy_loss=form, entropy_coef=0.0)
+        module.agents = torch.nn.ModuleList(tiny_agents)
+        module.configure_model()
+        with torch.no_grad():
+            old = module.actor_forward(0, samples)[0]
+        prepared = samples.with_advantages(torch.tensor([1.5, -0.5]))
+        prepared.old_logprobs, prepared.old_values, prepared.targets = old, torch.zeros(2), torch.zeros(2)
+        model = module.model_of(0)
+        model.zero_grad()
+        module.critic_kind = "model"  # policy term only: no value head in this comparison
+        module.actor_loss(0, prepared, {}).backward()
+        gradients[form] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad()
+    assert gradients["ppo"].keys() == gradients["reinforce"].keys() and gradients["ppo"]
+    for name, grad in gradients["reinforce"].items():
+        torch.testing.assert_close(gradients["ppo"][name], grad, rtol=1e-5, atol=1e-7)
+    # and the comparison can fail: a stale behaviour policy changes the PPO gradient
+    module.policy_form = "ppo"
+    prepared.old_logprobs = old - 0.5
+    module.actor_loss(0, prepared, {}).backward()
+    moved = {n: p.grad for n, p in module.model_of(0).named_parameters() if p.grad is not None}
+    assert any(not torch.allclose(moved[n], g) for n, g in gradients["reinforce"].items())
+    module.model_of(0).zero_grad()
+
+
+# --------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(critic_type="x"), "model.critic_type='x'"),
+        (dict(critic="value"), "model.critic='value'"),
+        (dict(policy_loss="a2c"), "model.policy_loss"),
+        (dict(ppo_epochs=2), "model.ppo_epochs"),
+        (dict(policy_loss="ppo", target_kl=0.0), "model.target_kl"),
+        (dict(critic="head", critic_model="tiny-random"), "model.critic_model"),
+    ],
+)
+def test_bad_settings_fail_at_config_time(kwargs, field, no_model_loads):
+    with pytest.raises(ConfigError) as err:
+        IAC(model="tiny-random", **kwargs)
+    assert field in str(err.value)
+    assert no_model_loads == []
+
+
+def test_maac_critic_is_a_model():
+    with pytest.raises(ConfigError, match="model.critic=head"):
+        MAAC(model="tiny-random", critic="head")
+
+
+def test_several_generations_with_several_turns_fail_before_loading(tmp_path, no_model_loads):
+    module = MAAC(model="tiny-random", num_agents=2)
+    with pytest.raises(ConfigError, match=r"data\.num_generations=2 with data\.num_turns=2.*num_generations=1"):
+        make_trainer(tmp_path).fit(module, datamodule=two_turn_data(num_generations=2))
+    assert no_model_loads == []
+
+
+def test_critic_model_with_another_tokenizer_is_refused(tmp_path):
+    from lit_marl.models import load_model_and_tokenizer
+
+    model, tokenizer = load_model_and_tokenizer("tiny-random")
+    tokenizer.add_tokens(["<extra_token_a>", "<extra_token_b>"])
+    model.save_pretrained(tmp_path / "critic")
+    tokenizer.save_pretrained(tmp_path / "critic")
+    for cls in (IAC, MAAC):
+        module = cls(model="tiny-random", num_agents=2, critic="model", critic_model=str(tmp_path / "critic"))
+        with pytest.raises(ConfigError, match="another tokenizer than agent 0"):
+            module.configure_model()
+
+
+def test_cli_configs_run(in_repo_root, tmp_path):
+    for config in ("configs/iac/slogan_tiny_2turn.yaml", "configs/maac/slogan_tiny_2turn.yaml"):
+        cli = cli_fit(
+            tmp_path,
+            "--trainer.limit_train_batches=1",
+            "--trainer.limit_val_batches=0",
+            "--trainer.max_epochs=1",
+            config=config,
+        )
+        assert cli.trainer.global_step >= 2
+        assert math.isfinite(float(cli.trainer.callback_metrics["train/loss_agent0"]))
