@@ -155,6 +155,33 @@ def test_maac_centralized_critic_steps_once_per_update(tmp_path, critic_type):
     assert math.isfinite(float(trainer.callback_metrics["train/loss_critic"]))
 
 
+def test_parameter_shared_team_has_one_critic_and_one_optimizer(tmp_path):
+    L.seed_everything(3)
+    module = IAC(model="tiny-random", num_agents=2, share_parameters=True, learning_rate=1e-3)
+    module.configure_model()
+    assert len(module.critics) == 1 and module.agents[0] is module.agents[1]
+    before = snapshot(module.critics[0])
+    trainer = make_trainer(tmp_path, limit_val_batches=0)
+    trainer.fit(module, datamodule=two_turn_data())
+    assert trainer.global_step == 2  # one learner, one step per update
+    assert not unchanged(module.critics[0], before)
+    assert math.isfinite(float(trainer.callback_metrics["train/loss_shared"]))
+
+
+def test_buffer_waits_for_its_size_and_the_epoch_end_flushes_the_rest(tmp_path):
+    """Two steps of 3 episodes x 2 turns = 12 rows per agent, a buffer of 100: no update inside the
+    epoch, one update on all 12 rows at its end (BufferFlush), none lost."""
+    L.seed_everything(4)
+    module = IAC(model="tiny-random", num_agents=2, learning_rate=1e-3, rollout_buffer_size=100)
+    trainer = make_trainer(tmp_path, limit_val_batches=0)
+    trainer.fit(module, datamodule=two_turn_data(tasks_per_step=3))
+    # one update, one step per agent (Lightning leaves steps taken at epoch end out of global_step)
+    for optimizer in trainer.optimizers:
+        assert {int(state["step"]) for state in optimizer.state.values()} == {1}
+    assert all(len(buffer) == 0 for buffer in module.buffers)
+    assert float(trainer.callback_metrics["train/optimizer_steps_agent0"]) == 1.0
+
+
 def test_target_kl_stops_the_remaining_epochs(tmp_path):
     L.seed_everything(2)
     kwargs = dict(model="tiny-random", num_agents=2, learning_rate=1e-2, policy_loss="ppo", ppo_epochs=3)

@@ -3,11 +3,12 @@ critic over the joint state).
 
 The rollout is the joint tree with one response per agent and node (``data.num_generations=1``):
 one joint trajectory per task, each turn's node linked to the next by ``next_group``. At an update
-every row (one agent's turn) gets the one-step TD target y = r + gamma * V(h_next) (gamma: ``data.discount``) - no
-bootstrap after the final or an early-terminated turn - and the advantage A = y - V(h), optionally z-scored
-per (agent, turn). The actor's loss is CoMLRL's ratio-free -log pi(a) * A, or the clipped PPO
-surrogate against the behaviour log-probs over several epochs, with an entropy bonus and a
-``target_kl`` stop: with per-agent value heads that is IPPO, with the centralized critic MAPPO.
+every row (one agent's turn) gets the one-step TD target y = r + gamma * V(h_next), gamma being
+``data.discount``, with no bootstrap after the final or an early-terminated turn, and the advantage
+A = y - V(h), optionally z-scored per (agent, turn). The actor's loss is CoMLRL's ratio-free
+-log pi(a) * A, or the clipped PPO surrogate against the behaviour log-probs over several epochs,
+with an entropy bonus and a ``target_kl`` stop: with per-agent value heads that is IPPO, with the
+centralized critic MAPPO.
 """
 
 from __future__ import annotations
