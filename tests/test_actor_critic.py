@@ -12,7 +12,7 @@ import torch
 from helpers import cli_fit, make_trainer, slogan_data
 from lit_marl import ConfigError
 from lit_marl.algorithms import IAC, MAAC
-from lit_marl.algorithms.actor_critic import critic_inputs, joint_critic_inputs, read_positions
+from lit_marl.algorithms.actor_critic import CriticInputs, critic_inputs, joint_critic_inputs, read_positions
 from lit_marl.returns import td_targets
 from lit_marl.rollout.batch import AgentSamples
 from lit_marl.rollout.transitions import plain
@@ -107,6 +107,21 @@ def test_joint_critic_reads_every_agent_prompt_and_for_q_the_joint_action():
     assert rows == [[11, 12, 13, 14, 111, 112, 113, 114], [21, 22, 23, 24, 121, 122, 123, 124]]
 
 
+def test_critic_inputs_of_several_roles_keep_their_read_tokens():
+    a, b = _samples(), _samples()
+    b.input_ids = torch.cat([torch.tensor([[7], [7]]), b.input_ids], dim=1)  # one column wider
+    b.attention_mask = torch.cat([torch.ones(2, 1, dtype=torch.long), b.attention_mask], dim=1)
+    parts = []
+    for s in (a, b):
+        view = critic_inputs(s, "q")
+        view.old_values = view.targets = torch.zeros(2)
+        view.turn_ids = torch.zeros(2, dtype=torch.long)
+        parts.append(view)
+    both = CriticInputs.cat(parts, pad_id=0)
+    assert both.input_ids.shape == (4, 6)
+    assert both.input_ids[torch.arange(4), both.positions].tolist() == [14, 24, 14, 24]
+
+
 # --------------------------------------------------------------------------- tiny-model fits
 @pytest.mark.parametrize("critic, critic_type", [("head", "v"), ("model", "q")])
 def test_iac_fit_moves_actors_and_critics(tmp_path, critic, critic_type):
@@ -155,15 +170,18 @@ def test_maac_centralized_critic_steps_once_per_update(tmp_path, critic_type):
     assert math.isfinite(float(trainer.callback_metrics["train/loss_critic"]))
 
 
-def test_parameter_shared_team_has_one_critic_and_one_optimizer(tmp_path):
+@pytest.mark.parametrize("critic", ["head", "model"])
+def test_parameter_shared_team_has_one_critic(tmp_path, critic):
+    """One model plays both roles: one critic learns from both roles' rows."""
     L.seed_everything(3)
-    module = IAC(model="tiny-random", num_agents=2, share_parameters=True, learning_rate=1e-3)
+    module = IAC(model="tiny-random", num_agents=2, share_parameters=True, learning_rate=1e-3, critic=critic)
     module.configure_model()
     assert len(module.critics) == 1 and module.agents[0] is module.agents[1]
     before = snapshot(module.critics[0])
     trainer = make_trainer(tmp_path, limit_val_batches=0)
     trainer.fit(module, datamodule=two_turn_data())
-    assert trainer.global_step == 2  # one learner, one step per update
+    # one learner: one step per update, plus one for its critic model
+    assert trainer.global_step == 2 * (1 if critic == "head" else 2)
     assert not unchanged(module.critics[0], before)
     assert math.isfinite(float(trainer.callback_metrics["train/loss_shared"]))
 

@@ -49,6 +49,25 @@ class CriticInputs:
     def select(self, rows: torch.Tensor) -> "CriticInputs":
         return CriticInputs(**{k: None if v is None else v[rows] for k, v in vars(self).items()})
 
+    @staticmethod
+    def cat(parts: list["CriticInputs"], pad_id: int) -> "CriticInputs":
+        """Rows of several parts (the roles one critic serves), re-left-padded to one width."""
+        if len(parts) == 1:
+            return parts[0]
+        width = max(p.input_ids.shape[1] for p in parts)
+        fields = {
+            "input_ids": torch.cat(
+                [nn.functional.pad(p.input_ids, (width - p.input_ids.shape[1], 0), value=pad_id) for p in parts]
+            ),
+            "attention_mask": torch.cat(
+                [nn.functional.pad(p.attention_mask, (width - p.attention_mask.shape[1], 0)) for p in parts]
+            ),
+            "positions": torch.cat([p.positions + width - p.input_ids.shape[1] for p in parts]),
+        }
+        for name in ("old_values", "targets", "turn_ids"):
+            fields[name] = torch.cat([getattr(p, name) for p in parts])
+        return CriticInputs(**fields)
+
 
 def read_positions(samples: AgentSamples, critic_type: CriticType) -> torch.Tensor:
     """Where V(h) (``v``: the last prompt token) or Q(h, a) (``q``: the last token of prompt +
@@ -303,9 +322,10 @@ class ActorCritic(AgentTeamModule):
         return logprobs, entropies, values
 
     @torch.no_grad()
-    def prepare(self, per_agent: list[AgentSamples]) -> tuple[list[AgentSamples], list[CriticInputs]]:
-        """Behaviour log-probs, values, TD targets and advantages of every row; the inputs of the
-        critic models (one per learner for IAC, one joint for MAAC; none for value heads)."""
+    def prepare(self, per_agent: list[AgentSamples]) -> tuple[list[AgentSamples], list[list[CriticInputs]]]:
+        """Behaviour log-probs, values, TD targets and advantages of every row; the inputs of each
+        critic model, one part per role it serves (IAC: its learner's roles; MAAC: the joint rows;
+        none for value heads)."""
         group_ids = per_agent[0].group_ids
         if any(not torch.equal(s.group_ids, group_ids) for s in per_agent):
             raise ValueError("the agents' buffers hold different nodes; they must be filled by the same rollouts")
@@ -327,13 +347,13 @@ class ActorCritic(AgentTeamModule):
             old_logprobs.append(torch.cat([torch.nn.functional.pad(p[0], (0, width - p[0].shape[1])) for p in parts]))
             if self.critic_kind == "head":
                 values.append(torch.cat([p[2] for p in parts]))
-        inputs: list[CriticInputs] = []
+        inputs: list[list[CriticInputs]] = []
         if self.centralized:
             joint = joint_critic_inputs(per_agent, self.critic_type, self.agents[0].pad_token_id)
             joint_values = torch.cat([self.critics[0](joint.select(rows)) for rows in chunks(len(joint))])
             team_rewards = torch.stack([s.rewards for s in per_agent]).mean(0)  # the joint reward
             targets = td_targets(team_rewards, joint_values, next_rows, self.discount)
-            inputs.append(replace(joint, old_values=joint_values, targets=targets, turn_ids=turns))
+            inputs.append([replace(joint, old_values=joint_values, targets=targets, turn_ids=turns)])
             values = [joint_values] * len(per_agent)
             all_targets = [targets] * len(per_agent)
         else:
@@ -345,8 +365,16 @@ class ActorCritic(AgentTeamModule):
             all_targets = [td_targets(s.rewards, v, next_rows, self.discount) for s, v in zip(per_agent, values)]
             if self.critic_kind == "model":
                 inputs = [
-                    replace(critic_inputs(s, self.critic_type), old_values=v, targets=y, turn_ids=turns)
-                    for s, v, y in zip(per_agent, values, all_targets)
+                    [
+                        replace(
+                            critic_inputs(per_agent[r], self.critic_type),
+                            old_values=values[r],
+                            targets=all_targets[r],
+                            turn_ids=turns,
+                        )
+                        for r in roles
+                    ]
+                    for roles in self.learners
                 ]
         prepared = []
         for role, samples in enumerate(per_agent):
@@ -447,11 +475,11 @@ class ActorCritic(AgentTeamModule):
                         mini = AgentSamples.cat([per_agent[r].select(rows) for r in roles], agent.pad_token_id)
                         loss_fn = lambda mb, i=index, s=stats: self.actor_loss(i, mb, s)  # noqa: E731
                         actor_losses[index].append(self.update_agent(index, mini, loss_fn))
-                    for c, critic_rows in enumerate(inputs):
+                    for c, parts in enumerate(inputs):
                         name = "critic" if self.centralized else f"critic_{self.learner_name(c)}"
+                        mini = CriticInputs.cat([part.select(rows) for part in parts], self.agents[0].pad_token_id)
                         loss_fn = lambda mb, c=c: self.critic_loss(c, mb)  # noqa: E731
-                        step = self.optimizer_step_on(self.critic_optimizer(c), critic_rows.select(rows), loss_fn, name)
-                        critic_losses[c].append(step)
+                        critic_losses[c].append(self.optimizer_step_on(self.critic_optimizer(c), mini, loss_fn, name))
                 epochs += 1
                 self.log_policy_stats(stats)
                 if self.target_kl is not None:
@@ -486,6 +514,14 @@ class ActorCritic(AgentTeamModule):
 class IAC(ActorCritic):
     """Independent actor-critic: each agent learns its own critic from its own reward (a value
     head on its actor, or a critic model). With ``policy_loss=ppo``: IPPO."""
+
+    def __init__(self, critic: Literal["head", "model"] = "head", **kwargs):
+        """
+        Args:
+            critic: ``head``: a value head on each actor; ``model``: a critic model per agent.
+            **kwargs: See ``ActorCritic``.
+        """
+        super().__init__(critic=critic, **kwargs)
 
 
 class MAAC(ActorCritic):
