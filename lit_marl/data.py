@@ -72,6 +72,64 @@ def task_loader(tasks: list[dict], batch_size: int, shuffle: bool, seed: int) ->
     return DataLoader(tasks, batch_size=batch_size, shuffle=shuffle, collate_fn=list, generator=generator)
 
 
+class TaskLoader:
+    """Training task rows in batches: a seeded order per epoch, sharded over ranks, resumable.
+
+    Epoch e visits the tasks in a permutation drawn from ``seed + e`` (the same on every rank). Each
+    step takes the next ``batch_size * world_size`` rows of it and rank r keeps its r-th slice of
+    ``batch_size``, so W ranks with batch size B see exactly the tasks of one process with batch size
+    W * B. With several ranks the permutation is padded with its own first rows to whole steps, so
+    every rank takes the same number of steps. Lightning sees a loader with ``state_dict`` and
+    saves it in checkpoints: the epoch and how many batches training consumed (``consumed`` is
+    counted by the data module when a batch reaches the training step, not by this iterator, which
+    Lightning's fetcher runs one batch ahead); a loader loaded from it resumes after the last
+    consumed batch, so a killed run repeats no task and skips none.
+    """
+
+    def __init__(self, tasks: list[dict], batch_size: int, seed: int, rank: int = 0, world_size: int = 1):
+        self.tasks, self.batch_size, self.seed = tasks, batch_size, seed
+        self.rank, self.world_size = rank, world_size
+        self.epoch = -1  # the epoch being iterated; the first __iter__ starts epoch 0
+        self.consumed = 0  # batches of this epoch that reached the training step
+        self._resume_at: int | None = None
+
+    def __len__(self) -> int:
+        step = self.batch_size * self.world_size
+        return -(-len(self.tasks) // step)
+
+    def order(self, epoch: int) -> list[int]:
+        order = torch.randperm(len(self.tasks), generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
+        if self.world_size > 1:
+            whole = len(self) * self.batch_size * self.world_size
+            order = (order * (whole // len(order) + 1))[:whole]
+        return order
+
+    def __iter__(self):
+        if self._resume_at is None:
+            self.epoch, start = self.epoch + 1, 0
+        else:
+            start, self._resume_at = self._resume_at, None
+        self.consumed = start
+        order, step = self.order(self.epoch), self.batch_size * self.world_size
+        for b in range(start, len(self)):
+            rows = order[b * step : (b + 1) * step][self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
+            yield [self.tasks[i] for i in rows]
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "consumed": self.consumed, "num_tasks": len(self.tasks)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["num_tasks"] != len(self.tasks):
+            raise ValueError(
+                f"the checkpoint's run had {state['num_tasks']} training tasks, this one {len(self.tasks)}: resume "
+                "with the same data.train_path"
+            )
+        if state["consumed"] >= len(self):  # saved at the end of an epoch: the next one starts afresh
+            self.epoch, self._resume_at = state["epoch"], None
+        else:
+            self.epoch, self._resume_at = state["epoch"], state["consumed"]
+
+
 class TaskDataModule(L.LightningDataModule):
     """Task rows in batches; subclasses turn each batch into rollouts (trees or episodes) right
     before the training step. Configs name the subclass: ``data: {class_path: ..., init_args: ...}``."""
@@ -79,8 +137,16 @@ class TaskDataModule(L.LightningDataModule):
     train_tasks: list[dict]
     val_tasks: list[dict]
 
-    def train_dataloader(self) -> DataLoader:
-        return task_loader(self.train_tasks, self.hparams.tasks_per_step, True, self.hparams.seed)
+    def train_dataloader(self) -> TaskLoader:
+        trainer = self.trainer
+        rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        self.train_loader = TaskLoader(self.train_tasks, self.hparams.tasks_per_step, self.hparams.seed, rank, world)
+        return self.train_loader
+
+    def on_before_batch_transfer(self, batch: list[dict], dataloader_idx: int) -> list[dict]:
+        if self.trainer is not None and self.trainer.training:
+            self.train_loader.consumed += 1  # this batch now reaches the training step
+        return batch
 
     def val_dataloader(self) -> DataLoader:
         return task_loader(self.val_tasks, self.hparams.eval_tasks_per_step, False, self.hparams.seed)

@@ -231,7 +231,6 @@ class ActorCritic(AgentTeamModule):
         self.rollout_buffer_size, self.train_batch_size = rollout_buffer_size, train_batch_size
         self.critics: nn.ModuleList | None = None
         self.buffers = [RolloutBuffer() for _ in range(self.hparams.num_agents)]
-        self.shuffle_generator = torch.Generator().manual_seed(torch.initial_seed() % 2**63)
 
     # ------------------------------------------------------------------ models and optimizers
     def configure_model(self) -> None:

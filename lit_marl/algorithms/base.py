@@ -16,6 +16,7 @@ from lit_marl.agents import Agent, LoraSettings, roles_by_model
 from lit_marl.generation import Generation
 from lit_marl.models import check_source
 from lit_marl.rollout.batch import AgentSamples, RolloutBatch
+from lit_marl.rollout.buffer import RolloutBuffer
 
 
 class AgentTeamModule(L.LightningModule):
@@ -66,6 +67,9 @@ class AgentTeamModule(L.LightningModule):
         self.share_parameters = share_parameters
         self.automatic_optimization = False
         self.agents: nn.ModuleList | None = None
+        self.buffers: list[RolloutBuffer] = []  # samples waiting for an update (algorithms that buffer)
+        # mini-batch order: seeded, and apart from the sampling RNG so batching changes no rollout
+        self.shuffle_generator = torch.Generator().manual_seed(torch.initial_seed() % 2**63)
 
     def configure_model(self) -> None:
         if self.agents is None:  # loads weights: kept out of __init__ so bad configs fail first
@@ -137,6 +141,32 @@ class AgentTeamModule(L.LightningModule):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return loss_sum
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """What Lightning does not save: the sampling RNG (rollouts continue with the same random
+        numbers), the mini-batch order generator, and the samples waiting in rollout buffers."""
+        checkpoint["lit_marl"] = {
+            "torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "shuffle_rng": self.shuffle_generator.get_state(),
+            "buffers": [buffer.state_dict() for buffer in self.buffers],
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        state = checkpoint.get("lit_marl")
+        if state is None:
+            return  # a checkpoint from outside lit_marl: weights only
+        torch.set_rng_state(state["torch_rng"])
+        if state["cuda_rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
+        self.shuffle_generator.set_state(state["shuffle_rng"])
+        if len(state["buffers"]) != len(self.buffers):
+            raise ValueError(
+                f"the checkpoint holds {len(state['buffers'])} rollout buffers, this {type(self).__name__} has "
+                f"{len(self.buffers)}: resume with the same algorithm and number of agents"
+            )
+        for buffer, saved in zip(self.buffers, state["buffers"]):
+            buffer.load_state_dict(saved)
 
     def log_rollout(self, batch: RolloutBatch, prefix: str) -> None:
         size = int(batch.rewards.numel())

@@ -79,7 +79,6 @@ class EpisodicModule(AgentTeamModule):
         self.clip_range, self.ppo_epochs, self.train_batch_size = clip_range, ppo_epochs, train_batch_size
         self.discount, self.kl_coef, self.kl_mode = discount, kl_coef, kl_mode
         self.references: nn.ModuleList | None = None
-        self.shuffle_generator = torch.Generator().manual_seed(torch.initial_seed() % 2**63)
 
     def configure_model(self) -> None:
         super().configure_model()

@@ -77,8 +77,6 @@ class MAGRPO(AgentTeamModule):
         if reference_kl_coef > 0:
             self.response_penalty = self.reference_kl
         self.buffers = [RolloutBuffer() for _ in range(self.hparams.num_agents)]
-        # mini-batch order: seeded, and apart from the sampling RNG so batching changes no rollout
-        self.shuffle_generator = torch.Generator().manual_seed(torch.initial_seed() % 2**63)
 
     def configure_model(self) -> None:
         super().configure_model()

@@ -33,6 +33,14 @@ class RolloutBuffer:
         self.parts.append(replace(samples, group_ids=local + self.num_nodes, next_group=next_group))
         self.num_nodes += len(nodes)
 
+    def state_dict(self) -> dict:
+        """Plain tensors only (checkpoints load with ``weights_only``)."""
+        return {"num_nodes": self.num_nodes, "parts": [dict(vars(part)) for part in self.parts]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.parts = [AgentSamples(**part) for part in state["parts"]]
+        self.num_nodes = state["num_nodes"]
+
     def drain(self, pad_id: int) -> AgentSamples | None:
         """Everything in the buffer as one batch; the buffer is empty afterwards."""
         if not self.parts:

@@ -1,0 +1,50 @@
+"""Checkpoints counted in training steps (rollout batches) and written atomically.
+
+Lightning's ``ModelCheckpoint(every_n_train_steps=...)`` counts ``global_step``, which here is one
+per optimizer step: one per agent per update, and none for a step whose samples only wait in the
+rollout buffer. This callback counts the steps the user set (``limit_train_batches``), saves
+``last.ckpt`` beside a temporary file and renames it over the old one, so a run killed while saving
+keeps its previous checkpoint. The checkpoint holds what resuming needs beyond the weights and
+optimizers: the task position (the training loader's state), the rollout buffers and the RNG states
+(see ``AgentTeamModule.on_save_checkpoint``). Resume with ``lit-marl fit --config ... --ckpt_path
+<dirpath>/last.ckpt``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import lightning as L
+from lightning.pytorch.callbacks import Checkpoint
+
+from lit_marl import ConfigError
+
+
+class StepCheckpoint(Checkpoint):  # a Checkpoint: Lightning runs it after the other callbacks
+    def __init__(self, dirpath: str = "checkpoints", every_n_steps: int = 1, filename: str = "last.ckpt"):
+        """
+        Args:
+            dirpath: Folder of the checkpoint.
+            every_n_steps: Save after every this many training steps (and at the end of each epoch,
+                after the buffer flush).
+            filename: Name of the checkpoint file, replaced at each save.
+        """
+        if every_n_steps < 1:
+            raise ConfigError(f"StepCheckpoint.every_n_steps={every_n_steps}: must be at least 1")
+        self.path = Path(dirpath) / filename
+        self.every_n_steps = every_n_steps
+
+    def save(self, trainer: L.Trainer) -> None:
+        partial = self.path.with_name(self.path.name + ".partial")
+        trainer.save_checkpoint(partial)  # every rank joins; rank 0 writes
+        if trainer.is_global_zero:
+            os.replace(partial, self.path)
+        trainer.strategy.barrier("StepCheckpoint")
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if (trainer.fit_loop.total_batch_idx + 1) % self.every_n_steps == 0:
+            self.save(trainer)
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module) -> None:
+        self.save(trainer)

@@ -1,0 +1,88 @@
+"""One training run for the resume tests, in its own process so that it can be SIGKILLed.
+
+python resume_run.py OUT --steps N [--kill-before K] [--resume CKPT] [--algorithm magrpo|iac]
+
+Writes OUT/tasks.jsonl (the task rows of every training step, in order, appended) and, when the
+run finishes, OUT/params.pt (every agent's parameters). --kill-before K kills the process with
+SIGKILL when training step K (0-based) is about to start, after the checkpoint of step K-1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+
+from helpers import make_trainer, slogan_data  # noqa: E402
+from lit_marl.algorithms import IAC, MAGRPO  # noqa: E402
+from lit_marl.callbacks import StepCheckpoint  # noqa: E402
+from lit_marl.data import RolloutDataModule  # noqa: E402
+
+
+class Recorder(L.Callback):
+    def __init__(self, out: Path, kill_before: int | None):
+        self.out, self.kill_before = out, kill_before
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.kill_before is not None and trainer.fit_loop.total_batch_idx == self.kill_before:
+            os.kill(os.getpid(), signal.SIGKILL)
+        with open(self.out / "tasks.jsonl", "a") as f:
+            f.write(json.dumps(trainer.datamodule.current_tasks, sort_keys=True) + "\n")
+
+
+class RecordingData(RolloutDataModule):
+    def on_before_batch_transfer(self, batch, dataloader_idx):
+        if self.trainer.training:
+            self.current_tasks = batch
+        return super().on_before_batch_transfer(batch, dataloader_idx)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--kill-before", type=int)
+    parser.add_argument("--resume")
+    parser.add_argument("--algorithm", default="magrpo")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    L.seed_everything(0)
+    if args.algorithm == "magrpo":
+        module = MAGRPO(model="tiny-random", num_agents=2, learning_rate=1e-2, rollout_buffer_size=3)
+        data_kwargs = dict(num_generations=2, max_new_tokens=12, tasks_per_step=2)
+    else:
+        module = IAC(model="tiny-random", num_agents=2, learning_rate=1e-2, rollout_buffer_size=6)
+        data_kwargs = dict(
+            num_generations=1,
+            num_turns=2,
+            transition="lit_marl.rollout.transitions:plain",
+            max_new_tokens=12,
+            tasks_per_step=2,
+        )
+    base = slogan_data(**data_kwargs)
+    data = RecordingData(**base.hparams)
+    trainer = make_trainer(
+        args.out,
+        logger=False,
+        enable_checkpointing=True,
+        limit_train_batches=args.steps,
+        limit_val_batches=0,
+        callbacks=[Recorder(args.out, args.kill_before), StepCheckpoint(str(args.out / "checkpoints"))],
+    )
+    trainer.fit(module, datamodule=data, ckpt_path=args.resume)
+    params = {
+        f"{i}.{n}": p.detach().clone() for i, a in enumerate(module.agents) for n, p in a.model.named_parameters()
+    }
+    torch.save(params, args.out / "params.pt")
+
+
+if __name__ == "__main__":
+    main()
