@@ -87,8 +87,8 @@ def test_buffer_fills_across_steps_and_flushes_at_epoch_end(tmp_path):
     # 2 nodes per step: step 1 waits (2), step 2 updates (4), step 3 waits (2) until the epoch ends
     steps = []
     update_agent = module.update_agent
-    module.update_agent = lambda i, samples, loss_fn: (
-        steps.append((i, len(samples))) or update_agent(i, samples, loss_fn)
+    module.update_agent = lambda i, samples, loss_fn, count=None: (
+        steps.append((i, count)) or update_agent(i, samples, loss_fn, count)
     )
     trainer = make_trainer(tmp_path, limit_train_batches=3, limit_val_batches=0)
     trainer.fit(module, datamodule=slogan_data(max_new_tokens=16, tasks_per_step=2))

@@ -377,7 +377,9 @@ class ActorCritic(AgentTeamModule):
                 ]
         prepared = []
         for role, samples in enumerate(per_agent):
-            advantages = td_advantages(all_targets[role], values[role], turns, self.advantage_normalization)
+            advantages = td_advantages(all_targets[role], values[role], turns)
+            if self.advantage_normalization:
+                advantages = self.z_score_per_turn(advantages, turns)
             prepared.append(
                 replace(
                     samples,
@@ -389,6 +391,21 @@ class ActorCritic(AgentTeamModule):
             )
         self.log_values(prepared)
         return prepared, inputs
+
+    def z_score_per_turn(self, advantages: torch.Tensor, turns: torch.Tensor) -> torch.Tensor:
+        """(A - mean) / std within each turn, the moments taken over the rows of every rank (one
+        process with all the tasks gives the same advantages); a turn of one row is centred to 0."""
+        num_turns = int(self.all_ranks_max(int(turns.max()) + 1))
+        moments = torch.zeros(3, num_turns, dtype=torch.float64, device=advantages.device)
+        moments[0].index_add_(0, turns, torch.ones_like(advantages, dtype=torch.float64))
+        moments[1].index_add_(0, turns, advantages.double())
+        moments[2].index_add_(0, turns, advantages.double() ** 2)
+        if self.world_size > 1:
+            torch.distributed.all_reduce(moments)
+        count = moments[0].clamp(min=1)
+        mean = moments[1] / count
+        var = (moments[2] / count - mean**2).clamp(min=0)
+        return ((advantages - mean[turns]) / (var[turns].sqrt() + 1e-6)).float()
 
     def log_values(self, per_agent: list[AgentSamples]) -> None:
         """Per turn and agent: value mean, explained variance of the targets, advantage mean and std."""
@@ -451,13 +468,15 @@ class ActorCritic(AgentTeamModule):
         for buffer, samples in zip(self.buffers, batch.agents):
             buffer.add(samples)
         size = self.rollout_buffer_size
-        if size is None or len(self.buffers[0]) >= size:
+        # one decision for all ranks (their trees, hence their buffers, can differ)
+        if size is None or self.all_ranks_max(len(self.buffers[0]) >= size):
             self.flush_buffers()
         self.log_rollout(batch, "train")
 
     def flush_buffers(self) -> None:
         """One update on everything buffered: actors, then critics, on the same mini-batches."""
-        if not len(self.buffers[0]):
+        # every rank adds its episodes each step, so all ranks hold samples here or none does
+        if not self.all_ranks_max(len(self.buffers[0])):
             return
         with Timer() as train_time:
             per_agent, inputs = self.prepare(
@@ -468,24 +487,29 @@ class ActorCritic(AgentTeamModule):
             epochs = 0
             for _ in range(self.ppo_epochs):
                 stats: dict[int, dict[str, float]] = {}
-                for rows in minibatches(per_agent[0], self.train_batch_size, self.shuffle_generator):
+                batches = minibatches(per_agent[0], self.train_batch_size, self.shuffle_generator)
+                for rows in self.synced_steps(batches):  # trees of other ranks may be longer
                     for index, roles in enumerate(self.learners):
                         agent = self.agents[roles[0]]
-                        mini = AgentSamples.cat([per_agent[r].select(rows) for r in roles], agent.pad_token_id)
+                        mini = None
+                        if rows is not None:
+                            mini = AgentSamples.cat([per_agent[r].select(rows) for r in roles], agent.pad_token_id)
                         loss_fn = lambda mb, i=index, s=stats: self.actor_loss(i, mb, s)  # noqa: E731
                         actor_losses[index].append(self.update_agent(index, mini, loss_fn))
                     for c, parts in enumerate(inputs):
                         name = "critic" if self.centralized else f"critic_{self.learner_name(c)}"
-                        mini = CriticInputs.cat([part.select(rows) for part in parts], self.agents[0].pad_token_id)
+                        mini = None
+                        if rows is not None:
+                            mini = CriticInputs.cat([part.select(rows) for part in parts], self.agents[0].pad_token_id)
                         loss_fn = lambda mb, c=c: self.critic_loss(c, mb)  # noqa: E731
                         critic_losses[c].append(self.optimizer_step_on(self.critic_optimizer(c), mini, loss_fn, name))
                 epochs += 1
                 self.log_policy_stats(stats)
                 if self.target_kl is not None:
-                    tokens = sum(s["tokens"] for s in stats.values())
-                    kl = torch.tensor(sum(s["approx_kl"] for s in stats.values()) / max(tokens, 1.0))
-                    # the same decision on every rank, so that all take the same optimizer steps
-                    if float(self.trainer.strategy.reduce(kl, reduce_op="mean")) > self.target_kl:
+                    # the KL over every rank's tokens: one decision, so all ranks take the same steps
+                    tokens = self.all_ranks_sum(sum(s["tokens"] for s in stats.values()))
+                    kl = self.all_ranks_sum(sum(s["approx_kl"] for s in stats.values())) / max(tokens, 1.0)
+                    if kl > self.target_kl:
                         break
         size = len(per_agent[0])
         for index, losses in actor_losses.items():

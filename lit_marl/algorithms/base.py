@@ -97,6 +97,17 @@ class AgentTeamModule(L.LightningModule):
         ]
 
     def setup(self, stage: str) -> None:
+        from lightning.pytorch.strategies import DDPStrategy
+
+        from lit_marl.strategies import TeamDDPStrategy
+
+        strategy = self.trainer.strategy
+        if isinstance(strategy, DDPStrategy) and not isinstance(strategy, TeamDDPStrategy):
+            raise ConfigError(
+                f"trainer.strategy={type(strategy).__name__}: DistributedDataParallel cannot follow an agent team's "
+                "updates (several backward passes per step, different on each rank); use trainer.strategy: "
+                "{class_path: lit_marl.strategies.TeamDDPStrategy}"
+            )
         data = self.trainer.datamodule
         if data is not None and data.num_agents != self.hparams.num_agents:
             raise ConfigError(
@@ -113,22 +124,30 @@ class AgentTeamModule(L.LightningModule):
                 "needs at least 2; set data.num_generations >= 2"
             )
 
-    def update_agent(self, index: int, samples: AgentSamples, loss_fn: Callable[[AgentSamples], torch.Tensor]) -> float:
-        """One optimizer step for learner ``index`` (see ``learners``): ``loss_fn`` returns the summed
-        loss of a micro-batch, divided by the whole batch size so micro-batching changes no gradient."""
+    def update_agent(
+        self, index: int, samples: AgentSamples | None, loss_fn: Callable, count: float | None = None
+    ) -> float:
+        """One optimizer step for learner ``index`` (see ``learners``); see ``optimizer_step_on``."""
         optimizers = self.optimizers()
         optimizer = optimizers[index] if isinstance(optimizers, list) else optimizers
-        return self.optimizer_step_on(optimizer, samples, loss_fn, self.learner_name(index))
+        return self.optimizer_step_on(optimizer, samples, loss_fn, self.learner_name(index), count)
 
-    def optimizer_step_on(self, optimizer, rows, loss_fn: Callable, name: str) -> float:
-        """One step of ``optimizer`` on ``rows`` (anything with ``len`` and ``select``), accumulated
-        over micro-batches of ``forward_batch_size`` rows; returns the loss."""
-        total = len(rows)
+    def optimizer_step_on(self, optimizer, rows, loss_fn: Callable, name: str, count: float | None = None) -> float:
+        """One step of ``optimizer`` on ``rows`` (anything with ``len`` and ``select``; None: this rank
+        has nothing for this step but joins it). ``loss_fn`` returns the summed loss of a
+        micro-batch of ``forward_batch_size`` rows; the step's loss is the sum over the rows of every
+        rank divided by ``count`` (default: the rows) summed over ranks, so neither micro-batching nor
+        the split over ranks changes the gradient. Returns that loss."""
+        local = float(count) if count is not None else 0.0 if rows is None else float(len(rows))
+        total = self.all_ranks_sum(local)
         loss_sum = 0.0
-        for chunk in torch.arange(total, device=self.device).split(self.hparams.forward_batch_size):
-            loss = loss_fn(rows.select(chunk)) / total
-            self.manual_backward(loss)
-            loss_sum += float(loss.detach())
+        if rows is not None and len(rows) and total > 0:
+            for chunk in torch.arange(len(rows), device=self.device).split(self.hparams.forward_batch_size):
+                loss = loss_fn(rows.select(chunk)) / total
+                self.manual_backward(loss)
+                loss_sum += float(loss.detach())
+        self.sync_gradients(optimizer)
+        loss_sum = self.all_ranks_sum(loss_sum)
         if not math.isfinite(loss_sum):
             # a NaN/inf loss would write NaN into the weights: stop, with the weights untouched
             optimizer.zero_grad(set_to_none=True)
@@ -141,6 +160,51 @@ class AgentTeamModule(L.LightningModule):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return loss_sum
+
+    # ------------------------------------------------------------------ several ranks
+    @property
+    def world_size(self) -> int:
+        return self._trainer.world_size if self._trainer is not None else 1
+
+    def all_ranks_sum(self, value: float) -> float:
+        if self.world_size == 1:
+            return value
+        tensor = torch.tensor(float(value), dtype=torch.float64, device=self.device)
+        torch.distributed.all_reduce(tensor)
+        return float(tensor)
+
+    def all_ranks_max(self, value: float) -> float:
+        if self.world_size == 1:
+            return value
+        tensor = torch.tensor(float(value), dtype=torch.float64, device=self.device)
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+        return float(tensor)
+
+    def synced_steps(self, batches: list) -> list:
+        """The mini-batches of this rank, padded with ``None`` to the most any rank has: trees end
+        early on some ranks, yet every rank must take every optimizer step (and join its gradient sum)."""
+        return batches + [None] * (int(self.all_ranks_max(len(batches))) - len(batches))
+
+    def sync_gradients(self, optimizer) -> None:
+        """Sum the gradients of ``optimizer``'s parameters over ranks, in one flat all-reduce (the
+        module is not wrapped in DistributedDataParallel: see ``lit_marl.strategies``)."""
+        if self.world_size == 1:
+            return
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        # a parameter without a gradient on every rank keeps none, as in one process (AdamW then
+        # skips it: a zero gradient would still count a step and move it by its momentum)
+        has_grad = torch.tensor([float(p.grad is not None) for p in params], device=self.device)
+        torch.distributed.all_reduce(has_grad, op=torch.distributed.ReduceOp.MAX)
+        params = [p for p, flag in zip(params, has_grad.tolist()) if flag]
+        if not params:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        torch.distributed.all_reduce(flat)
+        offset = 0
+        for p, g in zip(params, grads):
+            p.grad = flat[offset : offset + g.numel()].view_as(p).clone()
+            offset += g.numel()
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """What Lightning does not save: the sampling RNG (rollouts continue with the same random

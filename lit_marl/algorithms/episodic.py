@@ -178,12 +178,12 @@ class EpisodicModule(AgentTeamModule):
                 samples = TrajectorySamples.cat(parts, self.agents[roles[0]].pad_token_id)
                 losses = []
                 for _ in range(self.ppo_epochs):
-                    for rows in minibatches(samples, self.train_batch_size, self.shuffle_generator):
-                        mini = samples.select(rows)
-                        # a token mean over the mini-batch (update_agent divides by its row count: undone)
-                        scale = len(mini) / max(int(mini.loss_mask.sum()), 1)
-                        loss_fn = lambda mb, s=scale, i=index: self.loss(mb, stats, i) * s  # noqa: E731
-                        losses.append(self.update_agent(index, mini, loss_fn))
+                    order = minibatches(samples, self.train_batch_size, self.shuffle_generator)
+                    for rows in self.synced_steps(order):
+                        mini = None if rows is None else samples.select(rows)
+                        tokens = 0 if mini is None else float(mini.loss_mask.sum())  # a token mean
+                        loss_fn = lambda mb, i=index: self.loss(mb, stats, i)  # noqa: E731
+                        losses.append(self.update_agent(index, mini, loss_fn, count=tokens))
                 all_losses += losses
                 name = self.learner_name(index)
                 self.log(f"train/loss_{name}", sum(losses) / len(losses))

@@ -135,13 +135,14 @@ class MAGRPO(AgentTeamModule):
         for buffer, samples in zip(self.buffers, batch.agents):
             buffer.add(samples.with_advantages(self.advantages(samples)))
         size = self.rollout_buffer_size
-        if size is None or len(self.buffers[0]) >= size:
+        # one decision for all ranks (their trees, hence their buffers, can differ)
+        if size is None or self.all_ranks_max(len(self.buffers[0]) >= size):
             self.flush_buffers()
         self.log_rollout(batch, "train")
 
     def flush_buffers(self) -> None:
         """Update every learner on all samples in its roles' buffers, one optimizer step per mini-batch."""
-        if not len(self.buffers[0]):
+        if not self.all_ranks_max(len(self.buffers[0])):
             return
         with Timer() as train_time:
             for index, roles in enumerate(self.learners):
@@ -149,22 +150,25 @@ class MAGRPO(AgentTeamModule):
                 merged = RolloutBuffer()  # a shared model learns from every role it played
                 for role in roles:
                     merged.add(self.buffers[role].drain(agent.pad_token_id))
-                samples = merged.drain(agent.pad_token_id)
+                samples = merged.drain(agent.pad_token_id)  # None: this rank has nothing buffered
+                batches = [] if samples is None else minibatches(samples, self.train_batch_size, self.shuffle_generator)
                 losses = []
-                for rows in minibatches(samples, self.train_batch_size, self.shuffle_generator):
-                    batch = samples.select(rows)
-                    # Rows with zero advantage carry no gradient: skip their forward/backward, but
-                    # keep at least one so that every learner (and rank) takes the same steps.
-                    kept_rows = torch.nonzero(batch.advantages != 0).flatten()
-                    kept = batch.select(kept_rows if kept_rows.numel() else kept_rows.new_zeros(1))
-                    # normalized by the whole mini-batch, so dropping zero rows changes no gradient
-                    scale = len(kept) / len(batch)
-                    loss_fn = lambda mb, m=agent.model, s=scale: self.policy_loss(m, mb) * s  # noqa: E731
-                    losses.append(self.update_agent(index, kept, loss_fn))
-                name, size = self.learner_name(index), len(samples)
-                self.log(f"train/loss_{name}", sum(losses) / len(losses), batch_size=size)
-                self.log(f"train/advantage_abs_{name}", samples.advantages.abs().mean(), batch_size=size)
-                self.log(f"train/optimizer_steps_{name}", float(len(losses)), batch_size=size)
+                for rows in self.synced_steps(batches):
+                    kept, count = None, 0
+                    if rows is not None:
+                        batch = samples.select(rows)
+                        # Rows with zero advantage carry no gradient: skip their forward/backward;
+                        # the loss stays normalized by the whole mini-batch.
+                        kept_rows = torch.nonzero(batch.advantages != 0).flatten()
+                        kept = batch.select(kept_rows) if kept_rows.numel() else None
+                        count = len(batch)
+                    loss_fn = lambda mb, m=agent.model: self.policy_loss(m, mb)  # noqa: E731
+                    losses.append(self.update_agent(index, kept, loss_fn, count=count))
+                name, size = self.learner_name(index), 0 if samples is None else len(samples)
+                self.log(f"train/loss_{name}", sum(losses) / len(losses), batch_size=max(size, 1))
+                if samples is not None:
+                    self.log(f"train/advantage_abs_{name}", samples.advantages.abs().mean(), batch_size=size)
+                self.log(f"train/optimizer_steps_{name}", float(len(losses)), batch_size=max(size, 1))
         self.log("time/train_s", train_time.seconds)
 
 

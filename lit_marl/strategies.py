@@ -1,0 +1,25 @@
+"""Several processes (ranks) on Lightning's DDP machinery, without DistributedDataParallel.
+
+An update of an agent team runs several backward passes per training step (per agent, per
+micro-batch, per mini-batch) and each rank's trees differ (early termination), so ranks run
+different numbers of backward passes. DistributedDataParallel's reducer synchronizes inside every
+backward and expects the same passes on every rank; it would hang or double-count. Here the module
+stays unwrapped; ``AgentTeamModule`` sums each optimizer's gradients over ranks itself, once per
+optimizer step, pads every rank's mini-batches to the same count and takes flush and early-stop
+decisions over all ranks. Everything else (process launch, torchrun/SLURM environments, the
+process group: gloo on CPU, NCCL on GPUs, ``num_nodes``) is Lightning's ``DDPStrategy``.
+
+    trainer:
+      strategy: {class_path: lit_marl.strategies.TeamDDPStrategy}
+      devices: 2
+"""
+
+from __future__ import annotations
+
+from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning.pytorch.strategies import DDPStrategy
+
+
+class TeamDDPStrategy(DDPStrategy):
+    def configure_ddp(self) -> None:
+        _sync_module_states(self.model)  # every rank starts from rank 0's weights

@@ -1,0 +1,145 @@
+"""DDP runs for the distributed tests, launched as a script (Lightning re-launches it per rank).
+
+python ddp_run.py OUT --build --tasks-per-step B --steps S      # sampled rollouts of every task, once
+python ddp_run.py OUT --devices N --tasks-per-step B --steps S [--train-batch-size K] [--algorithm ...]
+
+Training steps replay the built rollouts of their tasks, so runs with different numbers of ranks
+train on identical samples (sampling in one process and in two draws different random numbers). The
+tasks that land on rank 0 of a 2-rank run score 1.0 at turn 0 and end early (early termination),
+so rank 0's trees are shorter than rank 1's. Each rank saves its parameters to OUT/params_rank{r}.pt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+
+from helpers import make_trainer, slogan_data  # noqa: E402
+from lit_marl.algorithms import IAC, MAGRPO  # noqa: E402
+from lit_marl.data import RolloutDataModule, TaskLoader  # noqa: E402
+from lit_marl.envs.slogan import reward as slogan_reward  # noqa: E402
+from lit_marl.rollout.batch import AgentSamples, RolloutBatch  # noqa: E402
+from lit_marl.strategies import TeamDDPStrategy  # noqa: E402
+
+
+def key(task: dict) -> str:
+    return json.dumps(task, sort_keys=True)
+
+
+def data_kwargs(algorithm: str, tasks_per_step: int) -> dict:
+    generations = 2 if algorithm == "magrpo" else 1
+    return dict(
+        num_generations=generations,
+        num_turns=2,
+        transition="lit_marl.rollout.transitions:plain",
+        max_new_tokens=10,
+        tasks_per_step=tasks_per_step,
+        early_termination_threshold=0.99,
+    )
+
+
+def build(out: Path, algorithm: str, tasks_per_step: int, steps: int) -> None:
+    """Per task, one sampled tree; the first half of every step's tasks (rank 0's) stops early."""
+    from lit_marl.agents import Agent
+    from lit_marl.rollout.tree import build_tree
+
+    data = slogan_data(**data_kwargs(algorithm, tasks_per_step))
+    loader = TaskLoader(data.train_tasks, tasks_per_step, data.hparams.seed)
+    order = loader.order(0)
+    stop = {
+        key(data.train_tasks[i])
+        for s in range(steps)
+        for i in order[s * tasks_per_step : s * tasks_per_step + tasks_per_step // 2]
+    }
+
+    def reward(agent_completions, tasks):
+        base = slogan_reward(agent_completions, tasks)["reward"]
+        return [1.0 if key(t) in stop else 0.9 * r for t, r in zip(tasks, base)]
+
+    torch.manual_seed(0)
+    agents = [Agent("tiny-random"), Agent("tiny-random")]
+    hp = data.hparams
+    rollouts = {}
+    for i in order[: steps * tasks_per_step]:
+        task = data.train_tasks[i]
+        batch = build_tree(
+            agents,
+            [task],
+            data.prompts_for([task]),
+            reward,
+            num_generations=hp.num_generations,
+            max_new_tokens=hp.max_new_tokens,
+            num_turns=hp.num_turns,
+            transition=data.env.transition,
+            batched_transition=True,
+            early_termination_threshold=hp.early_termination_threshold,
+        )
+        rollouts[key(task)] = {"agents": [vars(s) for s in batch.agents], "rewards": batch.rewards}
+    torch.save(rollouts, out / "rollouts.pt")
+
+
+class Replay(RolloutDataModule):
+    """Training batches replay the built rollouts of their tasks (node ids offset per task)."""
+
+    def rollout(self, agents, tasks, greedy, response_penalty=None):
+        if greedy:
+            return super().rollout(agents, tasks, greedy)
+        saved = [self.rollouts[key(t)] for t in tasks]
+        per_agent = []
+        for i in range(len(agents)):
+            parts, offset = [], 0
+            for s in saved:
+                fields = dict(s["agents"][i])
+                nodes = int(fields["group_ids"].max()) + 1
+                fields["group_ids"] = fields["group_ids"] + offset
+                fields["next_group"] = torch.where(fields["next_group"] >= 0, fields["next_group"] + offset, -1)
+                parts.append(AgentSamples(**fields))
+                offset += nodes
+            per_agent.append(AgentSamples.cat(parts, agents[i].pad_token_id))
+        return RolloutBatch(agents=per_agent, rewards=torch.cat([s["rewards"] for s in saved]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--build", action="store_true")
+    parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--tasks-per-step", type=int, required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--train-batch-size", type=int)
+    parser.add_argument("--algorithm", default="magrpo")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.build:
+        return build(args.out, args.algorithm, args.tasks_per_step, args.steps)
+    L.seed_everything(0)
+    kwargs = dict(model="tiny-random", num_agents=2, learning_rate=1e-2, train_batch_size=args.train_batch_size)
+    module = (MAGRPO if args.algorithm == "magrpo" else IAC)(**kwargs)
+    data = Replay(**slogan_data(**data_kwargs(args.algorithm, args.tasks_per_step)).hparams)
+    data.rollouts = torch.load(args.out.parent / "rollouts.pt")
+    trainer = make_trainer(
+        args.out,
+        logger=False,
+        devices=args.devices,
+        strategy=TeamDDPStrategy() if args.devices > 1 else "auto",
+        limit_train_batches=args.steps,
+        limit_val_batches=0,
+    )
+    trainer.fit(module, datamodule=data)
+    params = {
+        f"{i}.{n}": p.detach().clone() for i, a in enumerate(module.agents) for n, p in a.model.named_parameters()
+    }
+    if args.algorithm != "magrpo":
+        params.update({f"critic.{n}": p.detach().clone() for n, p in module.critics.named_parameters()})
+    torch.save(params, args.out / f"params_rank{trainer.global_rank}.pt")
+
+
+if __name__ == "__main__":
+    main()
