@@ -34,7 +34,8 @@ def test_killed_run_resumes_exactly(tmp_path, algorithm):
     assert not (tmp_path / "cut" / "params.pt").exists()
     checkpoint = tmp_path / "cut" / "checkpoints" / "last.ckpt"
     state = torch.load(checkpoint, weights_only=True)  # plain tensors: loads without pickled objects
-    assert sum(b["num_nodes"] for b in state["lit_marl"]["buffers"]) > 0, "the check of waiting samples is void"
+    buffers = state["lit_marl"]["ranks"][0]["buffers"]
+    assert sum(b["num_nodes"] for b in buffers) > 0, "the check of waiting samples is void"
     resumed = run(tmp_path / "cut", "--steps", "4", "--resume", str(checkpoint), "--algorithm", algorithm)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
 

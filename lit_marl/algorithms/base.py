@@ -207,19 +207,32 @@ class AgentTeamModule(L.LightningModule):
             offset += g.numel()
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        """What Lightning does not save: the sampling RNG (rollouts continue with the same random
-        numbers), the mini-batch order generator, and the samples waiting in rollout buffers."""
-        checkpoint["lit_marl"] = {
+        """What Lightning does not save, for every rank (Lightning writes rank 0's checkpoint): the
+        sampling RNG (rollouts continue with the same random numbers), the mini-batch order
+        generator, and the samples waiting in the rollout buffers. Plain tensors only."""
+        state = {
             "torch_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
             "shuffle_rng": self.shuffle_generator.get_state(),
             "buffers": [buffer.state_dict() for buffer in self.buffers],
         }
+        ranks = [state]
+        if self.world_size > 1:  # every rank saves (joins this gather); rank 0 writes
+            ranks = [None] * self.world_size
+            torch.distributed.all_gather_object(ranks, state)
+            ranks = [_to_cpu(r) for r in ranks]
+        checkpoint["lit_marl"] = {"ranks": ranks}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        state = checkpoint.get("lit_marl")
-        if state is None:
-            return  # a checkpoint from outside lit_marl: weights only
+        saved = checkpoint.get("lit_marl")
+        if saved is None:
+            return  # a checkpoint from outside lit_marl: weights and optimizers only
+        if len(saved["ranks"]) != self.world_size:
+            raise ValueError(
+                f"the checkpoint was written by {len(saved['ranks'])} ranks, this run has {self.world_size}: resume "
+                "with the same number of devices and nodes (the rollout buffers and RNG states are per rank)"
+            )
+        state = saved["ranks"][self.global_rank]
         torch.set_rng_state(state["torch_rng"])
         if state["cuda_rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda_rng"])
@@ -229,18 +242,38 @@ class AgentTeamModule(L.LightningModule):
                 f"the checkpoint holds {len(state['buffers'])} rollout buffers, this {type(self).__name__} has "
                 f"{len(self.buffers)}: resume with the same algorithm and number of agents"
             )
-        for buffer, saved in zip(self.buffers, state["buffers"]):
-            buffer.load_state_dict(saved)
+        for buffer, buffered in zip(self.buffers, state["buffers"]):
+            buffer.load_state_dict(buffered)
 
     def log_rollout(self, batch: RolloutBatch, prefix: str) -> None:
+        """The rollout's metrics, averaged over ranks (weighted by joint actions)."""
         size = int(batch.rewards.numel())
-        self.log(f"{prefix}/reward", batch.rewards.mean(), prog_bar=True, batch_size=size)
-        for key, value in batch.metrics.items():
-            self.log(f"{prefix}/{key}", value, batch_size=size)
+        values = {f"{prefix}/reward": float(batch.rewards.mean()), "reward_sq": float((batch.rewards**2).mean())}
+        values.update({f"{prefix}/{key}": float(value) for key, value in batch.metrics.items()})
         if prefix == "train":
-            self.log("train/reward_std", batch.rewards.std(unbiased=False), batch_size=size)
-            for key, value in batch.stats.items():
-                self.log(key, value, prog_bar=key == "rollout/tokens_per_s", batch_size=size)
+            values.update(batch.stats)
+        means, count = self.mean_over_ranks(values, size)
+        reward_sq = means.pop("reward_sq")
+        for key, value in means.items():
+            self.log(key, value, prog_bar=key in (f"{prefix}/reward", "rollout/tokens_per_s"), batch_size=count)
+        if prefix == "train":
+            std = max(reward_sq - means["train/reward"] ** 2, 0.0) ** 0.5
+            self.log("train/reward_std", std, batch_size=count)
+
+    def mean_over_ranks(self, values: dict[str, float], weight: float) -> tuple[dict[str, float], float]:
+        """Each key's weighted mean over the ranks that report it (ranks whose trees ended early
+        report no later turns, so the keys can differ: one object gather, not one reduce per key)."""
+        if self.world_size == 1:
+            return values, weight
+        gathered = [None] * self.world_size
+        torch.distributed.all_gather_object(gathered, (values, weight))
+        sums: dict[str, float] = {}
+        weights: dict[str, float] = {}
+        for rank_values, rank_weight in gathered:
+            for key, value in rank_values.items():
+                sums[key] = sums.get(key, 0.0) + value * rank_weight
+                weights[key] = weights.get(key, 0.0) + rank_weight
+        return {key: sums[key] / weights[key] for key in sums}, sum(w for _, w in gathered)
 
     def validation_step(self, batch: RolloutBatch, batch_idx: int) -> None:
         self.log_rollout(batch, "val")
@@ -256,3 +289,14 @@ class Timer:
 
     def __exit__(self, *exc) -> None:
         self.seconds = time.perf_counter() - self.start
+
+
+def _to_cpu(tree):
+    """Tensors of a nested dict/list moved to the CPU (another rank's may be on its own GPU)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.cpu()
+    if isinstance(tree, dict):
+        return {k: _to_cpu(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_to_cpu(v) for v in tree]
+    return tree

@@ -139,6 +139,8 @@ def main() -> None:
     if args.algorithm != "magrpo":
         params.update({f"critic.{n}": p.detach().clone() for n, p in module.critics.named_parameters()})
     torch.save(params, args.out / f"params_rank{trainer.global_rank}.pt")
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    (args.out / f"metrics_rank{trainer.global_rank}.json").write_text(json.dumps(metrics))
 
 
 if __name__ == "__main__":
