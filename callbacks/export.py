@@ -1,0 +1,50 @@
+"""Each agent saved as a standard Hugging Face folder, loadable with ``from_pretrained``.
+
+At the end of fit (and whenever ``export(pl_module)`` is called) every distinct model of the team
+is written to ``<dirpath>/agent<i>`` (``shared`` for a parameter-shared team) with its tokenizer and
+chat template. A LoRA agent is either merged into its base weights (``lora: merged``, a plain
+model) or saved as its adapter only (``lora: adapter``, loaded with peft on the base named in its
+``adapter_config.json``). Critics and value heads are training machinery and stay in checkpoints.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Literal
+
+import lightning as L
+
+from lit_marl import ConfigError
+
+
+class HFExport(L.Callback):
+    def __init__(self, dirpath: str = "export", lora: Literal["merged", "adapter"] = "merged"):
+        """
+        Args:
+            dirpath: Folder that receives one subfolder per agent (``agent0``, ``agent1``, ... or ``shared``).
+            lora: For LoRA agents: ``merged`` writes the base with the adapter merged in; ``adapter``
+                writes the adapter only.
+        """
+        if lora not in ("merged", "adapter"):
+            raise ConfigError(f"HFExport.lora={lora!r}: choose merged or adapter")
+        self.dirpath, self.lora = Path(dirpath), lora
+
+    def on_train_end(self, trainer: L.Trainer, pl_module) -> None:
+        if trainer.is_global_zero:
+            self.export(pl_module)
+        trainer.strategy.barrier("HFExport")
+
+    def export(self, pl_module) -> list[Path]:
+        """Write every agent now; returns the folders."""
+        folders = []
+        for index, roles in enumerate(pl_module.learners):
+            agent = pl_module.agents[roles[0]]
+            folder = self.dirpath / pl_module.learner_name(index)
+            model = agent.model
+            if hasattr(model, "peft_config") and self.lora == "merged":
+                model = copy.deepcopy(model).merge_and_unload()  # the training copy keeps its adapter
+            model.save_pretrained(folder)
+            agent.tokenizer.save_pretrained(folder)
+            folders.append(folder)
+        return folders

@@ -1,0 +1,53 @@
+"""HFExport: exported agents reload with from_pretrained and generate what they generated in training."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+
+from helpers import make_trainer, slogan_data
+from lit_marl import ConfigError
+from lit_marl.agents import Agent
+from lit_marl.algorithms import MAGRPO
+from lit_marl.callbacks import HFExport
+from lit_marl.generation import generate
+
+PROMPTS = ["Write a slogan for a library.", "Write a slogan for a bakery with the word fresh."]
+
+
+def greedy(agent: Agent) -> torch.Tensor:
+    encoded = [agent.encode_prompt(p) for p in PROMPTS]
+    return generate(agent, encoded, 1, max_new_tokens=12, greedy=True).completion_ids
+
+
+@pytest.mark.parametrize("lora", [None, "merged", "adapter"])
+def test_exported_agents_reload_and_generate_the_same(tmp_path, lora):
+    L.seed_everything(0)
+    settings = None if lora is None else {"r": 4, "alpha": 8}
+    module = MAGRPO(model="tiny-random", num_agents=2, learning_rate=1e-2, lora=settings)
+    export = HFExport(str(tmp_path / "export"), lora=lora or "merged")
+    trainer = make_trainer(tmp_path, limit_train_batches=1, limit_val_batches=0, callbacks=[export])
+    trainer.fit(module, datamodule=slogan_data(max_new_tokens=16))
+    for i, agent in enumerate(module.agents):
+        folder = tmp_path / "export" / f"agent{i}"
+        if lora == "adapter":
+            from peft import AutoPeftModelForCausalLM
+
+            assert (folder / "adapter_config.json").exists() and not (folder / "model.safetensors").exists()
+            reloaded = Agent("tiny-random")
+            reloaded.model = AutoPeftModelForCausalLM.from_pretrained(str(folder))
+        else:
+            assert (folder / "config.json").exists() and not (folder / "adapter_config.json").exists()
+            reloaded = Agent(str(folder))  # a plain HF folder: from_pretrained, tokenizer included
+        assert torch.equal(greedy(reloaded), greedy(agent)), f"agent {i}"
+        if lora != "adapter":  # the trained weights, not the initial ones
+            initial = Agent("tiny-random").model.state_dict()
+            exported = reloaded.model.state_dict()
+            assert exported.keys() == initial.keys()
+            assert any(not torch.equal(exported[k], initial[k]) for k in initial), f"agent {i} did not train"
+
+
+def test_bad_lora_mode():
+    with pytest.raises(ConfigError, match="HFExport.lora='both'"):
+        HFExport(lora="both")
