@@ -91,6 +91,7 @@ class TaskLoader:
         self.rank, self.world_size = rank, world_size
         self.epoch = -1  # the epoch being iterated; the first __iter__ starts epoch 0
         self.consumed = 0  # batches of this epoch that reached the training step
+        self.epoch_length = len(self)  # batches training takes per epoch (Lightning's limit_train_batches)
         self._resume_at: int | None = None
 
     def __len__(self) -> int:
@@ -98,7 +99,11 @@ class TaskLoader:
         return -(-len(self.tasks) // step)
 
     def order(self, epoch: int) -> list[int]:
-        order = torch.randperm(len(self.tasks), generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        # torch's DataLoader draws a worker seed from its generator before shuffling: drawing it too
+        # keeps epoch 0 in the order of the runs measured with that loader (docs/quickstart.md)
+        torch.empty((), dtype=torch.int64).random_(generator=generator)
+        order = torch.randperm(len(self.tasks), generator=generator).tolist()
         if self.world_size > 1:
             whole = len(self) * self.batch_size * self.world_size
             order = (order * (whole // len(order) + 1))[:whole]
@@ -116,7 +121,8 @@ class TaskLoader:
             yield [self.tasks[i] for i in rows]
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "consumed": self.consumed, "num_tasks": len(self.tasks)}
+        done = self.consumed >= min(self.epoch_length, len(self))
+        return {"epoch": self.epoch, "consumed": self.consumed, "epoch_done": done, "num_tasks": len(self.tasks)}
 
     def load_state_dict(self, state: dict) -> None:
         if state["num_tasks"] != len(self.tasks):
@@ -124,7 +130,7 @@ class TaskLoader:
                 f"the checkpoint's run had {state['num_tasks']} training tasks, this one {len(self.tasks)}: resume "
                 "with the same data.train_path"
             )
-        if state["consumed"] >= len(self):  # saved at the end of an epoch: the next one starts afresh
+        if state["epoch_done"]:  # saved at the end of an epoch: the next one starts afresh
             self.epoch, self._resume_at = state["epoch"], None
         else:
             self.epoch, self._resume_at = state["epoch"], state["consumed"]
@@ -146,6 +152,7 @@ class TaskDataModule(L.LightningDataModule):
     def on_before_batch_transfer(self, batch: list[dict], dataloader_idx: int) -> list[dict]:
         if self.trainer is not None and self.trainer.training:
             self.train_loader.consumed += 1  # this batch now reaches the training step
+            self.train_loader.epoch_length = int(min(self.trainer.num_training_batches, len(self.train_loader)))
         return batch
 
     def val_dataloader(self) -> DataLoader:

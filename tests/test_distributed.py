@@ -76,3 +76,38 @@ def test_distributed_data_parallel_is_refused():
     module._trainer = SimpleNamespace(strategy=DDPStrategy(), datamodule=None)
     with pytest.raises(ConfigError, match="lit_marl.strategies.TeamDDPStrategy"):
         module.setup("fit")
+
+
+def test_ddp_config_runs_checkpoints_resumes_and_exports(tmp_path, repo_root):
+    """configs/magrpo/slogan_tiny_ddp.yaml through the console script (Lightning launches rank 1),
+    then resumed from its checkpoint for a second epoch; the export reloads with from_pretrained."""
+    import yaml
+    from transformers import AutoModelForCausalLM
+
+    config = yaml.safe_load((repo_root / "configs" / "magrpo" / "slogan_tiny_ddp.yaml").read_text())
+    config["trainer"]["limit_train_batches"] = 1
+    config["trainer"]["limit_val_batches"] = 0
+    config["trainer"]["logger"]["init_args"]["save_dir"] = str(tmp_path / "logs")
+    checkpoint, export = config["trainer"]["callbacks"]
+    checkpoint["init_args"]["dirpath"] = str(tmp_path / "checkpoints")
+    export["init_args"]["dirpath"] = str(tmp_path / "export")
+    path = tmp_path / "ddp.yaml"
+    path.write_text(yaml.safe_dump(config))
+    script = Path(sys.executable).parent / "lit-marl"
+    for extra in ([], ["--ckpt_path", str(tmp_path / "checkpoints" / "last.ckpt"), "--trainer.max_epochs", "2"]):
+        done = subprocess.run(
+            [str(script), "fit", "--config", str(path), *extra],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=repo_root,
+            env=os.environ,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert "Restoring states from the checkpoint" in done.stderr + done.stdout
+    state = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
+    assert len(state["lit_marl"]["ranks"]) == 2  # each rank's RNG and buffers
+    assert state["epoch"] == 1  # written in the second epoch, the resumed one
+    for agent in ("agent0", "agent1"):
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "export" / agent)
+        assert all(torch.isfinite(p).all() for p in model.parameters())

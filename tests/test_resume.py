@@ -78,7 +78,24 @@ def test_loader_resumes_after_the_consumed_batches_and_moves_on_at_epoch_end():
     assert list(resumed) == epoch1  # the next epoch follows as in an uninterrupted run
 
     finished = TaskLoader(tasks, batch_size=2, seed=0)
-    finished.load_state_dict({"epoch": 0, "consumed": 5, "num_tasks": 9})  # saved at epoch end
+    finished.load_state_dict({"epoch": 0, "consumed": 5, "epoch_done": True, "num_tasks": 9})  # at epoch end
     assert list(finished) == epoch1
     with pytest.raises(ValueError, match="same data.train_path"):
-        finished.load_state_dict({"epoch": 0, "consumed": 1, "num_tasks": 8})
+        finished.load_state_dict({"epoch": 0, "consumed": 1, "epoch_done": False, "num_tasks": 8})
+
+    limited = TaskLoader(tasks, batch_size=2, seed=0)  # limit_train_batches=2: an epoch is 2 batches
+    iterator = iter(limited)
+    next(iterator), next(iterator)
+    limited.consumed, limited.epoch_length = 2, 2
+    assert limited.state_dict()["epoch_done"]
+    resumed = TaskLoader(tasks, batch_size=2, seed=0)
+    resumed.load_state_dict(limited.state_dict())
+    assert list(resumed) == epoch1  # the next epoch, not the rest of epoch 0
+
+
+def test_epoch_zero_keeps_the_order_of_torchs_data_loader():
+    """Runs measured before the resumable loader (docs/quickstart.md) keep their task order."""
+    from lit_marl.data import task_loader
+
+    tasks = [{"i": i} for i in range(37)]
+    assert list(TaskLoader(tasks, 4, seed=5)) == list(task_loader(tasks, 4, True, 5))
