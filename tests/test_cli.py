@@ -65,9 +65,11 @@ def test_config_instantiates_without_loading_models(config, in_repo_root, monkey
     assert len(cli.datamodule.train_tasks) > 0
     if "val_path" in source["data"]["init_args"]:
         assert len(cli.datamodule.val_tasks) > 0
-    if isinstance(cli.datamodule, RolloutDataModule):  # every train row fills every prompt template
+    if isinstance(cli.datamodule, RolloutDataModule):  # a prompt per agent for every train row
         prompts = cli.datamodule.prompts_for(cli.datamodule.train_tasks)
-        assert all(len(p) == cli.datamodule.num_agents and "{" not in "".join(p) for p in prompts)
+        assert all(len(p) == cli.datamodule.num_agents for p in prompts)
+        if "agent_prompts" in data:  # ... and every row fills every template (code prompts hold braces)
+            assert all("{" not in "".join(p) for p in prompts)
     callbacks = {type(c).__name__ for c in cli.trainer.callbacks}
     for entry in source["trainer"].get("callbacks", []):
         assert entry["class_path"].rsplit(".", 1)[-1] in callbacks
