@@ -93,3 +93,17 @@ def test_turn_level_group_baselines_count_only_live_members():
     assert torch.allclose(rloo, T([[0.9, 0.4], [-0.6, 0.0], [-0.3, -0.4]]))
     lonely = episode_group_advantages(T([[1.0, 1.0], [0.0, 0.0]]), T([[1, 1], [1, 0]]), 2, "rloo", False)
     assert lonely[0, 1] == 0  # alone at turn 1: no leave-one-out baseline, no signal
+
+
+def test_whitening_over_the_masked_entries():
+    from lit_marl.algorithms import PPO
+
+    module = PPO(model="tiny-random")
+    values = torch.tensor([[1.0, 2.0, 100.0], [3.0, 4.0, -7.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0]])
+    out = module.whiten(values, mask)
+    chosen = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    expected = (chosen - chosen.mean()) / (chosen.std() + 1e-6)
+    assert torch.allclose(out[mask.bool()], expected)
+    assert (out[~mask.bool()] == 0).all()  # the padding and observation entries stay out
+    assert torch.equal(module.whiten(values, torch.zeros_like(mask)), values)  # nothing to whiten

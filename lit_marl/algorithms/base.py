@@ -180,6 +180,18 @@ class AgentTeamModule(L.LightningModule):
         torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
         return float(tensor)
 
+    def whiten(self, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """(values - mean) / std over the entries where ``mask`` is set on every rank (unbiased std,
+        as ``torch.std``); 0 elsewhere. Unchanged when there are fewer than two such entries."""
+        chosen = values[mask.bool()].double()
+        count = self.all_ranks_sum(chosen.numel())
+        if count < 2:
+            return values
+        total, squares = self.all_ranks_sum(float(chosen.sum())), self.all_ranks_sum(float((chosen**2).sum()))
+        mean = total / count
+        std = max((squares - count * mean**2) / (count - 1), 0.0) ** 0.5
+        return (values - mean) / (std + 1e-6) * mask
+
     def synced_steps(self, batches: list) -> list:
         """The mini-batches of this rank, padded with ``None`` to the most any rank has: trees end
         early on some ranks, yet every rank must take every optimizer step (and join its gradient sum)."""

@@ -142,9 +142,7 @@ class PPO(EpisodicModule):
             value_mask[rows, first[rows, turns]] = 1.0
             returns[rows, first[rows, turns]] = turn_ret[rows, turns]
         if self.advantage_normalization:
-            chosen = advantages[mask.bool()]
-            if chosen.numel() > 1:
-                advantages = (advantages - chosen.mean()) / (chosen.std() + 1e-6) * mask
+            advantages = self.whiten(advantages, mask)
         returns_v, values_v = returns[value_mask.bool()], values[value_mask.bool()]
         self.log("train/value_mean", values_v.mean(), batch_size=len(values))
         explained = 1 - (returns_v - values_v).var() / returns_v.var().clamp(min=1e-8)
