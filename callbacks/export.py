@@ -16,6 +16,7 @@ from typing import Literal
 import lightning as L
 
 from lit_marl import ConfigError
+from lit_marl.agents import AdapterView
 
 
 class HFExport(L.Callback):
@@ -42,9 +43,15 @@ class HFExport(L.Callback):
             agent = pl_module.agents[roles[0]]
             folder = self.dirpath / pl_module.learner_name(index)
             model = agent.model
-            if hasattr(model, "peft_config") and self.lora == "merged":
-                model = copy.deepcopy(model).merge_and_unload()  # the training copy keeps its adapter
-            model.save_pretrained(folder)
+            if isinstance(model, AdapterView):  # one adapter of a team's shared base
+                if self.lora == "merged":
+                    model.merged().save_pretrained(folder)
+                else:
+                    model.save_adapter(folder)
+            else:
+                if hasattr(model, "peft_config") and self.lora == "merged":
+                    model = copy.deepcopy(model).merge_and_unload()  # the training copy keeps its adapter
+                model.save_pretrained(folder)
             agent.tokenizer.save_pretrained(folder)
             folders.append(folder)
         return folders

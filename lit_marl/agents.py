@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import copy
+import shutil
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -24,26 +28,95 @@ class LoraSettings:
     """Linear layers that get adapters."""
 
 
-class Agent(nn.Module):
-    def __init__(self, source: str, lora: LoraSettings | None = None, system_prompt: str | None = None):
-        super().__init__()
-        model, self.tokenizer = load_model_and_tokenizer(source)
-        if lora is not None:
-            from peft import LoraConfig, get_peft_model
+def lora_config(lora: LoraSettings):
+    from peft import LoraConfig
 
-            model = get_peft_model(
-                model,
-                LoraConfig(
-                    r=lora.r,
-                    lora_alpha=lora.alpha,
-                    lora_dropout=lora.dropout,
-                    target_modules=list(lora.target_modules),
-                    task_type="CAUSAL_LM",
-                ),
-            )
+    return LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        task_type="CAUSAL_LM",
+    )
+
+
+class AdapterView(nn.Module):
+    """One agent's LoRA adapter on a base model that its teammates share (one copy of the base
+    weights for the team): every call runs with this agent's adapter active, and
+    ``disable_adapter()`` gives the base itself (the reference policy)."""
+
+    def __init__(self, shared: nn.Module, adapter: str):
+        super().__init__()
+        self.shared = shared  # a peft model holding every agent's adapter
+        self.adapter = adapter
+
+    def activate(self) -> nn.Module:
+        if self.shared.active_adapter != self.adapter:
+            self.shared.set_adapter(self.adapter)  # peft: only the active adapter requires grad
+        return self.shared
+
+    def forward(self, *args, **kwargs):
+        return self.activate()(*args, **kwargs)
+
+    def generate(self, *args, **kwargs):
+        return self.activate().generate(*args, **kwargs)
+
+    def disable_adapter(self):
+        return self.shared.disable_adapter()
+
+    @property
+    def config(self):
+        return self.shared.config
+
+    def own_parameters(self) -> list[nn.Parameter]:
+        return [p for name, p in self.shared.named_parameters() if f".{self.adapter}." in name]
+
+    def merged(self) -> nn.Module:
+        """A copy of the base with this adapter merged in (the team's model is left as it is)."""
+        copy_ = copy.deepcopy(self.shared)
+        copy_.set_adapter(self.adapter)
+        return copy_.merge_and_unload(adapter_names=[self.adapter])
+
+    def save_adapter(self, folder: Path) -> None:
+        """This adapter alone, in a folder that ``AutoPeftModelForCausalLM`` loads."""
+        with tempfile.TemporaryDirectory() as tmp:
+            self.shared.save_pretrained(tmp, selected_adapters=[self.adapter])  # writes tmp/<adapter>/
+            shutil.copytree(Path(tmp) / self.adapter, folder, dirs_exist_ok=True)
+
+
+class Agent(nn.Module):
+    def __init__(
+        self,
+        source: str,
+        lora: LoraSettings | None = None,
+        system_prompt: str | None = None,
+        loaded: tuple[nn.Module, object] | None = None,
+    ):
+        """``loaded``: a model and tokenizer built already (e.g. an ``AdapterView``); else ``source`` is loaded."""
+        super().__init__()
+        model, self.tokenizer = loaded if loaded is not None else load_model_and_tokenizer(source)
+        if lora is not None and loaded is None:
+            from peft import get_peft_model
+
+            model = get_peft_model(model, lora_config(lora))
         self.model = model
         self.source = source
         self.system_prompt = system_prompt
+
+    @staticmethod
+    def team_on_shared_base(
+        source: str, lora: LoraSettings, num_agents: int, system_prompt: str | None
+    ) -> list["Agent"]:
+        """``num_agents`` agents as LoRA adapters ``agent0``, ``agent1``, ... on one copy of ``source``."""
+        from peft import get_peft_model
+
+        base, tokenizer = load_model_and_tokenizer(source)
+        shared = get_peft_model(base, lora_config(lora), adapter_name="agent0")
+        for i in range(1, num_agents):
+            shared.add_adapter(f"agent{i}", lora_config(lora))
+        return [
+            Agent(source, None, system_prompt, (AdapterView(shared, f"agent{i}"), tokenizer)) for i in range(num_agents)
+        ]
 
     def encode_prompt(self, text: str, raw: bool = False) -> list[int]:
         """Render one user message with the model's chat template, ready for the assistant's reply;
@@ -82,6 +155,8 @@ class Agent(nn.Module):
         return self.tokenizer(closing + full[len(base) :], add_special_tokens=False)["input_ids"]
 
     def trainable_parameters(self) -> list[nn.Parameter]:
+        if isinstance(self.model, AdapterView):  # its own adapter's, whichever adapter is active now
+            return self.model.own_parameters()
         return [p for p in self.model.parameters() if p.requires_grad]
 
     @property

@@ -51,3 +51,39 @@ def test_exported_agents_reload_and_generate_the_same(tmp_path, lora):
 def test_bad_lora_mode():
     with pytest.raises(ConfigError, match="HFExport.lora='both'"):
         HFExport(lora="both")
+
+
+@pytest.mark.parametrize("mode", ["merged", "adapter"])
+def test_agents_as_adapters_on_one_base(tmp_path, mode):
+    """lora_shared_base: one copy of the base weights for the team, one adapter and optimizer per
+    agent; each adapter learns on its own, the base stays frozen; each agent exports as itself."""
+    L.seed_everything(1)
+    module = MAGRPO(
+        model="tiny-random", num_agents=2, learning_rate=5e-2, lora={"r": 4, "alpha": 8}, lora_shared_base=True
+    )
+    module.configure_model()
+    a, b = (agent.model for agent in module.agents)
+    assert a.shared is b.shared  # one base
+    unique = {p.data_ptr() for p in module.parameters()}
+    one_model = sum(1 for _ in Agent("tiny-random").model.parameters())
+    assert len(unique) == one_model + 2 * len(a.own_parameters())  # the base once, plus two adapters
+    own = [set(map(id, agent.trainable_parameters())) for agent in module.agents]
+    assert own[0] and own[1] and not own[0] & own[1]  # each optimizer holds its own adapter only
+    before = {n: p.detach().clone() for n, p in a.shared.named_parameters()}
+
+    export = HFExport(str(tmp_path / "export"), lora=mode)
+    trainer = make_trainer(tmp_path, limit_train_batches=2, limit_val_batches=0, callbacks=[export])
+    trainer.fit(module, datamodule=slogan_data(max_new_tokens=16))
+    changed = {n for n, p in a.shared.named_parameters() if not torch.equal(p.detach(), before[n])}
+    assert changed and all(".lora_" in n for n in changed)  # adapters learned, the base did not
+    assert any(".agent0." in n for n in changed) and any(".agent1." in n for n in changed)
+    for i, agent in enumerate(module.agents):
+        folder = tmp_path / "export" / f"agent{i}"
+        if mode == "adapter":
+            from peft import AutoPeftModelForCausalLM
+
+            reloaded = Agent("tiny-random")
+            reloaded.model = AutoPeftModelForCausalLM.from_pretrained(str(folder))
+        else:
+            reloaded = Agent(str(folder))
+        assert torch.equal(greedy(reloaded), greedy(agent)), f"agent {i}"

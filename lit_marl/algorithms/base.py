@@ -33,6 +33,7 @@ class AgentTeamModule(L.LightningModule):
         max_grad_norm: float = 1.0,
         forward_batch_size: int = 16,
         share_parameters: bool = False,
+        lora_shared_base: bool = False,
     ):
         """
         Args:
@@ -47,6 +48,9 @@ class AgentTeamModule(L.LightningModule):
                 mini-batch are accumulated over its passes before the one optimizer step).
             share_parameters: One model plays every role (one set of weights, one optimizer, one
                 batched generate per turn for all roles); needs one model source.
+            lora_shared_base: With ``lora``, every agent is an adapter on ONE frozen copy of the base
+                (memory of one model plus the adapters); the agents still learn separately, each
+                with its own adapter and optimizer. Needs one model source.
         """
         super().__init__()
         sources = [model] * num_agents if isinstance(model, str) else list(model)
@@ -56,6 +60,12 @@ class AgentTeamModule(L.LightningModule):
             raise ConfigError(f"model.model lists {len(sources)} sources for {num_agents} agents: give one per agent")
         if share_parameters and len(set(sources)) != 1:
             raise ConfigError(f"model.share_parameters=true needs one model source, got {sources}")
+        if lora_shared_base and (lora is None or share_parameters or len(set(sources)) != 1):
+            raise ConfigError(
+                "model.lora_shared_base=true puts one LoRA adapter per agent on one base: it needs model.lora, one "
+                f"model source (got {sources}) and model.share_parameters=false (a shared model needs no adapters "
+                "of its own)"
+            )
         for i, source in enumerate(sources):
             check_source(source, field=f"model.model[{i}]" if not isinstance(model, str) else "model.model")
         if forward_batch_size < 1:
@@ -65,6 +75,7 @@ class AgentTeamModule(L.LightningModule):
         self.lora = LoraSettings(**lora) if isinstance(lora, dict) else lora
         self.system_prompt = system_prompt
         self.share_parameters = share_parameters
+        self.lora_shared_base = lora_shared_base
         self.automatic_optimization = False
         self.agents: nn.ModuleList | None = None
         self.buffers: list[RolloutBuffer] = []  # samples waiting for an update (algorithms that buffer)
@@ -76,6 +87,9 @@ class AgentTeamModule(L.LightningModule):
             if self.share_parameters:
                 shared = Agent(self.sources[0], self.lora, self.system_prompt)
                 self.agents = nn.ModuleList([shared] * len(self.sources))
+            elif self.lora_shared_base:
+                team = Agent.team_on_shared_base(self.sources[0], self.lora, len(self.sources), self.system_prompt)
+                self.agents = nn.ModuleList(team)
             else:
                 self.agents = nn.ModuleList(Agent(s, self.lora, self.system_prompt) for s in self.sources)
 

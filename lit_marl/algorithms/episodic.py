@@ -37,6 +37,7 @@ class EpisodicModule(AgentTeamModule):
         kl_mode: Literal["loss", "reward"] = "loss",
         num_agents: int = 1,
         share_parameters: bool = False,
+        lora_shared_base: bool = False,
     ):
         """
         Args:
@@ -57,6 +58,7 @@ class EpisodicModule(AgentTeamModule):
             num_agents: Agents in the environment (the CLI links it to the environment's); each plays
                 its own token sequence, separate or shared weights (``share_parameters``).
             share_parameters: One model plays every agent (one optimizer, one generate per turn).
+            lora_shared_base: With ``lora``, every agent is its own adapter on one frozen copy of the base.
         """
         super().__init__(
             model=model,
@@ -67,6 +69,7 @@ class EpisodicModule(AgentTeamModule):
             max_grad_norm=max_grad_norm,
             forward_batch_size=forward_batch_size,
             share_parameters=share_parameters,
+            lora_shared_base=lora_shared_base,
         )
         if not 0 < clip_range < 1:
             raise ConfigError(f"model.clip_range={clip_range}: must be in (0, 1)")
