@@ -181,17 +181,16 @@ class AgentTeamModule(L.LightningModule):
         return self._trainer.world_size if self._trainer is not None else 1
 
     def all_ranks_sum(self, value: float) -> float:
-        if self.world_size == 1:
-            return value
-        tensor = torch.tensor(float(value), dtype=torch.float64, device=self.device)
-        torch.distributed.all_reduce(tensor)
-        return float(tensor)
+        return self._all_ranks(value, "SUM")
 
     def all_ranks_max(self, value: float) -> float:
+        return self._all_ranks(value, "MAX")
+
+    def _all_ranks(self, value: float, op: str) -> float:
         if self.world_size == 1:
             return value
         tensor = torch.tensor(float(value), dtype=torch.float64, device=self.device)
-        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+        torch.distributed.all_reduce(tensor, op=getattr(torch.distributed.ReduceOp, op))
         return float(tensor)
 
     def whiten(self, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
