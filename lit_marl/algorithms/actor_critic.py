@@ -465,13 +465,7 @@ class ActorCritic(AgentTeamModule):
 
     # ------------------------------------------------------------------ the step
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> None:
-        for buffer, samples in zip(self.buffers, batch.agents):
-            buffer.add(samples)
-        size = self.rollout_buffer_size
-        # one decision for all ranks (their trees, hence their buffers, can differ)
-        if size is None or self.all_ranks_max(len(self.buffers[0]) >= size):
-            self.flush_buffers()
-        self.log_rollout(batch, "train")
+        self.buffer_step(batch, batch.agents)  # advantages come at the update, from the critic of that moment
 
     def flush_buffers(self) -> None:
         """One update on everything buffered: actors, then critics, on the same mini-batches."""

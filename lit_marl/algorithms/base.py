@@ -175,6 +175,24 @@ class AgentTeamModule(L.LightningModule):
         optimizer.zero_grad(set_to_none=True)
         return loss_sum
 
+    # ------------------------------------------------------------------ buffered updates (MAGRPO family, IAC/MAAC)
+    rollout_buffer_size: int | None = None
+
+    def buffer_step(self, batch: RolloutBatch, per_agent: list[AgentSamples]) -> None:
+        """Add a training step's samples to the agents' buffers and update (``flush_buffers``) once
+        they hold ``rollout_buffer_size`` nodes, decided over all ranks (their trees, hence their
+        buffers, can differ)."""
+        for buffer, samples in zip(self.buffers, per_agent):
+            buffer.add(samples)
+        size = self.rollout_buffer_size
+        if size is None or self.all_ranks_max(len(self.buffers[0]) >= size):
+            self.flush_buffers()
+        self.log_rollout(batch, "train")
+
+    def flush_buffers(self) -> None:
+        """One update on everything buffered (algorithms that buffer)."""
+        raise NotImplementedError
+
     # ------------------------------------------------------------------ several ranks
     @property
     def world_size(self) -> int:

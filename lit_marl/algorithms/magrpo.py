@@ -132,13 +132,7 @@ class MAGRPO(AgentTeamModule):
         return -(samples.advantages * seq_logprob).sum()
 
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> None:
-        for buffer, samples in zip(self.buffers, batch.agents):
-            buffer.add(samples.with_advantages(self.advantages(samples)))
-        size = self.rollout_buffer_size
-        # one decision for all ranks (their trees, hence their buffers, can differ)
-        if size is None or self.all_ranks_max(len(self.buffers[0]) >= size):
-            self.flush_buffers()
-        self.log_rollout(batch, "train")
+        self.buffer_step(batch, [samples.with_advantages(self.advantages(samples)) for samples in batch.agents])
 
     def flush_buffers(self) -> None:
         """Update every learner on all samples in its roles' buffers, one optimizer step per mini-batch."""
