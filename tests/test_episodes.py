@@ -151,18 +151,18 @@ def test_reply_cut_by_the_budget_is_closed_by_the_next_segment(agent):
         assert ids[end + 1] == agent.eos_token_id and batch.loss_mask[0, end + 1] == 0
 
 
+def letter_count_data(**overrides) -> EpisodeDataModule:
+    """One episode per task in the letter-count game, dense rewards."""
+    kwargs = dict(
+        train_path=str(CORRIDOR / "train.jsonl"), env="letter-count", num_generations=1, reward_density="dense"
+    )
+    return EpisodeDataModule(**{**kwargs, **overrides})
+
+
 def test_context_budget_truncates_and_keeps_the_reward(agent):
     torch.manual_seed(0)
     start = len(agent.encode_prompt(make_env("letter-count").reset({"task_id": "t"})[0]))
-    data = EpisodeDataModule(
-        train_path=str(CORRIDOR / "train.jsonl"),
-        env="letter-count",
-        num_generations=1,
-        max_turns=5,
-        max_new_tokens=8,
-        max_context_tokens=start + 30,
-        reward_density="dense",
-    )
+    data = letter_count_data(max_turns=5, max_new_tokens=8, max_context_tokens=start + 30)
     (batch,) = data.rollout([agent], [{"task_id": "t"}], greedy=False)
     assert batch.truncated.all() and int(batch.num_turns[0]) < 5
     assert int(batch.attention_mask.sum()) <= start + 30
@@ -176,14 +176,7 @@ def test_context_budget_truncates_and_keeps_the_reward(agent):
 
 def test_token_rewards_sit_on_each_turns_end_token(agent):
     torch.manual_seed(0)
-    data = EpisodeDataModule(
-        train_path=str(CORRIDOR / "train.jsonl"),
-        env="letter-count",
-        num_generations=1,
-        max_turns=3,
-        max_new_tokens=6,
-        reward_density="dense",
-    )
+    data = letter_count_data(max_turns=3, max_new_tokens=6)
     (batch,) = data.rollout([agent], [{"task_id": "a"}, {"task_id": "b"}], greedy=False)
     placed = batch.token_rewards(batch.rewards)
     for b in range(2):
