@@ -118,18 +118,33 @@ def load_model_and_tokenizer(source: str) -> tuple[PreTrainedModel, PreTrainedTo
 
 
 def _atomic_save(folder: Path, save) -> None:
-    """Write into a temp folder beside the target, then rename: a kill leaves no half cache."""
+    """Write into a temp folder beside the target, then rename: a kill leaves no half cache. A file
+    lock makes the ranks of one machine (started together) build it once; the others wait for it."""
+    import fcntl
+
     folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}-"))
-    try:
-        save(tmp)
+    with open(folder.parent / f".{folder.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (folder / "config.json").exists():  # built by another process while this one waited
+            return
+        tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}-"))
         try:
+            save(tmp)
             tmp.rename(folder)
-        except OSError:  # another process finished first; its copy is as good as ours
+        except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            raise
+
+
+def _save_here(model: PreTrainedModel, folder: Path) -> None:
+    """``save_pretrained`` in this process whatever its rank: once torch.distributed is initialized
+    transformers writes weights on global rank 0 only, but the cache is per machine and whichever
+    rank builds it (the first to take the lock) must write all of it."""
+    model.should_save_on_this_rank = lambda is_main_process: True
+    try:
+        model.save_pretrained(folder)
+    finally:
+        del model.should_save_on_this_rank
 
 
 # --------------------------------------------------------------------------- SmolLM2 from GGUF
@@ -157,7 +172,7 @@ def _convert_smollm2(folder: Path) -> None:
     model.generation_config.pad_token_id = tokenizer.pad_token_id
 
     def save(tmp: Path) -> None:
-        model.save_pretrained(tmp)
+        _save_here(model, tmp)
         tokenizer.save_pretrained(tmp)
 
     _atomic_save(folder, save)
@@ -224,5 +239,5 @@ def _build_tiny_random(folder: Path) -> None:
         model = Qwen2ForCausalLM(config)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(folder)
+    _save_here(model, folder)
     tokenizer.save_pretrained(folder)
