@@ -8,4 +8,5 @@ import lightning as L
 
 class BufferFlush(L.Callback):
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module) -> None:
-        pl_module.flush_buffers()
+        with pl_module.gathered():
+            pl_module.flush_buffers()

@@ -4,15 +4,18 @@ Lightning's ``ModelCheckpoint(every_n_train_steps=...)`` counts ``global_step``,
 per optimizer step: one per agent per update, and none for a step whose samples only wait in the
 rollout buffer. This callback counts the steps the user set (``limit_train_batches``), saves
 ``last.ckpt`` beside a temporary file and renames it over the old one, so a run killed while saving
-keeps its previous checkpoint. The checkpoint holds what resuming needs beyond the weights and
-optimizers: the task position (the training loader's state), the rollout buffers and the RNG states
-(see ``AgentTeamModule.on_save_checkpoint``). Resume with ``lit-marl fit --config ... --ckpt_path
-<dirpath>/last.ckpt``.
+keeps its previous checkpoint. Under FSDP (``TeamFSDPStrategy``, ``save_distributed_checkpoint``)
+the checkpoint is a folder of shards; it is swapped in with two renames, the previous one kept as
+``last.ckpt.old`` in between (resume from that if a kill fell exactly there). The checkpoint holds
+what resuming needs beyond the weights and optimizers: the task position (the training loader's
+state), the rollout buffers and the RNG states (see ``AgentTeamModule.on_save_checkpoint``).
+Resume with ``lit-marl fit --config ... --ckpt_path <dirpath>/last.ckpt``.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import lightning as L
@@ -37,9 +40,22 @@ class StepCheckpoint(Checkpoint):  # a Checkpoint: Lightning runs it after the o
 
     def save(self, trainer: L.Trainer) -> None:
         partial = self.path.with_name(self.path.name + ".partial")
-        trainer.save_checkpoint(partial)  # every rank joins; rank 0 writes
+        old = self.path.with_name(self.path.name + ".old")
+        if trainer.is_global_zero and partial.is_dir():  # left by a run killed while saving
+            shutil.rmtree(partial)
+        trainer.strategy.barrier("StepCheckpoint")
+        trainer.save_checkpoint(partial)  # every rank joins; rank 0 writes (under FSDP, every rank its shards)
+        trainer.strategy.barrier("StepCheckpoint")
         if trainer.is_global_zero:
-            os.replace(partial, self.path)
+            if partial.is_dir():
+                # a sharded checkpoint is a folder, which cannot replace another in one rename: the
+                # previous one steps aside as .old until the new one is in place
+                if self.path.exists():
+                    os.replace(self.path, old)
+                os.replace(partial, self.path)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(partial, self.path)
         trainer.strategy.barrier("StepCheckpoint")
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:

@@ -25,7 +25,8 @@ class HeldOutEvaluation(L.Callback):
             raise ConfigError("HeldOutEvaluation needs held-out tasks: set data.val_path")
 
     def _evaluate(self, trainer: L.Trainer, pl_module, tag: str) -> dict[str, float]:
-        results = trainer.datamodule.evaluate(pl_module.agents)
+        with pl_module.gathered():
+            results = trainer.datamodule.evaluate(pl_module.agents)
         if self.metric not in results:
             raise ConfigError(
                 f"HeldOutEvaluation.metric={self.metric!r} is not reported; choose from {sorted(results)}"

@@ -32,17 +32,21 @@ class HFExport(L.Callback):
         self.dirpath, self.lora = Path(dirpath), lora
 
     def on_train_end(self, trainer: L.Trainer, pl_module) -> None:
-        if trainer.is_global_zero:
-            self.export(pl_module)
+        self.export(pl_module, write=trainer.is_global_zero)
         trainer.strategy.barrier("HFExport")
 
-    def export(self, pl_module) -> list[Path]:
-        """Write every agent now; returns the folders."""
+    def export(self, pl_module, write: bool = True) -> list[Path]:
+        """Write every agent now (under FSDP every rank must call this: the weights are gathered;
+        ``write`` on one rank); returns the folders."""
         folders = []
         for index, roles in enumerate(pl_module.learners):
             agent = pl_module.agents[roles[0]]
             folder = self.dirpath / pl_module.learner_name(index)
             model = agent.model
+            if pl_module.shards is not None:
+                model = pl_module.shards.full_copy(model)  # None except on rank 0
+            if not write:
+                continue
             if isinstance(model, AdapterView):  # one adapter of a team's shared base
                 if self.lora == "merged":
                     model.merged().save_pretrained(folder)

@@ -324,9 +324,10 @@ class RolloutDataModule(TaskDataModule):
 
     def on_after_batch_transfer(self, batch: list[dict], dataloader_idx: int) -> RolloutBatch:
         module = self.trainer.lightning_module
-        if not self.trainer.training:
-            return self.rollout(module.agents, batch, greedy=True)
-        return self.rollout(module.agents, batch, greedy=False, response_penalty=module.response_penalty)
+        with module.gathered():
+            if not self.trainer.training:
+                return self.rollout(module.agents, batch, greedy=True)
+            return self.rollout(module.agents, batch, greedy=False, response_penalty=module.response_penalty)
 
     def evaluation_metrics(self, agents, tasks: list[dict]) -> dict[str, float]:
         """The mean reward and the metrics the reward reported."""
@@ -446,7 +447,9 @@ class EpisodeDataModule(TaskDataModule):
         return batches
 
     def on_after_batch_transfer(self, batch: list[dict], dataloader_idx: int):
-        return self.rollout(self.trainer.lightning_module.agents, batch, greedy=not self.trainer.training)
+        module = self.trainer.lightning_module
+        with module.gathered():
+            return self.rollout(module.agents, batch, greedy=not self.trainer.training)
 
     def evaluation_metrics(self, agents, tasks: list[dict]) -> dict[str, float]:
         """One greedy episode per task: win rate, mean episode reward, final score, length."""

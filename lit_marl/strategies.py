@@ -17,9 +17,28 @@ process group: gloo on CPU, NCCL on GPUs, ``num_nodes``) is Lightning's ``DDPStr
 from __future__ import annotations
 
 from lightning.pytorch.overrides.distributed import _sync_module_states
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
 
 class TeamDDPStrategy(DDPStrategy):
     def configure_ddp(self) -> None:
         _sync_module_states(self.model)  # every rank starts from rank 0's weights
+
+
+class TeamFSDPStrategy(ModelParallelStrategy):
+    """FSDP2 over all ranks: Lightning's ``ModelParallelStrategy`` with every rank in the
+    data-parallel (sharding) dimension and no tensor parallelism. ``AgentTeamModule`` shards each
+    model with ``fully_shard`` in ``configure_model``; how a team's uneven passes meet FSDP's
+    collectives is in ``lit_marl.fsdp``.
+
+        trainer:
+          strategy: {class_path: lit_marl.strategies.TeamFSDPStrategy}
+          devices: 2
+    """
+
+    def __init__(self, **kwargs):
+        super().__init__(data_parallel_size="auto", tensor_parallel_size=1, **kwargs)
+
+    def setup_environment(self) -> None:
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        super().setup_environment()

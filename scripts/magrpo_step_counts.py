@@ -78,7 +78,7 @@ def main() -> None:
                         num_turns=num_turns,
                         transition=counted("transition", plain),
                     )
-                    for buffer, samples in zip(module.buffers, batch.agents):
+                    for buffer, samples in zip(module.rollout_buffers, batch.agents):
                         buffer.add(samples.with_advantages(module.advantages(samples)))
                     module.flush_buffers()
                     if repeat:

@@ -196,7 +196,7 @@ def test_buffer_waits_for_its_size_and_the_epoch_end_flushes_the_rest(tmp_path):
     # one update, one step per agent (Lightning leaves steps taken at epoch end out of global_step)
     for optimizer in trainer.optimizers:
         assert {int(state["step"]) for state in optimizer.state.values()} == {1}
-    assert all(len(buffer) == 0 for buffer in module.buffers)
+    assert all(len(buffer) == 0 for buffer in module.rollout_buffers)
     assert float(trainer.callback_metrics["train/optimizer_steps_agent0"]) == 1.0
 
 

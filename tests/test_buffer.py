@@ -93,7 +93,7 @@ def test_buffer_fills_across_steps_and_flushes_at_epoch_end(tmp_path):
     trainer = make_trainer(tmp_path, limit_train_batches=3, limit_val_batches=0)
     trainer.fit(module, datamodule=slogan_data(max_new_tokens=16, tasks_per_step=2))
     assert [i for i, _ in steps] == [0, 1, 0, 1]  # two updates x two agents, one optimizer step each
-    assert all(len(b) == 0 for b in module.buffers)
+    assert all(len(b) == 0 for b in module.rollout_buffers)
     # Lightning counts the optimizer steps taken inside training_step only, not the epoch-end flush
     assert trainer.global_step == 2
 

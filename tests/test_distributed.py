@@ -1,6 +1,7 @@
-"""Two ranks on CPU (gloo) with lit_marl's TeamDDPStrategy: the same samples give the parameters of
-one process with the equivalent batch, also when early termination makes the ranks' trees differ;
-uneven mini-batch counts do not hang."""
+"""Two ranks on CPU (gloo) with lit_marl's TeamDDPStrategy and TeamFSDPStrategy (FSDP2): the same
+samples give the parameters of one process with the equivalent batch, also when early termination
+makes the ranks' trees differ; uneven mini-batch counts and uneven generation lengths do not hang;
+FSDP really shards the weights."""
 
 from __future__ import annotations
 
@@ -56,6 +57,77 @@ def test_two_ranks_match_one_process(built):
         assert metrics[1][key] == pytest.approx(metrics[0][key], abs=1e-6), key
 
 
+def ensure_run(root: Path, name: str, *args: str) -> dict[str, torch.Tensor]:
+    """Rank 0's parameters of run ``name`` (made by another test of this module, or now)."""
+    if not (root / name / "params_rank0.pt").exists():
+        run(root / name, *args)
+    return params(root / name / "params_rank0.pt")
+
+
+def test_fsdp_matches_one_process_and_shards_the_weights(built):
+    """FSDP2 on 2 ranks (rank 0's trees end at turn 0, rank 1's run 2 turns) vs one process with
+    both ranks' samples and vs DDP on the same 2 ranks. Measured: MAGRPO within 5e-6 of both (the
+    gradient-norm clip and the reduce-scatter sum in another order); IAC within 2.8e-5 of DDP and
+    3.2e-4 of one process, as DDP itself (its value passes see other padding)."""
+    from lit_marl.models import load_model_and_tokenizer
+
+    root, algorithm = built
+    one = ensure_run(root, "one", "--tasks-per-step", "4", "--steps", "2", "--algorithm", algorithm)
+    ddp = ensure_run(root, "two", "--devices", "2", "--tasks-per-step", "2", "--steps", "2", "--algorithm", algorithm)
+    run(root / "fsdp", "--devices", "2", "--tasks-per-step", "2", "--steps", "2", "--algorithm", algorithm, "--fsdp")
+    ranks = [params(root / "fsdp" / f"params_rank{r}.pt") for r in range(2)]
+    initial = dict(load_model_and_tokenizer("tiny-random")[0].named_parameters())
+    moved = max(float((one[f"0.{n}"] - p.detach()).abs().max()) for n, p in initial.items())
+    assert moved > 1e-3  # the comparison below is not between untrained weights
+    for name in one:
+        torch.testing.assert_close(ranks[1][name], ranks[0][name], rtol=0, atol=0, msg=name)
+        tolerance = 1e-4 if algorithm == "magrpo" else 1e-3
+        torch.testing.assert_close(ranks[0][name], one[name], rtol=0, atol=tolerance, msg=name)
+        torch.testing.assert_close(ranks[0][name], ddp[name], rtol=0, atol=1e-4, msg=name)
+    shards = [json.loads((root / "fsdp" / f"shards_rank{r}.json").read_text()) for r in range(2)]
+    vocab = initial["model.embed_tokens.weight"].shape[0]
+    assert [s["0.model.embed_tokens.weight"][0] for s in shards] == [(vocab + 1) // 2, vocab // 2]
+    for name, shape in shards[0].items():  # every agent weight is sharded along its first dimension
+        assert shape[0] + shards[1][name][0] == one[name].shape[0], name
+    assert set(shards[0]) == {n for n in one if not n.startswith("critic.")}  # IAC's value heads stay whole
+
+
+def test_fsdp_gradients_equal_one_process_bit_for_bit(tmp_path):
+    """lit_marl.fsdp alone: rank 0 runs 3 backward passes and generates 4 tokens, rank 1 runs 1 pass
+    and generates 20; the reduced gradient shards equal one process's gradients of all 4 passes."""
+    script = Path(__file__).parent / "scripts" / "fsdp_grads.py"
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), "29617"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=os.environ,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    reports = [json.loads((tmp_path / f"report_rank{r}.json").read_text()) for r in range(2)]
+    assert [r["generated"] for r in reports] == [4, 20]
+    for report in reports:
+        assert report["max_grad_diff"] == 0.0
+        assert report["sharded"] == report["params"]
+    assert sum(r["embed_rows"] for r in reports) == reports[0]["embed_rows"] * 2 - 1  # 265 + 264
+
+
+def test_fsdp_generates_different_lengths_per_rank_and_trains_a_centralized_critic(tmp_path):
+    """Fresh samples under FSDP, rank r decoding up to 6 + 6r tokens per response (no collective
+    inside generate, so no hang); MAAC's critic model is a sharded model of its own."""
+    run(
+        tmp_path, "--devices", "2", "--tasks-per-step", "2", "--steps", "2", "--algorithm", "maac", "--fsdp", "--sample"
+    )
+    lengths = [json.loads((tmp_path / f"lengths_rank{r}.json").read_text()) for r in range(2)]
+    assert max(lengths[0]) <= 6 < max(lengths[1]) <= 12
+    ranks = [params(tmp_path / f"params_rank{r}.pt") for r in range(2)]
+    for name in ranks[0]:
+        assert torch.isfinite(ranks[0][name]).all(), name
+        torch.testing.assert_close(ranks[1][name], ranks[0][name], rtol=0, atol=0, msg=name)
+    shards = json.loads((tmp_path / "shards_rank0.json").read_text())
+    assert any(name.startswith("critic.") for name in shards)
+
+
 def test_uneven_mini_batch_counts_do_not_hang(built):
     """One node per mini-batch: rank 0's short trees give it fewer mini-batches; it joins the other
     rank's extra optimizer steps with no rows, and both end with the same parameters."""
@@ -78,13 +150,15 @@ def test_distributed_data_parallel_is_refused():
         module.setup("fit")
 
 
-def test_ddp_config_runs_checkpoints_resumes_and_exports(tmp_path, repo_root):
-    """configs/magrpo/slogan_tiny_ddp.yaml through the console script (Lightning launches rank 1),
-    then resumed from its checkpoint for a second epoch; the export reloads with from_pretrained."""
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_config_runs_checkpoints_resumes_and_exports(tmp_path, repo_root, strategy):
+    """configs/magrpo/slogan_tiny_{ddp,fsdp}.yaml through the console script (Lightning launches rank
+    1), then resumed from its checkpoint for a second epoch; the export reloads with from_pretrained.
+    Under FSDP the checkpoint is a folder of shards and the export gathers them."""
     import yaml
     from transformers import AutoModelForCausalLM
 
-    config = yaml.safe_load((repo_root / "configs" / "magrpo" / "slogan_tiny_ddp.yaml").read_text())
+    config = yaml.safe_load((repo_root / "configs" / "magrpo" / f"slogan_tiny_{strategy}.yaml").read_text())
     config["trainer"]["limit_train_batches"] = 1
     config["trainer"]["limit_val_batches"] = 0
     config["trainer"]["logger"]["init_args"]["save_dir"] = str(tmp_path / "logs")
@@ -105,9 +179,34 @@ def test_ddp_config_runs_checkpoints_resumes_and_exports(tmp_path, repo_root):
         )
         assert done.returncode == 0, done.stderr[-3000:]
     assert "Restoring states from the checkpoint" in done.stderr + done.stdout
-    state = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
-    assert len(state["lit_marl"]["ranks"]) == 2  # each rank's RNG and buffers
-    assert state["epoch"] == 1  # written in the second epoch, the resumed one
+    if strategy == "ddp":
+        state = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
+        assert len(state["lit_marl"]["ranks"]) == 2  # each rank's RNG and buffers
+        assert state["epoch"] == 1  # written in the second epoch, the resumed one
+    else:
+        assert sorted(p.name for p in (tmp_path / "checkpoints" / "last.ckpt").iterdir()) == [
+            ".metadata",
+            "__0_0.distcp",
+            "__1_0.distcp",
+            "meta.pt",
+        ]
     for agent in ("agent0", "agent1"):
         model = AutoModelForCausalLM.from_pretrained(tmp_path / "export" / agent)
         assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_fsdp_refuses_what_it_cannot_shard():
+    from lit_marl.algorithms import MAGRPO
+    from lit_marl.fsdp import check_shardable
+
+    with pytest.raises(ConfigError, match="lora_shared_base"):
+        check_shardable(MAGRPO(model="tiny-random", lora={"r": 4}, lora_shared_base=True))
+
+    class TwoByTwo:  # a device mesh with a tensor-parallel dimension of 2
+        mesh_dim_names = ("data_parallel", "tensor_parallel")
+
+        def __getitem__(self, name):
+            return SimpleNamespace(size=lambda: 2)
+
+    with pytest.raises(ConfigError, match="tensor_parallel_size=2.*TeamFSDPStrategy"):
+        MAGRPO(model="tiny-random").shard(TwoByTwo())

@@ -49,6 +49,26 @@ def test_killed_run_resumes_exactly(tmp_path, algorithm):
         torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-6, msg=name)
 
 
+def test_killed_fsdp_run_resumes_exactly(tmp_path):
+    """The same under FSDP on 2 ranks: a sharded checkpoint (a folder, one file of shards per rank)
+    and each rank's own tasks, RNG and buffers."""
+    full = run(tmp_path / "full", "--steps", "4", "--fsdp")
+    assert full.returncode == 0, full.stderr[-2000:]
+    cut = run(tmp_path / "cut", "--steps", "4", "--kill-before", "3", "--fsdp")
+    assert cut.returncode == -signal.SIGKILL, cut.stderr[-2000:]
+    checkpoint = tmp_path / "cut" / "checkpoints" / "last.ckpt"
+    assert checkpoint.is_dir()
+    resumed = run(tmp_path / "cut", "--steps", "4", "--resume", str(checkpoint), "--fsdp")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    for name in ("tasks.jsonl", "tasks_rank1.jsonl"):
+        tasks_full = (tmp_path / "full" / name).read_text().splitlines()
+        assert len(tasks_full) == 4 and (tmp_path / "cut" / name).read_text().splitlines() == tasks_full
+    a = torch.load(tmp_path / "full" / "params.pt")
+    b = torch.load(tmp_path / "cut" / "params.pt")
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-6, msg=name)
+
+
 # --------------------------------------------------------------------------- the task loader
 def test_ranks_share_out_the_tasks_of_one_process():
     tasks = [{"i": i} for i in range(10)]

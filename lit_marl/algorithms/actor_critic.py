@@ -230,11 +230,11 @@ class ActorCritic(AgentTeamModule):
         self.target_kl, self.entropy_coef, self.logprob_reduction = target_kl, entropy_coef, logprob_reduction
         self.rollout_buffer_size, self.train_batch_size = rollout_buffer_size, train_batch_size
         self.critics: nn.ModuleList | None = None
-        self.buffers = [RolloutBuffer() for _ in range(self.hparams.num_agents)]
+        self.rollout_buffers = [RolloutBuffer() for _ in range(self.hparams.num_agents)]
 
     # ------------------------------------------------------------------ models and optimizers
-    def configure_model(self) -> None:
-        super().configure_model()
+    def build_models(self) -> None:
+        super().build_models()
         if self.critics is not None:
             return
         if self.critic_kind == "head":  # one head per learner, on its actor
@@ -470,11 +470,11 @@ class ActorCritic(AgentTeamModule):
     def flush_buffers(self) -> None:
         """One update on everything buffered: actors, then critics, on the same mini-batches."""
         # every rank adds its episodes each step, so all ranks hold samples here or none does
-        if not self.all_ranks_max(len(self.buffers[0])):
+        if not self.all_ranks_max(len(self.rollout_buffers[0])):
             return
         with Timer() as train_time:
             per_agent, inputs = self.prepare(
-                [buffer.drain(agent.pad_token_id) for buffer, agent in zip(self.buffers, self.agents)]
+                [buffer.drain(agent.pad_token_id) for buffer, agent in zip(self.rollout_buffers, self.agents)]
             )
             actor_losses: dict[int, list[float]] = {i: [] for i in range(len(self.learners))}
             critic_losses: dict[int, list[float]] = {i: [] for i in range(len(inputs))}

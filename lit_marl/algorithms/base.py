@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import lightning as L
 import torch
@@ -78,20 +79,49 @@ class AgentTeamModule(L.LightningModule):
         self.lora_shared_base = lora_shared_base
         self.automatic_optimization = False
         self.agents: nn.ModuleList | None = None
-        self.buffers: list[RolloutBuffer] = []  # samples waiting for an update (algorithms that buffer)
+        self.shards = None  # lit_marl.fsdp.TeamShards under FSDP (ModelParallelStrategy)
+        self.rollout_buffers: list[RolloutBuffer] = []  # samples waiting for an update (algorithms that buffer)
         # mini-batch order: seeded, and apart from the sampling RNG so batching changes no rollout
         self.shuffle_generator = torch.Generator().manual_seed(torch.initial_seed() % 2**63)
 
     def configure_model(self) -> None:
-        if self.agents is None:  # loads weights: kept out of __init__ so bad configs fail first
-            if self.share_parameters:
-                shared = Agent(self.sources[0], self.lora, self.system_prompt)
-                self.agents = nn.ModuleList([shared] * len(self.sources))
-            elif self.lora_shared_base:
-                team = Agent.team_on_shared_base(self.sources[0], self.lora, len(self.sources), self.system_prompt)
-                self.agents = nn.ModuleList(team)
-            else:
-                self.agents = nn.ModuleList(Agent(s, self.lora, self.system_prompt) for s in self.sources)
+        self.build_models()  # loads weights: kept out of __init__ so bad configs fail first
+        if self.device_mesh is not None and self.shards is None:  # ModelParallelStrategy: FSDP2
+            self.shard(self.device_mesh)
+
+    def build_models(self) -> None:
+        """Every model of the algorithm not built yet (agents here; critics, references in subclasses)."""
+        if self.agents is not None:
+            return
+        if self.share_parameters:
+            shared = Agent(self.sources[0], self.lora, self.system_prompt)
+            self.agents = nn.ModuleList([shared] * len(self.sources))
+        elif self.lora_shared_base:
+            team = Agent.team_on_shared_base(self.sources[0], self.lora, len(self.sources), self.system_prompt)
+            self.agents = nn.ModuleList(team)
+        else:
+            self.agents = nn.ModuleList(Agent(s, self.lora, self.system_prompt) for s in self.sources)
+
+    def shard(self, mesh) -> None:
+        from lightning.pytorch.overrides.distributed import _sync_module_states
+
+        from lit_marl.fsdp import TeamShards, check_shardable, shardable_models
+
+        if "tensor_parallel" in (mesh.mesh_dim_names or ()) and mesh["tensor_parallel"].size() > 1:
+            raise ConfigError(
+                f"trainer.strategy: tensor_parallel_size={mesh['tensor_parallel'].size()}; lit_marl shards agents "
+                "with FSDP over data-parallel ranks only: use lit_marl.strategies.TeamFSDPStrategy (or "
+                "ModelParallelStrategy with tensor_parallel_size: 1 and data_parallel_size: the number of ranks)"
+            )
+        check_shardable(self)
+        self.to(self.trainer.strategy.root_device)
+        if self.world_size > 1:
+            _sync_module_states(self)  # every rank shards rank 0's weights
+        self.shards = TeamShards(shardable_models(self), mesh["data_parallel"] if mesh.mesh_dim_names else mesh)
+
+    def gathered(self):
+        """The team's full weights for the block under FSDP (see ``lit_marl.fsdp``); else nothing to do."""
+        return self.shards.gathered() if self.shards is not None else nullcontext()
 
     @property
     def learners(self) -> list[list[int]]:
@@ -160,6 +190,9 @@ class AgentTeamModule(L.LightningModule):
                 loss = loss_fn(rows.select(chunk)) / total
                 self.manual_backward(loss)
                 loss_sum += float(loss.detach())
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if self.shards is not None:
+            self.shards.reduce_gradients(params)  # the sharded weights' gradients, summed over ranks
         self.sync_gradients(optimizer)
         loss_sum = self.all_ranks_sum(loss_sum)
         if not math.isfinite(loss_sum):
@@ -169,10 +202,14 @@ class AgentTeamModule(L.LightningModule):
                 f"{name}: non-finite loss {loss_sum} at global step {self.global_step}; the optimizer step was "
                 "skipped and the weights are unchanged. Lower model.learning_rate or check the rewards."
             )
-        if self.hparams.max_grad_norm > 0:
+        if self.hparams.max_grad_norm > 0 and self.shards is not None:
+            self.shards.clip_grad_norm_(params, self.hparams.max_grad_norm)
+        elif self.hparams.max_grad_norm > 0:
             self.clip_gradients(optimizer, gradient_clip_val=self.hparams.max_grad_norm, gradient_clip_algorithm="norm")
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if self.shards is not None:
+            self.shards.refresh(params)
         return loss_sum
 
     # ------------------------------------------------------------------ buffered updates (MAGRPO family, IAC/MAAC)
@@ -182,11 +219,12 @@ class AgentTeamModule(L.LightningModule):
         """Add a training step's samples to the agents' buffers and update (``flush_buffers``) once
         they hold ``rollout_buffer_size`` nodes, decided over all ranks (their trees, hence their
         buffers, can differ)."""
-        for buffer, samples in zip(self.buffers, per_agent):
+        for buffer, samples in zip(self.rollout_buffers, per_agent):
             buffer.add(samples)
         size = self.rollout_buffer_size
-        if size is None or self.all_ranks_max(len(self.buffers[0]) >= size):
-            self.flush_buffers()
+        if size is None or self.all_ranks_max(len(self.rollout_buffers[0]) >= size):
+            with self.gathered():
+                self.flush_buffers()
         self.log_rollout(batch, "train")
 
     def flush_buffers(self) -> None:
@@ -230,10 +268,13 @@ class AgentTeamModule(L.LightningModule):
 
     def sync_gradients(self, optimizer) -> None:
         """Sum the gradients of ``optimizer``'s parameters over ranks, in one flat all-reduce (the
-        module is not wrapped in DistributedDataParallel: see ``lit_marl.strategies``)."""
+        module is not wrapped in DistributedDataParallel: see ``lit_marl.strategies``). Sharded
+        parameters (FSDP) are left out: their gradients were reduced into the shards already."""
+        from torch.distributed.tensor import DTensor
+
         if self.world_size == 1:
             return
-        params = [p for group in optimizer.param_groups for p in group["params"]]
+        params = [p for group in optimizer.param_groups for p in group["params"] if not isinstance(p, DTensor)]
         # a parameter without a gradient on every rank keeps none, as in one process (AdamW then
         # skips it: a zero gradient would still count a step and move it by its momentum)
         has_grad = torch.tensor([float(p.grad is not None) for p in params], device=self.device)
@@ -257,7 +298,7 @@ class AgentTeamModule(L.LightningModule):
             "torch_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
             "shuffle_rng": self.shuffle_generator.get_state(),
-            "buffers": [buffer.state_dict() for buffer in self.buffers],
+            "buffers": [buffer.state_dict() for buffer in self.rollout_buffers],
         }
         ranks = [state]
         if self.world_size > 1:  # every rank saves (joins this gather); rank 0 writes
@@ -280,12 +321,12 @@ class AgentTeamModule(L.LightningModule):
         if state["cuda_rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda_rng"])
         self.shuffle_generator.set_state(state["shuffle_rng"])
-        if len(state["buffers"]) != len(self.buffers):
+        if len(state["buffers"]) != len(self.rollout_buffers):
             raise ValueError(
                 f"the checkpoint holds {len(state['buffers'])} rollout buffers, this {type(self).__name__} has "
-                f"{len(self.buffers)}: resume with the same algorithm and number of agents"
+                f"{len(self.rollout_buffers)}: resume with the same algorithm and number of agents"
             )
-        for buffer, buffered in zip(self.buffers, state["buffers"]):
+        for buffer, buffered in zip(self.rollout_buffers, state["buffers"]):
             buffer.load_state_dict(buffered)
 
     def log_rollout(self, batch: RolloutBatch, prefix: str) -> None:

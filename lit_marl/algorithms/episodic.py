@@ -83,8 +83,8 @@ class EpisodicModule(AgentTeamModule):
         self.discount, self.kl_coef, self.kl_mode = discount, kl_coef, kl_mode
         self.references: nn.ModuleList | None = None
 
-    def configure_model(self) -> None:
-        super().configure_model()
+    def build_models(self) -> None:
+        super().build_models()
         if self.kl_coef > 0 and self.lora is None and self.references is None:
             self.references = nn.ModuleList(
                 copy.deepcopy(self.agents[roles[0]].model).requires_grad_(False) for roles in self.learners
@@ -171,7 +171,7 @@ class EpisodicModule(AgentTeamModule):
 
     def training_step(self, batches: list[EpisodeBatch], batch_idx: int) -> None:
         """Each learner (a model) updates on the sequences of every agent it plays."""
-        with Timer() as train_time:
+        with Timer() as train_time, self.gathered():
             stats = dict.fromkeys(("approx_kl", "clip_frac", "tokens"), 0.0)
             first, all_losses = None, []
             for index, roles in enumerate(self.learners):

@@ -76,10 +76,10 @@ class MAGRPO(AgentTeamModule):
         self.references: nn.ModuleList | None = None
         if reference_kl_coef > 0:
             self.response_penalty = self.reference_kl
-        self.buffers = [RolloutBuffer() for _ in range(self.hparams.num_agents)]
+        self.rollout_buffers = [RolloutBuffer() for _ in range(self.hparams.num_agents)]
 
-    def configure_model(self) -> None:
-        super().configure_model()
+    def build_models(self) -> None:
+        super().build_models()
         if self.reference_kl_coef > 0 and self.lora is None and self.references is None:
             self.references = nn.ModuleList(
                 copy.deepcopy(self.agents[roles[0]].model).requires_grad_(False) for roles in self.learners
@@ -136,14 +136,14 @@ class MAGRPO(AgentTeamModule):
 
     def flush_buffers(self) -> None:
         """Update every learner on all samples in its roles' buffers, one optimizer step per mini-batch."""
-        if not self.all_ranks_max(len(self.buffers[0])):
+        if not self.all_ranks_max(len(self.rollout_buffers[0])):
             return
         with Timer() as train_time:
             for index, roles in enumerate(self.learners):
                 agent = self.agents[roles[0]]
                 merged = RolloutBuffer()  # a shared model learns from every role it played
                 for role in roles:
-                    merged.add(self.buffers[role].drain(agent.pad_token_id))
+                    merged.add(self.rollout_buffers[role].drain(agent.pad_token_id))
                 samples = merged.drain(agent.pad_token_id)  # None: this rank has nothing buffered
                 batches = [] if samples is None else minibatches(samples, self.train_batch_size, self.shuffle_generator)
                 losses = []

@@ -73,8 +73,8 @@ class PPO(EpisodicModule):
         self.value_heads: nn.ModuleList | None = None  # one critic per learner
         self.critic_backbones: nn.ModuleList | None = None
 
-    def configure_model(self) -> None:
-        super().configure_model()
+    def build_models(self) -> None:
+        super().build_models()
         if self.value_heads is not None:
             return
         actor = self.agents[0]

@@ -1,18 +1,22 @@
 """DDP runs for the distributed tests, launched as a script (Lightning re-launches it per rank).
 
 python ddp_run.py OUT --build --tasks-per-step B --steps S      # sampled rollouts of every task, once
-python ddp_run.py OUT --devices N --tasks-per-step B --steps S [--train-batch-size K] [--algorithm ...]
+python ddp_run.py OUT --devices N --tasks-per-step B --steps S [--train-batch-size K] [--algorithm ...] [--fsdp]
 
 Training steps replay the built rollouts of their tasks, so runs with different numbers of ranks
 train on identical samples (sampling in one process and in two draws different random numbers). The
 tasks that land on rank 0 of a 2-rank run score 1.0 at turn 0 and end early (early termination),
-so rank 0's trees are shorter than rank 1's. Each rank saves its parameters to OUT/params_rank{r}.pt.
+so rank 0's trees are shorter than rank 1's. Each rank saves its parameters to OUT/params_rank{r}.pt
+(full tensors; under ``--fsdp`` also the shapes of its local shards, in OUT/shards_rank{r}.json).
+``--sample`` trains on fresh samples instead of the built rollouts, rank r generating up to 6 + 6r
+tokens per response (generation on sharded weights with a different number of decoding steps per rank).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -20,13 +24,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
 
 from helpers import make_trainer, slogan_data  # noqa: E402
-from lit_marl.algorithms import IAC, MAGRPO  # noqa: E402
+from lit_marl.algorithms import IAC, MAAC, MAGRPO  # noqa: E402
 from lit_marl.data import RolloutDataModule, TaskLoader  # noqa: E402
 from lit_marl.envs.slogan import reward as slogan_reward  # noqa: E402
 from lit_marl.rollout.batch import AgentSamples, RolloutBatch  # noqa: E402
-from lit_marl.strategies import TeamDDPStrategy  # noqa: E402
+from lit_marl.strategies import TeamDDPStrategy, TeamFSDPStrategy  # noqa: E402
 
 
 def key(task: dict) -> str:
@@ -106,6 +111,16 @@ class Replay(RolloutDataModule):
         return RolloutBatch(agents=per_agent, rewards=torch.cat([s["rewards"] for s in saved]))
 
 
+class GeneratedLengths(L.Callback):
+    """The longest response of each training batch on this rank (its number of decoding steps)."""
+
+    def __init__(self):
+        self.seen: list[int] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.seen.append(max(int(s.completion_mask.sum(-1).max()) for s in batch.agents))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
@@ -115,30 +130,48 @@ def main() -> None:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--train-batch-size", type=int)
     parser.add_argument("--algorithm", default="magrpo")
+    parser.add_argument("--fsdp", action="store_true")
+    parser.add_argument("--sample", action="store_true")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.build:
         return build(args.out, args.algorithm, args.tasks_per_step, args.steps)
     L.seed_everything(0)
     kwargs = dict(model="tiny-random", num_agents=2, learning_rate=1e-2, train_batch_size=args.train_batch_size)
-    module = (MAGRPO if args.algorithm == "magrpo" else IAC)(**kwargs)
-    data = Replay(**slogan_data(**data_kwargs(args.algorithm, args.tasks_per_step)).hparams)
-    data.rollouts = torch.load(args.out.parent / "rollouts.pt")
+    module = {"magrpo": MAGRPO, "iac": IAC, "maac": MAAC}[args.algorithm](**kwargs)
+    hparams = slogan_data(**data_kwargs(args.algorithm, args.tasks_per_step)).hparams
+    if args.sample:
+        # each rank decodes its own number of tokens (the random model seldom ends a response early)
+        rank = int(os.environ.get("LOCAL_RANK", 0))
+        data = RolloutDataModule(**{**hparams, "max_new_tokens": 6 + 6 * rank})
+    else:
+        data = Replay(**hparams)
+        data.rollouts = torch.load(args.out.parent / "rollouts.pt")
+    strategy = "auto"
+    if args.devices > 1:
+        strategy = TeamFSDPStrategy(save_distributed_checkpoint=False) if args.fsdp else TeamDDPStrategy()
+    lengths = GeneratedLengths()
     trainer = make_trainer(
         args.out,
+        callbacks=[lengths],
         logger=False,
         devices=args.devices,
-        strategy=TeamDDPStrategy() if args.devices > 1 else "auto",
+        strategy=strategy,
         limit_train_batches=args.steps,
         limit_val_batches=0,
     )
     trainer.fit(module, datamodule=data)
-    params = {
-        f"{i}.{n}": p.detach().clone() for i, a in enumerate(module.agents) for n, p in a.model.named_parameters()
-    }
+    (args.out / f"lengths_rank{trainer.global_rank}.json").write_text(json.dumps(lengths.seen))
+    named = [(f"{i}.{n}", p) for i, a in enumerate(module.agents) for n, p in a.model.named_parameters()]
     if args.algorithm != "magrpo":
-        params.update({f"critic.{n}": p.detach().clone() for n, p in module.critics.named_parameters()})
-    torch.save(params, args.out / f"params_rank{trainer.global_rank}.pt")
+        named += [(f"critic.{n}", p) for n, p in module.critics.named_parameters()]
+    full = {name: p.full_tensor() if isinstance(p, DTensor) else p for name, p in named}
+    torch.save(
+        {name: p.detach().clone() for name, p in full.items()}, args.out / f"params_rank{trainer.global_rank}.pt"
+    )
+    if args.fsdp:
+        shards = {name: list(p.to_local().shape) for name, p in named if isinstance(p, DTensor)}
+        (args.out / f"shards_rank{trainer.global_rank}.json").write_text(json.dumps(shards))
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     (args.out / f"metrics_rank{trainer.global_rank}.json").write_text(json.dumps(metrics))
 

@@ -1,9 +1,10 @@
 """One training run for the resume tests, in its own process so that it can be SIGKILLed.
 
-python resume_run.py OUT --steps N [--kill-before K] [--resume CKPT] [--algorithm magrpo|iac]
+python resume_run.py OUT --steps N [--kill-before K] [--resume CKPT] [--algorithm magrpo|iac] [--fsdp]
 
-Writes OUT/tasks.jsonl (the task rows of every training step, in order, appended) and, when the
-run finishes, OUT/params.pt (every agent's parameters). --kill-before K kills the process with
+Writes OUT/tasks.jsonl (the task rows of every training step, in order, appended; rank r > 0 of an
+``--fsdp`` run, 2 ranks with sharded checkpoints, writes tasks_rank{r}.jsonl) and, when the run
+finishes, OUT/params.pt (every agent's parameters, full tensors). --kill-before K kills the process with
 SIGKILL when training step K (0-based) is about to start, after the checkpoint of step K-1.
 """
 
@@ -20,11 +21,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
 
 from helpers import make_trainer, slogan_data  # noqa: E402
 from lit_marl.algorithms import IAC, MAGRPO  # noqa: E402
 from lit_marl.callbacks import StepCheckpoint  # noqa: E402
 from lit_marl.data import RolloutDataModule  # noqa: E402
+from lit_marl.strategies import TeamFSDPStrategy  # noqa: E402
 
 
 class Recorder(L.Callback):
@@ -34,7 +37,8 @@ class Recorder(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if self.kill_before is not None and trainer.fit_loop.total_batch_idx == self.kill_before:
             os.kill(os.getpid(), signal.SIGKILL)
-        with open(self.out / "tasks.jsonl", "a") as f:
+        name = "tasks.jsonl" if trainer.global_rank == 0 else f"tasks_rank{trainer.global_rank}.jsonl"
+        with open(self.out / name, "a") as f:
             f.write(json.dumps(trainer.datamodule.current_tasks, sort_keys=True) + "\n")
 
 
@@ -52,6 +56,7 @@ def main() -> None:
     parser.add_argument("--kill-before", type=int)
     parser.add_argument("--resume")
     parser.add_argument("--algorithm", default="magrpo")
+    parser.add_argument("--fsdp", action="store_true")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     L.seed_everything(0)
@@ -76,12 +81,16 @@ def main() -> None:
         limit_train_batches=args.steps,
         limit_val_batches=0,
         callbacks=[Recorder(args.out, args.kill_before), StepCheckpoint(str(args.out / "checkpoints"))],
+        **(dict(devices=2, strategy=TeamFSDPStrategy()) if args.fsdp else {}),
     )
     trainer.fit(module, datamodule=data, ckpt_path=args.resume)
     params = {
-        f"{i}.{n}": p.detach().clone() for i, a in enumerate(module.agents) for n, p in a.model.named_parameters()
+        f"{i}.{n}": (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for i, a in enumerate(module.agents)
+        for n, p in a.model.named_parameters()
     }
-    torch.save(params, args.out / "params.pt")
+    if trainer.is_global_zero:
+        torch.save(params, args.out / "params.pt")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,70 @@
+"""Two ranks (gloo) shard one tiny model with ``lit_marl.fsdp.TeamShards`` and run different numbers
+of forward/backward passes, and generate different numbers of tokens, inside ``gathered()``; after
+``reduce_gradients`` each rank's gradient shards must equal the gradients of one process that ran
+every pass. Writes OUT/report_rank{r}.json.
+
+python fsdp_grads.py OUT PORT
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+
+def loss_of(model, ids):
+    return model(input_ids=ids).logits.float().log_softmax(-1).mean()
+
+
+def worker(rank: int, world: int, folder: str, port: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from lit_marl.fsdp import TeamShards
+    from lit_marl.models import load_model_and_tokenizer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    model, _ = load_model_and_tokenizer("tiny-random")
+    single = copy.deepcopy(model)
+    shards = TeamShards([model], init_device_mesh("cpu", (world,)))
+    batches = [torch.randint(3, 500, (2, 6), generator=torch.Generator().manual_seed(100 + i)) for i in range(4)]
+    mine = batches[:3] if rank == 0 else batches[3:]  # 3 passes on rank 0, 1 on rank 1
+    new_tokens = 4 + 16 * rank
+    params = list(model.parameters())  # the sharded parameters, as an optimizer holds them
+    with shards.gathered():
+        out = model.generate(
+            input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True
+        )
+        for ids in mine:
+            loss_of(model, ids).backward()
+        shards.reduce_gradients(params)
+        shards.refresh(params)
+    local = {n: p.to_local().shape[0] for n, p in model.named_parameters() if isinstance(p, DTensor)}
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    for ids in batches:
+        loss_of(single, ids).backward()
+    worst = max(float((grads[n] - p.grad).abs().max()) for n, p in single.named_parameters())
+    report = {
+        "rank": rank,
+        "generated": out.shape[1] - 3,
+        "max_grad_diff": worst,
+        "embed_rows": local["model.embed_tokens.weight"],
+        "sharded": len(local),
+        "params": len(grads),
+    }
+    (Path(folder) / f"report_rank{rank}.json").write_text(json.dumps(report))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mp.spawn(worker, args=(2, sys.argv[1], sys.argv[2]), nprocs=2)
