@@ -167,13 +167,26 @@ class TaskDataModule(L.LightningDataModule):
 
     @torch.no_grad()
     def evaluate(self, agents) -> dict[str, float]:
-        """Greedy rollouts on all held-out tasks; each metric's mean over the tasks."""
+        """Greedy rollouts on all held-out tasks; each metric's mean over the tasks. With several
+        ranks each rank plays every world-th task and the sums are gathered: every rank returns
+        the same means, having played its share only."""
         if not self.val_tasks:
             raise ConfigError("data.val_path: the held-out evaluation needs held-out tasks")
+        trainer = self.trainer
+        rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
         totals: dict[str, float] = {}
-        for batch in self.val_dataloader():
+        mine = self.val_tasks[rank::world]
+        for batch in task_loader(mine, self.hparams.eval_tasks_per_step, False, self.hparams.seed) if mine else []:
             for key, value in self.evaluation_metrics(agents, batch).items():
                 totals[key] = totals.get(key, 0.0) + value * len(batch)
+        if world > 1:
+            # ranks may report different keys (e.g. per-turn metrics of trees that ended early): merge
+            gathered: list[dict[str, float]] = [{} for _ in range(world)]
+            torch.distributed.all_gather_object(gathered, totals)
+            totals = {}
+            for part in gathered:
+                for key, value in part.items():
+                    totals[key] = totals.get(key, 0.0) + value
         return {key: value / len(self.val_tasks) for key, value in totals.items()}
 
 

@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 
 from helpers import make_trainer, slogan_data  # noqa: E402
 from lit_marl.algorithms import IAC, MAAC, MAGRPO  # noqa: E402
+from lit_marl.callbacks import HeldOutEvaluation  # noqa: E402
 from lit_marl.data import RolloutDataModule, TaskLoader  # noqa: E402
 from lit_marl.envs.slogan import reward as slogan_reward  # noqa: E402
 from lit_marl.rollout.batch import AgentSamples, RolloutBatch  # noqa: E402
@@ -132,6 +133,7 @@ def main() -> None:
     parser.add_argument("--algorithm", default="magrpo")
     parser.add_argument("--fsdp", action="store_true")
     parser.add_argument("--sample", action="store_true")
+    parser.add_argument("--evaluate", action="store_true", help="held-out before/after: OUT/heldout_rank{r}.json")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.build:
@@ -151,9 +153,10 @@ def main() -> None:
     if args.devices > 1:
         strategy = TeamFSDPStrategy(save_distributed_checkpoint=False) if args.fsdp else TeamDDPStrategy()
     lengths = GeneratedLengths()
+    evaluation = HeldOutEvaluation()
     trainer = make_trainer(
         args.out,
-        callbacks=[lengths],
+        callbacks=[lengths, evaluation] if args.evaluate else [lengths],
         logger=False,
         devices=args.devices,
         strategy=strategy,
@@ -162,6 +165,9 @@ def main() -> None:
     )
     trainer.fit(module, datamodule=data)
     (args.out / f"lengths_rank{trainer.global_rank}.json").write_text(json.dumps(lengths.seen))
+    if args.evaluate:
+        heldout = {"before": evaluation.before, "after": evaluation.after}
+        (args.out / f"heldout_rank{trainer.global_rank}.json").write_text(json.dumps(heldout))
     named = [(f"{i}.{n}", p) for i, a in enumerate(module.agents) for n, p in a.model.named_parameters()]
     if args.algorithm != "magrpo":
         named += [(f"critic.{n}", p) for n, p in module.critics.named_parameters()]
