@@ -242,6 +242,7 @@ def test_episodic_algorithms_train_on_two_fsdp_ranks(tmp_path, repo_root, algori
         strategy={"class_path": "lit_marl.strategies.TeamFSDPStrategy"},
         limit_val_batches=0,
         logger=False,
+        default_root_dir=str(tmp_path),  # LightningCLI writes its config.yaml here, not into the checkout
         callbacks=[{"class_path": "lit_marl.callbacks.HFExport", "init_args": {"dirpath": str(tmp_path / "export")}}],
     )
     path = tmp_path / "fsdp.yaml"
