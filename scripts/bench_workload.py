@@ -1,0 +1,155 @@
+"""The fixed MAGRPO benchmark workload, shared by lit_marl's benchmark and the CoMLRL worker so that
+both frameworks run exactly the same model, prompts, reward and transition (plain Python + HF, no
+lit_marl import: the CoMLRL worker runs in its own virtual environment).
+
+- model: a tiny random Qwen2 (byte-level BPE, vocab 512 trained on a synthetic corpus; hidden 64,
+  2 layers, 4 heads, 2 KV heads, intermediate 128, tied embeddings), built once and cached;
+- task i: "Task i: together write about <topic>. <8 filler words>" (the same prompt for each agent);
+- joint reward: mean over agent pairs of 0.5 * Jaccard of the two texts' lower-case character sets
+  + 0.5 * shorter length / longer length;
+- transition: original prompt + "Your previous reply: ..." + "Partner replies: ..." + "Revise and
+  combine both:".
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import tempfile
+from itertools import combinations
+from pathlib import Path
+
+TOPICS = [
+    "the sea",
+    "a mountain town",
+    "winter markets",
+    "old trains",
+    "a quiet library",
+    "city gardens",
+    "night skies",
+    "bread baking",
+    "river boats",
+    "a school choir",
+    "desert roads",
+    "paper kites",
+]
+FILLER = [
+    "please",
+    "keep",
+    "it",
+    "short",
+    "and",
+    "clear",
+    "for",
+    "everyone",
+    "who",
+    "reads",
+    "this",
+    "today",
+    "kindly",
+    "simple",
+    "words",
+    "only",
+]
+CHATML_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+MODEL_VERSION = "v1"
+
+
+def task_prompt(i: int) -> str:
+    rng = random.Random(i)
+    words = " ".join(rng.choice(FILLER) for _ in range(8))
+    return f"Task {i}: together write about {TOPICS[i % len(TOPICS)]}. {words}"
+
+
+def tasks(n: int) -> list[dict]:
+    return [{"task_id": i, "prompt": task_prompt(i)} for i in range(n)]
+
+
+def pair_score(a: str, b: str) -> float:
+    sa, sb = set(a.lower()), set(b.lower())
+    jaccard = len(sa & sb) / len(sa | sb) if sa | sb else 1.0
+    longer = max(len(a), len(b))
+    ratio = min(len(a), len(b)) / longer if longer else 1.0
+    return 0.5 * jaccard + 0.5 * ratio
+
+
+def joint_reward(texts: list[str]) -> float:
+    """One joint action: the agents' texts."""
+    pairs = list(combinations(texts, 2))
+    return sum(pair_score(a, b) for a, b in pairs) / len(pairs) if pairs else 0.0
+
+
+def next_prompt(original: str, own: str, partners: list[str]) -> str:
+    return f"{original}\nYour previous reply: {own}\nPartner replies: {' | '.join(partners)}\nRevise and combine both:"
+
+
+def _corpus() -> list[str]:
+    rng = random.Random(0)
+    words = TOPICS + FILLER + "together write about task revise combine both your previous reply partner".split()
+    lines = [task_prompt(i) for i in range(400)]
+    for _ in range(1500):
+        lines.append(" ".join(rng.choice(words) for _ in range(rng.randint(4, 14))) + rng.choice([".", "!", "?"]))
+    return lines
+
+
+def build_model(folder: Path) -> None:
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=512, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        chat_template=CHATML_TEMPLATE,
+    )
+    config = Qwen2Config(
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def default_model_folder() -> Path:
+    """The cached tiny model (built on first use; atomic: a temp folder renamed into place)."""
+    root = Path(os.environ.get("LIT_MARL_CACHE", Path.home() / ".cache" / "lit_marl"))
+    folder = root / f"bench-qwen2-tiny-{MODEL_VERSION}"
+    if not (folder / "config.json").exists():
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{folder.name}-"))
+        try:
+            build_model(tmp)
+            tmp.rename(folder)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not (folder / "config.json").exists():
+                raise
+    return folder

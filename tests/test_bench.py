@@ -1,0 +1,59 @@
+"""The benchmark's fixed workload (scripts/bench_workload.py) and the call counts of one lit_marl
+benchmark step: the batching invariants it reports (never timings)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+import bench_workload as workload  # noqa: E402
+
+
+def test_joint_reward_is_character_jaccard_plus_length_ratio():
+    assert workload.joint_reward(["Abc", "cba"]) == pytest.approx(1.0)  # same characters, same length
+    assert workload.joint_reward(["ab", "cd"]) == pytest.approx(0.5 * 0 + 0.5 * 1)
+    assert workload.joint_reward(["aaaa", "a"]) == pytest.approx(0.5 * 1 + 0.5 * 0.25)
+    assert workload.joint_reward(["", ""]) == pytest.approx(1.0)
+    # three agents: the mean over the three pairs
+    three = workload.joint_reward(["ab", "ab", "cd"])
+    assert three == pytest.approx((1.0 + 0.5 + 0.5) / 3)
+
+
+def test_tasks_and_transition_are_fixed():
+    assert workload.tasks(3) == workload.tasks(3)
+    prompt = workload.task_prompt(7)
+    assert prompt.startswith("Task 7: together write about ") and len(prompt.split(". ")[1].split()) == 8
+    text = workload.next_prompt("P", "mine", ["yours", "theirs"])
+    assert text == "P\nYour previous reply: mine\nPartner replies: yours | theirs\nRevise and combine both:"
+
+
+def test_one_benchmark_step_makes_one_generate_per_agent_per_turn(tmp_path):
+    """MAGRPO, 2 agents, G=2, T=2 aligned: per step 2 turns x 2 agents generate calls (one batched
+    call over all open nodes), 2 reward calls (one per turn), 2 x 2 x (1 + 2) sequences, and one
+    optimizer step per agent."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SCRIPTS)}
+    args = ["--worker", "--num-generations", "2", "--num-turns", "2", "--joint-mode", "aligned"]
+    args += ["--max-new-tokens", "6", "--steps", "1", "--warmup", "1"]
+    done = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bench_magrpo.py"), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["generate_calls_per_step"] == 4
+    assert result["reward_calls_per_step"] == 2
+    assert result["sequences_per_step"] == 2 * 2 * (1 + 2)
+    assert result["optimizer_steps_per_step"] == 2
+    assert 0 < result["generated_tokens_per_step"] <= 12 * 6
