@@ -17,11 +17,10 @@ step and buffer-drain methods, to time them. The last stdout line is one JSON ob
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
-import resource
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -38,102 +37,35 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch.optim.optimizer import register_optimizer_step_post_hook  # noqa: E402
 
-TOTALS_KEYS = (
-    "generate_calls",
-    "generate_s",
-    "generated_tokens",
-    "sequences",
-    "prompt_tokens",
-    "reward_calls",
-    "transition_calls",
-    "reward_transition_s",
-    "train_forward_passes",
-    "nograd_forward_passes",
-    "optimizer_steps",
-    "update_s",
-)
 
+class Probe(workload.StepProbe):
+    """The shared probe, plus the workload's reward and transition in CoMLRL's calling conventions."""
 
-class Probe:
-    """Counters and timers; ``mark`` snapshots them at step boundaries."""
-
-    def __init__(self):
-        self.totals = dict.fromkeys(TOTALS_KEYS, 0.0)
-        self.in_generate = False
-        self.steps: list[dict] = []
-
-    # ---- the workload's reward and transition, in CoMLRL's calling conventions
     def reward_func(self, *agent_completions):
         """CoMLRL passes one list of texts per agent (MAGRPO: one text each, one joint action per
         call; IAC/MAAC: the G texts of each agent) and expects one joint reward per joint action."""
-        start = time.perf_counter()
-        n = len(agent_completions[0])
-        out = [workload.joint_reward([agent[j] for agent in agent_completions]) for j in range(n)]
-        self.totals["reward_calls"] += 1
-        self.totals["reward_transition_s"] += time.perf_counter() - start
-        return out
+        return [
+            workload.joint_reward([agent[j] for agent in agent_completions]) for j in range(len(agent_completions[0]))
+        ]
 
     def transition(
         self, prompt, agent_completions, num_agents, prompt_history_per_agent=None, response_history_per_agent=None
     ):
         """CoMLRL's external transition: the task's original prompt and one joint action -> the
         next prompt of each agent."""
-        start = time.perf_counter()
-        out = [
-            workload.next_prompt(prompt, agent_completions[i], [c for k, c in enumerate(agent_completions) if k != i])
-            for i in range(num_agents)
-        ]
-        self.totals["transition_calls"] += 1
-        self.totals["reward_transition_s"] += time.perf_counter() - start
-        return out
+        partners = [[c for k, c in enumerate(agent_completions) if k != i] for i in range(num_agents)]
+        return [workload.next_prompt(prompt, agent_completions[i], partners[i]) for i in range(num_agents)]
 
-    # ---- wrappers around the models and the optimizers
-    def wrap_model(self, model, pad_id: int):
-        generate, forward = model.generate, model.forward
+    def step(self, fn):
+        """A trainer method that runs one whole training step."""
 
-        def counted_generate(*a, **kw):
-            start = time.perf_counter()
-            self.in_generate = True
-            try:
-                out = generate(*a, **kw)
-            finally:
-                self.in_generate = False
-            sequences = out if isinstance(out, torch.Tensor) else out.sequences
-            prompt = kw["input_ids"] if "input_ids" in kw else a[0]
-            completion = sequences[:, prompt.shape[1] :]
-            self.totals["generate_calls"] += 1
-            self.totals["generate_s"] += time.perf_counter() - start
-            self.totals["generated_tokens"] += float((completion != pad_id).sum())
-            self.totals["sequences"] += completion.shape[0]
-            mask = kw.get("attention_mask")
-            self.totals["prompt_tokens"] += float(mask.sum()) if mask is not None else prompt.numel()
-            return out
-
-        def counted_forward(*a, **kw):
-            if not self.in_generate:
-                key = "train_forward_passes" if torch.is_grad_enabled() else "nograd_forward_passes"
-                self.totals[key] += 1
-            return forward(*a, **kw)
-
-        model.generate, model.forward = counted_generate, counted_forward
-
-    def count_optimizer_step(self, optimizer, args, kwargs):
-        self.totals["optimizer_steps"] += 1
-
-    def timed(self, fn, key=None):
-        """Wrap a trainer method: time it as a step (key None) or add its time to ``key``."""
-
+        @functools.wraps(fn)
         def wrapper(*a, **kw):
-            start = time.perf_counter()
-            before = dict(self.totals)
+            self.step_begin()
             try:
                 return fn(*a, **kw)
             finally:
-                elapsed = time.perf_counter() - start
-                if key is None:
-                    self.steps.append({"time": elapsed, **{k: self.totals[k] - before[k] for k in self.totals}})
-                else:
-                    self.totals[key] += elapsed
+                self.step_end()
 
         return wrapper
 
@@ -166,7 +98,10 @@ def build_trainer(args, probe: Probe):
     dataset = Dataset.from_list(workload.tasks(total))
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     formatter = chat_formatter(tokenizer)
-    transition = probe.transition if args.num_turns > 1 else None
+    transition = (
+        probe.timed(probe.transition, "reward_transition_s", "transition_calls") if args.num_turns > 1 else None
+    )
+    reward = probe.timed(probe.reward_func, "reward_transition_s", "reward_calls")
     common = dict(
         agent_learning_rate=args.lr,
         num_agents=args.num_agents,
@@ -198,7 +133,7 @@ def build_trainer(args, probe: Probe):
         trainer = MAGRPOTrainer(
             agent_model=args.model,
             num_agents=args.num_agents,
-            reward_func=probe.reward_func,
+            reward_func=reward,
             formatters=formatter,
             external_transition=transition,
             train_dataset=dataset,
@@ -220,7 +155,7 @@ def build_trainer(args, probe: Probe):
             trainer = IACTrainer(
                 agent_model=args.model,
                 critic_model=args.model if separate else None,
-                reward_func=probe.reward_func,
+                reward_func=reward,
                 formatters=formatter,
                 external_transition=transition,
                 train_dataset=dataset,
@@ -232,7 +167,7 @@ def build_trainer(args, probe: Probe):
             trainer = MAACTrainer(
                 agent_model=args.model,
                 critic_model=args.model,
-                reward_func=probe.reward_func,
+                reward_func=reward,
                 formatters=formatter,
                 external_transition=transition,
                 train_dataset=dataset,
@@ -248,7 +183,7 @@ def build_trainer(args, probe: Probe):
     pad_id = trainer.tokenizers[0].pad_token_id
     for model in agents + critics:
         probe.wrap_model(model, pad_id)
-    setattr(trainer, step_method, probe.timed(getattr(trainer, step_method)))
+    setattr(trainer, step_method, probe.step(getattr(trainer, step_method)))
     setattr(trainer, drain_method, probe.timed(getattr(trainer, drain_method), "update_s"))
     info = {
         "comlrl_config": {k: v for k, v in vars(config).items() if not k.startswith("_")},
@@ -302,39 +237,13 @@ def main() -> None:
 
     if len(probe.steps) != args.warmup + args.steps:
         raise RuntimeError(f"expected {args.warmup + args.steps} steps, saw {len(probe.steps)}")
-    measured = probe.steps[args.warmup :]
-    times = [s["time"] for s in measured]
-
-    def mean(key):
-        return statistics.fmean(s[key] for s in measured)
-
-    median = statistics.median(times)
-    tokens = mean("generated_tokens")
-    generate_s, reward_s = mean("generate_s"), mean("reward_transition_s")
     result = {
         "framework": "comlrl",
         "algorithm": args.algorithm,
         "num_generations": args.num_generations,
         "num_turns": args.num_turns,
         "joint_mode": args.joint_mode,
-        "step_times_s": [round(t, 4) for t in times],
-        "median_step_s": median,
-        "min_step_s": min(times),
-        "generated_tokens_per_step": tokens,
-        "tokens_per_s": tokens / median,
-        "generate_calls_per_step": mean("generate_calls"),
-        "reward_calls_per_step": mean("reward_calls"),
-        "transition_calls_per_step": mean("transition_calls"),
-        "train_forward_passes_per_step": mean("train_forward_passes"),
-        "nograd_forward_passes_per_step": mean("nograd_forward_passes"),
-        "optimizer_steps_per_step": mean("optimizer_steps"),
-        "sequences_per_step": mean("sequences"),
-        "prompt_tokens_per_step": mean("prompt_tokens"),
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "generate_s": generate_s,
-        "reward_transition_s": reward_s,
-        "train_s": statistics.fmean(times) - generate_s - reward_s,
-        "update_s": mean("update_s"),
+        **probe.summary(args.warmup),
         "train_wall_s": train_wall,
         "comlrl_version": __import__("comlrl").__version__,
         "torch_version": torch.__version__,

@@ -24,7 +24,6 @@ import argparse
 import itertools
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -42,26 +41,21 @@ import torch  # noqa: E402
 from torch.optim.optimizer import register_optimizer_step_post_hook  # noqa: E402
 
 # --------------------------------------------------------------------------- lit_marl's reward and transition
-COUNTS = {"reward_calls": 0, "reward_s": 0.0}
+PROBE = workload.StepProbe()
 
 
-def lit_reward(agent_completions: list[list[str]], tasks: list[dict]) -> list[float]:
+def _reward(agent_completions: list[list[str]], tasks: list[dict]) -> list[float]:
     """The workload's joint reward in lit_marl's batched form: one call per turn for all joint actions."""
-    start = time.perf_counter()
-    COUNTS["reward_calls"] += 1
-    out = [workload.joint_reward([agent[j] for agent in agent_completions]) for j in range(len(tasks))]
-    COUNTS["reward_s"] += time.perf_counter() - start
-    return out
+    return [workload.joint_reward([agent[j] for agent in agent_completions]) for j in range(len(tasks))]
 
 
-def lit_transition(*, prompt, agent_completions, num_agents, prompt_history_per_agent, response_history_per_agent):
-    start = time.perf_counter()
-    out = [
-        workload.next_prompt(prompt[i], agent_completions[i], [c for k, c in enumerate(agent_completions) if k != i])
-        for i in range(num_agents)
-    ]
-    COUNTS["reward_s"] += time.perf_counter() - start
-    return out
+def _transition(*, prompt, agent_completions, num_agents, prompt_history_per_agent, response_history_per_agent):
+    partners = [[c for k, c in enumerate(agent_completions) if k != i] for i in range(num_agents)]
+    return [workload.next_prompt(prompt[i], agent_completions[i], partners[i]) for i in range(num_agents)]
+
+
+lit_reward = PROBE.timed(_reward, "reward_transition_s", "reward_calls")
+lit_transition = PROBE.timed(_transition, "reward_transition_s", "transition_calls")
 
 
 # --------------------------------------------------------------------------- one lit_marl measurement
@@ -91,7 +85,6 @@ def run_lit_marl(args) -> dict:
     )
     cls = {"magrpo": MAGRPO, "iac": IAC, "maac": MAAC}[args.algorithm]
     module = cls(model=args.model, num_agents=args.num_agents, learning_rate=args.lr)
-    probe = Probe()
     trainer = L.Trainer(
         accelerator="cpu",
         max_epochs=1,
@@ -102,32 +95,17 @@ def run_lit_marl(args) -> dict:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[probe],
+        callbacks=[Probe()],
     )
     trainer.fit(module, datamodule=data)
-    result = probe.summary(args)
+    result = PROBE.summary(args.warmup)
     if args.floor:
-        result.update(floor(module, probe, args))
+        result.update(floor(module, result))
     return result
 
 
 class Probe(L.Callback):
-    """Counts and times what happens in each training step (wrapping the models' generate and
-    forward, the optimizers' step, the reward and transition)."""
-
-    def __init__(self):
-        keys = (
-            "generate_calls",
-            "generate_s",
-            "generated_tokens",
-            "sequences",
-            "prompt_tokens",
-            "train_forward_passes",
-            "optimizer_steps",
-        )
-        self.totals = dict.fromkeys(keys, 0.0)
-        self.marks: list[tuple[float, dict]] = []
-        self.in_generate = False
+    """Delimits the training steps for ``PROBE`` and wraps the team's models once they exist."""
 
     def on_fit_start(self, trainer, pl_module):
         seen = set()
@@ -136,83 +114,20 @@ class Probe(L.Callback):
         for model, pad_id in models:
             if id(model) not in seen:
                 seen.add(id(model))
-                self.wrap(model, pad_id)
-        register_optimizer_step_post_hook(self.count_step)
-
-    def count_step(self, optimizer, args, kwargs):
-        self.totals["optimizer_steps"] += 1
-
-    def wrap(self, model, pad_id):
-        generate, forward = model.generate, model.forward
-
-        def counted_generate(*a, **kw):
-            start = time.perf_counter()
-            self.in_generate = True
-            try:
-                out = generate(*a, **kw)
-            finally:
-                self.in_generate = False
-            completion = out[:, kw["input_ids"].shape[1] :]
-            self.totals["generate_calls"] += 1
-            self.totals["generate_s"] += time.perf_counter() - start
-            self.totals["generated_tokens"] += float((completion != pad_id).sum())
-            self.totals["sequences"] += completion.shape[0]
-            self.totals["prompt_tokens"] += float(kw["attention_mask"].sum())
-            return out
-
-        def counted_forward(*a, **kw):
-            if not self.in_generate and torch.is_grad_enabled():
-                self.totals["train_forward_passes"] += 1
-            return forward(*a, **kw)
-
-        model.generate, model.forward = counted_generate, counted_forward
+                PROBE.wrap_model(model, pad_id)
+        register_optimizer_step_post_hook(PROBE.count_optimizer_step)
 
     def on_train_epoch_start(self, trainer, pl_module):
-        self.mark()
+        PROBE.step_begin()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.mark()
-
-    def mark(self):
-        self.marks.append((time.perf_counter(), {**self.totals, **COUNTS}))
-
-    def summary(self, args) -> dict:
-        steps = [
-            {"time": t1 - t0, **{k: c1[k] - c0[k] for k in c1}}
-            for (t0, c0), (t1, c1) in zip(self.marks, self.marks[1:])
-        ]
-        measured = steps[args.warmup :]
-        times = [s["time"] for s in measured]
-
-        def mean(key):
-            return statistics.fmean(s[key] for s in measured)
-
-        median = statistics.median(times)
-        tokens = mean("generated_tokens")
-        generate_s, reward_s = mean("generate_s"), mean("reward_s")
-        return {
-            "step_times_s": [round(t, 4) for t in times],
-            "median_step_s": median,
-            "min_step_s": min(times),
-            "generated_tokens_per_step": tokens,
-            "tokens_per_s": tokens / median,
-            "generate_calls_per_step": mean("generate_calls"),
-            "reward_calls_per_step": mean("reward_calls"),
-            "train_forward_passes_per_step": mean("train_forward_passes"),
-            "optimizer_steps_per_step": mean("optimizer_steps"),
-            "sequences_per_step": mean("sequences"),
-            "prompt_tokens_per_step": mean("prompt_tokens"),
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "generate_s": generate_s,
-            "reward_transition_s": reward_s,
-            "train_s": statistics.fmean(times) - generate_s - reward_s,
-        }
+        PROBE.step_end()  # a step: from the previous step's end (its rollout included) to this one's
+        PROBE.step_begin()
 
 
-def floor(module, probe, args) -> dict:
+def floor(module, summary: dict) -> dict:
     """One batched generate of the step's sequences and tokens, and one batched forward/backward
     over them, on the first agent's model: what a step could cost at best."""
-    summary = probe.summary(args)
     rows = max(1, round(summary["sequences_per_step"]))
     new = max(1, round(summary["generated_tokens_per_step"] / rows))
     prompt_len = max(1, round(summary["prompt_tokens_per_step"] / rows))

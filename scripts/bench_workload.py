@@ -13,10 +13,13 @@ lit_marl import: the CoMLRL worker runs in its own virtual environment).
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import shutil
+import statistics
 import tempfile
+import time
 from itertools import combinations
 from pathlib import Path
 
@@ -153,3 +156,109 @@ def default_model_folder() -> Path:
             if not (folder / "config.json").exists():
                 raise
     return folder
+
+
+# --------------------------------------------------------------------------- measuring a step, the same on both sides
+class StepProbe:
+    """Counters and timers of one benchmark process, used identically for lit_marl and CoMLRL: it
+    wraps (never alters) the models' ``generate`` and ``forward``, the reward and transition
+    functions and any method to time; ``step_begin`` / ``step_end`` delimit a training step."""
+
+    KEYS = (
+        "generate_calls", "generate_s", "generated_tokens", "sequences", "prompt_tokens", "reward_calls",
+        "transition_calls", "reward_transition_s", "train_forward_passes", "nograd_forward_passes",
+        "optimizer_steps", "update_s",
+    )  # fmt: skip
+
+    def __init__(self):
+        self.totals = dict.fromkeys(self.KEYS, 0.0)
+        self.in_generate = False
+        self.steps: list[dict] = []
+        self._start: tuple[float, dict] | None = None
+
+    def wrap_model(self, model, pad_id: int | None) -> None:
+        import torch
+
+        generate, forward = model.generate, model.forward
+
+        def counted_generate(*a, **kw):
+            start = time.perf_counter()
+            self.in_generate = True
+            try:
+                out = generate(*a, **kw)
+            finally:
+                self.in_generate = False
+            sequences = out if isinstance(out, torch.Tensor) else out.sequences
+            prompt = kw["input_ids"] if "input_ids" in kw else a[0]
+            completion = sequences[:, prompt.shape[1] :]
+            mask = kw.get("attention_mask")
+            self.totals["generate_calls"] += 1
+            self.totals["generate_s"] += time.perf_counter() - start
+            self.totals["generated_tokens"] += float((completion != pad_id).sum())
+            self.totals["sequences"] += completion.shape[0]
+            self.totals["prompt_tokens"] += float(mask.sum()) if mask is not None else prompt.numel()
+            return out
+
+        def counted_forward(*a, **kw):
+            if not self.in_generate:
+                key = "train_forward_passes" if torch.is_grad_enabled() else "nograd_forward_passes"
+                self.totals[key] += 1
+            return forward(*a, **kw)
+
+        model.generate, model.forward = counted_generate, counted_forward
+
+    def count_optimizer_step(self, optimizer, args, kwargs) -> None:
+        """For ``torch.optim.optimizer.register_optimizer_step_post_hook``."""
+        self.totals["optimizer_steps"] += 1
+
+    def timed(self, fn, seconds: str, calls: str | None = None):
+        """``fn``, adding its time to ``seconds`` (and counting its calls in ``calls``); keeps
+        ``fn``'s signature (CoMLRL inspects its reward function's to decide how to call it)."""
+
+        @functools.wraps(fn)
+        def wrapper(*a, **kw):
+            start = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.totals[seconds] += time.perf_counter() - start
+                if calls is not None:
+                    self.totals[calls] += 1
+
+        return wrapper
+
+    def step_begin(self) -> None:
+        self._start = (time.perf_counter(), dict(self.totals))
+
+    def step_end(self) -> None:
+        t0, before = self._start
+        self.steps.append({"time": time.perf_counter() - t0, **{k: self.totals[k] - before[k] for k in self.totals}})
+
+    def summary(self, warmup: int) -> dict:
+        """Per-step figures over the steps after ``warmup``: medians of time, means of counts."""
+        import resource
+
+        measured = self.steps[warmup:]
+        times = [s["time"] for s in measured]
+
+        def mean(key):
+            return statistics.fmean(s[key] for s in measured)
+
+        median = statistics.median(times)
+        generate_s, reward_s = mean("generate_s"), mean("reward_transition_s")
+        out = {
+            "step_times_s": [round(t, 4) for t in times],
+            "median_step_s": median,
+            "min_step_s": min(times),
+            "generated_tokens_per_step": mean("generated_tokens"),
+            "tokens_per_s": mean("generated_tokens") / median,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "generate_s": generate_s,
+            "reward_transition_s": reward_s,
+            "train_s": statistics.fmean(times) - generate_s - reward_s,
+        }
+        for key in self.KEYS:
+            if not key.endswith("_s"):
+                out[f"{key}_per_step"] = mean(key)
+        out["update_s"] = mean("update_s")
+        return out
