@@ -203,6 +203,21 @@ def _tiny_corpus() -> list[str]:
 
 
 def _build_tiny_random(folder: Path) -> None:
+    build_tiny_qwen2(folder, _tiny_corpus(), vocab_size=1024, hidden_size=128, intermediate_size=512, num_layers=4)
+
+
+def build_tiny_qwen2(
+    folder: Path,
+    corpus: list[str],
+    vocab_size: int,
+    hidden_size: int,
+    intermediate_size: int,
+    num_layers: int,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+) -> None:
+    """A random Qwen2 with tied embeddings and a byte-level BPE tokenizer trained on ``corpus``
+    (ChatML template, ``<|im_end|>`` ends a reply), seeded: the same folder every time."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
@@ -211,9 +226,9 @@ def _build_tiny_random(folder: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=1024, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
-    tok.train_from_iterator(_tiny_corpus(), trainer=trainer)
+    tok.train_from_iterator(corpus, trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
@@ -223,11 +238,11 @@ def _build_tiny_random(folder: Path) -> None:
     )
     config = Qwen2Config(
         vocab_size=tok.get_vocab_size(),
-        hidden_size=128,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
         max_position_embeddings=2048,
         tie_word_embeddings=True,
         eos_token_id=tokenizer.eos_token_id,

@@ -149,31 +149,21 @@ def build_trainer(args, probe: Probe):
         common.update(
             critic_learning_rate=args.lr, critic_devices="cpu", rollout_buffer_size=buffer, train_batch_size=buffer
         )
+        separate = args.algorithm == "maac" or args.iac_critic == "model"
         if args.algorithm == "iac":
-            separate = args.iac_critic == "model"
-            config = IACConfig(**common, use_separate_critic=separate)
-            trainer = IACTrainer(
-                agent_model=args.model,
-                critic_model=args.model if separate else None,
-                reward_func=reward,
-                formatters=formatter,
-                external_transition=transition,
-                train_dataset=dataset,
-                wandb_config=None,
-                args=config,
-            )
+            cls, config = IACTrainer, IACConfig(**common, use_separate_critic=separate)
         else:
-            config = MAACConfig(**common)
-            trainer = MAACTrainer(
-                agent_model=args.model,
-                critic_model=args.model,
-                reward_func=reward,
-                formatters=formatter,
-                external_transition=transition,
-                train_dataset=dataset,
-                wandb_config=None,
-                args=config,
-            )
+            cls, config = MAACTrainer, MAACConfig(**common)
+        trainer = cls(
+            agent_model=args.model,
+            critic_model=args.model if separate else None,
+            reward_func=reward,
+            formatters=formatter,
+            external_transition=transition,
+            train_dataset=dataset,
+            wandb_config=None,
+            args=config,
+        )
         critics = [c.model for c in trainer.critics]
         step_method, drain_method = "_run_batch", "_drain_ready_agent_buffers"
     trainer.verbose = False  # no tqdm bar / epoch print (wandb is off: wandb_config=None)

@@ -1,6 +1,7 @@
 """The fixed MAGRPO benchmark workload, shared by lit_marl's benchmark and the CoMLRL worker so that
-both frameworks run exactly the same model, prompts, reward and transition (plain Python + HF, no
-lit_marl import: the CoMLRL worker runs in its own virtual environment).
+both frameworks run exactly the same model, prompts, reward and transition, measured the same way
+(``StepProbe``). Plain Python + torch at import: the CoMLRL worker runs in its own virtual
+environment, without lit_marl (the model is built from lit_marl's side and passed as a folder).
 
 - model: a tiny random Qwen2 (byte-level BPE, vocab 512 trained on a synthetic corpus; hidden 64,
   2 layers, 4 heads, 2 KV heads, intermediate 128, tied embeddings), built once and cached;
@@ -55,11 +56,7 @@ FILLER = [
     "words",
     "only",
 ]
-CHATML_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-MODEL_VERSION = "v1"
+MODEL_VERSION = "v2"
 
 
 def task_prompt(i: int) -> str:
@@ -100,45 +97,11 @@ def _corpus() -> list[str]:
 
 
 def build_model(folder: Path) -> None:
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    """The workload's tiny Qwen2 (built by lit_marl's builder: call it from lit_marl's environment;
+    CoMLRL's worker gets the folder)."""
+    from lit_marl.models import build_tiny_qwen2
 
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=512, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(_corpus(), trainer=trainer)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        bos_token=None,
-        chat_template=CHATML_TEMPLATE,
-    )
-    config = Qwen2Config(
-        vocab_size=tok.get_vocab_size(),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-    )
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        model = Qwen2ForCausalLM(config)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    build_tiny_qwen2(folder, _corpus(), vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2)
 
 
 def default_model_folder() -> Path:

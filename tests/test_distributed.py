@@ -165,6 +165,25 @@ def test_distributed_data_parallel_is_refused():
         module.setup("fit")
 
 
+def fit_cli(tmp_path: Path, repo_root: Path, config: dict, *extra: str) -> subprocess.CompletedProcess:
+    """``lit-marl fit`` on ``config`` (written to tmp_path) in its own process (Lightning launches rank 1)."""
+    import yaml
+
+    path = tmp_path / "config_under_test.yaml"
+    path.write_text(yaml.safe_dump(config))
+    script = Path(sys.executable).parent / "lit-marl"
+    done = subprocess.run(
+        [str(script), "fit", "--config", str(path), *extra],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=repo_root,
+        env=os.environ,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_config_runs_checkpoints_resumes_and_exports(tmp_path, repo_root, strategy):
     """configs/magrpo/slogan_tiny_{ddp,fsdp}.yaml through the console script (Lightning launches rank
@@ -180,20 +199,10 @@ def test_config_runs_checkpoints_resumes_and_exports(tmp_path, repo_root, strate
     checkpoint, export = config["trainer"]["callbacks"]
     checkpoint["init_args"]["dirpath"] = str(tmp_path / "checkpoints")
     export["init_args"]["dirpath"] = str(tmp_path / "export")
-    path = tmp_path / "ddp.yaml"
-    path.write_text(yaml.safe_dump(config))
-    script = Path(sys.executable).parent / "lit-marl"
-    for extra in ([], ["--ckpt_path", str(tmp_path / "checkpoints" / "last.ckpt"), "--trainer.max_epochs", "2"]):
-        done = subprocess.run(
-            [str(script), "fit", "--config", str(path), *extra],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            cwd=repo_root,
-            env=os.environ,
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
-    assert "Restoring states from the checkpoint" in done.stderr + done.stdout
+    fit_cli(tmp_path, repo_root, config)
+    resume = ("--ckpt_path", str(tmp_path / "checkpoints" / "last.ckpt"), "--trainer.max_epochs", "2")
+    resumed = fit_cli(tmp_path, repo_root, config, *resume)
+    assert "Restoring states from the checkpoint" in resumed.stderr + resumed.stdout
     if strategy == "ddp":
         state = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
         assert len(state["lit_marl"]["ranks"]) == 2  # each rank's RNG and buffers
@@ -245,18 +254,7 @@ def test_episodic_algorithms_train_on_two_fsdp_ranks(tmp_path, repo_root, algori
         default_root_dir=str(tmp_path),  # LightningCLI writes its config.yaml here, not into the checkout
         callbacks=[{"class_path": "lit_marl.callbacks.HFExport", "init_args": {"dirpath": str(tmp_path / "export")}}],
     )
-    path = tmp_path / "fsdp.yaml"
-    path.write_text(yaml.safe_dump(config))
-    script = Path(sys.executable).parent / "lit-marl"
-    done = subprocess.run(
-        [str(script), "fit", "--config", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=repo_root,
-        env=os.environ,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    fit_cli(tmp_path, repo_root, config)
     trained = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "export" / "agent0").named_parameters())
     initial = dict(load_model_and_tokenizer("tiny-random")[0].named_parameters())
     assert all(torch.isfinite(p).all() for p in trained.values())
