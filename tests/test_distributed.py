@@ -227,8 +227,6 @@ def test_fsdp_refuses_what_it_cannot_shard():
         check_shardable(MAGRPO(model="tiny-random", lora={"r": 4}, lora_shared_base=True))
 
     class TwoByTwo:  # a device mesh with a tensor-parallel dimension of 2
-        mesh_dim_names = ("data_parallel", "tensor_parallel")
-
         def __getitem__(self, name):
             return SimpleNamespace(size=lambda: 2)
 

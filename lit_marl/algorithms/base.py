@@ -107,7 +107,7 @@ class AgentTeamModule(L.LightningModule):
 
         from lit_marl.fsdp import TeamShards, check_shardable, shardable_models
 
-        if "tensor_parallel" in (mesh.mesh_dim_names or ()) and mesh["tensor_parallel"].size() > 1:
+        if mesh["tensor_parallel"].size() > 1:  # Lightning's mesh: (data_parallel, tensor_parallel)
             raise ConfigError(
                 f"trainer.strategy: tensor_parallel_size={mesh['tensor_parallel'].size()}; lit_marl shards agents "
                 "with FSDP over data-parallel ranks only: use lit_marl.strategies.TeamFSDPStrategy (or "
@@ -117,7 +117,7 @@ class AgentTeamModule(L.LightningModule):
         self.to(self.trainer.strategy.root_device)
         if self.world_size > 1:
             _sync_module_states(self)  # every rank shards rank 0's weights
-        self.shards = TeamShards(shardable_models(self), mesh["data_parallel"] if mesh.mesh_dim_names else mesh)
+        self.shards = TeamShards(shardable_models(self), mesh["data_parallel"])
 
     def gathered(self):
         """The team's full weights for the block under FSDP (see ``lit_marl.fsdp``); else nothing to do."""
