@@ -120,6 +120,9 @@ def build_trainer(args, probe: Probe):
         parallel_training="none",
         logging_steps=1,
     )
+    # the workload, the same for every trainer (wandb off)
+    workload_args = dict(reward_func=reward, formatters=formatter, external_transition=transition)
+    workload_args.update(train_dataset=dataset, wandb_config=None)
     if args.algorithm == "magrpo":
         from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
 
@@ -130,16 +133,7 @@ def build_trainer(args, probe: Probe):
             rollout_buffer_size=buffer,
             train_batch_size=buffer,
         )
-        trainer = MAGRPOTrainer(
-            agent_model=args.model,
-            num_agents=args.num_agents,
-            reward_func=reward,
-            formatters=formatter,
-            external_transition=transition,
-            train_dataset=dataset,
-            wandb_config=None,
-            args=config,
-        )
+        trainer = MAGRPOTrainer(agent_model=args.model, num_agents=args.num_agents, args=config, **workload_args)
         critics = []
         step_method, drain_method = "_train_step_returns", "_drain_ready_buffers"
     else:
@@ -154,16 +148,8 @@ def build_trainer(args, probe: Probe):
             cls, config = IACTrainer, IACConfig(**common, use_separate_critic=separate)
         else:
             cls, config = MAACTrainer, MAACConfig(**common)
-        trainer = cls(
-            agent_model=args.model,
-            critic_model=args.model if separate else None,
-            reward_func=reward,
-            formatters=formatter,
-            external_transition=transition,
-            train_dataset=dataset,
-            wandb_config=None,
-            args=config,
-        )
+        critic = args.model if separate else None
+        trainer = cls(agent_model=args.model, critic_model=critic, args=config, **workload_args)
         critics = [c.model for c in trainer.critics]
         step_method, drain_method = "_run_batch", "_drain_ready_agent_buffers"
     trainer.verbose = False  # no tqdm bar / epoch print (wandb is off: wandb_config=None)
