@@ -175,18 +175,7 @@ def build_trainer(args, probe: Probe):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="HF model folder (default: the workload's tiny Qwen2)")
-    parser.add_argument("--algorithm", default="magrpo", choices=["magrpo", "iac", "maac"])
-    parser.add_argument("--num-agents", type=int, default=2)
-    parser.add_argument("--num-generations", type=int, default=4)
-    parser.add_argument("--num-turns", type=int, default=1)
-    parser.add_argument("--joint-mode", default="aligned", choices=["aligned", "cross"])
-    parser.add_argument("--max-new-tokens", type=int, default=24)
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--lr", type=float, default=1e-4)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--threads", type=int, default=1)
+    workload.add_flags(parser, grid=False)
     parser.add_argument(
         "--iac-critic",
         default="head",

@@ -121,6 +121,27 @@ def default_model_folder() -> Path:
     return folder
 
 
+# --------------------------------------------------------------------------- the flags of a run
+def add_flags(parser, grid: bool) -> None:
+    """The workload's flags, the same for lit_marl's benchmark and the CoMLRL worker; with ``grid``
+    the shape flags take lists (the benchmark runs every combination)."""
+    many = {"nargs": "+"} if grid else {}
+    parser.add_argument("--model", default=None, help="HF model folder (default: the workload's tiny Qwen2)")
+    algorithms = ["magrpo", "iac", "maac"]
+    parser.add_argument("--algorithm", default=["magrpo"] if grid else "magrpo", choices=algorithms, **many)
+    parser.add_argument("--num-agents", type=int, default=2)
+    parser.add_argument("--num-generations", type=int, default=[4] if grid else 4, **many)
+    parser.add_argument("--num-turns", type=int, default=[1, 2] if grid else 1, **many)
+    modes = ["aligned", "cross"]
+    parser.add_argument("--joint-mode", default=modes if grid else "aligned", choices=modes, **many)
+    parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1)
+
+
 # --------------------------------------------------------------------------- measuring a step, the same on both sides
 class StepProbe:
     """Counters and timers of one benchmark process, used identically for lit_marl and CoMLRL: it
