@@ -40,6 +40,16 @@ def import_object(path: str, field: str):
     return obj
 
 
+def build_engine(name: str, options: dict | None):
+    """The generation engine named by ``data.engine`` (a bad name or a missing vLLM fails here)."""
+    from lit_marl.generation import make_engine
+
+    try:
+        return make_engine(name, options)
+    except (ValueError, ImportError) as error:
+        raise ConfigError(str(error)) from error
+
+
 def template_fields(template: str) -> set[str]:
     return {name.split(".")[0].split("[")[0] for _, name, _, _ in string.Formatter().parse(template) if name}
 
@@ -214,6 +224,8 @@ class RolloutDataModule(TaskDataModule):
         discount: float = 1.0,
         early_termination_threshold: float | None = None,
         on_reward_error: Literal["raise", "skip"] = "raise",
+        engine: str = "auto",
+        engine_options: dict | None = None,
     ):
         """
         Args:
@@ -254,6 +266,10 @@ class RolloutDataModule(TaskDataModule):
             on_reward_error: ``raise`` (default) stops on a reward function that raises or returns
                 NaN/inf, naming the task and turn; ``skip`` gives such samples a neutral reward (no
                 advantage) and reports their fraction as the metric ``skipped_reward_frac``.
+            engine: What generates: ``auto`` (default: the lean ``torch`` decoder for Llama/Qwen2
+                models, transformers' ``generate`` for the rest), ``torch``, ``hf`` or ``vllm``
+                (GPU, installed separately; weights synced from the trainer before each rollout).
+            engine_options: Settings of the vllm engine (e.g. ``gpu_memory_utilization``).
         """
         super().__init__()
         if env is not None and (agent_prompts or reward_fn or transition):
@@ -289,6 +305,7 @@ class RolloutDataModule(TaskDataModule):
         if tasks_per_step < 1 or eval_tasks_per_step < 1:
             raise ConfigError("data.tasks_per_step and data.eval_tasks_per_step must be at least 1")
         self.save_hyperparameters(ignore=["env"])
+        self.engine = build_engine(engine, engine_options)
         if env is None:
             env = FunctionEnv(
                 agent_prompts,
@@ -333,6 +350,7 @@ class RolloutDataModule(TaskDataModule):
             external_prompt_passthrough=hp.external_prompt_passthrough,
             on_reward_error=hp.on_reward_error,
             response_penalty=response_penalty,
+            engine=self.engine,
         )
 
     def on_after_batch_transfer(self, batch: list[dict], dataloader_idx: int) -> RolloutBatch:
@@ -370,6 +388,8 @@ class EpisodeDataModule(TaskDataModule):
         eval_tasks_per_step: int = 16,
         env_workers: int = 8,
         seed: int = 0,
+        engine: str = "auto",
+        engine_options: dict | None = None,
     ):
         """
         Args:
@@ -393,6 +413,9 @@ class EpisodeDataModule(TaskDataModule):
             eval_tasks_per_step: Tasks per validation batch.
             env_workers: Threads that step the environments of a turn in parallel.
             seed: Seed of the task order.
+            engine: What generates: ``auto`` (default), ``torch``, ``hf`` or ``vllm``, as in
+                ``RolloutDataModule``.
+            engine_options: Settings of the vllm engine.
         """
         super().__init__()
         from lit_marl.envs.base import make_env
@@ -422,6 +445,7 @@ class EpisodeDataModule(TaskDataModule):
                 f"data.temperature={temperature} / data.top_p={top_p}: need temperature > 0, 0 < top_p <= 1"
             )
         self.save_hyperparameters()
+        self.engine = build_engine(engine, engine_options)
         self.train_tasks = load_tasks(train_path, "data.train_path", set())
         self.val_tasks = load_tasks(val_path, "data.val_path", set()) if val_path else []
         self.num_generations = num_generations
@@ -450,6 +474,7 @@ class EpisodeDataModule(TaskDataModule):
             top_p=hp.top_p,
             greedy=greedy,
             pool=self.pool,
+            engine=self.engine,
         )
         first = batches[0]
         rewards = turn_rewards(

@@ -59,3 +59,20 @@ def cli_fit(tmp_path, *extra, config: str = "configs/magrpo/slogan_tiny.yaml"):
     from lit_marl.cli import build_cli
 
     return build_cli(args=["fit", "--config", config, "--trainer.logger.init_args.save_dir", str(tmp_path), *extra])
+
+
+class RecordingEngine:
+    """A generation engine that records every call ``(agent, prompts, Generation)`` and passes it
+    to ``inner`` (default: the ``auto`` engine)."""
+
+    def __init__(self, inner=None):
+        from lit_marl.generation import make_engine
+
+        self.inner = inner or make_engine("auto")
+        self.name = self.inner.name
+        self.calls = []
+
+    def generate(self, agent, prompts, *args, **kwargs):
+        out = self.inner.generate(agent, prompts, *args, **kwargs)
+        self.calls.append((agent, [list(p) for p in prompts], out))
+        return out

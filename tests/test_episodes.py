@@ -7,7 +7,6 @@ import lightning as L
 import pytest
 import torch
 
-import lit_marl.rollout.episode as episode_module
 from helpers import REPO_ROOT, make_trainer
 from lit_marl import ConfigError
 from lit_marl.agents import Agent
@@ -103,19 +102,16 @@ def agent():
     return Agent("tiny-random")
 
 
-def test_training_ids_are_exactly_what_generation_saw_and_produced(agent, monkeypatch):
-    calls = []
-    generate = episode_module.generate
+def test_training_ids_are_exactly_what_generation_saw_and_produced(agent):
+    from helpers import RecordingEngine
 
-    def recording(agent_, prompts, *args, **kwargs):
-        out = generate(agent_, prompts, *args, **kwargs)
-        calls.append(([list(p) for p in prompts], out))
-        return out
-
-    monkeypatch.setattr(episode_module, "generate", recording)
+    engine = RecordingEngine()
     torch.manual_seed(0)
     tasks = [{"length": 5, "key_room": 3}, {"length": 6, "key_room": 2}]
-    (batch,) = run_episodes([agent], tasks, lambda: make_env("corridor"), group_size=1, max_turns=3, max_new_tokens=6)
+    (batch,) = run_episodes(
+        [agent], tasks, lambda: make_env("corridor"), group_size=1, max_turns=3, max_new_tokens=6, engine=engine
+    )
+    calls = [(prompts, out) for _, prompts, out in engine.calls]
     assert len(calls) == 3 and batch.num_turns.tolist() == [3, 3]
     for row in range(2):
         ids = batch.input_ids[row][batch.attention_mask[row].bool()].tolist()

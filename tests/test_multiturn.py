@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import lit_marl.rollout.tree as tree_module
 from helpers import make_trainer, slogan_data
 from lit_marl import ConfigError
 from lit_marl.algorithms import MAGRPO
@@ -59,18 +58,24 @@ def test_tree_returns_rejects_dangling_children():
     [("aligned", 2, 1), ("aligned", 2, 2), ("aligned", 2, 3), ("aligned", 3, 2), ("cross", 2, 1), ("cross", 2, 2)]
     + [("cross", 2, 3), ("cross", 3, 2), ("aligned", 4, 1), ("aligned", 4, 3), ("cross", 4, 1)],
 )
-def test_node_and_leaf_counts(tiny_agents, monkeypatch, joint_mode, G, T):
-    calls = []
+def test_node_and_leaf_counts(tiny_agents, joint_mode, G, T):
+    from helpers import RecordingEngine
 
-    def counting_generate(*args, **kwargs):
-        calls.append(1)
-        return generate(*args, **kwargs)
-
-    monkeypatch.setattr(tree_module, "generate", counting_generate)
+    engine = RecordingEngine()
     N = 2
     batch = build_tree(
-        tiny_agents, TASKS, _prompts(N), _len_reward, G, joint_mode, max_new_tokens=2, num_turns=T, transition=plain
+        tiny_agents,
+        TASKS,
+        _prompts(N),
+        _len_reward,
+        G,
+        joint_mode,
+        max_new_tokens=2,
+        num_turns=T,
+        transition=plain,
+        engine=engine,
     )
+    calls = engine.calls
     per_node = G if joint_mode == "aligned" else G**N
     for t in range(T):
         assert batch.stats[f"rollout/turn{t}_nodes"] == len(TASKS) * per_node**t

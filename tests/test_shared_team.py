@@ -10,21 +10,16 @@ import lit_marl.rollout.tree as tree_module
 from helpers import make_trainer, slogan_data
 from lit_marl import ConfigError
 from lit_marl.algorithms import MAGRPO
-from lit_marl.generation import generate
 from lit_marl.rollout.transitions import plain
 
 TASKS = [{"topic": "tea"}, {"topic": "winter"}]
 PROMPTS = [[f"agent {i}: write about {t['topic']}" for i in range(3)] for t in TASKS]
 
 
-def test_one_generate_per_turn_for_all_roles(tiny_agent, monkeypatch):
-    calls = []
+def test_one_generate_per_turn_for_all_roles(tiny_agent):
+    from helpers import RecordingEngine
 
-    def counting(agent, prompts, *args, **kwargs):
-        calls.append(len(prompts))
-        return generate(agent, prompts, *args, **kwargs)
-
-    monkeypatch.setattr(tree_module, "generate", counting)
+    engine = RecordingEngine()
     team = [tiny_agent] * 3
     batch = tree_module.build_tree(
         team,
@@ -35,7 +30,9 @@ def test_one_generate_per_turn_for_all_roles(tiny_agent, monkeypatch):
         max_new_tokens=3,
         num_turns=2,
         transition=plain,
+        engine=engine,
     )
+    calls = [len(prompts) for _, prompts, _ in engine.calls]
     assert calls == [3 * 2, 3 * 4]  # turn 0: 3 roles x 2 roots; turn 1: 3 roles x 4 children
     # each role's rows hold that role's own prompts
     for role in range(3):

@@ -24,7 +24,7 @@ import torch
 
 from lit_marl.agents import Agent, roles_by_model
 from lit_marl.envs.base import Env, StepResult, step_all
-from lit_marl.generation import generate, left_pad
+from lit_marl.generation import Engine, left_pad, make_engine
 
 
 @dataclass
@@ -115,11 +115,14 @@ def run_episodes(
     top_p: float = 1.0,
     greedy: bool = False,
     pool: ThreadPoolExecutor | None = None,
+    engine: Engine | None = None,
 ) -> list[EpisodeBatch]:
     """``group_size`` episodes per task from the same start; one batch per agent (agent i's own
     token sequences: its observations and its replies), sharing the outcome fields. Agents that are
-    one model (a parameter-shared team) generate in one batched call per turn."""
+    one model (a parameter-shared team) generate in one batched call per turn; ``engine``
+    generates (default: ``auto``)."""
     start = time.perf_counter()
+    engine = engine or make_engine("auto")
     n = len(agents)
     rows = [task for task in tasks for _ in range(group_size)]
     episodes = [
@@ -153,7 +156,7 @@ def run_episodes(
         closed: list[list[bool]] = [[True] * n for _ in live]
         for roles in roles_by_model(agents):  # ONE batched generate per model and turn
             agent = agents[roles[0]]
-            out = generate(
+            out = engine.generate(
                 agent, [e.ids[i] for i in roles for e in live], 1, max_new_tokens, temperature, top_p, greedy
             )
             decoded = agent.decode(out.completion_ids, out.completion_mask)

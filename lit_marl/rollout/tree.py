@@ -19,7 +19,7 @@ from typing import Literal
 import torch
 
 from lit_marl.agents import Agent, roles_by_model
-from lit_marl.generation import Generation, generate
+from lit_marl.generation import Engine, Generation, make_engine
 from lit_marl.returns import cross_agent_returns, tree_returns
 from lit_marl.rollout.batch import AgentSamples, RolloutBatch
 
@@ -218,16 +218,18 @@ def build_tree(
     external_prompt_passthrough: bool = False,
     on_reward_error: Literal["raise", "skip"] = "raise",
     response_penalty: Callable[[int, Generation], torch.Tensor] | None = None,
+    engine: Engine | None = None,
 ) -> RolloutBatch:
     """``prompts[t][i]`` is agent i's first-turn prompt text for task t.
 
     ``response_penalty(agent_index, generation)`` gives one value per generated response (e.g. the
     KL to a reference model), subtracted from that agent's immediate reward of every joint action
-    the response is part of, before returns are computed.
+    the response is part of, before returns are computed. ``engine`` generates (default: ``auto``).
     """
     if num_turns > 1 and transition is None:
         raise ValueError(f"num_turns={num_turns} needs a transition that builds the next turn's prompts")
     num_agents, G = len(agents), num_generations
+    engine = engine or make_engine("auto")
     combos = joint_indices(num_agents, G, joint_mode)
     combo_index = torch.tensor(combos)  # [J, agents]: each agent's response index in joint action j
     nodes = [_Node(t, [[p] for p in prompts[t]], [[] for _ in agents]) for t in range(len(tasks))]
@@ -245,7 +247,7 @@ def build_tree(
         for roles in roles_by_model(agents):  # ONE batched generate per model over all open nodes
             agent = agents[roles[0]]
             encoded = [agent.encode_prompt(node.prompt_history[i][-1], raw=raw) for i in roles for node in nodes]
-            generated = generate(agent, encoded, G, max_new_tokens, temperature, top_p, greedy)
+            generated = engine.generate(agent, encoded, G, max_new_tokens, temperature, top_p, greedy)
             for r, i in enumerate(roles):  # a parameter-shared model played several roles at once
                 gens[i] = generated.rows(slice(r * len(nodes) * G, (r + 1) * len(nodes) * G))
         texts = [agent.decode(g.completion_ids, g.completion_mask) for agent, g in zip(agents, gens)]

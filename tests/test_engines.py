@@ -1,0 +1,316 @@
+"""Generation engines: the lean torch decoder against transformers' generate, and the vLLM
+engine's bookkeeping with a fake backend (vLLM itself needs a GPU)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers.generation.logits_process import TopPLogitsWarper
+
+from lit_marl import ConfigError
+from lit_marl.agents import AdapterView, Agent, LoraSettings, lora_config
+from lit_marl.decoding import Decoder, effective_state_dict, unsupported
+from lit_marl.generation import HFEngine, TorchEngine, completion_logprobs, left_pad, make_engine, mask_through_first
+from lit_marl.vllm_engine import Sample, VLLMEngine
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_agent):
+    texts = ["write one line of a slogan for a coffee cart with the word friend", "hi", "a b c d"]
+    return [tiny_agent.encode_prompt(t) for t in texts]  # different lengths: left padding is exercised
+
+
+def llama_agent(tokenizer, **config) -> Agent:
+    torch.manual_seed(1)
+    settings = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        attention_bias=True,
+        mlp_bias=True,
+        rope_theta=1000.0,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    settings.update(config)
+    model = LlamaForCausalLM(LlamaConfig(**settings))
+    with torch.no_grad():  # random biases and norms so every term of the forward matters
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return Agent("llama-tiny", loaded=(model.eval(), tokenizer))
+
+
+def hf_greedy(agent, prompts, n, new):
+    return HFEngine().generate(agent, prompts, n, new, greedy=True).completion_ids
+
+
+def torch_greedy(agent, prompts, n, new):
+    return TorchEngine().generate(agent, prompts, n, new, greedy=True).completion_ids
+
+
+# --------------------------------------------------------------------------- the torch decoder
+def test_torch_greedy_equals_generate_on_qwen2(tiny_agent, prompts):
+    assert torch.equal(torch_greedy(tiny_agent, prompts, 2, 16), hf_greedy(tiny_agent, prompts, 2, 16))
+
+
+def test_torch_greedy_equals_generate_on_llama_with_biases(tiny_agent, prompts):
+    agent = llama_agent(tiny_agent.tokenizer)
+    assert torch.equal(torch_greedy(agent, prompts, 1, 16), hf_greedy(agent, prompts, 1, 16))
+
+
+def test_torch_decoder_logits_equal_the_training_forward(tiny_agent, prompts):
+    """The distribution the decoder samples from at each step is the one training scores the
+    tokens with (``completion_logprobs``): same positions, masks and RoPE under left padding."""
+    agent = tiny_agent
+    torch.manual_seed(0)
+    gen = TorchEngine().generate(agent, prompts, 2, 8)
+    decoder = Decoder(agent.model)
+    seen = []
+    original = decoder._sample
+
+    def record(logits, *args):
+        seen.append(logits.log_softmax(-1))
+        return original(logits, *args)
+
+    decoder._sample = record
+    torch.manual_seed(0)
+    ids = decoder.generate(gen.prompt_ids, gen.prompt_mask, 8, agent.eos_token_id, agent.pad_token_id)
+    assert torch.equal(ids, gen.completion_ids)  # same seed, same samples
+    ours = torch.stack(seen, 1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    input_ids = torch.cat([gen.prompt_ids, gen.completion_ids], 1)
+    mask = torch.cat([gen.prompt_mask, gen.completion_mask], 1)
+    with torch.no_grad():
+        theirs = completion_logprobs(agent.model, input_ids, mask, ids.shape[1])
+    valid = gen.completion_mask.bool()
+    assert torch.allclose(ours[valid], theirs[valid], atol=1e-4), (ours - theirs)[valid].abs().max()
+
+
+def test_torch_decoder_stops_and_pads_after_end_token(tiny_agent, prompts):
+    """Make the token greedy decoding emits third in row 0 the end token: that row ends there
+    (padding after it), the others go on, exactly as generate does."""
+    agent = tiny_agent
+    first = torch_greedy(agent, prompts, 1, 6)
+    eos = int(first[0, 2])
+
+    class OtherEnd(Agent):
+        eos_token_id = eos
+
+    stopped = OtherEnd("tiny-random", loaded=(agent.model, agent.tokenizer))
+    ours = TorchEngine().generate(stopped, prompts, 1, 6, greedy=True)
+    theirs = HFEngine().generate(stopped, prompts, 1, 6, greedy=True)
+    assert torch.equal(ours.completion_ids, theirs.completion_ids)
+    end = first[0].tolist().index(eos)  # where row 0 now ends (the token may come earlier than third)
+    width = ours.completion_ids.shape[1]
+    assert ours.completion_mask[0].tolist() == [1] * (end + 1) + [0] * (width - end - 1)
+    assert ours.completion_ids[0, end + 1 :].tolist() == [agent.pad_token_id] * (width - end - 1)
+    assert torch.equal(ours.completion_mask, theirs.completion_mask)
+
+
+def test_torch_sampling_follows_softmax_and_top_p():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 12) * 2
+    draws = 20000
+    samples = torch.stack([Decoder._sample(logits, 1.0, 1.0, False) for _ in range(draws)], 1)
+    freq = torch.stack([torch.bincount(row, minlength=12) for row in samples]).float() / draws
+    probs = logits.softmax(-1)
+    assert (freq - probs).abs().max() < 4 * math.sqrt(0.25 / draws) + 1e-3
+    # temperature scales the logits; top-p keeps exactly transformers' nucleus
+    hot = torch.stack([Decoder._sample(logits, 2.0, 1.0, False) for _ in range(draws)], 1)
+    freq = torch.stack([torch.bincount(row, minlength=12) for row in hot]).float() / draws
+    assert (freq - (logits / 2).softmax(-1)).abs().max() < 0.02
+    nucleus = TopPLogitsWarper(0.7)(None, logits.clone()) > -float("inf")
+    drawn = torch.zeros_like(nucleus)
+    for _ in range(3000):
+        drawn[torch.arange(4), Decoder._sample(logits, 1.0, 0.7, False)] = True
+    assert torch.equal(drawn, nucleus)  # every nucleus token drawn, nothing outside it
+    assert torch.equal(Decoder._sample(logits, 1.0, 1.0, True), logits.argmax(-1))
+
+
+def test_torch_decoder_uses_lora_adapters_merged(tiny_agent, prompts):
+    from peft import get_peft_model
+
+    base = llama_agent(tiny_agent.tokenizer)
+    model = get_peft_model(base.model, lora_config(LoraSettings(r=4, alpha=8)))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)  # a trained-looking adapter: changes the outputs
+    agent = Agent("llama-tiny", loaded=(model.eval(), tiny_agent.tokenizer))
+    ours = torch_greedy(agent, prompts, 1, 12)
+    assert torch.equal(ours, hf_greedy(agent, prompts, 1, 12))
+    with model.disable_adapter():
+        plain = torch_greedy(agent, prompts, 1, 12)
+        assert torch.equal(plain, hf_greedy(agent, prompts, 1, 12))
+    assert not torch.equal(ours, plain)  # the adapter was really applied
+
+
+def test_torch_decoder_adapter_views_decode_their_own_adapter(tiny_agent, prompts):
+    from peft import get_peft_model
+
+    base = llama_agent(tiny_agent.tokenizer).model
+    shared = get_peft_model(base, lora_config(LoraSettings(r=4, alpha=8)), adapter_name="agent0")
+    shared.add_adapter("agent1", lora_config(LoraSettings(r=4, alpha=8)))
+    with torch.no_grad():
+        for name, p in shared.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    agents = [Agent("llama-tiny", loaded=(AdapterView(shared, f"agent{i}"), tiny_agent.tokenizer)) for i in (0, 1)]
+    outs = [torch_greedy(a, prompts, 1, 10) for a in agents]
+    assert torch.equal(outs[0], hf_greedy(agents[0], prompts, 1, 10))
+    assert torch.equal(outs[1], hf_greedy(agents[1], prompts, 1, 10))
+    assert not torch.equal(outs[0], outs[1])
+
+
+def test_unsupported_models_are_refused_by_torch_and_sent_to_generate_by_auto(tiny_agent, prompts):
+    gpt2 = GPT2LMHeadModel(
+        GPT2Config(vocab_size=len(tiny_agent.tokenizer), n_embd=32, n_layer=1, n_head=2, n_positions=256)
+    )
+    agent = Agent("gpt2-tiny", loaded=(gpt2.eval(), tiny_agent.tokenizer))
+    assert "gpt2" in unsupported(agent.model)
+    with pytest.raises(ValueError, match="torch engine cannot decode.*gpt2.*use engine: hf"):
+        TorchEngine().generate(agent, prompts, 1, 4)
+    auto = make_engine("auto").generate(agent, prompts, 1, 6, greedy=True)
+    assert torch.equal(auto.completion_ids, hf_greedy(agent, prompts, 1, 6))
+    assert unsupported(tiny_agent.model) is None
+
+
+def test_engine_names_are_checked(tmp_path):
+    from helpers import slogan_data
+
+    assert make_engine("hf").name == "hf" and make_engine("torch").name == "torch"
+    assert make_engine("auto").name == "auto"
+    with pytest.raises(ConfigError, match="data.engine='fast': choose one of auto, torch, hf, vllm"):
+        slogan_data(engine="fast")
+    with pytest.raises(ConfigError, match="data.engine_options.*only the vllm engine"):
+        slogan_data(engine="torch", engine_options={"gpu_memory_utilization": 0.5})
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        with pytest.raises(ConfigError, match="data.engine=vllm: vllm is not installed"):
+            slogan_data(engine="vllm")
+
+
+def test_rollouts_through_both_engines_agree_when_greedy(tiny_agents):
+    from lit_marl.rollout.tree import build_tree
+
+    def reward(agent_completions, tasks, **_):
+        return [len(a) / (1 + len(b)) for a, b in zip(*agent_completions)]
+
+    kwargs = dict(num_generations=1, max_new_tokens=8, greedy=True, reward_fn=reward)
+    tasks = [{"t": 0}, {"t": 1}]
+    prompts = [["say hi", "say ho"], ["write a b", "write c"]]
+    a = build_tree(tiny_agents, tasks, prompts, engine=make_engine("torch"), **kwargs)
+    b = build_tree(tiny_agents, tasks, prompts, engine=make_engine("hf"), **kwargs)
+    assert a.completions == b.completions and torch.equal(a.rewards, b.rewards)
+
+
+# --------------------------------------------------------------------------- vLLM bookkeeping
+class FakeBackend:
+    """Answers like vLLM: per prompt, n samples; some stopped by the end token (vLLM keeps it in
+    ``token_ids`` - or, as some versions do for stop ids, drops it), some cut by the length."""
+
+    def __init__(self, agent, drop_stop_token=False):
+        self.agent, self.drop = agent, drop_stop_token
+        self.loads: list[dict[str, torch.Tensor]] = []
+        self.calls = []
+
+    def load_weights(self, weights):
+        self.loads.append({name: t.clone() for name, t in weights})
+
+    def generate(self, prompts, sampling):
+        self.calls.append((prompts, sampling))
+        eos = sampling.stop_token_ids[0]
+        out = []
+        for i in range(len(prompts)):
+            samples = []
+            for k in range(sampling.n):
+                length = (i + k) % (sampling.max_tokens + 1)  # 0 .. max_tokens tokens
+                body = [100 + i * 10 + k] * length
+                if length < sampling.max_tokens:
+                    samples.append(Sample(body if self.drop else body + [eos], "stop"))
+                else:
+                    samples.append(Sample(body, "length"))
+            out.append(samples)
+        return out
+
+
+@pytest.mark.parametrize("drop_stop_token", [False, True])
+def test_vllm_rows_masks_and_padding(tiny_agent, prompts, drop_stop_token):
+    backends = []
+    engine = VLLMEngine(backend_factory=lambda a: backends.append(FakeBackend(a, drop_stop_token)) or backends[-1])
+    n, new = 3, 4
+    gen = engine.generate(tiny_agent, prompts, n, new, temperature=0.7, top_p=0.9)
+    eos, pad = tiny_agent.eos_token_id, tiny_agent.pad_token_id
+    sampling = backends[0].calls[0][1]
+    assert (sampling.n, sampling.max_tokens, sampling.temperature, sampling.top_p) == (n, new, 0.7, 0.9)
+    assert sampling.stop_token_ids == [eos]
+    assert backends[0].calls[0][0] == prompts
+    ids_ref, mask_ref = left_pad([p for p in prompts for _ in range(n)], pad, torch.device("cpu"))
+    assert torch.equal(gen.prompt_ids, ids_ref) and torch.equal(gen.prompt_mask, mask_ref)
+    assert gen.completion_ids.shape == (len(prompts) * n, new)
+    for i in range(len(prompts)):
+        for k in range(n):
+            row, length = i * n + k, (i + k) % (new + 1)
+            ids, mask = gen.completion_ids[row].tolist(), gen.completion_mask[row].tolist()
+            if length < new:  # stopped: its tokens, then the end token, then padding
+                assert ids[: length + 1] == [100 + i * 10 + k] * length + [eos]
+                assert ids[length + 1 :] == [pad] * (new - length - 1)
+                assert mask == [1] * (length + 1) + [0] * (new - length - 1)
+            else:
+                assert ids == [100 + i * 10 + k] * new and mask == [1] * new
+    assert torch.equal(gen.completion_mask, mask_through_first(gen.completion_ids, eos))
+    greedy = engine.generate(tiny_agent, prompts, 1, new, greedy=True)
+    assert backends[0].calls[-1][1].temperature == 0.0 and greedy.completion_ids.shape[0] == len(prompts)
+
+
+def test_vllm_weights_sync_once_per_update(tiny_agents, prompts):
+    agent = Agent("tiny-random")
+    backends = []
+    engine = VLLMEngine(backend_factory=lambda a: backends.append(FakeBackend(a)) or backends[-1])
+    engine.generate(agent, prompts, 2, 3)
+    engine.generate(agent, prompts, 2, 3)
+    assert engine.syncs == 1 and len(backends) == 1  # no update in between: no reload
+    loaded = backends[0].loads[0]
+    assert set(loaded) == set(agent.model.state_dict())
+    optimizer = torch.optim.SGD(agent.model.parameters(), lr=0.1)
+    agent.model(input_ids=torch.tensor([prompts[1]])).logits.sum().backward()
+    optimizer.step()
+    engine.generate(agent, prompts, 2, 3)
+    assert engine.syncs == 2
+    name = "model.embed_tokens.weight"
+    assert torch.equal(backends[0].loads[1][name], agent.model.state_dict()[name])
+    assert not torch.equal(backends[0].loads[1][name], loaded[name])
+    engine.generate(tiny_agents[0], prompts, 1, 3)  # another model: its own backend
+    assert len(backends) == 2 and engine.syncs == 3
+
+
+def test_effective_state_dict_merges_the_active_adapter(tiny_agent):
+    from peft import get_peft_model
+
+    base = llama_agent(tiny_agent.tokenizer).model
+    plain_names = set(base.state_dict())
+    shared = get_peft_model(base, lora_config(LoraSettings(r=4, alpha=8)), adapter_name="agent0")
+    shared.add_adapter("agent1", lora_config(LoraSettings(r=4, alpha=8)))
+    with torch.no_grad():
+        for name, p in shared.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    view = AdapterView(shared, "agent1")
+    state = effective_state_dict(view)
+    assert set(state) == plain_names
+    merged = view.merged().state_dict()
+    for name, tensor in merged.items():
+        assert torch.allclose(state[name], tensor, atol=1e-6), name
+
+
+def test_vllm_engine_options_need_the_default_backend():
+    with pytest.raises(ValueError, match="default backend"):
+        VLLMEngine(backend_factory=lambda a: None, gpu_memory_utilization=0.5)
