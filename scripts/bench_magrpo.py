@@ -82,6 +82,7 @@ def run_lit_marl(args) -> dict:
         transition="__main__:lit_transition" if args.num_turns > 1 else None,
         early_termination_threshold=None,
         discount=1.0,
+        engine=args.engine,
     )
     cls = {"magrpo": MAGRPO, "iac": IAC, "maac": MAAC}[args.algorithm]
     module = cls(model=args.model, num_agents=args.num_agents, learning_rate=args.lr)
@@ -100,7 +101,7 @@ def run_lit_marl(args) -> dict:
     trainer.fit(module, datamodule=data)
     result = PROBE.summary(args.warmup)
     if args.floor:
-        result.update(floor(module, result))
+        result.update(floor(module, result, args.engine))
     return result
 
 
@@ -114,7 +115,8 @@ class Probe(L.Callback):
         for model, pad_id in models:
             if id(model) not in seen:
                 seen.add(id(model))
-                PROBE.wrap_model(model, pad_id)
+                PROBE.wrap_model(model, pad_id, count_generate=False)
+        PROBE.wrap_engine(trainer.datamodule.engine)
         register_optimizer_step_post_hook(PROBE.count_optimizer_step)
 
     def on_train_epoch_start(self, trainer, pl_module):
@@ -125,29 +127,38 @@ class Probe(L.Callback):
         PROBE.step_begin()
 
 
-def floor(module, summary: dict) -> dict:
-    """One batched generate of the step's sequences and tokens, and one batched forward/backward
-    over them, on the first agent's model: what a step could cost at best."""
+def floor(module, summary: dict, engine: str) -> dict:
+    """One batched generate of the step's sequences and tokens (with the step's engine, every row
+    the full length), and one batched forward/backward over them, on the first agent's model: what
+    a step could cost at best."""
+    from lit_marl.decoding import Decoder, unsupported
+
     rows = max(1, round(summary["sequences_per_step"]))
     new = max(1, round(summary["generated_tokens_per_step"] / rows))
     prompt_len = max(1, round(summary["prompt_tokens_per_step"] / rows))
-    model = module.agents[0].model  # called through its class: the probe's counting wrappers stay out
+    agent = module.agents[0]
+    model = agent.model  # called through its class: the probe's counting wrappers stay out
+    lean = engine == "torch" or (engine == "auto" and unsupported(model) is None)
     torch.manual_seed(0)
     ids = torch.randint(10, 400, (rows, prompt_len))
     times = []
     for _ in range(3):
         start = time.perf_counter()
         with torch.no_grad():
-            out = type(model).generate(
-                model,
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=True,
-                top_k=0,
-                max_new_tokens=new,
-                min_new_tokens=new,
-                pad_token_id=module.agents[0].pad_token_id,
-            )
+            if lean:  # no end token (-1): every row decodes all `new` tokens
+                completion = Decoder(model).generate(ids, torch.ones_like(ids), new, -1, agent.pad_token_id)
+                out = torch.cat([ids, completion], dim=1)
+            else:
+                out = type(model).generate(
+                    model,
+                    input_ids=ids,
+                    attention_mask=torch.ones_like(ids),
+                    do_sample=True,
+                    top_k=0,
+                    max_new_tokens=new,
+                    min_new_tokens=new,
+                    pad_token_id=agent.pad_token_id,
+                )
         mid = time.perf_counter()
         logits = type(model).forward(model, input_ids=out).logits
         logits.float().log_softmax(-1).mean().backward()
@@ -204,7 +215,7 @@ def worker_command(framework: str, config: dict, args) -> list[str]:
         str(args.threads),
     ]
     if framework == "lit_marl":
-        return [str(ROOT / ".venv" / "bin" / "python"), __file__, "--worker", *common] + (
+        return [str(ROOT / ".venv" / "bin" / "python"), __file__, "--worker", *common, "--engine", args.engine] + (
             ["--floor"] if args.floor else []
         )
     python = ROOT / ".venv-comlrl" / "bin" / "python"
@@ -236,6 +247,9 @@ def main() -> None:
     parser.add_argument("--framework", nargs="+", default=["lit_marl"], choices=["lit_marl", "comlrl"])
     parser.add_argument("--repeats", type=int, default=1, help="rounds; the frameworks alternate within each")
     parser.add_argument("--floor", action="store_true", help="also time the batched floor (lit_marl)")
+    parser.add_argument(
+        "--engine", default="auto", choices=["auto", "torch", "hf"], help="lit_marl's generation engine (data.engine)"
+    )
     parser.add_argument("--timeout", type=int, default=3600)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -280,6 +294,7 @@ def main() -> None:
         json.dumps(
             {
                 "model": args.model,
+                "engine": args.engine,
                 "max_new_tokens": args.max_new_tokens,
                 "steps": args.steps,
                 "warmup": args.warmup,

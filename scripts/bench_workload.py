@@ -160,7 +160,30 @@ class StepProbe:
         self.steps: list[dict] = []
         self._start: tuple[float, dict] | None = None
 
-    def wrap_model(self, model, pad_id: int | None) -> None:
+    def wrap_engine(self, engine) -> None:
+        """Count lit_marl's generation engine (``engine.generate(agent, prompts, n, ...)`` returns a
+        ``Generation``) instead of ``model.generate``, which its lean decoder never calls."""
+        generate = engine.generate
+
+        @functools.wraps(generate)
+        def counted(*a, **kw):
+            start = time.perf_counter()
+            self.in_generate = True
+            try:
+                out = generate(*a, **kw)
+            finally:
+                self.in_generate = False
+            self.totals["generate_calls"] += 1
+            self.totals["generate_s"] += time.perf_counter() - start
+            self.totals["generated_tokens"] += float(out.completion_mask.sum())
+            self.totals["sequences"] += out.completion_ids.shape[0]
+            self.totals["prompt_tokens"] += float(out.prompt_mask.sum())
+            return out
+
+        engine.generate = counted
+
+    def wrap_model(self, model, pad_id: int | None, count_generate: bool = True) -> None:
+        """``count_generate=False``: generation is counted by ``wrap_engine``."""
         import torch
 
         generate, forward = model.generate, model.forward
@@ -189,7 +212,9 @@ class StepProbe:
                 self.totals[key] += 1
             return forward(*a, **kw)
 
-        model.generate, model.forward = counted_generate, counted_forward
+        model.forward = counted_forward
+        if count_generate:
+            model.generate = counted_generate
 
     def count_optimizer_step(self, optimizer, args, kwargs) -> None:
         """For ``torch.optim.optimizer.register_optimizer_step_post_hook``."""
