@@ -159,7 +159,8 @@ class Decoder:
 
     def _forward(self, ids, cos, sin, cache_k, cache_v, start, bias) -> torch.Tensor:
         """Run ``ids`` [B, L] at cache slots ``start:start+L``; returns the last position's hidden
-        state. ``bias`` [B, 1, 1, L, start+L] is 0 where a query sees a cache slot, -inf elsewhere."""
+        state. ``bias`` [B, 1, 1, L, start+L] is 0 where a query sees a cache slot, -inf elsewhere.
+        Either the prompt (``start == 0``) or one new token (``L == 1``)."""
         B, L = ids.shape
         end = start + L
         H, KV, D = self.num_heads, self.num_kv_heads, self.head_dim
@@ -171,10 +172,15 @@ class Decoder:
             qk = self._rotate(qkv[:, : H + KV], cos, sin)  # RoPE on the query and key heads at once
             cache_k[i, :, :, start:end] = qk[:, H:]
             cache_v[i, :, :, start:end] = qkv[:, H + KV :]
-            q = qk[:, :H].reshape(B, KV, groups * L, D)  # query heads grouped by their KV head
-            scores = (q @ cache_k[i, :, :, :end].transpose(-1, -2)).view(B, KV, groups, L, end)
-            probs = (scores * self.scaling + bias).float().softmax(dim=-1).to(q.dtype)
-            a = (probs.view(B, KV, groups * L, end) @ cache_v[i, :, :, :end]).view(B, H, L, D)
+            if start == 0:  # the prompt: torch's fused attention (no [B, heads, L, L] scores kept)
+                a = F.scaled_dot_product_attention(
+                    qk[:, :H], qk[:, H:], qkv[:, H + KV :], attn_mask=bias[:, :, 0], scale=self.scaling, enable_gqa=True
+                )
+            else:  # one new token: a few small ops beat the fused kernel's setup
+                q = qk[:, :H].reshape(B, KV, groups, D)  # query heads grouped by their KV head
+                scores = (q @ cache_k[i, :, :, :end].transpose(-1, -2)).view(B, KV, groups, 1, end)
+                probs = (scores * self.scaling + bias).float().softmax(dim=-1).to(q.dtype)
+                a = (probs.view(B, KV, groups, end) @ cache_v[i, :, :, :end]).view(B, H, 1, D)
             h = h + F.linear(a.transpose(1, 2).reshape(B, L, -1), *layer.o)
             x = self._rms_norm(h, layer.mlp_norm)
             gate_up = _apply(x, layer.gate_up)
