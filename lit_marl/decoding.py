@@ -81,64 +81,141 @@ def _fused(parts: list[tuple[torch.Tensor, torch.Tensor | None]], fuse: bool) ->
     return [(weight, torch.cat(biases))]
 
 
+def _stack(tensors: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """One tensor with a leading agent dimension: a view for one agent, a copy for several."""
+    if tensors[0] is None:
+        return None
+    return tensors[0].unsqueeze(0) if len(tensors) == 1 else torch.stack(tensors)
+
+
+def _stack_linear(parts: list[tuple]) -> tuple:
+    """The agents' (weight, bias) of one layer as ``(W [A, out, in], b [A, out] | None)``."""
+    return _stack([w for w, _ in parts]), _stack([b for _, b in parts])
+
+
+def _linear3(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Each agent's linear layer on its own rows: ``x`` [A, N, in] -> [A, N, out]."""
+    if bias is None:
+        return torch.bmm(x, weight.transpose(1, 2))
+    return torch.baddbmm(bias.unsqueeze(1), x, weight.transpose(1, 2))
+
+
 def _apply(x: torch.Tensor, parts: list[tuple]) -> torch.Tensor:
     if len(parts) == 1:
-        return F.linear(x, *parts[0])
-    return torch.cat([F.linear(x, *part) for part in parts], dim=-1)
+        return _linear3(x, *parts[0])
+    return torch.cat([_linear3(x, *part) for part in parts], dim=-1)
 
 
 @dataclass
 class _Layer:
-    attn_norm: torch.Tensor
+    attn_norm: torch.Tensor  # [A, 1, hidden]
     mlp_norm: torch.Tensor
-    qkv: list  # q, k and v projections (fused or not)
+    qkv: list  # q, k and v projections (fused or not), each (W [A, out, in], b)
     o: tuple
     gate_up: list  # gate and up projections (fused or not)
     down: tuple
 
 
 FUSE_BELOW_PARAMETERS = 50_000_000
-"""Models smaller than this get their q/k/v and gate/up weights concatenated for the call (a
-transient copy of about half the weights): below it a token's time is per-op overhead; above it
-decoding is compute-bound and the copy would buy nothing."""
+"""Models smaller than this get their q/k/v and gate/up weights concatenated for the call, and
+several agents' models are stacked to decode in one forward per token (a transient copy of the
+weights): below it a token's time is per-op overhead; above it decoding is compute-bound and the
+copy would buy nothing."""
+
+
+def _shape(lm: nn.Module) -> tuple:
+    c = lm.config
+    return (
+        c.model_type, c.vocab_size, c.hidden_size, c.intermediate_size, c.num_hidden_layers,
+        c.num_attention_heads, c.num_key_value_heads, getattr(c, "head_dim", None), c.hidden_act,
+        lm.model.norm.variance_epsilon, tuple(lm.model.rotary_emb.inv_freq.tolist()),
+        float(lm.model.rotary_emb.attention_scaling), lm.lm_head.bias is not None,
+        next(lm.parameters()).dtype, next(lm.parameters()).device,
+    )  # fmt: skip
+
+
+def stackable(models: list[nn.Module]) -> bool:
+    """Whether these models can decode together in one forward per token: all supported, the
+    same shapes, and small (see ``FUSE_BELOW_PARAMETERS``)."""
+    if any(unsupported(m) is not None for m in models):
+        return False
+    lms = [_causal_lm(m) for m in models]
+    small = all(sum(p.numel() for p in lm.parameters()) < FUSE_BELOW_PARAMETERS for lm in lms)
+    return small and len({_shape(lm) for lm in lms}) == 1
 
 
 class Decoder:
-    """Sampling from one Llama-family model with a static KV cache. Build one per call: it takes
-    the model's weights as they are now."""
+    """Sampling from one Llama-family model, or from several models of the same shape at once
+    (one forward per token for the whole team: each agent's rows through its own weights, by
+    batched matmuls over an agent dimension), with a static KV cache. Build one per call: it
+    takes the models' weights as they are now."""
 
-    def __init__(self, model: nn.Module):
-        reason = unsupported(model)
-        if reason is not None:
-            raise ValueError(f"the torch engine cannot decode this model: {reason}; use engine: hf")
-        lm = _causal_lm(model)
+    def __init__(self, models: nn.Module | list[nn.Module]):
+        models = list(models) if isinstance(models, (list, tuple)) else [models]
+        for model in models:
+            reason = unsupported(model)
+            if reason is not None:
+                raise ValueError(f"the torch engine cannot decode this model: {reason}; use engine: hf")
+        if len(models) > 1 and not stackable(models):
+            raise ValueError("these models cannot decode in one stacked forward (different shapes or too large)")
+        per_agent = [self._read(model) for model in models]  # read in turn: AdapterViews switch adapters
+        lm = _causal_lm(models[0])
         config, body = lm.config, lm.model
+        self.num_agents = len(models)
         self.eps = body.norm.variance_epsilon
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        first = body.layers[0].self_attn
-        self.scaling = first.scaling
+        self.vocab_size = per_agent[0]["embed"].shape[0]
+        self.scaling = body.layers[0].self_attn.scaling
         self.act = body.layers[0].mlp.act_fn
         self.inv_freq = body.rotary_emb.inv_freq
         self.rope_scale = body.rotary_emb.attention_scaling
-        self.embed = body.embed_tokens.weight
-        self.norm = body.norm.weight
-        self.lm_head = _linear(lm.lm_head)
-        fuse = sum(p.numel() for p in lm.parameters()) < FUSE_BELOW_PARAMETERS
+        self.embed = _stack([a["embed"] for a in per_agent]).flatten(0, 1)  # [A * vocab, hidden]
+        self.norm = _stack([a["norm"] for a in per_agent]).unsqueeze(1)
+        self.lm_head = _stack_linear([a["lm_head"] for a in per_agent])
         self.layers = []
-        for layer in body.layers:
-            attn, mlp = layer.self_attn, layer.mlp
+        for i in range(len(per_agent[0]["layers"])):
+            layers = [a["layers"][i] for a in per_agent]
             self.layers.append(
                 _Layer(
-                    layer.input_layernorm.weight,
-                    layer.post_attention_layernorm.weight,
-                    _fused([_linear(attn.q_proj), _linear(attn.k_proj), _linear(attn.v_proj)], fuse),
-                    _linear(attn.o_proj),
-                    _fused([_linear(mlp.gate_proj), _linear(mlp.up_proj)], fuse),
-                    _linear(mlp.down_proj),
+                    _stack([layer["attn_norm"] for layer in layers]).unsqueeze(1),
+                    _stack([layer["mlp_norm"] for layer in layers]).unsqueeze(1),
+                    [_stack_linear([layer["qkv"][k] for layer in layers]) for k in range(len(layers[0]["qkv"]))],
+                    _stack_linear([layer["o"] for layer in layers]),
+                    [
+                        _stack_linear([layer["gate_up"][k] for layer in layers])
+                        for k in range(len(layers[0]["gate_up"]))
+                    ],
+                    _stack_linear([layer["down"] for layer in layers]),
                 )
             )
+
+    @staticmethod
+    def _read(model: nn.Module) -> dict:
+        """One model's weights as they are now (LoRA merged; q/k/v and gate/up fused if small)."""
+        lm = _causal_lm(model)
+        body = lm.model
+        fuse = sum(p.numel() for p in lm.parameters()) < FUSE_BELOW_PARAMETERS
+        layers = []
+        for layer in body.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            layers.append(
+                {
+                    "attn_norm": layer.input_layernorm.weight,
+                    "mlp_norm": layer.post_attention_layernorm.weight,
+                    "qkv": _fused([_linear(attn.q_proj), _linear(attn.k_proj), _linear(attn.v_proj)], fuse),
+                    "o": _linear(attn.o_proj),
+                    "gate_up": _fused([_linear(mlp.gate_proj), _linear(mlp.up_proj)], fuse),
+                    "down": _linear(mlp.down_proj),
+                }
+            )
+        return {
+            "embed": body.embed_tokens.weight,
+            "norm": body.norm.weight,
+            "lm_head": _linear(lm.lm_head),
+            "layers": layers,
+        }
 
     def _rope(self, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         positions = torch.arange(length, device=self.inv_freq.device, dtype=torch.float)
@@ -158,35 +235,36 @@ class Decoder:
         return weight * y.to(x.dtype)
 
     def _forward(self, ids, cos, sin, cache_k, cache_v, start, bias) -> torch.Tensor:
-        """Run ``ids`` [B, L] at cache slots ``start:start+L``; returns the last position's hidden
-        state. ``bias`` [B, 1, 1, L, start+L] is 0 where a query sees a cache slot, -inf elsewhere.
-        Either the prompt (``start == 0``) or one new token (``L == 1``)."""
-        B, L = ids.shape
+        """Run ``ids`` [A, B, L] (agent a's rows through agent a's weights) at cache slots
+        ``start:start+L``; returns the last position's hidden state [A, B, hidden]. Attention runs
+        over the A * B rows; ``bias`` [A*B, 1, 1, L, start+L] is 0 where a query sees a cache slot,
+        -inf elsewhere. Either the prompt (``start == 0``) or one new token (``L == 1``)."""
+        A, B, L = ids.shape
         end = start + L
         H, KV, D = self.num_heads, self.num_kv_heads, self.head_dim
         groups = H // KV
-        h = F.embedding(ids, self.embed)
+        offsets = torch.arange(A, device=ids.device).view(A, 1, 1) * self.vocab_size
+        h = F.embedding(ids + offsets, self.embed).view(A, B * L, -1)
         for i, layer in enumerate(self.layers):
             x = self._rms_norm(h, layer.attn_norm)
-            qkv = _apply(x, layer.qkv).view(B, L, H + 2 * KV, D).transpose(1, 2)
+            qkv = _apply(x, layer.qkv).view(A * B, L, H + 2 * KV, D).transpose(1, 2)
             qk = self._rotate(qkv[:, : H + KV], cos, sin)  # RoPE on the query and key heads at once
             cache_k[i, :, :, start:end] = qk[:, H:]
             cache_v[i, :, :, start:end] = qkv[:, H + KV :]
-            if start == 0:  # the prompt: torch's fused attention (no [B, heads, L, L] scores kept)
+            if start == 0:  # the prompt: torch's fused attention (no [rows, heads, L, L] scores kept)
                 a = F.scaled_dot_product_attention(
                     qk[:, :H], qk[:, H:], qkv[:, H + KV :], attn_mask=bias[:, :, 0], scale=self.scaling, enable_gqa=True
                 )
             else:  # one new token: a few small ops beat the fused kernel's setup
-                q = qk[:, :H].reshape(B, KV, groups, D)  # query heads grouped by their KV head
-                scores = (q @ cache_k[i, :, :, :end].transpose(-1, -2)).view(B, KV, groups, 1, end)
+                q = qk[:, :H].reshape(A * B, KV, groups, D)  # query heads grouped by their KV head
+                scores = (q @ cache_k[i, :, :, :end].transpose(-1, -2)).view(A * B, KV, groups, 1, end)
                 probs = (scores * self.scaling + bias).float().softmax(dim=-1).to(q.dtype)
-                a = (probs.view(B, KV, groups, end) @ cache_v[i, :, :, :end]).view(B, H, 1, D)
-            h = h + F.linear(a.transpose(1, 2).reshape(B, L, -1), *layer.o)
+                a = (probs.view(A * B, KV, groups, end) @ cache_v[i, :, :, :end]).view(A * B, H, 1, D)
+            h = h + _linear3(a.transpose(1, 2).reshape(A, B * L, -1), *layer.o)
             x = self._rms_norm(h, layer.mlp_norm)
-            gate_up = _apply(x, layer.gate_up)
-            gate, up = gate_up.chunk(2, dim=-1)
-            h = h + F.linear(self.act(gate) * up, *layer.down)
-        return self._rms_norm(h[:, -1], self.norm)
+            gate, up = _apply(x, layer.gate_up).chunk(2, dim=-1)
+            h = h + _linear3(self.act(gate) * up, *layer.down)
+        return self._rms_norm(h.view(A, B, L, -1)[:, :, -1], self.norm)
 
     @staticmethod
     def _bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -198,46 +276,64 @@ class Decoder:
         prompt_ids: torch.Tensor,
         prompt_mask: torch.Tensor,
         max_new_tokens: int,
-        eos_token_id: int,
-        pad_token_id: int,
+        eos_token_id: int | torch.Tensor,
+        pad_token_id: int | torch.Tensor,
         temperature: float = 1.0,
         top_p: float = 1.0,
         greedy: bool = False,
+        active: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Completion ids ``[B, C]`` (C ≤ max_new_tokens) for left-padded prompts, as ``generate``."""
-        B, P = prompt_ids.shape
+        """Completion ids for left-padded prompts, as ``generate``: ``[B, C]`` (C ≤ max_new_tokens)
+        for ``[B, P]`` prompts of one model, ``[A, B, C]`` for ``[A, B, P]`` prompts of A stacked
+        models (row block a through model a). ``eos_token_id`` / ``pad_token_id``: one id, or one
+        per agent ``[A]``. ``active`` ``[A, B]``: rows to decode (others are filler, finished at once)."""
+        single = prompt_ids.dim() == 2
+        if single:
+            prompt_ids, prompt_mask = prompt_ids[None], prompt_mask[None]
+            active = active[None] if active is not None else None
+        A, B, P = prompt_ids.shape
+        if A != self.num_agents:
+            raise ValueError(f"{A} prompt blocks for {self.num_agents} stacked models")
+        device = prompt_ids.device
+        rows = A * B
+        eos = torch.as_tensor(eos_token_id, device=device).expand(A).repeat_interleave(B)
+        pad = torch.as_tensor(pad_token_id, device=device).expand(A).repeat_interleave(B)
         total = P + max_new_tokens
         dtype = self.embed.dtype
         cos_all, sin_all = self._rope(total, dtype)
-        shape = (len(self.layers), B, self.num_kv_heads, total, self.head_dim)
-        cache_k = torch.empty(shape, dtype=dtype, device=prompt_ids.device)
-        cache_v = torch.empty(shape, dtype=dtype, device=prompt_ids.device)
-        keys = torch.zeros(B, total, dtype=torch.bool, device=prompt_ids.device)  # which cache slots hold real tokens
-        keys[:, :P] = prompt_mask.bool()
-        positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
-        causal = torch.ones(P, P, dtype=torch.bool, device=prompt_ids.device).tril()
+        shape = (len(self.layers), rows, self.num_kv_heads, total, self.head_dim)
+        cache_k = torch.empty(shape, dtype=dtype, device=device)
+        cache_v = torch.empty(shape, dtype=dtype, device=device)
+        mask = prompt_mask.reshape(rows, P)
+        keys = torch.zeros(rows, total, dtype=torch.bool, device=device)  # which cache slots hold real tokens
+        keys[:, :P] = mask.bool()
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        causal = torch.ones(P, P, dtype=torch.bool, device=device).tril()
         # a padding query sees itself only (never attended to: its key is masked for every real query)
-        mask = (causal & keys[:, None, :P]) | torch.eye(P, dtype=torch.bool, device=prompt_ids.device)
+        seen = (causal & keys[:, None, :P]) | torch.eye(P, dtype=torch.bool, device=device)
         cos, sin = cos_all[positions][:, None], sin_all[positions][:, None]
-        hidden = self._forward(prompt_ids, cos, sin, cache_k, cache_v, 0, self._bias(mask[:, None, None], dtype))
+        hidden = self._forward(prompt_ids, cos, sin, cache_k, cache_v, 0, self._bias(seen[:, None, None], dtype))
         next_position = positions[:, -1] + 1
-        unfinished = torch.ones(B, dtype=torch.bool, device=prompt_ids.device)
+        unfinished = torch.ones(rows, dtype=torch.bool, device=device)
+        if active is not None:
+            unfinished &= active.reshape(rows).bool()
         out = []
         for t in range(max_new_tokens):
-            logits = F.linear(hidden, *self.lm_head).float()
+            logits = _linear3(hidden, *self.lm_head).float().view(rows, -1)
             token = self._sample(logits, temperature, top_p, greedy)
-            token = torch.where(unfinished, token, torch.full_like(token, pad_token_id))
+            token = torch.where(unfinished, token, pad)
             out.append(token)
-            unfinished &= token != eos_token_id
+            unfinished &= token != eos
             if t == max_new_tokens - 1 or not bool(unfinished.any()):
                 break
             slot = P + t
             keys[:, slot] = True
             cos, sin = cos_all[next_position][:, None, None], sin_all[next_position][:, None, None]
             bias = self._bias(keys[:, None, None, None, : slot + 1], dtype)
-            hidden = self._forward(token[:, None], cos, sin, cache_k, cache_v, slot, bias)
+            hidden = self._forward(token.view(A, B, 1), cos, sin, cache_k, cache_v, slot, bias)
             next_position = next_position + 1
-        return torch.stack(out, dim=1)
+        completion = torch.stack(out, dim=1).view(A, B, -1)
+        return completion[0] if single else completion
 
     @staticmethod
     def _sample(logits: torch.Tensor, temperature: float, top_p: float, greedy: bool) -> torch.Tensor:

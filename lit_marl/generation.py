@@ -52,8 +52,11 @@ class Generation:
         return int(self.completion_mask.sum())
 
 
-def left_pad(sequences: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(s) for s in sequences)
+def left_pad(
+    sequences: list[list[int]], pad_id: int, device: torch.device, width: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ids and mask ``[len(sequences), width]`` (default width: the longest sequence)."""
+    width = max(len(s) for s in sequences) if width is None else width
     ids = torch.full((len(sequences), width), pad_id, dtype=torch.long, device=device)
     mask = torch.zeros((len(sequences), width), dtype=torch.long, device=device)
     for row, seq in enumerate(sequences):
@@ -103,9 +106,15 @@ def generate(
     return Generation(prompt_ids, prompt_mask, completion_ids, completion_mask, num_samples)
 
 
+GenerationCall = tuple[Agent, list[list[int]], int]
+"""One agent's share of a turn: ``(agent, prompts, num_samples)``."""
+
+
 class Engine(Protocol):
-    """What the rollouts call: one batched generation for one agent's prompts. Row
-    ``i * num_samples + k`` of the result is sample k of prompt i."""
+    """What the rollouts call. ``generate``: one batched generation for one agent's prompts (row
+    ``i * num_samples + k`` of the result is sample k of prompt i). ``generate_team``: a turn's
+    calls for every model of the team at once (one ``Generation`` per call, in order), so an
+    engine may decode the agents together; ``generate_each`` is the plain loop."""
 
     name: str
 
@@ -120,6 +129,20 @@ class Engine(Protocol):
         greedy: bool = False,
     ) -> Generation: ...
 
+    def generate_team(
+        self,
+        calls: list[GenerationCall],
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        greedy: bool = False,
+    ) -> list[Generation]: ...
+
+
+def generate_each(engine, calls: list[GenerationCall], *args, **kwargs) -> list[Generation]:
+    """``generate_team`` as one ``generate`` per call."""
+    return [engine.generate(agent, prompts, n, *args, **kwargs) for agent, prompts, n in calls]
+
 
 class HFEngine:
     """transformers' ``generate``: any causal LM."""
@@ -129,37 +152,68 @@ class HFEngine:
     def generate(self, agent, prompts, num_samples, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False):
         return generate(agent, prompts, num_samples, max_new_tokens, temperature, top_p, greedy)
 
+    def generate_team(self, calls, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False):
+        return generate_each(self, calls, max_new_tokens, temperature, top_p, greedy)
+
 
 class TorchEngine:
-    """The lean KV-cache decoder of ``lit_marl.decoding`` (Llama-family models). With
-    ``fallback`` a model it cannot decode goes to ``generate`` (the ``auto`` engine); without,
-    such a model is refused with the reason."""
+    """The lean KV-cache decoder of ``lit_marl.decoding`` (Llama-family models). A team's small
+    same-shape models decode together, one stacked forward per token. With ``fallback`` a model
+    it cannot decode goes to ``generate`` (the ``auto`` engine); without, such a model is refused
+    with the reason."""
 
     def __init__(self, fallback: bool = False):
         self.fallback = fallback
         self.name = "auto" if fallback else "torch"
 
-    @torch.no_grad()
     def generate(self, agent, prompts, num_samples, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False):
-        from lit_marl.decoding import Decoder, unsupported
+        from lit_marl.decoding import unsupported
 
         if self.fallback and unsupported(agent.model) is not None:
             return generate(agent, prompts, num_samples, max_new_tokens, temperature, top_p, greedy)
-        decoder = Decoder(agent.model)  # the weights as they are now (LoRA merged for this call)
+        return self._decode([(agent, prompts, num_samples)], max_new_tokens, temperature, top_p, greedy)[0]
+
+    def generate_team(self, calls, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False):
+        from lit_marl.decoding import stackable
+
+        if len(calls) > 1 and stackable([agent.model for agent, _, _ in calls]):
+            return self._decode(calls, max_new_tokens, temperature, top_p, greedy)
+        return generate_each(self, calls, max_new_tokens, temperature, top_p, greedy)
+
+    @torch.no_grad()
+    def _decode(self, calls, max_new_tokens, temperature, top_p, greedy) -> list[Generation]:
+        """The calls' models stacked in one ``Decoder`` (the weights as they are now, LoRA merged):
+        every call's rows padded to the same count and prompt width, filler rows inactive."""
+        from lit_marl.decoding import Decoder
+
+        decoder = Decoder([agent.model for agent, _, _ in calls])
         device = decoder.embed.device
-        prompt_ids, prompt_mask = left_pad([p for p in prompts for _ in range(num_samples)], agent.pad_token_id, device)
-        completion_ids = decoder.generate(
-            prompt_ids,
-            prompt_mask,
-            max_new_tokens,
-            agent.eos_token_id,
-            agent.pad_token_id,
-            temperature=temperature,
-            top_p=top_p,
-            greedy=greedy,
-        )
-        completion_mask = mask_through_first(completion_ids, agent.eos_token_id)
-        return Generation(prompt_ids, prompt_mask, completion_ids, completion_mask, num_samples)
+        rows = [[p for p in prompts for _ in range(n)] for _, prompts, n in calls]
+        B, P = max(len(r) for r in rows), max(len(p) for r in rows for p in r)
+        ids = torch.empty(len(calls), B, P, dtype=torch.long, device=device)
+        mask = torch.zeros(len(calls), B, P, dtype=torch.long, device=device)
+        active = torch.zeros(len(calls), B, dtype=torch.bool, device=device)
+        for a, ((agent, _, _), prompts) in enumerate(zip(calls, rows)):
+            ids[a], mask[a] = left_pad(prompts + [[]] * (B - len(prompts)), agent.pad_token_id, device, width=P)
+            active[a, : len(prompts)] = True
+        eos = torch.tensor([agent.eos_token_id for agent, _, _ in calls], device=device)
+        pad = torch.tensor([agent.pad_token_id for agent, _, _ in calls], device=device)
+        completion = decoder.generate(ids, mask, max_new_tokens, eos, pad, temperature, top_p, greedy, active)
+        out = []
+        for a, ((agent, _, n), prompts) in enumerate(zip(calls, rows)):
+            count, width = len(prompts), max(len(p) for p in prompts)
+            completion_mask = mask_through_first(completion[a, :count], agent.eos_token_id)
+            length = max(1, int(completion_mask.sum(-1).max()))  # as generate: up to the last row's end
+            out.append(
+                Generation(
+                    ids[a, :count, P - width :],
+                    mask[a, :count, P - width :],
+                    completion[a, :count, :length],
+                    completion_mask[:, :length],
+                    n,
+                )
+            )
+        return out
 
 
 ENGINES = ("auto", "torch", "hf", "vllm")

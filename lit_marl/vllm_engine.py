@@ -27,7 +27,7 @@ import torch
 
 from lit_marl.agents import Agent
 from lit_marl.decoding import effective_state_dict
-from lit_marl.generation import Generation, left_pad, mask_through_first
+from lit_marl.generation import Generation, generate_each, left_pad, mask_through_first
 
 
 @dataclass
@@ -126,6 +126,9 @@ class VLLMEngine:
             self.versions[key] = version
             self.syncs += 1
         return self.backends[key]
+
+    def generate_team(self, calls, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False):
+        return generate_each(self, calls, max_new_tokens, temperature, top_p, greedy)
 
     @torch.no_grad()
     def generate(self, agent, prompts, num_samples, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False):

@@ -161,26 +161,28 @@ class StepProbe:
         self._start: tuple[float, dict] | None = None
 
     def wrap_engine(self, engine) -> None:
-        """Count lit_marl's generation engine (``engine.generate(agent, prompts, n, ...)`` returns a
-        ``Generation``) instead of ``model.generate``, which its lean decoder never calls."""
-        generate = engine.generate
+        """Count lit_marl's generation engine instead of ``model.generate`` (which its lean
+        decoder never calls): the rollouts make one ``engine.generate_team(calls, ...)`` per turn,
+        one call per model of the team, and each call counts as one generate call."""
+        generate_team = engine.generate_team
 
-        @functools.wraps(generate)
-        def counted(*a, **kw):
+        @functools.wraps(generate_team)
+        def counted(calls, *a, **kw):
             start = time.perf_counter()
             self.in_generate = True
             try:
-                out = generate(*a, **kw)
+                outs = generate_team(calls, *a, **kw)
             finally:
                 self.in_generate = False
-            self.totals["generate_calls"] += 1
+            self.totals["generate_calls"] += len(calls)
             self.totals["generate_s"] += time.perf_counter() - start
-            self.totals["generated_tokens"] += float(out.completion_mask.sum())
-            self.totals["sequences"] += out.completion_ids.shape[0]
-            self.totals["prompt_tokens"] += float(out.prompt_mask.sum())
-            return out
+            for out in outs:
+                self.totals["generated_tokens"] += float(out.completion_mask.sum())
+                self.totals["sequences"] += out.completion_ids.shape[0]
+                self.totals["prompt_tokens"] += float(out.prompt_mask.sum())
+            return outs
 
-        engine.generate = counted
+        engine.generate_team = counted
 
     def wrap_model(self, model, pad_id: int | None, count_generate: bool = True) -> None:
         """``count_generate=False``: generation is counted by ``wrap_engine``."""

@@ -76,3 +76,8 @@ class RecordingEngine:
         out = self.inner.generate(agent, prompts, *args, **kwargs)
         self.calls.append((agent, [list(p) for p in prompts], out))
         return out
+
+    def generate_team(self, calls, *args, **kwargs):
+        outs = self.inner.generate_team(calls, *args, **kwargs)
+        self.calls += [(agent, [list(p) for p in prompts], out) for (agent, prompts, _), out in zip(calls, outs)]
+        return outs

@@ -314,3 +314,91 @@ def test_effective_state_dict_merges_the_active_adapter(tiny_agent):
 def test_vllm_engine_options_need_the_default_backend():
     with pytest.raises(ValueError, match="default backend"):
         VLLMEngine(backend_factory=lambda a: None, gpu_memory_utilization=0.5)
+
+
+# --------------------------------------------------------------------------- a team decoded together
+def perturbed(agent: Agent, seed: int) -> Agent:
+    """Another agent of the same shape with its own weights."""
+    import copy
+
+    model = copy.deepcopy(agent.model)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return Agent(agent.source, loaded=(model.eval(), agent.tokenizer))
+
+
+def test_team_decodes_stacked_and_equals_each_agent_alone(tiny_agent, prompts):
+    """Two agents with their own weights, different row counts and prompt widths: one stacked
+    forward per token gives each exactly what generate gives it alone, trimmed to its own widths."""
+    from lit_marl.decoding import stackable
+
+    a, b = tiny_agent, perturbed(tiny_agent, 3)
+    assert stackable([a.model, b.model])
+    calls = [(a, prompts, 2), (b, prompts[1:], 1)]  # 6 rows and 2 rows; b's prompts are narrower
+    team = TorchEngine().generate_team(calls, 12, greedy=True)
+    for (agent, ps, n), out in zip(calls, team):
+        alone = HFEngine().generate(agent, ps, n, 12, greedy=True)
+        assert torch.equal(out.prompt_ids, alone.prompt_ids) and torch.equal(out.prompt_mask, alone.prompt_mask)
+        assert torch.equal(out.completion_ids, alone.completion_ids)
+        assert torch.equal(out.completion_mask, alone.completion_mask)
+        assert out.num_samples == n
+    assert not torch.equal(team[0].completion_ids[2], team[1].completion_ids[0])  # own weights: own text
+
+
+def test_team_of_adapter_views_decodes_stacked(tiny_agent, prompts):
+    from peft import get_peft_model
+
+    from lit_marl.decoding import stackable
+
+    base = llama_agent(tiny_agent.tokenizer).model
+    shared = get_peft_model(base, lora_config(LoraSettings(r=4, alpha=8)), adapter_name="agent0")
+    shared.add_adapter("agent1", lora_config(LoraSettings(r=4, alpha=8)))
+    with torch.no_grad():
+        for name, p in shared.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    agents = [Agent("llama-tiny", loaded=(AdapterView(shared, f"agent{i}"), tiny_agent.tokenizer)) for i in (0, 1)]
+    assert stackable([agent.model for agent in agents])
+    team = TorchEngine().generate_team([(agent, prompts, 1) for agent in agents], 10, greedy=True)
+    for agent, out in zip(agents, team):
+        assert torch.equal(out.completion_ids, hf_greedy(agent, prompts, 1, 10))
+
+
+def test_team_of_different_shapes_or_architectures_decodes_one_by_one(tiny_agent, prompts):
+    from lit_marl.decoding import stackable
+
+    llama = llama_agent(tiny_agent.tokenizer)
+    gpt2 = Agent(
+        "gpt2-tiny",
+        loaded=(
+            GPT2LMHeadModel(GPT2Config(vocab_size=len(tiny_agent.tokenizer), n_embd=32, n_layer=1, n_head=2)).eval(),
+            tiny_agent.tokenizer,
+        ),
+    )
+    assert not stackable([tiny_agent.model, llama.model])  # qwen2 and llama shapes differ
+    assert not stackable([tiny_agent.model, gpt2.model])
+    calls = [(tiny_agent, prompts, 1), (llama, prompts, 1), (gpt2, prompts, 1)]
+    team = make_engine("auto").generate_team(calls, 8, greedy=True)
+    for (agent, ps, n), out in zip(calls, team):
+        assert torch.equal(out.completion_ids, hf_greedy(agent, ps, n, 8))
+    with pytest.raises(ValueError, match="gpt2"):
+        TorchEngine().generate_team(calls, 8, greedy=True)
+
+
+def test_team_sampling_draws_each_agent_from_its_own_model(tiny_agent, prompts):
+    """Sampled (not greedy) team decoding: the tokens' log-probs under each agent's own training
+    forward are those the decoder sampled from, and every row of an agent is its own."""
+    a, b = tiny_agent, perturbed(tiny_agent, 4)
+    torch.manual_seed(0)
+    team = TorchEngine().generate_team([(a, prompts, 2), (b, prompts, 2)], 6)
+    for agent, other, out in ((a, b, team[0]), (b, a, team[1])):
+        ids = torch.cat([out.prompt_ids, out.completion_ids], 1)
+        mask = torch.cat([out.prompt_mask, out.completion_mask], 1)
+        with torch.no_grad():
+            own = completion_logprobs(agent.model, ids, mask, out.completion_ids.shape[1])
+            theirs = completion_logprobs(other.model, ids, mask, out.completion_ids.shape[1])
+        valid = out.completion_mask.bool()
+        assert torch.isfinite(own[valid]).all()
+        assert own[valid].mean() > theirs[valid].mean()  # sampled from its own model, not the teammate's

@@ -154,11 +154,11 @@ def run_episodes(
         t0 = time.perf_counter()
         texts: list[list[str]] = [[""] * n for _ in live]  # [episode][agent]
         closed: list[list[bool]] = [[True] * n for _ in live]
-        for roles in roles_by_model(agents):  # ONE batched generate per model and turn
+        groups = roles_by_model(agents)  # ONE batched generation per model and turn, the models together
+        calls = [(agents[roles[0]], [e.ids[i] for i in roles for e in live], 1) for roles in groups]
+        outputs = engine.generate_team(calls, max_new_tokens, temperature, top_p, greedy)
+        for roles, out in zip(groups, outputs):
             agent = agents[roles[0]]
-            out = engine.generate(
-                agent, [e.ids[i] for i in roles for e in live], 1, max_new_tokens, temperature, top_p, greedy
-            )
             decoded = agent.decode(out.completion_ids, out.completion_mask)
             for k, (ids, m) in enumerate(zip(out.completion_ids, out.completion_mask)):
                 i, b = roles[k // len(live)], k % len(live)

@@ -244,10 +244,14 @@ def build_tree(
         t0 = time.perf_counter()
         gens: list[Generation] = [None] * num_agents
         raw = turn > 0 and external_prompt_passthrough
-        for roles in roles_by_model(agents):  # ONE batched generate per model over all open nodes
+        groups = roles_by_model(agents)  # ONE batched generation per model over all open nodes
+        calls = []
+        for roles in groups:
             agent = agents[roles[0]]
             encoded = [agent.encode_prompt(node.prompt_history[i][-1], raw=raw) for i in roles for node in nodes]
-            generated = engine.generate(agent, encoded, G, max_new_tokens, temperature, top_p, greedy)
+            calls.append((agent, encoded, G))
+        outputs = engine.generate_team(calls, max_new_tokens, temperature, top_p, greedy)  # the models together
+        for roles, generated in zip(groups, outputs):
             for r, i in enumerate(roles):  # a parameter-shared model played several roles at once
                 gens[i] = generated.rows(slice(r * len(nodes) * G, (r + 1) * len(nodes) * G))
         texts = [agent.decode(g.completion_ids, g.completion_mask) for agent, g in zip(agents, gens)]
