@@ -48,6 +48,21 @@ def llama_agent(tokenizer, **config) -> Agent:
     return Agent("llama-tiny", loaded=(model.eval(), tokenizer))
 
 
+def adapter_team(tokenizer) -> list[Agent]:
+    """Two agents as LoRA adapters ``agent0``/``agent1`` on one tiny Llama, with trained-looking
+    (random, non-zero) adapters so that the two differ from the base and from each other."""
+    from peft import get_peft_model
+
+    base = llama_agent(tokenizer).model
+    shared = get_peft_model(base, lora_config(LoraSettings(r=4, alpha=8)), adapter_name="agent0")
+    shared.add_adapter("agent1", lora_config(LoraSettings(r=4, alpha=8)))
+    with torch.no_grad():
+        for name, p in shared.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    return [Agent("llama-tiny", loaded=(AdapterView(shared, f"agent{i}"), tokenizer)) for i in (0, 1)]
+
+
 def hf_greedy(agent, prompts, n, new):
     return HFEngine().generate(agent, prompts, n, new, greedy=True).completion_ids
 
@@ -153,16 +168,7 @@ def test_torch_decoder_uses_lora_adapters_merged(tiny_agent, prompts):
 
 
 def test_torch_decoder_adapter_views_decode_their_own_adapter(tiny_agent, prompts):
-    from peft import get_peft_model
-
-    base = llama_agent(tiny_agent.tokenizer).model
-    shared = get_peft_model(base, lora_config(LoraSettings(r=4, alpha=8)), adapter_name="agent0")
-    shared.add_adapter("agent1", lora_config(LoraSettings(r=4, alpha=8)))
-    with torch.no_grad():
-        for name, p in shared.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.5)
-    agents = [Agent("llama-tiny", loaded=(AdapterView(shared, f"agent{i}"), tiny_agent.tokenizer)) for i in (0, 1)]
+    agents = adapter_team(tiny_agent.tokenizer)
     outs = [torch_greedy(a, prompts, 1, 10) for a in agents]
     assert torch.equal(outs[0], hf_greedy(agents[0], prompts, 1, 10))
     assert torch.equal(outs[1], hf_greedy(agents[1], prompts, 1, 10))
@@ -293,17 +299,8 @@ def test_vllm_weights_sync_once_per_update(tiny_agents, prompts):
 
 
 def test_effective_state_dict_merges_the_active_adapter(tiny_agent):
-    from peft import get_peft_model
-
-    base = llama_agent(tiny_agent.tokenizer).model
-    plain_names = set(base.state_dict())
-    shared = get_peft_model(base, lora_config(LoraSettings(r=4, alpha=8)), adapter_name="agent0")
-    shared.add_adapter("agent1", lora_config(LoraSettings(r=4, alpha=8)))
-    with torch.no_grad():
-        for name, p in shared.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.5)
-    view = AdapterView(shared, "agent1")
+    plain_names = set(llama_agent(tiny_agent.tokenizer).model.state_dict())
+    view = adapter_team(tiny_agent.tokenizer)[1].model  # agent1's AdapterView
     state = effective_state_dict(view)
     assert set(state) == plain_names
     merged = view.merged().state_dict()
@@ -348,18 +345,9 @@ def test_team_decodes_stacked_and_equals_each_agent_alone(tiny_agent, prompts):
 
 
 def test_team_of_adapter_views_decodes_stacked(tiny_agent, prompts):
-    from peft import get_peft_model
-
     from lit_marl.decoding import stackable
 
-    base = llama_agent(tiny_agent.tokenizer).model
-    shared = get_peft_model(base, lora_config(LoraSettings(r=4, alpha=8)), adapter_name="agent0")
-    shared.add_adapter("agent1", lora_config(LoraSettings(r=4, alpha=8)))
-    with torch.no_grad():
-        for name, p in shared.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.5)
-    agents = [Agent("llama-tiny", loaded=(AdapterView(shared, f"agent{i}"), tiny_agent.tokenizer)) for i in (0, 1)]
+    agents = adapter_team(tiny_agent.tokenizer)
     assert stackable([agent.model for agent in agents])
     team = TorchEngine().generate_team([(agent, prompts, 1) for agent in agents], 10, greedy=True)
     for agent, out in zip(agents, team):
