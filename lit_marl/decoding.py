@@ -48,11 +48,12 @@ def unsupported(model: nn.Module) -> str | None:
     if rotary is None or getattr(rotary, "rope_type", "default") not in ("default", "linear", "llama3", "yarn"):
         return f"RoPE type {getattr(rotary, 'rope_type', None)!r} (dynamic RoPE recomputes per length)"
     for module in lm.modules():
-        if getattr(module, "use_dora", {}) and any(module.use_dora.values()):
+        if any(vars(module).get("use_dora", {}).values()):  # peft LoRA layers keep a plain dict
             return "DoRA adapters"
-    for p in lm.parameters():
-        if type(p.data).__name__ == "DTensor":
-            return "sharded (DTensor) parameters: generate inside TeamShards.gathered()"
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in lm.parameters()):
+        return "sharded (DTensor) parameters: generate inside TeamShards.gathered()"
     return None
 
 
