@@ -138,8 +138,11 @@ def _shape(lm: nn.Module) -> tuple:
 def stackable(models: list[nn.Module]) -> bool:
     """Whether these models can decode together in one forward per token: all supported, the
     same shapes, and small (see ``FUSE_BELOW_PARAMETERS``)."""
-    if any(unsupported(m) is not None for m in models):
-        return False
+    return all(unsupported(m) is None for m in models) and _alike(models)
+
+
+def _alike(models: list[nn.Module]) -> bool:
+    """Supported models that can be stacked: the same shapes, all small."""
     lms = [_causal_lm(m) for m in models]
     small = all(sum(p.numel() for p in lm.parameters()) < FUSE_BELOW_PARAMETERS for lm in lms)
     return small and len({_shape(lm) for lm in lms}) == 1
@@ -157,7 +160,7 @@ class Decoder:
             reason = unsupported(model)
             if reason is not None:
                 raise ValueError(f"the torch engine cannot decode this model: {reason}; use engine: hf")
-        if len(models) > 1 and not stackable(models):
+        if len(models) > 1 and not _alike(models):  # each model was checked just above
             raise ValueError("these models cannot decode in one stacked forward (different shapes or too large)")
         per_agent = [self._read(model) for model in models]  # read in turn: AdapterViews switch adapters
         lm = _causal_lm(models[0])
