@@ -24,7 +24,7 @@ class HeldOutEvaluation(L.Callback):
         if not getattr(trainer.datamodule, "val_tasks", None):  # checked before any model loads
             raise ConfigError("HeldOutEvaluation needs held-out tasks: set data.val_path")
 
-    def _evaluate(self, trainer: L.Trainer, pl_module, tag: str) -> dict[str, float]:
+    def evaluate(self, trainer: L.Trainer, pl_module, tag: str) -> dict[str, float]:
         with pl_module.gathered():
             results = trainer.datamodule.evaluate(pl_module.agents)
         if self.metric not in results:
@@ -37,13 +37,13 @@ class HeldOutEvaluation(L.Callback):
         return results
 
     def on_train_start(self, trainer: L.Trainer, pl_module) -> None:
-        self.before = self._evaluate(trainer, pl_module, "before training")
+        self.before = self.evaluate(trainer, pl_module, "before training")
         self.train_start = time.perf_counter()
 
     def on_train_end(self, trainer: L.Trainer, pl_module) -> None:
         steps = trainer.fit_loop.epoch_loop.batch_progress.total.completed
         print(f"Trained {steps} steps in {time.perf_counter() - self.train_start:.0f} s", flush=True)
-        self.after = self._evaluate(trainer, pl_module, "after training")
+        self.after = self.evaluate(trainer, pl_module, "after training")
         m = self.metric
         print(f"\nHeld-out {m} (greedy): before {self.before[m]:.3f} -> after {self.after[m]:.3f}", flush=True)
         if trainer.logger is not None and trainer.logger.log_dir:

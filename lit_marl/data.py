@@ -8,6 +8,7 @@ every rollout comes from the current weights (the loader's prefetch only touches
 from __future__ import annotations
 
 import importlib
+import math
 import string
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -54,8 +55,9 @@ def template_fields(template: str) -> set[str]:
     return {name.split(".")[0].split("[")[0] for _, name, _, _ in string.Formatter().parse(template) if name}
 
 
-def load_tasks(path: str, field: str, required: set[str]) -> list[dict]:
-    """Rows of a local JSONL/JSON/CSV/Parquet file (through ``datasets``), checked for ``required``."""
+def load_tasks(path: str, field: str, required: set[str], needed_by: str = "data.agent_prompts") -> list[dict]:
+    """Rows of a local JSONL/JSON/CSV/Parquet file (through ``datasets``), checked for ``required``
+    (the fields ``needed_by`` uses)."""
     if not Path(path).is_file():
         raise ConfigError(f"{field}={path!r}: file not found")
     import datasets
@@ -68,8 +70,7 @@ def load_tasks(path: str, field: str, required: set[str]) -> list[dict]:
     missing = sorted(required - set(ds.column_names))
     if missing:
         raise ConfigError(
-            f"{field}={path!r} lacks the field(s) {missing} that data.agent_prompts uses; "
-            f"its fields are {ds.column_names}"
+            f"{field}={path!r} lacks the field(s) {missing} that {needed_by} uses; its fields are {ds.column_names}"
         )
     if len(ds) == 0:
         raise ConfigError(f"{field}={path!r} holds no rows")
@@ -96,17 +97,30 @@ class TaskLoader:
     consumed batch, so a killed run repeats no task and skips none.
     """
 
-    def __init__(self, tasks: list[dict], batch_size: int, seed: int, rank: int = 0, world_size: int = 1):
-        self.tasks, self.batch_size, self.seed = tasks, batch_size, seed
+    def __init__(
+        self, tasks: list[dict], batch_size: int, seed: int, rank: int = 0, world_size: int = 1, name: str = "tasks"
+    ):
+        self.tasks, self.batch_size, self.seed, self.name = tasks, batch_size, seed, name
         self.rank, self.world_size = rank, world_size
         self.epoch = -1  # the epoch being iterated; the first __iter__ starts epoch 0
         self.consumed = 0  # batches of this epoch that reached the training step
+        self.stop: int | None = None  # the batch where the coming epoch ends early (a spent budget); None: none
         self.epoch_length = len(self)  # batches training takes per epoch (Lightning's limit_train_batches)
         self._resume_at: int | None = None
 
-    def __len__(self) -> int:
+    @property
+    def num_batches(self) -> int:
+        """Batches of a whole epoch."""
         step = self.batch_size * self.world_size
         return -(-len(self.tasks) // step)
+
+    def __len__(self) -> int:
+        return self.num_batches if self.stop is None else min(self.num_batches, self.stop)
+
+    def end_after(self, rows: int | None) -> None:
+        """Let an epoch serve about ``rows`` rows over all ranks, counted from its start and rounded
+        up to whole steps (a budget that ends mid-permutation); None: the whole permutation."""
+        self.stop = None if rows is None else math.ceil(rows / (self.batch_size * self.world_size))
 
     def order(self, epoch: int) -> list[int]:
         generator = torch.Generator().manual_seed(self.seed + epoch)
@@ -115,7 +129,7 @@ class TaskLoader:
         torch.empty((), dtype=torch.int64).random_(generator=generator)
         order = torch.randperm(len(self.tasks), generator=generator).tolist()
         if self.world_size > 1:
-            whole = len(self) * self.batch_size * self.world_size
+            whole = self.num_batches * self.batch_size * self.world_size
             order = (order * (whole // len(order) + 1))[:whole]
         return order
 
@@ -132,9 +146,18 @@ class TaskLoader:
 
     def state_dict(self) -> dict:
         done = self.consumed >= min(self.epoch_length, len(self))
-        return {"epoch": self.epoch, "consumed": self.consumed, "epoch_done": done, "num_tasks": len(self.tasks)}
+        return {
+            "epoch": self.epoch,
+            "consumed": self.consumed,
+            "epoch_done": done,
+            "num_tasks": len(self.tasks),
+            "rows": self.name,
+        }
 
     def load_state_dict(self, state: dict) -> None:
+        if state.get("rows", "tasks") != self.name:
+            # the other phase's loader (demonstrations <-> tasks), saved as its last epoch ended: start afresh
+            return
         if state["num_tasks"] != len(self.tasks):
             raise ValueError(
                 f"the checkpoint's run had {state['num_tasks']} training tasks, this one {len(self.tasks)}: resume "
@@ -152,12 +175,63 @@ class TaskDataModule(L.LightningDataModule):
 
     train_tasks: list[dict]
     val_tasks: list[dict]
+    demos: list[dict] = []
+    demo_rows: int | None = None
+    """How many demonstrations the coming SFT epoch may serve, counted from its start (``PhaseSwitch``
+    sets it from the budget); None: whole passes."""
+
+    def load_demos(self, demo_path: str | None, demo_batch_size: int, demo_loss_on: str) -> None:
+        """The demonstrations of SFT (``SFT``, or the first phase of ``callbacks.PhaseSwitch``)."""
+        from lit_marl.demos import load_demos
+
+        if demo_batch_size < 1:
+            raise ConfigError(f"data.demo_batch_size={demo_batch_size}: must be at least 1")
+        if demo_loss_on not in ("all", "last"):
+            raise ConfigError(f"data.demo_loss_on={demo_loss_on!r}: choose all (every assistant turn) or last")
+        self.demos = load_demos(demo_path, self.num_agents) if demo_path else []
+        self._loaders: dict[str, tuple[object, TaskLoader]] = {}
+
+    @property
+    def phase(self) -> str:
+        """``sft`` (demonstrations) or ``rl`` (rollouts): the training module's phase."""
+        trainer = self.trainer
+        return trainer.lightning_module.phase if trainer is not None and trainer.lightning_module else "rl"
 
     def train_dataloader(self) -> TaskLoader:
-        trainer = self.trainer
-        rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
-        self.train_loader = TaskLoader(self.train_tasks, self.hparams.tasks_per_step, self.hparams.seed, rank, world)
+        """The current phase's loader: demonstrations or tasks. Each is made once per fit and then
+        handed back (Lightning asks again each epoch when phases can switch), so its epoch count and
+        position carry on."""
+        trainer, phase = self.trainer, self.phase
+        cached = self._loaders.get(phase)
+        if cached is None or cached[0] is not trainer:
+            rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+            rows, size = (self.demos, self.hparams.demo_batch_size) if phase == "sft" else (self.train_tasks, None)
+            if phase == "sft" and not rows:
+                raise ConfigError("the SFT phase needs demonstrations: set data.demo_path (scripts/make_demos.py)")
+            name = "demos" if phase == "sft" else "tasks"
+            loader = TaskLoader(rows, size or self.hparams.tasks_per_step, self.hparams.seed, rank, world, name)
+            self._loaders[phase] = cached = (trainer, loader)
+        self.train_loader = cached[1]
+        self.train_loader.end_after(self.demo_rows if phase == "sft" else None)
         return self.train_loader
+
+    def on_after_batch_transfer(self, batch: list[dict], dataloader_idx: int):
+        """Rows become what the training step consumes: rendered demonstrations in the SFT phase,
+        rollouts of the current weights otherwise (greedy outside training)."""
+        module = self.trainer.lightning_module
+        if self.trainer.training and module.phase == "sft":
+            from lit_marl.demos import render_demos
+
+            return render_demos(list(module.agents), batch, self.hparams.demo_loss_on)
+        with module.gathered():
+            return self.rollout_batch(module, batch, training=self.trainer.training)
+
+    def rollout_batch(self, module, tasks: list[dict], training: bool):
+        raise NotImplementedError
+
+    def episodes(self, batch) -> float:
+        """RL episodes in this rank's training batch (the unit of an RL budget)."""
+        raise NotImplementedError
 
     def on_before_batch_transfer(self, batch: list[dict], dataloader_idx: int) -> list[dict]:
         if self.trainer is not None and self.trainer.training:
@@ -226,6 +300,9 @@ class RolloutDataModule(TaskDataModule):
         on_reward_error: Literal["raise", "skip"] = "raise",
         engine: str = "auto",
         engine_options: dict | None = None,
+        demo_path: str | None = None,
+        demo_batch_size: int = 8,
+        demo_loss_on: Literal["all", "last"] = "all",
     ):
         """
         Args:
@@ -270,6 +347,12 @@ class RolloutDataModule(TaskDataModule):
                 models, transformers' ``generate`` for the rest), ``torch``, ``hf`` or ``vllm``
                 (GPU, installed separately; weights synced from the trainer before each rollout).
             engine_options: Settings of the vllm engine (e.g. ``gpu_memory_utilization``).
+            demo_path: Demonstrations for SFT (the ``SFT`` module, or the first phase of
+                ``callbacks.PhaseSwitch``): JSONL rows with one chat per agent (``lit_marl/demos.py``;
+                ``scripts/make_demos.py`` writes them from an environment's expert).
+            demo_batch_size: Demonstrations per SFT step.
+            demo_loss_on: ``all``: the loss on every assistant turn of a demonstration; ``last``: on
+                its last assistant turn only (the earlier ones are context).
         """
         super().__init__()
         if env is not None and (agent_prompts or reward_fn or transition):
@@ -317,6 +400,7 @@ class RolloutDataModule(TaskDataModule):
         if num_turns > 1 and not env.has_transition:
             raise ConfigError(f"data.num_turns={num_turns}: {type(env).__name__} has no transition (single-turn)")
         self.env = env
+        self.load_demos(demo_path, demo_batch_size, demo_loss_on)
         self.train_tasks = env.load_tasks(train_path, "data.train_path")
         self.val_tasks = env.load_tasks(val_path, "data.val_path") if val_path else []
         self.num_generations = num_generations
@@ -353,12 +437,14 @@ class RolloutDataModule(TaskDataModule):
             engine=self.engine,
         )
 
-    def on_after_batch_transfer(self, batch: list[dict], dataloader_idx: int) -> RolloutBatch:
-        module = self.trainer.lightning_module
-        with module.gathered():
-            if not self.trainer.training:
-                return self.rollout(module.agents, batch, greedy=True)
-            return self.rollout(module.agents, batch, greedy=False, response_penalty=module.response_penalty)
+    def rollout_batch(self, module, tasks: list[dict], training: bool) -> RolloutBatch:
+        if not training:
+            return self.rollout(module.agents, tasks, greedy=True)
+        return self.rollout(module.agents, tasks, greedy=False, response_penalty=module.response_penalty)
+
+    def episodes(self, batch: RolloutBatch) -> float:
+        """Joint trajectories from a root to a leaf of the trees."""
+        return batch.stats["rollout/episodes"]
 
     def evaluation_metrics(self, agents, tasks: list[dict]) -> dict[str, float]:
         """The mean reward and the metrics the reward reported."""
@@ -390,6 +476,9 @@ class EpisodeDataModule(TaskDataModule):
         seed: int = 0,
         engine: str = "auto",
         engine_options: dict | None = None,
+        demo_path: str | None = None,
+        demo_batch_size: int = 8,
+        demo_loss_on: Literal["all", "last"] = "all",
     ):
         """
         Args:
@@ -416,6 +505,12 @@ class EpisodeDataModule(TaskDataModule):
             engine: What generates: ``auto`` (default), ``torch``, ``hf`` or ``vllm``, as in
                 ``RolloutDataModule``.
             engine_options: Settings of the vllm engine.
+            demo_path: Demonstrations for SFT (the ``SFT`` module, or the first phase of
+                ``callbacks.PhaseSwitch``): JSONL rows with one chat per agent (``lit_marl/demos.py``;
+                ``scripts/make_demos.py`` writes them from an environment's expert).
+            demo_batch_size: Demonstrations per SFT step.
+            demo_loss_on: ``all``: the loss on every assistant turn of a demonstration; ``last``: on
+                its last assistant turn only (the earlier ones are context).
         """
         super().__init__()
         from lit_marl.envs.base import make_env
@@ -446,6 +541,7 @@ class EpisodeDataModule(TaskDataModule):
             )
         self.save_hyperparameters()
         self.engine = build_engine(engine, engine_options)
+        self.load_demos(demo_path, demo_batch_size, demo_loss_on)
         self.train_tasks = load_tasks(train_path, "data.train_path", set())
         self.val_tasks = load_tasks(val_path, "data.val_path", set()) if val_path else []
         self.num_generations = num_generations
@@ -484,10 +580,11 @@ class EpisodeDataModule(TaskDataModule):
             batch.rewards = rewards
         return batches
 
-    def on_after_batch_transfer(self, batch: list[dict], dataloader_idx: int):
-        module = self.trainer.lightning_module
-        with module.gathered():
-            return self.rollout(module.agents, batch, greedy=not self.trainer.training)
+    def rollout_batch(self, module, tasks: list[dict], training: bool):
+        return self.rollout(module.agents, tasks, greedy=not training)
+
+    def episodes(self, batches) -> float:
+        return float(len(batches[0].won))
 
     def evaluation_metrics(self, agents, tasks: list[dict]) -> dict[str, float]:
         """One greedy episode per task: win rate, mean episode reward, final score, length."""

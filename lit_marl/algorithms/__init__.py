@@ -2,5 +2,6 @@ from lit_marl.algorithms.actor_critic import IAC, MAAC
 from lit_marl.algorithms.grpo import GRPO, RLOO
 from lit_marl.algorithms.magrpo import MAGRPO, MAREINFORCE, MARLOO, MAReMax
 from lit_marl.algorithms.ppo import PPO
+from lit_marl.algorithms.sft import SFT
 
-__all__ = ["GRPO", "IAC", "MAAC", "MAGRPO", "MAREINFORCE", "MAReMax", "MARLOO", "PPO", "RLOO"]
+__all__ = ["GRPO", "IAC", "MAAC", "MAGRPO", "MAREINFORCE", "MAReMax", "MARLOO", "PPO", "RLOO", "SFT"]

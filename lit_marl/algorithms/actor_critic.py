@@ -464,7 +464,7 @@ class ActorCritic(AgentTeamModule):
         return self.value_term(self.critics[critic](inputs), inputs.old_values, inputs.targets)
 
     # ------------------------------------------------------------------ the step
-    def training_step(self, batch: RolloutBatch, batch_idx: int) -> None:
+    def rl_step(self, batch: RolloutBatch, batch_idx: int) -> None:
         self.buffer_step(batch, batch.agents)  # advantages come at the update, from the critic of that moment
 
     def flush_buffers(self) -> None:

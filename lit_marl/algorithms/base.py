@@ -14,6 +14,7 @@ from torch import nn
 
 from lit_marl import ConfigError
 from lit_marl.agents import Agent, LoraSettings, roles_by_model
+from lit_marl.demos import DemoSamples
 from lit_marl.generation import Generation
 from lit_marl.models import check_source
 from lit_marl.rollout.batch import AgentSamples, RolloutBatch
@@ -211,6 +212,40 @@ class AgentTeamModule(L.LightningModule):
         if self.shards is not None:
             self.shards.refresh(params)
         return loss_sum
+
+    # ------------------------------------------------------------------ the step: fine-tuning on demonstrations or RL
+    phase: str = "rl"
+    """``sft`` while the run fine-tunes on demonstrations (``callbacks.PhaseSwitch`` sets it; the ``SFT``
+    module always), ``rl`` otherwise. The data module serves demonstrations or rollouts to match."""
+
+    def training_step(self, batch, batch_idx: int) -> None:
+        if self.phase == "sft":
+            self.sft_step(batch)
+        else:
+            self.rl_step(batch, batch_idx)
+
+    def rl_step(self, batch, batch_idx: int) -> None:
+        raise NotImplementedError
+
+    def sft_step(self, per_agent: list[DemoSamples]) -> None:
+        """One optimizer step per learner on its roles' demonstrations: the mean negative
+        log-likelihood of the assistant tokens (over all ranks), the weights RL then continues from."""
+        from lit_marl.algorithms.sft import sft_loss
+
+        with Timer() as train_time, self.gathered():
+            losses, tokens = [], 0.0
+            for index, roles in enumerate(self.learners):
+                agent = self.agents[roles[0]]
+                samples = DemoSamples.cat([per_agent[r] for r in roles], agent.pad_token_id)
+                count = float(samples.loss_mask.sum())
+                loss_fn = lambda mb, m=agent.model: sft_loss(m, mb)  # noqa: E731
+                losses.append(self.update_agent(index, samples, loss_fn, count=count))
+                tokens += count
+                self.log(f"train/sft_loss_{self.learner_name(index)}", losses[-1], batch_size=len(samples))
+        size = len(per_agent[0])
+        self.log("train/sft_loss", sum(losses) / len(losses), prog_bar=True, batch_size=size)
+        self.log("train/sft_tokens", self.all_ranks_sum(tokens), reduce_fx="sum", batch_size=size)
+        self.log("time/train_s", train_time.seconds, batch_size=size)
 
     # ------------------------------------------------------------------ buffered updates (MAGRPO family, IAC/MAAC)
     rollout_buffer_size: int | None = None

@@ -169,7 +169,7 @@ class EpisodicModule(AgentTeamModule):
             stats["tokens"] += float(mask.sum())
         return loss
 
-    def training_step(self, batches: list[EpisodeBatch], batch_idx: int) -> None:
+    def rl_step(self, batches: list[EpisodeBatch], batch_idx: int) -> None:
         """Each learner (a model) updates on the sequences of every agent it plays."""
         with Timer() as train_time, self.gathered():
             stats = dict.fromkeys(("approx_kl", "clip_frac", "tokens"), 0.0)

@@ -131,7 +131,7 @@ class MAGRPO(AgentTeamModule):
             seq_logprob = seq_logprob / mask.sum(-1).clamp(min=1)
         return -(samples.advantages * seq_logprob).sum()
 
-    def training_step(self, batch: RolloutBatch, batch_idx: int) -> None:
+    def rl_step(self, batch: RolloutBatch, batch_idx: int) -> None:
         self.buffer_step(batch, [samples.with_advantages(self.advantages(samples)) for samples in batch.agents])
 
     def flush_buffers(self) -> None:

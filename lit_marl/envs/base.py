@@ -68,6 +68,12 @@ class JointEnv(ABC):
     def has_transition(self) -> bool:
         return type(self).transition is not JointEnv.transition
 
+    def demonstration(self, task: dict) -> list[list[dict]]:
+        """An expert trajectory of ``task`` for SFT: one chat per agent, the env's prompts as user
+        messages and the expert's replies as assistant messages (``lit_marl/demos.py``;
+        ``scripts/make_demos.py`` writes them). Environments that have an expert implement it."""
+        raise NotImplementedError(f"{type(self).__name__} has no expert: it cannot yield demonstrations")
+
 
 class FunctionEnv(JointEnv):
     """Prompt templates + an importable reward function (+ an external transition)."""
@@ -151,6 +157,28 @@ class Env(ABC):
 
     @abstractmethod
     def step(self, actions: list[str]) -> StepResult: ...
+
+    def expert_turns(self, task: dict) -> list[list[str]]:
+        """The expert's play of ``task``: per turn, one action text per agent (an optimal solver, a
+        game's walkthrough, a recorded fix). Environments that have an expert implement it."""
+        raise NotImplementedError(f"{type(self).__name__} has no expert: it cannot yield demonstrations")
+
+    def demonstration(self, task: dict) -> list[list[dict]]:
+        """The expert's episode, played in this environment, as one chat per agent: the observations
+        as user messages, the actions as assistant messages - the turns an RL episode renders. An
+        expert that does not win is an error, never a demonstration."""
+        observations, turns = self.reset(task), self.expert_turns(task)
+        chats: list[list[dict]] = [[] for _ in range(self.num_agents)]
+        for t, actions in enumerate(turns):
+            for chat, observation, action in zip(chats, observations, actions):
+                chat += [{"role": "user", "content": observation}, {"role": "assistant", "content": action}]
+            result = self.step(actions)
+            if result.terminated or result.truncated:
+                if not result.info.get("won") or t != len(turns) - 1:
+                    raise ValueError(f"task {task!r}: the expert's play ended at turn {t + 1} without a win")
+                return chats
+            observations = result.observations
+        raise ValueError(f"task {task!r}: the expert's {len(turns)} turns did not finish the episode")
 
     def clone(self) -> "Env":
         if not self.cloneable:

@@ -69,6 +69,9 @@ class Corridor(Env):
     def info(self, won: bool = False, lost: bool = False) -> dict:
         return {"won": won, "lost": lost, "score": self.score, "max_score": 3}
 
+    def expert_turns(self, task: dict) -> list[list[str]]:
+        return [[action] for action in expert_actions(task)]
+
     def step(self, actions: list[str]) -> StepResult:
         self.steps += 1
         command = parse_command(actions[0])

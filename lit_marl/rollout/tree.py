@@ -238,7 +238,7 @@ def build_tree(
     turn_metrics: dict[str, float] = {}  # the reward's own metrics (e.g. levels) per turn
     all_completions: list[list[str]] = [[] for _ in agents]  # [agent][joint action of every turn]
     stats = dict.fromkeys(("time/generate_s", "time/reward_s", "time/penalty_s", "time/transition_s"), 0.0)
-    stats["rollout/generated_tokens"] = 0.0
+    stats["rollout/generated_tokens"] = stats["rollout/episodes"] = 0.0
     truncated = num_responses = 0
     for turn in range(num_turns):
         t0 = time.perf_counter()
@@ -323,6 +323,7 @@ def build_tree(
         stats["time/transition_s"] += t3 - t_penalty
         stats["rollout/generated_tokens"] += sum(g.num_generated_tokens for g in gens)
         stats[f"rollout/turn{turn}_nodes"] = float(len(nodes))
+        stats["rollout/episodes"] += float((children < 0).sum())  # joint actions that end a branch: leaves
         # a response without its end token hit max_new_tokens
         truncated += sum(int((~(g.completion_ids == a.eos_token_id).any(-1)).sum()) for a, g in zip(agents, gens))
         num_responses += num_agents * len(nodes) * G

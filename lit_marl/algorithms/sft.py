@@ -1,0 +1,42 @@
+"""Supervised fine-tuning on demonstrations: multi-turn chats, per agent, the loss on the agents' own
+tokens only (every assistant turn, or only the last: ``data.demo_loss_on``).
+
+The step itself lives in the shared base (``AgentTeamModule.sft_step``) because every RL algorithm
+runs it too during the SFT phase of an SFT→RL run (``callbacks.PhaseSwitch``); this module is the
+SFT-only run: ``lit-marl fit`` with ``model: lit_marl.algorithms.SFT`` and a data module with
+``demo_path``. Demonstrations are rendered exactly as RL renders episodes (``lit_marl/demos.py``),
+so the weights SFT leaves are scored by RL on the same token sequences.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lit_marl import ConfigError
+from lit_marl.algorithms.base import AgentTeamModule
+from lit_marl.demos import DemoSamples
+from lit_marl.generation import sequence_logprobs
+
+
+def sft_loss(model: torch.nn.Module, samples: DemoSamples) -> torch.Tensor:
+    """Negative log-likelihood summed over the masked (assistant) tokens."""
+    logprobs = sequence_logprobs(model, samples.input_ids, samples.attention_mask)
+    return -(logprobs * samples.loss_mask).sum()
+
+
+class SFT(AgentTeamModule):
+    phase = "sft"
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        data = self.trainer.datamodule
+        if stage == "fit" and data is not None and not data.demos:
+            raise ConfigError("model: SFT trains on demonstrations: set data.demo_path (scripts/make_demos.py)")
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        if isinstance(batch, list):  # episodes of a stateful environment: the team's outcome
+            size = len(batch[0].won)
+            self.log("val/reward", batch[0].rewards.sum(dim=1).mean(), prog_bar=True, batch_size=size)
+            self.log("val/won", batch[0].won.float().mean(), prog_bar=True, batch_size=size)
+        else:
+            self.log_rollout(batch, "val")

@@ -1,0 +1,134 @@
+"""Demonstrations: expert chats rendered for supervised fine-tuning exactly as RL renders episodes.
+
+A demonstration is one JSONL row (loadable with ``datasets``)::
+
+    {"task_id": "corridor/demo/3", "messages": [[{"role": "user", "content": "..."},
+                                                 {"role": "assistant", "content": "east"}, ...]]}
+
+``messages`` holds one chat per agent (a single agent's chat may be given bare, as a list of
+messages); a chat alternates user and assistant messages, starts with the user and ends with the
+assistant. System messages are not part of a demonstration: the agent's ``system_prompt`` applies,
+as in RL.
+
+Rendering is the token-in/token-out rendering of ``rollout/episode.py``: the first user message
+through the chat template with the generation prompt (``Agent.encode_prompt``); each assistant
+message as the policy would sample it — its content's tokens followed by the end-of-turn token;
+each later user message as the template's new segment only (``Agent.chat_continuation``). The
+loss mask is 1 exactly on the assistant tokens (end-of-turn included), on every assistant turn or
+only the last.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from lit_marl import ConfigError
+from lit_marl.agents import Agent
+from lit_marl.generation import left_pad
+
+LossOn = Literal["all", "last"]
+
+
+@dataclass
+class DemoSamples:
+    """One agent's rendered demonstrations, left-padded ``[B, L]``."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    loss_mask: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, rows: torch.Tensor) -> "DemoSamples":
+        """The given rows, trimmed of the columns that are left padding in all of them."""
+        first = int((self.attention_mask[rows].cumsum(-1) == 0).sum(-1).min())
+        return DemoSamples(*(value[rows, first:] for value in vars(self).values()))
+
+    @staticmethod
+    def cat(parts: list["DemoSamples"], pad_id: int) -> "DemoSamples":
+        """Rows of several parts (the roles one model plays), left-padded to one width."""
+        width = max(p.input_ids.shape[1] for p in parts)
+
+        def stack(name: str, fill: int) -> torch.Tensor:
+            values = [getattr(p, name) for p in parts]
+            return torch.cat([torch.nn.functional.pad(v, (width - v.shape[1], 0), value=fill) for v in values])
+
+        return DemoSamples(stack("input_ids", pad_id), stack("attention_mask", 0), stack("loss_mask", 0))
+
+
+def agent_chats(row: dict, num_agents: int, where: str) -> list[list[dict]]:
+    """The per-agent chats of a demonstration row, checked; errors name the row and the fix."""
+    chats = row.get("messages")
+    if not isinstance(chats, list) or not chats:
+        raise ConfigError(f"{where}: needs a field 'messages' (one chat per agent, each a list of messages)")
+    if isinstance(chats[0], dict):
+        chats = [chats]
+    if len(chats) != num_agents:
+        raise ConfigError(f"{where}: 'messages' holds {len(chats)} chats for a team of {num_agents} agents")
+    for i, chat in enumerate(chats):
+        roles = [m.get("role") if isinstance(m, dict) else None for m in chat]
+        expected = ["user", "assistant"] * (len(chat) // 2)
+        if not chat or roles != expected or any(not isinstance(m.get("content"), str) for m in chat):
+            raise ConfigError(
+                f"{where}: agent {i}'s chat has roles {roles}; it must alternate user/assistant messages with "
+                "string contents, starting with the user and ending with the assistant (no system message: the "
+                "agent's system_prompt applies)"
+            )
+    return chats
+
+
+def render_chat(agent: Agent, chat: list[dict], loss_on: LossOn = "all") -> tuple[list[int], list[int]]:
+    """Token ids of a chat as the agent would have lived it, and the loss mask over them."""
+    ids = agent.encode_prompt(chat[0]["content"])
+    mask = [0] * len(ids)
+    last = len(chat) - 1
+    for k in range(1, len(chat), 2):
+        reply = agent.tokenizer(chat[k]["content"], add_special_tokens=False)["input_ids"] + [agent.eos_token_id]
+        ids += reply
+        mask += [int(loss_on == "all" or k == last)] * len(reply)
+        if k < last:
+            segment = agent.chat_continuation(chat[k + 1]["content"], closed=True)
+            ids += segment
+            mask += [0] * len(segment)
+    return ids, mask
+
+
+def render_demos(
+    agents: list[Agent], rows: list[dict], loss_on: LossOn = "all", max_tokens: int | None = None
+) -> list[DemoSamples]:
+    """One ``DemoSamples`` per agent: row b of each is demonstration b, rendered by that agent.
+    A rendering longer than ``max_tokens`` is an error naming the demonstration (silently cutting
+    it would train on a chat the model never sees whole)."""
+    out = []
+    for i, agent in enumerate(agents):
+        rendered = [render_chat(agent, agent_chats(row, len(agents), _where(row))[i], loss_on) for row in rows]
+        if max_tokens is not None:
+            for row, (ids, _) in zip(rows, rendered):
+                if len(ids) > max_tokens:
+                    raise ValueError(
+                        f"{_where(row)}: agent {i}'s chat renders to {len(ids)} tokens, over data.max_context_tokens="
+                        f"{max_tokens}; raise it or shorten the demonstration"
+                    )
+        device = next(agent.model.parameters()).device
+        input_ids, attention_mask = left_pad([ids for ids, _ in rendered], agent.pad_token_id, device)
+        loss_mask, _ = left_pad([mask for _, mask in rendered], 0, device)
+        out.append(DemoSamples(input_ids, attention_mask, loss_mask))
+    return out
+
+
+def _where(row: dict) -> str:
+    return f"demonstration {row.get('task_id', '(no task_id)')!r}"
+
+
+def load_demos(path: str, num_agents: int, field: str = "data.demo_path") -> list[dict]:
+    """The demonstration rows of a JSONL/JSON/Parquet file, each checked for ``num_agents`` chats."""
+    from lit_marl.data import load_tasks
+
+    rows = load_tasks(path, field, {"messages"}, needed_by="a demonstration")
+    for row in rows:
+        agent_chats(row, num_agents, f"{field}={path!r}, {_where(row)}")
+    return rows
