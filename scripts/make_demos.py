@@ -30,9 +30,13 @@ from lit_marl.envs.base import JointEnv, make_env
 
 def build_env(spec: str, kwargs: dict):
     """A registered stateful environment's name, or ``module:Class`` of a joint environment."""
-    if ":" in spec:
-        return import_object(spec, "--env")(**kwargs)
-    return make_env(spec, kwargs, "--env")
+    if ":" not in spec:
+        return make_env(spec, kwargs, "--env")
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(import_object(spec, "--env"), "env")  # nested settings as in a YAML config
+    return parser.instantiate(parser.parse_object({"env": kwargs})).env
 
 
 def task_rows(env, source: str, field: str) -> list[dict]:

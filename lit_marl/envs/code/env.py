@@ -30,6 +30,7 @@ from typing import Literal
 
 from lit_marl import ConfigError
 from lit_marl.envs.base import JointEnv
+from lit_marl.envs.code.demos import expert_codes
 from lit_marl.envs.code.execution import ExecReport, TestCase, TestLimits, run_tests, split_tests
 from lit_marl.envs.code.expert import Expert
 from lit_marl.envs.code.problems import load_problems
@@ -253,6 +254,26 @@ class CodeEnv(JointEnv):
 
     def prompts(self, task: dict) -> list[str]:
         return [self._role_prompt(role, task) for role in self.roles]
+
+    def demonstration(self, task: dict) -> list[list[dict]]:
+        """One expert chat per agent for supervised fine-tuning: its first prompt, then the code of the
+        task's canonical solution (``demos.py``: the function itself for one role, split into the
+        helper and the entry point for two) as the fenced reply this env parses. Replies leave out
+        the helper functions the task's prompt gives (the program's prelude has them)."""
+        if len(self.roles) > 2:
+            raise NotImplementedError(
+                f"demonstrations exist for one role or a helper + the entry point, not for the roles "
+                f"{[r.name or r.defines for r in self.roles]}"
+            )
+        names = self.names(task)
+        given = {s.name for s in ast.parse(prelude(task["prompt"], set(names))).body if isinstance(s, ast.FunctionDef)}
+        return [
+            [
+                {"role": "user", "content": prompt},
+                {"role": "assistant", "content": f"```python\n{extract_code(code, drop=given)}\n```"},
+            ]
+            for prompt, code in zip(self.prompts(task), expert_codes(task, names))
+        ]
 
     # ------------------------------------------------------------------ analysis and tests
     def analyze(self, task: dict, completions: list[str]) -> Analysis:
