@@ -238,3 +238,18 @@ def test_sft_needs_demonstrations(tmp_path):
     trainer = make_trainer(tmp_path, callbacks=[PhaseSwitch(budget=10)])
     with pytest.raises(ConfigError, match="data.demo_path"):
         trainer.fit(PPO(model="tiny-random"), datamodule=data)
+
+
+def test_sft_then_magrpo_config_runs_both_phases_per_agent(in_repo_root, tmp_path):
+    """configs/magrpo/code_sft_tiny.yaml: each agent fine-tunes on its own role's demonstrations
+    (helper / entry point), then MAGRPO spends 16 episodes = joint trajectories of 2-turn trees."""
+    from helpers import cli_fit
+
+    cli = cli_fit(tmp_path, config="configs/magrpo/code_sft_tiny.yaml")
+    (switch,) = [c for c in cli.trainer.callbacks if isinstance(c, PhaseSwitch)]
+    assert (switch.phase, switch.demos_done, switch.episodes_done) == ("rl", 8, 16)
+    assert switch.switched_at == {"epoch": 0, "global_step": 4}  # 2 SFT steps x 2 agents' optimizers
+    metrics = cli.trainer.callback_metrics
+    assert float(metrics["rollout/episodes"]) == 8  # 2 tasks x G^T = 2^2 leaves
+    for name in ("train/sft_loss_agent0", "train/sft_loss_agent1", "train/loss_agent0", "train/loss_agent1"):
+        assert torch.isfinite(metrics[name]), name
