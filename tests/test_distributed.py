@@ -260,3 +260,22 @@ def test_episodic_algorithms_train_on_two_fsdp_ranks(tmp_path, repo_root, algori
     # the random tiny model scores 0 in every corridor episode: GRPO's group advantages are all 0 and
     # its weights stay (as in one process); PPO's value baseline still gives advantages
     assert moved > 1e-4 if algorithm == "ppo" else moved == 0.0
+
+
+def test_phase_switch_counts_both_ranks(tmp_path, repo_root):
+    """SFT -> PPO on 2 FSDP ranks: the demonstrations and the episodes of both ranks count toward the
+    budget (4 demonstrations and 4 episodes per rank and step: 1 SFT step, then 2 PPO steps)."""
+    import yaml
+
+    config = yaml.safe_load((repo_root / "configs" / "ppo" / "corridor_sft_tiny.yaml").read_text())
+    config["trainer"].update(
+        devices=2,
+        strategy={"class_path": "lit_marl.strategies.TeamFSDPStrategy"},
+        limit_val_batches=0,
+        logger=False,
+        default_root_dir=str(tmp_path),
+    )
+    done = fit_cli(tmp_path, repo_root, config)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("[phase]")]
+    assert "[phase] RL: 0 of 16 episodes, after SFT on 8 demonstrations (switched at epoch 0)" in lines
+    assert not any("ended before its budget" in line for line in lines)
