@@ -85,6 +85,11 @@ class PhaseSwitch(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module, stage: str) -> None:
         if stage != "fit":
             return
+        if not pl_module.rl_algorithm:
+            raise ConfigError(
+                f"PhaseSwitch hands the run to RL, which {type(pl_module).__name__} does not do: set model to an RL "
+                "algorithm (PPO, GRPO, MAGRPO, IAC, ...); it takes the SFT steps itself"
+            )
         data = trainer.datamodule
         if self.demos > 0 and not getattr(data, "demos", None):
             raise ConfigError("PhaseSwitch starts with SFT: set data.demo_path (scripts/make_demos.py writes one)")
@@ -97,7 +102,8 @@ class PhaseSwitch(L.Callback):
             trainer.datamodule.demo_rows = self.demos - self.epoch_start_demos
             if self.sft_learning_rate is not None:
                 self._set_learning_rate(pl_module, self.sft_learning_rate)
-        print(f"[phase] {self.describe()}", flush=True)
+        if trainer.is_global_zero:
+            print(f"[phase] {self.describe()}", flush=True)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         if self.phase == "sft":
@@ -125,7 +131,8 @@ class PhaseSwitch(L.Callback):
         elif self.sft_learning_rate is not None:
             self._set_learning_rate(pl_module, pl_module.hparams.learning_rate)
         pl_module.log("phase/switch_epoch", float(trainer.current_epoch))
-        print(f"[phase] {self.describe()}", flush=True)
+        if trainer.is_global_zero:
+            print(f"[phase] {self.describe()}", flush=True)
         from lit_marl.callbacks.evaluation import HeldOutEvaluation
 
         for callback in trainer.callbacks:
@@ -135,7 +142,7 @@ class PhaseSwitch(L.Callback):
             trainer.should_stop = True
 
     def on_train_end(self, trainer: L.Trainer, pl_module) -> None:
-        if self.phase == "sft" or self.episodes_done < self.episodes:
+        if trainer.is_global_zero and (self.phase == "sft" or self.episodes_done < self.episodes):
             print(
                 f"[phase] the run ended before its budget was spent ({self.describe()}): raise trainer.max_epochs "
                 "(-1: until the budget is spent) or trainer.max_time",

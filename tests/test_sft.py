@@ -87,6 +87,22 @@ def test_demonstrations_render_per_agent_left_padded(tiny_agents):
     assert picked.attention_mask[0, 0] == 1  # trimmed to the row's own length
 
 
+def test_sft_loss_is_the_nll_of_exactly_the_masked_tokens(tiny_agent):
+    from lit_marl.algorithms.sft import sft_loss
+    from lit_marl.generation import sequence_logprobs
+
+    rows = [{"messages": [CHAT]}, {"messages": [CHAT[:2]]}, {"messages": [CHAT[:4]]}]
+    (samples,) = render_demos([tiny_agent], rows, "last")
+    model = tiny_agent.model
+    with torch.no_grad():
+        every = sequence_logprobs(model, samples.input_ids, samples.attention_mask)
+        expected = -(every * samples.loss_mask).sum()
+        torch.testing.assert_close(sft_loss(model, samples), expected, rtol=1e-5, atol=1e-5)
+        samples.loss_mask.zero_()
+        samples.loss_mask[0, -1] = 1  # only the last end token of row 0
+        torch.testing.assert_close(sft_loss(model, samples), -every[0, -1], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     "messages, agents, expected",
     [
@@ -238,6 +254,10 @@ def test_sft_needs_demonstrations(tmp_path):
     trainer = make_trainer(tmp_path, callbacks=[PhaseSwitch(budget=10)])
     with pytest.raises(ConfigError, match="data.demo_path"):
         trainer.fit(PPO(model="tiny-random"), datamodule=data)
+    demos = EpisodeDataModule(train_path=str(CORRIDOR / "train.jsonl"), demo_path=str(CORRIDOR / "demos.jsonl"))
+    trainer = make_trainer(tmp_path, callbacks=[PhaseSwitch(budget=10)])
+    with pytest.raises(ConfigError, match="set model to an RL algorithm"):
+        trainer.fit(SFT(model="tiny-random", num_agents=1), datamodule=demos)
 
 
 def test_sft_then_magrpo_config_runs_both_phases_per_agent(in_repo_root, tmp_path):

@@ -15,17 +15,21 @@ import torch
 from lit_marl import ConfigError
 from lit_marl.algorithms.base import AgentTeamModule
 from lit_marl.demos import DemoSamples
-from lit_marl.generation import sequence_logprobs
+from lit_marl.generation import completion_logprobs
 
 
 def sft_loss(model: torch.nn.Module, samples: DemoSamples) -> torch.Tensor:
-    """Negative log-likelihood summed over the masked (assistant) tokens."""
-    logprobs = sequence_logprobs(model, samples.input_ids, samples.attention_mask)
-    return -(logprobs * samples.loss_mask).sum()
+    """Negative log-likelihood summed over the masked (assistant) tokens. The LM head runs only from
+    the first target column on: a single-turn demonstration's prompt is most of its sequence."""
+    first = int(samples.loss_mask.float().argmax(dim=-1).min())  # a row without targets gives 0: all columns
+    first = max(first, 1)  # token 0 has no context to be predicted from
+    logprobs = completion_logprobs(model, samples.input_ids, samples.attention_mask, samples.input_ids.shape[1] - first)
+    return -(logprobs * samples.loss_mask[:, first:]).sum()
 
 
 class SFT(AgentTeamModule):
     phase = "sft"
+    rl_algorithm = False
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
