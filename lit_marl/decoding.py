@@ -286,11 +286,15 @@ class Decoder:
         top_p: float = 1.0,
         greedy: bool = False,
         active: torch.Tensor | None = None,
+        num_samples: int = 1,
     ) -> torch.Tensor:
         """Completion ids for left-padded prompts, as ``generate``: ``[B, C]`` (C ≤ max_new_tokens)
         for ``[B, P]`` prompts of one model, ``[A, B, C]`` for ``[A, B, P]`` prompts of A stacked
         models (row block a through model a). ``eos_token_id`` / ``pad_token_id``: one id, or one
-        per agent ``[A]``. ``active`` ``[A, B]``: rows to decode (others are filler, finished at once)."""
+        per agent ``[A]``. ``active`` ``[A, B]``: rows to decode (others are filler, finished at once).
+        ``num_samples`` n: each prompt is sampled n times (rows i·n .. i·n+n-1 of the result, B·n
+        rows; ``active`` then covers those): its prompt runs once and the n rows share the cache
+        it leaves, as ``num_return_sequences`` does without running the prompt n times."""
         single = prompt_ids.dim() == 2
         if single:
             prompt_ids, prompt_mask = prompt_ids[None], prompt_mask[None]
@@ -318,6 +322,12 @@ class Decoder:
         cos, sin = cos_all[positions][:, None], sin_all[positions][:, None]
         hidden = self._forward(prompt_ids, cos, sin, cache_k, cache_v, 0, self._bias(seen[:, None, None], dtype))
         next_position = positions[:, -1] + 1
+        if num_samples > 1:  # the samples of a prompt continue from its one cache
+            B, rows = B * num_samples, rows * num_samples
+            cache_k, cache_v = cache_k.repeat_interleave(num_samples, 1), cache_v.repeat_interleave(num_samples, 1)
+            keys, next_position = keys.repeat_interleave(num_samples, 0), next_position.repeat_interleave(num_samples)
+            hidden = hidden.repeat_interleave(num_samples, 1)
+            eos, pad = eos.repeat_interleave(num_samples), pad.repeat_interleave(num_samples)
         unfinished = torch.ones(rows, dtype=torch.bool, device=device)
         if active is not None:
             unfinished &= active.reshape(rows).bool()

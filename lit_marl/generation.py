@@ -183,25 +183,29 @@ class TorchEngine:
     @torch.no_grad()
     def _decode(self, calls, max_new_tokens, temperature, top_p, greedy) -> list[Generation]:
         """The calls' models stacked in one ``Decoder`` (the weights as they are now, LoRA merged):
-        every call's rows padded to the same count and prompt width, filler rows inactive."""
+        every call's rows padded to the same count and prompt width, filler rows inactive. When the
+        calls sample the same number n per prompt, each prompt runs once for its n samples."""
         from lit_marl.decoding import Decoder
 
         decoder = Decoder([agent.model for agent, _, _ in calls])
         device = decoder.embed.device
-        rows = [[p for p in prompts for _ in range(n)] for _, prompts, n in calls]
+        shared = len({n for _, _, n in calls}) == 1
+        n = calls[0][2] if shared else 1
+        rows = [prompts if shared else [p for p in prompts for _ in range(k)] for _, prompts, k in calls]
         B, P = max(len(r) for r in rows), max(len(p) for r in rows for p in r)
         ids = torch.empty(len(calls), B, P, dtype=torch.long, device=device)
         mask = torch.zeros(len(calls), B, P, dtype=torch.long, device=device)
-        active = torch.zeros(len(calls), B, dtype=torch.bool, device=device)
+        active = torch.zeros(len(calls), B * n, dtype=torch.bool, device=device)
         for a, ((agent, _, _), prompts) in enumerate(zip(calls, rows)):
             ids[a], mask[a] = left_pad(prompts + [[]] * (B - len(prompts)), agent.pad_token_id, device, width=P)
-            active[a, : len(prompts)] = True
+            active[a, : len(prompts) * n] = True
         eos = torch.tensor([agent.eos_token_id for agent, _, _ in calls], device=device)
         pad = torch.tensor([agent.pad_token_id for agent, _, _ in calls], device=device)
-        completion = decoder.generate(ids, mask, max_new_tokens, eos, pad, temperature, top_p, greedy, active)
+        completion = decoder.generate(ids, mask, max_new_tokens, eos, pad, temperature, top_p, greedy, active, n)
+        ids, mask = ids.repeat_interleave(n, 1), mask.repeat_interleave(n, 1)  # row i·n+k: prompt i
         out = []
-        for a, ((agent, _, n), prompts) in enumerate(zip(calls, rows)):
-            count, width = len(prompts), max(len(p) for p in prompts)
+        for a, ((agent, _, k), prompts) in enumerate(zip(calls, rows)):
+            count, width = len(prompts) * n, max(len(p) for p in prompts)
             completion_mask = mask_through_first(completion[a, :count], agent.eos_token_id)
             length = max(1, int(completion_mask.sum(-1).max()))  # as generate: up to the last row's end
             out.append(
@@ -210,7 +214,7 @@ class TorchEngine:
                     mask[a, :count, P - width :],
                     completion[a, :count, :length],
                     completion_mask[:, :length],
-                    n,
+                    k,
                 )
             )
         return out

@@ -326,14 +326,16 @@ def perturbed(agent: Agent, seed: int) -> Agent:
     return Agent(agent.source, loaded=(model.eval(), agent.tokenizer))
 
 
-def test_team_decodes_stacked_and_equals_each_agent_alone(tiny_agent, prompts):
+@pytest.mark.parametrize("samples", [(2, 1), (3, 3)], ids=["rows-expanded", "prompts-shared"])
+def test_team_decodes_stacked_and_equals_each_agent_alone(tiny_agent, prompts, samples):
     """Two agents with their own weights, different row counts and prompt widths: one stacked
-    forward per token gives each exactly what generate gives it alone, trimmed to its own widths."""
+    forward per token gives each exactly what generate gives it alone, trimmed to its own widths.
+    With one sample count for all (a tree turn: G each) each prompt runs once for its G samples."""
     from lit_marl.decoding import stackable
 
     a, b = tiny_agent, perturbed(tiny_agent, 3)
     assert stackable([a.model, b.model])
-    calls = [(a, prompts, 2), (b, prompts[1:], 1)]  # 6 rows and 2 rows; b's prompts are narrower
+    calls = [(a, prompts, samples[0]), (b, prompts[1:], samples[1])]  # b has fewer, narrower prompts
     team = TorchEngine().generate_team(calls, 12, greedy=True)
     for (agent, ps, n), out in zip(calls, team):
         alone = HFEngine().generate(agent, ps, n, 12, greedy=True)
