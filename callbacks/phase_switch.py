@@ -85,7 +85,9 @@ class PhaseSwitch(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module, stage: str) -> None:
         if stage != "fit":
             return
-        if not pl_module.rl_algorithm:
+        from lit_marl.algorithms.base import AgentTeamModule
+
+        if type(pl_module).rl_step is AgentTeamModule.rl_step:
             raise ConfigError(
                 f"PhaseSwitch hands the run to RL, which {type(pl_module).__name__} does not do: set model to an RL "
                 "algorithm (PPO, GRPO, MAGRPO, IAC, ...); it takes the SFT steps itself"

@@ -205,11 +205,13 @@ class TaskDataModule(L.LightningDataModule):
         cached = self._loaders.get(phase)
         if cached is None or cached[0] is not trainer:
             rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
-            rows, size = (self.demos, self.hparams.demo_batch_size) if phase == "sft" else (self.train_tasks, None)
-            if phase == "sft" and not rows:
-                raise ConfigError("the SFT phase needs demonstrations: set data.demo_path (scripts/make_demos.py)")
-            name = "demos" if phase == "sft" else "tasks"
-            loader = TaskLoader(rows, size or self.hparams.tasks_per_step, self.hparams.seed, rank, world, name)
+            if phase == "sft":
+                rows, size, name = self.demos, self.hparams.demo_batch_size, "demos"
+                if not rows:
+                    raise ConfigError("the SFT phase needs demonstrations: set data.demo_path (scripts/make_demos.py)")
+            else:
+                rows, size, name = self.train_tasks, self.hparams.tasks_per_step, "tasks"
+            loader = TaskLoader(rows, size, self.hparams.seed, rank, world, name)
             self._loaders[phase] = cached = (trainer, loader)
         self.train_loader = cached[1]
         self.train_loader.end_after(self.demo_rows if phase == "sft" else None)

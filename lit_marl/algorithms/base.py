@@ -214,8 +214,6 @@ class AgentTeamModule(L.LightningModule):
         return loss_sum
 
     # ------------------------------------------------------------------ the step: fine-tuning on demonstrations or RL
-    rl_algorithm = True
-    """Whether the module can run an RL phase (``SFT`` cannot)."""
     phase: str = "rl"
     """``sft`` while the run fine-tunes on demonstrations (``callbacks.PhaseSwitch`` sets it; the ``SFT``
     module always), ``rl`` otherwise. The data module serves demonstrations or rollouts to match."""

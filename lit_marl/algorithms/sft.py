@@ -29,7 +29,6 @@ def sft_loss(model: torch.nn.Module, samples: DemoSamples) -> torch.Tensor:
 
 class SFT(AgentTeamModule):
     phase = "sft"
-    rl_algorithm = False
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
