@@ -68,9 +68,10 @@ class PhaseSwitch(L.Callback):
         self.switched_at: dict | None = None  # epoch and global step of the switch
 
     # ------------------------------------------------------------------ saved in checkpoints
+    PROGRESS = ("phase", "demos_done", "episodes_done", "epoch_start_demos", "switched_at")
+
     def state_dict(self) -> dict:
-        keys = ("phase", "demos_done", "episodes_done", "epoch_start_demos", "switched_at", "demos", "episodes")
-        return {key: getattr(self, key) for key in keys}
+        return {key: getattr(self, key) for key in (*self.PROGRESS, "demos", "episodes")}
 
     def load_state_dict(self, state: dict) -> None:
         if (state["demos"], state["episodes"]) != (self.demos, self.episodes):
@@ -78,7 +79,7 @@ class PhaseSwitch(L.Callback):
                 f"PhaseSwitch: the checkpoint's budget was {state['demos']} demonstrations + {state['episodes']} "
                 f"episodes, this run's {self.demos} + {self.episodes}: resume with the same budget, split and demo_cost"
             )
-        for key in ("phase", "demos_done", "episodes_done", "epoch_start_demos", "switched_at"):
+        for key in self.PROGRESS:
             setattr(self, key, state[key])
 
     # ------------------------------------------------------------------ hooks
