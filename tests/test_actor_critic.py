@@ -170,6 +170,53 @@ def test_maac_centralized_critic_steps_once_per_update(tmp_path, critic_type):
     assert math.isfinite(float(trainer.callback_metrics["train/loss_critic"]))
 
 
+@pytest.mark.parametrize(
+    "cls, settings",
+    [
+        (IAC, dict(critic="head", critic_type="v")),
+        (IAC, dict(critic="model", critic_type="q", value_clip_range=0.1)),
+        (IAC, dict(critic="head", share_parameters=True, entropy_coef=0.01)),
+        (IAC, dict(critic="model", share_parameters=True, policy_loss="ppo")),
+        (MAAC, dict(critic_type="v")),
+        (MAAC, dict(critic_type="q", policy_loss="ppo", advantage_normalization=False)),
+    ],
+)
+def test_update_in_one_pass_equals_the_two_pass_update(tmp_path, cls, settings):
+    """When an update is one optimizer step per model on rows that fit one pass, the behaviour
+    log-probs and values come from the update's own forward (no separate no-grad pass): the weights
+    and the logged values, targets and advantages equal those of the two-pass path (forced here by
+    one row per pass, which accumulates the same gradient)."""
+    runs = {}
+    for name, passes in (("one", {}), ("two", dict(forward_batch_size=1))):
+        L.seed_everything(5)
+        module = cls(model="tiny-random", num_agents=2, learning_rate=1e-3, **settings, **passes)
+        module.configure_model()
+        start = {f"actor.{k}": v for k, v in snapshot(module).items()}
+        prepared: list[int] = []
+        module.prepare = lambda per_agent, calls=prepared, run=module.prepare: calls.append(1) or run(per_agent)
+        trainer = make_trainer(tmp_path / name, limit_train_batches=1, limit_val_batches=0)
+        trainer.fit(module, datamodule=two_turn_data())
+        assert len(prepared) == (0 if name == "one" else 1), f"{name}: prepare ran {len(prepared)} times"
+        weights = {f"actor.{k}": v for k, v in snapshot(module).items()}
+        timed = [k for k in trainer.callback_metrics if k.startswith("time/") or k.endswith("_per_s")]
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k not in timed}
+        runs[name] = weights, metrics, trainer.global_step, start
+    (w1, m1, steps1, start), (w2, m2, steps2, _) = runs["one"], runs["two"]
+    assert steps1 == steps2
+    assert w1.keys() == w2.keys()
+    moved = [k for k in w1 if not torch.equal(w1[k], start[k])]
+    assert moved, "nothing moved: the comparison is void"
+    # Adam's first step is lr * g / (|g| + eps): a float-rounding difference moves only the few
+    # weights whose gradient is ~0 (by a fraction of lr); a different gradient moves most by ~2 lr
+    for key in w1:
+        diff = (w1[key] - w2[key]).abs()
+        assert float(diff.max()) < 1e-4, key
+        assert int((diff > 1e-6).sum()) <= max(2, diff.numel() // 1000), key
+    assert m1.keys() == m2.keys()
+    for key in m1:
+        assert m1[key] == pytest.approx(m2[key], rel=1e-4, abs=1e-5), key
+
+
 @pytest.mark.parametrize("critic", ["head", "model"])
 def test_parameter_shared_team_has_one_critic(tmp_path, critic):
     """One model plays both roles: one critic learns from both roles' rows."""

@@ -113,3 +113,23 @@ def test_one_optimizer_step_per_minibatch(tmp_path):
     nodes = 2 + 2 * 2  # aligned G=2: 2 roots + 4 children
     assert float(trainer.callback_metrics["train/optimizer_steps_agent0"]) == nodes
     assert trainer.global_step == 2 * nodes
+
+
+@pytest.mark.parametrize(
+    "rows, width, budget, cap, sizes",
+    [
+        (20, 10, None, None, [20]),  # no caps: one pass
+        (20, 10, 100, None, [10, 10]),  # 10 rows of width 10 fit the budget
+        (25, 10, 100, None, [9, 8, 8]),  # 3 passes, rows split evenly
+        (20, 10, 100, 4, [4, 4, 4, 4, 4]),  # the row cap binds first
+        (3, 50, 10, None, [1, 1, 1]),  # a row wider than the budget still gets its pass
+        (20, 10, 10_000, 16, [10, 10]),  # the old row cap alone: 16 + 4 became 10 + 10
+    ],
+)
+def test_micro_batches_respect_the_token_budget_and_row_cap(rows, width, budget, cap, sizes):
+    module = MAGRPO(forward_batch_size=cap, forward_token_budget=budget)
+    samples = _samples(rows, 1, turns=[0] * rows, prompt_len=width - 2, completion_len=2)
+    passes = module.micro_batches(samples)
+    assert [len(p) for p in passes] == sizes
+    assert torch.equal(torch.cat(passes), torch.arange(rows))  # every row once, in order
+    assert all(len(p) * width <= budget for p in passes) if budget and width <= budget else True

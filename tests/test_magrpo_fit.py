@@ -136,10 +136,17 @@ class SGDRecordingMAGRPO(MAGRPO):
 
 
 @pytest.mark.parametrize(
-    "forward_batch_size, joint_mode, reduction",
-    [(1, "aligned", "mean"), (3, "cross", "mean"), (64, "aligned", "mean"), (3, "aligned", "sum")],
+    "forward_batch_size, forward_token_budget, joint_mode, reduction",
+    [
+        (1, None, "aligned", "mean"),
+        (3, None, "cross", "mean"),
+        (64, None, "aligned", "mean"),
+        (3, None, "aligned", "sum"),
+        (None, 100, "cross", "mean"),  # passes cut by tokens: a few rows each
+        (None, None, "aligned", "mean"),  # one pass
+    ],
 )
-def test_update_is_the_policy_gradient(tmp_path, forward_batch_size, joint_mode, reduction):
+def test_update_is_the_policy_gradient(tmp_path, forward_batch_size, forward_token_budget, joint_mode, reduction):
     """Whatever the micro-batching and row skipping, an agent's step follows the gradient of
     -mean over rows of A * (mean or sum of the log-probs of the response's tokens)."""
     from lit_marl.agents import Agent
@@ -151,6 +158,7 @@ def test_update_is_the_policy_gradient(tmp_path, forward_batch_size, joint_mode,
         num_agents=2,
         max_grad_norm=0.0,
         forward_batch_size=forward_batch_size,
+        forward_token_budget=forward_token_budget,
         logprob_reduction=reduction,
     )
     data = slogan_data(max_new_tokens=16, num_generations=3, joint_mode=joint_mode, tasks_per_step=3)

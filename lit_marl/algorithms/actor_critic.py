@@ -65,7 +65,8 @@ class CriticInputs:
             "positions": torch.cat([p.positions + width - p.input_ids.shape[1] for p in parts]),
         }
         for name in ("old_values", "targets", "turn_ids"):
-            fields[name] = torch.cat([getattr(p, name) for p in parts])
+            values = [getattr(p, name) for p in parts]
+            fields[name] = None if any(v is None for v in values) else torch.cat(values)
         return CriticInputs(**fields)
 
 
@@ -325,23 +326,11 @@ class ActorCritic(AgentTeamModule):
         """Behaviour log-probs, values, TD targets and advantages of every row; the inputs of each
         critic model, one part per role it serves (IAC: its learner's roles; MAAC: the joint rows;
         none for value heads)."""
-        group_ids = per_agent[0].group_ids
-        if any(not torch.equal(s.group_ids, group_ids) for s in per_agent):
-            raise ValueError("the agents' buffers hold different nodes; they must be filled by the same rollouts")
-        next_group = per_agent[0].next_group
-        counts = torch.bincount(group_ids)
-        if (next_group >= 0).any() and (counts > 1).any():
-            raise ValueError("TD targets follow one trajectory: a multi-turn rollout needs data.num_generations=1")
-        row_of = torch.zeros(len(counts), dtype=torch.long, device=group_ids.device)
-        row_of[group_ids] = torch.arange(len(group_ids), device=group_ids.device)
-        next_rows = torch.where(next_group >= 0, row_of[next_group.clamp(min=0)], -1)
-        turns = per_agent[0].turn_ids
-        chunks = lambda n: torch.arange(n, device=group_ids.device).split(self.hparams.forward_batch_size)  # noqa: E731
-
+        next_rows, turns = self.episode_links(per_agent)
         old_logprobs, values = [], []
         for role, samples in enumerate(per_agent):
             learner = self.learner_of(role)
-            parts = [self.actor_forward(learner, samples.select(rows)) for rows in chunks(len(samples))]
+            parts = [self.actor_forward(learner, samples.select(rows)) for rows in self.micro_batches(samples)]
             width = samples.num_completion
             old_logprobs.append(torch.cat([torch.nn.functional.pad(p[0], (0, width - p[0].shape[1])) for p in parts]))
             if self.critic_kind == "head":
@@ -349,7 +338,7 @@ class ActorCritic(AgentTeamModule):
         inputs: list[list[CriticInputs]] = []
         if self.centralized:
             joint = joint_critic_inputs(per_agent, self.critic_type, self.agents[0].pad_token_id)
-            joint_values = torch.cat([self.critics[0](joint.select(rows)) for rows in chunks(len(joint))])
+            joint_values = torch.cat([self.critics[0](joint.select(rows)) for rows in self.micro_batches(joint)])
             team_rewards = torch.stack([s.rewards for s in per_agent]).mean(0)  # the joint reward
             targets = td_targets(team_rewards, joint_values, next_rows, self.discount)
             inputs.append([replace(joint, old_values=joint_values, targets=targets, turn_ids=turns)])
@@ -360,7 +349,7 @@ class ActorCritic(AgentTeamModule):
                 for role, samples in enumerate(per_agent):
                     view = critic_inputs(samples, self.critic_type)
                     critic = self.critics[self.learner_of(role)]
-                    values.append(torch.cat([critic(view.select(rows)) for rows in chunks(len(view))]))
+                    values.append(torch.cat([critic(view.select(rows)) for rows in self.micro_batches(view)]))
             all_targets = [td_targets(s.rewards, v, next_rows, self.discount) for s, v in zip(per_agent, values)]
             if self.critic_kind == "model":
                 inputs = [
@@ -375,22 +364,35 @@ class ActorCritic(AgentTeamModule):
                     ]
                     for roles in self.learners
                 ]
-        prepared = []
-        for role, samples in enumerate(per_agent):
-            advantages = td_advantages(all_targets[role], values[role], turns)
-            if self.advantage_normalization:
-                advantages = self.z_score_per_turn(advantages, turns)
-            prepared.append(
-                replace(
-                    samples,
-                    advantages=advantages,
-                    old_logprobs=old_logprobs[role],
-                    old_values=values[role],
-                    targets=all_targets[role],
-                )
-            )
+        prepared = [
+            self.with_advantages(samples, values[role], all_targets[role], old_logprobs[role])
+            for role, samples in enumerate(per_agent)
+        ]
         self.log_values(prepared)
         return prepared, inputs
+
+    def episode_links(self, per_agent: list[AgentSamples]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row: the row of its episode's next turn (-1: none) and its turn."""
+        group_ids = per_agent[0].group_ids
+        if any(not torch.equal(s.group_ids, group_ids) for s in per_agent):
+            raise ValueError("the agents' buffers hold different nodes; they must be filled by the same rollouts")
+        next_group = per_agent[0].next_group
+        counts = torch.bincount(group_ids)
+        if (next_group >= 0).any() and (counts > 1).any():
+            raise ValueError("TD targets follow one trajectory: a multi-turn rollout needs data.num_generations=1")
+        row_of = torch.zeros(len(counts), dtype=torch.long, device=group_ids.device)
+        row_of[group_ids] = torch.arange(len(group_ids), device=group_ids.device)
+        return torch.where(next_group >= 0, row_of[next_group.clamp(min=0)], -1), per_agent[0].turn_ids
+
+    def with_advantages(
+        self, samples: AgentSamples, values: torch.Tensor, targets: torch.Tensor, old_logprobs: torch.Tensor | None
+    ) -> AgentSamples:
+        """One role's rows with their values, TD targets, advantages (z-scored per turn if set) and
+        behaviour log-probs."""
+        advantages = td_advantages(targets, values, samples.turn_ids)
+        if self.advantage_normalization:
+            advantages = self.z_score_per_turn(advantages, samples.turn_ids)
+        return replace(samples, advantages=advantages, old_logprobs=old_logprobs, old_values=values, targets=targets)
 
     def z_score_per_turn(self, advantages: torch.Tensor, turns: torch.Tensor) -> torch.Tensor:
         """(A - mean) / std within each turn, the moments taken over the rows of every rank (one
@@ -423,10 +425,13 @@ class ActorCritic(AgentTeamModule):
                 self.log(f"train/turn{turn}/advantage_std_agent{role}", a.std(unbiased=False), batch_size=count)
 
     # ------------------------------------------------------------------ losses
-    def actor_loss(self, learner: int, samples: AgentSamples, stats: dict) -> torch.Tensor:
+    def actor_loss(self, learner: int, samples: AgentSamples, stats: dict, forward=None) -> torch.Tensor:
         """Summed over rows: the policy term of each response (its tokens' sum or mean), minus the
-        entropy bonus, plus for a value head the weighted value loss."""
-        logprobs, entropies, values = self.actor_forward(learner, samples, entropy=self.entropy_coef > 0)
+        entropy bonus, plus for a value head the weighted value loss. ``forward``: the outputs of
+        ``actor_forward`` on ``samples`` when already run."""
+        if forward is None:
+            forward = self.actor_forward(learner, samples, entropy=self.entropy_coef > 0)
+        logprobs, entropies, values = forward
         mask = samples.completion_mask.float()
         advantages = samples.advantages.unsqueeze(1)
         if self.policy_form == "ppo":
@@ -473,39 +478,12 @@ class ActorCritic(AgentTeamModule):
         if not self.all_ranks_max(len(self.rollout_buffers[0])):
             return
         with Timer() as train_time:
-            per_agent, inputs = self.prepare(
-                [buffer.drain(agent.pad_token_id) for buffer, agent in zip(self.rollout_buffers, self.agents)]
-            )
-            actor_losses: dict[int, list[float]] = {i: [] for i in range(len(self.learners))}
-            critic_losses: dict[int, list[float]] = {i: [] for i in range(len(inputs))}
-            epochs = 0
-            for _ in range(self.ppo_epochs):
-                stats: dict[int, dict[str, float]] = {}
-                batches = minibatches(per_agent[0], self.train_batch_size, self.shuffle_generator)
-                for rows in self.synced_steps(batches):  # trees of other ranks may be longer
-                    for index, roles in enumerate(self.learners):
-                        agent = self.agents[roles[0]]
-                        mini = None
-                        if rows is not None:
-                            mini = AgentSamples.cat([per_agent[r].select(rows) for r in roles], agent.pad_token_id)
-                        loss_fn = lambda mb, i=index, s=stats: self.actor_loss(i, mb, s)  # noqa: E731
-                        actor_losses[index].append(self.update_agent(index, mini, loss_fn))
-                    for c, parts in enumerate(inputs):
-                        name = "critic" if self.centralized else f"critic_{self.learner_name(c)}"
-                        mini = None
-                        if rows is not None:
-                            mini = CriticInputs.cat([part.select(rows) for part in parts], self.agents[0].pad_token_id)
-                        loss_fn = lambda mb, c=c: self.critic_loss(c, mb)  # noqa: E731
-                        critic_losses[c].append(self.optimizer_step_on(self.critic_optimizer(c), mini, loss_fn, name))
-                epochs += 1
-                self.log_policy_stats(stats)
-                if self.target_kl is not None:
-                    # the KL over every rank's tokens: one decision, so all ranks take the same steps
-                    tokens = self.all_ranks_sum(sum(s["tokens"] for s in stats.values()))
-                    kl = self.all_ranks_sum(sum(s["approx_kl"] for s in stats.values())) / max(tokens, 1.0)
-                    if kl > self.target_kl:
-                        break
-        size = len(per_agent[0])
+            drained = [buffer.drain(agent.pad_token_id) for buffer, agent in zip(self.rollout_buffers, self.agents)]
+            size = len(drained[0])
+            result = self.update_in_one_pass(drained)
+            if result is None:
+                result = self.update_in_minibatches(*self.prepare(drained))
+            actor_losses, critic_losses, epochs = result
         for index, losses in actor_losses.items():
             name = self.learner_name(index)
             self.log(f"train/loss_{name}", sum(losses) / len(losses), batch_size=size)
@@ -516,6 +494,115 @@ class ActorCritic(AgentTeamModule):
             self.log(f"train/optimizer_steps_{name}", float(len(losses)), batch_size=size)
         self.log("train/ppo_epochs_run", float(epochs), batch_size=size)
         self.log("time/train_s", train_time.seconds)
+
+    def update_in_minibatches(
+        self, per_agent: list[AgentSamples], inputs: list[list[CriticInputs]]
+    ) -> tuple[dict, dict, int]:
+        """``ppo_epochs`` passes over the prepared rows, one optimizer step per model and mini-batch
+        (actors, then critics); the epochs stop early past ``target_kl``. Returns the actor and critic
+        losses and the epochs run."""
+        actor_losses: dict[int, list[float]] = {i: [] for i in range(len(self.learners))}
+        critic_losses: dict[int, list[float]] = {i: [] for i in range(len(inputs))}
+        epochs = 0
+        for _ in range(self.ppo_epochs):
+            stats: dict[int, dict[str, float]] = {}
+            batches = minibatches(per_agent[0], self.train_batch_size, self.shuffle_generator)
+            for rows in self.synced_steps(batches):  # trees of other ranks may be longer
+                for index, roles in enumerate(self.learners):
+                    agent = self.agents[roles[0]]
+                    mini = None
+                    if rows is not None:
+                        mini = AgentSamples.cat([per_agent[r].select(rows) for r in roles], agent.pad_token_id)
+                    loss_fn = lambda mb, i=index, s=stats: self.actor_loss(i, mb, s)  # noqa: E731
+                    actor_losses[index].append(self.update_agent(index, mini, loss_fn))
+                for c, parts in enumerate(inputs):
+                    name = "critic" if self.centralized else f"critic_{self.learner_name(c)}"
+                    mini = None
+                    if rows is not None:
+                        mini = CriticInputs.cat([part.select(rows) for part in parts], self.agents[0].pad_token_id)
+                    loss_fn = lambda mb, c=c: self.critic_loss(c, mb)  # noqa: E731
+                    critic_losses[c].append(self.optimizer_step_on(self.critic_optimizer(c), mini, loss_fn, name))
+            epochs += 1
+            self.log_policy_stats(stats)
+            if self.target_kl is not None:
+                # the KL over every rank's tokens: one decision, so all ranks take the same steps
+                tokens = self.all_ranks_sum(sum(s["tokens"] for s in stats.values()))
+                kl = self.all_ranks_sum(sum(s["approx_kl"] for s in stats.values())) / max(tokens, 1.0)
+                if kl > self.target_kl:
+                    break
+        return actor_losses, critic_losses, epochs
+
+    def update_in_one_pass(self, per_agent: list[AgentSamples]) -> tuple[dict, dict, int] | None:
+        """The update in one forward per model, when it is one optimizer step per model on rows that
+        fit one forward/backward pass (``ppo_epochs`` 1, one mini-batch; decided over all ranks):
+        the behaviour log-probs and values are then those of the update's own forward (the ratio is
+        1), so ``prepare``'s no-grad pass over the same rows and weights is skipped. Same values,
+        targets, advantages and gradients as ``prepare`` and the mini-batch loop. Returns the
+        actor and critic losses and the epochs run (1), or None: the caller takes the two-pass path."""
+        if self.ppo_epochs != 1 or self.train_batch_size is not None:
+            return None
+        pad = self.agents[0].pad_token_id
+        minis = []
+        for roles in self.learners:
+            mini = AgentSamples.cat([per_agent[r] for r in roles], self.agents[roles[0]].pad_token_id)
+            minis.append(mini.select(torch.arange(len(mini), device=mini.input_ids.device)))
+        critic_minis: list[CriticInputs] = []
+        if self.centralized:
+            critic_minis = [joint_critic_inputs(per_agent, self.critic_type, pad)]
+        elif self.critic_kind == "model":
+            critic_minis = [
+                CriticInputs.cat([critic_inputs(per_agent[r], self.critic_type) for r in roles], pad)
+                for roles in self.learners
+            ]
+        fits = all(len(self.micro_batches(m)) == 1 for m in minis + critic_minis)
+        if self.all_ranks_max(0.0 if fits else 1.0) > 0:
+            return None
+        next_rows, turns = self.episode_links(per_agent)
+        values: list[torch.Tensor | None] = [None] * len(per_agent)
+        targets: list[torch.Tensor | None] = [None] * len(per_agent)
+        critic_values = [critic(m) for critic, m in zip(self.critics, critic_minis)]  # kept for their step
+        if self.centralized:
+            joint_values = critic_values[0].detach()
+            team_rewards = torch.stack([s.rewards for s in per_agent]).mean(0)  # the joint reward
+            values = [joint_values] * len(per_agent)
+            targets = [td_targets(team_rewards, joint_values, next_rows, self.discount)] * len(per_agent)
+        for index, roles in enumerate(self.learners):
+            if self.critic_kind == "model" and not self.centralized:
+                for r, v in zip(roles, critic_values[index].detach().split([len(per_agent[r]) for r in roles])):
+                    values[r], targets[r] = v, td_targets(per_agent[r].rewards, v, next_rows, self.discount)
+        for c, (m, roles) in enumerate(zip(critic_minis, [[0]] if self.centralized else self.learners)):
+            critic_minis[c] = replace(
+                m,
+                old_values=critic_values[c].detach(),
+                targets=torch.cat([targets[r] for r in roles]),
+                turn_ids=turns.repeat(len(roles)),
+            )
+        prepared: list[AgentSamples | None] = [None] * len(per_agent)
+        actor_losses, stats = {}, {}
+        for index, roles in enumerate(self.learners):
+            forward = self.actor_forward(index, minis[index], entropy=self.entropy_coef > 0)
+            if self.critic_kind == "head":
+                for r, v in zip(roles, forward[2].detach().split([len(per_agent[r]) for r in roles])):
+                    values[r], targets[r] = v, td_targets(per_agent[r].rewards, v, next_rows, self.discount)
+            for r in roles:
+                prepared[r] = self.with_advantages(per_agent[r], values[r], targets[r], None)
+            mini = replace(
+                minis[index],
+                advantages=torch.cat([prepared[r].advantages for r in roles]),
+                old_logprobs=forward[0].detach(),
+                old_values=torch.cat([values[r] for r in roles]),
+                targets=torch.cat([targets[r] for r in roles]),
+            )
+            loss = self.actor_loss(index, mini, stats, forward=forward)
+            actor_losses[index] = [self.update_agent(index, mini, lambda rows, loss=loss: loss)]
+        critic_losses = {}
+        for c, (m, v) in enumerate(zip(critic_minis, critic_values)):
+            name = "critic" if self.centralized else f"critic_{self.learner_name(c)}"
+            loss = self.value_term(v, m.old_values, m.targets)
+            critic_losses[c] = [self.optimizer_step_on(self.critic_optimizer(c), m, lambda rows, loss=loss: loss, name)]
+        self.log_values(prepared)
+        self.log_policy_stats(stats)
+        return actor_losses, critic_losses, 1
 
     def log_policy_stats(self, stats: dict[int, dict[str, float]]) -> None:
         """Per turn, over the last epoch's tokens: approximate KL to the behaviour policy (measured

@@ -33,7 +33,8 @@ class AgentTeamModule(L.LightningModule):
         system_prompt: str | None = None,
         learning_rate: float = 1e-5,
         max_grad_norm: float = 1.0,
-        forward_batch_size: int = 16,
+        forward_batch_size: int | None = None,
+        forward_token_budget: int | None = 8192,
         share_parameters: bool = False,
         lora_shared_base: bool = False,
     ):
@@ -46,8 +47,13 @@ class AgentTeamModule(L.LightningModule):
             system_prompt: System message for every agent (omit to keep the chat template's default).
             learning_rate: AdamW learning rate of every agent.
             max_grad_norm: Gradient norm clipping per agent (0 disables).
-            forward_batch_size: Rows per forward/backward pass (memory only: gradients of a
-                mini-batch are accumulated over its passes before the one optimizer step).
+            forward_batch_size: At most this many rows per forward/backward pass (None: no row cap).
+                Memory only, like ``forward_token_budget``: a mini-batch's gradients are accumulated
+                over its passes before its one optimizer step.
+            forward_token_budget: At most this many padded tokens (rows x sequence width) per
+                forward/backward pass (None: no cap); a mini-batch is cut into the fewest passes that
+                respect both caps, rows split evenly. Fewer, larger passes are faster; lower it (or
+                set ``forward_batch_size``) when a pass runs out of memory.
             share_parameters: One model plays every role (one set of weights, one optimizer, one
                 batched generate per turn for all roles); needs one model source.
             lora_shared_base: With ``lora``, every agent is an adapter on ONE frozen copy of the base
@@ -70,10 +76,17 @@ class AgentTeamModule(L.LightningModule):
             )
         for i, source in enumerate(sources):
             check_source(source, field=f"model.model[{i}]" if not isinstance(model, str) else "model.model")
-        if forward_batch_size < 1:
-            raise ConfigError(f"model.forward_batch_size={forward_batch_size}: must be at least 1")
+        if forward_batch_size is not None and forward_batch_size < 1:
+            raise ConfigError(
+                f"model.forward_batch_size={forward_batch_size}: must be at least 1 (or null: no row cap)"
+            )
+        if forward_token_budget is not None and forward_token_budget < 1:
+            raise ConfigError(
+                f"model.forward_token_budget={forward_token_budget}: must be at least 1 (or null: no token cap)"
+            )
         self.save_hyperparameters()
         self.sources = sources
+        self.forward_batch_size, self.forward_token_budget = forward_batch_size, forward_token_budget
         self.lora = LoraSettings(**lora) if isinstance(lora, dict) else lora
         self.system_prompt = system_prompt
         self.share_parameters = share_parameters
@@ -180,14 +193,14 @@ class AgentTeamModule(L.LightningModule):
     def optimizer_step_on(self, optimizer, rows, loss_fn: Callable, name: str, count: float | None = None) -> float:
         """One step of ``optimizer`` on ``rows`` (anything with ``len`` and ``select``; None: this rank
         has nothing for this step but joins it). ``loss_fn`` returns the summed loss of a
-        micro-batch of ``forward_batch_size`` rows; the step's loss is the sum over the rows of every
+        micro-batch (``micro_batches``); the step's loss is the sum over the rows of every
         rank divided by ``count`` (default: the rows) summed over ranks, so neither micro-batching nor
         the split over ranks changes the gradient. Returns that loss."""
         local = float(count) if count is not None else 0.0 if rows is None else float(len(rows))
         total = self.all_ranks_sum(local)
         loss_sum = 0.0
         if rows is not None and len(rows) and total > 0:
-            for chunk in torch.arange(len(rows), device=self.device).split(self.hparams.forward_batch_size):
+            for chunk in self.micro_batches(rows):
                 loss = loss_fn(rows.select(chunk)) / total
                 self.manual_backward(loss)
                 loss_sum += float(loss.detach())
@@ -212,6 +225,21 @@ class AgentTeamModule(L.LightningModule):
         if self.shards is not None:
             self.shards.refresh(params)
         return loss_sum
+
+    def micro_batches(self, rows) -> list[torch.Tensor]:
+        """Row indices of the forward/backward passes over ``rows`` (anything with ``len`` and
+        ``input_ids``): the fewest passes that keep each within ``forward_token_budget`` padded tokens
+        (rows x the batch's sequence width: an upper bound, a pass trims its own padding) and
+        ``forward_batch_size`` rows, the rows split evenly among them."""
+        count = rows.input_ids.shape[0]
+        per_pass = count
+        budget, cap = self.forward_token_budget, self.forward_batch_size
+        if budget is not None:
+            per_pass = min(per_pass, max(1, budget // max(1, rows.input_ids.shape[-1])))
+        if cap is not None:
+            per_pass = min(per_pass, cap)
+        passes = -(-count // max(per_pass, 1))
+        return list(torch.arange(count, device=self.device).tensor_split(max(passes, 1)))
 
     # ------------------------------------------------------------------ the step: fine-tuning on demonstrations or RL
     phase: str = "rl"

@@ -28,7 +28,8 @@ class EpisodicModule(AgentTeamModule):
         system_prompt: str | None = None,
         learning_rate: float = 1e-5,
         max_grad_norm: float = 1.0,
-        forward_batch_size: int = 8,
+        forward_batch_size: int | None = 8,
+        forward_token_budget: int | None = 8192,
         clip_range: float = 0.2,
         ppo_epochs: int = 1,
         train_batch_size: int | None = None,
@@ -46,7 +47,10 @@ class EpisodicModule(AgentTeamModule):
             system_prompt: System message (omit to keep the chat template's default).
             learning_rate: AdamW learning rate of the policy.
             max_grad_norm: Gradient norm clipping (0 disables).
-            forward_batch_size: Episodes per forward/backward pass (memory only).
+            forward_batch_size: At most this many episodes per forward/backward pass (memory only;
+                None: no cap).
+            forward_token_budget: At most this many padded tokens (episodes x sequence width) per
+                pass (memory only; None: no cap); see ``AgentTeamModule``.
             clip_range: PPO's ratio clipping epsilon.
             ppo_epochs: Passes over the step's episodes (the behaviour log-probs stay those of the rollout).
             train_batch_size: Tasks per mini-batch (all of a task's episodes together); None: one
@@ -68,6 +72,7 @@ class EpisodicModule(AgentTeamModule):
             learning_rate=learning_rate,
             max_grad_norm=max_grad_norm,
             forward_batch_size=forward_batch_size,
+            forward_token_budget=forward_token_budget,
             share_parameters=share_parameters,
             lora_shared_base=lora_shared_base,
         )
@@ -116,9 +121,8 @@ class EpisodicModule(AgentTeamModule):
 
     # ------------------------------------------------------------------ the step
     def chunked(self, fn, batch: EpisodeBatch) -> torch.Tensor:
-        """``fn(input_ids, attention_mask)`` over the batch in forward_batch_size pieces, concatenated."""
-        rows = torch.arange(len(batch.input_ids)).split(self.hparams.forward_batch_size)
-        return torch.cat([fn(batch.input_ids[r], batch.attention_mask[r]) for r in rows])
+        """``fn(input_ids, attention_mask)`` over the batch in the passes of ``micro_batches``, concatenated."""
+        return torch.cat([fn(batch.input_ids[r], batch.attention_mask[r]) for r in self.micro_batches(batch)])
 
     @torch.no_grad()
     def reference_logprobs(self, batch: EpisodeBatch, learner: int) -> torch.Tensor:
