@@ -10,6 +10,7 @@ Prints one JSON line per configuration (median of --repeats steps after one warm
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -19,7 +20,7 @@ import torch
 
 import lit_marl.rollout.tree as tree
 from lit_marl.algorithms import MAGRPO
-from lit_marl.generation import completion_logprobs, generate
+from lit_marl.generation import completion_logprobs, make_engine
 from lit_marl.rollout.transitions import plain
 
 
@@ -46,12 +47,21 @@ def main() -> None:
     counts = dict.fromkeys(("generate", "reward", "transition", "forward", "optimizer_step"), 0)
 
     def counted(name, fn):
+        @functools.wraps(fn)  # keeps fn's signature: the tree reads a transition's parameters
         def wrapper(*a, **k):
             counts[name] += 1
             return fn(*a, **k)
 
         return wrapper
 
+    engine = make_engine("auto")
+    generate_team = engine.generate_team
+
+    def counted_team(calls, *a, **k):  # one generate call per agent model, as the benchmark counts
+        counts["generate"] += len(calls)
+        return generate_team(calls, *a, **k)
+
+    engine.generate_team = counted_team
     for joint_mode in ("aligned", "cross"):
         for num_turns in (1, 2):
             times = []
@@ -60,7 +70,6 @@ def main() -> None:
                 for key in counts:
                     counts[key] = 0
                 with (
-                    mock.patch.object(tree, "generate", counted("generate", generate)),
                     mock.patch(
                         "lit_marl.algorithms.magrpo.completion_logprobs", counted("forward", completion_logprobs)
                     ),
@@ -77,6 +86,7 @@ def main() -> None:
                         max_new_tokens=args.max_new_tokens,
                         num_turns=num_turns,
                         transition=counted("transition", plain),
+                        engine=engine,
                     )
                     for buffer, samples in zip(module.rollout_buffers, batch.agents):
                         buffer.add(samples.with_advantages(module.advantages(samples)))
@@ -98,7 +108,7 @@ def main() -> None:
                         "generate_calls": counts["generate"],
                         "reward_calls": counts["reward"],
                         "transition_calls": counts["transition"],
-                        # forward/backward passes of <= forward_batch_size rows (zero-advantage rows skipped)
+                        # forward/backward passes (micro_batches: token budget, row cap; zero-advantage rows skipped)
                         "forward_backward_passes": counts["forward"],
                         "optimizer_steps": counts["optimizer_step"],
                         "step_s_median": round(statistics.median(times), 3),

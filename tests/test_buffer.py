@@ -87,8 +87,8 @@ def test_buffer_fills_across_steps_and_flushes_at_epoch_end(tmp_path):
     # 2 nodes per step: step 1 waits (2), step 2 updates (4), step 3 waits (2) until the epoch ends
     steps = []
     update_agent = module.update_agent
-    module.update_agent = lambda i, samples, loss_fn, count=None: (
-        steps.append((i, count)) or update_agent(i, samples, loss_fn, count)
+    module.update_agent = lambda i, samples, loss_fn, count=None, **kw: (
+        steps.append((i, count)) or update_agent(i, samples, loss_fn, count, **kw)
     )
     trainer = make_trainer(tmp_path, limit_train_batches=3, limit_val_batches=0)
     trainer.fit(module, datamodule=slogan_data(max_new_tokens=16, tasks_per_step=2))
@@ -119,11 +119,11 @@ def test_one_optimizer_step_per_minibatch(tmp_path):
     "rows, width, budget, cap, sizes",
     [
         (20, 10, None, None, [20]),  # no caps: one pass
-        (20, 10, 100, None, [10, 10]),  # 10 rows of width 10 fit the budget
-        (25, 10, 100, None, [9, 8, 8]),  # 3 passes, rows split evenly
+        (20, 10, 100, None, [10, 10]),  # 10 rows of width 10 fill the budget
+        (25, 10, 100, None, [10, 10, 5]),
         (20, 10, 100, 4, [4, 4, 4, 4, 4]),  # the row cap binds first
         (3, 50, 10, None, [1, 1, 1]),  # a row wider than the budget still gets its pass
-        (20, 10, 10_000, 16, [10, 10]),  # the old row cap alone: 16 + 4 became 10 + 10
+        (20, 10, 10_000, 16, [16, 4]),  # the row cap alone
     ],
 )
 def test_micro_batches_respect_the_token_budget_and_row_cap(rows, width, budget, cap, sizes):
@@ -132,4 +132,21 @@ def test_micro_batches_respect_the_token_budget_and_row_cap(rows, width, budget,
     passes = module.micro_batches(samples)
     assert [len(p) for p in passes] == sizes
     assert torch.equal(torch.cat(passes), torch.arange(rows))  # every row once, in order
-    assert all(len(p) * width <= budget for p in passes) if budget and width <= budget else True
+
+
+@pytest.mark.parametrize("budget, sizes", [(32, [8, 8, 4]), (28, [6, 6, 6, 2]), (None, [20])])
+def test_micro_batches_count_a_shared_prompt_once_per_node(budget, sizes):
+    """5 nodes x G=4 rows, prompt 8 + completion 2 tokens: with shared prompts a whole node costs
+    8 + 4 x 2 = 16 tokens (not 4 x 10), and a pass cut inside a node runs that prompt again."""
+    module = MAGRPO(forward_token_budget=budget)
+    samples = _samples(5, 4, turns=[0] * 5, prompt_len=8, completion_len=2)
+    passes = module.micro_batches(samples, shared_prompts=True)
+    assert [len(p) for p in passes] == sizes
+    assert torch.equal(torch.cat(passes), torch.arange(20))
+    for rows in passes:
+        computed = 8 * len(torch.unique(samples.group_ids[rows])) + 2 * len(rows)
+        assert budget is None or computed <= budget
+    unshared = module.micro_batches(samples)
+    assert budget is None or [len(p) for p in unshared] == [budget // 10] * (20 // (budget // 10)) + (
+        [20 % (budget // 10)] if 20 % (budget // 10) else []
+    )

@@ -34,7 +34,7 @@ class AgentTeamModule(L.LightningModule):
         learning_rate: float = 1e-5,
         max_grad_norm: float = 1.0,
         forward_batch_size: int | None = None,
-        forward_token_budget: int | None = 8192,
+        forward_token_budget: int | None = 2048,
         share_parameters: bool = False,
         lora_shared_base: bool = False,
     ):
@@ -50,10 +50,12 @@ class AgentTeamModule(L.LightningModule):
             forward_batch_size: At most this many rows per forward/backward pass (None: no row cap).
                 Memory only, like ``forward_token_budget``: a mini-batch's gradients are accumulated
                 over its passes before its one optimizer step.
-            forward_token_budget: At most this many padded tokens (rows x sequence width) per
-                forward/backward pass (None: no cap); a mini-batch is cut into the fewest passes that
-                respect both caps, rows split evenly. Fewer, larger passes are faster; lower it (or
-                set ``forward_batch_size``) when a pass runs out of memory.
+            forward_token_budget: At most this many tokens per forward/backward pass (None: no cap):
+                a row counts its padded width, or where a node's G responses share one prompt pass
+                (MAGRPO) its response plus the prompt once per node; passes are filled in order.
+                Fewer, larger passes are faster; a pass's activation memory grows with it
+                (SmolLM2-135M, fp32: 2048 tokens ~4 GB peak, 8192 ~15 GB). Lower it (or set
+                ``forward_batch_size``) when a pass runs out of memory.
             share_parameters: One model plays every role (one set of weights, one optimizer, one
                 batched generate per turn for all roles); needs one model source.
             lora_shared_base: With ``lora``, every agent is an adapter on ONE frozen copy of the base
@@ -183,14 +185,27 @@ class AgentTeamModule(L.LightningModule):
             )
 
     def update_agent(
-        self, index: int, samples: AgentSamples | None, loss_fn: Callable, count: float | None = None
+        self,
+        index: int,
+        samples: AgentSamples | None,
+        loss_fn: Callable,
+        count: float | None = None,
+        shared_prompts: bool = False,
     ) -> float:
         """One optimizer step for learner ``index`` (see ``learners``); see ``optimizer_step_on``."""
         optimizers = self.optimizers()
         optimizer = optimizers[index] if isinstance(optimizers, list) else optimizers
-        return self.optimizer_step_on(optimizer, samples, loss_fn, self.learner_name(index), count)
+        return self.optimizer_step_on(optimizer, samples, loss_fn, self.learner_name(index), count, shared_prompts)
 
-    def optimizer_step_on(self, optimizer, rows, loss_fn: Callable, name: str, count: float | None = None) -> float:
+    def optimizer_step_on(
+        self,
+        optimizer,
+        rows,
+        loss_fn: Callable,
+        name: str,
+        count: float | None = None,
+        shared_prompts: bool = False,
+    ) -> float:
         """One step of ``optimizer`` on ``rows`` (anything with ``len`` and ``select``; None: this rank
         has nothing for this step but joins it). ``loss_fn`` returns the summed loss of a
         micro-batch (``micro_batches``); the step's loss is the sum over the rows of every
@@ -200,7 +215,7 @@ class AgentTeamModule(L.LightningModule):
         total = self.all_ranks_sum(local)
         loss_sum = 0.0
         if rows is not None and len(rows) and total > 0:
-            for chunk in self.micro_batches(rows):
+            for chunk in self.micro_batches(rows, shared_prompts):
                 loss = loss_fn(rows.select(chunk)) / total
                 self.manual_backward(loss)
                 loss_sum += float(loss.detach())
@@ -226,20 +241,29 @@ class AgentTeamModule(L.LightningModule):
             self.shards.refresh(params)
         return loss_sum
 
-    def micro_batches(self, rows) -> list[torch.Tensor]:
-        """Row indices of the forward/backward passes over ``rows`` (anything with ``len`` and
-        ``input_ids``): the fewest passes that keep each within ``forward_token_budget`` padded tokens
-        (rows x the batch's sequence width: an upper bound, a pass trims its own padding) and
-        ``forward_batch_size`` rows, the rows split evenly among them."""
-        count = rows.input_ids.shape[0]
-        per_pass = count
-        budget, cap = self.forward_token_budget, self.forward_batch_size
-        if budget is not None:
-            per_pass = min(per_pass, max(1, budget // max(1, rows.input_ids.shape[-1])))
-        if cap is not None:
-            per_pass = min(per_pass, cap)
-        passes = -(-count // max(per_pass, 1))
-        return list(torch.arange(count, device=self.device).tensor_split(max(passes, 1)))
+    def micro_batches(self, rows, shared_prompts: bool = False) -> list[torch.Tensor]:
+        """Row indices of the forward/backward passes over ``rows`` (anything with ``input_ids``), in
+        order, each filled with rows while it stays within ``forward_token_budget`` tokens and
+        ``forward_batch_size`` rows (a row alone past the budget still gets its pass). A row costs its
+        padded width; with ``shared_prompts`` (the loss runs each tree node's prompt once for its
+        rows: ``completion_logprobs(prompt_groups=...)``) its completion width, plus the prompt width
+        for the first row of its node in the pass, which is what the pass computes."""
+        count, width = rows.input_ids.shape[0], rows.input_ids.shape[-1]
+        budget = self.forward_token_budget if self.forward_token_budget is not None else math.inf
+        cap = self.forward_batch_size if self.forward_batch_size is not None else count
+        completion = rows.num_completion if shared_prompts else width
+        groups = rows.group_ids.tolist() if shared_prompts else None
+        bounds, start, cost = [0], 0, 0
+        for i in range(count):
+            opens_node = groups is None or i == start or groups[i] != groups[i - 1]
+            row_cost = completion + (width - completion if opens_node else 0)
+            if i > start and (cost + row_cost > budget or i - start >= cap):
+                bounds.append(i)
+                start, cost = i, 0
+                row_cost = width  # the first row of a pass brings its node's prompt
+            cost += row_cost
+        bounds.append(count)
+        return [torch.arange(a, b, device=self.device) for a, b in zip(bounds, bounds[1:])]
 
     # ------------------------------------------------------------------ the step: fine-tuning on demonstrations or RL
     phase: str = "rl"

@@ -29,7 +29,7 @@ class EpisodicModule(AgentTeamModule):
         learning_rate: float = 1e-5,
         max_grad_norm: float = 1.0,
         forward_batch_size: int | None = 8,
-        forward_token_budget: int | None = 8192,
+        forward_token_budget: int | None = None,
         clip_range: float = 0.2,
         ppo_epochs: int = 1,
         train_batch_size: int | None = None,
@@ -50,7 +50,8 @@ class EpisodicModule(AgentTeamModule):
             forward_batch_size: At most this many episodes per forward/backward pass (memory only;
                 None: no cap).
             forward_token_budget: At most this many padded tokens (episodes x sequence width) per
-                pass (memory only; None: no cap); see ``AgentTeamModule``.
+                pass (memory only; None: no cap, episodes are then cut by ``forward_batch_size``
+                alone); see ``AgentTeamModule``.
             clip_range: PPO's ratio clipping epsilon.
             ppo_epochs: Passes over the step's episodes (the behaviour log-probs stay those of the rollout).
             train_batch_size: Tasks per mini-batch (all of a task's episodes together); None: one

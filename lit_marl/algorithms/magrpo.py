@@ -157,7 +157,7 @@ class MAGRPO(AgentTeamModule):
                         kept = batch.select(kept_rows) if kept_rows.numel() else None
                         count = len(batch)
                     loss_fn = lambda mb, m=agent.model: self.policy_loss(m, mb)  # noqa: E731
-                    losses.append(self.update_agent(index, kept, loss_fn, count=count))
+                    losses.append(self.update_agent(index, kept, loss_fn, count=count, shared_prompts=True))
                 name, size = self.learner_name(index), 0 if samples is None else len(samples)
                 self.log(f"train/loss_{name}", sum(losses) / len(losses), batch_size=max(size, 1))
                 if samples is not None:
