@@ -134,8 +134,11 @@ def test_micro_batches_respect_the_token_budget_and_row_cap(rows, width, budget,
     assert torch.equal(torch.cat(passes), torch.arange(rows))  # every row once, in order
 
 
-@pytest.mark.parametrize("budget, sizes", [(32, [8, 8, 4]), (28, [6, 6, 6, 2]), (None, [20])])
-def test_micro_batches_count_a_shared_prompt_once_per_node(budget, sizes):
+@pytest.mark.parametrize(
+    "budget, sizes, unshared_sizes",
+    [(32, [8, 8, 4], [3] * 6 + [2]), (28, [6, 6, 6, 2], [2] * 10), (None, [20], [20])],
+)
+def test_micro_batches_count_a_shared_prompt_once_per_node(budget, sizes, unshared_sizes):
     """5 nodes x G=4 rows, prompt 8 + completion 2 tokens: with shared prompts a whole node costs
     8 + 4 x 2 = 16 tokens (not 4 x 10), and a pass cut inside a node runs that prompt again."""
     module = MAGRPO(forward_token_budget=budget)
@@ -146,7 +149,5 @@ def test_micro_batches_count_a_shared_prompt_once_per_node(budget, sizes):
     for rows in passes:
         computed = 8 * len(torch.unique(samples.group_ids[rows])) + 2 * len(rows)
         assert budget is None or computed <= budget
-    unshared = module.micro_batches(samples)
-    assert budget is None or [len(p) for p in unshared] == [budget // 10] * (20 // (budget // 10)) + (
-        [20 % (budget // 10)] if 20 % (budget // 10) else []
-    )
+    # without sharing every row costs its full width of 10
+    assert [len(p) for p in module.micro_batches(samples)] == unshared_sizes

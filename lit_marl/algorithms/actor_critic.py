@@ -70,6 +70,11 @@ class CriticInputs:
         return CriticInputs(**fields)
 
 
+def team_reward(per_agent: list[AgentSamples]) -> torch.Tensor:
+    """The joint reward of each row: the mean of the agents' rewards (MAAC's critic learns it)."""
+    return torch.stack([s.rewards for s in per_agent]).mean(0)
+
+
 def read_positions(samples: AgentSamples, critic_type: CriticType) -> torch.Tensor:
     """Where V(h) (``v``: the last prompt token) or Q(h, a) (``q``: the last token of prompt +
     response, the end token included) is read in each row of ``samples.input_ids``."""
@@ -339,8 +344,7 @@ class ActorCritic(AgentTeamModule):
         if self.centralized:
             joint = joint_critic_inputs(per_agent, self.critic_type, self.agents[0].pad_token_id)
             joint_values = torch.cat([self.critics[0](joint.select(rows)) for rows in self.micro_batches(joint)])
-            team_rewards = torch.stack([s.rewards for s in per_agent]).mean(0)  # the joint reward
-            targets = td_targets(team_rewards, joint_values, next_rows, self.discount)
+            targets = td_targets(team_reward(per_agent), joint_values, next_rows, self.discount)
             inputs.append([replace(joint, old_values=joint_values, targets=targets, turn_ids=turns)])
             values = [joint_values] * len(per_agent)
             all_targets = [targets] * len(per_agent)
@@ -560,16 +564,20 @@ class ActorCritic(AgentTeamModule):
         next_rows, turns = self.episode_links(per_agent)
         values: list[torch.Tensor | None] = [None] * len(per_agent)
         targets: list[torch.Tensor | None] = [None] * len(per_agent)
+
+        def learner_values(roles: list[int], learned: torch.Tensor) -> None:
+            """A learner's values (detached), split by the roles it plays, and each role's TD targets."""
+            for r, v in zip(roles, learned.detach().split([len(per_agent[r]) for r in roles])):
+                values[r], targets[r] = v, td_targets(per_agent[r].rewards, v, next_rows, self.discount)
+
         critic_values = [critic(m) for critic, m in zip(self.critics, critic_minis)]  # kept for their step
         if self.centralized:
             joint_values = critic_values[0].detach()
-            team_rewards = torch.stack([s.rewards for s in per_agent]).mean(0)  # the joint reward
             values = [joint_values] * len(per_agent)
-            targets = [td_targets(team_rewards, joint_values, next_rows, self.discount)] * len(per_agent)
-        for index, roles in enumerate(self.learners):
-            if self.critic_kind == "model" and not self.centralized:
-                for r, v in zip(roles, critic_values[index].detach().split([len(per_agent[r]) for r in roles])):
-                    values[r], targets[r] = v, td_targets(per_agent[r].rewards, v, next_rows, self.discount)
+            targets = [td_targets(team_reward(per_agent), joint_values, next_rows, self.discount)] * len(per_agent)
+        elif self.critic_kind == "model":
+            for roles, learned in zip(self.learners, critic_values):
+                learner_values(roles, learned)
         for c, (m, roles) in enumerate(zip(critic_minis, [[0]] if self.centralized else self.learners)):
             critic_minis[c] = replace(
                 m,
@@ -582,8 +590,7 @@ class ActorCritic(AgentTeamModule):
         for index, roles in enumerate(self.learners):
             forward = self.actor_forward(index, minis[index], entropy=self.entropy_coef > 0)
             if self.critic_kind == "head":
-                for r, v in zip(roles, forward[2].detach().split([len(per_agent[r]) for r in roles])):
-                    values[r], targets[r] = v, td_targets(per_agent[r].rewards, v, next_rows, self.discount)
+                learner_values(roles, forward[2])
             for r in roles:
                 prepared[r] = self.with_advantages(per_agent[r], values[r], targets[r], None)
             mini = replace(

@@ -206,7 +206,7 @@ class AgentTeamModule(L.LightningModule):
         count: float | None = None,
         shared_prompts: bool = False,
     ) -> float:
-        """One step of ``optimizer`` on ``rows`` (anything with ``len`` and ``select``; None: this rank
+        """One step of ``optimizer`` on ``rows`` (anything with ``len``, ``select`` and ``input_ids``; None: this rank
         has nothing for this step but joins it). ``loss_fn`` returns the summed loss of a
         micro-batch (``micro_batches``); the step's loss is the sum over the rows of every
         rank divided by ``count`` (default: the rows) summed over ranks, so neither micro-batching nor
