@@ -1,7 +1,6 @@
-from lit_marl.callbacks.buffer_flush import BufferFlush
 from lit_marl.callbacks.checkpoint import StepCheckpoint
 from lit_marl.callbacks.evaluation import HeldOutEvaluation
 from lit_marl.callbacks.export import HFExport
 from lit_marl.callbacks.phase_switch import PhaseSwitch
 
-__all__ = ["BufferFlush", "HFExport", "HeldOutEvaluation", "PhaseSwitch", "StepCheckpoint"]
+__all__ = ["HFExport", "HeldOutEvaluation", "PhaseSwitch", "StepCheckpoint"]

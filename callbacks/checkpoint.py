@@ -21,20 +21,19 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.callbacks import Checkpoint
 
-from lit_marl import ConfigError
+from lit_marl.fields import PositiveInt, check_fields
 
 
 class StepCheckpoint(Checkpoint):  # a Checkpoint: Lightning runs it after the other callbacks
-    def __init__(self, dirpath: str = "checkpoints", every_n_steps: int = 1, filename: str = "last.ckpt"):
+    def __init__(self, dirpath: str = "checkpoints", every_n_steps: PositiveInt = 1, filename: str = "last.ckpt"):
         """
         Args:
             dirpath: Folder of the checkpoint.
             every_n_steps: Save after every this many training steps (and at the end of each epoch,
-                after the buffer flush).
+                after the module has used what its rollout buffers held).
             filename: Name of the checkpoint file, replaced at each save.
         """
-        if every_n_steps < 1:
-            raise ConfigError(f"StepCheckpoint.every_n_steps={every_n_steps}: must be at least 1")
+        check_fields("StepCheckpoint", StepCheckpoint.__init__, locals())
         self.path = Path(dirpath) / filename
         self.every_n_steps = every_n_steps
 

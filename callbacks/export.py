@@ -15,8 +15,8 @@ from typing import Literal
 
 import lightning as L
 
-from lit_marl import ConfigError
 from lit_marl.agents import AdapterView
+from lit_marl.fields import check_fields
 
 
 class HFExport(L.Callback):
@@ -27,8 +27,7 @@ class HFExport(L.Callback):
             lora: For LoRA agents: ``merged`` writes the base with the adapter merged in; ``adapter``
                 writes the adapter only.
         """
-        if lora not in ("merged", "adapter"):
-            raise ConfigError(f"HFExport.lora={lora!r}: choose merged or adapter")
+        check_fields("HFExport", HFExport.__init__, locals())
         self.dirpath, self.lora = Path(dirpath), lora
 
     def on_train_end(self, trainer: L.Trainer, pl_module) -> None:

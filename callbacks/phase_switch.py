@@ -23,6 +23,9 @@ import math
 import lightning as L
 
 from lit_marl import ConfigError
+from lit_marl.callbacks.evaluation import HeldOutEvaluation
+from lit_marl.fields import PositiveFloat, check_fields
+from lit_marl.parallel.collectives import all_ranks_sum
 
 
 def parse_split(split: str) -> tuple[float, float]:
@@ -40,11 +43,11 @@ def parse_split(split: str) -> tuple[float, float]:
 class PhaseSwitch(L.Callback):
     def __init__(
         self,
-        budget: float,
+        budget: PositiveFloat,
         split: str = "1:4",
-        demo_cost: float = 1.0,
+        demo_cost: PositiveFloat = 1.0,
         reset_optimizers: bool = True,
-        sft_learning_rate: float | None = None,
+        sft_learning_rate: PositiveFloat | None = None,
     ):
         """
         Args:
@@ -54,11 +57,8 @@ class PhaseSwitch(L.Callback):
             reset_optimizers: Start the RL phase with fresh optimizers (no SFT moments).
             sft_learning_rate: Learning rate of the agents during SFT (default: the module's).
         """
+        check_fields("PhaseSwitch", PhaseSwitch.__init__, locals())
         sft, rl = parse_split(split)
-        if not budget > 0 or not demo_cost > 0:
-            raise ConfigError(f"PhaseSwitch: budget={budget} and demo_cost={demo_cost} must be > 0")
-        if sft_learning_rate is not None and not sft_learning_rate > 0:
-            raise ConfigError(f"PhaseSwitch.sft_learning_rate={sft_learning_rate}: must be > 0")
         self.demos = math.floor(budget * sft / (sft + rl) / demo_cost + 1e-9)
         self.episodes = math.floor(budget * rl / (sft + rl) + 1e-9)
         self.demo_cost, self.reset_optimizers, self.sft_learning_rate = demo_cost, reset_optimizers, sft_learning_rate
@@ -86,9 +86,7 @@ class PhaseSwitch(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module, stage: str) -> None:
         if stage != "fit":
             return
-        from lit_marl.algorithms.base import AgentTeamModule
-
-        if type(pl_module).rl_step is AgentTeamModule.rl_step:
+        if not pl_module.runs_rl:
             raise ConfigError(
                 f"PhaseSwitch hands the run to RL, which {type(pl_module).__name__} does not do: set model to an RL "
                 "algorithm (PPO, GRPO, MAGRPO, IAC, ...); it takes the SFT steps itself"
@@ -110,9 +108,9 @@ class PhaseSwitch(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         if self.phase == "sft":
-            self.demos_done += pl_module.all_ranks_sum(len(batch[0]))
+            self.demos_done += all_ranks_sum(len(batch[0]), pl_module.device)
         else:
-            self.episodes_done += pl_module.all_ranks_sum(trainer.datamodule.episodes(batch))
+            self.episodes_done += all_ranks_sum(trainer.datamodule.episodes(batch), pl_module.device)
             if self.episodes_done >= self.episodes:
                 trainer.should_stop = True
         pl_module.log("phase/rl", float(self.phase == "rl"))
@@ -136,8 +134,6 @@ class PhaseSwitch(L.Callback):
         pl_module.log("phase/switch_epoch", float(trainer.current_epoch))
         if trainer.is_global_zero:
             print(f"[phase] {self.describe()}", flush=True)
-        from lit_marl.callbacks.evaluation import HeldOutEvaluation
-
         for callback in trainer.callbacks:
             if isinstance(callback, HeldOutEvaluation):
                 callback.evaluate(trainer, pl_module, "after SFT")

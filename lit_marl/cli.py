@@ -13,9 +13,9 @@ def build_cli(args: list[str] | None = None, run: bool = True):
     import transformers
     from lightning.pytorch.cli import LightningCLI
 
-    from lit_marl import ConfigError
-    from lit_marl.algorithms.base import AgentTeamModule
-    from lit_marl.data import TaskDataModule
+    from lit_marl import ConfigError  # deferred: CLI start-up cost
+    from lit_marl.algorithms.base import AgentTeamModule  # deferred: CLI start-up cost
+    from lit_marl.data import TaskDataModule  # deferred: CLI start-up cost
 
     # HF models load in eval mode and we keep it: no dropout, so training scores the very policy
     # that sampled (the warning assumes supervised training)
@@ -55,7 +55,7 @@ def build_cli(args: list[str] | None = None, run: bool = True):
 def main() -> None:
     import sys
 
-    from lit_marl import ConfigError
+    from lit_marl import ConfigError  # deferred: CLI start-up cost (build_cli imports the rest)
 
     try:
         build_cli()

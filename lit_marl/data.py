@@ -7,11 +7,8 @@ every rollout comes from the current weights (the loader's prefetch only touches
 
 from __future__ import annotations
 
-import importlib
-import math
-import string
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
+from dataclasses import replace
 from typing import Literal
 
 import lightning as L
@@ -19,154 +16,31 @@ import torch
 from torch.utils.data import DataLoader
 
 from lit_marl import ConfigError
+from lit_marl.envs import make_env
 from lit_marl.envs.base import FunctionEnv, JointEnv
+from lit_marl.fields import (
+    ClosedUnitInterval,
+    PositiveFloat,
+    PositiveInt,
+    UnitIntervalLeftOpen,
+    UnitIntervalRightOpen,
+    check_fields,
+)
+from lit_marl.generation import make_engine
+from lit_marl.returns import JointMode, turn_rewards
 from lit_marl.rollout.batch import RolloutBatch
-from lit_marl.rollout.tree import JointMode, build_tree
-
-
-def import_object(path: str, field: str):
-    """``package.module:name`` or ``package.module.name`` -> the object, or a clear error."""
-    module_name, sep, attr = path.partition(":") if ":" in path else path.rpartition(".")
-    if not sep or not module_name or not attr:
-        raise ConfigError(f"{field}={path!r}: give an import path like 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ConfigError(f"{field}={path!r}: cannot import module {module_name!r} ({err})") from err
-    if not hasattr(module, attr):
-        raise ConfigError(f"{field}={path!r}: module {module_name!r} has no attribute {attr!r}")
-    obj = getattr(module, attr)
-    if not callable(obj):
-        raise ConfigError(f"{field}={path!r} is not callable")
-    return obj
+from lit_marl.rollout.demos import load_demos, render_demos
+from lit_marl.rollout.episode import EpisodeSettings, run_episodes
+from lit_marl.rollout.tree import TreeSettings, build_tree
+from lit_marl.tasks import TaskLoader, import_object, load_tasks, task_loader
 
 
 def build_engine(name: str, options: dict | None):
     """The generation engine named by ``data.engine`` (a bad name or a missing vLLM fails here)."""
-    from lit_marl.generation import make_engine
-
     try:
         return make_engine(name, options)
     except (ValueError, ImportError) as error:
         raise ConfigError(str(error)) from error
-
-
-def template_fields(template: str) -> set[str]:
-    return {name.split(".")[0].split("[")[0] for _, name, _, _ in string.Formatter().parse(template) if name}
-
-
-def load_tasks(path: str, field: str, required: set[str], needed_by: str = "data.agent_prompts") -> list[dict]:
-    """Rows of a local JSONL/JSON/CSV/Parquet file (through ``datasets``), checked for ``required``
-    (the fields ``needed_by`` uses)."""
-    if not Path(path).is_file():
-        raise ConfigError(f"{field}={path!r}: file not found")
-    import datasets
-
-    kind = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}.get(Path(path).suffix)
-    if kind is None:
-        raise ConfigError(f"{field}={path!r}: use a .jsonl, .json, .csv or .parquet file")
-    datasets.disable_progress_bars()
-    ds = datasets.load_dataset(kind, data_files=path, split="train")
-    missing = sorted(required - set(ds.column_names))
-    if missing:
-        raise ConfigError(
-            f"{field}={path!r} lacks the field(s) {missing} that {needed_by} uses; its fields are {ds.column_names}"
-        )
-    if len(ds) == 0:
-        raise ConfigError(f"{field}={path!r} holds no rows")
-    return ds.to_list()
-
-
-def task_loader(tasks: list[dict], batch_size: int, shuffle: bool, seed: int) -> DataLoader:
-    """Task rows in batches (plain lists of dicts); the order is seeded."""
-    generator = torch.Generator().manual_seed(seed)
-    return DataLoader(tasks, batch_size=batch_size, shuffle=shuffle, collate_fn=list, generator=generator)
-
-
-class TaskLoader:
-    """Training task rows in batches: a seeded order per epoch, sharded over ranks, resumable.
-
-    Epoch e visits the tasks in a permutation drawn from ``seed + e`` (the same on every rank). Each
-    step takes the next ``batch_size * world_size`` rows of it and rank r keeps its r-th slice of
-    ``batch_size``, so W ranks with batch size B see exactly the tasks of one process with batch size
-    W * B. With several ranks the permutation is padded with its own first rows to whole steps, so
-    every rank takes the same number of steps. Lightning sees a loader with ``state_dict`` and
-    saves it in checkpoints: the epoch and how many batches training consumed (``consumed`` is
-    counted by the data module when a batch reaches the training step, not by this iterator, which
-    Lightning's fetcher runs one batch ahead); a loader loaded from it resumes after the last
-    consumed batch, so a killed run repeats no task and skips none.
-    """
-
-    def __init__(
-        self, tasks: list[dict], batch_size: int, seed: int, rank: int = 0, world_size: int = 1, name: str = "tasks"
-    ):
-        self.tasks, self.batch_size, self.seed, self.name = tasks, batch_size, seed, name
-        self.rank, self.world_size = rank, world_size
-        self.epoch = -1  # the epoch being iterated; the first __iter__ starts epoch 0
-        self.consumed = 0  # batches of this epoch that reached the training step
-        self.stop: int | None = None  # the batch where the coming epoch ends early (a spent budget); None: none
-        self.epoch_length = len(self)  # batches training takes per epoch (Lightning's limit_train_batches)
-        self._resume_at: int | None = None
-
-    @property
-    def num_batches(self) -> int:
-        """Batches of a whole epoch."""
-        step = self.batch_size * self.world_size
-        return -(-len(self.tasks) // step)
-
-    def __len__(self) -> int:
-        return self.num_batches if self.stop is None else min(self.num_batches, self.stop)
-
-    def end_after(self, rows: int | None) -> None:
-        """Let an epoch serve about ``rows`` rows over all ranks, counted from its start and rounded
-        up to whole steps (a budget that ends mid-permutation); None: the whole permutation."""
-        self.stop = None if rows is None else math.ceil(rows / (self.batch_size * self.world_size))
-
-    def order(self, epoch: int) -> list[int]:
-        generator = torch.Generator().manual_seed(self.seed + epoch)
-        # torch's DataLoader draws a worker seed from its generator before shuffling: drawing it too
-        # keeps epoch 0 in the order of the runs measured with that loader (docs/quickstart.md)
-        torch.empty((), dtype=torch.int64).random_(generator=generator)
-        order = torch.randperm(len(self.tasks), generator=generator).tolist()
-        if self.world_size > 1:
-            whole = self.num_batches * self.batch_size * self.world_size
-            order = (order * (whole // len(order) + 1))[:whole]
-        return order
-
-    def __iter__(self):
-        if self._resume_at is None:
-            self.epoch, start = self.epoch + 1, 0
-        else:
-            start, self._resume_at = self._resume_at, None
-        self.consumed = start
-        order, step = self.order(self.epoch), self.batch_size * self.world_size
-        for b in range(start, len(self)):
-            rows = order[b * step : (b + 1) * step][self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
-            yield [self.tasks[i] for i in rows]
-
-    def state_dict(self) -> dict:
-        done = self.consumed >= min(self.epoch_length, len(self))
-        return {
-            "epoch": self.epoch,
-            "consumed": self.consumed,
-            "epoch_done": done,
-            "num_tasks": len(self.tasks),
-            "rows": self.name,
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        if state.get("rows", "tasks") != self.name:
-            # the other phase's loader (demonstrations <-> tasks), saved as its last epoch ended: start afresh
-            return
-        if state["num_tasks"] != len(self.tasks):
-            raise ValueError(
-                f"the checkpoint's run had {state['num_tasks']} training tasks, this one {len(self.tasks)}: resume "
-                "with the same data.train_path"
-            )
-        if state["epoch_done"]:  # saved at the end of an epoch: the next one starts afresh
-            self.epoch, self._resume_at = state["epoch"], None
-        else:
-            self.epoch, self._resume_at = state["epoch"], state["consumed"]
 
 
 class TaskDataModule(L.LightningDataModule):
@@ -180,14 +54,8 @@ class TaskDataModule(L.LightningDataModule):
     """How many demonstrations the coming SFT epoch may serve, counted from its start (``PhaseSwitch``
     sets it from the budget); None: whole passes."""
 
-    def load_demos(self, demo_path: str | None, demo_batch_size: int, demo_loss_on: str) -> None:
+    def load_demos(self, demo_path: str | None) -> None:
         """The demonstrations of SFT (``SFT``, or the first phase of ``callbacks.PhaseSwitch``)."""
-        from lit_marl.demos import load_demos
-
-        if demo_batch_size < 1:
-            raise ConfigError(f"data.demo_batch_size={demo_batch_size}: must be at least 1")
-        if demo_loss_on not in ("all", "last"):
-            raise ConfigError(f"data.demo_loss_on={demo_loss_on!r}: choose all (every assistant turn) or last")
         self.demos = load_demos(demo_path, self.num_agents) if demo_path else []
         self._loaders: dict[str, tuple[object, TaskLoader]] = {}
 
@@ -222,8 +90,6 @@ class TaskDataModule(L.LightningDataModule):
         rollouts of the current weights otherwise (greedy outside training)."""
         module = self.trainer.lightning_module
         if self.trainer.training and module.phase == "sft":
-            from lit_marl.demos import render_demos
-
             return render_demos(list(module.agents), batch, self.hparams.demo_loss_on)
         with module.gathered():
             return self.rollout_batch(module, batch, training=self.trainer.training)
@@ -284,26 +150,26 @@ class RolloutDataModule(TaskDataModule):
         reward_fn: str | None = None,
         env: JointEnv | None = None,
         val_path: str | None = None,
-        tasks_per_step: int = 4,
-        num_generations: int = 4,
+        tasks_per_step: PositiveInt = 4,
+        num_generations: PositiveInt = 4,
         joint_mode: JointMode = "aligned",
-        max_new_tokens: int = 64,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        eval_tasks_per_step: int = 16,
+        max_new_tokens: PositiveInt = 64,
+        temperature: PositiveFloat = 1.0,
+        top_p: UnitIntervalLeftOpen = 1.0,
+        eval_tasks_per_step: PositiveInt = 16,
         seed: int = 0,
-        num_turns: int = 1,
+        num_turns: PositiveInt = 1,
         transition: str | None = None,
         transition_kwargs: dict | None = None,
         batched_transition: bool = False,
         external_prompt_passthrough: bool = False,
-        discount: float = 1.0,
+        discount: ClosedUnitInterval = 1.0,
         early_termination_threshold: float | None = None,
         on_reward_error: Literal["raise", "skip"] = "raise",
         engine: str = "auto",
         engine_options: dict | None = None,
         demo_path: str | None = None,
-        demo_batch_size: int = 8,
+        demo_batch_size: PositiveInt = 8,
         demo_loss_on: Literal["all", "last"] = "all",
     ):
         """
@@ -350,13 +216,14 @@ class RolloutDataModule(TaskDataModule):
                 (GPU, installed separately; weights synced from the trainer before each rollout).
             engine_options: Settings of the vllm engine (e.g. ``gpu_memory_utilization``).
             demo_path: Demonstrations for SFT (the ``SFT`` module, or the first phase of
-                ``callbacks.PhaseSwitch``): JSONL rows with one chat per agent (``lit_marl/demos.py``;
+                ``callbacks.PhaseSwitch``): JSONL rows with one chat per agent (``lit_marl/rollout/demos.py``;
                 ``scripts/make_demos.py`` writes them from an environment's expert).
             demo_batch_size: Demonstrations per SFT step.
             demo_loss_on: ``all``: the loss on every assistant turn of a demonstration; ``last``: on
                 its last assistant turn only (the earlier ones are context).
         """
         super().__init__()
+        check_fields("data", RolloutDataModule.__init__, locals())
         if env is not None and (agent_prompts or reward_fn or transition):
             raise ConfigError(
                 "data.env gives the prompts, rewards and transitions: drop data.agent_prompts, data.reward_fn and "
@@ -366,29 +233,11 @@ class RolloutDataModule(TaskDataModule):
             raise ConfigError("data.agent_prompts: give one prompt template per agent (or give data.env)")
         if env is None and not reward_fn:
             raise ConfigError("data.reward_fn: give the import path of a reward function (or give data.env)")
-        if num_generations < 1:
-            raise ConfigError(f"data.num_generations={num_generations}: must be at least 1")
-        if joint_mode not in ("aligned", "cross"):
-            raise ConfigError(f"data.joint_mode={joint_mode!r}: choose aligned or cross")
-        if max_new_tokens < 1:
-            raise ConfigError(f"data.max_new_tokens={max_new_tokens}: must be at least 1")
-        if not temperature > 0:
-            raise ConfigError(f"data.temperature={temperature}: must be > 0 (evaluation is greedy anyway)")
-        if not 0 < top_p <= 1:
-            raise ConfigError(f"data.top_p={top_p}: must be in (0, 1]")
-        if num_turns < 1:
-            raise ConfigError(f"data.num_turns={num_turns}: must be at least 1")
         if num_turns > 1 and transition is None and env is None:
             raise ConfigError(
                 f"data.num_turns={num_turns} needs data.transition (e.g. lit_marl.rollout.transitions:plain) "
                 "to build the next turn's prompts"
             )
-        if on_reward_error not in ("raise", "skip"):
-            raise ConfigError(f"data.on_reward_error={on_reward_error!r}: choose raise or skip")
-        if not 0 <= discount <= 1:
-            raise ConfigError(f"data.discount={discount}: must be in [0, 1]")
-        if tasks_per_step < 1 or eval_tasks_per_step < 1:
-            raise ConfigError("data.tasks_per_step and data.eval_tasks_per_step must be at least 1")
         self.save_hyperparameters(ignore=["env"])
         self.engine = build_engine(engine, engine_options)
         if env is None:
@@ -402,42 +251,37 @@ class RolloutDataModule(TaskDataModule):
         if num_turns > 1 and not env.has_transition:
             raise ConfigError(f"data.num_turns={num_turns}: {type(env).__name__} has no transition (single-turn)")
         self.env = env
-        self.load_demos(demo_path, demo_batch_size, demo_loss_on)
+        self.load_demos(demo_path)
         self.train_tasks = env.load_tasks(train_path, "data.train_path")
         self.val_tasks = env.load_tasks(val_path, "data.val_path") if val_path else []
-        self.num_generations = num_generations
-        self.joint_mode = joint_mode
+        self.tree = TreeSettings(
+            num_generations=num_generations,
+            joint_mode=joint_mode,
+            num_turns=num_turns,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            discount=discount,
+            early_termination_threshold=early_termination_threshold,
+            external_prompt_passthrough=external_prompt_passthrough,
+            on_reward_error=on_reward_error,
+        )
+        """How training trees grow (evaluation: one greedy response per node); algorithms check theirs against it."""
 
     @property
     def num_agents(self) -> int:
         return self.env.num_agents
 
+    @property
+    def num_generations(self) -> int:
+        return self.tree.num_generations
+
     def prompts_for(self, tasks: list[dict]) -> list[list[str]]:
         return [self.env.prompts(task) for task in tasks]
 
     def rollout(self, agents, tasks: list[dict], greedy: bool, response_penalty=None) -> RolloutBatch:
-        hp = self.hparams
-        return build_tree(
-            agents,
-            tasks,
-            self.prompts_for(tasks),
-            self.env.reward,
-            num_generations=1 if greedy else self.num_generations,
-            joint_mode=self.joint_mode,
-            max_new_tokens=hp.max_new_tokens,
-            temperature=hp.temperature,
-            top_p=hp.top_p,
-            greedy=greedy,
-            num_turns=hp.num_turns,
-            transition=self.env.transition if self.env.has_transition else None,
-            batched_transition=True,
-            discount=hp.discount,
-            early_termination_threshold=hp.early_termination_threshold,
-            external_prompt_passthrough=hp.external_prompt_passthrough,
-            on_reward_error=hp.on_reward_error,
-            response_penalty=response_penalty,
-            engine=self.engine,
-        )
+        settings = replace(self.tree, num_generations=1, greedy=True) if greedy else self.tree
+        return build_tree(list(agents), tasks, self.env, settings, self.engine, response_penalty)
 
     def rollout_batch(self, module, tasks: list[dict], training: bool) -> RolloutBatch:
         if not training:
@@ -464,22 +308,22 @@ class EpisodeDataModule(TaskDataModule):
         env: str = "corridor",
         env_kwargs: dict | None = None,
         val_path: str | None = None,
-        tasks_per_step: int = 4,
-        num_generations: int = 4,
-        max_turns: int = 8,
-        max_new_tokens: int = 32,
-        max_context_tokens: int = 2048,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
+        tasks_per_step: PositiveInt = 4,
+        num_generations: PositiveInt = 4,
+        max_turns: PositiveInt = 8,
+        max_new_tokens: PositiveInt = 32,
+        max_context_tokens: PositiveInt = 2048,
+        temperature: PositiveFloat = 1.0,
+        top_p: UnitIntervalLeftOpen = 1.0,
         reward_density: Literal["sparse", "dense"] = "sparse",
-        score_weight: float | None = None,
-        eval_tasks_per_step: int = 16,
-        env_workers: int = 8,
+        score_weight: UnitIntervalRightOpen | None = None,
+        eval_tasks_per_step: PositiveInt = 16,
+        env_workers: PositiveInt = 8,
         seed: int = 0,
         engine: str = "auto",
         engine_options: dict | None = None,
         demo_path: str | None = None,
-        demo_batch_size: int = 8,
+        demo_batch_size: PositiveInt = 8,
         demo_loss_on: Literal["all", "last"] = "all",
     ):
         """
@@ -508,62 +352,32 @@ class EpisodeDataModule(TaskDataModule):
                 ``RolloutDataModule``.
             engine_options: Settings of the vllm engine.
             demo_path: Demonstrations for SFT (the ``SFT`` module, or the first phase of
-                ``callbacks.PhaseSwitch``): JSONL rows with one chat per agent (``lit_marl/demos.py``;
+                ``callbacks.PhaseSwitch``): JSONL rows with one chat per agent (``lit_marl/rollout/demos.py``;
                 ``scripts/make_demos.py`` writes them from an environment's expert).
             demo_batch_size: Demonstrations per SFT step.
             demo_loss_on: ``all``: the loss on every assistant turn of a demonstration; ``last``: on
                 its last assistant turn only (the earlier ones are context).
         """
         super().__init__()
-        from lit_marl.envs.base import make_env
-
         self.num_agents = make_env(env, env_kwargs).num_agents  # a bad name or kwargs fails here, field named
-        checks = {
-            "tasks_per_step": tasks_per_step,
-            "num_generations": num_generations,
-            "max_turns": max_turns,
-            "max_new_tokens": max_new_tokens,
-            "eval_tasks_per_step": eval_tasks_per_step,
-            "env_workers": env_workers,
-        }
-        for name, value in checks.items():
-            if value < 1:
-                raise ConfigError(f"data.{name}={value}: must be at least 1")
+        check_fields("data", EpisodeDataModule.__init__, locals())
         if max_context_tokens <= max_new_tokens:
             raise ConfigError(f"data.max_context_tokens={max_context_tokens}: must exceed max_new_tokens")
-        if reward_density not in ("sparse", "dense"):
-            raise ConfigError(f"data.reward_density={reward_density!r}: choose sparse or dense")
-        if score_weight is not None and not 0 <= score_weight < 1:
-            raise ConfigError(
-                f"data.score_weight={score_weight}: must be in [0, 1) so no lost episode outscores a won one"
-            )
-        if not temperature > 0 or not 0 < top_p <= 1:
-            raise ConfigError(
-                f"data.temperature={temperature} / data.top_p={top_p}: need temperature > 0, 0 < top_p <= 1"
-            )
         self.save_hyperparameters()
         self.engine = build_engine(engine, engine_options)
-        self.load_demos(demo_path, demo_batch_size, demo_loss_on)
+        self.load_demos(demo_path)
         self.train_tasks = load_tasks(train_path, "data.train_path", set())
         self.val_tasks = load_tasks(val_path, "data.val_path", set()) if val_path else []
         self.num_generations = num_generations
         self.pool = ThreadPoolExecutor(max_workers=env_workers)
 
     def make_env(self):
-        from lit_marl.envs.base import make_env
-
         return make_env(self.hparams.env, self.hparams.env_kwargs)
 
     def rollout(self, agents, tasks: list[dict], greedy: bool):
         """One batch per agent; the team shares the turn rewards made from the env's score."""
-        from lit_marl.returns import turn_rewards
-        from lit_marl.rollout.episode import run_episodes
-
         hp = self.hparams
-        batches = run_episodes(
-            list(agents),
-            tasks,
-            self.make_env,
+        settings = EpisodeSettings(
             group_size=1 if greedy else hp.num_generations,
             max_turns=hp.max_turns,
             max_new_tokens=hp.max_new_tokens,
@@ -571,9 +385,8 @@ class EpisodeDataModule(TaskDataModule):
             temperature=hp.temperature,
             top_p=hp.top_p,
             greedy=greedy,
-            pool=self.pool,
-            engine=self.engine,
         )
+        batches = run_episodes(list(agents), tasks, self.make_env, settings, self.pool, self.engine)
         first = batches[0]
         rewards = turn_rewards(
             first.scores, first.won, first.max_score, first.num_turns, hp.reward_density, hp.score_weight

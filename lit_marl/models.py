@@ -44,7 +44,7 @@ def cache_dir() -> Path:
     return Path(os.environ.get("LIT_MARL_CACHE", Path.home() / ".cache" / "lit_marl"))
 
 
-def _hub_offline() -> bool:
+def hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").lower() in {"1", "true", "yes", "on"} or os.environ.get(
         "TRANSFORMERS_OFFLINE", ""
     ).lower() in {"1", "true", "yes", "on"}
@@ -88,7 +88,7 @@ def check_source(source: str, field: str = "model") -> None:
 
     if isinstance(try_to_load_from_cache(source, "config.json"), str):
         return
-    if _hub_offline():
+    if hub_offline():
         reason = "HF_HUB_OFFLINE is set"
     elif not _hub_reachable():
         reason = "the hub cannot be reached"

@@ -7,6 +7,7 @@ from typing import Literal
 import torch
 
 AdvantageMode = Literal["mean", "raw", "max", "rloo"]
+JointMode = Literal["aligned", "cross"]
 
 
 def group_advantages(
@@ -84,6 +85,30 @@ def tree_returns(
             returns[level] = r + discount * bootstrap
         below = returns[level].mean(dim=1)
     return returns
+
+
+def neutral_fill(rewards: torch.Tensor) -> torch.Tensor:
+    """``[nodes, J, ...]`` rewards with NaN (skipped) entries replaced by the mean of their node's
+    valid ones (0 if none), so a skipped sample gets no advantage and shifts no baseline."""
+    valid = torch.isfinite(rewards)
+    counts = valid.sum(dim=1, keepdim=True)
+    means = torch.where(valid, rewards, 0.0).sum(dim=1, keepdim=True) / counts.clamp(min=1)
+    return torch.where(valid, rewards, means.expand_as(rewards))
+
+
+def per_response(values: torch.Tensor, joint_mode: JointMode, G: int) -> torch.Tensor:
+    """``[nodes, J, agents]`` values of joint actions -> ``[agents, nodes, G]`` values of each
+    agent's responses: in ``aligned`` mode joint action k is response k; in ``cross`` mode a
+    response gets the mean over the joint actions that contain it."""
+    if joint_mode == "aligned":
+        return values.permute(2, 0, 1)
+    num_agents = values.shape[2]
+    return torch.stack(
+        [
+            torch.stack([cross_agent_returns(v[:, i].reshape((G,) * num_agents))[i] for v in values])
+            for i in range(num_agents)
+        ]
+    )
 
 
 # --------------------------------------------------------------------------- multi-turn episodes
@@ -202,6 +227,11 @@ def episode_group_advantages(
 
 
 # --------------------------------------------------------------------------- actor-critic (one trajectory per episode)
+def team_reward(per_agent_rewards: list[torch.Tensor]) -> torch.Tensor:
+    """The joint reward of each row: the mean of the agents' rewards (MAAC's critic learns it)."""
+    return torch.stack(per_agent_rewards).mean(0)
+
+
 def td_targets(
     rewards: torch.Tensor, values: torch.Tensor, next_rows: torch.Tensor, gamma: float = 1.0
 ) -> torch.Tensor:
@@ -227,16 +257,3 @@ def td_advantages(
         var = torch.zeros_like(count).index_add_(0, index, centred**2) / count
         adv = centred / (var[index].sqrt() + 1e-6)
     return adv
-
-
-def value_loss(
-    values: torch.Tensor, old_values: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, clip_range: float | None
-) -> torch.Tensor:
-    """Mean over ``mask`` of (y - V)^2, or with ``clip_range`` the larger of it and (y - V_clip)^2
-    where V_clip = V_old + clip(V - V_old, +-clip_range) (PPO-style value clipping)."""
-    error = (values.float() - targets.float()) ** 2
-    if clip_range is not None:
-        clipped = old_values.float() + (values.float() - old_values.float()).clamp(-clip_range, clip_range)
-        error = torch.maximum(error, (clipped - targets.float()) ** 2)
-    mask = mask.float()
-    return (error * mask).sum() / mask.sum().clamp(min=1)

@@ -31,9 +31,9 @@ def main() -> None:
     import torch
 
     from lit_marl.agents import Agent
-    from lit_marl.data import load_tasks
-    from lit_marl.envs.base import make_env
-    from lit_marl.rollout.episode import run_episodes
+    from lit_marl.envs import make_env
+    from lit_marl.rollout.episode import EpisodeSettings, run_episodes
+    from lit_marl.tasks import load_tasks
 
     torch.set_num_threads(args.threads)
     agent = Agent(args.model)
@@ -45,9 +45,8 @@ def main() -> None:
     for repeat in range(args.repeats):
         torch.manual_seed(repeat)
         with torch.no_grad():
-            (batch,) = run_episodes(
-                [agent], tasks, lambda: make_env("corridor"), 1, args.max_turns, args.max_new_tokens, pool=pool
-            )
+            settings = EpisodeSettings(max_turns=args.max_turns, max_new_tokens=args.max_new_tokens)
+            (batch,) = run_episodes([agent], tasks, lambda: make_env("corridor"), settings, pool=pool)
         s = batch.stats
         line = {
             "repeat": repeat,

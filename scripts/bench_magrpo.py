@@ -131,7 +131,7 @@ def floor(module, summary: dict, engine: str) -> dict:
     """One batched generate of the step's sequences and tokens (with the step's engine, every row
     the full length), and one batched forward/backward over them, on the first agent's model: what
     a step could cost at best."""
-    from lit_marl.decoding import Decoder, unsupported
+    from lit_marl.generation.decoder import Decoder, unsupported
 
     rows = max(1, round(summary["sequences_per_step"]))
     new = max(1, round(summary["generated_tokens_per_step"] / rows))

@@ -20,7 +20,9 @@ import torch
 
 import lit_marl.rollout.tree as tree
 from lit_marl.algorithms import MAGRPO
-from lit_marl.generation import completion_logprobs, make_engine
+from lit_marl.envs.base import FunctionEnv
+from lit_marl.generation import make_engine
+from lit_marl.logprobs import completion_logprobs
 from lit_marl.rollout.transitions import plain
 
 
@@ -43,11 +45,11 @@ def main() -> None:
     module.manual_backward = lambda loss: loss.backward()
     module.log = lambda *a, **k: None
     tasks = [{"id": i} for i in range(args.tasks)]
-    prompts = [[f"Task {i}: together write about the sea, agent {a}." for a in range(2)] for i in range(args.tasks)]
+    prompts = [f"Task {{id}}: together write about the sea, agent {a}." for a in range(2)]
     counts = dict.fromkeys(("generate", "reward", "transition", "forward", "optimizer_step"), 0)
 
     def counted(name, fn):
-        @functools.wraps(fn)  # keeps fn's signature: the tree reads a transition's parameters
+        @functools.wraps(fn)  # keeps fn's name and signature, which error messages and checks read
         def wrapper(*a, **k):
             counts[name] += 1
             return fn(*a, **k)
@@ -76,18 +78,14 @@ def main() -> None:
                     mock.patch.object(module, "update_agent", counted("optimizer_step", update_agent)),
                 ):
                     start = time.perf_counter()
-                    batch = tree.build_tree(
-                        list(module.agents),
-                        tasks,
-                        prompts,
-                        counted("reward", reward),
-                        args.num_generations,
-                        joint_mode,
+                    env = FunctionEnv(prompts, counted("reward", reward), counted("transition", plain))
+                    settings = tree.TreeSettings(
+                        num_generations=args.num_generations,
+                        joint_mode=joint_mode,
                         max_new_tokens=args.max_new_tokens,
                         num_turns=num_turns,
-                        transition=counted("transition", plain),
-                        engine=engine,
                     )
+                    batch = tree.build_tree(list(module.agents), tasks, env, settings, engine)
                     for buffer, samples in zip(module.rollout_buffers, batch.agents):
                         buffer.add(samples.with_advantages(module.advantages(samples)))
                     module.flush_buffers()

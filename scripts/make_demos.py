@@ -1,4 +1,4 @@
-"""Expert trajectories -> an SFT dataset (JSONL rows loadable by ``datasets``; ``lit_marl/demos.py``).
+"""Expert trajectories -> an SFT dataset (JSONL rows loadable by ``datasets``; ``lit_marl/rollout/demos.py``).
 
 Any environment that has an expert (``demonstration(task)``: the Corridor game's optimal play, the
 code environment's canonical solutions split into helper and main) turns task rows into
@@ -24,8 +24,9 @@ from collections import Counter
 from pathlib import Path
 
 from lit_marl import ConfigError
-from lit_marl.data import import_object, load_tasks
-from lit_marl.envs.base import JointEnv, make_env
+from lit_marl.envs import make_env
+from lit_marl.envs.base import JointEnv
+from lit_marl.tasks import import_object, load_tasks
 
 
 def build_env(spec: str, kwargs: dict):

@@ -75,7 +75,7 @@ def tiny_agents():
 @pytest.fixture
 def no_model_loads(monkeypatch):
     """Any attempt to build an agent or a critic (load weights) is recorded and refused."""
-    from lit_marl.algorithms import actor_critic, base
+    from lit_marl.algorithms import base, critics
 
     calls = []
 
@@ -84,5 +84,5 @@ def no_model_loads(monkeypatch):
         raise AssertionError("a model was loaded although the configuration is invalid")
 
     monkeypatch.setattr(base, "Agent", refuse)
-    monkeypatch.setattr(actor_critic, "load_model_and_tokenizer", refuse)
+    monkeypatch.setattr(critics, "load_model_and_tokenizer", refuse)
     return calls

@@ -81,3 +81,30 @@ class RecordingEngine:
         outs = self.inner.generate_team(calls, *args, **kwargs)
         self.calls += [(agent, [list(p) for p in prompts], out) for (agent, prompts, _), out in zip(calls, outs)]
         return outs
+
+
+def tree_from_functions(
+    agents,
+    tasks,
+    prompts,
+    reward_fn,
+    num_generations=1,
+    joint_mode="aligned",
+    transition=None,
+    batched_transition=False,
+    engine=None,
+    response_penalty=None,
+    **settings,
+):
+    """``build_tree`` on literal first prompts (``prompts[t][i]``: agent i's for task t), a reward
+    function and an optional CoMLRL transition, with the tree's settings as keyword arguments."""
+    from lit_marl.envs.base import FunctionEnv
+    from lit_marl.rollout.tree import TreeSettings, build_tree
+
+    class ListedPrompts(FunctionEnv):
+        def prompts(self, task):
+            return prompts[next(t for t, row in enumerate(tasks) if row is task)]
+
+    env = ListedPrompts(["{}"] * len(prompts[0]), reward_fn, transition, None, batched_transition)
+    tree = TreeSettings(num_generations=num_generations, joint_mode=joint_mode, **settings)
+    return build_tree(agents, tasks, env, tree, engine=engine, response_penalty=response_penalty)

@@ -9,14 +9,13 @@ import lightning as L
 import pytest
 import torch
 
-from helpers import cli_fit, make_trainer, slogan_data
+from helpers import cli_fit, make_trainer, slogan_data, tree_from_functions
 from lit_marl import ConfigError
 from lit_marl.algorithms import IAC, MAAC
-from lit_marl.algorithms.actor_critic import CriticInputs, critic_inputs, joint_critic_inputs, read_positions
+from lit_marl.algorithms.critics import CriticInputs, critic_inputs, joint_critic_inputs, read_positions
 from lit_marl.returns import td_targets
 from lit_marl.rollout.batch import AgentSamples
 from lit_marl.rollout.transitions import plain
-from lit_marl.rollout.tree import build_tree
 
 PLAIN = "lit_marl.rollout.transitions:plain"
 
@@ -45,7 +44,7 @@ def test_single_trajectory_rollout_links_turns_and_keeps_rewards(tiny_agents):
         return [1.0 if t["stop"] else 0.25 * t["id"] for t in tasks]
 
     torch.manual_seed(0)
-    batch = build_tree(
+    batch = tree_from_functions(
         tiny_agents,
         tasks,
         [["a", "b"]] * 3,
@@ -235,7 +234,7 @@ def test_parameter_shared_team_has_one_critic(tmp_path, critic):
 
 def test_buffer_waits_for_its_size_and_the_epoch_end_flushes_the_rest(tmp_path):
     """Two steps of 3 episodes x 2 turns = 12 rows per agent, a buffer of 100: no update inside the
-    epoch, one update on all 12 rows at its end (BufferFlush), none lost."""
+    epoch, one update on all 12 rows at its end (the module's on_train_epoch_end), none lost."""
     L.seed_everything(4)
     module = IAC(model="tiny-random", num_agents=2, learning_rate=1e-3, rollout_buffer_size=100)
     trainer = make_trainer(tmp_path, limit_val_batches=0)
@@ -268,7 +267,7 @@ def test_ppo_form_at_the_first_step_has_the_ratio_free_gradient(tiny_agents):
     """With the behaviour log-probs equal to the current ones the ratio is 1 and no clipping is
     active: d/dθ [ratio * A] = A * d/dθ log pi, the ratio-free gradient."""
     torch.manual_seed(0)
-    batch = build_tree(
+    batch = tree_from_functions(
         tiny_agents,
         [{"t": 0}, {"t": 1}],
         [["a", "b"], ["c", "d"]],

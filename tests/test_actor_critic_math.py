@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lit_marl.returns import td_advantages, td_targets, value_loss
+from lit_marl.losses import value_loss
+from lit_marl.returns import td_advantages, td_targets
 
 T = torch.tensor
 

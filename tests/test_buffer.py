@@ -1,4 +1,4 @@
-"""Rollout buffers, mini-batches and the BufferFlush callback."""
+"""Rollout buffers, mini-batches and the flush of what is left at the end of an epoch."""
 
 from __future__ import annotations
 

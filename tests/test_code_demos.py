@@ -9,7 +9,7 @@ import pytest
 
 from helpers import REPO_ROOT
 from lit_marl.envs.code import CodeEnv, Role, TestLimits, load_problems
-from lit_marl.envs.code.demos import split_solution
+from lit_marl.envs.code.canonical import split_solution
 
 LIMITS = TestLimits(test_timeout_s=1.0, budget_s=3.0)
 EASY = REPO_ROOT / "data" / "code" / "easy_train.jsonl"

@@ -108,7 +108,7 @@ def test_fsdp_matches_one_process_and_shards_the_weights(built):
 
 
 def test_fsdp_gradients_equal_one_process_bit_for_bit(tmp_path):
-    """lit_marl.fsdp alone: rank 0 runs 3 backward passes and generates 4 tokens, rank 1 runs 1 pass
+    """lit_marl.parallel.fsdp alone: rank 0 runs 3 backward passes and generates 4 tokens, rank 1 runs 1 pass
     and generates 20; the reduced gradient shards equal one process's gradients of all 4 passes."""
     script = Path(__file__).parent / "scripts" / "fsdp_grads.py"
     done = subprocess.run(
@@ -161,7 +161,7 @@ def test_distributed_data_parallel_is_refused():
 
     module = MAGRPO(model="tiny-random")
     module._trainer = SimpleNamespace(strategy=DDPStrategy(), datamodule=None)
-    with pytest.raises(ConfigError, match="lit_marl.strategies.TeamDDPStrategy"):
+    with pytest.raises(ConfigError, match="lit_marl.parallel.strategies.TeamDDPStrategy"):
         module.setup("fit")
 
 
@@ -221,7 +221,7 @@ def test_config_runs_checkpoints_resumes_and_exports(tmp_path, repo_root, strate
 
 def test_fsdp_refuses_what_it_cannot_shard():
     from lit_marl.algorithms import MAGRPO
-    from lit_marl.fsdp import check_shardable
+    from lit_marl.parallel.fsdp import check_shardable
 
     with pytest.raises(ConfigError, match="lora_shared_base"):
         check_shardable(MAGRPO(model="tiny-random", lora={"r": 4}, lora_shared_base=True))
@@ -246,7 +246,7 @@ def test_episodic_algorithms_train_on_two_fsdp_ranks(tmp_path, repo_root, algori
     config = yaml.safe_load((repo_root / "configs" / algorithm / "corridor_tiny.yaml").read_text())
     config["trainer"].update(
         devices=2,
-        strategy={"class_path": "lit_marl.strategies.TeamFSDPStrategy"},
+        strategy={"class_path": "lit_marl.parallel.strategies.TeamFSDPStrategy"},
         limit_val_batches=0,
         logger=False,
         default_root_dir=str(tmp_path),  # LightningCLI writes its config.yaml here, not into the checkout
@@ -270,7 +270,7 @@ def test_phase_switch_counts_both_ranks(tmp_path, repo_root):
     config = yaml.safe_load((repo_root / "configs" / "ppo" / "corridor_sft_tiny.yaml").read_text())
     config["trainer"].update(
         devices=2,
-        strategy={"class_path": "lit_marl.strategies.TeamFSDPStrategy"},
+        strategy={"class_path": "lit_marl.parallel.strategies.TeamFSDPStrategy"},
         limit_val_batches=0,
         logger=False,
         default_root_dir=str(tmp_path),

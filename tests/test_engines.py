@@ -12,9 +12,10 @@ from transformers.generation.logits_process import TopPLogitsWarper
 
 from lit_marl import ConfigError
 from lit_marl.agents import AdapterView, Agent, LoraSettings, lora_config
-from lit_marl.decoding import Decoder, effective_state_dict, unsupported
-from lit_marl.generation import HFEngine, TorchEngine, completion_logprobs, left_pad, make_engine, mask_through_first
-from lit_marl.vllm_engine import Sample, VLLMEngine
+from lit_marl.generation import HFEngine, TorchEngine, left_pad, make_engine, mask_through_first
+from lit_marl.generation.decoder import Decoder, effective_state_dict, unsupported
+from lit_marl.generation.vllm import Sample, VLLMEngine
+from lit_marl.logprobs import completion_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -205,7 +206,7 @@ def test_engine_names_are_checked(tmp_path):
 
 
 def test_rollouts_through_both_engines_agree_when_greedy(tiny_agents):
-    from lit_marl.rollout.tree import build_tree
+    from helpers import tree_from_functions
 
     def reward(agent_completions, tasks, **_):
         return [len(a) / (1 + len(b)) for a, b in zip(*agent_completions)]
@@ -213,8 +214,8 @@ def test_rollouts_through_both_engines_agree_when_greedy(tiny_agents):
     kwargs = dict(num_generations=1, max_new_tokens=8, greedy=True, reward_fn=reward)
     tasks = [{"t": 0}, {"t": 1}]
     prompts = [["say hi", "say ho"], ["write a b", "write c"]]
-    a = build_tree(tiny_agents, tasks, prompts, engine=make_engine("torch"), **kwargs)
-    b = build_tree(tiny_agents, tasks, prompts, engine=make_engine("hf"), **kwargs)
+    a = tree_from_functions(tiny_agents, tasks, prompts, engine=make_engine("torch"), **kwargs)
+    b = tree_from_functions(tiny_agents, tasks, prompts, engine=make_engine("hf"), **kwargs)
     assert a.completions == b.completions and torch.equal(a.rewards, b.rewards)
 
 
@@ -331,7 +332,7 @@ def test_team_decodes_stacked_and_equals_each_agent_alone(tiny_agent, prompts, s
     """Two agents with their own weights, different row counts and prompt widths: one stacked
     forward per token gives each exactly what generate gives it alone, trimmed to its own widths.
     With one sample count for all (a tree turn: G each) each prompt runs once for its G samples."""
-    from lit_marl.decoding import stackable
+    from lit_marl.generation.decoder import stackable
 
     a, b = tiny_agent, perturbed(tiny_agent, 3)
     assert stackable([a.model, b.model])
@@ -347,7 +348,7 @@ def test_team_decodes_stacked_and_equals_each_agent_alone(tiny_agent, prompts, s
 
 
 def test_team_of_adapter_views_decodes_stacked(tiny_agent, prompts):
-    from lit_marl.decoding import stackable
+    from lit_marl.generation.decoder import stackable
 
     agents = adapter_team(tiny_agent.tokenizer)
     assert stackable([agent.model for agent in agents])
@@ -357,7 +358,7 @@ def test_team_of_adapter_views_decodes_stacked(tiny_agent, prompts):
 
 
 def test_team_of_different_shapes_or_architectures_decodes_one_by_one(tiny_agent, prompts):
-    from lit_marl.decoding import stackable
+    from lit_marl.generation.decoder import stackable
 
     llama = llama_agent(tiny_agent.tokenizer)
     gpt2 = Agent(

@@ -12,9 +12,10 @@ from lit_marl import ConfigError
 from lit_marl.agents import Agent
 from lit_marl.algorithms import GRPO, PPO, RLOO
 from lit_marl.data import EpisodeDataModule
-from lit_marl.envs.base import REGISTRY, Env, StepResult, make_env, register
+from lit_marl.envs import make_env
+from lit_marl.envs.base import REGISTRY, Env, StepResult, register
 from lit_marl.envs.corridor import expert_actions, parse_command
-from lit_marl.rollout.episode import run_episodes
+from lit_marl.rollout.episode import EpisodeSettings, run_episodes
 
 CORRIDOR = REPO_ROOT / "data" / "corridor"
 
@@ -108,9 +109,8 @@ def test_training_ids_are_exactly_what_generation_saw_and_produced(agent):
     engine = RecordingEngine()
     torch.manual_seed(0)
     tasks = [{"length": 5, "key_room": 3}, {"length": 6, "key_room": 2}]
-    (batch,) = run_episodes(
-        [agent], tasks, lambda: make_env("corridor"), group_size=1, max_turns=3, max_new_tokens=6, engine=engine
-    )
+    settings = EpisodeSettings(group_size=1, max_turns=3, max_new_tokens=6)
+    (batch,) = run_episodes([agent], tasks, lambda: make_env("corridor"), settings, engine=engine)
     calls = [(prompts, out) for _, prompts, out in engine.calls]
     assert len(calls) == 3 and batch.num_turns.tolist() == [3, 3]
     for row in range(2):
@@ -138,9 +138,8 @@ def test_training_ids_are_exactly_what_generation_saw_and_produced(agent):
 
 def test_reply_cut_by_the_budget_is_closed_by_the_next_segment(agent):
     torch.manual_seed(1)
-    (batch,) = run_episodes(
-        [agent], [{"length": 4, "key_room": 2}], lambda: make_env("corridor"), max_turns=2, max_new_tokens=3
-    )
+    settings = EpisodeSettings(max_turns=2, max_new_tokens=3)
+    (batch,) = run_episodes([agent], [{"length": 4, "key_room": 2}], lambda: make_env("corridor"), settings)
     ids = batch.input_ids[0].tolist()
     end = int(batch.end_positions[0, 0])
     if ids[end] != agent.eos_token_id:  # cut at 3 tokens: the template's closing comes first, untrained
@@ -165,9 +164,8 @@ def test_context_budget_truncates_and_keeps_the_reward(agent):
     played = int(batch.num_turns[0])  # the turns it played keep their rewards
     assert torch.allclose(batch.rewards[0, :played].sum(), batch.scores[0, played - 1] * 0.5 / 9)
     with pytest.raises(ValueError, match="leaves no room for a reply"):
-        run_episodes(
-            [agent], [{"task_id": "t"}], lambda: make_env("letter-count"), max_new_tokens=8, max_context_tokens=start
-        )
+        settings = EpisodeSettings(max_new_tokens=8, max_context_tokens=start)
+        run_episodes([agent], [{"task_id": "t"}], lambda: make_env("letter-count"), settings)
 
 
 def test_token_rewards_sit_on_each_turns_end_token(agent):
@@ -273,9 +271,8 @@ def test_episode_configs_run_from_the_cli(tmp_path, monkeypatch, config):
 def test_each_agent_has_its_own_sequence(agent):
     torch.manual_seed(0)
     other = Agent("tiny-random")
-    batches = run_episodes(
-        [agent, other], [{"task_id": "t"}], lambda: make_env("two-letters"), group_size=2, max_turns=3, max_new_tokens=5
-    )
+    settings = EpisodeSettings(group_size=2, max_turns=3, max_new_tokens=5)
+    batches = run_episodes([agent, other], [{"task_id": "t"}], lambda: make_env("two-letters"), settings)
     assert len(batches) == 2
     texts = [agent.tokenizer.decode(b.input_ids[0][b.attention_mask[0].bool()]) for b in batches]
     assert "many e's" in texts[0] and "many a's" not in texts[0] and "e's." in texts[0]

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from lit_marl.agents import Agent
-from lit_marl.generation import completion_logprobs, generate, left_pad, mask_through_first
+from lit_marl.generation import generate, left_pad, mask_through_first
+from lit_marl.logprobs import completion_logprobs
 
 EOS, PAD = 7, 0
 

@@ -8,10 +8,9 @@ import lightning as L
 import pytest
 import torch
 
-from helpers import cli_fit, make_trainer, slogan_data
+from helpers import cli_fit, make_trainer, slogan_data, tree_from_functions
 from lit_marl.algorithms import MAGRPO
 from lit_marl.returns import group_advantages
-from lit_marl.rollout.tree import build_tree
 
 
 def test_fit_updates_every_agent(tmp_path):
@@ -82,7 +81,7 @@ def test_single_agent_advantages_are_grpo(tiny_agent):
     """With one agent, MAGRPO's advantage is GRPO's: r - mean(r) over the G samples of a prompt."""
     torch.manual_seed(0)
     tasks = [{"topic": t} for t in ("tea", "bread", "rockets")]
-    batch = build_tree(
+    batch = tree_from_functions(
         [tiny_agent], tasks, [[f"a slogan for {t['topic']}"] for t in tasks], _length_reward, 4, max_new_tokens=6
     )
     samples = batch.agents[0]
@@ -103,7 +102,7 @@ def test_advantages_follow_the_settings(tiny_agents, baseline, scale):
     torch.manual_seed(2)
     tasks = [{"topic": "tea"}, {"topic": "bread"}]
     prompts = [[f"line {i} for {t['topic']}" for i in range(2)] for t in tasks]
-    batch = build_tree(tiny_agents, tasks, prompts, _length_reward, 3, joint_mode="cross", max_new_tokens=5)
+    batch = tree_from_functions(tiny_agents, tasks, prompts, _length_reward, 3, joint_mode="cross", max_new_tokens=5)
     module = MAGRPO(model="tiny-random", advantage_mode=baseline, advantage_normalization=scale)
     for samples in batch.agents:
         expected = group_advantages(samples.returns.view(2, 3), baseline, scale, 1e-3).reshape(-1)
@@ -150,7 +149,7 @@ def test_update_is_the_policy_gradient(tmp_path, forward_batch_size, forward_tok
     """Whatever the micro-batching and row skipping, an agent's step follows the gradient of
     -mean over rows of A * (mean or sum of the log-probs of the response's tokens)."""
     from lit_marl.agents import Agent
-    from lit_marl.generation import completion_logprobs
+    from lit_marl.logprobs import completion_logprobs
 
     L.seed_everything(3)
     module = SGDRecordingMAGRPO(

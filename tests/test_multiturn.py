@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import make_trainer, slogan_data
+from helpers import make_trainer, slogan_data, tree_from_functions
 from lit_marl import ConfigError
 from lit_marl.algorithms import MAGRPO
+from lit_marl.envs.base import RewardError
 from lit_marl.generation import generate
 from lit_marl.returns import tree_returns
 from lit_marl.rollout.transitions import plain
-from lit_marl.rollout.tree import RewardError, build_tree
 
 TASKS = [{"topic": "tea"}, {"topic": "winter"}]
 
@@ -63,7 +63,7 @@ def test_node_and_leaf_counts(tiny_agents, joint_mode, G, T):
 
     engine = RecordingEngine()
     N = 2
-    batch = build_tree(
+    batch = tree_from_functions(
         tiny_agents,
         TASKS,
         _prompts(N),
@@ -93,11 +93,15 @@ def test_early_termination_stops_branching(tiny_agents):
         return [1.0] * len(tasks)
 
     kwargs = dict(max_new_tokens=2, num_turns=3, transition=plain)
-    stopped = build_tree(tiny_agents, TASKS, _prompts(2), always_one, 2, early_termination_threshold=0.5, **kwargs)
+    stopped = tree_from_functions(
+        tiny_agents, TASKS, _prompts(2), always_one, 2, early_termination_threshold=0.5, **kwargs
+    )
     assert "rollout/turn1_nodes" not in stopped.stats
     assert stopped.rewards.numel() == len(TASKS) * 2
     assert all(float(r) == 1.0 for r in stopped.agents[0].returns)  # no bootstrap from missing children
-    going = build_tree(tiny_agents, TASKS, _prompts(2), always_one, 2, early_termination_threshold=1.0, **kwargs)
+    going = tree_from_functions(
+        tiny_agents, TASKS, _prompts(2), always_one, 2, early_termination_threshold=1.0, **kwargs
+    )
     assert going.stats["rollout/turn2_nodes"] == len(TASKS) * 4  # "exceeds": equal is not enough
     assert going.metrics["turn0/return"] == pytest.approx(3.0)
 
@@ -106,7 +110,7 @@ def test_early_termination_stops_branching(tiny_agents):
 def test_single_response_tree_follows_sequential_turns(tiny_agents):
     """G=1 aligned, greedy: the tree is one path per task, identical to playing T turns by hand."""
     T = 3
-    batch = build_tree(
+    batch = tree_from_functions(
         tiny_agents, TASKS, _prompts(2), _len_reward, 1, max_new_tokens=4, greedy=True, num_turns=T, transition=plain
     )
     expected = [[], []]
@@ -154,7 +158,7 @@ def test_transition_sees_its_own_branch(tiny_agents):
         assert [len(h) for h in prompt_history_per_agent] == [len(h) for h in response_history_per_agent]
         return [f"{prompt[i]} / revise: {agent_completions[i]}" for i in range(num_agents)]
 
-    batch = build_tree(
+    batch = tree_from_functions(
         tiny_agents, TASKS, _prompts(2), _len_reward, 2, "cross", max_new_tokens=3, num_turns=2, transition=recording
     )
     assert len(seen) == len(TASKS) * 4  # one per joint action of every non-terminal node
@@ -170,12 +174,14 @@ def test_bad_transition_output_names_turn_and_task(tiny_agents, bad):
         return bad
 
     with pytest.raises(ValueError, match=r"must return 2 strings.*after turn 0 of task \{'topic': 'tea'\}"):
-        build_tree(tiny_agents, TASKS, _prompts(2), _len_reward, 2, max_new_tokens=2, num_turns=2, transition=broken)
+        tree_from_functions(
+            tiny_agents, TASKS, _prompts(2), _len_reward, 2, max_new_tokens=2, num_turns=2, transition=broken
+        )
 
 
 def test_multi_turn_without_transition_is_rejected(tiny_agents):
     with pytest.raises(ValueError, match="needs a transition"):
-        build_tree(tiny_agents, TASKS, _prompts(2), _len_reward, 2, max_new_tokens=2, num_turns=2)
+        tree_from_functions(tiny_agents, TASKS, _prompts(2), _len_reward, 2, max_new_tokens=2, num_turns=2)
 
 
 def test_passthrough_uses_transition_prompts_verbatim(tiny_agents, monkeypatch):
@@ -188,7 +194,7 @@ def test_passthrough_uses_transition_prompts_verbatim(tiny_agents, monkeypatch):
 
     monkeypatch.setattr(type(tiny_agents[0]), "encode_prompt", spy)
     kwargs = dict(max_new_tokens=2, num_turns=2, transition=plain)
-    build_tree(tiny_agents, TASKS, _prompts(2), _len_reward, 2, external_prompt_passthrough=True, **kwargs)
+    tree_from_functions(tiny_agents, TASKS, _prompts(2), _len_reward, 2, external_prompt_passthrough=True, **kwargs)
     n_first = 2 * len(TASKS)
     assert raw_flags[:n_first] == [False] * n_first and all(raw_flags[n_first:]) and len(raw_flags) > n_first
     agent = tiny_agents[0]
@@ -243,7 +249,7 @@ def _raises_on_winter(agent_completions, tasks):
 
 def test_reward_that_raises_names_task_and_turn(tiny_agents):
     with pytest.raises(RewardError, match=r"raised RuntimeError: scorer crashed at turn 0 on tasks .*winter"):
-        build_tree(tiny_agents, TASKS, _prompts(2), _raises_on_winter, 2, max_new_tokens=2)
+        tree_from_functions(tiny_agents, TASKS, _prompts(2), _raises_on_winter, 2, max_new_tokens=2)
 
 
 def test_nan_reward_names_task_and_turn(tiny_agents):
@@ -256,11 +262,15 @@ def test_nan_reward_names_task_and_turn(tiny_agents):
     with pytest.raises(
         RewardError, match=r"non-finite reward \(NaN/inf\) at turn 1, e.g. for tasks \[\{'topic': 'tea'\}"
     ):
-        build_tree(tiny_agents, TASKS, _prompts(2), nan_later, 2, max_new_tokens=2, num_turns=2, transition=plain)
+        tree_from_functions(
+            tiny_agents, TASKS, _prompts(2), nan_later, 2, max_new_tokens=2, num_turns=2, transition=plain
+        )
 
 
 def test_skip_mode_isolates_bad_rewards_and_keeps_training_data(tiny_agents):
-    batch = build_tree(tiny_agents, TASKS, _prompts(2), _raises_on_winter, 2, max_new_tokens=2, on_reward_error="skip")
+    batch = tree_from_functions(
+        tiny_agents, TASKS, _prompts(2), _raises_on_winter, 2, max_new_tokens=2, on_reward_error="skip"
+    )
     # tea's joint actions were scored one by one (1.0 each), winter's all failed: neutral 0
     assert batch.rewards.tolist() == [1.0, 1.0, 0.0, 0.0]
     assert batch.metrics["skipped_reward_frac"] == pytest.approx(0.5)
@@ -271,7 +281,7 @@ def test_skip_mode_fills_a_nan_with_its_node_mean(tiny_agents):
     def one_nan(agent_completions, tasks):
         return [float("nan") if j == 1 else float(j) for j in range(len(tasks))]
 
-    batch = build_tree(tiny_agents, TASKS, _prompts(2), one_nan, 3, max_new_tokens=2, on_reward_error="skip")
+    batch = tree_from_functions(tiny_agents, TASKS, _prompts(2), one_nan, 3, max_new_tokens=2, on_reward_error="skip")
     # node 0 (tea) scored [0, NaN, 2] -> the NaN becomes mean(0, 2) = 1: advantage 0, baseline unchanged
     assert batch.rewards.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
     assert batch.metrics["skipped_reward_frac"] == pytest.approx(1 / 6)
@@ -288,7 +298,7 @@ def _per_agent_reward(agent_completions, tasks):
 
 
 def test_per_agent_rewards_aligned(tiny_agents):
-    batch = build_tree(tiny_agents, TASKS, _prompts(2), _per_agent_reward, 2, max_new_tokens=2)
+    batch = tree_from_functions(tiny_agents, TASKS, _prompts(2), _per_agent_reward, 2, max_new_tokens=2)
     assert batch.agents[0].returns.tolist() == [0.0, 1.0, 2.0, 3.0]
     assert batch.agents[1].returns.tolist() == [10.0, 12.0, 14.0, 16.0]
     assert batch.rewards.tolist() == [5.0, 6.5, 8.0, 9.5]  # the team mean, for logging
@@ -296,7 +306,7 @@ def test_per_agent_rewards_aligned(tiny_agents):
 
 def test_per_agent_rewards_cross(tiny_agents):
     G = 2
-    batch = build_tree(tiny_agents, TASKS, _prompts(2), _per_agent_reward, G, "cross", max_new_tokens=2)
+    batch = tree_from_functions(tiny_agents, TASKS, _prompts(2), _per_agent_reward, G, "cross", max_new_tokens=2)
     # task 0's joint actions j = 0..3 pair (k0, k1) = (0,0), (0,1), (1,0), (1,1)
     # agent 0, response k0=0: mean of its rewards at j=0,1 -> 0.5; k0=1: j=2,3 -> 2.5
     # agent 1, response k1=0: mean of its rewards at j=0,2 -> (10 + 14) / 2 = 12; k1=1: j=1,3 -> 14
@@ -315,7 +325,7 @@ def test_per_agent_tree_returns():
 
 def test_per_agent_rewards_of_the_wrong_width(tiny_agents):
     with pytest.raises(ValueError, match=r"give one float \(joint reward\) or 2 floats"):
-        build_tree(
+        tree_from_functions(
             tiny_agents, TASKS, _prompts(2), lambda agent_completions, tasks: [[1.0]] * len(tasks), 2, max_new_tokens=2
         )
 
@@ -337,11 +347,11 @@ def test_batched_transition_is_called_once_per_turn(tiny_agents):
         ]
 
     kwargs = dict(max_new_tokens=3, greedy=True, num_turns=3)
-    batched = build_tree(
+    batched = tree_from_functions(
         tiny_agents, TASKS, _prompts(2), _len_reward, 2, transition=batched_plain, batched_transition=True, **kwargs
     )
     assert calls == [len(TASKS) * 2, len(TASKS) * 4]  # every branch of a turn in one call
-    one_by_one = build_tree(tiny_agents, TASKS, _prompts(2), _len_reward, 2, transition=plain, **kwargs)
+    one_by_one = tree_from_functions(tiny_agents, TASKS, _prompts(2), _len_reward, 2, transition=plain, **kwargs)
     assert batched.completions == one_by_one.completions
 
 
@@ -350,7 +360,7 @@ def test_batched_transition_must_answer_every_branch(tiny_agents):
         return [["a", "b"]]
 
     with pytest.raises(ValueError, match="returned 1 results for 4 branches"):
-        build_tree(
+        tree_from_functions(
             tiny_agents,
             TASKS,
             _prompts(2),

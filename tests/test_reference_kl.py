@@ -6,11 +6,11 @@ import lightning as L
 import pytest
 import torch
 
-from helpers import make_trainer, slogan_data
+from helpers import make_trainer, slogan_data, tree_from_functions
 from lit_marl.agents import LoraSettings
 from lit_marl.algorithms import MAGRPO
-from lit_marl.generation import completion_logprobs, generate
-from lit_marl.rollout.tree import build_tree
+from lit_marl.generation import generate
+from lit_marl.logprobs import completion_logprobs
 
 TASKS = [{"topic": "tea"}, {"topic": "winter"}]
 PROMPTS = [[f"agent {i}: write about {t['topic']}" for i in range(2)] for t in TASKS]
@@ -68,7 +68,7 @@ def test_penalty_is_subtracted_from_each_agents_reward(tiny_agents):
     def penalty(index, gen):  # row r of agent i costs 0.1 * r + i
         return 0.1 * torch.arange(len(gen.completion_ids)) + index
 
-    batch = build_tree(tiny_agents, TASKS, PROMPTS, reward, 2, max_new_tokens=2, response_penalty=penalty)
+    batch = tree_from_functions(tiny_agents, TASKS, PROMPTS, reward, 2, max_new_tokens=2, response_penalty=penalty)
     torch.testing.assert_close(batch.agents[0].returns, 1.0 - 0.1 * torch.arange(4.0))
     torch.testing.assert_close(batch.agents[1].returns, 1.0 - 0.1 * torch.arange(4.0) - 1.0)
     assert batch.rewards.tolist() == [1.0] * 4  # logged rewards are the task's

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_marl.data import TaskLoader
+from lit_marl.tasks import TaskLoader
 
 SCRIPT = Path(__file__).parent / "scripts" / "resume_run.py"
 
@@ -115,7 +115,7 @@ def test_loader_resumes_after_the_consumed_batches_and_moves_on_at_epoch_end():
 
 def test_epoch_zero_keeps_the_order_of_torchs_data_loader():
     """Runs measured before the resumable loader (docs/quickstart.md) keep their task order."""
-    from lit_marl.data import task_loader
+    from lit_marl.tasks import task_loader
 
     tasks = [{"i": i} for i in range(37)]
     assert list(TaskLoader(tasks, 4, seed=5)) == list(task_loader(tasks, 4, True, 5))

@@ -16,8 +16,8 @@ import torch
 from helpers import REPO_ROOT, make_trainer
 from lit_marl import ConfigError
 from lit_marl.callbacks.phase_switch import PhaseSwitch, parse_split
-from lit_marl.data import TaskLoader
-from lit_marl.demos import DemoSamples, agent_chats, render_chat, render_demos
+from lit_marl.rollout.demos import DemoSamples, agent_chats, render_chat, render_demos
+from lit_marl.tasks import TaskLoader
 
 CHAT = [
     {"role": "user", "content": "You are in room 1. Exits: east."},
@@ -88,8 +88,8 @@ def test_demonstrations_render_per_agent_left_padded(tiny_agents):
 
 
 def test_sft_loss_is_the_nll_of_exactly_the_masked_tokens(tiny_agent):
-    from lit_marl.algorithms.sft import sft_loss
-    from lit_marl.generation import sequence_logprobs
+    from lit_marl.algorithms.base import sft_loss
+    from lit_marl.logprobs import sequence_logprobs
 
     rows = [{"messages": [CHAT]}, {"messages": [CHAT[:2]]}, {"messages": [CHAT[:4]]}]
     (samples,) = render_demos([tiny_agent], rows, "last")

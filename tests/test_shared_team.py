@@ -6,8 +6,7 @@ import lightning as L
 import pytest
 import torch
 
-import lit_marl.rollout.tree as tree_module
-from helpers import make_trainer, slogan_data
+from helpers import make_trainer, slogan_data, tree_from_functions
 from lit_marl import ConfigError
 from lit_marl.algorithms import MAGRPO
 from lit_marl.rollout.transitions import plain
@@ -21,7 +20,7 @@ def test_one_generate_per_turn_for_all_roles(tiny_agent):
 
     engine = RecordingEngine()
     team = [tiny_agent] * 3
-    batch = tree_module.build_tree(
+    batch = tree_from_functions(
         team,
         TASKS,
         PROMPTS,

@@ -8,7 +8,9 @@ import math
 import pytest
 import torch
 
-from lit_marl.rollout.tree import build_tree, call_reward, joint_indices
+from helpers import tree_from_functions
+from lit_marl.envs.base import call_reward
+from lit_marl.rollout.tree import joint_indices
 
 TASKS = [{"topic": "tea"}, {"topic": "a rocket launch"}, {"topic": "winter"}]
 
@@ -70,7 +72,7 @@ def test_build_tree_two_agents(tiny_agents, joint_mode):
     torch.manual_seed(0)
     G, N, T = 2, 2, len(TASKS)
     reward = CountingReward()
-    batch = build_tree(
+    batch = tree_from_functions(
         tiny_agents, TASKS, _prompts(N), reward, num_generations=G, joint_mode=joint_mode, max_new_tokens=4
     )
 
@@ -121,7 +123,9 @@ def test_build_tree_cross_three_agents(tiny_agents, tiny_agent):
     agents = [*tiny_agents, tiny_agent]
     G, N, T = 2, 3, len(TASKS)
     reward = CountingReward()
-    batch = build_tree(agents, TASKS, _prompts(N), reward, num_generations=G, joint_mode="cross", max_new_tokens=3)
+    batch = tree_from_functions(
+        agents, TASKS, _prompts(N), reward, num_generations=G, joint_mode="cross", max_new_tokens=3
+    )
     assert reward.calls == 1
     assert batch.rewards.shape == (T * G**N,)
     combos = list(itertools.product(range(G), repeat=N))
@@ -138,7 +142,7 @@ def test_build_tree_passes_reward_metrics(tiny_agents):
         n = len(tasks)
         return {"reward": [float(j) for j in range(n)], "level": [1.0] * (n - 1) + [0.0]}
 
-    batch = build_tree(tiny_agents, TASKS, _prompts(2), reward, num_generations=2, max_new_tokens=2)
+    batch = tree_from_functions(tiny_agents, TASKS, _prompts(2), reward, num_generations=2, max_new_tokens=2)
     assert batch.rewards.tolist() == [float(j) for j in range(6)]
     assert batch.metrics == {
         "level": pytest.approx(5 / 6),

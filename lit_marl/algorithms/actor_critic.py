@@ -9,6 +9,12 @@ A = y - V(h), optionally z-scored per (agent, turn). The actor's loss is CoMLRL'
 -log pi(a) * A, or the clipped PPO surrogate against the behaviour log-probs over several epochs,
 with an entropy bonus and a ``target_kl`` stop: with per-agent value heads that is IPPO, with the
 centralized critic MAPPO.
+
+One update path: a forward over every row of the update gives the behaviour log-probs and values,
+hence targets and advantages, then ``ppo_epochs`` passes over mini-batches take the optimizer
+steps. When the update is one step per model on rows that fit one pass, that forward keeps its
+graph and is the step's own (its outputs detached for the targets: the ratio is 1); otherwise it
+runs without gradients (``prepare``) and each mini-batch runs its own.
 """
 
 from __future__ import annotations
@@ -20,118 +26,45 @@ import torch
 from torch import nn
 
 from lit_marl import ConfigError
-from lit_marl.algorithms.base import AgentTeamModule, Timer
-from lit_marl.algorithms.ppo import ValueHead
-from lit_marl.callbacks.buffer_flush import BufferFlush
-from lit_marl.generation import completion_forward, left_pad
-from lit_marl.models import load_model_and_tokenizer
-from lit_marl.returns import td_advantages, td_targets, value_loss
+from lit_marl.algorithms.base import AgentTeamModule
+from lit_marl.algorithms.critics import (
+    Critic,
+    CriticInputs,
+    CriticType,
+    critic_inputs,
+    joint_critic_inputs,
+    load_critic_backbone,
+    read_positions,
+)
+from lit_marl.fields import NonNegativeFloat, OpenUnitInterval, PositiveFloat, PositiveInt, check_fields
+from lit_marl.logprobs import completion_forward
+from lit_marl.losses import (
+    Reduction,
+    clip_fraction,
+    clipped_surrogate,
+    explained_variance,
+    k3_kl,
+    masked_sum,
+    reinforce,
+    value_loss,
+)
+from lit_marl.metrics import Timer
+from lit_marl.parallel.collectives import all_ranks_max, all_ranks_sum, z_score_per_group
+from lit_marl.returns import td_advantages, td_targets, team_reward
 from lit_marl.rollout.batch import AgentSamples, RolloutBatch
 from lit_marl.rollout.buffer import RolloutBuffer, minibatches
 
-CriticType = Literal["v", "q"]
+Forward = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+"""An actor's completion log-probs, entropies (or None) and value-head values (or None)."""
 
 
 @dataclass
-class CriticInputs:
-    """What a critic model reads: token rows (left-padded) and the position of each row's value."""
+class _Rows:
+    """The rows of one update: each learner's (its roles' rows, one block per role) and each
+    critic model's inputs (IAC: its learner's roles; MAAC: the joint state of every node)."""
 
-    input_ids: torch.Tensor  # [B, L]
-    attention_mask: torch.Tensor  # [B, L]
-    positions: torch.Tensor  # [B]
-    old_values: torch.Tensor | None = None  # [B]
-    targets: torch.Tensor | None = None  # [B]
-    turn_ids: torch.Tensor | None = None  # [B]
-
-    def __len__(self) -> int:
-        return self.input_ids.shape[0]
-
-    def select(self, rows: torch.Tensor) -> "CriticInputs":
-        return CriticInputs(**{k: None if v is None else v[rows] for k, v in vars(self).items()})
-
-    @staticmethod
-    def cat(parts: list["CriticInputs"], pad_id: int) -> "CriticInputs":
-        """Rows of several parts (the roles one critic serves), re-left-padded to one width."""
-        if len(parts) == 1:
-            return parts[0]
-        width = max(p.input_ids.shape[1] for p in parts)
-        fields = {
-            "input_ids": torch.cat(
-                [nn.functional.pad(p.input_ids, (width - p.input_ids.shape[1], 0), value=pad_id) for p in parts]
-            ),
-            "attention_mask": torch.cat(
-                [nn.functional.pad(p.attention_mask, (width - p.attention_mask.shape[1], 0)) for p in parts]
-            ),
-            "positions": torch.cat([p.positions + width - p.input_ids.shape[1] for p in parts]),
-        }
-        for name in ("old_values", "targets", "turn_ids"):
-            values = [getattr(p, name) for p in parts]
-            fields[name] = None if any(v is None for v in values) else torch.cat(values)
-        return CriticInputs(**fields)
-
-
-def team_reward(per_agent: list[AgentSamples]) -> torch.Tensor:
-    """The joint reward of each row: the mean of the agents' rewards (MAAC's critic learns it)."""
-    return torch.stack([s.rewards for s in per_agent]).mean(0)
-
-
-def read_positions(samples: AgentSamples, critic_type: CriticType) -> torch.Tensor:
-    """Where V(h) (``v``: the last prompt token) or Q(h, a) (``q``: the last token of prompt +
-    response, the end token included) is read in each row of ``samples.input_ids``."""
-    prompt_width = samples.input_ids.shape[1] - samples.num_completion
-    if critic_type == "v":
-        return torch.full((len(samples),), prompt_width - 1, device=samples.input_ids.device)
-    return prompt_width - 1 + samples.completion_mask.sum(-1).clamp(min=1)
-
-
-def critic_inputs(samples: AgentSamples, critic_type: CriticType) -> CriticInputs:
-    """A separate critic model's view of one agent's rows (for ``v`` only the prompt: it is causal)."""
-    positions = read_positions(samples, critic_type)
-    end = int(positions.max()) + 1
-    return CriticInputs(samples.input_ids[:, :end], samples.attention_mask[:, :end], positions)
-
-
-def joint_critic_inputs(per_agent: list[AgentSamples], critic_type: CriticType, pad_id: int) -> CriticInputs:
-    """The joint state of each node for a centralized critic: every agent's prompt (``v``), or
-    every agent's prompt and response (``q``: the joint action), one after the other; the value is
-    read at the last token."""
-    ends = [read_positions(samples, critic_type) + 1 for samples in per_agent]
-    rows = []
-    for r in range(len(per_agent[0])):
-        joint: list[int] = []
-        for samples, end in zip(per_agent, ends):
-            ids, mask = samples.input_ids[r, : int(end[r])], samples.attention_mask[r, : int(end[r])]
-            joint += ids[mask.bool()].tolist()
-        rows.append(joint)
-    device = per_agent[0].input_ids.device
-    input_ids, attention_mask = left_pad(rows, pad_id, device)
-    positions = torch.full((len(rows),), input_ids.shape[1] - 1, device=device)
-    return CriticInputs(input_ids, attention_mask, positions)
-
-
-class Critic(nn.Module):
-    """A value head (MLP -> tanh -> scalar) on a backbone of its own (a critic model), or on the
-    actor's hidden states (``backbone`` None: the head is trained through the actor's loss)."""
-
-    def __init__(self, hidden_size: int, backbone: nn.Module | None = None):
-        super().__init__()
-        self.backbone = backbone
-        self.head = ValueHead(hidden_size)
-
-    def read(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.head(hidden[torch.arange(len(positions), device=hidden.device), positions])
-
-    def forward(self, inputs: CriticInputs) -> torch.Tensor:
-        mask = inputs.attention_mask
-        out = self.backbone(
-            input_ids=inputs.input_ids,
-            attention_mask=mask,
-            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-            output_hidden_states=True,
-            logits_to_keep=1,  # only the hidden states are read
-            use_cache=False,
-        )
-        return self.read(out.hidden_states[-1], inputs.positions)
+    actors: list[AgentSamples]
+    critics: list[CriticInputs]
 
 
 class ActorCritic(AgentTeamModule):
@@ -144,18 +77,18 @@ class ActorCritic(AgentTeamModule):
         critic: Literal["head", "model"] = "head",
         critic_model: str | None = None,
         critic_type: CriticType = "v",
-        critic_learning_rate: float | None = None,
-        value_loss_coef: float = 0.5,
-        value_clip_range: float | None = None,
+        critic_learning_rate: PositiveFloat | None = None,
+        value_loss_coef: NonNegativeFloat = 0.5,
+        value_clip_range: PositiveFloat | None = None,
         advantage_normalization: bool = True,
         policy_loss: Literal["reinforce", "ppo"] = "reinforce",
-        clip_range: float = 0.2,
-        ppo_epochs: int = 1,
-        target_kl: float | None = None,
-        entropy_coef: float = 0.0,
-        logprob_reduction: Literal["sum", "mean"] = "mean",
-        rollout_buffer_size: int | None = None,
-        train_batch_size: int | None = None,
+        clip_range: OpenUnitInterval = 0.2,
+        ppo_epochs: PositiveInt = 1,
+        target_kl: PositiveFloat | None = None,
+        entropy_coef: NonNegativeFloat = 0.0,
+        logprob_reduction: Reduction = "mean",
+        rollout_buffer_size: PositiveInt | None = None,
+        train_batch_size: PositiveInt | None = None,
         **kwargs,
     ):
         """
@@ -180,20 +113,15 @@ class ActorCritic(AgentTeamModule):
                 cleanrl does) exceeds this (``ppo`` only); None: never.
             entropy_coef: Weight of the entropy bonus on the response tokens (0: none).
             logprob_reduction: A response's loss is the ``sum`` or the ``mean`` of its tokens' terms.
-            rollout_buffer_size: An update fires when each agent's buffer holds this many samples (one
+            rollout_buffer_size: An update fires when each agent's buffer holds this many groups (one
                 per turn of an episode); None: after every training step. The rest is used at epoch end.
-            train_batch_size: Samples per mini-batch, one optimizer step each, grouped by turn and
-                shuffled; None: the whole buffer in one step.
+            train_batch_size: Groups per mini-batch - a group is the samples that share a baseline, here
+                one turn of one episode - one optimizer step each, grouped by turn and shuffled; None:
+                the whole buffer in one step.
             **kwargs: The team's settings (model, num_agents, lora, learning_rate, ...): see ``AgentTeamModule``.
         """
         super().__init__(**kwargs)
-        if critic not in ("head", "model"):
-            raise ConfigError(f"model.critic={critic!r}: choose head (on the actor) or model (separate)")
-        if critic_type not in ("v", "q"):
-            raise ConfigError(
-                f"model.critic_type={critic_type!r}: choose v (V(h), read at the last prompt token) or q "
-                "(Q(h, a), read at the last response token)"
-            )
+        check_fields("model", ActorCritic.__init__, locals())
         if self.centralized and critic == "head":
             raise ConfigError(
                 "model.critic=head: the centralized critic of MAAC reads every agent's tokens and is a model of its "
@@ -205,28 +133,11 @@ class ActorCritic(AgentTeamModule):
                 f"states; model.critic_model={critic_model!r} would be unused. Drop model.critic_model or set "
                 "model.critic=model"
             )
-        if policy_loss not in ("reinforce", "ppo"):
-            raise ConfigError(f"model.policy_loss={policy_loss!r}: choose reinforce or ppo")
         if policy_loss == "reinforce" and (ppo_epochs != 1 or target_kl is not None):
             raise ConfigError(
                 "model.ppo_epochs / model.target_kl need model.policy_loss=ppo: the ratio-free loss is only "
                 "correct on the samples of the current policy"
             )
-        if not 0 < clip_range < 1:
-            raise ConfigError(f"model.clip_range={clip_range}: must be in (0, 1)")
-        if ppo_epochs < 1:
-            raise ConfigError(f"model.ppo_epochs={ppo_epochs}: must be at least 1")
-        if target_kl is not None and not target_kl > 0:
-            raise ConfigError(f"model.target_kl={target_kl}: must be > 0 (or null)")
-        if value_clip_range is not None and not value_clip_range > 0:
-            raise ConfigError(f"model.value_clip_range={value_clip_range}: must be > 0 (or null)")
-        if logprob_reduction not in ("sum", "mean"):
-            raise ConfigError(f"model.logprob_reduction={logprob_reduction!r}: choose sum or mean")
-        if entropy_coef < 0 or value_loss_coef < 0:
-            raise ConfigError("model.entropy_coef and model.value_loss_coef must be >= 0")
-        for name, value in (("rollout_buffer_size", rollout_buffer_size), ("train_batch_size", train_batch_size)):
-            if value is not None and value < 1:
-                raise ConfigError(f"model.{name}={value}: must be at least 1 (or null)")
         self.critic_kind, self.critic_source, self.critic_type = critic, critic_model, critic_type
         self.critic_learning_rate = critic_learning_rate or self.hparams.learning_rate
         self.value_loss_coef, self.value_clip_range = value_loss_coef, value_clip_range
@@ -247,23 +158,12 @@ class ActorCritic(AgentTeamModule):
             self.critics = nn.ModuleList(Critic(self.model_of(i).config.hidden_size) for i in range(len(self.learners)))
             return
         sources = [self.sources[0]] if self.centralized else [self.sources[roles[0]] for roles in self.learners]
+        readers = list(self.agents) if self.centralized else self.agents[:1]
         critics = []
         for source in sources:
-            backbone, tokenizer = load_model_and_tokenizer(self.critic_source or source)
-            for i, agent in enumerate(self.agents):
-                if tokenizer.get_vocab() != agent.tokenizer.get_vocab():
-                    raise ConfigError(
-                        f"model.critic_model={self.critic_source or source!r} has another tokenizer than agent {i} "
-                        f"({agent.source}): the critic reads the actors' token ids; give a critic model with the "
-                        "same tokenizer"
-                    )
-                if not self.centralized:
-                    break
+            backbone = load_critic_backbone(self.critic_source or source, readers)
             critics.append(Critic(backbone.config.hidden_size, backbone))
         self.critics = nn.ModuleList(critics)
-
-    def model_of(self, learner: int) -> nn.Module:
-        return self.agents[self.learners[learner][0]].model
 
     def configure_optimizers(self):
         optimizers = []
@@ -278,41 +178,40 @@ class ActorCritic(AgentTeamModule):
                 optimizers.append(torch.optim.AdamW(params, lr=self.critic_learning_rate, weight_decay=0.0))
         return optimizers
 
-    def configure_callbacks(self):
-        return [BufferFlush()]
-
     def setup(self, stage: str) -> None:
         super().setup(stage)
-        from lit_marl.data import RolloutDataModule
-
         data = self.trainer.datamodule
         if data is None or stage != "fit":
             return
-        if not isinstance(data, RolloutDataModule):
+        tree = getattr(data, "tree", None)  # the tree settings of a RolloutDataModule
+        if tree is None:
             raise ConfigError(
                 f"{type(self).__name__} learns from joint rollouts: use data: lit_marl.data.RolloutDataModule"
             )
-        self.discount = data.hparams.discount
-        if data.num_generations > 1 and data.hparams.num_turns > 1:
+        self.discount = tree.discount
+        if tree.num_generations > 1 and tree.num_turns > 1:
             raise ConfigError(
-                f"data.num_generations={data.num_generations} with data.num_turns={data.hparams.num_turns}: "
+                f"data.num_generations={tree.num_generations} with data.num_turns={tree.num_turns}: "
                 f"{type(self).__name__} follows one trajectory per episode (its TD targets bootstrap from the next "
                 "turn's state); set data.num_generations=1"
             )
-        if self.centralized and data.num_generations > 1 and data.joint_mode == "cross":
+        if self.centralized and tree.num_generations > 1 and tree.joint_mode == "cross":
             raise ConfigError(
                 "data.joint_mode=cross with data.num_generations > 1: a centralized critic scores joint actions, "
                 "and a response of cross mode takes part in several; use aligned or num_generations=1"
             )
 
-    # ------------------------------------------------------------------ values, targets, advantages
     def critic_optimizer(self, critic: int):
         return self.optimizers()[len(self.learners) + critic]
 
-    def learner_of(self, role: int) -> int:
-        return next(n for n, roles in enumerate(self.learners) if role in roles)
+    def critic_roles(self) -> list[list[int]]:
+        """The roles each critic model serves (MAAC's one critic: the joint rows, once)."""
+        if self.critic_kind == "head":
+            return []
+        return [[0]] if self.centralized else self.learners
 
-    def actor_forward(self, learner: int, samples: AgentSamples, entropy: bool = False):
+    # ------------------------------------------------------------------ forwards
+    def actor_forward(self, learner: int, samples: AgentSamples, entropy: bool = False) -> Forward:
         """Completion log-probs, entropies (or None) and, for a value head, the values."""
         head = self.critic_kind == "head"
         logprobs, entropies, hidden = completion_forward(
@@ -326,54 +225,96 @@ class ActorCritic(AgentTeamModule):
         values = self.critics[learner].read(hidden, read_positions(samples, self.critic_type)) if head else None
         return logprobs, entropies, values
 
-    @torch.no_grad()
-    def prepare(self, per_agent: list[AgentSamples]) -> tuple[list[AgentSamples], list[list[CriticInputs]]]:
-        """Behaviour log-probs, values, TD targets and advantages of every row; the inputs of each
-        critic model, one part per role it serves (IAC: its learner's roles; MAAC: the joint rows;
-        none for value heads)."""
-        next_rows, turns = self.episode_links(per_agent)
-        old_logprobs, values = [], []
-        for role, samples in enumerate(per_agent):
-            learner = self.learner_of(role)
-            parts = [self.actor_forward(learner, samples.select(rows)) for rows in self.micro_batches(samples)]
-            width = samples.num_completion
-            old_logprobs.append(torch.cat([torch.nn.functional.pad(p[0], (0, width - p[0].shape[1])) for p in parts]))
-            if self.critic_kind == "head":
-                values.append(torch.cat([p[2] for p in parts]))
-        inputs: list[list[CriticInputs]] = []
+    def update_rows(self, per_agent: list[AgentSamples]) -> _Rows:
+        pad = self.agents[0].pad_token_id
+        actors = []
+        for roles in self.learners:
+            rows = AgentSamples.cat([per_agent[r] for r in roles], self.agents[roles[0]].pad_token_id)
+            actors.append(rows.select(torch.arange(len(rows), device=rows.input_ids.device)))
+        if self.critic_kind == "head":
+            return _Rows(actors, [])
         if self.centralized:
-            joint = joint_critic_inputs(per_agent, self.critic_type, self.agents[0].pad_token_id)
-            joint_values = torch.cat([self.critics[0](joint.select(rows)) for rows in self.micro_batches(joint)])
-            targets = td_targets(team_reward(per_agent), joint_values, next_rows, self.discount)
-            inputs.append([replace(joint, old_values=joint_values, targets=targets, turn_ids=turns)])
-            values = [joint_values] * len(per_agent)
-            all_targets = [targets] * len(per_agent)
-        else:
-            if self.critic_kind == "model":
-                for role, samples in enumerate(per_agent):
-                    view = critic_inputs(samples, self.critic_type)
-                    critic = self.critics[self.learner_of(role)]
-                    values.append(torch.cat([critic(view.select(rows)) for rows in self.micro_batches(view)]))
-            all_targets = [td_targets(s.rewards, v, next_rows, self.discount) for s, v in zip(per_agent, values)]
-            if self.critic_kind == "model":
-                inputs = [
-                    [
-                        replace(
-                            critic_inputs(per_agent[r], self.critic_type),
-                            old_values=values[r],
-                            targets=all_targets[r],
-                            turn_ids=turns,
-                        )
-                        for r in roles
-                    ]
-                    for roles in self.learners
-                ]
-        prepared = [
-            self.with_advantages(samples, values[role], all_targets[role], old_logprobs[role])
-            for role, samples in enumerate(per_agent)
+            return _Rows(actors, [joint_critic_inputs(per_agent, self.critic_type, pad)])
+        critics = [
+            CriticInputs.cat([critic_inputs(per_agent[r], self.critic_type) for r in roles], pad)
+            for roles in self.learners
         ]
-        self.log_values(prepared)
-        return prepared, inputs
+        return _Rows(actors, critics)
+
+    def forwards(self, rows: _Rows) -> tuple[list[Forward], list[torch.Tensor]]:
+        """Every actor's and critic model's outputs on the update's rows, in the passes of
+        ``micro_batches`` (one pass each when the graph is kept)."""
+        entropy = torch.is_grad_enabled() and self.entropy_coef > 0
+        actors = []
+        for learner, samples in enumerate(rows.actors):
+            parts = [self.actor_forward(learner, samples.select(r), entropy) for r in self.micro_batches(samples)]
+            width = samples.num_completion
+            logprobs = torch.cat([nn.functional.pad(p[0], (0, width - p[0].shape[1])) for p in parts])
+            entropies = torch.cat([p[1] for p in parts]) if entropy else None
+            values = torch.cat([p[2] for p in parts]) if self.critic_kind == "head" else None
+            actors.append((logprobs, entropies, values))
+        critics = [
+            torch.cat([critic(inputs.select(r)) for r in self.micro_batches(inputs)])
+            for critic, inputs in zip(self.critics, rows.critics)
+        ]
+        return actors, critics
+
+    @torch.no_grad()
+    def prepare(self, rows: _Rows) -> tuple[list[Forward], list[torch.Tensor]]:
+        """The behaviour pass of an update of several steps: ``forwards`` without gradients."""
+        return self.forwards(rows)
+
+    def fits_one_pass(self, rows: _Rows) -> bool:
+        """One optimizer step per model (``ppo_epochs`` 1, one mini-batch) on rows that fit one
+        forward/backward pass, on every rank."""
+        if self.ppo_epochs != 1 or self.train_batch_size is not None:
+            return False
+        fits = all(len(self.micro_batches(m)) == 1 for m in rows.actors + rows.critics)
+        return all_ranks_max(0.0 if fits else 1.0, self.device) == 0
+
+    # ------------------------------------------------------------------ values, targets, advantages
+    def with_targets(self, per_agent: list[AgentSamples], rows: _Rows, forwards) -> tuple[_Rows, list[AgentSamples]]:
+        """The rows with their behaviour log-probs, values, TD targets and advantages (all detached);
+        and each role's rows with its values, targets and advantages (for the logs)."""
+        actor_out, critic_values = forwards
+        next_rows, turns = self.episode_links(per_agent)
+        values: list[torch.Tensor] = [None] * len(per_agent)
+        if self.centralized:
+            values = [critic_values[0].detach()] * len(per_agent)
+        else:
+            learned = critic_values if self.critic_kind == "model" else [out[2] for out in actor_out]
+            for roles, v in zip(self.learners, learned):
+                for r, part in zip(roles, v.detach().split([len(per_agent[r]) for r in roles])):
+                    values[r] = part
+        if self.centralized:
+            joint_targets = td_targets(team_reward([s.rewards for s in per_agent]), values[0], next_rows, self.discount)
+            targets = [joint_targets] * len(per_agent)
+        else:
+            targets = [td_targets(s.rewards, v, next_rows, self.discount) for s, v in zip(per_agent, values)]
+        per_role = [
+            replace(s, advantages=self.advantages(t, v, s.turn_ids), old_values=v, targets=t)
+            for s, v, t in zip(per_agent, values, targets)
+        ]
+        actors = [
+            replace(
+                samples,
+                advantages=torch.cat([per_role[r].advantages for r in roles]),
+                old_logprobs=out[0].detach(),
+                old_values=torch.cat([values[r] for r in roles]),
+                targets=torch.cat([targets[r] for r in roles]),
+            )
+            for samples, roles, out in zip(rows.actors, self.learners, actor_out)
+        ]
+        critics = [
+            replace(
+                inputs,
+                old_values=v.detach(),
+                targets=torch.cat([targets[r] for r in roles]),
+                turn_ids=turns.repeat(len(roles)),
+            )
+            for inputs, v, roles in zip(rows.critics, critic_values, self.critic_roles())
+        ]
+        return _Rows(actors, critics), per_role
 
     def episode_links(self, per_agent: list[AgentSamples]) -> tuple[torch.Tensor, torch.Tensor]:
         """Per row: the row of its episode's next turn (-1: none) and its turn."""
@@ -388,30 +329,11 @@ class ActorCritic(AgentTeamModule):
         row_of[group_ids] = torch.arange(len(group_ids), device=group_ids.device)
         return torch.where(next_group >= 0, row_of[next_group.clamp(min=0)], -1), per_agent[0].turn_ids
 
-    def with_advantages(
-        self, samples: AgentSamples, values: torch.Tensor, targets: torch.Tensor, old_logprobs: torch.Tensor | None
-    ) -> AgentSamples:
-        """One role's rows with their values, TD targets, advantages (z-scored per turn if set) and
-        behaviour log-probs."""
-        advantages = td_advantages(targets, values, samples.turn_ids)
-        if self.advantage_normalization:
-            advantages = self.z_score_per_turn(advantages, samples.turn_ids)
-        return replace(samples, advantages=advantages, old_logprobs=old_logprobs, old_values=values, targets=targets)
-
-    def z_score_per_turn(self, advantages: torch.Tensor, turns: torch.Tensor) -> torch.Tensor:
-        """(A - mean) / std within each turn, the moments taken over the rows of every rank (one
-        process with all the tasks gives the same advantages); a turn of one row is centred to 0."""
-        num_turns = int(self.all_ranks_max(int(turns.max()) + 1))
-        moments = torch.zeros(3, num_turns, dtype=torch.float64, device=advantages.device)
-        moments[0].index_add_(0, turns, torch.ones_like(advantages, dtype=torch.float64))
-        moments[1].index_add_(0, turns, advantages.double())
-        moments[2].index_add_(0, turns, advantages.double() ** 2)
-        if self.world_size > 1:
-            torch.distributed.all_reduce(moments)
-        count = moments[0].clamp(min=1)
-        mean = moments[1] / count
-        var = (moments[2] / count - mean**2).clamp(min=0)
-        return ((advantages - mean[turns]) / (var[turns].sqrt() + 1e-6)).float()
+    def advantages(self, targets: torch.Tensor, values: torch.Tensor, turns: torch.Tensor) -> torch.Tensor:
+        """A = y - V(h), z-scored within each turn over every rank's rows if set (a turn of one row
+        is centred to 0)."""
+        advantages = td_advantages(targets, values, turns)
+        return z_score_per_group(advantages, turns) if self.advantage_normalization else advantages
 
     def log_values(self, per_agent: list[AgentSamples]) -> None:
         """Per turn and agent: value mean, explained variance of the targets, advantage mean and std."""
@@ -423,13 +345,12 @@ class ActorCritic(AgentTeamModule):
                 if not self.centralized or role == 0:  # a centralized critic's values once
                     name = "critic" if self.centralized else f"agent{role}"
                     self.log(f"train/turn{turn}/value_mean_{name}", v.mean(), batch_size=count)
-                    explained = 1 - (y - v).var(unbiased=False) / y.var(unbiased=False).clamp(min=1e-8)
-                    self.log(f"train/turn{turn}/explained_variance_{name}", explained, batch_size=count)
+                    self.log(f"train/turn{turn}/explained_variance_{name}", explained_variance(y, v), batch_size=count)
                 self.log(f"train/turn{turn}/advantage_mean_agent{role}", a.mean(), batch_size=count)
                 self.log(f"train/turn{turn}/advantage_std_agent{role}", a.std(unbiased=False), batch_size=count)
 
     # ------------------------------------------------------------------ losses
-    def actor_loss(self, learner: int, samples: AgentSamples, stats: dict, forward=None) -> torch.Tensor:
+    def actor_loss(self, learner: int, samples: AgentSamples, stats: dict, forward: Forward | None = None):
         """Summed over rows: the policy term of each response (its tokens' sum or mean), minus the
         entropy bonus, plus for a value head the weighted value loss. ``forward``: the outputs of
         ``actor_forward`` on ``samples`` when already run."""
@@ -439,17 +360,12 @@ class ActorCritic(AgentTeamModule):
         mask = samples.completion_mask.float()
         advantages = samples.advantages.unsqueeze(1)
         if self.policy_form == "ppo":
-            ratio = (logprobs - samples.old_logprobs).exp()
-            clipped = ratio.clamp(1 - self.clip_range, 1 + self.clip_range)
-            per_token = -torch.minimum(ratio * advantages, clipped * advantages)
+            per_token = clipped_surrogate(logprobs, samples.old_logprobs, advantages, self.clip_range)
         else:
-            per_token = -logprobs * advantages
+            per_token = reinforce(logprobs, advantages)
         if entropies is not None:
             per_token = per_token - self.entropy_coef * entropies
-        per_row = (per_token * mask).sum(-1)
-        if self.logprob_reduction == "mean":
-            per_row = per_row / mask.sum(-1).clamp(min=1)
-        loss = per_row.sum()
+        loss = masked_sum(per_token, mask, self.logprob_reduction).sum()
         if values is not None:
             loss = loss + self.value_term(values, samples.old_values, samples.targets)
         with torch.no_grad():
@@ -457,8 +373,8 @@ class ActorCritic(AgentTeamModule):
             for turn in torch.unique(samples.turn_ids).tolist():
                 rows = (samples.turn_ids == turn).float().unsqueeze(1) * mask
                 stat = stats.setdefault(turn, dict.fromkeys(("approx_kl", "clip_frac", "entropy", "tokens"), 0.0))
-                stat["approx_kl"] += float(((log_ratio.exp() - 1 - log_ratio) * rows).sum())
-                stat["clip_frac"] += float((((log_ratio.exp() - 1).abs() > self.clip_range).float() * rows).sum())
+                stat["approx_kl"] += float((k3_kl(log_ratio) * rows).sum())
+                stat["clip_frac"] += float((clip_fraction(log_ratio, self.clip_range) * rows).sum())
                 if entropies is not None:
                     stat["entropy"] += float((entropies * rows).sum())
                 stat["tokens"] += float(rows.sum())
@@ -469,8 +385,9 @@ class ActorCritic(AgentTeamModule):
         ones = torch.ones_like(values)
         return self.value_loss_coef * value_loss(values, old_values, targets, ones, self.value_clip_range) * len(values)
 
-    def critic_loss(self, critic: int, inputs: CriticInputs) -> torch.Tensor:
-        return self.value_term(self.critics[critic](inputs), inputs.old_values, inputs.targets)
+    def critic_loss(self, critic: int, inputs: CriticInputs, values: torch.Tensor | None = None) -> torch.Tensor:
+        values = self.critics[critic](inputs) if values is None else values
+        return self.value_term(values, inputs.old_values, inputs.targets)
 
     # ------------------------------------------------------------------ the step
     def rl_step(self, batch: RolloutBatch, batch_idx: int) -> None:
@@ -479,137 +396,69 @@ class ActorCritic(AgentTeamModule):
     def flush_buffers(self) -> None:
         """One update on everything buffered: actors, then critics, on the same mini-batches."""
         # every rank adds its episodes each step, so all ranks hold samples here or none does
-        if not self.all_ranks_max(len(self.rollout_buffers[0])):
+        if not all_ranks_max(len(self.rollout_buffers[0]), self.device):
             return
         with Timer() as train_time:
             drained = [buffer.drain(agent.pad_token_id) for buffer, agent in zip(self.rollout_buffers, self.agents)]
             size = len(drained[0])
-            result = self.update_in_one_pass(drained)
-            if result is None:
-                result = self.update_in_minibatches(*self.prepare(drained))
-            actor_losses, critic_losses, epochs = result
+            actor_losses, critic_losses, epochs = self.update(drained)
         for index, losses in actor_losses.items():
             name = self.learner_name(index)
             self.log(f"train/loss_{name}", sum(losses) / len(losses), batch_size=size)
             self.log(f"train/optimizer_steps_{name}", float(len(losses)), batch_size=size)
         for c, losses in critic_losses.items():
-            name = "critic" if self.centralized else f"critic_{self.learner_name(c)}"
+            name = self.critic_name(c)
             self.log(f"train/loss_{name}", sum(losses) / len(losses), batch_size=size)
             self.log(f"train/optimizer_steps_{name}", float(len(losses)), batch_size=size)
         self.log("train/ppo_epochs_run", float(epochs), batch_size=size)
         self.log("time/train_s", train_time.seconds)
 
-    def update_in_minibatches(
-        self, per_agent: list[AgentSamples], inputs: list[list[CriticInputs]]
-    ) -> tuple[dict, dict, int]:
-        """``ppo_epochs`` passes over the prepared rows, one optimizer step per model and mini-batch
+    def critic_name(self, critic: int) -> str:
+        return "critic" if self.centralized else f"critic_{self.learner_name(critic)}"
+
+    def update(self, per_agent: list[AgentSamples]) -> tuple[dict, dict, int]:
+        """``ppo_epochs`` passes over the update's rows, one optimizer step per model and mini-batch
         (actors, then critics); the epochs stop early past ``target_kl``. Returns the actor and critic
         losses and the epochs run."""
+        rows = self.update_rows(per_agent)
+        one_pass = self.fits_one_pass(rows)
+        forwards = self.forwards(rows) if one_pass else self.prepare(rows)
+        rows, per_role = self.with_targets(per_agent, rows, forwards)
+        self.log_values(per_role)
+        cached_actors, cached_critics = (
+            forwards if one_pass else ([None] * len(rows.actors), [None] * len(rows.critics))
+        )
         actor_losses: dict[int, list[float]] = {i: [] for i in range(len(self.learners))}
-        critic_losses: dict[int, list[float]] = {i: [] for i in range(len(inputs))}
+        critic_losses: dict[int, list[float]] = {i: [] for i in range(len(rows.critics))}
         epochs = 0
         for _ in range(self.ppo_epochs):
             stats: dict[int, dict[str, float]] = {}
-            batches = minibatches(per_agent[0], self.train_batch_size, self.shuffle_generator)
-            for rows in self.synced_steps(batches):  # trees of other ranks may be longer
+            for picked in self.synced_steps(minibatches(per_agent[0], self.train_batch_size, self.shuffle_generator)):
                 for index, roles in enumerate(self.learners):
-                    agent = self.agents[roles[0]]
-                    mini = None
-                    if rows is not None:
-                        mini = AgentSamples.cat([per_agent[r].select(rows) for r in roles], agent.pad_token_id)
-                    loss_fn = lambda mb, i=index, s=stats: self.actor_loss(i, mb, s)  # noqa: E731
+                    mini = (
+                        None if picked is None else rows.actors[index].select(self.of_roles(picked, roles, per_agent))
+                    )
+                    loss_fn = lambda mb, i=index, s=stats, f=cached_actors[index]: self.actor_loss(i, mb, s, f)  # noqa: E731
                     actor_losses[index].append(self.update_agent(index, mini, loss_fn))
-                for c, parts in enumerate(inputs):
-                    name = "critic" if self.centralized else f"critic_{self.learner_name(c)}"
-                    mini = None
-                    if rows is not None:
-                        mini = CriticInputs.cat([part.select(rows) for part in parts], self.agents[0].pad_token_id)
-                    loss_fn = lambda mb, c=c: self.critic_loss(c, mb)  # noqa: E731
-                    critic_losses[c].append(self.optimizer_step_on(self.critic_optimizer(c), mini, loss_fn, name))
+                for c, roles in enumerate(self.critic_roles()):
+                    mini = None if picked is None else rows.critics[c].select(self.of_roles(picked, roles, per_agent))
+                    loss_fn = lambda mb, c=c, v=cached_critics[c]: self.critic_loss(c, mb, v)  # noqa: E731
+                    step = self.optimizer_step_on(self.critic_optimizer(c), mini, loss_fn, self.critic_name(c))
+                    critic_losses[c].append(step)
             epochs += 1
             self.log_policy_stats(stats)
             if self.target_kl is not None:
                 # the KL over every rank's tokens: one decision, so all ranks take the same steps
-                tokens = self.all_ranks_sum(sum(s["tokens"] for s in stats.values()))
-                kl = self.all_ranks_sum(sum(s["approx_kl"] for s in stats.values())) / max(tokens, 1.0)
+                tokens = all_ranks_sum(sum(s["tokens"] for s in stats.values()), self.device)
+                kl = all_ranks_sum(sum(s["approx_kl"] for s in stats.values()), self.device) / max(tokens, 1.0)
                 if kl > self.target_kl:
                     break
         return actor_losses, critic_losses, epochs
 
-    def update_in_one_pass(self, per_agent: list[AgentSamples]) -> tuple[dict, dict, int] | None:
-        """The update in one forward per model, when it is one optimizer step per model on rows that
-        fit one forward/backward pass (``ppo_epochs`` 1, one mini-batch; decided over all ranks):
-        the behaviour log-probs and values are then those of the update's own forward (the ratio is
-        1), so ``prepare``'s no-grad pass over the same rows and weights is skipped. Same values,
-        targets, advantages and gradients as ``prepare`` and the mini-batch loop. Returns the
-        actor and critic losses and the epochs run (1), or None: the caller takes the two-pass path."""
-        if self.ppo_epochs != 1 or self.train_batch_size is not None:
-            return None
-        pad = self.agents[0].pad_token_id
-        minis = []
-        for roles in self.learners:
-            mini = AgentSamples.cat([per_agent[r] for r in roles], self.agents[roles[0]].pad_token_id)
-            minis.append(mini.select(torch.arange(len(mini), device=mini.input_ids.device)))
-        critic_minis: list[CriticInputs] = []
-        if self.centralized:
-            critic_minis = [joint_critic_inputs(per_agent, self.critic_type, pad)]
-        elif self.critic_kind == "model":
-            critic_minis = [
-                CriticInputs.cat([critic_inputs(per_agent[r], self.critic_type) for r in roles], pad)
-                for roles in self.learners
-            ]
-        fits = all(len(self.micro_batches(m)) == 1 for m in minis + critic_minis)
-        if self.all_ranks_max(0.0 if fits else 1.0) > 0:
-            return None
-        next_rows, turns = self.episode_links(per_agent)
-        values: list[torch.Tensor | None] = [None] * len(per_agent)
-        targets: list[torch.Tensor | None] = [None] * len(per_agent)
-
-        def learner_values(roles: list[int], learned: torch.Tensor) -> None:
-            """A learner's values (detached), split by the roles it plays, and each role's TD targets."""
-            for r, v in zip(roles, learned.detach().split([len(per_agent[r]) for r in roles])):
-                values[r], targets[r] = v, td_targets(per_agent[r].rewards, v, next_rows, self.discount)
-
-        critic_values = [critic(m) for critic, m in zip(self.critics, critic_minis)]  # kept for their step
-        if self.centralized:
-            joint_values = critic_values[0].detach()
-            values = [joint_values] * len(per_agent)
-            targets = [td_targets(team_reward(per_agent), joint_values, next_rows, self.discount)] * len(per_agent)
-        elif self.critic_kind == "model":
-            for roles, learned in zip(self.learners, critic_values):
-                learner_values(roles, learned)
-        for c, (m, roles) in enumerate(zip(critic_minis, [[0]] if self.centralized else self.learners)):
-            critic_minis[c] = replace(
-                m,
-                old_values=critic_values[c].detach(),
-                targets=torch.cat([targets[r] for r in roles]),
-                turn_ids=turns.repeat(len(roles)),
-            )
-        prepared: list[AgentSamples | None] = [None] * len(per_agent)
-        actor_losses, stats = {}, {}
-        for index, roles in enumerate(self.learners):
-            forward = self.actor_forward(index, minis[index], entropy=self.entropy_coef > 0)
-            if self.critic_kind == "head":
-                learner_values(roles, forward[2])
-            for r in roles:
-                prepared[r] = self.with_advantages(per_agent[r], values[r], targets[r], None)
-            mini = replace(
-                minis[index],
-                advantages=torch.cat([prepared[r].advantages for r in roles]),
-                old_logprobs=forward[0].detach(),
-                old_values=torch.cat([values[r] for r in roles]),
-                targets=torch.cat([targets[r] for r in roles]),
-            )
-            loss = self.actor_loss(index, mini, stats, forward=forward)
-            actor_losses[index] = [self.update_agent(index, mini, lambda rows, loss=loss: loss)]
-        critic_losses = {}
-        for c, (m, v) in enumerate(zip(critic_minis, critic_values)):
-            name = "critic" if self.centralized else f"critic_{self.learner_name(c)}"
-            loss = self.value_term(v, m.old_values, m.targets)
-            critic_losses[c] = [self.optimizer_step_on(self.critic_optimizer(c), m, lambda rows, loss=loss: loss, name)]
-        self.log_values(prepared)
-        self.log_policy_stats(stats)
-        return actor_losses, critic_losses, 1
+    @staticmethod
+    def of_roles(picked: torch.Tensor, roles: list[int], per_agent: list[AgentSamples]) -> torch.Tensor:
+        """A mini-batch's rows (indices into one role's rows) in rows that hold several roles' rows, one block each."""
+        return torch.cat([picked + k * len(per_agent[0]) for k in range(len(roles))])
 
     def log_policy_stats(self, stats: dict[int, dict[str, float]]) -> None:
         """Per turn, over the last epoch's tokens: approximate KL to the behaviour policy (measured

@@ -3,38 +3,52 @@ over micro-batches, and logging of rollouts. Algorithms add their loss."""
 
 from __future__ import annotations
 
+import copy
 import math
-import time
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 
 import lightning as L
 import torch
+from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 
 from lit_marl import ConfigError
 from lit_marl.agents import Agent, LoraSettings, roles_by_model
-from lit_marl.demos import DemoSamples
-from lit_marl.generation import Generation
+from lit_marl.fields import PositiveInt, check_fields
+from lit_marl.logprobs import target_logprobs
+from lit_marl.losses import nll
+from lit_marl.metrics import Timer, weighted_means
 from lit_marl.models import check_source
+from lit_marl.parallel.collectives import all_ranks_max, all_ranks_sum, padded_steps, sum_gradients
+from lit_marl.parallel.fsdp import TeamShards, check_shardable, shardable_models
+from lit_marl.parallel.strategies import TeamDDPStrategy
 from lit_marl.rollout.batch import AgentSamples, RolloutBatch
 from lit_marl.rollout.buffer import RolloutBuffer
+from lit_marl.rollout.demos import DemoSamples
+from lit_marl.rollout.tree import ResponsePenalty
+
+
+def sft_loss(model: nn.Module, samples: DemoSamples) -> torch.Tensor:
+    """The negative log-likelihood of a demonstration's assistant tokens (``loss_mask``), summed."""
+    return nll(*target_logprobs(model, samples.input_ids, samples.attention_mask, samples.loss_mask))
 
 
 class AgentTeamModule(L.LightningModule):
     # per-response reward shaping applied inside the rollout (e.g. a KL penalty); None: none
-    response_penalty: Callable[[int, Generation], torch.Tensor] | None = None
+    response_penalty: ResponsePenalty | None = None
 
     def __init__(
         self,
         model: str | list[str] = "tiny-random",
-        num_agents: int = 2,
+        num_agents: PositiveInt = 2,
         lora: LoraSettings | None = None,
         system_prompt: str | None = None,
         learning_rate: float = 1e-5,
         max_grad_norm: float = 1.0,
-        forward_batch_size: int | None = None,
-        forward_token_budget: int | None = 2048,
+        forward_batch_size: PositiveInt | None = None,
+        forward_token_budget: PositiveInt | None = 2048,
         share_parameters: bool = False,
         lora_shared_base: bool = False,
     ):
@@ -63,9 +77,8 @@ class AgentTeamModule(L.LightningModule):
                 with its own adapter and optimizer. Needs one model source.
         """
         super().__init__()
+        check_fields("model", AgentTeamModule.__init__, locals())
         sources = [model] * num_agents if isinstance(model, str) else list(model)
-        if num_agents < 1:
-            raise ConfigError(f"model.num_agents={num_agents}: must be at least 1")
         if len(sources) != num_agents:
             raise ConfigError(f"model.model lists {len(sources)} sources for {num_agents} agents: give one per agent")
         if share_parameters and len(set(sources)) != 1:
@@ -78,14 +91,6 @@ class AgentTeamModule(L.LightningModule):
             )
         for i, source in enumerate(sources):
             check_source(source, field=f"model.model[{i}]" if not isinstance(model, str) else "model.model")
-        if forward_batch_size is not None and forward_batch_size < 1:
-            raise ConfigError(
-                f"model.forward_batch_size={forward_batch_size}: must be at least 1 (or null: no row cap)"
-            )
-        if forward_token_budget is not None and forward_token_budget < 1:
-            raise ConfigError(
-                f"model.forward_token_budget={forward_token_budget}: must be at least 1 (or null: no token cap)"
-            )
         self.save_hyperparameters()
         self.sources = sources
         self.forward_batch_size, self.forward_token_budget = forward_batch_size, forward_token_budget
@@ -95,7 +100,8 @@ class AgentTeamModule(L.LightningModule):
         self.lora_shared_base = lora_shared_base
         self.automatic_optimization = False
         self.agents: nn.ModuleList | None = None
-        self.shards = None  # lit_marl.fsdp.TeamShards under FSDP (ModelParallelStrategy)
+        self.references: nn.ModuleList | None = None  # frozen copies for a KL term: ``build_references``
+        self.shards = None  # lit_marl.parallel.fsdp.TeamShards under FSDP (ModelParallelStrategy)
         self.rollout_buffers: list[RolloutBuffer] = []  # samples waiting for an update (algorithms that buffer)
         # mini-batch order: seeded, and apart from the sampling RNG so batching changes no rollout
         self.shuffle_generator = torch.Generator().manual_seed(torch.initial_seed() % 2**63)
@@ -118,15 +124,29 @@ class AgentTeamModule(L.LightningModule):
         else:
             self.agents = nn.ModuleList(Agent(s, self.lora, self.system_prompt) for s in self.sources)
 
+    def build_references(self) -> None:
+        """The KL reference of each learner: a frozen copy of its initial weights; with LoRA none is
+        copied, the base model with the adapters disabled is the reference (``reference_model``)."""
+        if self.lora is None and self.references is None:
+            self.references = nn.ModuleList(
+                copy.deepcopy(self.model_of(i)).requires_grad_(False) for i in range(len(self.learners))
+            )
+
+    @contextmanager
+    def reference_model(self, learner: int) -> Iterator[nn.Module]:
+        """The reference policy of ``learner`` for the block: its frozen copy, or its model with the adapters off."""
+        if self.references is not None:
+            yield self.references[learner]
+            return
+        model = self.model_of(learner)
+        with model.disable_adapter():
+            yield model
+
     def shard(self, mesh) -> None:
-        from lightning.pytorch.overrides.distributed import _sync_module_states
-
-        from lit_marl.fsdp import TeamShards, check_shardable, shardable_models
-
         if mesh["tensor_parallel"].size() > 1:  # Lightning's mesh: (data_parallel, tensor_parallel)
             raise ConfigError(
                 f"trainer.strategy: tensor_parallel_size={mesh['tensor_parallel'].size()}; lit_marl shards agents "
-                "with FSDP over data-parallel ranks only: use lit_marl.strategies.TeamFSDPStrategy (or "
+                "with FSDP over data-parallel ranks only: use lit_marl.parallel.strategies.TeamFSDPStrategy (or "
                 "ModelParallelStrategy with tensor_parallel_size: 1 and data_parallel_size: the number of ranks)"
             )
         check_shardable(self)
@@ -136,13 +156,19 @@ class AgentTeamModule(L.LightningModule):
         self.shards = TeamShards(shardable_models(self), mesh["data_parallel"])
 
     def gathered(self):
-        """The team's full weights for the block under FSDP (see ``lit_marl.fsdp``); else nothing to do."""
+        """The team's full weights for the block under FSDP (see ``lit_marl.parallel.fsdp``); else nothing to do."""
         return self.shards.gathered() if self.shards is not None else nullcontext()
 
     @property
     def learners(self) -> list[list[int]]:
         """The roles each distinct model plays: one optimizer per entry."""
         return roles_by_model(list(self.agents))
+
+    def model_of(self, learner: int) -> nn.Module:
+        return self.agents[self.learners[learner][0]].model
+
+    def learner_of(self, role: int) -> int:
+        return next(n for n, roles in enumerate(self.learners) if role in roles)
 
     def learner_name(self, index: int) -> str:
         roles = self.learners[index]
@@ -157,16 +183,12 @@ class AgentTeamModule(L.LightningModule):
         ]
 
     def setup(self, stage: str) -> None:
-        from lightning.pytorch.strategies import DDPStrategy
-
-        from lit_marl.strategies import TeamDDPStrategy
-
         strategy = self.trainer.strategy
         if isinstance(strategy, DDPStrategy) and not isinstance(strategy, TeamDDPStrategy):
             raise ConfigError(
                 f"trainer.strategy={type(strategy).__name__}: DistributedDataParallel cannot follow an agent team's "
                 "updates (several backward passes per step, different on each rank); use trainer.strategy: "
-                "{class_path: lit_marl.strategies.TeamDDPStrategy}"
+                "{class_path: lit_marl.parallel.strategies.TeamDDPStrategy}"
             )
         data = self.trainer.datamodule
         if data is not None and data.num_agents != self.hparams.num_agents:
@@ -212,7 +234,7 @@ class AgentTeamModule(L.LightningModule):
         rank divided by ``count`` (default: the rows) summed over ranks, so neither micro-batching nor
         the split over ranks changes the gradient. Returns that loss."""
         local = float(count) if count is not None else 0.0 if rows is None else float(len(rows))
-        total = self.all_ranks_sum(local)
+        total = all_ranks_sum(local, self.device)
         loss_sum = 0.0
         if rows is not None and len(rows) and total > 0:
             for chunk in self.micro_batches(rows, shared_prompts):
@@ -222,8 +244,8 @@ class AgentTeamModule(L.LightningModule):
         params = [p for group in optimizer.param_groups for p in group["params"]]
         if self.shards is not None:
             self.shards.reduce_gradients(params)  # the sharded weights' gradients, summed over ranks
-        self.sync_gradients(optimizer)
-        loss_sum = self.all_ranks_sum(loss_sum)
+        sum_gradients(params, self.device)  # the module is not wrapped in DDP: parallel/strategies.py
+        loss_sum = all_ranks_sum(loss_sum, self.device)
         if not math.isfinite(loss_sum):
             # a NaN/inf loss would write NaN into the weights: stop, with the weights untouched
             optimizer.zero_grad(set_to_none=True)
@@ -270,6 +292,11 @@ class AgentTeamModule(L.LightningModule):
     """``sft`` while the run fine-tunes on demonstrations (``callbacks.PhaseSwitch`` sets it; the ``SFT``
     module always), ``rl`` otherwise. The data module serves demonstrations or rollouts to match."""
 
+    @property
+    def runs_rl(self) -> bool:
+        """Whether this algorithm takes RL steps (``rl_step``), e.g. after an SFT phase."""
+        return type(self).rl_step is not AgentTeamModule.rl_step
+
     def training_step(self, batch, batch_idx: int) -> None:
         if self.phase == "sft":
             self.sft_step(batch)
@@ -282,8 +309,6 @@ class AgentTeamModule(L.LightningModule):
     def sft_step(self, per_agent: list[DemoSamples]) -> None:
         """One optimizer step per learner on its roles' demonstrations: the mean negative
         log-likelihood of the assistant tokens (over all ranks), the weights RL then continues from."""
-        from lit_marl.algorithms.sft import sft_loss
-
         with Timer() as train_time, self.gathered():
             losses, tokens = [], 0.0
             for index, roles in enumerate(self.learners):
@@ -296,7 +321,7 @@ class AgentTeamModule(L.LightningModule):
                 self.log(f"train/sft_loss_{self.learner_name(index)}", losses[-1], batch_size=len(samples))
         size = len(per_agent[0])
         self.log("train/sft_loss", sum(losses) / len(losses), prog_bar=True, batch_size=size)
-        self.log("train/sft_tokens", self.all_ranks_sum(tokens), reduce_fx="sum", batch_size=size)
+        self.log("train/sft_tokens", all_ranks_sum(tokens, self.device), reduce_fx="sum", batch_size=size)
         self.log("time/train_s", train_time.seconds, batch_size=size)
 
     # ------------------------------------------------------------------ buffered updates (MAGRPO family, IAC/MAAC)
@@ -309,7 +334,7 @@ class AgentTeamModule(L.LightningModule):
         for buffer, samples in zip(self.rollout_buffers, per_agent):
             buffer.add(samples)
         size = self.rollout_buffer_size
-        if size is None or self.all_ranks_max(len(self.rollout_buffers[0]) >= size):
+        if size is None or all_ranks_max(len(self.rollout_buffers[0]) >= size, self.device):
             with self.gathered():
                 self.flush_buffers()
         self.log_rollout(batch, "train")
@@ -318,64 +343,22 @@ class AgentTeamModule(L.LightningModule):
         """One update on everything buffered (algorithms that buffer)."""
         raise NotImplementedError
 
+    def on_train_epoch_end(self) -> None:
+        """What is left in the rollout buffers is used at the end of every training epoch, so no
+        sample is dropped when an epoch ends before a buffer fills (after the callbacks' epoch end,
+        before the checkpoints': Lightning's order)."""
+        if self.rollout_buffers:
+            with self.gathered():
+                self.flush_buffers()
+
+    def synced_steps(self, batches: list) -> list:
+        """This rank's mini-batches padded with ``None`` to the most any rank has (``padded_steps``)."""
+        return padded_steps(batches, self.device)
+
     # ------------------------------------------------------------------ several ranks
     @property
     def world_size(self) -> int:
         return self._trainer.world_size if self._trainer is not None else 1
-
-    def all_ranks_sum(self, value: float) -> float:
-        return self._all_ranks(value, "SUM")
-
-    def all_ranks_max(self, value: float) -> float:
-        return self._all_ranks(value, "MAX")
-
-    def _all_ranks(self, value: float, op: str) -> float:
-        if self.world_size == 1:
-            return value
-        tensor = torch.tensor(float(value), dtype=torch.float64, device=self.device)
-        torch.distributed.all_reduce(tensor, op=getattr(torch.distributed.ReduceOp, op))
-        return float(tensor)
-
-    def whiten(self, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """(values - mean) / std over the entries where ``mask`` is set on every rank (unbiased std,
-        as ``torch.std``); 0 elsewhere. Unchanged when there are fewer than two such entries."""
-        chosen = values[mask.bool()].double()
-        count = self.all_ranks_sum(chosen.numel())
-        if count < 2:
-            return values
-        total, squares = self.all_ranks_sum(float(chosen.sum())), self.all_ranks_sum(float((chosen**2).sum()))
-        mean = total / count
-        std = max((squares - count * mean**2) / (count - 1), 0.0) ** 0.5
-        return (values - mean) / (std + 1e-6) * mask
-
-    def synced_steps(self, batches: list) -> list:
-        """The mini-batches of this rank, padded with ``None`` to the most any rank has: trees end
-        early on some ranks, yet every rank must take every optimizer step (and join its gradient sum)."""
-        return batches + [None] * (int(self.all_ranks_max(len(batches))) - len(batches))
-
-    def sync_gradients(self, optimizer) -> None:
-        """Sum the gradients of ``optimizer``'s parameters over ranks, in one flat all-reduce (the
-        module is not wrapped in DistributedDataParallel: see ``lit_marl.strategies``). Sharded
-        parameters (FSDP) are left out: their gradients were reduced into the shards already."""
-        from torch.distributed.tensor import DTensor
-
-        if self.world_size == 1:
-            return
-        params = [p for group in optimizer.param_groups for p in group["params"] if not isinstance(p, DTensor)]
-        # a parameter without a gradient on every rank keeps none, as in one process (AdamW then
-        # skips it: a zero gradient would still count a step and move it by its momentum)
-        has_grad = torch.tensor([float(p.grad is not None) for p in params], device=self.device)
-        torch.distributed.all_reduce(has_grad, op=torch.distributed.ReduceOp.MAX)
-        params = [p for p, flag in zip(params, has_grad.tolist()) if flag]
-        if not params:
-            return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        torch.distributed.all_reduce(flat)
-        offset = 0
-        for p, g in zip(params, grads):
-            p.grad = flat[offset : offset + g.numel()].view_as(p).clone()
-            offset += g.numel()
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """What Lightning does not save, for every rank (Lightning writes rank 0's checkpoint): the
@@ -423,7 +406,7 @@ class AgentTeamModule(L.LightningModule):
         values.update({f"{prefix}/{key}": float(value) for key, value in batch.metrics.items()})
         if prefix == "train":
             values.update(batch.stats)
-        means, count = self.mean_over_ranks(values, size)
+        means, count = weighted_means(values, size)
         reward_sq = means.pop("reward_sq")
         for key, value in means.items():
             self.log(key, value, prog_bar=key in (f"{prefix}/reward", "rollout/tokens_per_s"), batch_size=count)
@@ -431,35 +414,11 @@ class AgentTeamModule(L.LightningModule):
             std = max(reward_sq - means["train/reward"] ** 2, 0.0) ** 0.5
             self.log("train/reward_std", std, batch_size=count)
 
-    def mean_over_ranks(self, values: dict[str, float], weight: float) -> tuple[dict[str, float], float]:
-        """Each key's weighted mean over the ranks that report it (ranks whose trees ended early
-        report no later turns, so the keys can differ: one object gather, not one reduce per key)."""
-        if self.world_size == 1:
-            return values, weight
-        gathered = [None] * self.world_size
-        torch.distributed.all_gather_object(gathered, (values, weight))
-        sums: dict[str, float] = {}
-        weights: dict[str, float] = {}
-        for rank_values, rank_weight in gathered:
-            for key, value in rank_values.items():
-                sums[key] = sums.get(key, 0.0) + value * rank_weight
-                weights[key] = weights.get(key, 0.0) + rank_weight
-        return {key: sums[key] / weights[key] for key in sums}, sum(w for _, w in gathered)
-
     def validation_step(self, batch: RolloutBatch, batch_idx: int) -> None:
         self.log_rollout(batch, "val")
 
     def test_step(self, batch: RolloutBatch, batch_idx: int) -> None:
         self.log_rollout(batch, "test")
-
-
-class Timer:
-    def __enter__(self) -> "Timer":
-        self.start = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.seconds = time.perf_counter() - self.start
 
 
 def _to_cpu(tree):

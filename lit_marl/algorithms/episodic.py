@@ -5,16 +5,17 @@ metrics. Subclasses say how advantages (and, for PPO, values) are made."""
 
 from __future__ import annotations
 
-import copy
 from typing import Literal
 
 import torch
-from torch import nn
 
 from lit_marl import ConfigError
 from lit_marl.agents import LoraSettings
-from lit_marl.algorithms.base import AgentTeamModule, Timer
-from lit_marl.generation import sequence_logprobs
+from lit_marl.algorithms.base import AgentTeamModule
+from lit_marl.fields import ClosedUnitInterval, NonNegativeFloat, OpenUnitInterval, PositiveInt, check_fields
+from lit_marl.logprobs import sequence_logprobs
+from lit_marl.losses import clip_fraction, clipped_surrogate, k3_kl
+from lit_marl.metrics import Timer
 from lit_marl.rollout.batch import TrajectorySamples
 from lit_marl.rollout.buffer import minibatches
 from lit_marl.rollout.episode import EpisodeBatch
@@ -28,15 +29,15 @@ class EpisodicModule(AgentTeamModule):
         system_prompt: str | None = None,
         learning_rate: float = 1e-5,
         max_grad_norm: float = 1.0,
-        forward_batch_size: int | None = 8,
-        forward_token_budget: int | None = None,
-        clip_range: float = 0.2,
-        ppo_epochs: int = 1,
-        train_batch_size: int | None = None,
-        discount: float = 1.0,
-        kl_coef: float = 0.0,
+        forward_batch_size: PositiveInt | None = 8,
+        forward_token_budget: PositiveInt | None = None,
+        clip_range: OpenUnitInterval = 0.2,
+        ppo_epochs: PositiveInt = 1,
+        train_batch_size: PositiveInt | None = None,
+        discount: ClosedUnitInterval = 1.0,
+        kl_coef: NonNegativeFloat = 0.0,
         kl_mode: Literal["loss", "reward"] = "loss",
-        num_agents: int = 1,
+        num_agents: PositiveInt = 1,
         share_parameters: bool = False,
         lora_shared_base: bool = False,
     ):
@@ -54,8 +55,8 @@ class EpisodicModule(AgentTeamModule):
                 alone); see ``AgentTeamModule``.
             clip_range: PPO's ratio clipping epsilon.
             ppo_epochs: Passes over the step's episodes (the behaviour log-probs stay those of the rollout).
-            train_batch_size: Tasks per mini-batch (all of a task's episodes together); None: one
-                mini-batch per epoch.
+            train_batch_size: Groups per mini-batch - a group is the samples that share a baseline, here
+                a task's G episodes, kept together - one optimizer step each; None: one mini-batch per epoch.
             discount: Discount gamma between turns / tokens (1.0, the practitioner guide's finding).
             kl_coef: Weight of KL(policy || reference); 0 disables.
             kl_mode: ``loss``: a loss term (k3 estimate per token); ``reward``: subtracted from each
@@ -77,27 +78,14 @@ class EpisodicModule(AgentTeamModule):
             share_parameters=share_parameters,
             lora_shared_base=lora_shared_base,
         )
-        if not 0 < clip_range < 1:
-            raise ConfigError(f"model.clip_range={clip_range}: must be in (0, 1)")
-        if ppo_epochs < 1:
-            raise ConfigError(f"model.ppo_epochs={ppo_epochs}: must be at least 1")
-        if not 0 <= discount <= 1:
-            raise ConfigError(f"model.discount={discount}: must be in [0, 1]")
-        if kl_coef < 0 or kl_mode not in ("loss", "reward"):
-            raise ConfigError(f"model.kl_coef={kl_coef}, model.kl_mode={kl_mode!r}: need kl_coef >= 0, loss or reward")
+        check_fields("model", EpisodicModule.__init__, locals())
         self.clip_range, self.ppo_epochs, self.train_batch_size = clip_range, ppo_epochs, train_batch_size
         self.discount, self.kl_coef, self.kl_mode = discount, kl_coef, kl_mode
-        self.references: nn.ModuleList | None = None
 
     def build_models(self) -> None:
         super().build_models()
-        if self.kl_coef > 0 and self.lora is None and self.references is None:
-            self.references = nn.ModuleList(
-                copy.deepcopy(self.agents[roles[0]].model).requires_grad_(False) for roles in self.learners
-            )
-
-    def model_of(self, learner: int) -> nn.Module:
-        return self.agents[self.learners[learner][0]].model
+        if self.kl_coef > 0:
+            self.build_references()
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
@@ -127,11 +115,8 @@ class EpisodicModule(AgentTeamModule):
 
     @torch.no_grad()
     def reference_logprobs(self, batch: EpisodeBatch, learner: int) -> torch.Tensor:
-        if self.references is not None:
-            return self.chunked(lambda ids, mask: sequence_logprobs(self.references[learner], ids, mask), batch)
-        model = self.model_of(learner)
-        with model.disable_adapter():
-            return self.chunked(lambda ids, mask: sequence_logprobs(model, ids, mask), batch)
+        with self.reference_model(learner) as reference:
+            return self.chunked(lambda ids, mask: sequence_logprobs(reference, ids, mask), batch)
 
     @torch.no_grad()
     def prepare(self, batch: EpisodeBatch, learner: int) -> TrajectorySamples:
@@ -159,18 +144,14 @@ class EpisodicModule(AgentTeamModule):
         """Summed over this micro-batch's action tokens."""
         logprobs, outputs = self.forward(samples, learner)
         mask = samples.loss_mask.float()
-        ratio = (logprobs - samples.old_logprobs).exp()
-        clipped = ratio.clamp(1 - self.clip_range, 1 + self.clip_range)
-        surrogate = -torch.minimum(ratio * samples.advantages, clipped * samples.advantages)
-        loss = (surrogate * mask).sum()
+        loss = (clipped_surrogate(logprobs, samples.old_logprobs, samples.advantages, self.clip_range) * mask).sum()
         if samples.ref_logprobs is not None:
-            delta = samples.ref_logprobs - logprobs
-            loss = loss + self.kl_coef * ((delta.exp() - delta - 1) * mask).sum()
+            loss = loss + self.kl_coef * (k3_kl(samples.ref_logprobs - logprobs) * mask).sum()
         loss = loss + self.extra_loss(samples, outputs, learner)
         with torch.no_grad():
             log_ratio = logprobs - samples.old_logprobs
-            stats["approx_kl"] += float((((ratio - 1) - log_ratio) * mask).sum())
-            stats["clip_frac"] += float((((ratio - 1).abs() > self.clip_range).float() * mask).sum())
+            stats["approx_kl"] += float((k3_kl(log_ratio) * mask).sum())
+            stats["clip_frac"] += float((clip_fraction(log_ratio, self.clip_range) * mask).sum())
             stats["tokens"] += float(mask.sum())
         return loss
 

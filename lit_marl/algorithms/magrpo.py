@@ -7,16 +7,15 @@ Each agent then takes one policy-gradient step on its own samples with its own o
 
 from __future__ import annotations
 
-import copy
-from typing import Literal
-
 import torch
-from torch import nn
 
-from lit_marl import ConfigError
-from lit_marl.algorithms.base import AgentTeamModule, Timer
-from lit_marl.callbacks.buffer_flush import BufferFlush
-from lit_marl.generation import Generation, completion_logprobs
+from lit_marl.algorithms.base import AgentTeamModule
+from lit_marl.fields import NonNegativeFloat, PositiveFloat, PositiveInt, check_fields
+from lit_marl.generation import Generation
+from lit_marl.logprobs import completion_logprobs
+from lit_marl.losses import Reduction, k3_kl, masked_sum, reinforce
+from lit_marl.metrics import Timer
+from lit_marl.parallel.collectives import all_ranks_max
 from lit_marl.returns import AdvantageMode, group_advantages
 from lit_marl.rollout.batch import AgentSamples, RolloutBatch
 from lit_marl.rollout.buffer import RolloutBuffer, minibatches
@@ -27,11 +26,11 @@ class MAGRPO(AgentTeamModule):
         self,
         advantage_mode: AdvantageMode = "mean",
         advantage_normalization: bool = True,
-        advantage_std_floor: float = 1e-3,
-        logprob_reduction: Literal["sum", "mean"] = "sum",
-        rollout_buffer_size: int | None = None,
-        train_batch_size: int | None = None,
-        reference_kl_coef: float = 0.0,
+        advantage_std_floor: PositiveFloat = 1e-3,
+        logprob_reduction: Reduction = "sum",
+        rollout_buffer_size: PositiveInt | None = None,
+        train_batch_size: PositiveInt | None = None,
+        reference_kl_coef: NonNegativeFloat = 0.0,
         **kwargs,
     ):
         """
@@ -42,26 +41,18 @@ class MAGRPO(AgentTeamModule):
             advantage_std_floor: Lower bound of that std.
             logprob_reduction: REINFORCE on the ``sum`` of a response's token log-probs (the
                 sequence log-likelihood) or on their ``mean`` (length-normalized).
-            rollout_buffer_size: An update fires when each agent's buffer holds this many samples
-                (tree nodes); None: after every training step. What is left at the end of an epoch
-                is used by the BufferFlush callback.
-            train_batch_size: Samples (nodes) per mini-batch, one optimizer step each, mini-batches
-                grouped by turn and shuffled; None: the whole buffer in one step.
+            rollout_buffer_size: An update fires when each agent's buffer holds this many groups (tree
+                nodes); None: after every training step. What is left at the end of an epoch is used then.
+            train_batch_size: Groups per mini-batch - a group is the samples that share a baseline, here
+                a tree node's G responses - one optimizer step each, mini-batches grouped by turn and
+                shuffled; None: the whole buffer in one step.
             reference_kl_coef: Weight of the KL to the reference policy (the initial weights; with
                 LoRA the base model with adapters disabled, no copy), estimated per response as the
                 summed k3 estimate and subtracted from the agent's reward before returns.
             **kwargs: The team's settings (model, lora, learning_rate, ...): see ``AgentTeamModule``.
         """
         super().__init__(**kwargs)
-        if advantage_mode not in ("mean", "raw", "max", "rloo"):
-            raise ConfigError(f"model.advantage_mode={advantage_mode!r}: choose mean, raw, max or rloo")
-        if logprob_reduction not in ("sum", "mean"):
-            raise ConfigError(f"model.logprob_reduction={logprob_reduction!r}: choose sum or mean")
-        if not advantage_std_floor > 0:
-            raise ConfigError(f"model.advantage_std_floor={advantage_std_floor}: must be > 0")
-        for name, value in (("rollout_buffer_size", rollout_buffer_size), ("train_batch_size", train_batch_size)):
-            if value is not None and value < 1:
-                raise ConfigError(f"model.{name}={value}: must be at least 1 (or null)")
+        check_fields("model", MAGRPO.__init__, locals())
         # kept as attributes: under LightningCLI, hparams hold only the keys the config gave, and the
         # named variants (MARLOO, ...) fix advantage_mode without exposing it
         self.advantage_mode = advantage_mode
@@ -70,20 +61,15 @@ class MAGRPO(AgentTeamModule):
         self.logprob_reduction = logprob_reduction
         self.rollout_buffer_size = rollout_buffer_size
         self.train_batch_size = train_batch_size
-        if reference_kl_coef < 0:
-            raise ConfigError(f"model.reference_kl_coef={reference_kl_coef}: must be >= 0")
         self.reference_kl_coef = reference_kl_coef
-        self.references: nn.ModuleList | None = None
         if reference_kl_coef > 0:
             self.response_penalty = self.reference_kl
         self.rollout_buffers = [RolloutBuffer() for _ in range(self.hparams.num_agents)]
 
     def build_models(self) -> None:
         super().build_models()
-        if self.reference_kl_coef > 0 and self.lora is None and self.references is None:
-            self.references = nn.ModuleList(
-                copy.deepcopy(self.agents[roles[0]].model).requires_grad_(False) for roles in self.learners
-            )
+        if self.reference_kl_coef > 0:
+            self.build_references()
 
     @torch.no_grad()
     def reference_kl(self, index: int, gen: Generation) -> torch.Tensor:
@@ -95,18 +81,10 @@ class MAGRPO(AgentTeamModule):
         groups = torch.arange(len(input_ids), device=input_ids.device) // gen.num_samples
         args = (input_ids, attention_mask, gen.completion_ids.shape[1], groups)
         logprobs = completion_logprobs(model, *args)
-        if self.references is not None:
-            learner = next(n for n, roles in enumerate(self.learners) if index in roles)
-            ref_logprobs = completion_logprobs(self.references[learner], *args)
-        else:
-            with model.disable_adapter():
-                ref_logprobs = completion_logprobs(model, *args)
-        delta = ref_logprobs - logprobs
-        k3 = (delta.exp() - delta - 1) * gen.completion_mask
+        with self.reference_model(self.learner_of(index)) as reference:
+            ref_logprobs = completion_logprobs(reference, *args)
+        k3 = k3_kl(ref_logprobs - logprobs) * gen.completion_mask
         return self.reference_kl_coef * k3.sum(-1)
-
-    def configure_callbacks(self):
-        return [BufferFlush()]
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
@@ -125,18 +103,15 @@ class MAGRPO(AgentTeamModule):
         logprobs = completion_logprobs(
             model, samples.input_ids, samples.attention_mask, samples.num_completion, prompt_groups=samples.group_ids
         )
-        mask = samples.completion_mask.float()
-        seq_logprob = (logprobs * mask).sum(-1)
-        if self.logprob_reduction == "mean":
-            seq_logprob = seq_logprob / mask.sum(-1).clamp(min=1)
-        return -(samples.advantages * seq_logprob).sum()
+        seq_logprob = masked_sum(logprobs, samples.completion_mask, self.logprob_reduction)
+        return reinforce(seq_logprob, samples.advantages).sum()
 
     def rl_step(self, batch: RolloutBatch, batch_idx: int) -> None:
         self.buffer_step(batch, [samples.with_advantages(self.advantages(samples)) for samples in batch.agents])
 
     def flush_buffers(self) -> None:
         """Update every learner on all samples in its roles' buffers, one optimizer step per mini-batch."""
-        if not self.all_ranks_max(len(self.rollout_buffers[0])):
+        if not all_ranks_max(len(self.rollout_buffers[0]), self.device):
             return
         with Timer() as train_time:
             for index, roles in enumerate(self.learners):

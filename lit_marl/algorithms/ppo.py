@@ -12,20 +12,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from lit_marl import ConfigError
+from lit_marl.algorithms.critics import ValueHead, load_critic_backbone
 from lit_marl.algorithms.episodic import EpisodicModule
-from lit_marl.models import load_model_and_tokenizer
+from lit_marl.fields import ClosedUnitInterval, NonNegativeFloat, PositiveFloat, PositiveInt, check_fields
+from lit_marl.losses import explained_variance, value_loss
+from lit_marl.parallel.collectives import whiten
 from lit_marl.returns import token_gae, turn_gae
-
-
-class ValueHead(nn.Module):
-    """MLP -> tanh -> scalar on a hidden state."""
-
-    def __init__(self, hidden_size: int):
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(hidden_size, hidden_size), nn.Tanh(), nn.Linear(hidden_size, 1))
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.net(hidden.float()).squeeze(-1)
 
 
 class PPO(EpisodicModule):
@@ -35,11 +27,11 @@ class PPO(EpisodicModule):
         critic_model: str | None = None,
         critic_learning_rate: float | None = None,
         gae: Literal["token", "turn"] = "token",
-        gae_lambda: float = 0.95,
-        value_loss_coef: float = 0.5,
-        value_clip_range: float | None = 0.2,
+        gae_lambda: ClosedUnitInterval = 0.95,
+        value_loss_coef: NonNegativeFloat = 0.5,
+        value_clip_range: PositiveFloat | None = 0.2,
         advantage_normalization: bool = True,
-        ppo_epochs: int = 2,
+        ppo_epochs: PositiveInt = 2,
         **kwargs,
     ):
         """
@@ -57,12 +49,7 @@ class PPO(EpisodicModule):
             **kwargs: The shared settings of ``EpisodicModule`` (model, clip_range, discount, kl_coef, ...).
         """
         super().__init__(ppo_epochs=ppo_epochs, **kwargs)
-        if critic not in ("head", "model"):
-            raise ConfigError(f"model.critic={critic!r}: choose head or model")
-        if gae not in ("token", "turn"):
-            raise ConfigError(f"model.gae={gae!r}: choose token or turn")
-        if not 0 <= gae_lambda <= 1:
-            raise ConfigError(f"model.gae_lambda={gae_lambda}: must be in [0, 1]")
+        check_fields("model", PPO.__init__, locals())
         if critic == "head" and critic_model is not None:
             raise ConfigError("model.critic_model is for critic: model; a value head lives on the policy")
         self.critic_kind, self.critic_source = critic, critic_model
@@ -77,18 +64,9 @@ class PPO(EpisodicModule):
         super().build_models()
         if self.value_heads is not None:
             return
-        actor = self.agents[0]
         if self.critic_kind == "model":
-            backbones = []
-            for _ in self.learners:
-                backbone, tokenizer = load_model_and_tokenizer(self.critic_source or self.sources[0])
-                if tokenizer.get_vocab() != actor.tokenizer.get_vocab():
-                    raise ConfigError(
-                        f"model.critic_model={self.critic_source!r} has another tokenizer than the policy: the "
-                        "critic reads the policy's token ids"
-                    )
-                backbones.append(backbone)
-            self.critic_backbones = nn.ModuleList(backbones)
+            source = self.critic_source or self.sources[0]
+            self.critic_backbones = nn.ModuleList(load_critic_backbone(source, self.agents[:1]) for _ in self.learners)
         hidden = [
             (self.critic_backbones[i] if self.critic_backbones else self.model_of(i)).config.hidden_size
             for i in range(len(self.learners))
@@ -142,22 +120,16 @@ class PPO(EpisodicModule):
             value_mask[rows, first[rows, turns]] = 1.0
             returns[rows, first[rows, turns]] = turn_ret[rows, turns]
         if self.advantage_normalization:
-            advantages = self.whiten(advantages, mask)
+            advantages = whiten(advantages, mask)
         returns_v, values_v = returns[value_mask.bool()], values[value_mask.bool()]
         self.log("train/value_mean", values_v.mean(), batch_size=len(values))
-        explained = 1 - (returns_v - values_v).var() / returns_v.var().clamp(min=1e-8)
-        self.log("train/explained_variance", explained, batch_size=len(values))
+        self.log("train/explained_variance", explained_variance(returns_v, values_v), batch_size=len(values))
         return {**samples, "advantages": advantages, "returns": returns, "old_values": values, "value_mask": value_mask}
 
     def extra_loss(self, samples, values, learner) -> torch.Tensor:
-        """0.5 x (value - return)^2 on the value positions, clipped around the old value (PPO2)."""
-        error = (values - samples.returns) ** 2
-        if self.value_clip_range is not None:
-            clipped = samples.old_values + (values - samples.old_values).clamp(
-                -self.value_clip_range, self.value_clip_range
-            )
-            error = torch.maximum(error, (clipped - samples.returns) ** 2)
-        return self.value_loss_coef * 0.5 * (error * samples.value_mask).sum()
+        """0.5 x (value - return)^2 summed over the value positions, clipped around the old value (PPO2)."""
+        mean = value_loss(values, samples.old_values, samples.returns, samples.value_mask, self.value_clip_range)
+        return self.value_loss_coef * 0.5 * mean * samples.value_mask.sum()
 
 
 class _Rows:

@@ -1,30 +1,18 @@
 """Supervised fine-tuning on demonstrations: multi-turn chats, per agent, the loss on the agents' own
 tokens only (every assistant turn, or only the last: ``data.demo_loss_on``).
 
-The step itself lives in the shared base (``AgentTeamModule.sft_step``) because every RL algorithm
-runs it too during the SFT phase of an SFT→RL run (``callbacks.PhaseSwitch``); this module is the
-SFT-only run: ``lit-marl fit`` with ``model: lit_marl.algorithms.SFT`` and a data module with
-``demo_path``. Demonstrations are rendered exactly as RL renders episodes (``lit_marl/demos.py``),
-so the weights SFT leaves are scored by RL on the same token sequences.
+The step itself lives in the shared base (``AgentTeamModule.sft_step``, its loss ``sft_loss``)
+because every RL algorithm runs it too during the SFT phase of an SFT→RL run
+(``callbacks.PhaseSwitch``); this module is the SFT-only run: ``lit-marl fit`` with
+``model: lit_marl.algorithms.SFT`` and a data module with ``demo_path``. Demonstrations are
+rendered exactly as RL renders episodes (``lit_marl/rollout/demos.py``), so the weights SFT leaves
+are scored by RL on the same token sequences.
 """
 
 from __future__ import annotations
 
-import torch
-
 from lit_marl import ConfigError
 from lit_marl.algorithms.base import AgentTeamModule
-from lit_marl.demos import DemoSamples
-from lit_marl.generation import completion_logprobs
-
-
-def sft_loss(model: torch.nn.Module, samples: DemoSamples) -> torch.Tensor:
-    """Negative log-likelihood summed over the masked (assistant) tokens. The LM head runs only from
-    the first target column on: a single-turn demonstration's prompt is most of its sequence."""
-    first = int(samples.loss_mask.float().argmax(dim=-1).min())  # a row without targets gives 0: all columns
-    first = max(first, 1)  # token 0 has no context to be predicted from
-    logprobs = completion_logprobs(model, samples.input_ids, samples.attention_mask, samples.input_ids.shape[1] - first)
-    return -(logprobs * samples.loss_mask[:, first:]).sum()
 
 
 class SFT(AgentTeamModule):

@@ -5,6 +5,9 @@ for free and an episode is one branch. Per task it gives every agent a first pro
 scores all joint actions of all open nodes in ONE batched call (rewards plus per-level metrics),
 and builds the next prompts of all branches in ONE batched call. CoMLRL's pair "reward function +
 external transition" is exactly this (``FunctionEnv``); code tasks are ``envs.code.CodeEnv``.
+
+The reward-call contract (``call_reward``) is the env's too: what a reward function may return,
+how a raising or NaN reward is reported or skipped, is checked here, once, for every rollout.
 """
 
 from __future__ import annotations
@@ -13,11 +16,17 @@ import copy
 import functools
 import inspect
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
 
 from lit_marl import ConfigError
+from lit_marl.tasks import load_tasks, template_fields
+
+RewardFn = Callable[..., Sequence[float] | Mapping[str, Sequence[float]]]
 
 
 class JointEnv(ABC):
@@ -30,8 +39,6 @@ class JointEnv(ABC):
 
     def load_tasks(self, source: str, field: str) -> list[dict]:
         """Task rows of ``source`` (a file path by default; an env may know dataset names)."""
-        from lit_marl.data import load_tasks
-
         return load_tasks(source, field, self.required_fields())
 
     def required_fields(self) -> set[str]:
@@ -68,9 +75,14 @@ class JointEnv(ABC):
     def has_transition(self) -> bool:
         return type(self).transition is not JointEnv.transition
 
+    @property
+    def transition_name(self) -> str:
+        """How errors name the transition."""
+        return type(self).transition.__qualname__
+
     def demonstration(self, task: dict) -> list[list[dict]]:
         """An expert trajectory of ``task`` for SFT: one chat per agent, the env's prompts as user
-        messages and the expert's replies as assistant messages (``lit_marl/demos.py``;
+        messages and the expert's replies as assistant messages (``lit_marl/rollout/demos.py``;
         ``scripts/make_demos.py`` writes them). Environments that have an expert implement it."""
         raise NotImplementedError(f"{type(self).__name__} has no expert: it cannot yield demonstrations")
 
@@ -86,8 +98,6 @@ class FunctionEnv(JointEnv):
         transition_kwargs: dict | None = None,
         batched_transition: bool = False,
     ):
-        from lit_marl.data import template_fields
-
         self.agent_prompts = list(agent_prompts)
         self.reward_fn = reward_fn
         self.batched_transition = batched_transition
@@ -118,6 +128,10 @@ class FunctionEnv(JointEnv):
     def has_transition(self) -> bool:
         return self.transition_fn is not None
 
+    @property
+    def transition_name(self) -> str:
+        return getattr(self.transition_fn.func, "__qualname__", repr(self.transition_fn.func))
+
     def transition(self, *, task, num_agents, **branches):
         """CoMLRL's transition interface has no ``task``: called once per branch, or once for all
         branches when it is ``batched_transition``."""
@@ -127,6 +141,96 @@ class FunctionEnv(JointEnv):
             self.transition_fn(num_agents=num_agents, **{key: values[b] for key, values in branches.items()})
             for b in range(len(task))
         ]
+
+
+# --------------------------------------------------------------------------- the reward-call contract
+class RewardError(ValueError):
+    """The reward function raised, or scored a joint action NaN/inf."""
+
+
+def _reward_once(reward_fn: RewardFn, agent_completions, tasks, turn, name) -> tuple[torch.Tensor, dict]:
+    try:
+        out = reward_fn(agent_completions=agent_completions, tasks=tasks)
+    except Exception as err:
+        raise RewardError(
+            f"reward function {name} raised {type(err).__name__}: {err} at turn {turn} on tasks {tasks[:3]!r:.300}"
+        ) from err
+    extra = {}
+    if isinstance(out, Mapping):
+        if "reward" not in out:
+            raise ValueError(f"reward function {name} returned a mapping without the key 'reward'")
+        extra = {k: v for k, v in out.items() if k != "reward"}
+        out = out["reward"]
+    try:
+        rewards = torch.as_tensor([list(r) if isinstance(r, Sequence) else r for r in out], dtype=torch.float32)
+    except (TypeError, ValueError) as err:
+        raise ValueError(
+            f"reward function {name} returned {out!r:.200}: give floats, or one list per joint action"
+        ) from err
+    num_agents = len(agent_completions)
+    if rewards.dim() == 0 or len(rewards) != len(tasks):
+        count = 0 if rewards.dim() == 0 else len(rewards)
+        raise ValueError(
+            f"reward function {name} returned {count} rewards for {len(tasks)} joint actions at turn {turn}"
+        )
+    if rewards.dim() > 2 or (rewards.dim() == 2 and rewards.shape[1] != num_agents):
+        raise ValueError(
+            f"reward function {name} returned rewards of shape {tuple(rewards.shape)} at turn {turn}: give one float "
+            f"(joint reward) or {num_agents} floats (one per agent) for each joint action"
+        )
+    return rewards, extra
+
+
+def call_reward(
+    reward_fn: RewardFn,
+    agent_completions: list[list[str]],
+    tasks: list[dict],
+    turn: int = 0,
+    on_error: Literal["raise", "skip"] = "raise",
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """One batched call; returns the rewards and the mean of each extra metric it reported.
+
+    A reward function returns one float per joint action (a joint reward, shared by the agents) or
+    one list of ``num_agents`` floats per joint action (per-agent rewards: ``[J]`` or ``[J, N]``
+    comes back), or a mapping with key ``reward`` holding either and further per-joint-action
+    metrics (e.g. the levels of a level-based reward).
+
+    ``on_error="raise"`` stops on a reward that raises or is NaN/inf, naming the task and turn.
+    ``"skip"`` isolates the culprits (after a raising batch call, one call per joint action),
+    returns NaN for them and reports their fraction as ``skipped_reward_frac``; the tree then gives them
+    a neutral reward.
+    """
+    name = getattr(reward_fn, "__qualname__", repr(reward_fn))
+    try:
+        rewards, extra = _reward_once(reward_fn, agent_completions, tasks, turn, name)
+    except RewardError:
+        if on_error == "raise":
+            raise
+        scored = []
+        for j in range(len(tasks)):
+            one = [a[j : j + 1] for a in agent_completions]
+            try:
+                scored.append(_reward_once(reward_fn, one, tasks[j : j + 1], turn, name)[0][0])
+            except RewardError:
+                scored.append(None)
+        width = next((r.shape for r in scored if r is not None), ())
+        rewards = torch.stack([torch.full(width, float("nan")) if r is None else r for r in scored])
+        extra = {}
+    bad = ~torch.isfinite(rewards) if rewards.dim() == 1 else ~torch.isfinite(rewards).all(dim=1)
+    if bad.any() and on_error == "raise":
+        examples = [tasks[i] for i in torch.nonzero(bad).flatten().tolist()[:3]]
+        raise RewardError(
+            f"reward function {name} returned a non-finite reward (NaN/inf) at turn {turn}, e.g. for tasks "
+            f"{examples!r:.300}; set data.on_reward_error=skip to skip such samples instead"
+        )
+    metrics = {}
+    for key, values in extra.items():
+        values = torch.as_tensor(list(values), dtype=torch.float32)
+        metrics[key] = float(values[~bad].mean()) if (~bad).any() else 0.0
+    if on_error == "skip":
+        metrics["skipped_reward_frac"] = float(bad.float().mean())
+    bad = bad.view(-1, *([1] * (rewards.dim() - 1)))
+    return torch.where(bad, torch.full_like(rewards, float("nan")), rewards), metrics
 
 
 # --------------------------------------------------------------------------- stateful environments
@@ -199,17 +303,6 @@ def register(name: str):
         return cls
 
     return add
-
-
-def make_env(name: str, kwargs: dict | None = None, field_name: str = "data.env") -> Env:
-    if name not in REGISTRY:
-        import lit_marl.envs  # noqa: F401  (registers the built-in environments)
-    if name not in REGISTRY:
-        raise ConfigError(f"{field_name}={name!r}: not a registered environment; choose one of {sorted(REGISTRY)}")
-    try:
-        return REGISTRY[name](**(kwargs or {}))
-    except TypeError as err:
-        raise ConfigError(f"{field_name}_kwargs={kwargs!r} do not fit environment {name!r}: {err}") from err
 
 
 def step_all(envs: list[Env], actions: list[list[str]], pool: ThreadPoolExecutor | None = None) -> list[StepResult]:

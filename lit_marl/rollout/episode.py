@@ -103,28 +103,58 @@ class _Live:
     truncated: bool = False
 
 
+@dataclass(frozen=True)
+class EpisodeSettings:
+    """How episodes are played; the data module builds one from its settings (``EpisodeDataModule``
+    documents each field). ``group_size`` episodes per task start from the same state."""
+
+    group_size: int = 1
+    max_turns: int = 8
+    max_new_tokens: int = 32
+    max_context_tokens: int = 2048
+    temperature: float = 1.0
+    top_p: float = 1.0
+    greedy: bool = False
+
+
 def run_episodes(
     agents: list[Agent],
     tasks: list[dict],
     make_env: Callable[[], Env],
-    group_size: int = 1,
-    max_turns: int = 8,
-    max_new_tokens: int = 32,
-    max_context_tokens: int = 2048,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    greedy: bool = False,
+    settings: EpisodeSettings = EpisodeSettings(),
     pool: ThreadPoolExecutor | None = None,
     engine: Engine | None = None,
 ) -> list[EpisodeBatch]:
-    """``group_size`` episodes per task from the same start; one batch per agent (agent i's own
-    token sequences: its observations and its replies), sharing the outcome fields. Agents that are
-    one model (a parameter-shared team) generate in one batched call per turn; ``engine``
+    """``settings.group_size`` episodes per task from the same start; one batch per agent (agent i's
+    own token sequences: its observations and its replies), sharing the outcome fields. Agents that
+    are one model (a parameter-shared team) generate in one batched call per turn; ``engine``
     generates (default: ``auto``)."""
     start = time.perf_counter()
     engine = engine or make_engine("auto")
+    episodes = _start(agents, [task for task in tasks for _ in range(settings.group_size)], make_env, settings, pool)
+    clock = dict.fromkeys(("generate_s", "env_s", "generated"), 0.0)
+    for turn in range(settings.max_turns):
+        live = [e for e in episodes if not e.done]
+        if not live:
+            break
+        _play_turn(agents, live, turn, settings, engine, pool, clock)
+    steps = sum(len(e.scores) for e in episodes)
+    seconds = time.perf_counter() - start
+    stats = {
+        "time/generate_s": clock["generate_s"],
+        "time/env_s": clock["env_s"],
+        "time/rollout_s": seconds,
+        "rollout/generated_tokens": float(clock["generated"]),
+        "rollout/tokens_per_s": clock["generated"] / max(clock["generate_s"], 1e-9),
+        "rollout/env_steps": float(steps),
+        "rollout/env_steps_per_s": steps / max(seconds, 1e-9),
+    }
+    return _batches(agents, episodes, len(tasks), settings.group_size, stats)
+
+
+def _start(agents, rows: list[dict], make_env, settings: EpisodeSettings, pool) -> list[_Live]:
+    """One environment per episode, reset on its task; each agent's first observation encoded."""
     n = len(agents)
-    rows = [task for task in tasks for _ in range(group_size)]
     episodes = [
         _Live(make_env(), [[] for _ in agents], [[] for _ in agents], [[] for _ in agents], [[] for _ in agents])
         for _ in rows
@@ -140,58 +170,64 @@ def run_episodes(
         for i, agent in enumerate(agents):
             e.ids[i] = agent.encode_prompt(observations[i])
             e.mask[i] = [0] * len(e.ids[i])
-            if len(e.ids[i]) + max_new_tokens > max_context_tokens:
+            if len(e.ids[i]) + settings.max_new_tokens > settings.max_context_tokens:
                 raise ValueError(
                     f"the first observation takes {len(e.ids[i])} tokens: it leaves no room for a reply of "
-                    f"{max_new_tokens} within max_context_tokens={max_context_tokens}"
+                    f"{settings.max_new_tokens} within max_context_tokens={settings.max_context_tokens}"
                 )
-    generate_s = env_s = 0.0
-    generated = 0
-    for turn in range(max_turns):
-        live = [e for e in episodes if not e.done]
-        if not live:
-            break
-        t0 = time.perf_counter()
-        texts: list[list[str]] = [[""] * n for _ in live]  # [episode][agent]
-        closed: list[list[bool]] = [[True] * n for _ in live]
-        groups = roles_by_model(agents)  # ONE batched generation per model and turn, the models together
-        calls = [(agents[roles[0]], [e.ids[i] for i in roles for e in live], 1) for roles in groups]
-        outputs = engine.generate_team(calls, max_new_tokens, temperature, top_p, greedy)
-        for roles, out in zip(groups, outputs):
-            agent = agents[roles[0]]
-            decoded = agent.decode(out.completion_ids, out.completion_mask)
-            for k, (ids, m) in enumerate(zip(out.completion_ids, out.completion_mask)):
-                i, b = roles[k // len(live)], k % len(live)
-                e, reply = live[b], ids[m.bool()].tolist()
-                e.ids[i] += reply
-                e.mask[i] += [1] * len(reply)
-                e.ends[i].append(len(e.ids[i]) - 1)
-                e.replies[i].append(decoded[k])
-                texts[b][i], closed[b][i] = decoded[k], reply[-1] == agent.eos_token_id
-                generated += len(reply)
-        t1 = time.perf_counter()
-        results: list[StepResult] = step_all([e.env for e in live], texts, pool)
-        t2 = time.perf_counter()
-        for e, result, was_closed in zip(live, results, closed):
-            e.info = result.info
-            e.scores.append(float(result.info["score"]))
-            if result.terminated or result.truncated or turn == max_turns - 1:
-                e.done, e.truncated = True, not result.terminated
-                continue
-            segments = [a.chat_continuation(o, c) for a, o, c in zip(agents, result.observations, was_closed)]
-            if any(len(ids) + len(seg) + max_new_tokens > max_context_tokens for ids, seg in zip(e.ids, segments)):
-                e.done = e.truncated = True  # the overflow policy: end as truncated, keep its reward
-                continue
-            for i, seg in enumerate(segments):
-                e.ids[i] += seg
-                e.mask[i] += [0] * len(seg)
-        generate_s += t1 - t0
-        env_s += t2 - t1
+    return episodes
+
+
+def _play_turn(agents, live: list[_Live], turn: int, settings: EpisodeSettings, engine, pool, clock: dict) -> None:
+    """ONE batched generation per model over the live episodes (the models together), then every
+    environment steps (in parallel); the next observations are appended, or the episode ends."""
+    n = len(agents)
+    t0 = time.perf_counter()
+    texts: list[list[str]] = [[""] * n for _ in live]  # [episode][agent]
+    closed: list[list[bool]] = [[True] * n for _ in live]
+    groups = roles_by_model(agents)
+    calls = [(agents[roles[0]], [e.ids[i] for i in roles for e in live], 1) for roles in groups]
+    outputs = engine.generate_team(
+        calls, settings.max_new_tokens, settings.temperature, settings.top_p, settings.greedy
+    )
+    for roles, out in zip(groups, outputs):
+        agent = agents[roles[0]]
+        decoded = agent.decode(out.completion_ids, out.completion_mask)
+        for k, (ids, m) in enumerate(zip(out.completion_ids, out.completion_mask)):
+            i, b = roles[k // len(live)], k % len(live)
+            e, reply = live[b], ids[m.bool()].tolist()
+            e.ids[i] += reply
+            e.mask[i] += [1] * len(reply)
+            e.ends[i].append(len(e.ids[i]) - 1)
+            e.replies[i].append(decoded[k])
+            texts[b][i], closed[b][i] = decoded[k], reply[-1] == agent.eos_token_id
+            clock["generated"] += len(reply)
+    t1 = time.perf_counter()
+    results: list[StepResult] = step_all([e.env for e in live], texts, pool)
+    t2 = time.perf_counter()
+    for e, result, was_closed in zip(live, results, closed):
+        e.info = result.info
+        e.scores.append(float(result.info["score"]))
+        if result.terminated or result.truncated or turn == settings.max_turns - 1:
+            e.done, e.truncated = True, not result.terminated
+            continue
+        segments = [a.chat_continuation(o, c) for a, o, c in zip(agents, result.observations, was_closed)]
+        budget = settings.max_context_tokens - settings.max_new_tokens
+        if any(len(ids) + len(seg) > budget for ids, seg in zip(e.ids, segments)):
+            e.done = e.truncated = True  # the overflow policy: end as truncated, keep its reward
+            continue
+        for i, seg in enumerate(segments):
+            e.ids[i] += seg
+            e.mask[i] += [0] * len(seg)
+    clock["generate_s"] += t1 - t0
+    clock["env_s"] += t2 - t1
+
+
+def _batches(agents, episodes: list[_Live], num_tasks: int, group_size: int, stats: dict) -> list[EpisodeBatch]:
+    """One left-padded batch per agent, the outcome fields shared."""
     T = max(len(e.scores) for e in episodes)
     scores = torch.tensor([e.scores + [e.scores[-1]] * (T - len(e.scores)) for e in episodes])
     info = [e.info for e in episodes]
-    steps = sum(len(e.scores) for e in episodes)
-    seconds = time.perf_counter() - start
     shared = dict(
         scores=scores,
         won=torch.tensor([bool(i["won"]) for i in info]),
@@ -199,16 +235,8 @@ def run_episodes(
         truncated=torch.tensor([e.truncated for e in episodes]),
         max_score=torch.tensor([float(i["max_score"]) for i in info]),
         num_turns=torch.tensor([len(e.scores) for e in episodes]),
-        group_ids=torch.arange(len(tasks)).repeat_interleave(group_size),
-        stats={
-            "time/generate_s": generate_s,
-            "time/env_s": env_s,
-            "time/rollout_s": seconds,
-            "rollout/generated_tokens": float(generated),
-            "rollout/tokens_per_s": generated / max(generate_s, 1e-9),
-            "rollout/env_steps": float(steps),
-            "rollout/env_steps_per_s": steps / max(seconds, 1e-9),
-        },
+        group_ids=torch.arange(num_tasks).repeat_interleave(group_size),
+        stats=stats,
     )
     batches = []
     for i, agent in enumerate(agents):

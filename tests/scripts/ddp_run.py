@@ -29,10 +29,11 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from helpers import make_trainer, slogan_data  # noqa: E402
 from lit_marl.algorithms import IAC, MAAC, MAGRPO  # noqa: E402
 from lit_marl.callbacks import HeldOutEvaluation  # noqa: E402
-from lit_marl.data import RolloutDataModule, TaskLoader  # noqa: E402
+from lit_marl.data import RolloutDataModule  # noqa: E402
 from lit_marl.envs.slogan import reward as slogan_reward  # noqa: E402
+from lit_marl.parallel.strategies import TeamDDPStrategy, TeamFSDPStrategy  # noqa: E402
 from lit_marl.rollout.batch import AgentSamples, RolloutBatch  # noqa: E402
-from lit_marl.strategies import TeamDDPStrategy, TeamFSDPStrategy  # noqa: E402
+from lit_marl.tasks import TaskLoader  # noqa: E402
 
 
 def key(task: dict) -> str:
@@ -53,6 +54,8 @@ def data_kwargs(algorithm: str, tasks_per_step: int) -> dict:
 
 def build(out: Path, algorithm: str, tasks_per_step: int, steps: int) -> None:
     """Per task, one sampled tree; the first half of every step's tasks (rank 0's) stops early."""
+    import copy
+
     from lit_marl.agents import Agent
     from lit_marl.rollout.tree import build_tree
 
@@ -71,22 +74,12 @@ def build(out: Path, algorithm: str, tasks_per_step: int, steps: int) -> None:
 
     torch.manual_seed(0)
     agents = [Agent("tiny-random"), Agent("tiny-random")]
-    hp = data.hparams
+    env = copy.copy(data.env)  # the data's prompts and transition, scored by the reward above
+    env.reward_fn = reward
     rollouts = {}
     for i in order[: steps * tasks_per_step]:
         task = data.train_tasks[i]
-        batch = build_tree(
-            agents,
-            [task],
-            data.prompts_for([task]),
-            reward,
-            num_generations=hp.num_generations,
-            max_new_tokens=hp.max_new_tokens,
-            num_turns=hp.num_turns,
-            transition=data.env.transition,
-            batched_transition=True,
-            early_termination_threshold=hp.early_termination_threshold,
-        )
+        batch = build_tree(agents, [task], env, data.tree)
         rollouts[key(task)] = {"agents": [vars(s) for s in batch.agents], "rewards": batch.rewards}
     torch.save(rollouts, out / "rollouts.pt")
 

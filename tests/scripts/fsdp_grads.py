@@ -1,4 +1,4 @@
-"""Two ranks (gloo) shard one tiny model with ``lit_marl.fsdp.TeamShards`` and run different numbers
+"""Two ranks (gloo) shard one tiny model with ``lit_marl.parallel.fsdp.TeamShards`` and run different numbers
 of forward/backward passes, and generate different numbers of tokens, inside ``gathered()``; after
 ``reduce_gradients`` each rank's gradient shards must equal the gradients of one process that ran
 every pass. Writes OUT/report_rank{r}.json.
@@ -29,8 +29,8 @@ def worker(rank: int, world: int, folder: str, port: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from lit_marl.fsdp import TeamShards
     from lit_marl.models import load_model_and_tokenizer
+    from lit_marl.parallel.fsdp import TeamShards
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     dist.init_process_group("gloo", rank=rank, world_size=world)

@@ -27,7 +27,7 @@ from helpers import make_trainer, slogan_data  # noqa: E402
 from lit_marl.algorithms import IAC, MAGRPO  # noqa: E402
 from lit_marl.callbacks import StepCheckpoint  # noqa: E402
 from lit_marl.data import RolloutDataModule  # noqa: E402
-from lit_marl.strategies import TeamFSDPStrategy  # noqa: E402
+from lit_marl.parallel.strategies import TeamFSDPStrategy  # noqa: E402
 
 
 class Recorder(L.Callback):

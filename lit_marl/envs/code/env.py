@@ -30,10 +30,11 @@ from typing import Literal
 
 from lit_marl import ConfigError
 from lit_marl.envs.base import JointEnv
-from lit_marl.envs.code.demos import expert_codes
+from lit_marl.envs.code.canonical import expert_codes
 from lit_marl.envs.code.execution import ExecReport, TestCase, TestLimits, run_tests, split_tests
 from lit_marl.envs.code.expert import Expert
 from lit_marl.envs.code.problems import load_problems
+from lit_marl.fields import PositiveInt, check_fields
 
 
 @dataclass
@@ -170,7 +171,7 @@ class CodeEnv(JointEnv):
         weights: RewardWeights = RewardWeights(),
         test_limits: TestLimits = TestLimits(),
         expert: Expert | None = None,
-        max_workers: int | None = None,
+        max_workers: PositiveInt | None = None,
     ):
         """
         Args:
@@ -191,11 +192,10 @@ class CodeEnv(JointEnv):
                 OpenAI-compatible endpoint).
             max_workers: Programs tested at once (default: twice the CPU count).
         """
+        check_fields("data.env", CodeEnv.__init__, locals())
         self.roles = [
             Role(**r) if isinstance(r, dict) else r for r in (LAYOUTS[roles] if isinstance(roles, str) else roles)
         ]
-        if isinstance(roles, str) and roles not in LAYOUTS:
-            raise ConfigError(f"data.env.roles={roles!r}: choose {' or '.join(LAYOUTS)} or give a list of roles")
         if not self.roles:
             raise ConfigError("data.env.roles: give at least one role")
         if self.roles[-1].defines != "{entry_point}":
@@ -205,14 +205,8 @@ class CodeEnv(JointEnv):
             )
         if len({r.defines for r in self.roles}) != len(self.roles):
             raise ConfigError("data.env.roles: two roles define the same function")
-        if transition not in ("plain", "level_feedback", "expert_edits"):
-            raise ConfigError(f"data.env.transition={transition!r}: choose plain, level_feedback or expert_edits")
         if transition == "expert_edits" and expert is None:
             raise ConfigError("data.env.transition=expert_edits needs data.env.expert (a model or an endpoint)")
-        if isinstance(sandbox_slice, str) and sandbox_slice != "all":
-            raise ConfigError(f"data.env.sandbox_slice={sandbox_slice!r}: give an integer, 'all' or null")
-        if history not in ("last", "all", "none"):
-            raise ConfigError(f"data.env.history={history!r}: choose last, all or none")
         self.mode = transition
         self.sandbox_slice = sandbox_slice
         self.include_original_prompt = include_original_prompt

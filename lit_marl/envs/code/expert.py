@@ -16,6 +16,11 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import torch
+
+from lit_marl.agents import Agent
+from lit_marl.generation import generate
+
 EXPERT_PROMPT = (
     "You are an expert Python programmer reviewing a team's solution.\n\nTask:\n{prompt}\n\nTheir code:\n"
     "```python\n{code}\n```\n\nPropose the minimal edits that make it correct, as a short list of concrete "
@@ -52,11 +57,6 @@ class Expert:
             return list(pool.map(self._ask_endpoint, messages))
 
     def _local(self, messages: list[str]) -> list[str]:
-        import torch
-
-        from lit_marl.agents import Agent
-        from lit_marl.generation import generate
-
         if self._agent is None:
             self._agent = Agent(self.model)
             self._agent.model.requires_grad_(False)

@@ -20,6 +20,8 @@ import re
 from pathlib import Path
 
 from lit_marl import ConfigError
+from lit_marl.models import hub_offline
+from lit_marl.tasks import load_tasks
 
 HUB = {
     "mbpp": ("google-research-datasets/mbpp", "full", "test"),
@@ -78,9 +80,7 @@ def load_problems(source: str, field: str = "data.train_path") -> list[dict]:
 
         rows = list(read_problems().values())
     elif name in HUB:
-        from lit_marl.models import _hub_offline
-
-        if _hub_offline():
+        if hub_offline():
             raise ConfigError(
                 f"{field}={source!r} is read from the Hugging Face hub ({HUB[name][0]}), but the hub is offline "
                 "(HF_HUB_OFFLINE): give a local JSONL in the same schema instead"
@@ -90,8 +90,6 @@ def load_problems(source: str, field: str = "data.train_path") -> list[dict]:
         repo, config, split = HUB[name]
         rows = datasets.load_dataset(repo, config, split=split).to_list()
     elif Path(name).is_file():
-        from lit_marl.data import load_tasks
-
         rows = load_tasks(name, field, required=set())
     else:
         raise ConfigError(

@@ -28,6 +28,7 @@ import torch
 from lit_marl import ConfigError
 from lit_marl.agents import Agent
 from lit_marl.generation import left_pad
+from lit_marl.tasks import load_tasks
 
 LossOn = Literal["all", "last"]
 
@@ -126,8 +127,6 @@ def _where(row: dict) -> str:
 
 def load_demos(path: str, num_agents: int, field: str = "data.demo_path") -> list[dict]:
     """The demonstration rows of a JSONL/JSON/Parquet file, each checked for ``num_agents`` chats."""
-    from lit_marl.data import load_tasks
-
     rows = load_tasks(path, field, {"messages"}, needed_by="a demonstration")
     for row in rows:
         agent_chats(row, num_agents, f"{field}={path!r}, {_where(row)}")

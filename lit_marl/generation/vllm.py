@@ -26,8 +26,8 @@ from typing import Protocol
 import torch
 
 from lit_marl.agents import Agent
-from lit_marl.decoding import effective_state_dict
-from lit_marl.generation import Generation, generate_each, left_pad, mask_through_first
+from lit_marl.generation.base import Generation, generate_each, left_pad, mask_through_first
+from lit_marl.generation.decoder import effective_state_dict
 
 
 @dataclass

@@ -177,5 +177,5 @@ def check_shardable(module: nn.Module) -> None:
         raise ConfigError(
             "model.lora_shared_base=true with FSDP: the agents' adapters share one sharded base and their "
             "gradients would be reduced together; use model.lora_shared_base: false (one model per agent) or "
-            "trainer.strategy: lit_marl.strategies.TeamDDPStrategy"
+            "trainer.strategy: lit_marl.parallel.strategies.TeamDDPStrategy"
         )

@@ -10,7 +10,7 @@ decisions over all ranks. Everything else (process launch, torchrun/SLURM enviro
 process group: gloo on CPU, NCCL on GPUs, ``num_nodes``) is Lightning's ``DDPStrategy``.
 
     trainer:
-      strategy: {class_path: lit_marl.strategies.TeamDDPStrategy}
+      strategy: {class_path: lit_marl.parallel.strategies.TeamDDPStrategy}
       devices: 2
 """
 
@@ -29,10 +29,10 @@ class TeamFSDPStrategy(ModelParallelStrategy):
     """FSDP2 over all ranks: Lightning's ``ModelParallelStrategy`` with every rank in the
     data-parallel (sharding) dimension and no tensor parallelism. ``AgentTeamModule`` shards each
     model with ``fully_shard`` in ``configure_model``; how a team's uneven passes meet FSDP's
-    collectives is in ``lit_marl.fsdp``.
+    collectives is in ``lit_marl.parallel.fsdp``.
 
         trainer:
-          strategy: {class_path: lit_marl.strategies.TeamFSDPStrategy}
+          strategy: {class_path: lit_marl.parallel.strategies.TeamFSDPStrategy}
           devices: 2
     """
 

@@ -1,0 +1,141 @@
+"""Value heads and critic models, built once for the algorithms that learn a value: PPO on
+episodes, IAC and MAAC on joint trajectories. A critic is a value head on the actor's hidden
+states, or a head on a backbone of its own (a critic model, loaded here, checked to read the
+actors' token ids)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from lit_marl import ConfigError
+from lit_marl.generation import left_pad
+from lit_marl.models import load_model_and_tokenizer
+from lit_marl.rollout.batch import AgentSamples
+
+
+class ValueHead(nn.Module):
+    """MLP -> tanh -> scalar on a hidden state."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(hidden_size, hidden_size), nn.Tanh(), nn.Linear(hidden_size, 1))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.net(hidden.float()).squeeze(-1)
+
+
+CriticType = Literal["v", "q"]
+
+
+@dataclass
+class CriticInputs:
+    """What a critic model reads: token rows (left-padded) and the position of each row's value."""
+
+    input_ids: torch.Tensor  # [B, L]
+    attention_mask: torch.Tensor  # [B, L]
+    positions: torch.Tensor  # [B]
+    old_values: torch.Tensor | None = None  # [B]
+    targets: torch.Tensor | None = None  # [B]
+    turn_ids: torch.Tensor | None = None  # [B]
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, rows: torch.Tensor) -> "CriticInputs":
+        return CriticInputs(**{k: None if v is None else v[rows] for k, v in vars(self).items()})
+
+    @staticmethod
+    def cat(parts: list["CriticInputs"], pad_id: int) -> "CriticInputs":
+        """Rows of several parts (the roles one critic serves), re-left-padded to one width."""
+        if len(parts) == 1:
+            return parts[0]
+        width = max(p.input_ids.shape[1] for p in parts)
+        fields = {
+            "input_ids": torch.cat(
+                [nn.functional.pad(p.input_ids, (width - p.input_ids.shape[1], 0), value=pad_id) for p in parts]
+            ),
+            "attention_mask": torch.cat(
+                [nn.functional.pad(p.attention_mask, (width - p.attention_mask.shape[1], 0)) for p in parts]
+            ),
+            "positions": torch.cat([p.positions + width - p.input_ids.shape[1] for p in parts]),
+        }
+        for name in ("old_values", "targets", "turn_ids"):
+            values = [getattr(p, name) for p in parts]
+            fields[name] = None if any(v is None for v in values) else torch.cat(values)
+        return CriticInputs(**fields)
+
+
+def read_positions(samples: AgentSamples, critic_type: CriticType) -> torch.Tensor:
+    """Where V(h) (``v``: the last prompt token) or Q(h, a) (``q``: the last token of prompt +
+    response, the end token included) is read in each row of ``samples.input_ids``."""
+    prompt_width = samples.input_ids.shape[1] - samples.num_completion
+    if critic_type == "v":
+        return torch.full((len(samples),), prompt_width - 1, device=samples.input_ids.device)
+    return prompt_width - 1 + samples.completion_mask.sum(-1).clamp(min=1)
+
+
+def critic_inputs(samples: AgentSamples, critic_type: CriticType) -> CriticInputs:
+    """A separate critic model's view of one agent's rows (for ``v`` only the prompt: it is causal)."""
+    positions = read_positions(samples, critic_type)
+    end = int(positions.max()) + 1
+    return CriticInputs(samples.input_ids[:, :end], samples.attention_mask[:, :end], positions)
+
+
+def joint_critic_inputs(per_agent: list[AgentSamples], critic_type: CriticType, pad_id: int) -> CriticInputs:
+    """The joint state of each node for a centralized critic: every agent's prompt (``v``), or
+    every agent's prompt and response (``q``: the joint action), one after the other; the value is
+    read at the last token."""
+    ends = [read_positions(samples, critic_type) + 1 for samples in per_agent]
+    rows = []
+    for r in range(len(per_agent[0])):
+        joint: list[int] = []
+        for samples, end in zip(per_agent, ends):
+            ids, mask = samples.input_ids[r, : int(end[r])], samples.attention_mask[r, : int(end[r])]
+            joint += ids[mask.bool()].tolist()
+        rows.append(joint)
+    device = per_agent[0].input_ids.device
+    input_ids, attention_mask = left_pad(rows, pad_id, device)
+    positions = torch.full((len(rows),), input_ids.shape[1] - 1, device=device)
+    return CriticInputs(input_ids, attention_mask, positions)
+
+
+class Critic(nn.Module):
+    """A value head (MLP -> tanh -> scalar) on a backbone of its own (a critic model), or on the
+    actor's hidden states (``backbone`` None: the head is trained through the actor's loss)."""
+
+    def __init__(self, hidden_size: int, backbone: nn.Module | None = None):
+        super().__init__()
+        self.backbone = backbone
+        self.head = ValueHead(hidden_size)
+
+    def read(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden[torch.arange(len(positions), device=hidden.device), positions])
+
+    def forward(self, inputs: CriticInputs) -> torch.Tensor:
+        mask = inputs.attention_mask
+        out = self.backbone(
+            input_ids=inputs.input_ids,
+            attention_mask=mask,
+            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+            output_hidden_states=True,
+            logits_to_keep=1,  # only the hidden states are read
+            use_cache=False,
+        )
+        return self.read(out.hidden_states[-1], inputs.positions)
+
+
+def load_critic_backbone(source: str, agents: list, field: str = "model.critic_model") -> nn.Module:
+    """A critic model from ``source``; it must use the tokenizer of every agent in ``agents``, as it
+    reads their token ids."""
+    backbone, tokenizer = load_model_and_tokenizer(source)
+    for i, agent in enumerate(agents):
+        if tokenizer.get_vocab() != agent.tokenizer.get_vocab():
+            raise ConfigError(
+                f"{field}={source!r} has another tokenizer than agent {i} ({agent.source}): the critic reads the "
+                "actors' token ids; give a critic model with the same tokenizer"
+            )
+    return backbone

@@ -1,0 +1,55 @@
+"""transformers' ``generate`` behind the engine interface: any causal LM."""
+
+from __future__ import annotations
+
+import torch
+from transformers import GenerationConfig
+
+from lit_marl.agents import Agent
+from lit_marl.generation.base import Generation, generate_each, left_pad, mask_through_first
+
+
+@torch.no_grad()
+def generate(
+    agent: Agent,
+    prompts: list[list[int]],
+    num_samples: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    greedy: bool = False,
+) -> Generation:
+    model = agent.model
+    device = next(model.parameters()).device
+    repeated = [p for p in prompts for _ in range(num_samples)]
+    prompt_ids, prompt_mask = left_pad(repeated, agent.pad_token_id, device)
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=not greedy,
+        temperature=None if greedy else temperature,
+        top_p=None if greedy else top_p,
+        top_k=0,  # None would mean transformers' default of 50: samples must come from the policy
+        eos_token_id=agent.eos_token_id,
+        pad_token_id=agent.pad_token_id,
+    )
+    was_training = model.training
+    model.eval()
+    try:
+        out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config)
+    finally:
+        model.train(was_training)
+    completion_ids = out[:, prompt_ids.shape[1] :]
+    completion_mask = mask_through_first(completion_ids, agent.eos_token_id)
+    return Generation(prompt_ids, prompt_mask, completion_ids, completion_mask, num_samples)
+
+
+class HFEngine:
+    """transformers' ``generate``: any causal LM."""
+
+    name = "hf"
+
+    def generate(self, agent, prompts, num_samples, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False):
+        return generate(agent, prompts, num_samples, max_new_tokens, temperature, top_p, greedy)
+
+    def generate_team(self, calls, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False):
+        return generate_each(self, calls, max_new_tokens, temperature, top_p, greedy)

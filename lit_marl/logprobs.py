@@ -1,0 +1,109 @@
+"""The training forwards: log-probs of the tokens a policy produced, conditioned exactly as in
+generation (position ids from the attention mask, as ``generate`` computes them for left-padded
+prompts), with entropies or hidden states for a value head when asked. Engines return token ids
+only; every log-prob a loss uses is recomputed here, so an engine's numerics never enter a loss."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def completion_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    num_completion: int,
+    prompt_groups: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Log-probs ``[B, num_completion]`` of the last ``num_completion`` tokens of each row,
+    conditioned exactly as in generation.
+
+    Position ids come from the attention mask, as ``generate`` computes them for left-padded
+    prompts, and the LM head runs only on positions that predict completion tokens.
+
+    ``prompt_groups`` (one id per row; rows with the same id have the same prompt, e.g. the G
+    samples of one tree node) runs each distinct prompt once and shares its KV cache among its
+    rows, gradient included: the prompt is usually most of the sequence, so this cuts the training
+    forward/backward by up to G times.
+    """
+    if prompt_groups is None:
+        return completion_forward(model, input_ids, attention_mask, num_completion)[0]
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    prompt_len = input_ids.shape[1] - num_completion
+    _, inverse = torch.unique(prompt_groups, return_inverse=True)
+    first = torch.full((int(inverse.max()) + 1,), -1, dtype=torch.long, device=inverse.device)
+    first.scatter_reduce_(0, inverse, torch.arange(len(inverse), device=inverse.device), "amin", include_self=False)
+    prompts, prompt_mask = input_ids[first, :prompt_len], attention_mask[first, :prompt_len]
+    if not torch.equal(prompts[inverse], input_ids[:, :prompt_len]):
+        raise ValueError("prompt_groups: rows of one group must have the same prompt")
+    prefix = model(
+        input_ids=prompts,
+        attention_mask=prompt_mask,
+        position_ids=position_ids[first, :prompt_len],
+        logits_to_keep=1,
+        use_cache=True,
+    )
+    logits = prefix.logits[inverse]  # predicts the first completion token
+    if num_completion > 1:
+        cache = prefix.cache
+        cache.batch_select_indices(inverse)
+        rest = model(
+            input_ids=input_ids[:, prompt_len:-1],
+            attention_mask=attention_mask[:, :-1],
+            position_ids=position_ids[:, prompt_len:-1],
+            cache=cache,
+            use_cache=True,
+        ).logits
+        logits = torch.cat([logits, rest], dim=1)
+    targets = input_ids[:, -num_completion:]
+    return -F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")
+
+
+def completion_forward(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    num_completion: int,
+    entropy: bool = False,
+    hidden: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """One forward: the log-probs ``[B, num_completion]`` of the last ``num_completion`` tokens (as
+    ``completion_logprobs``), with ``entropy`` the policy's entropy at those positions (same shape),
+    with ``hidden`` the last layer's hidden states ``[B, L, H]`` (for a value head)."""
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        logits_to_keep=num_completion + 1,
+        use_cache=False,
+        output_hidden_states=hidden,
+    )
+    logits = out.logits[:, :-1].float()
+    logprobs = -F.cross_entropy(logits.transpose(1, 2), input_ids[:, -num_completion:], reduction="none")
+    entropies = None
+    if entropy:
+        log_p = F.log_softmax(logits, dim=-1)
+        entropies = -(log_p.exp() * log_p).sum(-1)
+    return logprobs, entropies, out.hidden_states[-1] if hidden else None
+
+
+def sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Log-prob of every token given the tokens before it, ``[B, L]`` (column 0, which has no
+    context, is 0): what ``generate`` computed for the tokens it sampled, for whole left-padded
+    multi-turn sequences."""
+    logprobs = completion_logprobs(model, input_ids, attention_mask, input_ids.shape[1] - 1)
+    return F.pad(logprobs, (1, 0))
+
+
+def target_logprobs(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, target_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of the masked (target) tokens of whole sequences and the mask over them, both
+    ``[B, L - first]``: the LM head runs only from the first target column on (a single-turn
+    demonstration's prompt is most of its sequence)."""
+    first = int(target_mask.float().argmax(dim=-1).min())  # a row without targets gives 0: all columns
+    first = max(first, 1)  # token 0 has no context to be predicted from
+    logprobs = completion_logprobs(model, input_ids, attention_mask, input_ids.shape[1] - first)
+    return logprobs, target_mask[:, first:]

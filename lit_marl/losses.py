@@ -1,0 +1,76 @@
+"""Pure loss terms, named like the papers; one formula each. No models, no I/O.
+
+Per-token terms take ``[B, C]`` tensors (log-probs of the tokens a policy produced) and return
+``[B, C]``; the algorithm masks and reduces them (``masked_sum``), so each term is written once
+whatever the algorithm's reduction.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+Reduction = Literal["sum", "mean"]
+
+
+def masked_sum(per_token: torch.Tensor, mask: torch.Tensor, reduction: Reduction = "sum") -> torch.Tensor:
+    """``[B, C]`` -> ``[B]``: the sum over each row's masked tokens, or with ``mean`` their mean
+    (a row without tokens gives 0)."""
+    mask = mask.float()
+    per_row = (per_token * mask).sum(-1)
+    if reduction == "mean":
+        per_row = per_row / mask.sum(-1).clamp(min=1)
+    return per_row
+
+
+def reinforce(logprobs: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
+    """REINFORCE (Williams 1992): -A * log pi(a), the ratio-free policy gradient's surrogate."""
+    return -logprobs * advantages
+
+
+def clipped_surrogate(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, clip_range: float
+) -> torch.Tensor:
+    """PPO's clipped surrogate (Schulman et al. 2017), as a loss: -min(rho A, clip(rho, 1 +- eps) A)
+    with rho = pi / pi_old, per token."""
+    ratio = (logprobs - old_logprobs).exp()
+    clipped = ratio.clamp(1 - clip_range, 1 + clip_range)
+    return -torch.minimum(ratio * advantages, clipped * advantages)
+
+
+def k3_kl(log_ratio: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimator of KL(p || q) from samples of p: exp(d) - d - 1 with
+    d = log q - log p (non-negative, unbiased). For the KL to a reference, d = log p_ref - log pi;
+    for PPO's approximate KL to the behaviour policy (samples of the old policy), d = log pi - log pi_old."""
+    return log_ratio.exp() - log_ratio - 1
+
+
+def clip_fraction(log_ratio: torch.Tensor, clip_range: float) -> torch.Tensor:
+    """1 where the ratio pi / pi_old is outside 1 +- eps (the tokens PPO's clipping acts on), else 0."""
+    return ((log_ratio.exp() - 1).abs() > clip_range).float()
+
+
+def value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, clip_range: float | None
+) -> torch.Tensor:
+    """Mean over ``mask`` of (y - V)^2, or with ``clip_range`` the larger of it and (y - V_clip)^2
+    where V_clip = V_old + clip(V - V_old, +-clip_range) (PPO2's value clipping)."""
+    error = (values.float() - targets.float()) ** 2
+    if clip_range is not None:
+        clipped = old_values.float() + (values.float() - old_values.float()).clamp(-clip_range, clip_range)
+        error = torch.maximum(error, (clipped - targets.float()) ** 2)
+    mask = mask.float()
+    return (error * mask).sum() / mask.sum().clamp(min=1)
+
+
+def nll(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Negative log-likelihood of the masked tokens, summed (supervised fine-tuning)."""
+    return -(logprobs * mask).sum()
+
+
+def explained_variance(targets: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """1 - Var(y - V) / Var(y) over the given entries (population variances): 1 is a perfect
+    critic, 0 one no better than a constant, below 0 worse; Var(y) is floored at 1e-8."""
+    targets, values = targets.float(), values.float()
+    return 1 - (targets - values).var(unbiased=False) / targets.var(unbiased=False).clamp(min=1e-8)

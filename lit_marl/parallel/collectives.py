@@ -1,0 +1,101 @@
+"""Cross-rank collectives as free functions. Each is the identity in one process, so every caller
+reads the same on one rank and on many: a sum, max or statistic over every rank's rows.
+
+The team's modules are not wrapped in DistributedDataParallel (``parallel/strategies.py``): the
+gradients of an optimizer's parameters are summed here, in one flat all-reduce per step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+def world_size() -> int:
+    """Ranks of the default process group (1 without one)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def all_ranks_sum(value: float, device: torch.device) -> float:
+    return _all_ranks(value, dist.ReduceOp.SUM if world_size() > 1 else None, device)
+
+
+def all_ranks_max(value: float, device: torch.device) -> float:
+    return _all_ranks(value, dist.ReduceOp.MAX if world_size() > 1 else None, device)
+
+
+def _all_ranks(value: float, op, device: torch.device) -> float:
+    if op is None:
+        return value
+    tensor = torch.tensor(float(value), dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=op)
+    return float(tensor)
+
+
+def gather_objects(obj) -> list:
+    """Every rank's ``obj``, in rank order (``[obj]`` in one process)."""
+    if world_size() == 1:
+        return [obj]
+    gathered = [None] * world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def padded_steps(batches: list, device: torch.device) -> list:
+    """The mini-batches of this rank, padded with ``None`` to the most any rank has: trees end
+    early on some ranks, yet every rank must take every optimizer step (and join its gradient sum)."""
+    return batches + [None] * (int(all_ranks_max(len(batches), device)) - len(batches))
+
+
+def whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(values - mean) / std over the entries where ``mask`` is set on every rank (unbiased std,
+    as ``torch.std``); 0 elsewhere. Unchanged when there are fewer than two such entries."""
+    device = values.device
+    chosen = values[mask.bool()].double()
+    count = all_ranks_sum(chosen.numel(), device)
+    if count < 2:
+        return values
+    total, squares = all_ranks_sum(float(chosen.sum()), device), all_ranks_sum(float((chosen**2).sum()), device)
+    mean = total / count
+    std = max((squares - count * mean**2) / (count - 1), 0.0) ** 0.5
+    return (values - mean) / (std + 1e-6) * mask
+
+
+def z_score_per_group(values: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """(x - mean) / std within each group id (e.g. a turn), the moments taken over the rows of every
+    rank (one process with all the rows gives the same result); a group of one row is centred to 0."""
+    device = values.device
+    num_groups = int(all_ranks_max(int(groups.max()) + 1, device))
+    moments = torch.zeros(3, num_groups, dtype=torch.float64, device=device)
+    moments[0].index_add_(0, groups, torch.ones_like(values, dtype=torch.float64))
+    moments[1].index_add_(0, groups, values.double())
+    moments[2].index_add_(0, groups, values.double() ** 2)
+    if world_size() > 1:
+        dist.all_reduce(moments)
+    count = moments[0].clamp(min=1)
+    mean = moments[1] / count
+    var = (moments[2] / count - mean**2).clamp(min=0)
+    return ((values - mean[groups]) / (var[groups].sqrt() + 1e-6)).float()
+
+
+def sum_gradients(params: list[torch.nn.Parameter], device: torch.device) -> None:
+    """Sum the gradients of ``params`` over ranks in one flat all-reduce. Sharded parameters (FSDP
+    DTensors) are left out: their gradients were reduced into the shards already."""
+    if world_size() == 1:
+        return
+    params = [p for p in params if not isinstance(p, DTensor)]
+    # a parameter without a gradient on every rank keeps none, as in one process (AdamW then
+    # skips it: a zero gradient would still count a step and move it by its momentum)
+    has_grad = torch.tensor([float(p.grad is not None) for p in params], device=device)
+    dist.all_reduce(has_grad, op=dist.ReduceOp.MAX)
+    params = [p for p, flag in zip(params, has_grad.tolist()) if flag]
+    if not params:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    offset = 0
+    for p, g in zip(params, grads):
+        p.grad = flat[offset : offset + g.numel()].view_as(p).clone()
+        offset += g.numel()

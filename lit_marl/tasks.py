@@ -1,0 +1,149 @@
+"""Task rows: task files (JSONL/JSON/CSV/Parquet through ``datasets``), prompt template fields,
+import paths of user functions, and the seeded, resumable, rank-sharded order training visits them in."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import string
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader
+
+from lit_marl import ConfigError
+
+
+def import_object(path: str, field: str):
+    """``package.module:name`` or ``package.module.name`` -> the object, or a clear error."""
+    module_name, sep, attr = path.partition(":") if ":" in path else path.rpartition(".")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"{field}={path!r}: give an import path like 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ConfigError(f"{field}={path!r}: cannot import module {module_name!r} ({err})") from err
+    if not hasattr(module, attr):
+        raise ConfigError(f"{field}={path!r}: module {module_name!r} has no attribute {attr!r}")
+    obj = getattr(module, attr)
+    if not callable(obj):
+        raise ConfigError(f"{field}={path!r} is not callable")
+    return obj
+
+
+def template_fields(template: str) -> set[str]:
+    return {name.split(".")[0].split("[")[0] for _, name, _, _ in string.Formatter().parse(template) if name}
+
+
+def load_tasks(path: str, field: str, required: set[str], needed_by: str = "data.agent_prompts") -> list[dict]:
+    """Rows of a local JSONL/JSON/CSV/Parquet file (through ``datasets``), checked for ``required``
+    (the fields ``needed_by`` uses)."""
+    if not Path(path).is_file():
+        raise ConfigError(f"{field}={path!r}: file not found")
+    import datasets
+
+    kind = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}.get(Path(path).suffix)
+    if kind is None:
+        raise ConfigError(f"{field}={path!r}: use a .jsonl, .json, .csv or .parquet file")
+    datasets.disable_progress_bars()
+    ds = datasets.load_dataset(kind, data_files=path, split="train")
+    missing = sorted(required - set(ds.column_names))
+    if missing:
+        raise ConfigError(
+            f"{field}={path!r} lacks the field(s) {missing} that {needed_by} uses; its fields are {ds.column_names}"
+        )
+    if len(ds) == 0:
+        raise ConfigError(f"{field}={path!r} holds no rows")
+    return ds.to_list()
+
+
+def task_loader(tasks: list[dict], batch_size: int, shuffle: bool, seed: int) -> DataLoader:
+    """Task rows in batches (plain lists of dicts); the order is seeded."""
+    generator = torch.Generator().manual_seed(seed)
+    return DataLoader(tasks, batch_size=batch_size, shuffle=shuffle, collate_fn=list, generator=generator)
+
+
+class TaskLoader:
+    """Training task rows in batches: a seeded order per epoch, sharded over ranks, resumable.
+
+    Epoch e visits the tasks in a permutation drawn from ``seed + e`` (the same on every rank). Each
+    step takes the next ``batch_size * world_size`` rows of it and rank r keeps its r-th slice of
+    ``batch_size``, so W ranks with batch size B see exactly the tasks of one process with batch size
+    W * B. With several ranks the permutation is padded with its own first rows to whole steps, so
+    every rank takes the same number of steps. Lightning sees a loader with ``state_dict`` and
+    saves it in checkpoints: the epoch and how many batches training consumed (``consumed`` is
+    counted by the data module when a batch reaches the training step, not by this iterator, which
+    Lightning's fetcher runs one batch ahead); a loader loaded from it resumes after the last
+    consumed batch, so a killed run repeats no task and skips none.
+    """
+
+    def __init__(
+        self, tasks: list[dict], batch_size: int, seed: int, rank: int = 0, world_size: int = 1, name: str = "tasks"
+    ):
+        self.tasks, self.batch_size, self.seed, self.name = tasks, batch_size, seed, name
+        self.rank, self.world_size = rank, world_size
+        self.epoch = -1  # the epoch being iterated; the first __iter__ starts epoch 0
+        self.consumed = 0  # batches of this epoch that reached the training step
+        self.stop: int | None = None  # the batch where the coming epoch ends early (a spent budget); None: none
+        self.epoch_length = len(self)  # batches training takes per epoch (Lightning's limit_train_batches)
+        self._resume_at: int | None = None
+
+    @property
+    def num_batches(self) -> int:
+        """Batches of a whole epoch."""
+        step = self.batch_size * self.world_size
+        return -(-len(self.tasks) // step)
+
+    def __len__(self) -> int:
+        return self.num_batches if self.stop is None else min(self.num_batches, self.stop)
+
+    def end_after(self, rows: int | None) -> None:
+        """Let an epoch serve about ``rows`` rows over all ranks, counted from its start and rounded
+        up to whole steps (a budget that ends mid-permutation); None: the whole permutation."""
+        self.stop = None if rows is None else math.ceil(rows / (self.batch_size * self.world_size))
+
+    def order(self, epoch: int) -> list[int]:
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        # torch's DataLoader draws a worker seed from its generator before shuffling: drawing it too
+        # keeps epoch 0 in the order of the runs measured with that loader (docs/quickstart.md)
+        torch.empty((), dtype=torch.int64).random_(generator=generator)
+        order = torch.randperm(len(self.tasks), generator=generator).tolist()
+        if self.world_size > 1:
+            whole = self.num_batches * self.batch_size * self.world_size
+            order = (order * (whole // len(order) + 1))[:whole]
+        return order
+
+    def __iter__(self):
+        if self._resume_at is None:
+            self.epoch, start = self.epoch + 1, 0
+        else:
+            start, self._resume_at = self._resume_at, None
+        self.consumed = start
+        order, step = self.order(self.epoch), self.batch_size * self.world_size
+        for b in range(start, len(self)):
+            rows = order[b * step : (b + 1) * step][self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
+            yield [self.tasks[i] for i in rows]
+
+    def state_dict(self) -> dict:
+        done = self.consumed >= min(self.epoch_length, len(self))
+        return {
+            "epoch": self.epoch,
+            "consumed": self.consumed,
+            "epoch_done": done,
+            "num_tasks": len(self.tasks),
+            "rows": self.name,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("rows", "tasks") != self.name:
+            # the other phase's loader (demonstrations <-> tasks), saved as its last epoch ended: start afresh
+            return
+        if state["num_tasks"] != len(self.tasks):
+            raise ValueError(
+                f"the checkpoint's run had {state['num_tasks']} training tasks, this one {len(self.tasks)}: resume "
+                "with the same data.train_path"
+            )
+        if state["epoch_done"]:  # saved at the end of an epoch: the next one starts afresh
+            self.epoch, self._resume_at = state["epoch"], None
+        else:
+            self.epoch, self._resume_at = state["epoch"], state["consumed"]

@@ -1,0 +1,78 @@
+"""Every loss term of ``lit_marl/losses.py`` against a computation by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lit_marl.losses import (
+    clip_fraction,
+    clipped_surrogate,
+    explained_variance,
+    k3_kl,
+    masked_sum,
+    nll,
+    reinforce,
+    value_loss,
+)
+
+T = torch.tensor
+
+
+def test_masked_sum_and_mean_over_each_rows_tokens():
+    per_token = T([[1.0, 2.0, 4.0], [3.0, 5.0, 7.0]])
+    mask = T([[1, 1, 0], [0, 0, 0]])
+    assert masked_sum(per_token, mask).tolist() == [3.0, 0.0]
+    assert masked_sum(per_token, mask, "mean").tolist() == [1.5, 0.0]  # a row without tokens: 0
+
+
+def test_reinforce_is_minus_advantage_times_logprob():
+    assert reinforce(T([-0.5, -2.0]), T([2.0, -1.0])).tolist() == [1.0, -2.0]
+
+
+def test_clipped_surrogate_takes_the_pessimistic_term():
+    old = T([0.0, 0.0, 0.0, 0.0])
+    new = T([math.log(1.5), math.log(1.5), math.log(0.5), math.log(1.1)])
+    adv = T([1.0, -1.0, -1.0, 2.0])
+    out = clipped_surrogate(new, old, adv, 0.2)
+    # ratio 1.5, A > 0: min(1.5, 1.2) = 1.2; A < 0: min(-1.5, -1.2) = -1.5 (no clipping of a loss increase)
+    # ratio 0.5, A < 0: min(-0.5, -0.8) = -0.8; ratio 1.1 inside the range: 2.2
+    torch.testing.assert_close(out, T([-1.2, 1.5, 0.8, -2.2]))
+    # at ratio 1 it is the ratio-free term
+    torch.testing.assert_close(clipped_surrogate(old, old, adv, 0.2), -adv)
+
+
+def test_k3_kl_estimator():
+    d = T([0.0, 1.0, -1.0])
+    torch.testing.assert_close(k3_kl(d), T([0.0, math.e - 2.0, math.exp(-1.0)]))
+    assert (k3_kl(torch.linspace(-5, 5, 11)) >= 0).all()
+    # unbiased: the mean over samples of p of k3(log q - log p) is KL(p || q)
+    p, q = T([0.7, 0.3]), T([0.4, 0.6])
+    expected = float((p * (p / q).log()).sum())
+    assert float((p * k3_kl(q.log() - p.log())).sum()) == pytest.approx(expected, rel=1e-6)
+
+
+def test_clip_fraction_counts_ratios_outside_the_range():
+    log_ratio = T([0.0, math.log(1.25), math.log(0.75), math.log(1.19)])
+    assert clip_fraction(log_ratio, 0.2).tolist() == [0.0, 1.0, 1.0, 0.0]
+
+
+def test_value_loss_mean_and_clipping():
+    # unclipped: mean of (V - y)^2 over the mask
+    assert float(value_loss(T([1.0, 3.0, 9.0]), T([0.0, 0.0, 0.0]), T([2.0, 1.0, 0.0]), T([1, 1, 0]), None)) == 2.5
+    # clipped: V_clip = 0.5 + clip(1.0 - 0.5, 0.2) = 0.7; max((1 - 2)^2, (0.7 - 2)^2) = 1.69
+    assert float(value_loss(T([1.0]), T([0.5]), T([2.0]), T([1]), 0.2)) == pytest.approx(1.69)
+
+
+def test_nll_sums_the_masked_tokens():
+    assert float(nll(T([[-1.0, -2.0], [-3.0, -4.0]]), T([[1, 0], [1, 1]]))) == 8.0
+
+
+def test_explained_variance():
+    y = T([1.0, 2.0, 3.0, 4.0])
+    assert float(explained_variance(y, y)) == 1.0
+    assert float(explained_variance(y, torch.full_like(y, 2.5))) == 0.0  # a constant critic
+    # 1 - Var(y - v) / Var(y), population variances: residuals [1, 0, 1, 0] -> 0.25 / 1.25
+    assert float(explained_variance(y, T([0.0, 2.0, 2.0, 4.0]))) == pytest.approx(1 - 0.25 / 1.25)
