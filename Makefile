@@ -25,8 +25,9 @@ install: $(STAMP)
 quickstart: $(STAMP)
 	OMP_NUM_THREADS=2 $(BIN)/lit-marl fit --config configs/quickstart.yaml
 
+# two pytest workers, one thread each: the suite on both cores
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2
 
 test-slow: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m slow

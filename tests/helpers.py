@@ -1,16 +1,30 @@
-"""Paths and builders shared by the tests (plain functions; fixtures live in conftest.py)."""
+"""Paths and builders shared by the tests (plain functions and classes; fixtures live in conftest.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
+from lit_marl.algorithms import MAGRPO
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
+TEST_SCRIPTS = REPO_ROOT / "tests" / "scripts"
 SLOGAN_TRAIN = REPO_ROOT / "data" / "slogan" / "train.jsonl"
 SLOGAN_HELDOUT = REPO_ROOT / "data" / "slogan" / "heldout.jsonl"
 SLOGAN_PROMPTS = [
     'Write line 1 of a slogan for {topic} with the word "{word0}".',
     'Write line 2 of a slogan for {topic} with the word "{word1}".',
 ]
+
+
+def free_port() -> int:
+    """A TCP port free right now (tests running in parallel must not share a rendezvous port)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def slogan_data(**overrides):
@@ -108,3 +122,33 @@ def tree_from_functions(
     env = ListedPrompts(["{}"] * len(prompts[0]), reward_fn, transition, None, batched_transition)
     tree = TreeSettings(num_generations=num_generations, joint_mode=joint_mode, **settings)
     return build_tree(agents, tasks, env, tree, engine=engine, response_penalty=response_penalty)
+
+
+PLAIN = "lit_marl.rollout.transitions:plain"
+
+
+def two_turn_data(**overrides):
+    """Two-turn single-trajectory slogan trees (one response per node): what IAC/MAAC learn from."""
+    kwargs = dict(num_generations=1, num_turns=2, transition=PLAIN, max_new_tokens=12, tasks_per_step=3)
+    kwargs.update(overrides)
+    return slogan_data(**kwargs)
+
+
+def snapshot(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad}
+
+
+def unchanged(module: torch.nn.Module, before: dict[str, torch.Tensor]) -> list[str]:
+    return [n for n, p in module.named_parameters() if n in before and torch.equal(p.detach(), before[n])]
+
+
+class SGDRecordingMAGRPO(MAGRPO):
+    """Plain SGD with lr=1 so that an update is exactly minus the gradient; keeps each batch."""
+
+    def configure_optimizers(self):
+        return [torch.optim.SGD(a.trainable_parameters(), lr=1.0) for a in self.agents]
+
+    def training_step(self, batch, batch_idx):
+        self.seen = getattr(self, "seen", []) + [batch]
+        self.before = [{n: p.detach().clone() for n, p in a.model.named_parameters()} for a in self.agents]
+        return super().training_step(batch, batch_idx)

@@ -15,9 +15,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from helpers import TEST_SCRIPTS, free_port
 from lit_marl import ConfigError
 
-SCRIPT = Path(__file__).parent / "scripts" / "ddp_run.py"
+SCRIPT = TEST_SCRIPTS / "ddp_run.py"
 
 
 def run(out: Path, *args: str) -> None:
@@ -110,9 +111,9 @@ def test_fsdp_matches_one_process_and_shards_the_weights(built):
 def test_fsdp_gradients_equal_one_process_bit_for_bit(tmp_path):
     """lit_marl.parallel.fsdp alone: rank 0 runs 3 backward passes and generates 4 tokens, rank 1 runs 1 pass
     and generates 20; the reduced gradient shards equal one process's gradients of all 4 passes."""
-    script = Path(__file__).parent / "scripts" / "fsdp_grads.py"
+    script = TEST_SCRIPTS / "fsdp_grads.py"
     done = subprocess.run(
-        [sys.executable, str(script), str(tmp_path), "29617"],
+        [sys.executable, str(script), str(tmp_path), str(free_port())],
         capture_output=True,
         text=True,
         timeout=180,

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import REPO_ROOT, make_trainer
+from helpers import REPO_ROOT, TEST_SCRIPTS, make_trainer
 from lit_marl import ConfigError
 from lit_marl.callbacks.phase_switch import PhaseSwitch, parse_split
 from lit_marl.rollout.demos import DemoSamples, agent_chats, render_chat, render_demos
@@ -28,7 +28,7 @@ CHAT = [
     {"role": "assistant", "content": "open door"},
 ]
 CORRIDOR = REPO_ROOT / "data" / "corridor"
-SCRIPT = Path(__file__).parent / "scripts" / "phase_run.py"
+SCRIPT = TEST_SCRIPTS / "phase_run.py"
 
 
 def runs_of_ones(mask: list[int]) -> list[tuple[int, int]]:

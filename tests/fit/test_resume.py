@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import TEST_SCRIPTS
 from lit_marl.tasks import TaskLoader
 
-SCRIPT = Path(__file__).parent / "scripts" / "resume_run.py"
+SCRIPT = TEST_SCRIPTS / "resume_run.py"
 
 
 def run(out: Path, *args: str) -> subprocess.CompletedProcess:
