@@ -254,6 +254,7 @@ class RolloutDataModule(TaskDataModule):
         self.load_demos(demo_path)
         self.train_tasks = env.load_tasks(train_path, "data.train_path")
         self.val_tasks = env.load_tasks(val_path, "data.val_path") if val_path else []
+        # how training trees grow (evaluation: one greedy response per node); algorithms check theirs against it
         self.tree = TreeSettings(
             num_generations=num_generations,
             joint_mode=joint_mode,
@@ -266,7 +267,6 @@ class RolloutDataModule(TaskDataModule):
             external_prompt_passthrough=external_prompt_passthrough,
             on_reward_error=on_reward_error,
         )
-        """How training trees grow (evaluation: one greedy response per node); algorithms check theirs against it."""
 
     @property
     def num_agents(self) -> int:
@@ -369,6 +369,15 @@ class EpisodeDataModule(TaskDataModule):
         self.train_tasks = load_tasks(train_path, "data.train_path", set())
         self.val_tasks = load_tasks(val_path, "data.val_path", set()) if val_path else []
         self.num_generations = num_generations
+        # how training episodes are played (evaluation: one greedy episode per task)
+        self.episode = EpisodeSettings(
+            group_size=num_generations,
+            max_turns=max_turns,
+            max_new_tokens=max_new_tokens,
+            max_context_tokens=max_context_tokens,
+            temperature=temperature,
+            top_p=top_p,
+        )
         self.pool = ThreadPoolExecutor(max_workers=env_workers)
 
     def make_env(self):
@@ -377,15 +386,7 @@ class EpisodeDataModule(TaskDataModule):
     def rollout(self, agents, tasks: list[dict], greedy: bool):
         """One batch per agent; the team shares the turn rewards made from the env's score."""
         hp = self.hparams
-        settings = EpisodeSettings(
-            group_size=1 if greedy else hp.num_generations,
-            max_turns=hp.max_turns,
-            max_new_tokens=hp.max_new_tokens,
-            max_context_tokens=hp.max_context_tokens,
-            temperature=hp.temperature,
-            top_p=hp.top_p,
-            greedy=greedy,
-        )
+        settings = replace(self.episode, group_size=1, greedy=True) if greedy else self.episode
         batches = run_episodes(list(agents), tasks, self.make_env, settings, self.pool, self.engine)
         first = batches[0]
         rewards = turn_rewards(

@@ -1,11 +1,11 @@
 """Single-field rules carried by the types of the settings, and the one check that enforces them.
 
-Settings are typed ``__init__`` arguments: a ``Literal`` names the choices, and the restricted
-number types below (jsonargparse's, which LightningCLI validates and shows in ``--help``) carry
-their bounds. ``check_fields`` applies the same rules when a class is built in Python, so a bad
-value fails at construction, before any model loads, with the field, the value and the rule::
+Settings are typed ``__init__`` arguments: a ``Literal`` names the choices (LightningCLI validates
+it), and the number types below carry their bounds as ``Annotated`` metadata (shown in ``--help``).
+``check_fields`` applies the rules when a class is built, from a config or in Python, so a bad value
+fails at construction, before any model loads, with the field, the value and the rule::
 
-    model.clip_range=1.5: must be > 0 and < 1
+    lit-marl: configuration error: model.clip_range=1.5: must be > 0 and < 1
 
 ``__init__`` itself raises only for combinations of fields.
 """
@@ -15,44 +15,43 @@ from __future__ import annotations
 import operator
 import types
 import typing
-from typing import Literal, Union
-
-from jsonargparse.typing import (
-    ClosedUnitInterval,
-    NonNegativeFloat,
-    NonNegativeInt,
-    OpenUnitInterval,
-    PositiveFloat,
-    PositiveInt,
-    restricted_number_type,
-)
+from dataclasses import dataclass
+from typing import Annotated, Literal, Union
 
 from lit_marl import ConfigError
 
-UnitIntervalLeftOpen = restricted_number_type("UnitIntervalLeftOpen", float, [(">", 0), ("<=", 1)])
+_OPERATORS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
+
+
+@dataclass(frozen=True)
+class Bound:
+    """A bound a number must satisfy, e.g. ``Bound(">", 0)``; the bounds of one type all hold."""
+
+    op: Literal[">", ">=", "<", "<="]
+    ref: float
+
+    def __repr__(self) -> str:
+        return f"{self.op} {self.ref:g}"
+
+
+PositiveInt = Annotated[int, Bound(">", 0)]
+NonNegativeInt = Annotated[int, Bound(">=", 0)]
+PositiveFloat = Annotated[float, Bound(">", 0)]
+NonNegativeFloat = Annotated[float, Bound(">=", 0)]
+ClosedUnitInterval = Annotated[float, Bound(">=", 0), Bound("<=", 1)]
+"""A float in [0, 1], e.g. a discount."""
+OpenUnitInterval = Annotated[float, Bound(">", 0), Bound("<", 1)]
+"""A float in (0, 1), e.g. PPO's clip range."""
+UnitIntervalLeftOpen = Annotated[float, Bound(">", 0), Bound("<=", 1)]
 """A float in (0, 1], e.g. nucleus sampling's top_p."""
-UnitIntervalRightOpen = restricted_number_type("UnitIntervalRightOpen", float, [(">=", 0), ("<", 1)])
+UnitIntervalRightOpen = Annotated[float, Bound(">=", 0), Bound("<", 1)]
 """A float in [0, 1), e.g. a weight that must stay below a unit reward."""
-
-__all__ = [
-    "ClosedUnitInterval",
-    "NonNegativeFloat",
-    "NonNegativeInt",
-    "OpenUnitInterval",
-    "PositiveFloat",
-    "PositiveInt",
-    "UnitIntervalLeftOpen",
-    "UnitIntervalRightOpen",
-    "check_fields",
-]
-
-_SYMBOLS = {operator.gt: ">", operator.ge: ">=", operator.lt: "<", operator.le: "<="}
 
 
 def check_fields(prefix: str, function, arguments: dict) -> None:
     """Raise ``ConfigError`` for the first argument of ``function`` (by its annotations) whose value
     breaks its type's rule; ``prefix`` is the config section (``model``, ``data``)."""
-    hints = typing.get_type_hints(function)
+    hints = typing.get_type_hints(function, include_extras=True)
     for name, value in arguments.items():
         if name in hints:
             problem = _violation(hints[name], value)
@@ -68,12 +67,12 @@ def _violation(hint, value) -> str | None:
         return None if value in choices else f"choose {', '.join(map(str, choices))}"
     if origin in (Union, types.UnionType):
         return _union_violation(typing.get_args(hint), value)
-    restrictions = getattr(hint, "_restrictions", None)
-    if restrictions is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+    if origin is not Annotated or isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    if all(op(value, ref) for op, ref in restrictions):
+    bounds = [b for b in hint.__metadata__ if isinstance(b, Bound)]
+    if all(_OPERATORS[b.op](value, b.ref) for b in bounds):
         return None
-    return "must be " + " and ".join(f"{_SYMBOLS[op]} {ref}" for op, ref in restrictions)
+    return "must be " + " and ".join(map(repr, bounds))
 
 
 def _union_violation(members: tuple, value) -> str | None:
@@ -98,6 +97,8 @@ def _union_violation(members: tuple, value) -> str | None:
 def _accepts(member, value) -> bool:
     """Whether ``value`` can be of ``member`` (a class, a generic such as ``list[Role]``); types not
     judged here accept."""
+    if typing.get_origin(member) is Annotated:
+        member = typing.get_args(member)[0]
     kind = typing.get_origin(member) or member
     if typing.get_origin(member) is Literal:
         return value in typing.get_args(member)
@@ -111,5 +112,7 @@ def _a(noun: str) -> str:
 
 
 def _name(member) -> str:
+    if typing.get_origin(member) is Annotated:
+        member = typing.get_args(member)[0]
     kind = typing.get_origin(member) or member
     return getattr(kind, "__name__", str(kind))

@@ -232,6 +232,17 @@ def team_reward(per_agent_rewards: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(per_agent_rewards).mean(0)
 
 
+def next_turn_rows(group_ids: torch.Tensor, next_group: torch.Tensor) -> torch.Tensor:
+    """Per row (one node's response, a node holding one row): the row of the node its joint action
+    led to, -1 where none (the episode's last turn)."""
+    counts = torch.bincount(group_ids)
+    if (next_group >= 0).any() and (counts > 1).any():
+        raise ValueError("TD targets follow one trajectory: a multi-turn rollout needs data.num_generations=1")
+    row_of = torch.zeros(len(counts), dtype=torch.long, device=group_ids.device)
+    row_of[group_ids] = torch.arange(len(group_ids), device=group_ids.device)
+    return torch.where(next_group >= 0, row_of[next_group.clamp(min=0)], -1)
+
+
 def td_targets(
     rewards: torch.Tensor, values: torch.Tensor, next_rows: torch.Tensor, gamma: float = 1.0
 ) -> torch.Tensor:
@@ -243,17 +254,6 @@ def td_targets(
     return rewards.float() + gamma * torch.where(next_rows >= 0, following, torch.zeros(()))
 
 
-def td_advantages(
-    targets: torch.Tensor, values: torch.Tensor, groups: torch.Tensor, normalize: bool = False
-) -> torch.Tensor:
-    """A = y - V(h) per row, optionally z-scored within each group (e.g. the rows of one agent's
-    turn: an (agent, turn) group); a group of one row is centred to 0."""
-    adv = targets.float() - values.float()
-    if normalize:
-        _, index = torch.unique(groups, return_inverse=True)
-        count = torch.zeros(int(index.max()) + 1).index_add_(0, index, torch.ones_like(adv))
-        mean = torch.zeros_like(count).index_add_(0, index, adv) / count
-        centred = adv - mean[index]
-        var = torch.zeros_like(count).index_add_(0, index, centred**2) / count
-        adv = centred / (var[index].sqrt() + 1e-6)
-    return adv
+def td_advantages(targets: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """A = y - V(h) per row (z-scored per turn over every rank by ``parallel.collectives.z_score_per_group``)."""
+    return targets.float() - values.float()

@@ -36,6 +36,7 @@ from lit_marl.algorithms.critics import (
     load_critic_backbone,
     read_positions,
 )
+from lit_marl.data import RolloutDataModule
 from lit_marl.fields import NonNegativeFloat, OpenUnitInterval, PositiveFloat, PositiveInt, check_fields
 from lit_marl.logprobs import completion_forward
 from lit_marl.losses import (
@@ -50,7 +51,7 @@ from lit_marl.losses import (
 )
 from lit_marl.metrics import Timer
 from lit_marl.parallel.collectives import all_ranks_max, all_ranks_sum, z_score_per_group
-from lit_marl.returns import td_advantages, td_targets, team_reward
+from lit_marl.returns import next_turn_rows, td_advantages, td_targets, team_reward
 from lit_marl.rollout.batch import AgentSamples, RolloutBatch
 from lit_marl.rollout.buffer import RolloutBuffer, minibatches
 
@@ -183,11 +184,11 @@ class ActorCritic(AgentTeamModule):
         data = self.trainer.datamodule
         if data is None or stage != "fit":
             return
-        tree = getattr(data, "tree", None)  # the tree settings of a RolloutDataModule
-        if tree is None:
+        if not isinstance(data, RolloutDataModule):
             raise ConfigError(
                 f"{type(self).__name__} learns from joint rollouts: use data: lit_marl.data.RolloutDataModule"
             )
+        tree = data.tree
         self.discount = tree.discount
         if tree.num_generations > 1 and tree.num_turns > 1:
             raise ConfigError(
@@ -277,7 +278,9 @@ class ActorCritic(AgentTeamModule):
         """The rows with their behaviour log-probs, values, TD targets and advantages (all detached);
         and each role's rows with its values, targets and advantages (for the logs)."""
         actor_out, critic_values = forwards
-        next_rows, turns = self.episode_links(per_agent)
+        if any(not torch.equal(s.group_ids, per_agent[0].group_ids) for s in per_agent):
+            raise ValueError("the agents' buffers hold different nodes; they must be filled by the same rollouts")
+        next_rows, turns = next_turn_rows(per_agent[0].group_ids, per_agent[0].next_group), per_agent[0].turn_ids
         values: list[torch.Tensor] = [None] * len(per_agent)
         if self.centralized:
             values = [critic_values[0].detach()] * len(per_agent)
@@ -316,23 +319,10 @@ class ActorCritic(AgentTeamModule):
         ]
         return _Rows(actors, critics), per_role
 
-    def episode_links(self, per_agent: list[AgentSamples]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per row: the row of its episode's next turn (-1: none) and its turn."""
-        group_ids = per_agent[0].group_ids
-        if any(not torch.equal(s.group_ids, group_ids) for s in per_agent):
-            raise ValueError("the agents' buffers hold different nodes; they must be filled by the same rollouts")
-        next_group = per_agent[0].next_group
-        counts = torch.bincount(group_ids)
-        if (next_group >= 0).any() and (counts > 1).any():
-            raise ValueError("TD targets follow one trajectory: a multi-turn rollout needs data.num_generations=1")
-        row_of = torch.zeros(len(counts), dtype=torch.long, device=group_ids.device)
-        row_of[group_ids] = torch.arange(len(group_ids), device=group_ids.device)
-        return torch.where(next_group >= 0, row_of[next_group.clamp(min=0)], -1), per_agent[0].turn_ids
-
     def advantages(self, targets: torch.Tensor, values: torch.Tensor, turns: torch.Tensor) -> torch.Tensor:
         """A = y - V(h), z-scored within each turn over every rank's rows if set (a turn of one row
         is centred to 0)."""
-        advantages = td_advantages(targets, values, turns)
+        advantages = td_advantages(targets, values)
         return z_score_per_group(advantages, turns) if self.advantage_normalization else advantages
 
     def log_values(self, per_agent: list[AgentSamples]) -> None:

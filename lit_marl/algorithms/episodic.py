@@ -12,6 +12,7 @@ import torch
 from lit_marl import ConfigError
 from lit_marl.agents import LoraSettings
 from lit_marl.algorithms.base import AgentTeamModule
+from lit_marl.data import EpisodeDataModule
 from lit_marl.fields import ClosedUnitInterval, NonNegativeFloat, OpenUnitInterval, PositiveInt, check_fields
 from lit_marl.logprobs import sequence_logprobs
 from lit_marl.losses import clip_fraction, clipped_surrogate, k3_kl
@@ -90,7 +91,7 @@ class EpisodicModule(AgentTeamModule):
     def setup(self, stage: str) -> None:
         super().setup(stage)
         data = self.trainer.datamodule
-        if data is not None and not hasattr(data, "make_env"):
+        if data is not None and not isinstance(data, EpisodeDataModule):
             raise ConfigError(
                 f"{type(self).__name__} trains on multi-turn episodes: use data: lit_marl.data.EpisodeDataModule"
             )

@@ -9,7 +9,7 @@ last loaded and, when they changed, loads ``effective_state_dict`` into vLLM: th
 after every update syncs, on every rank, inside the same ``gathered()`` block that makes sharded
 (FSDP) weights whole.
 
-What this module owns is bookkeeping, tested with a fake backend (``tests/test_engines.py``):
+What this module owns is bookkeeping, tested with a fake backend (``tests/unit/test_engines.py``):
 rows ↔ prompts × samples (row ``i * n + k`` = sample k of prompt i), the end token kept on
 stopped samples, right padding after it and the completion mask, left-padded prompts, and the
 weight versions. ``VLLMBackend`` is the two calls it needs from vLLM.

@@ -201,6 +201,15 @@ def test_cli_one_generation(in_repo_root, tmp_path, no_model_loads):
     assert no_model_loads == []
 
 
+def test_cli_bound_breaking_number_is_one_clear_line(in_repo_root, tmp_path, no_model_loads):
+    """A number outside its type's bounds fails at construction with the field, the value and the
+    rule, not in a jsonargparse union report."""
+    with pytest.raises(ValueError) as err:
+        _cli_fit(tmp_path, "--data.init_args.max_new_tokens", "0")
+    assert str(err.value) == "data.max_new_tokens=0: must be > 0"
+    assert no_model_loads == []
+
+
 def test_cli_bad_reward_fn(in_repo_root, tmp_path, no_model_loads):
     with pytest.raises(ValueError, match=r"^data\.reward_fn='lit_marl\.envs\.slogan:nope'"):
         _cli_fit(tmp_path, "--data.reward_fn", "lit_marl.envs.slogan:nope")
