@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+from lit_marl import ConfigError
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
@@ -13,7 +15,6 @@ def build_cli(args: list[str] | None = None, run: bool = True):
     import transformers
     from lightning.pytorch.cli import LightningCLI
 
-    from lit_marl import ConfigError  # deferred: CLI start-up cost
     from lit_marl.algorithms.base import AgentTeamModule  # deferred: CLI start-up cost
     from lit_marl.data import TaskDataModule  # deferred: CLI start-up cost
 
@@ -54,8 +55,6 @@ def build_cli(args: list[str] | None = None, run: bool = True):
 
 def main() -> None:
     import sys
-
-    from lit_marl import ConfigError  # deferred: CLI start-up cost (build_cli imports the rest)
 
     try:
         build_cli()

@@ -227,6 +227,7 @@ class ActorCritic(AgentTeamModule):
         return logprobs, entropies, values
 
     def update_rows(self, per_agent: list[AgentSamples]) -> _Rows:
+        """Each learner's rows (its roles' blocks, trimmed) and each critic model's inputs."""
         pad = self.agents[0].pad_token_id
         actors = []
         for roles in self.learners:
