@@ -27,6 +27,7 @@ from lit_marl.fields import (
     check_fields,
 )
 from lit_marl.generation import make_engine
+from lit_marl.parallel.collectives import gather_objects
 from lit_marl.returns import JointMode, turn_rewards
 from lit_marl.rollout.batch import RolloutBatch
 from lit_marl.rollout.demos import load_demos, render_demos
@@ -131,15 +132,12 @@ class TaskDataModule(L.LightningDataModule):
         for batch in task_loader(mine, self.hparams.eval_tasks_per_step, False, self.hparams.seed) if mine else []:
             for key, value in self.evaluation_metrics(agents, batch).items():
                 totals[key] = totals.get(key, 0.0) + value * len(batch)
-        if world > 1:
-            # ranks may report different keys (e.g. per-turn metrics of trees that ended early): merge
-            gathered: list[dict[str, float]] = [{} for _ in range(world)]
-            torch.distributed.all_gather_object(gathered, totals)
-            totals = {}
-            for part in gathered:
-                for key, value in part.items():
-                    totals[key] = totals.get(key, 0.0) + value
-        return {key: value / len(self.val_tasks) for key, value in totals.items()}
+        # ranks may report different keys (e.g. per-turn metrics of trees that ended early): merge
+        merged: dict[str, float] = {}
+        for part in gather_objects(totals):
+            for key, value in part.items():
+                merged[key] = merged.get(key, 0.0) + value
+        return {key: value / len(self.val_tasks) for key, value in merged.items()}
 
 
 class RolloutDataModule(TaskDataModule):

@@ -52,16 +52,22 @@ def clip_fraction(log_ratio: torch.Tensor, clip_range: float) -> torch.Tensor:
 
 
 def value_loss(
-    values: torch.Tensor, old_values: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, clip_range: float | None
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    targets: torch.Tensor,
+    mask: torch.Tensor,
+    clip_range: float | None,
+    reduction: Reduction = "mean",
 ) -> torch.Tensor:
-    """Mean over ``mask`` of (y - V)^2, or with ``clip_range`` the larger of it and (y - V_clip)^2
-    where V_clip = V_old + clip(V - V_old, +-clip_range) (PPO2's value clipping)."""
+    """Mean (or ``sum``) over ``mask`` of (y - V)^2, or with ``clip_range`` the larger of it and
+    (y - V_clip)^2 where V_clip = V_old + clip(V - V_old, +-clip_range) (PPO2's value clipping)."""
     error = (values.float() - targets.float()) ** 2
     if clip_range is not None:
         clipped = old_values.float() + (values.float() - old_values.float()).clamp(-clip_range, clip_range)
         error = torch.maximum(error, (clipped - targets.float()) ** 2)
     mask = mask.float()
-    return (error * mask).sum() / mask.sum().clamp(min=1)
+    total = (error * mask).sum()
+    return total if reduction == "sum" else total / mask.sum().clamp(min=1)
 
 
 def nll(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

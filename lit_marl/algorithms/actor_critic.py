@@ -50,7 +50,7 @@ from lit_marl.losses import (
     value_loss,
 )
 from lit_marl.metrics import Timer
-from lit_marl.parallel.collectives import all_ranks_max, all_ranks_sum, z_score_per_group
+from lit_marl.parallel.collectives import all_ranks_max, all_ranks_sum, padded_steps, z_score_per_group
 from lit_marl.returns import next_turn_rows, td_advantages, td_targets, team_reward
 from lit_marl.rollout.batch import AgentSamples, RolloutBatch
 from lit_marl.rollout.buffer import RolloutBuffer, minibatches
@@ -283,17 +283,15 @@ class ActorCritic(AgentTeamModule):
             raise ValueError("the agents' buffers hold different nodes; they must be filled by the same rollouts")
         next_rows, turns = next_turn_rows(per_agent[0].group_ids, per_agent[0].next_group), per_agent[0].turn_ids
         values: list[torch.Tensor] = [None] * len(per_agent)
-        if self.centralized:
+        if self.centralized:  # one value and one target (of the team reward) per node, every agent's
             values = [critic_values[0].detach()] * len(per_agent)
+            team = td_targets(team_reward([s.rewards for s in per_agent]), values[0], next_rows, self.discount)
+            targets = [team] * len(per_agent)
         else:
             learned = critic_values if self.critic_kind == "model" else [out[2] for out in actor_out]
             for roles, v in zip(self.learners, learned):
                 for r, part in zip(roles, v.detach().split([len(per_agent[r]) for r in roles])):
                     values[r] = part
-        if self.centralized:
-            joint_targets = td_targets(team_reward([s.rewards for s in per_agent]), values[0], next_rows, self.discount)
-            targets = [joint_targets] * len(per_agent)
-        else:
             targets = [td_targets(s.rewards, v, next_rows, self.discount) for s, v in zip(per_agent, values)]
         per_role = [
             replace(s, advantages=self.advantages(t, v, s.turn_ids), old_values=v, targets=t)
@@ -374,7 +372,7 @@ class ActorCritic(AgentTeamModule):
     def value_term(self, values: torch.Tensor, old_values: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """value_loss_coef x the (clipped) squared error, summed over rows."""
         ones = torch.ones_like(values)
-        return self.value_loss_coef * value_loss(values, old_values, targets, ones, self.value_clip_range) * len(values)
+        return self.value_loss_coef * value_loss(values, old_values, targets, ones, self.value_clip_range, "sum")
 
     def critic_loss(self, critic: int, inputs: CriticInputs, values: torch.Tensor | None = None) -> torch.Tensor:
         values = self.critics[critic](inputs) if values is None else values
@@ -424,7 +422,8 @@ class ActorCritic(AgentTeamModule):
         epochs = 0
         for _ in range(self.ppo_epochs):
             stats: dict[int, dict[str, float]] = {}
-            for picked in self.synced_steps(minibatches(per_agent[0], self.train_batch_size, self.shuffle_generator)):
+            batches = minibatches(per_agent[0], self.train_batch_size, self.shuffle_generator)
+            for picked in padded_steps(batches, self.device):
                 for index, roles in enumerate(self.learners):
                     mini = (
                         None if picked is None else rows.actors[index].select(self.of_roles(picked, roles, per_agent))

@@ -21,7 +21,7 @@ from lit_marl.logprobs import target_logprobs
 from lit_marl.losses import nll
 from lit_marl.metrics import Timer, weighted_means
 from lit_marl.models import check_source
-from lit_marl.parallel.collectives import all_ranks_max, all_ranks_sum, padded_steps, sum_gradients
+from lit_marl.parallel.collectives import all_ranks_max, all_ranks_sum, gather_objects, sum_gradients
 from lit_marl.parallel.fsdp import TeamShards, check_shardable, shardable_models
 from lit_marl.parallel.strategies import TeamDDPStrategy
 from lit_marl.rollout.batch import AgentSamples, RolloutBatch
@@ -351,10 +351,6 @@ class AgentTeamModule(L.LightningModule):
             with self.gathered():
                 self.flush_buffers()
 
-    def synced_steps(self, batches: list) -> list:
-        """This rank's mini-batches padded with ``None`` to the most any rank has (``padded_steps``)."""
-        return padded_steps(batches, self.device)
-
     # ------------------------------------------------------------------ several ranks
     @property
     def world_size(self) -> int:
@@ -370,12 +366,8 @@ class AgentTeamModule(L.LightningModule):
             "shuffle_rng": self.shuffle_generator.get_state(),
             "buffers": [buffer.state_dict() for buffer in self.rollout_buffers],
         }
-        ranks = [state]
-        if self.world_size > 1:  # every rank saves (joins this gather); rank 0 writes
-            ranks = [None] * self.world_size
-            torch.distributed.all_gather_object(ranks, state)
-            ranks = [_to_cpu(r) for r in ranks]
-        checkpoint["lit_marl"] = {"ranks": ranks}
+        # every rank saves (joins this gather); rank 0 writes
+        checkpoint["lit_marl"] = {"ranks": [_to_cpu(r) for r in gather_objects(state)]}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         saved = checkpoint.get("lit_marl")

@@ -17,6 +17,7 @@ from lit_marl.fields import ClosedUnitInterval, NonNegativeFloat, OpenUnitInterv
 from lit_marl.logprobs import sequence_logprobs
 from lit_marl.losses import clip_fraction, clipped_surrogate, k3_kl
 from lit_marl.metrics import Timer
+from lit_marl.parallel.collectives import padded_steps
 from lit_marl.rollout.batch import TrajectorySamples
 from lit_marl.rollout.buffer import minibatches
 from lit_marl.rollout.episode import EpisodeBatch
@@ -169,7 +170,7 @@ class EpisodicModule(AgentTeamModule):
                 losses = []
                 for _ in range(self.ppo_epochs):
                     order = minibatches(samples, self.train_batch_size, self.shuffle_generator)
-                    for rows in self.synced_steps(order):
+                    for rows in padded_steps(order, self.device):
                         mini = None if rows is None else samples.select(rows)
                         tokens = 0 if mini is None else float(mini.loss_mask.sum())  # a token mean
                         loss_fn = lambda mb, i=index: self.loss(mb, stats, i)  # noqa: E731

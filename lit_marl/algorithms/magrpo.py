@@ -15,7 +15,7 @@ from lit_marl.generation import Generation
 from lit_marl.logprobs import completion_logprobs
 from lit_marl.losses import Reduction, k3_kl, masked_sum, reinforce
 from lit_marl.metrics import Timer
-from lit_marl.parallel.collectives import all_ranks_max
+from lit_marl.parallel.collectives import all_ranks_max, padded_steps
 from lit_marl.returns import AdvantageMode, group_advantages
 from lit_marl.rollout.batch import AgentSamples, RolloutBatch
 from lit_marl.rollout.buffer import RolloutBuffer, minibatches
@@ -122,7 +122,7 @@ class MAGRPO(AgentTeamModule):
                 samples = merged.drain(agent.pad_token_id)  # None: this rank has nothing buffered
                 batches = [] if samples is None else minibatches(samples, self.train_batch_size, self.shuffle_generator)
                 losses = []
-                for rows in self.synced_steps(batches):
+                for rows in padded_steps(batches, self.device):
                     kept, count = None, 0
                     if rows is not None:
                         batch = samples.select(rows)

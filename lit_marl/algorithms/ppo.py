@@ -128,8 +128,12 @@ class PPO(EpisodicModule):
 
     def extra_loss(self, samples, values, learner) -> torch.Tensor:
         """0.5 x (value - return)^2 summed over the value positions, clipped around the old value (PPO2)."""
-        mean = value_loss(values, samples.old_values, samples.returns, samples.value_mask, self.value_clip_range)
-        return self.value_loss_coef * 0.5 * mean * samples.value_mask.sum()
+        clip = self.value_clip_range
+        return (
+            self.value_loss_coef
+            * 0.5
+            * value_loss(values, samples.old_values, samples.returns, samples.value_mask, clip, "sum")
+        )
 
 
 class _Rows:

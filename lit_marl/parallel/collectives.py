@@ -18,15 +18,15 @@ def world_size() -> int:
 
 
 def all_ranks_sum(value: float, device: torch.device) -> float:
-    return _all_ranks(value, dist.ReduceOp.SUM if world_size() > 1 else None, device)
+    return _all_ranks(value, dist.ReduceOp.SUM, device)
 
 
 def all_ranks_max(value: float, device: torch.device) -> float:
-    return _all_ranks(value, dist.ReduceOp.MAX if world_size() > 1 else None, device)
+    return _all_ranks(value, dist.ReduceOp.MAX, device)
 
 
-def _all_ranks(value: float, op, device: torch.device) -> float:
-    if op is None:
+def _all_ranks(value: float, op: dist.ReduceOp, device: torch.device) -> float:
+    if world_size() == 1:
         return value
     tensor = torch.tensor(float(value), dtype=torch.float64, device=device)
     dist.all_reduce(tensor, op=op)

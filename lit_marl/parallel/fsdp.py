@@ -15,7 +15,7 @@ so those counts would have to match exactly or the ranks deadlock. Instead:
   already divided by the count over all ranks) into each rank's shard;
 - ``refresh`` re-gathers a model after its optimizer stepped its shards.
 
-Optimizer steps are already the same on every rank (``AgentTeamModule.synced_steps``), so
+Optimizer steps are already the same on every rank (``parallel.collectives.padded_steps``), so
 these are the only collectives, and they match. Between steps each rank holds 1/world of the
 weights and of AdamW's state; during a step, the full weights and gradients of the models in use
 (generation needs the full weights anyway).
