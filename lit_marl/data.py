@@ -13,6 +13,7 @@ from typing import Literal
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader
 
 from lit_marl import ConfigError
@@ -28,7 +29,7 @@ from lit_marl.fields import (
 )
 from lit_marl.generation import make_engine
 from lit_marl.parallel.collectives import gather_objects
-from lit_marl.returns import JointMode, turn_rewards
+from lit_marl.returns import CrossReduce, JointMode, turn_rewards
 from lit_marl.rollout.batch import RolloutBatch
 from lit_marl.rollout.demos import load_demos, render_demos
 from lit_marl.rollout.episode import EpisodeSettings, run_episodes
@@ -151,6 +152,7 @@ class RolloutDataModule(TaskDataModule):
         tasks_per_step: PositiveInt = 4,
         num_generations: PositiveInt = 4,
         joint_mode: JointMode = "aligned",
+        cross_return: CrossReduce = "mean",
         max_new_tokens: PositiveInt = 64,
         temperature: PositiveFloat = 1.0,
         top_p: UnitIntervalLeftOpen = 1.0,
@@ -160,6 +162,7 @@ class RolloutDataModule(TaskDataModule):
         transition: str | None = None,
         transition_kwargs: dict | None = None,
         batched_transition: bool = False,
+        transition_prompt_field: str = "prompt",
         external_prompt_passthrough: bool = False,
         discount: ClosedUnitInterval = 1.0,
         early_termination_threshold: float | None = None,
@@ -187,6 +190,9 @@ class RolloutDataModule(TaskDataModule):
             num_generations: Responses G each agent samples at every tree node.
             joint_mode: ``aligned`` pairs responses by index (G joint actions per node);
                 ``cross`` takes the Cartesian product (G^N).
+            cross_return: In ``cross`` mode a response's return is the ``mean`` over the joint actions
+                that contain it, or their ``sum`` (CoMLRL's: G^(N-1) times larger, which only a
+                normalized advantage does not see).
             max_new_tokens: Generation budget per response.
             temperature: Sampling temperature for training rollouts (evaluation is greedy).
             top_p: Nucleus sampling for training rollouts.
@@ -200,6 +206,9 @@ class RolloutDataModule(TaskDataModule):
             batched_transition: Call the transition once per turn with every keyword argument a list
                 over all branches (it returns one prompt list per branch), e.g. to run all branches'
                 tests in one pool; otherwise once per branch (CoMLRL's interface).
+            transition_prompt_field: The task row's field the transition receives as ``prompt``
+                (the task's prompt text, as CoMLRL passes ``batch_item["prompt"]``); a row without
+                it passes the empty string, as CoMLRL does, and a warning names the field.
             external_prompt_passthrough: Use the transition's prompts verbatim instead of rendering
                 them with the agent's chat template.
             discount: Return of a joint action = its reward + discount * mean return of its child.
@@ -256,6 +265,7 @@ class RolloutDataModule(TaskDataModule):
         self.tree = TreeSettings(
             num_generations=num_generations,
             joint_mode=joint_mode,
+            cross_return=cross_return,
             num_turns=num_turns,
             max_new_tokens=max_new_tokens,
             temperature=temperature,
@@ -264,7 +274,23 @@ class RolloutDataModule(TaskDataModule):
             early_termination_threshold=early_termination_threshold,
             external_prompt_passthrough=external_prompt_passthrough,
             on_reward_error=on_reward_error,
+            transition_prompt_field=transition_prompt_field,
         )
+        # a user's transition reads the task prompt (an env's own, or one marked like ``plain``, may not)
+        user_transition = isinstance(env, FunctionEnv) and env.has_transition
+        user_transition = user_transition and getattr(env.transition_fn.func, "reads_task_prompt", True)
+        if (
+            num_turns > 1
+            and user_transition
+            and self.train_tasks
+            and transition_prompt_field not in self.train_tasks[0]
+        ):
+            rank_zero_warn(
+                f"data.transition_prompt_field={transition_prompt_field!r}: the task rows of data.train_path have no "
+                f"such field (they have {sorted(self.train_tasks[0])}), so the transition's `prompt` argument is the "
+                "empty string (CoMLRL's behaviour); set data.transition_prompt_field to the field that holds the "
+                "task's prompt"
+            )
 
     @property
     def num_agents(self) -> int:

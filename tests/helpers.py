@@ -125,6 +125,17 @@ def tree_from_functions(
 
 
 PLAIN = "lit_marl.rollout.transitions:plain"
+COMLRL_DOCS = "helpers:comlrl_docs_transition"
+
+
+def comlrl_docs_transition(
+    prompt, agent_completions, num_agents, prompt_history_per_agent=None, response_history_per_agent=None
+):
+    """Written as CoMLRL's documentation shows a transition: the task prompt, the agent's previous
+    attempt, a revision request."""
+    return [
+        f"{prompt}\n\nYour previous attempt:\n{agent_completions[i]}\n\nPlease revise it." for i in range(num_agents)
+    ]
 
 
 def two_turn_data(**overrides):

@@ -60,15 +60,16 @@ class JointEnv(ABC):
         self,
         *,
         task: list[dict],
-        prompt: list[list[str]],
+        prompt: list[str],
         agent_completions: list[list[str]],
         num_agents: int,
         prompt_history_per_agent: list[list[list[str]]],
         response_history_per_agent: list[list[list[str]]],
     ) -> list[list[str]]:
         """step, observation part, batched over branches: every argument is a list with one entry
-        per branch (its task, first prompts, this turn's completions, histories); returns each
-        branch's next prompt per agent."""
+        per branch (its task row, the task's prompt text - the row's ``data.transition_prompt_field``,
+        "" where it has none -, this turn's completions, the histories, each agent's first prompt
+        first); returns each branch's next prompt per agent."""
         raise NotImplementedError(f"{type(self).__name__} is single-turn: it has no transition")
 
     @property

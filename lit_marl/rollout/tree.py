@@ -20,7 +20,7 @@ import torch
 from lit_marl.agents import Agent, roles_by_model
 from lit_marl.envs.base import JointEnv, call_reward
 from lit_marl.generation import Engine, Generation, make_engine
-from lit_marl.returns import JointMode, neutral_fill, per_response, tree_returns
+from lit_marl.returns import CrossReduce, JointMode, neutral_fill, per_response, tree_returns
 from lit_marl.rollout.batch import AgentSamples, RolloutBatch
 
 ResponsePenalty = Callable[[int, Generation], torch.Tensor]
@@ -44,6 +44,8 @@ class TreeSettings:
     early_termination_threshold: float | None = None
     external_prompt_passthrough: bool = False
     on_reward_error: Literal["raise", "skip"] = "raise"
+    transition_prompt_field: str = "prompt"
+    cross_return: CrossReduce = "mean"
 
 
 def joint_indices(num_agents: int, num_generations: int, joint_mode: JointMode) -> list[tuple[int, ...]]:
@@ -219,7 +221,7 @@ def _branch(env, tasks, nodes, texts, combos, rewards, turn, settings) -> tuple[
         for j, combo in enumerate(combos):
             branches.append((node, [texts[i][n * G + k] for i, k in enumerate(combo)]))
             parents.append((n, j))
-    child_prompts = call_transitions(env, branches, tasks, turn)
+    child_prompts = call_transitions(env, branches, tasks, turn, settings.transition_prompt_field)
     for (node, completions), (n, j), prompts in zip(branches, parents, child_prompts):
         children[n, j] = len(next_nodes)
         next_nodes.append(
@@ -233,16 +235,22 @@ def _branch(env, tasks, nodes, texts, combos, rewards, turn, settings) -> tuple[
 
 
 def call_transitions(
-    env: JointEnv, branches: list[tuple[_Node, list[str]]], tasks: list[dict], turn: int
+    env: JointEnv,
+    branches: list[tuple[_Node, list[str]]],
+    tasks: list[dict],
+    turn: int,
+    prompt_field: str = "prompt",
 ) -> list[list[str]]:
     """Next prompts of every branch of a turn, in ONE call of the env's transition (every keyword
-    argument a list over branches, and so is the result), each checked."""
+    argument a list over branches, and so is the result), each checked. ``prompt`` is the task's
+    prompt, its row's ``prompt_field`` (CoMLRL's ``batch_item.get("prompt", "")``: the empty string
+    where the row has no such field)."""
     if not branches:
         return []
     num_agents = len(branches[0][1])
     out = env.transition(
         task=[tasks[node.task] for node, _ in branches],
-        prompt=[[history[0] for history in node.prompt_history] for node, _ in branches],
+        prompt=[task_prompt(tasks[node.task], prompt_field) for node, _ in branches],
         agent_completions=[completions for _, completions in branches],
         num_agents=num_agents,
         prompt_history_per_agent=[[list(h) for h in node.prompt_history] for node, _ in branches],
@@ -262,6 +270,12 @@ def call_transitions(
     return [list(p) for p in out]
 
 
+def task_prompt(task: dict, field: str = "prompt") -> str:
+    """The task's prompt a transition receives: the row's ``field`` as text, "" where it has none."""
+    value = task.get(field, "")
+    return value if isinstance(value, str) else str(value)
+
+
 def _assemble(agents: list[Agent], levels: list[_Level], settings: TreeSettings, tally: _Tally) -> RolloutBatch:
     """Returns flow up the tree; every agent's rows of every turn, with their returns, node and
     turn ids, immediate rewards and the node each row's joint action led to; the rollout's metrics."""
@@ -273,8 +287,8 @@ def _assemble(agents: list[Agent], levels: list[_Level], settings: TreeSettings,
         num_nodes = level_returns.shape[0]  # level_returns: [nodes, J, agents]
         tally.sums[f"turn{turn}/return"] = float(level_returns.mean(dim=2).sum())
         tally.sums[f"turn{turn}/joint_actions"] = float(num_nodes * level_returns.shape[1])
-        response_returns = per_response(level_returns, settings.joint_mode, G)
-        response_rewards = per_response(level.shaped, settings.joint_mode, G)
+        response_returns = per_response(level_returns, settings.joint_mode, G, settings.cross_return)
+        response_rewards = per_response(level.shaped, settings.joint_mode, G)  # immediate: always the mean
         if settings.joint_mode == "aligned" or G == 1:  # joint action k holds response k of every agent
             next_group = torch.where(level.children >= 0, level.children + node_offset + num_nodes, -1).reshape(-1)
         else:

@@ -41,7 +41,7 @@ def test_single_response_tree_follows_sequential_turns(tiny_agents):
                 expected[i].append((turn, t, texts[i]))
                 responses[i].append(texts[i])
             current = plain(
-                prompt=prompts,
+                prompt="",
                 agent_completions=texts,
                 num_agents=2,
                 prompt_history_per_agent=histories,

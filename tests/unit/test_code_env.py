@@ -174,7 +174,7 @@ def _next_prompts(env, replies, task=ADD):
     prompts = env.prompts(task)
     return env.transition(
         task=[task],
-        prompt=[prompts],
+        prompt=[task["prompt"]],
         agent_completions=[replies],
         num_agents=len(replies),
         prompt_history_per_agent=[[[p] for p in prompts]],
@@ -219,7 +219,7 @@ def test_plain_transition_and_history_options():
     prompts = env.prompts(ADD)
     (prompt,) = env.transition(
         task=[ADD],
-        prompt=[prompts],
+        prompt=[ADD["prompt"]],
         agent_completions=[[GOOD]],
         num_agents=1,
         prompt_history_per_agent=[[prompts * 2]],
@@ -236,12 +236,18 @@ class _StubChat(BaseHTTPRequestHandler):
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         _StubChat.requests.append((self.path, self.headers.get("Authorization"), body))
-        if "FAIL" in body["messages"][0]["content"]:
+        content = body["messages"][0]["content"]
+        if "FAIL" in content:
             self.send_response(500)
             self.end_headers()
             self.wfile.write(b"boom")
             return
-        reply = {"choices": [{"message": {"role": "assistant", "content": " Replace `return 3` by `return a + b`. "}}]}
+        text = json.dumps({"aux": "Keep `aux` as it is.", "add": "Replace `return 3` by `return aux(a, b)`."})
+        if "PROSE" in content and "could not be used" not in content:  # malformed until the re-ask
+            text = "Replace `return 3` by `return a + b`."
+        reply = {
+            "choices": [{"message": {"role": "assistant", "content": f"Here are the edits:\n```json\n{text}\n```"}}]
+        }
         data = json.dumps(reply).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
@@ -267,19 +273,42 @@ def test_expert_edits_from_an_openai_compatible_endpoint(stub_endpoint, monkeypa
     expert = Expert(model="stub-coder", base_url=stub_endpoint, api_key_env="STUB_KEY", retries=0)
     env = CodeEnv(roles="aux_main", transition="expert_edits", expert=expert)
     aux_prompt, main_prompt = _next_prompts(env, [AUX, "def add(a, b):\n    return 3"])
-    for prompt in (aux_prompt, main_prompt):
-        assert "An expert reviewed the team's program and suggests:\nReplace `return 3` by `return a + b`." in prompt
+    # each agent gets the edits to its own function only
+    assert (
+        "proposes these edits to your `aux`:\nKeep `aux` as it is." in aux_prompt
+        and "return aux(a, b)" not in aux_prompt
+    )
+    assert "proposes these edits to your `add`:\nReplace `return 3` by `return aux(a, b)`." in main_prompt
+    assert "Keep `aux`" not in main_prompt
     ((path, auth, body),) = _StubChat.requests  # one request per branch, shared by its agents
     assert path == "/v1/chat/completions" and auth == "Bearer sk-test" and body["model"] == "stub-coder"
-    assert "def aux(a, b)" in body["messages"][0]["content"] and "return 3" in body["messages"][0]["content"]
-    failing = Expert(model="stub-coder", base_url=stub_endpoint, retries=1, prompt="FAIL {prompt} {code}")
+    message = body["messages"][0]["content"]
+    assert "def aux(a, b)" in message and "return 3" in message and body["temperature"] == 0.0
+    assert "- `aux`: agent 1 (helper)" in message and '{"aux": "<edits to aux>", "add": "<edits to add>"}' in message
+    assert expert.malformed_replies == 0 and expert.format_retries == 0
+    # a prose reply is asked again, sampled, with a note on the format
+    _StubChat.requests = []
+    prose = Expert(model="stub-coder", base_url=stub_endpoint, retries=1, prompt="PROSE {prompt} {code} {format}")
+    env = CodeEnv(roles="aux_main", transition="expert_edits", expert=prose)
+    _, main_prompt = _next_prompts(env, [AUX, "def add(a, b):\n    return 3"])
+    assert "your `add`:\nReplace `return 3` by `return aux(a, b)`." in main_prompt
+    first, again = (body for _, _, body in _StubChat.requests)
+    assert "could not be used: it holds no JSON object" in again["messages"][0]["content"]
+    assert again["temperature"] == prose.retry_temperature > 0 and first["temperature"] == 0.0
+    assert prose.format_retries == 1 and prose.malformed_replies == 0
+    failing = Expert(model="stub-coder", base_url=stub_endpoint, retries=1, prompt="FAIL {prompt} {code} {format}")
     with pytest.raises(RuntimeError, match=r"expert endpoint .*/v1/chat/completions .* failed after 2 attempts.*boom"):
-        failing.propose(["task"], ["code"])
+        failing.propose(["task"], ["code"], [{"add": "agent 1"}])
 
 
 def test_expert_edits_from_a_local_model():
-    expert = Expert(model="tiny-random", max_new_tokens=6)
-    env = CodeEnv(transition="expert_edits", expert=expert)
-    (prompt,) = _next_prompts(env, ["def add(a, b):\n    return 3"])
-    assert "An expert reviewed the team's program and suggests:" in prompt
-    assert expert.propose(["a", "b"], ["x", "y"]) == expert.propose(["a", "b"], ["x", "y"])  # greedy
+    # six random tokens are never the JSON object: one sampled re-ask, then the fallback, counted
+    expert = Expert(model="tiny-random", max_new_tokens=6, retries=1)
+    env = CodeEnv(roles="aux_main", transition="expert_edits", expert=expert)
+    aux_prompt, main_prompt = _next_prompts(env, [AUX, "def add(a, b):\n    return 3"])
+    assert "proposes these edits to your `aux`:" in aux_prompt and "proposes these edits to your `add`:" in main_prompt
+    assert expert.format_retries == 1 and expert.malformed_replies == 1
+    greedy = Expert(model="tiny-random", max_new_tokens=6, retries=0)
+    roles = [{"f": "agent 1"}, {"g": "agent 1"}]
+    assert greedy.propose(["a", "b"], ["x", "y"], roles) == greedy.propose(["a", "b"], ["x", "y"], roles)
+    assert greedy.format_retries == 0 and greedy.malformed_replies == 4

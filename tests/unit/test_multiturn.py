@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import make_trainer, slogan_data, tree_from_functions
+from helpers import COMLRL_DOCS, comlrl_docs_transition, make_trainer, slogan_data, tree_from_functions
 from lit_marl import ConfigError
 from lit_marl.algorithms import MAGRPO
 from lit_marl.envs.base import RewardError
@@ -115,7 +115,7 @@ def test_transition_sees_its_own_branch(tiny_agents):
     def recording(*, prompt, agent_completions, num_agents, prompt_history_per_agent, response_history_per_agent):
         seen.append((list(agent_completions), [h[-1] for h in response_history_per_agent]))
         assert [len(h) for h in prompt_history_per_agent] == [len(h) for h in response_history_per_agent]
-        return [f"{prompt[i]} / revise: {agent_completions[i]}" for i in range(num_agents)]
+        return [f"{prompt_history_per_agent[i][0]} / revise: {agent_completions[i]}" for i in range(num_agents)]
 
     batch = tree_from_functions(
         tiny_agents, TASKS, _prompts(2), _len_reward, 2, "cross", max_new_tokens=3, num_turns=2, transition=recording
@@ -125,6 +125,56 @@ def test_transition_sees_its_own_branch(tiny_agents):
     # the first-turn joint actions' completions are exactly what the transitions received
     first_turn = [[batch.completions[i][j] for i in range(2)] for j in range(len(TASKS) * 4)]
     assert first_turn == [completions for completions, _ in seen]
+
+
+@pytest.mark.parametrize("field", [None, "question"])
+def test_a_comlrl_transition_gets_the_task_prompt(tiny_agents, field):
+    """Bug: ``prompt`` was the list of the agents' first prompts, so such a transition wrote a list
+    repr into every next prompt. It is the task row's prompt text (``transition_prompt_field``)."""
+    key = field or "prompt"
+    tasks = [{"topic": "tea", key: "Write a slogan about tea."}, {"topic": "winter", key: "Write about winter."}]
+    settings = {} if field is None else {"transition_prompt_field": field}
+    seen = []
+
+    class Recording:
+        def __call__(self, **kwargs):
+            seen.append(kwargs["prompt"])
+            return comlrl_docs_transition(**kwargs)
+
+    batch = tree_from_functions(
+        tiny_agents,
+        tasks,
+        _prompts(2),
+        _len_reward,
+        2,
+        max_new_tokens=3,
+        num_turns=2,
+        transition=Recording(),
+        **settings,
+    )
+    assert sorted(set(seen)) == sorted(t[key] for t in tasks)  # a string: the task's own prompt
+    second_turn = batch.agents[0].turn_ids == 1
+    prompts = tiny_agents[0].tokenizer.batch_decode(batch.agents[0].input_ids[second_turn], skip_special_tokens=True)
+    assert all(any(t[key] in p for t in tasks) for p in prompts)
+    assert not any("['agent" in p or '["agent' in p for p in prompts)  # no list repr
+
+
+def test_a_task_without_the_prompt_field_passes_the_empty_string(tiny_agents):
+    seen = []
+
+    def recording(**kwargs):
+        seen.append(kwargs["prompt"])
+        return comlrl_docs_transition(**kwargs)
+
+    tree_from_functions(
+        tiny_agents, TASKS, _prompts(2), _len_reward, 2, max_new_tokens=3, num_turns=2, transition=recording
+    )
+    assert set(seen) == {""}  # as CoMLRL's batch_item.get("prompt", "")
+
+
+def test_the_data_module_warns_when_the_rows_lack_the_prompt_field():
+    with pytest.warns(UserWarning, match=r"data.transition_prompt_field='prompt'.*empty string"):
+        slogan_data(num_generations=2, num_turns=2, transition=COMLRL_DOCS)
 
 
 @pytest.mark.parametrize("bad", [["only one"], "a string", ["ok", 3]])

@@ -165,8 +165,8 @@ class CodeEnv(JointEnv):
         transition: Literal["plain", "level_feedback", "expert_edits"] = "level_feedback",
         sandbox_slice: int | Literal["all"] | None = 1,
         include_original_prompt: bool = True,
-        history: Literal["last", "all", "none"] = "last",
-        show_teammates: bool = True,
+        history: Literal["turns", "last", "all", "none"] | None = None,
+        show_teammates: bool | None = None,
         revise_instruction: str = REVISE,
         weights: RewardWeights = RewardWeights(),
         test_limits: TestLimits = TestLimits(),
@@ -177,14 +177,20 @@ class CodeEnv(JointEnv):
         Args:
             roles: ``single``, ``aux_main`` (CoMLRL's helper + main split) or a list of roles
                 (``defines`` + ``prompt`` template each); the last role writes the entry point.
-            transition: Next-turn prompts: ``plain`` (previous code + revise instruction),
-                ``level_feedback`` (static checks and the results of the revealed tests) or
-                ``expert_edits`` (edits an expert model proposes; needs ``expert``).
+            transition: Next-turn prompts: ``plain`` (the agent's own history + revise instruction,
+                CoMLRL's self-improvement mode), ``level_feedback`` (static checks and the results of
+                the revealed tests) or ``expert_edits`` (the edits an expert model proposes to the
+                agent's own function; needs ``expert``).
             sandbox_slice: Tests the feedback reveals: 1 (the first), n > 0 (first n), n < 0 (last |n|),
                 0 / None / "all" (all). The reward always uses all tests.
-            include_original_prompt: Repeat the agent's first prompt in later turns.
-            history: Previous code shown: ``last`` turn's, ``all`` turns', or ``none``.
+            include_original_prompt: Repeat the agent's first prompt in later turns (``turns`` shows it
+                anyway, as turn 1's prompt).
+            history: The agent's own past shown: ``turns`` (every earlier turn's prompt and code, in
+                order), the code of the ``last`` turn or of ``all`` turns, or ``none``. None: the
+                mode's default, ``turns`` for ``plain`` (CoMLRL's plain mode), ``last`` otherwise.
             show_teammates: Also show the other roles' latest code (e.g. aux's signature to main).
+                None: the mode's default, False for ``plain`` (CoMLRL shows an agent only its own
+                turns), True otherwise.
             revise_instruction: The closing instruction of a later turn's prompt.
             weights: Weights of the reward levels.
             test_limits: Per-test timeout, per-program budget and memory of the sandboxed tests.
@@ -207,11 +213,19 @@ class CodeEnv(JointEnv):
             raise ConfigError("data.env.roles: two roles define the same function")
         if transition == "expert_edits" and expert is None:
             raise ConfigError("data.env.transition=expert_edits needs data.env.expert (a model or an endpoint)")
+        plain = transition == "plain"
+        history = history or ("turns" if plain else "last")
+        if history == "turns" and not include_original_prompt:
+            raise ConfigError(
+                "data.env.include_original_prompt=false cannot hold with data.env.history=turns"
+                + (" (plain's default)" if plain else "")
+                + ": turn 1's prompt is the original prompt; set data.env.history to last, all or none"
+            )
         self.mode = transition
         self.sandbox_slice = sandbox_slice
         self.include_original_prompt = include_original_prompt
         self.history = history
-        self.show_teammates = show_teammates
+        self.show_teammates = (not plain) if show_teammates is None else show_teammates
         self.revise_instruction = revise_instruction
         self.weights = weights
         self.test_limits = test_limits
@@ -399,12 +413,16 @@ class CodeEnv(JointEnv):
         self,
         *,
         task: list[dict],
-        prompt: list[list[str]],
+        prompt: list[str],
         agent_completions: list[list[str]],
         num_agents: int,
         prompt_history_per_agent: list[list[list[str]]],
         response_history_per_agent: list[list[list[str]]],
     ) -> list[list[str]]:
+        """Every branch's next prompt per agent: the agent's own past (``history``), its teammates'
+        latest code (``show_teammates``), the mode's signal (none for ``plain``), the revise
+        instruction. ``prompt`` (the task's prompt text) is not read: the task row has it, and the
+        agent's own first prompt is the first entry of its prompt history."""
         analyses = [self.analyze(t, list(c)) for t, c in zip(task, agent_completions)]
         extra: list[list[str]] = [[""] * num_agents for _ in task]
         if self.mode == "level_feedback":
@@ -414,26 +432,53 @@ class CodeEnv(JointEnv):
                 for t, a in zip(task, analyses)
             ]
         elif self.mode == "expert_edits":
-            edits = self.expert.propose([t["prompt"] for t in task], [a.program for a in analyses])
-            extra = [[f"An expert reviewed the team's program and suggests:\n{e}"] * num_agents for e in edits]
-        out = []
-        for b, a in enumerate(analyses):
-            prompts = []
-            for i in range(num_agents):
-                parts = [prompt[b][i]] if self.include_original_prompt else []
-                past = response_history_per_agent[b][i]
-                shown = {"last": past[-1:], "all": past, "none": []}[self.history]
-                for k, response in enumerate(shown):
-                    turn = len(past) - len(shown) + k + 1
-                    code = extract_code(response, drop=set(a.names) - {a.names[i]})
-                    parts.append(f"Your code at turn {turn}:\n```python\n{code}\n```")
-                if self.show_teammates and num_agents > 1:
-                    parts += [
-                        f"Your teammate's `{a.names[j]}`:\n```python\n{a.codes[j]}\n```"
-                        for j in range(num_agents)
-                        if j != i
-                    ]
-                parts += [p for p in (extra[b][i], self.revise_instruction) if p]
-                prompts.append("\n\n".join(parts))
-            out.append(prompts)
-        return out
+            edits = self.expert.propose(
+                [t["prompt"] for t in task], [a.program for a in analyses], [self.expert_roles(a) for a in analyses]
+            )
+            extra = [
+                [
+                    f"An expert reviewed the team's program and proposes these edits to your `{name}`:\n{e[name]}"
+                    for name in a.names
+                ]
+                for a, e in zip(analyses, edits)
+            ]
+        return [
+            [
+                self._next_prompt(a, i, prompt_history_per_agent[b][i], response_history_per_agent[b][i], extra[b][i])
+                for i in range(num_agents)
+            ]
+            for b, a in enumerate(analyses)
+        ]
+
+    def expert_roles(self, a: Analysis) -> dict[str, str]:
+        """Who writes each function of the program, for the expert's prompt (its reply is keyed by
+        these functions, so each agent can be shown the edits to its own)."""
+        roles = {}
+        for i, (role, name) in enumerate(zip(self.roles, a.names)):
+            who = f"agent {i + 1}" + (f" ({role.name})" if role.name else "")
+            what = "the task's entry point" if i == len(a.names) - 1 else "a helper that the entry point can call"
+            roles[name] = f"{who}, {what}"
+        return roles
+
+    def _next_prompt(self, a: Analysis, agent: int, prompts: list[str], responses: list[str], extra: str) -> str:
+        others = set(a.names) - {a.names[agent]}
+
+        def code(k: int) -> str:
+            return f"Your code at turn {k + 1}:\n```python\n{extract_code(responses[k], drop=others)}\n```"
+
+        parts = []
+        if self.history == "turns":
+            for k, turn_prompt in enumerate(prompts[: len(responses)]):
+                parts += [f"Your prompt at turn {k + 1}:\n{turn_prompt}", code(k)]
+        else:
+            parts += [prompts[0]] if self.include_original_prompt else []
+            shown = {"last": 1, "all": len(responses), "none": 0}[self.history]
+            parts += [code(k) for k in range(max(len(responses) - shown, 0), len(responses))]
+        if self.show_teammates and len(a.names) > 1:
+            parts += [
+                f"Your teammate's `{a.names[j]}`:\n```python\n{a.codes[j]}\n```"
+                for j in range(len(a.names))
+                if j != agent
+            ]
+        parts += [p for p in (extra, self.revise_instruction) if p]
+        return "\n\n".join(parts)
