@@ -8,10 +8,18 @@ import torch
 
 AdvantageMode = Literal["mean", "raw", "max", "rloo"]
 JointMode = Literal["aligned", "cross"]
+CrossReduce = Literal["mean", "sum"]
+
+
+NormalizationForm = Literal["rms", "zscore"]
 
 
 def group_advantages(
-    returns: torch.Tensor, mode: AdvantageMode = "mean", normalize: bool = False, std_floor: float = 1e-6
+    returns: torch.Tensor,
+    mode: AdvantageMode = "mean",
+    normalize: bool = False,
+    std_floor: float = 1e-6,
+    form: NormalizationForm = "rms",
 ) -> torch.Tensor:
     """Group-relative advantages; ``returns`` is ``[num_groups, G]`` (one group = one tree node).
 
@@ -19,8 +27,16 @@ def group_advantages(
     - ``raw``: r itself, no baseline (MAREINFORCE)
     - ``max``: r - max(group) (MAReMax: only the best sample is not pushed down)
     - ``rloo``: r - mean(others), leave-one-out (MARLOO): equals G/(G-1) * (r - mean)
-    ``normalize`` divides by the group's standard deviation, floored at ``std_floor`` so that
-    groups with (nearly) equal returns keep small advantages instead of blowing up.
+
+    ``normalize`` rescales each group's advantages, in one of two forms:
+
+    - ``rms`` (default): divided by their root mean square, sqrt(sum A^2 / (G-1)), floored at
+      ``std_floor`` - the spread of the returns around the baseline (for ``mean`` exactly the
+      returns' sample std). No advantage exceeds sqrt(G-1) in size, whatever the returns: a tie
+      gives 0 in the baselined modes and, in ``raw``, sign(r) * sqrt((G-1)/G), never 1/floor.
+    - ``zscore`` (CoMLRL's): re-centred and divided by their population std floored at
+      ``std_floor`` ((A - mean A) / std A); a group of one keeps its advantage. Re-centring removes
+      any baseline, so every mode becomes ``mean``; a near-tie becomes a unit signal.
     """
     if returns.dim() != 2:
         raise ValueError(f"returns must be [num_groups, G], got shape {tuple(returns.shape)}")
@@ -37,9 +53,17 @@ def group_advantages(
         adv = returns - (returns.sum(dim=1, keepdim=True) - returns) / (size - 1)
     else:
         raise ValueError(f"advantage_mode={mode!r}: choose one of mean, raw, max, rloo")
-    if normalize:
-        adv = adv / returns.std(dim=1, keepdim=True, unbiased=size > 1).clamp(min=std_floor)
-    return adv
+    if not normalize:
+        return adv
+    if form == "rms":
+        rms = (adv.pow(2).sum(dim=1, keepdim=True) / max(size - 1, 1)).sqrt()
+        return adv / rms.clamp(min=std_floor)
+    if form == "zscore":
+        if size < 2:
+            return adv
+        centred = adv - adv.mean(dim=1, keepdim=True)
+        return centred / adv.std(dim=1, keepdim=True, unbiased=False).clamp(min=std_floor)
+    raise ValueError(f"advantage_normalization_form={form!r}: choose rms or zscore")
 
 
 def cross_agent_returns(joint_returns: torch.Tensor) -> torch.Tensor:
@@ -96,19 +120,27 @@ def neutral_fill(rewards: torch.Tensor) -> torch.Tensor:
     return torch.where(valid, rewards, means.expand_as(rewards))
 
 
-def per_response(values: torch.Tensor, joint_mode: JointMode, G: int) -> torch.Tensor:
+def per_response(
+    values: torch.Tensor, joint_mode: JointMode, G: int, cross_reduce: CrossReduce = "mean"
+) -> torch.Tensor:
     """``[nodes, J, agents]`` values of joint actions -> ``[agents, nodes, G]`` values of each
     agent's responses: in ``aligned`` mode joint action k is response k; in ``cross`` mode a
-    response gets the mean over the joint actions that contain it."""
+    response gets the mean over the joint actions that contain it (``cross_reduce: sum``:
+    CoMLRL's sum, G^(N-1) times the mean)."""
     if joint_mode == "aligned":
         return values.permute(2, 0, 1)
     num_agents = values.shape[2]
-    return torch.stack(
+    out = torch.stack(
         [
             torch.stack([cross_agent_returns(v[:, i].reshape((G,) * num_agents))[i] for v in values])
             for i in range(num_agents)
         ]
     )
+    if cross_reduce == "sum":
+        return out * G ** (num_agents - 1)
+    if cross_reduce != "mean":
+        raise ValueError(f"cross_return={cross_reduce!r}: choose mean or sum")
+    return out
 
 
 # --------------------------------------------------------------------------- multi-turn episodes

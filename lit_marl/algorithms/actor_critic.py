@@ -53,7 +53,7 @@ from lit_marl.metrics import Timer
 from lit_marl.parallel.collectives import all_ranks_max, all_ranks_sum, padded_steps, z_score_per_group
 from lit_marl.returns import next_turn_rows, td_advantages, td_targets, team_reward
 from lit_marl.rollout.batch import AgentSamples, RolloutBatch
-from lit_marl.rollout.buffer import RolloutBuffer, minibatches
+from lit_marl.rollout.buffer import RolloutBuffer, UpdateSchedule, minibatches
 
 Forward = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 """An actor's completion log-probs, entropies (or None) and value-head values (or None)."""
@@ -90,6 +90,7 @@ class ActorCritic(AgentTeamModule):
         logprob_reduction: Reduction = "mean",
         rollout_buffer_size: PositiveInt | None = None,
         train_batch_size: PositiveInt | None = None,
+        update_schedule: UpdateSchedule = "joint",
         **kwargs,
     ):
         """
@@ -118,7 +119,9 @@ class ActorCritic(AgentTeamModule):
                 per turn of an episode); None: after every training step. The rest is used at epoch end.
             train_batch_size: Groups per mini-batch - a group is the samples that share a baseline, here
                 one turn of one episode - one optimizer step each, grouped by turn and shuffled; None:
-                the whole buffer in one step.
+                the whole buffer in one step (with ``update_schedule: joint``).
+            update_schedule: ``joint``: mini-batches of every turn, shuffled; ``per_turn``: CoMLRL's
+                order, each turn its own steps in turn order (``train_batch_size: null``: one per turn).
             **kwargs: The team's settings (model, num_agents, lora, learning_rate, ...): see ``AgentTeamModule``.
         """
         super().__init__(**kwargs)
@@ -147,6 +150,7 @@ class ActorCritic(AgentTeamModule):
         self.policy_form, self.clip_range, self.ppo_epochs = policy_loss, clip_range, ppo_epochs
         self.target_kl, self.entropy_coef, self.logprob_reduction = target_kl, entropy_coef, logprob_reduction
         self.rollout_buffer_size, self.train_batch_size = rollout_buffer_size, train_batch_size
+        self.update_schedule = update_schedule
         self.critics: nn.ModuleList | None = None
         self.rollout_buffers = [RolloutBuffer() for _ in range(self.hparams.num_agents)]
 
@@ -269,7 +273,7 @@ class ActorCritic(AgentTeamModule):
     def fits_one_pass(self, rows: _Rows) -> bool:
         """One optimizer step per model (``ppo_epochs`` 1, one mini-batch) on rows that fit one
         forward/backward pass, on every rank."""
-        if self.ppo_epochs != 1 or self.train_batch_size is not None:
+        if self.ppo_epochs != 1 or self.train_batch_size is not None or self.update_schedule != "joint":
             return False
         fits = all(len(self.micro_batches(m)) == 1 for m in rows.actors + rows.critics)
         return all_ranks_max(0.0 if fits else 1.0, self.device) == 0
@@ -320,7 +324,7 @@ class ActorCritic(AgentTeamModule):
 
     def advantages(self, targets: torch.Tensor, values: torch.Tensor, turns: torch.Tensor) -> torch.Tensor:
         """A = y - V(h), z-scored within each turn over every rank's rows if set (a turn of one row
-        is centred to 0)."""
+        keeps its raw advantage)."""
         advantages = td_advantages(targets, values)
         return z_score_per_group(advantages, turns) if self.advantage_normalization else advantages
 
@@ -422,7 +426,7 @@ class ActorCritic(AgentTeamModule):
         epochs = 0
         for _ in range(self.ppo_epochs):
             stats: dict[int, dict[str, float]] = {}
-            batches = minibatches(per_agent[0], self.train_batch_size, self.shuffle_generator)
+            batches = minibatches(per_agent[0], self.train_batch_size, self.shuffle_generator, self.update_schedule)
             for picked in padded_steps(batches, self.device):
                 for index, roles in enumerate(self.learners):
                     mini = (

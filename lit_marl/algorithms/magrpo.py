@@ -16,9 +16,9 @@ from lit_marl.logprobs import completion_logprobs
 from lit_marl.losses import Reduction, k3_kl, masked_sum, reinforce
 from lit_marl.metrics import Timer
 from lit_marl.parallel.collectives import all_ranks_max, padded_steps
-from lit_marl.returns import AdvantageMode, group_advantages
+from lit_marl.returns import AdvantageMode, NormalizationForm, group_advantages
 from lit_marl.rollout.batch import AgentSamples, RolloutBatch
-from lit_marl.rollout.buffer import RolloutBuffer, minibatches
+from lit_marl.rollout.buffer import RolloutBuffer, UpdateSchedule, minibatches
 
 
 class MAGRPO(AgentTeamModule):
@@ -26,10 +26,12 @@ class MAGRPO(AgentTeamModule):
         self,
         advantage_mode: AdvantageMode = "mean",
         advantage_normalization: bool = True,
+        advantage_normalization_form: NormalizationForm = "rms",
         advantage_std_floor: PositiveFloat = 1e-3,
         logprob_reduction: Reduction = "sum",
         rollout_buffer_size: PositiveInt | None = None,
         train_batch_size: PositiveInt | None = None,
+        update_schedule: UpdateSchedule = "joint",
         reference_kl_coef: NonNegativeFloat = 0.0,
         **kwargs,
     ):
@@ -37,8 +39,12 @@ class MAGRPO(AgentTeamModule):
         Args:
             advantage_mode: Baseline within each node's G siblings: ``mean`` (MAGRPO), ``raw``
                 (MAREINFORCE), ``max`` (MAReMax) or ``rloo`` (MARLOO, leave-one-out).
-            advantage_normalization: Divide each node's advantages by the std of its returns.
-            advantage_std_floor: Lower bound of that std.
+            advantage_normalization: Rescale each node's advantages (``advantage_normalization_form``).
+            advantage_normalization_form: ``rms``: divide by their root mean square (for ``mean``
+                the returns' sample std; no advantage exceeds sqrt(G-1), a tie never becomes a large
+                signal); ``zscore``: CoMLRL's re-centring and division by the population std (every
+                mode becomes ``mean``; a near-tie becomes a unit signal). See ``returns.group_advantages``.
+            advantage_std_floor: Lower bound of the divisor (CoMLRL's: 1e-6).
             logprob_reduction: REINFORCE on the ``sum`` of a response's token log-probs (the
                 sequence log-likelihood) or on their ``mean`` (length-normalized).
             rollout_buffer_size: An update fires when each agent's buffer holds this many groups (tree
@@ -61,6 +67,8 @@ class MAGRPO(AgentTeamModule):
         self.logprob_reduction = logprob_reduction
         self.rollout_buffer_size = rollout_buffer_size
         self.train_batch_size = train_batch_size
+        self.advantage_normalization_form = advantage_normalization_form
+        self.update_schedule = update_schedule
         self.reference_kl_coef = reference_kl_coef
         if reference_kl_coef > 0:
             self.response_penalty = self.reference_kl
@@ -94,7 +102,13 @@ class MAGRPO(AgentTeamModule):
         """Rows come grouped by node, all groups of one size (one per tree node)."""
         num_groups = int(samples.group_ids.max()) + 1
         grouped = samples.returns.view(num_groups, -1)
-        adv = group_advantages(grouped, self.advantage_mode, self.advantage_normalization, self.advantage_std_floor)
+        adv = group_advantages(
+            grouped,
+            self.advantage_mode,
+            self.advantage_normalization,
+            self.advantage_std_floor,
+            self.advantage_normalization_form,
+        )
         return adv.reshape(-1)
 
     def policy_loss(self, model: torch.nn.Module, samples: AgentSamples) -> torch.Tensor:
@@ -120,7 +134,11 @@ class MAGRPO(AgentTeamModule):
                 for role in roles:
                     merged.add(self.rollout_buffers[role].drain(agent.pad_token_id))
                 samples = merged.drain(agent.pad_token_id)  # None: this rank has nothing buffered
-                batches = [] if samples is None else minibatches(samples, self.train_batch_size, self.shuffle_generator)
+                batches = (
+                    []
+                    if samples is None
+                    else minibatches(samples, self.train_batch_size, self.shuffle_generator, self.update_schedule)
+                )
                 losses = []
                 for rows in padded_steps(batches, self.device):
                     kept, count = None, 0

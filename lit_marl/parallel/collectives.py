@@ -64,7 +64,9 @@ def whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def z_score_per_group(values: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
     """(x - mean) / std within each group id (e.g. a turn), the moments taken over the rows of every
-    rank (one process with all the rows gives the same result); a group of one row is centred to 0."""
+    rank (one process with all the rows gives the same result); the population std, floored at
+    1e-6 (CoMLRL's form). A group of one row keeps its value: there is nothing to compare it with,
+    and centring it would silence it (an actor with one episode per update would never move)."""
     device = values.device
     num_groups = int(all_ranks_max(int(groups.max()) + 1, device))
     moments = torch.zeros(3, num_groups, dtype=torch.float64, device=device)
@@ -76,7 +78,8 @@ def z_score_per_group(values: torch.Tensor, groups: torch.Tensor) -> torch.Tenso
     count = moments[0].clamp(min=1)
     mean = moments[1] / count
     var = (moments[2] / count - mean**2).clamp(min=0)
-    return ((values - mean[groups]) / (var[groups].sqrt() + 1e-6)).float()
+    scored = (values - mean[groups]) / var[groups].sqrt().clamp(min=1e-6)
+    return torch.where(moments[0][groups] > 1, scored, values.double()).float()
 
 
 def sum_gradients(params: list[torch.nn.Parameter], device: torch.device) -> None:

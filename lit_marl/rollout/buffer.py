@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Literal
 
 import torch
 
@@ -50,22 +51,36 @@ class RolloutBuffer:
         return samples
 
 
-def minibatches(samples: AgentSamples, nodes_per_batch: int | None, generator: torch.Generator) -> list[torch.Tensor]:
+UpdateSchedule = Literal["joint", "per_turn"]
+
+
+def minibatches(
+    samples: AgentSamples,
+    nodes_per_batch: int | None,
+    generator: torch.Generator,
+    schedule: UpdateSchedule = "joint",
+) -> list[torch.Tensor]:
     """Row indices of the mini-batches of one update; every row is in exactly one.
 
-    ``None``: the whole buffer is one mini-batch. Otherwise nodes are grouped by turn (a mini-batch
-    holds one turn, so its prompts have similar lengths), shuffled within their turn, cut into
-    ``nodes_per_batch`` nodes, and the mini-batches shuffled.
+    ``joint``: ``None`` makes the whole buffer one mini-batch; otherwise nodes are grouped by turn
+    (a mini-batch holds one turn, so its prompts have similar lengths), shuffled within their turn,
+    cut into ``nodes_per_batch`` nodes, and the mini-batches shuffled.
+    ``per_turn`` (CoMLRL's): the turns in order, each its own mini-batches - its nodes shuffled and
+    cut into ``nodes_per_batch`` (``None``: the whole turn) - so every turn gets at least one step.
     """
     device = samples.group_ids.device
-    if nodes_per_batch is None:
+    if nodes_per_batch is None and schedule == "joint":
         return [torch.arange(len(samples), device=device)]
     group_ids, turn_ids = samples.group_ids.cpu(), samples.turn_ids.cpu()
     batches = []
     for turn in torch.unique(turn_ids).tolist():
         nodes = torch.unique(group_ids[turn_ids == turn])
         nodes = nodes[torch.randperm(len(nodes), generator=generator)]
-        for chunk in nodes.split(nodes_per_batch):
+        for chunk in nodes.split(nodes_per_batch or len(nodes)):
             batches.append(torch.nonzero(torch.isin(group_ids, chunk)).flatten().to(device))
+    if schedule == "per_turn":
+        return batches
+    if schedule != "joint":
+        raise ValueError(f"update_schedule={schedule!r}: choose joint or per_turn")
     order = torch.randperm(len(batches), generator=generator).tolist()
     return [batches[i] for i in order]

@@ -153,6 +153,23 @@ def test_maac_centralized_critic_steps_once_per_update(tmp_path, critic_type):
     assert math.isfinite(float(trainer.callback_metrics["train/loss_critic"]))
 
 
+@pytest.mark.parametrize("algorithm", [IAC, MAAC])
+def test_actors_move_with_one_task_per_step(tmp_path, algorithm):
+    """Bug: with one episode per update each (agent, turn) group holds one row, and z-scoring centred
+    it to 0: the critics learned, the actors never moved. A group of one keeps its raw advantage.
+    A critic model (not a head on the actor) so that only the policy term reaches the actors."""
+    L.seed_everything(5)
+    module = algorithm(model="tiny-random", num_agents=2, learning_rate=1e-3, critic="model")
+    module.configure_model()
+    actors = [snapshot(a.model) for a in module.agents]
+    trainer = make_trainer(tmp_path, limit_val_batches=0)
+    trainer.fit(module, datamodule=two_turn_data(tasks_per_step=1))
+    for i, agent in enumerate(module.agents):
+        assert not unchanged(agent.model, actors[i]), f"agent {i}: its actor never moved"
+    advantage = float(trainer.callback_metrics["train/turn0/advantage_mean_agent0"])
+    assert advantage != 0.0 and math.isfinite(advantage)
+
+
 @pytest.mark.parametrize("critic", ["head", "model"])
 def test_parameter_shared_team_has_one_critic(tmp_path, critic):
     """One model plays both roles: one critic learns from both roles' rows."""

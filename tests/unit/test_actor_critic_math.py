@@ -49,7 +49,7 @@ def test_advantages_z_scored_per_turn_group():
     v = torch.zeros(3)
     adv = z_score_per_group(td_advantages(y, v), T([0, 0, 1]))
     assert torch.allclose(adv[:2], T([-1.0, 1.0]), atol=1e-5)  # turn 0: mean 2, std 1
-    assert adv[2] == 0  # alone at turn 1: centred to 0
+    assert adv[2] == 2.0  # alone at turn 1: too small to normalize, keeps its raw advantage (CoMLRL)
 
 
 def test_value_loss_clipping():

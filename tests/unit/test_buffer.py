@@ -39,6 +39,17 @@ def test_minibatches_cover_every_row_once_and_keep_turns_and_nodes_together():
     assert minibatches(samples, None, torch.Generator())[0].tolist() == list(range(21))
 
 
+def test_per_turn_schedule_gives_each_turn_its_own_steps_in_order():
+    """CoMLRL's schedule: turn 0's mini-batches first, then turn 1's; ``None`` = one step per turn."""
+    samples = _samples(7, 3, turns=[0, 0, 0, 1, 1, 1, 1])
+    whole = minibatches(samples, None, torch.Generator().manual_seed(0), "per_turn")
+    assert [b.tolist() for b in whole] == [list(range(9)), list(range(9, 21))]
+    cut = minibatches(samples, 2, torch.Generator().manual_seed(0), "per_turn")
+    assert [len(b) // 3 for b in cut] == [2, 1, 2, 2]  # ceil(3/2) + ceil(4/2) steps, turn by turn
+    assert [int(samples.turn_ids[b[0]]) for b in cut] == [0, 0, 1, 1]
+    assert torch.equal(torch.cat(cut).sort().values, torch.arange(21))
+
+
 def test_minibatch_order_is_shuffled_and_seeded():
     samples = _samples(8, 2, turns=[0] * 8)
     first = [b.tolist() for b in minibatches(samples, 1, torch.Generator().manual_seed(1))]

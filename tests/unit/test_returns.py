@@ -68,9 +68,50 @@ def test_scale_by_std_single_sample_groups_are_finite():
     assert torch.equal(adv, torch.zeros(2, 1))
 
 
-def test_scale_by_std_with_max_baseline():
-    std = math.sqrt(14 / 3)
-    close(group_advantages(RETURNS, "max", normalize=True)[0], [-5 / std, -4 / std, -3 / std, 0.0])
+def test_scale_by_rms_with_max_baseline():
+    rms = math.sqrt((25 + 16 + 9) / 3)  # the advantages' spread around the best return
+    close(group_advantages(RETURNS, "max", normalize=True)[0], [-5 / rms, -4 / rms, -3 / rms, 0.0])
+
+
+def test_normalized_loo_is_normalized_mean():
+    """A baseline's constant factor G/(G-1) is what normalization removes."""
+    close(group_advantages(RETURNS, "rloo", normalize=True), group_advantages(RETURNS, "mean", normalize=True))
+
+
+@pytest.mark.parametrize("returns", [[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0 + 1e-4], [3.0, 3.0001, 2.9999, 3.0]])
+@pytest.mark.parametrize("mode", ["raw", "mean", "max", "rloo"])
+def test_normalizing_a_tie_never_makes_a_huge_signal(returns, mode):
+    """Bug: raw (MAREINFORCE) advantages of siblings tied at a non-zero return were divided by the
+    std floor (1e-3): 1000 per response. Every normalized advantage is at most sqrt(G-1)."""
+    adv = group_advantages(torch.tensor([returns]), mode, normalize=True, std_floor=1e-3)
+    assert adv.abs().max() <= math.sqrt(3) + 1e-5
+    if mode == "raw" and len(set(returns)) == 1:  # an exact tie keeps the return's sign, at unit size
+        close(adv, [[math.sqrt(3 / 4)] * 4])
+    if mode != "raw" and len(set(returns)) == 1:
+        assert torch.equal(adv, torch.zeros(1, 4))
+
+
+def test_raw_normalization_scales_by_the_returns_spread_around_zero():
+    returns = torch.tensor([[1.0, 2.0, 3.0, 6.0]])
+    rms = math.sqrt((1 + 4 + 9 + 36) / 3)
+    close(group_advantages(returns, "raw", normalize=True), returns / rms)
+
+
+@pytest.mark.parametrize("mode", ["raw", "mean", "max", "rloo"])
+def test_zscore_form_is_comlrls(mode):
+    """CoMLRL: (A - mean A) / std_population(A).clamp(1e-6); every mode becomes mean's z-score."""
+    adv = group_advantages(RETURNS, mode, normalize=True, std_floor=1e-6, form="zscore")
+    centred = RETURNS[0] - 3.0
+    close(adv[0], centred / centred.pow(2).mean().sqrt())
+    assert torch.equal(adv[1], torch.zeros(4))  # a tie: 0 / floor
+    near = group_advantages(
+        torch.tensor([[1.0, 1.0 + 1e-4]], dtype=torch.float64), mode, normalize=True, std_floor=1e-6, form="zscore"
+    )
+    close(near, [[-1.0, 1.0]])  # CoMLRL amplifies a near-tie to a unit signal (documented)
+
+
+def test_zscore_form_keeps_a_group_of_one():
+    close(group_advantages(torch.tensor([[5.0]]), "raw", normalize=True, form="zscore"), [[5.0]])
 
 
 def test_bad_baseline():
