@@ -72,6 +72,10 @@ class ActorCritic(AgentTeamModule):
     """What IAC and MAAC share; ``centralized`` says which critic they learn."""
 
     centralized = False
+    critic_reward: Literal["team", "per_agent"] = "team"
+    """MAAC's TD targets: of the team reward (the mean over agents), or each agent's own (CoMLRL)."""
+    critic_updates: Literal["once", "per_agent"] = "once"
+    """MAAC's critic steps per mini-batch: once, or once per agent on its targets (CoMLRL)."""
 
     def __init__(
         self,
@@ -176,11 +180,13 @@ class ActorCritic(AgentTeamModule):
             groups = [{"params": self.agents[roles[0]].trainable_parameters(), "lr": self.hparams.learning_rate}]
             if self.critic_kind == "head":
                 groups.append({"params": list(self.critics[index].parameters()), "lr": self.critic_learning_rate})
-            optimizers.append(torch.optim.AdamW(groups, weight_decay=0.0))
+            optimizers.append(torch.optim.AdamW(groups, weight_decay=self.weight_decay))
         if self.critic_kind == "model":
             for critic in self.critics:
                 params = [p for p in critic.parameters() if p.requires_grad]
-                optimizers.append(torch.optim.AdamW(params, lr=self.critic_learning_rate, weight_decay=0.0))
+                optimizers.append(
+                    torch.optim.AdamW(params, lr=self.critic_learning_rate, weight_decay=self.weight_decay)
+                )
         return optimizers
 
     def setup(self, stage: str) -> None:
@@ -207,13 +213,20 @@ class ActorCritic(AgentTeamModule):
             )
 
     def critic_optimizer(self, critic: int):
-        return self.optimizers()[len(self.learners) + critic]
+        return self.optimizers()[len(self.learners) + (0 if self.centralized else critic)]
 
     def critic_roles(self) -> list[list[int]]:
-        """The roles each critic model serves (MAAC's one critic: the joint rows, once)."""
+        """The roles whose targets each critic step of a mini-batch learns (IAC: each critic model's
+        learner's roles; MAAC: the joint rows, once, or once per agent on its own targets)."""
         if self.critic_kind == "head":
             return []
-        return [[0]] if self.centralized else self.learners
+        if self.centralized:
+            return [[r] for r in range(self.hparams.num_agents)] if self.critic_updates == "per_agent" else [[0]]
+        return self.learners
+
+    def critic_model(self, entry: int) -> nn.Module:
+        """The critic model of a ``critic_roles`` entry (MAAC: always its one critic)."""
+        return self.critics[0 if self.centralized else entry]
 
     # ------------------------------------------------------------------ forwards
     def actor_forward(self, learner: int, samples: AgentSamples, entropy: bool = False) -> Forward:
@@ -240,7 +253,7 @@ class ActorCritic(AgentTeamModule):
         if self.critic_kind == "head":
             return _Rows(actors, [])
         if self.centralized:
-            return _Rows(actors, [joint_critic_inputs(per_agent, self.critic_type, pad)])
+            return _Rows(actors, [joint_critic_inputs(per_agent, self.critic_type, pad)] * len(self.critic_roles()))
         critics = [
             CriticInputs.cat([critic_inputs(per_agent[r], self.critic_type) for r in roles], pad)
             for roles in self.learners
@@ -260,8 +273,8 @@ class ActorCritic(AgentTeamModule):
             values = torch.cat([p[2] for p in parts]) if self.critic_kind == "head" else None
             actors.append((logprobs, entropies, values))
         critics = [
-            torch.cat([critic(inputs.select(r)) for r in self.micro_batches(inputs)])
-            for critic, inputs in zip(self.critics, rows.critics)
+            torch.cat([self.critic_model(c)(inputs.select(r)) for r in self.micro_batches(inputs)])
+            for c, inputs in enumerate(rows.critics)
         ]
         return actors, critics
 
@@ -275,6 +288,8 @@ class ActorCritic(AgentTeamModule):
         forward/backward pass, on every rank."""
         if self.ppo_epochs != 1 or self.train_batch_size is not None or self.update_schedule != "joint":
             return False
+        if len(rows.critics) > len(self.critics or []):  # a critic stepping once per agent
+            return False
         fits = all(len(self.micro_batches(m)) == 1 for m in rows.actors + rows.critics)
         return all_ranks_max(0.0 if fits else 1.0, self.device) == 0
 
@@ -287,10 +302,13 @@ class ActorCritic(AgentTeamModule):
             raise ValueError("the agents' buffers hold different nodes; they must be filled by the same rollouts")
         next_rows, turns = next_turn_rows(per_agent[0].group_ids, per_agent[0].next_group), per_agent[0].turn_ids
         values: list[torch.Tensor] = [None] * len(per_agent)
-        if self.centralized:  # one value and one target (of the team reward) per node, every agent's
+        if self.centralized:  # one value per node, every agent's; targets of the team reward or each agent's
             values = [critic_values[0].detach()] * len(per_agent)
-            team = td_targets(team_reward([s.rewards for s in per_agent]), values[0], next_rows, self.discount)
-            targets = [team] * len(per_agent)
+            if self.critic_reward == "team":
+                team = td_targets(team_reward([s.rewards for s in per_agent]), values[0], next_rows, self.discount)
+                targets = [team] * len(per_agent)
+            else:
+                targets = [td_targets(s.rewards, values[0], next_rows, self.discount) for s in per_agent]
         else:
             learned = critic_values if self.critic_kind == "model" else [out[2] for out in actor_out]
             for roles, v in zip(self.learners, learned):
@@ -379,7 +397,7 @@ class ActorCritic(AgentTeamModule):
         return self.value_loss_coef * value_loss(values, old_values, targets, ones, self.value_clip_range, "sum")
 
     def critic_loss(self, critic: int, inputs: CriticInputs, values: torch.Tensor | None = None) -> torch.Tensor:
-        values = self.critics[critic](inputs) if values is None else values
+        values = self.critic_model(critic)(inputs) if values is None else values
         return self.value_term(values, inputs.old_values, inputs.targets)
 
     # ------------------------------------------------------------------ the step
@@ -399,8 +417,10 @@ class ActorCritic(AgentTeamModule):
             name = self.learner_name(index)
             self.log(f"train/loss_{name}", sum(losses) / len(losses), batch_size=size)
             self.log(f"train/optimizer_steps_{name}", float(len(losses)), batch_size=size)
+        by_critic: dict[str, list[float]] = {}  # MAAC stepping once per agent: one critic's steps together
         for c, losses in critic_losses.items():
-            name = self.critic_name(c)
+            by_critic.setdefault(self.critic_name(c), []).extend(losses)
+        for name, losses in by_critic.items():
             self.log(f"train/loss_{name}", sum(losses) / len(losses), batch_size=size)
             self.log(f"train/optimizer_steps_{name}", float(len(losses)), batch_size=size)
         self.log("train/ppo_epochs_run", float(epochs), batch_size=size)
@@ -463,32 +483,3 @@ class ActorCritic(AgentTeamModule):
             self.log(f"train/turn{turn}/clip_frac", stat["clip_frac"] / tokens)
             if self.entropy_coef > 0:
                 self.log(f"train/turn{turn}/entropy", stat["entropy"] / tokens)
-
-
-class IAC(ActorCritic):
-    """Independent actor-critic: each agent learns its own critic from its own reward (a value
-    head on its actor, or a critic model). With ``policy_loss=ppo``: IPPO."""
-
-    def __init__(self, critic: Literal["head", "model"] = "head", **kwargs):
-        """
-        Args:
-            critic: ``head``: a value head on each actor; ``model``: a critic model per agent.
-            **kwargs: See ``ActorCritic``.
-        """
-        super().__init__(critic=critic, **kwargs)
-
-
-class MAAC(ActorCritic):
-    """Multi-agent actor-critic with one centralized critic over the joint state (and, for
-    ``critic_type=q``, the joint action), trained once per mini-batch - not once per agent - on the
-    team reward; every agent's advantage comes from it. With ``policy_loss=ppo``: MAPPO."""
-
-    centralized = True
-
-    def __init__(self, critic: Literal["model"] = "model", **kwargs):
-        """
-        Args:
-            critic: Always ``model``: the centralized critic reads every agent's tokens.
-            **kwargs: See ``ActorCritic``.
-        """
-        super().__init__(critic=critic, **kwargs)

@@ -16,7 +16,7 @@ from torch import nn
 
 from lit_marl import ConfigError
 from lit_marl.agents import Agent, LoraSettings, roles_by_model
-from lit_marl.fields import PositiveInt, check_fields
+from lit_marl.fields import NonNegativeFloat, PositiveInt, check_fields
 from lit_marl.logprobs import target_logprobs
 from lit_marl.losses import nll
 from lit_marl.metrics import Timer, weighted_means
@@ -47,6 +47,7 @@ class AgentTeamModule(L.LightningModule):
         system_prompt: str | None = None,
         learning_rate: float = 1e-5,
         max_grad_norm: float = 1.0,
+        weight_decay: NonNegativeFloat = 0.0,
         forward_batch_size: PositiveInt | None = None,
         forward_token_budget: PositiveInt | None = 2048,
         share_parameters: bool = False,
@@ -61,6 +62,8 @@ class AgentTeamModule(L.LightningModule):
             system_prompt: System message for every agent (omit to keep the chat template's default).
             learning_rate: AdamW learning rate of every agent.
             max_grad_norm: Gradient norm clipping per agent (0 disables).
+            weight_decay: AdamW's decoupled weight decay of every optimizer (CoMLRL's: torch's
+                default 0.01); 0 keeps weights where the loss leaves them.
             forward_batch_size: At most this many rows per forward/backward pass (None: no row cap).
                 Memory only, like ``forward_token_budget``: a mini-batch's gradients are accumulated
                 over its passes before its one optimizer step.
@@ -92,6 +95,7 @@ class AgentTeamModule(L.LightningModule):
         for i, source in enumerate(sources):
             check_source(source, field=f"model.model[{i}]" if not isinstance(model, str) else "model.model")
         self.save_hyperparameters()
+        self.weight_decay = weight_decay
         self.sources = sources
         self.forward_batch_size, self.forward_token_budget = forward_batch_size, forward_token_budget
         self.lora = LoraSettings(**lora) if isinstance(lora, dict) else lora
@@ -177,7 +181,9 @@ class AgentTeamModule(L.LightningModule):
     def configure_optimizers(self):
         return [
             torch.optim.AdamW(
-                self.agents[roles[0]].trainable_parameters(), lr=self.hparams.learning_rate, weight_decay=0.0
+                self.agents[roles[0]].trainable_parameters(),
+                lr=self.hparams.learning_rate,
+                weight_decay=self.weight_decay,
             )
             for roles in self.learners
         ]

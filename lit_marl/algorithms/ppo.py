@@ -83,7 +83,7 @@ class PPO(EpisodicModule):
                 {"params": self.agents[roles[0]].trainable_parameters(), "lr": self.hparams.learning_rate},
                 {"params": critic, "lr": self.critic_learning_rate},
             ]
-            optimizers.append(torch.optim.AdamW(groups, weight_decay=0.0))
+            optimizers.append(torch.optim.AdamW(groups, weight_decay=self.weight_decay))
         return optimizers
 
     def forward(self, samples, learner: int = 0):

@@ -16,7 +16,10 @@ from lit_marl.algorithms.base import AgentTeamModule
 from lit_marl.cli import build_cli
 from lit_marl.data import RolloutDataModule, TaskDataModule
 
-CONFIGS = sorted(p.relative_to(REPO_ROOT).as_posix() for p in (REPO_ROOT / "configs").rglob("*.yaml"))
+# whole runs; configs/comlrl/ holds presets that go after one (test_comlrl_parity.py)
+CONFIGS = sorted(
+    p.relative_to(REPO_ROOT).as_posix() for p in (REPO_ROOT / "configs").rglob("*.yaml") if p.parent.name != "comlrl"
+)
 
 
 def test_configs_are_found():
@@ -133,3 +136,26 @@ def test_readme_validate_command_reports_metrics(in_repo_root, tmp_path):
         ]
     )
     assert "val/reward" in cli.trainer.callback_metrics, "validate ran no held-out batch"
+
+
+@pytest.mark.parametrize(
+    "base, preset",
+    [
+        ("configs/magrpo/slogan_tiny_2turn.yaml", "configs/comlrl/magrpo.yaml"),
+        ("configs/iac/slogan_tiny_2turn.yaml", "configs/comlrl/iac.yaml"),
+        ("configs/maac/slogan_tiny_2turn.yaml", "configs/comlrl/maac.yaml"),
+    ],
+)
+def test_comlrl_presets_go_after_a_config(base, preset, in_repo_root, monkeypatch):
+    """A preset sets CoMLRL's behaviour on top of a run's config and keeps the run's own settings."""
+    monkeypatch.setattr(base_module, "Agent", lambda *a, **k: (_ for _ in ()).throw(AssertionError("no loads")))
+    cli = build_cli(args=["--config", base, "--config", preset], run=False)
+    wanted = yaml.safe_load((REPO_ROOT / preset).read_text())
+    for key, value in wanted["model"]["init_args"].items():
+        assert getattr(cli.model, key, cli.model.hparams.get(key)) == value, key
+    tree = cli.datamodule.tree
+    for key, value in wanted["data"]["init_args"].items():
+        assert getattr(tree, key) == value, key
+    source = yaml.safe_load((REPO_ROOT / base).read_text())
+    assert cli.model.sources[0] == source["model"]["init_args"]["model"]
+    assert tree.num_turns == source["data"]["init_args"]["num_turns"]
