@@ -35,8 +35,10 @@ def group_advantages(
       returns' sample std). No advantage exceeds sqrt(G-1) in size, whatever the returns: a tie
       gives 0 in the baselined modes and, in ``raw``, sign(r) * sqrt((G-1)/G), never 1/floor.
     - ``zscore`` (CoMLRL's): re-centred and divided by their population std floored at
-      ``std_floor`` ((A - mean A) / std A); a group of one keeps its advantage. Re-centring removes
+      ``std_floor`` ((A - mean A) / std A). Re-centring removes
       any baseline, so every mode becomes ``mean``; a near-tie becomes a unit signal.
+
+    A group of one response keeps its advantage in both forms.
     """
     if returns.dim() != 2:
         raise ValueError(f"returns must be [num_groups, G], got shape {tuple(returns.shape)}")
@@ -53,14 +55,12 @@ def group_advantages(
         adv = returns - (returns.sum(dim=1, keepdim=True) - returns) / (size - 1)
     else:
         raise ValueError(f"advantage_mode={mode!r}: choose one of mean, raw, max, rloo")
-    if not normalize:
+    if not normalize or size < 2:  # one response: no spread to scale by (as CoMLRL: left as it is)
         return adv
     if form == "rms":
         rms = (adv.pow(2).sum(dim=1, keepdim=True) / max(size - 1, 1)).sqrt()
         return adv / rms.clamp(min=std_floor)
     if form == "zscore":
-        if size < 2:
-            return adv
         centred = adv - adv.mean(dim=1, keepdim=True)
         return centred / adv.std(dim=1, keepdim=True, unbiased=False).clamp(min=std_floor)
     raise ValueError(f"advantage_normalization_form={form!r}: choose rms or zscore")

@@ -125,6 +125,13 @@ def tree_from_functions(
 
 
 PLAIN = "lit_marl.rollout.transitions:plain"
+
+
+def constant_reward(agent_completions, tasks):
+    """Every joint action ties: every advantage is 0."""
+    return [1.0] * len(tasks)
+
+
 COMLRL_DOCS = "helpers:comlrl_docs_transition"
 
 

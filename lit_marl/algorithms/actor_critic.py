@@ -53,7 +53,7 @@ from lit_marl.metrics import Timer
 from lit_marl.parallel.collectives import all_ranks_max, all_ranks_sum, padded_steps, z_score_per_group
 from lit_marl.returns import next_turn_rows, td_advantages, td_targets, team_reward
 from lit_marl.rollout.batch import AgentSamples, RolloutBatch
-from lit_marl.rollout.buffer import RolloutBuffer, UpdateSchedule, minibatches
+from lit_marl.rollout.buffer import RolloutBuffer, UpdateSchedule, batch_turns, minibatches
 
 Forward = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 """An actor's completion log-probs, entropies (or None) and value-head values (or None)."""
@@ -221,7 +221,10 @@ class ActorCritic(AgentTeamModule):
         if self.critic_kind == "head":
             return []
         if self.centralized:
-            return [[r] for r in range(self.hparams.num_agents)] if self.critic_updates == "per_agent" else [[0]]
+            roles = list(range(self.hparams.num_agents))
+            if self.critic_updates == "per_agent":
+                return [[r] for r in roles]
+            return [roles] if self.critic_reward == "per_agent" else [[0]]  # one step on every agent's targets
         return self.learners
 
     def critic_model(self, entry: int) -> nn.Module:
@@ -252,8 +255,9 @@ class ActorCritic(AgentTeamModule):
             actors.append(rows.select(torch.arange(len(rows), device=rows.input_ids.device)))
         if self.critic_kind == "head":
             return _Rows(actors, [])
-        if self.centralized:
-            return _Rows(actors, [joint_critic_inputs(per_agent, self.critic_type, pad)] * len(self.critic_roles()))
+        if self.centralized:  # the joint rows once per role whose targets a critic step learns
+            joint = joint_critic_inputs(per_agent, self.critic_type, pad)
+            return _Rows(actors, [CriticInputs.cat([joint] * len(roles), pad) for roles in self.critic_roles()])
         critics = [
             CriticInputs.cat([critic_inputs(per_agent[r], self.critic_type) for r in roles], pad)
             for roles in self.learners
@@ -272,11 +276,13 @@ class ActorCritic(AgentTeamModule):
             entropies = torch.cat([p[1] for p in parts]) if entropy else None
             values = torch.cat([p[2] for p in parts]) if self.critic_kind == "head" else None
             actors.append((logprobs, entropies, values))
-        critics = [
-            torch.cat([self.critic_model(c)(inputs.select(r)) for r in self.micro_batches(inputs)])
-            for c, inputs in enumerate(rows.critics)
-        ]
-        return actors, critics
+        computed: dict[int, torch.Tensor] = {}  # MAAC stepping once per agent: the same joint rows, run once
+        for c, inputs in enumerate(rows.critics):
+            if id(inputs) not in computed:
+                computed[id(inputs)] = torch.cat(
+                    [self.critic_model(c)(inputs.select(r)) for r in self.micro_batches(inputs)]
+                )
+        return actors, [computed[id(inputs)] for inputs in rows.critics]
 
     @torch.no_grad()
     def prepare(self, rows: _Rows) -> tuple[list[Forward], list[torch.Tensor]]:
@@ -303,7 +309,7 @@ class ActorCritic(AgentTeamModule):
         next_rows, turns = next_turn_rows(per_agent[0].group_ids, per_agent[0].next_group), per_agent[0].turn_ids
         values: list[torch.Tensor] = [None] * len(per_agent)
         if self.centralized:  # one value per node, every agent's; targets of the team reward or each agent's
-            values = [critic_values[0].detach()] * len(per_agent)
+            values = [critic_values[0].detach()[: len(per_agent[0])]] * len(per_agent)  # the first copy of the nodes
             if self.critic_reward == "team":
                 team = td_targets(team_reward([s.rewards for s in per_agent]), values[0], next_rows, self.discount)
                 targets = [team] * len(per_agent)
@@ -447,7 +453,7 @@ class ActorCritic(AgentTeamModule):
         for _ in range(self.ppo_epochs):
             stats: dict[int, dict[str, float]] = {}
             batches = minibatches(per_agent[0], self.train_batch_size, self.shuffle_generator, self.update_schedule)
-            for picked in padded_steps(batches, self.device):
+            for picked in padded_steps(batches, self.device, batch_turns(per_agent[0], batches, self.update_schedule)):
                 for index, roles in enumerate(self.learners):
                     mini = (
                         None if picked is None else rows.actors[index].select(self.of_roles(picked, roles, per_agent))

@@ -219,11 +219,13 @@ class AgentTeamModule(L.LightningModule):
         loss_fn: Callable,
         count: float | None = None,
         shared_prompts: bool = False,
+        skipped_zero_loss: bool = False,
     ) -> float:
         """One optimizer step for learner ``index`` (see ``learners``); see ``optimizer_step_on``."""
         optimizers = self.optimizers()
         optimizer = optimizers[index] if isinstance(optimizers, list) else optimizers
-        return self.optimizer_step_on(optimizer, samples, loss_fn, self.learner_name(index), count, shared_prompts)
+        name = self.learner_name(index)
+        return self.optimizer_step_on(optimizer, samples, loss_fn, name, count, shared_prompts, skipped_zero_loss)
 
     def optimizer_step_on(
         self,
@@ -233,12 +235,16 @@ class AgentTeamModule(L.LightningModule):
         name: str,
         count: float | None = None,
         shared_prompts: bool = False,
+        skipped_zero_loss: bool = False,
     ) -> float:
         """One step of ``optimizer`` on ``rows`` (anything with ``len``, ``select`` and ``input_ids``; None: this rank
         has nothing for this step but joins it). ``loss_fn`` returns the summed loss of a
         micro-batch (``micro_batches``); the step's loss is the sum over the rows of every
         rank divided by ``count`` (default: the rows) summed over ranks, so neither micro-batching nor
-        the split over ranks changes the gradient. Returns that loss."""
+        the split over ranks changes the gradient. ``skipped_zero_loss``: this rank left out rows
+        whose loss (and gradient) is exactly zero; parameters still without a gradient get a zero
+        one, so the optimizer steps as it would after their backward (AdamW's momentum and weight
+        decay act, as in CoMLRL). Returns that loss."""
         local = float(count) if count is not None else 0.0 if rows is None else float(len(rows))
         total = all_ranks_sum(local, self.device)
         loss_sum = 0.0
@@ -248,6 +254,10 @@ class AgentTeamModule(L.LightningModule):
                 self.manual_backward(loss)
                 loss_sum += float(loss.detach())
         params = [p for group in optimizer.param_groups for p in group["params"]]
+        if skipped_zero_loss:
+            for p in params:
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
         if self.shards is not None:
             self.shards.reduce_gradients(params)  # the sharded weights' gradients, summed over ranks
         sum_gradients(params, self.device)  # the module is not wrapped in DDP: parallel/strategies.py

@@ -18,7 +18,7 @@ from lit_marl.metrics import Timer
 from lit_marl.parallel.collectives import all_ranks_max, padded_steps
 from lit_marl.returns import AdvantageMode, NormalizationForm, group_advantages
 from lit_marl.rollout.batch import AgentSamples, RolloutBatch
-from lit_marl.rollout.buffer import RolloutBuffer, UpdateSchedule, minibatches
+from lit_marl.rollout.buffer import RolloutBuffer, UpdateSchedule, batch_turns, minibatches
 
 
 class MAGRPO(AgentTeamModule):
@@ -140,7 +140,8 @@ class MAGRPO(AgentTeamModule):
                     else minibatches(samples, self.train_batch_size, self.shuffle_generator, self.update_schedule)
                 )
                 losses = []
-                for rows in padded_steps(batches, self.device):
+                turns = batch_turns(samples, batches, self.update_schedule)
+                for rows in padded_steps(batches, self.device, turns):
                     kept, count = None, 0
                     if rows is not None:
                         batch = samples.select(rows)
@@ -150,7 +151,9 @@ class MAGRPO(AgentTeamModule):
                         kept = batch.select(kept_rows) if kept_rows.numel() else None
                         count = len(batch)
                     loss_fn = lambda mb, m=agent.model: self.policy_loss(m, mb)  # noqa: E731
-                    losses.append(self.update_agent(index, kept, loss_fn, count=count, shared_prompts=True))
+                    skipped = count > 0 and kept is None  # every row's advantage is 0: a zero-loss step
+                    step = dict(count=count, shared_prompts=True, skipped_zero_loss=skipped)
+                    losses.append(self.update_agent(index, kept, loss_fn, **step))
                 name, size = self.learner_name(index), 0 if samples is None else len(samples)
                 self.log(f"train/loss_{name}", sum(losses) / len(losses), batch_size=max(size, 1))
                 if samples is not None:

@@ -42,10 +42,22 @@ def gather_objects(obj) -> list:
     return gathered
 
 
-def padded_steps(batches: list, device: torch.device) -> list:
+def padded_steps(batches: list, device: torch.device, groups: list[int] | None = None) -> list:
     """The mini-batches of this rank, padded with ``None`` to the most any rank has: trees end
-    early on some ranks, yet every rank must take every optimizer step (and join its gradient sum)."""
-    return batches + [None] * (int(all_ranks_max(len(batches), device)) - len(batches))
+    early on some ranks, yet every rank must take every optimizer step (and join its gradient sum).
+
+    ``groups`` (one non-decreasing id per batch, e.g. its turn) keeps groups aligned across ranks:
+    each group is padded to the most batches any rank has in it, so step k holds the same group on
+    every rank (a rank whose trees ended before a turn joins that turn's steps with ``None``)."""
+    if groups is None:
+        return batches + [None] * (int(all_ranks_max(len(batches), device)) - len(batches))
+    if list(groups) != sorted(groups) or len(groups) != len(batches):
+        raise ValueError("padded_steps: groups must give one non-decreasing id per batch")
+    out = []
+    for group in range(int(all_ranks_max(max(groups, default=-1) + 1, device))):
+        mine = [b for b, g in zip(batches, groups) if g == group]
+        out += mine + [None] * (int(all_ranks_max(len(mine), device)) - len(mine))
+    return out
 
 
 def whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

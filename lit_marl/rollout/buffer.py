@@ -84,3 +84,13 @@ def minibatches(
         raise ValueError(f"update_schedule={schedule!r}: choose joint or per_turn")
     order = torch.randperm(len(batches), generator=generator).tolist()
     return [batches[i] for i in order]
+
+
+def batch_turns(
+    samples: AgentSamples | None, batches: list[torch.Tensor], schedule: UpdateSchedule
+) -> list[int] | None:
+    """The turn of each mini-batch of a ``per_turn`` schedule (``parallel.collectives.padded_steps``
+    aligns them across ranks); None for ``joint``, whose steps need no alignment."""
+    if schedule != "per_turn":
+        return None
+    return [] if samples is None else [int(samples.turn_ids[b[0]]) for b in batches]

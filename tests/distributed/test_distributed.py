@@ -144,15 +144,47 @@ def test_fsdp_generates_different_lengths_per_rank_and_trains_a_centralized_crit
     assert any(name.startswith("critic.") for name in shards)
 
 
-def test_uneven_mini_batch_counts_do_not_hang(built):
+def test_per_turn_schedule_on_two_ranks_matches_one_process(built):
+    """Rank 0's trees end after turn 0: it joins turn 1's step with no rows, and the parameters are
+    the one-process run's (one step per turn over every rank's rows of that turn)."""
+    root, algorithm = built
+    common = ("--steps", "2", "--algorithm", algorithm, "--update-schedule", "per_turn")
+    run(root / "per_turn_one", "--tasks-per-step", "4", *common)
+    run(root / "per_turn_two", "--devices", "2", "--tasks-per-step", "2", *common)
+    one = params(root / "per_turn_one" / "params_rank0.pt")
+    ranks = [params(root / "per_turn_two" / f"params_rank{r}.pt") for r in range(2)]
+    for name in one:
+        torch.testing.assert_close(ranks[1][name], ranks[0][name], rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(ranks[0][name], one[name], rtol=0, atol=1e-6 if algorithm == "magrpo" else 1e-3)
+
+
+@pytest.mark.parametrize("schedule", ["joint", "per_turn"])
+def test_uneven_mini_batch_counts_do_not_hang(built, schedule):
     """One node per mini-batch: rank 0's short trees give it fewer mini-batches; it joins the other
-    rank's extra optimizer steps with no rows, and both end with the same parameters."""
+    rank's extra optimizer steps with no rows (per turn, with ``per_turn``), and both end with the
+    same parameters."""
     root, algorithm = built
     args = ("--devices", "2", "--tasks-per-step", "2", "--steps", "2", "--train-batch-size", "1")
-    run(root / "uneven", *args, "--algorithm", algorithm)
-    ranks = [params(root / "uneven" / f"params_rank{r}.pt") for r in range(2)]
+    run(root / f"uneven_{schedule}", *args, "--algorithm", algorithm, "--update-schedule", schedule)
+    ranks = [params(root / f"uneven_{schedule}" / f"params_rank{r}.pt") for r in range(2)]
     for name in ranks[0]:
         torch.testing.assert_close(ranks[1][name], ranks[0][name], rtol=0, atol=0, msg=name)
+
+
+def test_per_turn_steps_hold_the_same_turn_on_every_rank(tmp_path):
+    """CoMLRL's per-turn schedule under DDP: trees of different depths and widths per rank; step k
+    must hold the same turn everywhere (its gradients are summed), each turn padded on its own."""
+    done = subprocess.run(
+        [sys.executable, str(TEST_SCRIPTS / "collectives_run.py"), str(tmp_path), str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=os.environ,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = [json.loads((tmp_path / f"steps_rank{r}.json").read_text()) for r in range(2)]
+    assert steps[0] == ["turn0", "turn0", "turn0", "turn1", None, None]
+    assert steps[1] == ["turn0", None, None, "turn1", "turn1", "turn2"]
 
 
 def test_distributed_data_parallel_is_refused():

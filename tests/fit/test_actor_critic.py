@@ -170,17 +170,20 @@ def test_actors_move_with_one_task_per_step(tmp_path, algorithm):
     assert advantage != 0.0 and math.isfinite(advantage)
 
 
-def test_maac_per_agent_critic_steps_once_per_agent_on_each_agents_targets(tmp_path):
-    """CoMLRL's MAAC: TD targets of each agent's own reward, the critic stepping once per agent."""
+@pytest.mark.parametrize("updates, steps", [("per_agent", 2), ("once", 1)])
+def test_maac_per_agent_targets_reach_the_critic(tmp_path, updates, steps):
+    """CoMLRL's MAAC: TD targets of each agent's own reward; the critic steps once per agent on its
+    targets, or once on every agent's targets together."""
     L.seed_everything(6)
     module = MAAC(
-        model="tiny-random", num_agents=2, learning_rate=1e-3, critic_reward="per_agent", critic_updates="per_agent"
+        model="tiny-random", num_agents=2, learning_rate=1e-3, critic_reward="per_agent", critic_updates=updates
     )
+    module.configure_model()
+    assert [len(roles) for roles in module.critic_roles()] == ([1, 1] if updates == "per_agent" else [2])
     trainer = make_trainer(tmp_path, limit_val_batches=0)
     trainer.fit(module, datamodule=two_turn_data())
-    steps = {int(state["step"]) for state in trainer.optimizers[-1].state.values()}
-    assert steps == {2 * 2}  # two updates, one step per agent each
-    assert float(trainer.callback_metrics["train/optimizer_steps_critic"]) == 2.0
+    assert {int(state["step"]) for state in trainer.optimizers[-1].state.values()} == {2 * steps}  # two updates
+    assert float(trainer.callback_metrics["train/optimizer_steps_critic"]) == float(steps)
     assert math.isfinite(float(trainer.callback_metrics["train/loss_critic"]))
 
 

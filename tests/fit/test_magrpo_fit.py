@@ -8,7 +8,7 @@ import lightning as L
 import pytest
 import torch
 
-from helpers import SGDRecordingMAGRPO, cli_fit, make_trainer, slogan_data, tree_from_functions
+from helpers import SGDRecordingMAGRPO, cli_fit, make_trainer, slogan_data, snapshot, tree_from_functions
 from lit_marl.algorithms import MAGRPO
 from lit_marl.returns import group_advantages
 
@@ -297,3 +297,20 @@ def test_named_variants_fix_the_advantage_mode(name, mode, in_repo_root):
         args=["--config", "configs/magrpo/slogan_tiny.yaml", "--model", f"lit_marl.algorithms.{name}"], run=False
     )
     assert type(cli.model) is cls and cli.model.advantage_mode == mode
+
+
+def test_a_step_of_zero_advantages_still_steps_the_optimizer(tmp_path):
+    """Every sibling ties, so the loss is exactly 0 and its rows are skipped; the optimizer still
+    steps on zero gradients, as after the backward: weight decay shrinks the weights."""
+    L.seed_everything(0)
+    module = MAGRPO(model="tiny-random", learning_rate=1e-3, weight_decay=0.1)
+    module.configure_model()
+    before = [snapshot(a.model) for a in module.agents]
+    trainer = make_trainer(tmp_path, limit_train_batches=1, limit_val_batches=0)
+    trainer.fit(module, datamodule=slogan_data(reward_fn="helpers:constant_reward"))
+    assert float(trainer.callback_metrics["train/advantage_abs_agent0"]) == 0.0
+    for agent, weights in zip(module.agents, before):
+        for name, p in agent.model.named_parameters():
+            if name in weights:
+                # decayed by lr * wd (the relative change 1e-4 is far above float32's tolerance)
+                torch.testing.assert_close(p.detach(), weights[name] * (1 - 1e-3 * 0.1))

@@ -124,6 +124,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--train-batch-size", type=int)
     parser.add_argument("--algorithm", default="magrpo")
+    parser.add_argument("--update-schedule", default="joint")
     parser.add_argument("--fsdp", action="store_true")
     parser.add_argument("--sample", action="store_true")
     parser.add_argument("--evaluate", action="store_true", help="held-out before/after: OUT/heldout_rank{r}.json")
@@ -132,7 +133,13 @@ def main() -> None:
     if args.build:
         return build(args.out, args.algorithm, args.tasks_per_step, args.steps)
     L.seed_everything(0)
-    kwargs = dict(model="tiny-random", num_agents=2, learning_rate=1e-2, train_batch_size=args.train_batch_size)
+    kwargs = dict(
+        model="tiny-random",
+        num_agents=2,
+        learning_rate=1e-2,
+        train_batch_size=args.train_batch_size,
+        update_schedule=args.update_schedule,
+    )
     module = {"magrpo": MAGRPO, "iac": IAC, "maac": MAAC}[args.algorithm](**kwargs)
     hparams = slogan_data(**data_kwargs(args.algorithm, args.tasks_per_step)).hparams
     if args.sample:

@@ -110,8 +110,9 @@ def test_zscore_form_is_comlrls(mode):
     close(near, [[-1.0, 1.0]])  # CoMLRL amplifies a near-tie to a unit signal (documented)
 
 
-def test_zscore_form_keeps_a_group_of_one():
-    close(group_advantages(torch.tensor([[5.0]]), "raw", normalize=True, form="zscore"), [[5.0]])
+@pytest.mark.parametrize("form", ["rms", "zscore"])
+def test_both_forms_keep_a_group_of_one(form):
+    close(group_advantages(torch.tensor([[5.0], [-2.0]]), "raw", normalize=True, form=form), [[5.0], [-2.0]])
 
 
 def test_bad_baseline():
