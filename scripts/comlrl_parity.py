@@ -230,7 +230,10 @@ class StepLog:
     def step(self):
         grad = self.module.offset.grad
         rows, self.pending[self.kind] = self.pending[self.kind], []
-        self.log.append({"kind": self.kind, "agent": self.agent, "grad": {r: float(grad[r]) for r in rows}})
+        loss = self.pending.pop("loss")  # the backward just before this step: its loss
+        self.log.append(
+            {"kind": self.kind, "agent": self.agent, "loss": loss, "grad": {r: float(grad[r]) for r in rows}}
+        )
 
 
 def ac_case(algorithm: str, num_turns: int, tasks_per_update: int, per_step: int | None) -> dict:
@@ -355,10 +358,20 @@ def ac_case(algorithm: str, num_turns: int, tasks_per_update: int, per_step: int
     else:
         trainer._generate, trainer._critic_value_from_text = generate_maac, critic_value_from_text
         trainer._value_on_prompt_only = value_maac
+    backward = torch.Tensor.backward
+
+    def recording_backward(loss, *args, **kwargs):  # each step's loss as CoMLRL computed it
+        pending["loss"] = float(loss.detach())
+        return backward(loss, *args, **kwargs)
+
+    torch.Tensor.backward = recording_backward
     random.seed(0)
     for task in range(2 * tasks_per_update):  # two updates
         current["task"] = task
         trainer._run_batch([{"task": task, "prompt": f"task {task}"}], defaultdict(list))
+        for entry in log:
+            entry.setdefault("update", task // tasks_per_update)
+    torch.Tensor.backward = backward
     # each step: its kind, agent, and per row the coefficient of its offset in the step's loss
     steps = []
     for entry in log:
@@ -370,7 +383,15 @@ def ac_case(algorithm: str, num_turns: int, tasks_per_update: int, per_step: int
                 out.append({"task": task, "turn": turn, "advantage": -g * batch})
             else:  # loss = coef * mean((y - V - offset)^2): dL/d offset = -2 coef (y - V) / batch
                 out.append({"task": task, "turn": turn, "target": ac_value(task, turn, agent) - g * batch / (2 * coef)})
-        steps.append({"kind": entry["kind"], "agent": entry["agent"], "rows": out})
+        steps.append(
+            {
+                "kind": entry["kind"],
+                "agent": entry["agent"],
+                "update": entry["update"],
+                "loss": entry["loss"],
+                "rows": out,
+            }
+        )
     return {
         "algorithm": algorithm,
         "num_turns": num_turns,
@@ -378,11 +399,14 @@ def ac_case(algorithm: str, num_turns: int, tasks_per_update: int, per_step: int
         "train_batch_size": per_step,
         "discount": gamma,
         "value_loss_coef": coef,
-        "inputs": [  # the fixed numbers CoMLRL was fed: each agent's reward, V of its turn, V of the joint state
+        "logprobs": "S(task, turn, agent) = -(1 + 0.3 agent + 0.2 turn + 0.1 task)",
+        # the fixed numbers CoMLRL was fed: each agent's reward, log-prob, V of its turn; V of the joint state
+        "inputs": [
             {
                 "task": task,
                 "turn": turn,
                 "rewards": [ac_reward(task, turn, a) for a in range(N)],
+                "logprobs": [ac_logprob(task, turn, a) for a in range(N)],
                 "values": [ac_value(task, turn, a) for a in range(N)],
                 "joint_value": ac_value(task, turn, None),
             }

@@ -19,9 +19,8 @@ import torch
 import yaml
 
 from lit_marl.algorithms import IAC, MAAC, MAGRPO
-from lit_marl.losses import masked_sum, reinforce
-from lit_marl.returns import next_turn_rows, per_response, td_targets, tree_returns
-from lit_marl.rollout.buffer import minibatches
+from lit_marl.returns import per_response, tree_returns
+from lit_marl.rollout.batch import AgentSamples
 
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = json.loads((ROOT / "tests" / "fixtures" / "comlrl_1.4.3_parity.json").read_text())
@@ -60,8 +59,31 @@ def tree_of(nodes: list[dict], joint_mode: str) -> tuple[list[torch.Tensor], lis
     return rewards, children, levels
 
 
+class Recorder:
+    """Stands in for the optimizer step of a module's update: runs the step's own loss function on
+    its rows (the module's real loss code) and records it; weights, hence log-probs, stay fixed."""
+
+    def __init__(self, module):
+        self.module, self.steps = module, []
+
+    def __call__(self, kind, name, rows, loss_fn, count):
+        count = float(count if count is not None else (0 if rows is None else len(rows)))
+        loss = 0.0 if rows is None or count == 0 else float(loss_fn(rows)) / count
+        turns = sorted({int(t) for t in rows.turn_ids}) if rows is not None else []
+        self.steps.append({"kind": kind, "name": name, "turns": turns, "loss": loss, "rows": rows})
+        return loss
+
+
+def fake_team(num_agents: int) -> list[SimpleNamespace]:
+    """Separate agents (one learner each) that no test here runs: forwards are replaced."""
+    return [SimpleNamespace(pad_token_id=0, model=None) for _ in range(num_agents)]
+
+
 @pytest.mark.parametrize("case", REFERENCE["magrpo"], ids=case_id)
-def test_magrpo_preset_reproduces_comlrl(case):
+def test_magrpo_preset_reproduces_comlrl(case, monkeypatch):
+    """lit_marl's MAGRPO update (flush_buffers: buffers, advantages, per-turn mini-batches, the
+    zero-advantage skip, policy_loss) on CoMLRL's tree gives CoMLRL's advantages, per-step losses
+    and optimizer steps per update and turn."""
     settings = preset("magrpo")
     data = settings["data"]["init_args"]
     module = MAGRPO(
@@ -73,49 +95,66 @@ def test_magrpo_preset_reproduces_comlrl(case):
             "train_batch_size": case["train_batch_size"],
         }
     )
+    module.agents = fake_team(N)
+    module.log = lambda *args, **kwargs: None
+    recorder = Recorder(module)
+    monkeypatch.setattr(
+        module,
+        "update_agent",
+        lambda index, rows, loss_fn, count=None, **kw: recorder("actor", index, rows, loss_fn, count),
+    )
     logp = torch.log_softmax(torch.tensor(REFERENCE["logits"]), dim=-1)
+    eos = REFERENCE["eos"]
+
+    def fixed_logprobs(model, input_ids, attention_mask, num_completion, prompt_groups=None):
+        """Each completion token's fixed log-prob; the EOS's 0, as CoMLRL leaves the last token out
+        of its loss (a documented difference)."""
+        tokens = input_ids[:, -num_completion:]
+        return torch.where(tokens == eos, torch.zeros(()), logp[tokens.clamp(max=len(logp) - 1)])
+
+    monkeypatch.setattr("lit_marl.algorithms.magrpo.completion_logprobs", fixed_logprobs)
     for task, nodes in enumerate(case["tasks"]):
         rewards, children, levels = tree_of(nodes, case["joint_mode"])
         returns = tree_returns(rewards, children, data["discount"])
         per_level = [per_response(r, case["joint_mode"], G, data["cross_return"]) for r in returns]
+        paths = [path for level in levels for path in level]
+        counts = [len(level) for level in levels]
+        turn_ids = torch.cat([torch.full((c * G,), t) for t, c in enumerate(counts)])
+        group_ids = torch.arange(len(paths)).repeat_interleave(G)
+        per_agent = []
+        for agent in range(N):
+            completion = torch.tensor([[token_of(agent, k), eos] for _ in paths for k in range(G)])
+            samples = AgentSamples(
+                input_ids=torch.cat([torch.full((len(completion), 1), 100 + agent), completion], dim=1),
+                attention_mask=torch.ones(len(completion), 3, dtype=torch.long),
+                completion_mask=torch.ones(len(completion), 2, dtype=torch.long),
+                returns=torch.cat([level[agent].reshape(-1) for level in per_level]),
+                group_ids=group_ids,
+                turn_ids=turn_ids,
+            )
+            per_agent.append(samples.with_advantages(module.advantages(samples)))
+        recorder.steps.clear()
+        module.rollout_buffers[0].add(per_agent[0])
+        module.rollout_buffers[1].add(per_agent[1])
+        module.flush_buffers()
         expected = [s for s in case["steps"] if s["task"] == task]
         for agent in range(N):
-            flat = torch.cat([level[agent].reshape(-1) for level in per_level])
-            counts = [len(paths) for paths in levels]
-            samples = SimpleNamespace(
-                returns=flat,
-                group_ids=torch.arange(sum(counts)).repeat_interleave(G),
-                turn_ids=torch.cat([torch.full((c * G,), t) for t, c in enumerate(counts)]),
-            )
-            advantages = module.advantages(samples).view(-1, G)
-            row_of = {p: n for n, p in enumerate(path for paths in levels for path in paths)}
-            ours_steps = defaultdict(list)
-            # the sequence log-prob of response k: its token's; the EOS log-prob is 0 here because
-            # CoMLRL leaves the last token out of the loss (a documented difference)
-            token_logprobs = torch.stack(
-                [logp[torch.tensor([token_of(agent, k) for k in range(G)])], torch.zeros(G)], 1
-            )
-            seq = masked_sum(token_logprobs, torch.ones(G, 2), module.logprob_reduction)
-            for rows in minibatches(samples, module.train_batch_size, torch.Generator(), module.update_schedule):
-                nodes_in = torch.unique(samples.group_ids[rows])
-                loss = reinforce(seq.repeat(len(nodes_in)), advantages[nodes_in].reshape(-1)).sum() / len(rows)
-                ours_steps[int(samples.turn_ids[rows[0]])].append(float(loss))
+            advantages = per_agent[agent].advantages.view(-1, G)
             theirs = [s for s in expected if s["agent"] == agent]
-            for step in theirs:
+            for step in theirs:  # the advantage of every response of every node CoMLRL trained on
                 for node in step["nodes"]:
-                    torch.testing.assert_close(
-                        advantages[row_of[node["path"]]], torch.tensor(node["advantages"]), atol=2e-5, rtol=1e-5
-                    )
-            theirs_by_turn = defaultdict(list)
-            for step in theirs:
-                theirs_by_turn[step["turn"]].append(step["loss"])
-            # the same optimizer steps per turn and update, with the same losses (the order of
-            # steps inside a turn is each library's own shuffle)
-            assert {t: len(v) for t, v in ours_steps.items()} == {t: len(v) for t, v in theirs_by_turn.items()}
-            for turn, losses in theirs_by_turn.items():
-                assert sorted(ours_steps[turn]) == pytest.approx(sorted(losses), abs=1e-5)
-            if module.update_schedule == "per_turn":  # turn by turn, as CoMLRL
-                assert [s["turn"] for s in theirs] == sorted(s["turn"] for s in theirs)
+                    got = advantages[paths.index(node["path"])]
+                    torch.testing.assert_close(got, torch.tensor(node["advantages"]), atol=2e-5, rtol=1e-5)
+            ours = [s for s in recorder.steps if s["name"] == agent]
+            assert len(ours) == len(theirs)  # the same optimizer steps
+            for mine, ref in zip(ours, theirs):  # per turn, in turn order
+                if mine["rows"] is None:  # every advantage 0: its rows were skipped, the step still taken
+                    assert all(a == pytest.approx(0.0, abs=2e-5) for n in ref["nodes"] for a in n["advantages"])
+                    mine["turns"] = [ref["turn"]]
+                assert mine["turns"] == [ref["turn"]]
+            for turn in {s["turn"] for s in theirs}:  # inside a turn, each library's own shuffle
+                mine = sorted(s["loss"] for s in ours if s["turns"] == [turn])
+                assert mine == pytest.approx(sorted(s["loss"] for s in theirs if s["turn"] == turn), abs=1e-5)
 
 
 def test_under_comlrls_normalization_every_advantage_mode_is_the_same():
@@ -137,62 +176,107 @@ def ac_case_id(case: dict) -> str:
     return f"{case['algorithm']}-T{case['num_turns']}-tasks{case['tasks_per_update']}-batch{case['train_batch_size']}"
 
 
+def ac_rows(case: dict, update: int) -> list[AgentSamples]:
+    """One update's rows per agent, as a tree lists them (turn-major, task-minor; one node per row),
+    each a one-token prompt and a two-token response. The prompt token names the row:
+    1000 + 100 * agent + 10 * task + turn."""
+    T, k = case["num_turns"], case["tasks_per_update"]
+    inputs = {(row["task"], row["turn"]): row for row in case["inputs"]}
+    order = [(task, turn) for turn in range(T) for task in range(update * k, (update + 1) * k)]
+    node = {key: n for n, key in enumerate(order)}
+    out = []
+    for agent in range(N):
+        prompts = torch.tensor([[1000 + 100 * agent + 10 * task + turn] for task, turn in order])
+        out.append(
+            AgentSamples(
+                input_ids=torch.cat([prompts, torch.full((len(order), 2), 7)], dim=1),
+                attention_mask=torch.ones(len(order), 3, dtype=torch.long),
+                completion_mask=torch.ones(len(order), 2, dtype=torch.long),
+                returns=torch.zeros(len(order)),
+                group_ids=torch.arange(len(order)),
+                turn_ids=torch.tensor([turn for _, turn in order]),
+                rewards=torch.tensor([inputs[key]["rewards"][agent] for key in order]),
+                next_group=torch.tensor([node.get((task, turn + 1), -1) for task, turn in order]),
+            )
+        )
+    return out
+
+
 @pytest.mark.parametrize("case", REFERENCE["actor_critic"], ids=ac_case_id)
-def test_actor_critic_preset_reproduces_comlrl(case):
-    """TD targets, advantages (z-scored per agent and turn; a lone row keeps its own) and the
-    optimizer steps of every update, actor and critic, per agent and turn."""
+def test_actor_critic_preset_reproduces_comlrl(case, monkeypatch):
+    """lit_marl's IAC/MAAC update (ActorCritic.update: TD targets, advantages z-scored per agent
+    and turn with a lone row kept, per-turn mini-batches, actor_loss, critic_loss with the preset's
+    value_loss_coef, MAAC's per-agent targets and critic steps) on fixed rewards, log-probs and
+    values gives CoMLRL's advantages, targets and losses, step by step, per update."""
     settings = preset(case["algorithm"])
     algorithm = IAC if case["algorithm"] == "iac" else MAAC
     module = algorithm(**{**settings["model"]["init_args"], "train_batch_size": case["train_batch_size"]})
-    T, k = case["num_turns"], case["tasks_per_update"]
-    by_key = {(row["task"], row["turn"]): row for row in case["inputs"]}
-    theirs = defaultdict(list)  # (kind, agent, turn) -> per step, the sorted numbers of its rows
-    for step in case["steps"]:
-        agents = range(N) if step["agent"] < 0 else [step["agent"]]
-        key = "advantage" if step["kind"] == "actor" else "target"
-        turns = {row["turn"] for row in step["rows"]}
-        assert len(turns) == 1  # CoMLRL: a step holds one turn
-        for agent in agents if step["kind"] == "actor" else [step["agent"]]:
-            theirs[(step["kind"], agent, turns.pop() if turns else None)].append(sorted(r[key] for r in step["rows"]))
-    ours = defaultdict(list)
+    module.agents, module.discount = fake_team(N), case["discount"]
+    module.log = lambda *args, **kwargs: None
+    inputs = {(row["task"], row["turn"]): row for row in case["inputs"]}
+
+    def decode(token: int) -> tuple[int, int, int]:  # (agent, task, turn) of a row's prompt token
+        return (token - 1000) // 100, (token % 100) // 10, token % 10
+
+    def actor_forward(learner, samples, entropy=False):
+        logprobs = [inputs[decode(int(t))[1:]]["logprobs"][decode(int(t))[0]] for t in samples.input_ids[:, 0]]
+        # two tokens, each half the response's log-prob: CoMLRL's sum is the response's, a mean would not be
+        return torch.tensor(logprobs).unsqueeze(1).expand(-1, 2) / 2, None, None
+
+    def critic_values(rows):  # V of an agent's turn (IAC), of the joint state (MAAC: agent 0's token leads)
+        agent, task, turn = zip(*(decode(int(t)) for t in rows.input_ids[:, 0]))
+        if module.centralized:
+            return torch.tensor([inputs[(k, t)]["joint_value"] for k, t in zip(task, turn)])
+        return torch.tensor([inputs[(k, t)]["values"][a] for a, k, t in zip(agent, task, turn)])
+
+    module.critics = [critic_values] * (1 if module.centralized else N)
+    monkeypatch.setattr(module, "actor_forward", actor_forward)
+    monkeypatch.setattr(module, "critic_model", lambda entry: critic_values)
+    recorder = Recorder(module)
+    monkeypatch.setattr(
+        module,
+        "update_agent",
+        lambda index, rows, loss_fn, count=None, **kw: recorder("actor", index, rows, loss_fn, count),
+    )
+    monkeypatch.setattr(
+        module,
+        "optimizer_step_on",
+        lambda optimizer, rows, loss_fn, name, count=None, *a, **kw: recorder("critic", name, rows, loss_fn, count),
+    )
+    monkeypatch.setattr(module, "critic_optimizer", lambda critic: None)
+
+    def numbers(step, kind):
+        """A step's rows as (task, turn, its advantage or TD target), sorted."""
+        rows = step["rows"]
+        values = rows.advantages if kind == "actor" else rows.targets
+        keys = [decode(int(t))[1:] for t in rows.input_ids[:, 0]]
+        return sorted((k[0], k[1], round(float(v), 4)) for k, v in zip(keys, values))
+
     for update in range(2):
-        tasks = range(update * k, (update + 1) * k)
-        # rows turn-major, task-minor, as a tree lists them; node id = row (one row per node)
-        order = [(task, turn) for turn in range(T) for task in tasks]
-        node = {key: n for n, key in enumerate(order)}
-        group_ids = torch.arange(len(order))
-        next_group = torch.tensor([node.get((task, turn + 1), -1) for task, turn in order])
-        turns = torch.tensor([turn for _, turn in order])
-        next_rows = next_turn_rows(group_ids, next_group)
-        joint = torch.tensor([by_key[key]["joint_value"] for key in order])
-        targets, advantages = [], []
-        for agent in range(N):
-            rewards = torch.tensor([by_key[key]["rewards"][agent] for key in order])
-            values = joint if module.centralized else torch.tensor([by_key[key]["values"][agent] for key in order])
-            if module.centralized and module.critic_reward == "team":
-                rewards = torch.tensor([sum(by_key[key]["rewards"]) / N for key in order])
-            y = td_targets(rewards, values, next_rows, case["discount"])
-            targets.append(y)
-            advantages.append(module.advantages(y, values, turns))
-        samples = SimpleNamespace(group_ids=group_ids, turn_ids=turns)  # per_turn reads only these
-        critic_entries = len(module.critic_roles()) if module.centralized else N
-        for rows in minibatches(samples, module.train_batch_size, torch.Generator(), module.update_schedule):
-            turn = int(turns[rows[0]])
-            for agent in range(N):
-                ours[("actor", agent, turn)].append(sorted(advantages[agent][rows].tolist()))
-            for entry in range(critic_entries):  # MAAC per_agent: the one critic once per agent's targets
-                agent = entry if (not module.centralized or module.critic_updates == "per_agent") else 0
-                name = -1 if module.centralized else agent
-                ours[("critic", name, turn)].append(sorted(targets[agent][rows].tolist()))
-    assert {key: len(v) for key, v in ours.items()} == {key: len(v) for key, v in theirs.items()}
-    for key, steps in theirs.items():
-
-        def rounded(step):
-            return [round(x, 4) for x in step]
-
-        mine, reference = sorted(ours[key], key=rounded), sorted(steps, key=rounded)
-        assert [len(s) for s in mine] == [len(s) for s in reference], key
-        assert [x for s in mine for x in s] == pytest.approx([x for s in reference for x in s], abs=1e-5), key
+        recorder.steps.clear()
+        module.update(ac_rows(case, update))
+        theirs = [s for s in case["steps"] if s["update"] == update]
+        for kind in ("actor", "critic"):
+            names = sorted({s["agent"] for s in theirs if s["kind"] == kind})
+            ours_names = sorted({s["name"] for s in recorder.steps if s["kind"] == kind})
+            # CoMLRL's critic steps: one per agent (IAC) or the one critic's (-1, MAAC)
+            assert len(ours_names) == len(names), kind
+            for ours_name, name in zip(ours_names, names):
+                ours = [s for s in recorder.steps if s["kind"] == kind and s["name"] == ours_name]
+                ref = [s for s in theirs if s["kind"] == kind and s["agent"] == name]
+                assert len(ours) == len(ref), (kind, name)  # the same optimizer steps
+                expected = sorted(
+                    (
+                        sorted(
+                            (r["task"], r["turn"], round(r["advantage" if kind == "actor" else "target"], 4))
+                            for r in s["rows"]
+                        ),
+                        round(s["loss"], 4),
+                    )
+                    for s in ref
+                )
+                got = sorted((numbers(s, kind), round(s["loss"], 4)) for s in ours)
+                assert got == expected, (kind, name)
 
 
 @pytest.mark.parametrize("name, algorithm", [("magrpo", MAGRPO), ("iac", IAC), ("maac", MAAC)])
