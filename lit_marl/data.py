@@ -279,17 +279,14 @@ class RolloutDataModule(TaskDataModule):
         # a user's transition reads the task prompt (an env's own, or one marked like ``plain``, may not)
         user_transition = isinstance(env, FunctionEnv) and env.has_transition
         user_transition = user_transition and getattr(env.transition_fn.func, "reads_task_prompt", True)
-        if (
-            num_turns > 1
-            and user_transition
-            and self.train_tasks
-            and transition_prompt_field not in self.train_tasks[0]
-        ):
+        lacking = [t for t in self.train_tasks + self.val_tasks if transition_prompt_field not in t]
+        if num_turns > 1 and user_transition and lacking:
             rank_zero_warn(
-                f"data.transition_prompt_field={transition_prompt_field!r}: the task rows of data.train_path have no "
-                f"such field (they have {sorted(self.train_tasks[0])}), so the transition's `prompt` argument is the "
-                "empty string (CoMLRL's behaviour); set data.transition_prompt_field to the field that holds the "
-                "task's prompt"
+                f"data.transition_prompt_field={transition_prompt_field!r}: {len(lacking)} task rows of "
+                f"data.train_path / data.val_path have no such field (e.g. one with {sorted(lacking[0])}), so the "
+                "transition's "
+                "`prompt` argument is the empty string for them (CoMLRL's behaviour); set "
+                "data.transition_prompt_field to the field that holds the task's prompt"
             )
 
     @property

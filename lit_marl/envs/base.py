@@ -72,6 +72,11 @@ class JointEnv(ABC):
         first); returns each branch's next prompt per agent."""
         raise NotImplementedError(f"{type(self).__name__} is single-turn: it has no transition")
 
+    def transition_metrics(self) -> dict[str, float]:
+        """Metrics of the last ``transition`` call (e.g. how often an expert's reply was malformed),
+        logged per turn as ``turn{t}/<name>``; none by default."""
+        return {}
+
     @property
     def has_transition(self) -> bool:
         return type(self).transition is not JointEnv.transition

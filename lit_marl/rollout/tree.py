@@ -126,6 +126,9 @@ def build_tree(
             shaped = rewards - _penalties(response_penalty, gens, len(nodes), combos, settings.num_generations, tally)
         t3 = time.perf_counter()
         children, next_nodes = _branch(env, tasks, nodes, texts, combos, rewards, turn, settings)
+        if next_nodes:
+            for key, value in env.transition_metrics().items():
+                tally.turn_metrics[f"turn{turn}/{key}"] = value
         t4 = time.perf_counter()
         levels.append(_Level(rewards, shaped, children, gens))
         stats = tally.stats

@@ -380,3 +380,23 @@ def test_batched_transition_must_answer_every_branch(tiny_agents):
             transition=short,
             batched_transition=True,
         )
+
+
+def test_a_transitions_metrics_are_logged_per_turn(tiny_agents):
+    from lit_marl.envs.base import FunctionEnv
+    from lit_marl.rollout.tree import TreeSettings, build_tree
+
+    class Counting(FunctionEnv):
+        calls = 0
+
+        def transition(self, **kwargs):
+            self.calls += 1
+            return super().transition(**kwargs)
+
+        def transition_metrics(self):
+            return {"transition_calls": float(self.calls)}
+
+    env = Counting(["{topic} A", "{topic} B"], _len_reward, plain)
+    batch = build_tree(tiny_agents, TASKS, env, TreeSettings(num_generations=2, num_turns=3, max_new_tokens=2))
+    assert batch.metrics["turn0/transition_calls"] == 1.0 and batch.metrics["turn1/transition_calls"] == 2.0
+    assert "turn2/transition_calls" not in batch.metrics  # the last turn opens no children

@@ -409,6 +409,11 @@ class CodeEnv(JointEnv):
                 lines.append(f"- Your function calls {helpers} but ignores the result.")
         return "\n".join(lines)
 
+    def transition_metrics(self) -> dict[str, float]:
+        """With ``expert_edits``: the fraction of branches whose expert reply stayed malformed after
+        its retries (their roles got the fallback), and the format re-asks per branch."""
+        return dict(getattr(self, "_transition_metrics", {}))
+
     def transition(
         self,
         *,
@@ -432,6 +437,7 @@ class CodeEnv(JointEnv):
                 for t, a in zip(task, analyses)
             ]
         elif self.mode == "expert_edits":
+            malformed, retries = self.expert.malformed_replies, self.expert.format_retries
             edits = self.expert.propose(
                 [t["prompt"] for t in task], [a.program for a in analyses], [self.expert_roles(a) for a in analyses]
             )
@@ -442,6 +448,10 @@ class CodeEnv(JointEnv):
                 ]
                 for a, e in zip(analyses, edits)
             ]
+            self._transition_metrics = {  # per branch of this turn
+                "expert_malformed_frac": (self.expert.malformed_replies - malformed) / max(len(task), 1),
+                "expert_format_retries": (self.expert.format_retries - retries) / max(len(task), 1),
+            }
         return [
             [
                 self._next_prompt(a, i, prompt_history_per_agent[b][i], response_history_per_agent[b][i], extra[b][i])
