@@ -2,7 +2,10 @@
 here, after the built-in ones have registered."""
 
 from lit_marl import ConfigError
-from lit_marl.envs import corridor  # noqa: F401  (registers "corridor")
+from lit_marl.envs import (
+    corridor,  # noqa: F401  (registers "corridor")
+    textworld,  # noqa: F401  (registers "textworld")
+)
 from lit_marl.envs.base import REGISTRY, Env
 
 __all__ = ["make_env"]

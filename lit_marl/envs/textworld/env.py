@@ -1,0 +1,201 @@
+"""TextWorld as a stateful ``Env``: one generated game per task row, played through TextWorld's
+own engine (Inform 7 compiled to a Z-machine file, run by Jericho), offline.
+
+A task row is ``{"game": "<path>.z8", ...}`` (``lit_marl.envs.textworld.games`` writes them).
+``won``, ``lost``, ``score`` and ``max_score`` come from the game itself (tw-simple: eating the
+food is a loss, not a win); rewards are derived from them by the rollout's ``reward_density``, as
+for every ``Env``. ``expert_turns`` is the game's walkthrough. ``clone`` copies the Z-machine state
+(independent games from then on); ``replay_clone`` rebuilds the state by replaying the commands
+played so far, the fallback for a backend that cannot copy.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import warnings
+from pathlib import Path
+
+from lit_marl.envs.base import Env, StepResult, register
+
+_PROMPT_LINE = re.compile(r"^\s*>")  # the parser's prompt (and the status line printed after it)
+_RESTART = re.compile(r"Would you like to RESTART, RESTORE a saved game, QUIT or UNDO the last command\?")
+_COMMAND_CHARS = re.compile(r"[^a-z0-9 ,.'-]")
+MAX_COMMAND_CHARS = 80
+_ENGINE = threading.RLock()
+"""TextWorld's game loading (its grammar parser) is not thread-safe: every call into the engine
+holds this lock. A step takes ~2 ms against seconds of generation, so the rollouts' thread pool
+loses nothing measurable by it."""
+
+
+def sanitize(text: str) -> str:
+    """One command from a reply: its first non-empty line, lower case, only letters, digits and
+    ``,.'-`` (the Z-machine parser reads other characters as escapes or commands of their own),
+    at most 80 characters. An empty reply becomes ``look`` (the game then only describes the room)."""
+    line = next((ln for ln in text.strip().splitlines() if ln.strip()), "")
+    line = _COMMAND_CHARS.sub(" ", line.lower())
+    line = " ".join(line.split())[:MAX_COMMAND_CHARS].strip(" ,.'-")
+    return line or "look"
+
+
+def clean(feedback: str) -> str:
+    """Game text without the start banner, the trailing ``>`` prompt and runs of blank lines."""
+    text = feedback
+    if "$$" in text:
+        match = list(re.finditer(r"\$\$[^\n]*\n", text))
+        text = text[match[-1].end() :] if match else text
+    text = _RESTART.sub("", text)
+    lines = [line.rstrip() for line in text.splitlines() if not _PROMPT_LINE.match(line)]
+    return re.sub(r"\n\s*\n+", "\n\n", "\n".join(lines)).strip()
+
+
+def check_story_file(path: str) -> None:
+    """Refuse a file that is not a Z-machine story before the engine sees it: Jericho reads a bad
+    header in C and takes the whole process down, not just the episode. The header's version
+    (byte 0) must be 1-8 and its file length (bytes 0x1A-0x1B, in units of 2, 4 or 8 bytes by
+    version) must fit the file."""
+    with open(path, "rb") as handle:
+        header = handle.read(64)
+        handle.seek(0, 2)
+        size = handle.tell()
+    version = header[0] if header else 0
+    if len(header) < 64 or not 1 <= version <= 8:
+        raise ValueError(f"task['game']={path!r}: not a playable TextWorld game (no Z-machine header)")
+    scale = 2 if version <= 3 else 4 if version <= 5 else 8
+    length = int.from_bytes(header[0x1A:0x1C], "big") * scale
+    if not 64 < length <= size:
+        raise ValueError(
+            f"task['game']={path!r}: not a playable TextWorld game (its header gives {length} bytes, the file "
+            f"has {size}: cut short or not a story file)"
+        )
+
+
+def room_of(description: str) -> str:
+    """The room's name from its description header ``-= Studio =-``."""
+    found = re.search(r"-=\s*(.+?)\s*=-", description)
+    return found.group(1) if found else "room"
+
+
+@register("textworld")
+class TextWorldEnv(Env):
+    num_agents = 1
+    cloneable = True
+
+    def __init__(self, admissible_commands: bool = False, objective: bool = True):
+        """
+        Args:
+            admissible_commands: Append the game's list of valid commands to every observation (the
+                guide plays without it: the agent must write commands from the text alone).
+            objective: Start the first observation with the game's objective.
+        """
+        self.admissible_commands = admissible_commands
+        self.objective = objective
+        self._game = None
+        self._path: str | None = None
+        self._played: list[str] = []
+
+    # ------------------------------------------------------------------ the game
+    def _start(self, path: str):
+        # deferred: importing textworld costs 0.6 s of start-up that runs which never play it skip
+        import textworld
+
+        if not Path(path).is_file():
+            raise FileNotFoundError(
+                f"task['game']={path!r}: no such game file; generate the games with "
+                "scripts/make_textworld_games.py (or lit_marl.envs.textworld.games.write_tasks)"
+            )
+        check_story_file(path)
+        infos = textworld.EnvInfos(
+            won=True,
+            lost=True,
+            score=True,
+            max_score=True,
+            objective=True,
+            description=True,
+            inventory=True,
+            feedback=True,
+            admissible_commands=self.admissible_commands,
+            extras=["walkthrough"],
+        )
+        try:
+            with _ENGINE, warnings.catch_warnings():
+                # Jericho's own score detection does not know generated games; TextWorld's is used
+                warnings.filterwarnings("ignore", message=r".*is not fully supported", category=UserWarning)
+                game = textworld.start(path, request_infos=infos)
+                state = game.reset()
+        except Exception as err:  # a corrupt or foreign file: the engine's own errors vary
+            raise ValueError(
+                f"task['game']={path!r}: not a playable TextWorld game ({type(err).__name__}: {err})"
+            ) from err
+        return game, state
+
+    def reset(self, task: dict) -> list[str]:
+        if "game" not in task:
+            raise KeyError(f"a TextWorld task row needs the field 'game' (a .z8 path); got {sorted(task)}")
+        self._path, self._played = str(task["game"]), []
+        self._game, state = self._start(self._path)
+        self._state = state
+        parts = [clean(state["objective"])] if self.objective and state["objective"] else []
+        return [self.observe(state, parts)]
+
+    def observe(self, state, lead: list[str] | None = None) -> str:
+        """The room, what just happened, what the player carries (and the valid commands)."""
+        description = state["description"] or ""
+        parts = list(lead or [])
+        parts += [f"You are in the {room_of(description)}.", clean(description), clean(state["inventory"] or "")]
+        if self.admissible_commands and state["admissible_commands"]:
+            parts.append("Valid commands: " + ", ".join(state["admissible_commands"]))
+        return "\n\n".join(p for p in parts if p)
+
+    def info(self, state) -> dict:
+        return {
+            "won": bool(state["won"]),
+            "lost": bool(state["lost"]),
+            "score": int(state["score"] or 0),
+            "max_score": int(state["max_score"] or 0),
+        }
+
+    def step(self, actions: list[str]) -> StepResult:
+        if self._game is None:
+            raise RuntimeError("TextWorldEnv.step before reset")
+        command = sanitize(actions[0])
+        with _ENGINE:
+            state, _, done = self._game.step(command)
+        self._played.append(command)
+        self._state = state
+        feedback = clean(state.feedback or "")
+        info = self.info(state)
+        return StepResult(
+            [self.observe(state, [feedback])], terminated=bool(done or info["won"] or info["lost"]), info=info
+        )
+
+    def expert_turns(self, task: dict) -> list[list[str]]:
+        """The game's own walkthrough, one command per turn."""
+        _, state = self._start(str(task["game"]))
+        walkthrough = state["extra.walkthrough"]
+        if not walkthrough:
+            raise ValueError(f"task['game']={task['game']!r}: the game has no walkthrough")
+        return [[command] for command in walkthrough]
+
+    # ------------------------------------------------------------------ branching
+    def _like(self) -> "TextWorldEnv":
+        twin = TextWorldEnv(self.admissible_commands, self.objective)
+        twin._path, twin._played, twin._state = self._path, list(self._played), self._state
+        return twin
+
+    def clone(self) -> "TextWorldEnv":
+        """An independent copy of the game in its current state (the Z-machine's state copied)."""
+        twin = self._like()
+        with _ENGINE:
+            twin._game = self._game.copy() if self._game is not None else None
+        return twin
+
+    def replay_clone(self) -> "TextWorldEnv":
+        """The same state rebuilt by starting the game again and replaying the commands played."""
+        twin = self._like()
+        twin._game, state = self._start(self._path)
+        with _ENGINE:
+            for command in self._played:
+                state, _, _ = twin._game.step(command)
+        twin._state = state
+        return twin
