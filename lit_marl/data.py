@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 from lit_marl import ConfigError
 from lit_marl.envs import make_env
 from lit_marl.envs.base import FunctionEnv, JointEnv
+from lit_marl.envs.textworld.games import resolve_source
 from lit_marl.fields import (
     ClosedUnitInterval,
     PositiveFloat,
@@ -349,7 +350,8 @@ class EpisodeDataModule(TaskDataModule):
     ):
         """
         Args:
-            train_path: Task rows for training (JSONL/JSON/CSV/Parquet), one episode start each.
+            train_path: Task rows for training (JSONL/JSON/CSV/Parquet), one episode start each, or a named
+                TextWorld game set ``textworld:<complexity>:<split>:<count>`` (generated once, cached).
             env: Registered environment name (``corridor``, ...).
             env_kwargs: Keyword arguments of the environment's constructor.
             val_path: Held-out task rows (validation/test: one greedy episode each).
@@ -387,8 +389,10 @@ class EpisodeDataModule(TaskDataModule):
         self.save_hyperparameters()
         self.engine = build_engine(engine, engine_options)
         self.load_demos(demo_path)
-        self.train_tasks = load_tasks(train_path, "data.train_path", set())
-        self.val_tasks = load_tasks(val_path, "data.val_path", set()) if val_path else []
+        self.train_tasks = load_tasks(resolve_source(train_path), "data.train_path", set())
+        self.val_tasks = (
+            load_tasks(resolve_source(val_path, "data.val_path"), "data.val_path", set()) if val_path else []
+        )
         self.num_generations = num_generations
         # how training episodes are played (evaluation: one greedy episode per task)
         self.episode = EpisodeSettings(

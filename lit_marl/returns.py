@@ -185,6 +185,30 @@ def turn_rewards(
     return torch.where(alive, out, torch.zeros(()))
 
 
+def step_reward(
+    previous_score: float,
+    score: float,
+    max_score: float,
+    won: bool,
+    ends: bool,
+    density: Literal["sparse", "dense"] = "sparse",
+    score_weight: float | None = None,
+) -> float:
+    """One step's reward by ``turn_rewards``'s rules (the same totals over an episode): ``sparse``
+    pays ``won`` + ``score_weight`` x score / max_score on the step that ends the episode (``ends``),
+    0 before; ``dense`` pays the score delta x ``score_weight`` / max_score every step, plus ``won``."""
+    if score_weight is None:
+        score_weight = 0.0 if density == "sparse" else 0.5
+    if not 0 <= score_weight < 1:
+        raise ValueError(f"score_weight={score_weight}: must be in [0, 1) so that no lost episode outscores a won one")
+    scale = score_weight / max(max_score, 1e-8)
+    if density == "sparse":
+        return float(won) + score * scale if ends else 0.0
+    if density == "dense":
+        return (score - previous_score) * scale + float(won)
+    raise ValueError(f"reward_density={density!r}: choose sparse or dense")
+
+
 def token_gae(
     rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, lam: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:

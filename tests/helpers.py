@@ -170,3 +170,39 @@ class SGDRecordingMAGRPO(MAGRPO):
         self.seen = getattr(self, "seen", []) + [batch]
         self.before = [{n: p.detach().clone() for n, p in a.model.named_parameters()} for a in self.agents]
         return super().training_step(batch, batch_idx)
+
+
+class AdmissibleEngine:
+    """Plays a game's listed valid commands instead of sampling (the env must show them, e.g.
+    ``admissible_commands: true``): sample k of a prompt is its (k + offset)-th listed command from the
+    end (TextWorld lists them sorted, the "open ..." and "take ..." ones last), so the
+    G samples of a node differ and some earn score. Token ids as a real engine returns them."""
+
+    name = "admissible"
+
+    def __init__(self, offset: int = 0):
+        self.offset, self.calls = offset, 0
+
+    def generate_team(self, calls, *args, **kwargs):
+        from lit_marl.generation.base import Generation, left_pad
+
+        self.calls += len(calls)
+        outs = []
+        for agent, prompts, num_samples in calls:
+            device = agent.model.device if hasattr(agent.model, "device") else torch.device("cpu")
+            prompt_ids, prompt_mask = left_pad(prompts, agent.pad_token_id, device)
+            completions = []
+            for prompt in prompts:
+                text = agent.tokenizer.decode(prompt, skip_special_tokens=True)
+                listed = text.rsplit("Valid commands: ", 1)[-1].split("\n")[0].split(", ")
+                for k in range(num_samples):
+                    command = listed[-1 - (k + self.offset) % len(listed)]  # from the end: "open ..." first
+                    completions.append(agent.tokenizer.encode(command, add_special_tokens=False) + [agent.eos_token_id])
+            width = max(len(c) for c in completions)
+            ids = torch.full((len(completions), width), agent.pad_token_id, dtype=torch.long)
+            mask = torch.zeros((len(completions), width), dtype=torch.long)
+            for row, c in enumerate(completions):
+                ids[row, : len(c)], mask[row, : len(c)] = torch.tensor(c), 1
+            rows = prompt_ids.repeat_interleave(num_samples, 0), prompt_mask.repeat_interleave(num_samples, 0)
+            outs.append(Generation(*rows, ids, mask, num_samples))
+        return outs

@@ -62,6 +62,7 @@ class _Node:
     task: int
     prompt_history: list[list[str]]  # per agent; the last entry is this node's prompt
     response_history: list[list[str]]  # per agent; responses of the turns before this node
+    state: object | None = None  # a stateful game's state at this node (``envs.game.GameEnv``)
 
 
 @dataclass
@@ -111,7 +112,11 @@ def build_tree(
         raise ValueError(f"num_turns={settings.num_turns} needs a transition that builds the next turn's prompts")
     engine = engine or make_engine("auto")
     combos = joint_indices(len(agents), settings.num_generations, settings.joint_mode)
-    nodes = [_Node(t, [[p] for p in env.prompts(task)], [[] for _ in agents]) for t, task in enumerate(tasks)]
+    game = getattr(env, "stateful", False)  # a node holds a game state; its joint actions step copies
+    nodes = []
+    for t, task in enumerate(tasks):
+        state, first = env.start(task) if game else (None, env.prompts(task))
+        nodes.append(_Node(t, [[p] for p in first], [[] for _ in agents], state))
     tally = _Tally(completions=[[] for _ in agents])
     levels: list[_Level] = []
     for turn in range(settings.num_turns):
@@ -119,13 +124,17 @@ def build_tree(
         raw = turn > 0 and settings.external_prompt_passthrough
         gens, texts = _generate(agents, nodes, settings, engine, raw)
         t1 = time.perf_counter()
-        rewards = _score(env, agents, tasks, nodes, texts, combos, turn, settings, tally)
+        outcomes = None
+        if game:
+            rewards, outcomes = _play(env, agents, nodes, texts, combos, turn, settings, tally)
+        else:
+            rewards = _score(env, agents, tasks, nodes, texts, combos, turn, settings, tally)
         t2 = time.perf_counter()
         shaped = rewards  # what returns are built from; logs and early termination use the task reward
         if response_penalty is not None:
             shaped = rewards - _penalties(response_penalty, gens, len(nodes), combos, settings.num_generations, tally)
         t3 = time.perf_counter()
-        children, next_nodes = _branch(env, tasks, nodes, texts, combos, rewards, turn, settings)
+        children, next_nodes = _branch(env, tasks, nodes, texts, combos, rewards, turn, settings, outcomes)
         if next_nodes:
             for key, value in env.transition_metrics().items():
                 tally.turn_metrics[f"turn{turn}/{key}"] = value
@@ -195,6 +204,31 @@ def _score(env, agents, tasks, nodes, texts, combos, turn, settings, tally: _Tal
     return rewards
 
 
+def _play(env, agents, nodes, texts, combos, turn, settings, tally: _Tally) -> tuple[torch.Tensor, list]:
+    """Every joint action of the turn stepped on its own copy of its node's game: ``[nodes, J,
+    agents]`` rewards (the game's, every agent's) and per node and joint action the child's state,
+    observations and whether the game ended."""
+    G, num_agents = settings.num_generations, len(agents)
+    rewards = torch.zeros(len(nodes), len(combos), num_agents)
+    outcomes = []
+    last = turn + 1 >= settings.num_turns
+    for n, node in enumerate(nodes):
+        row = []
+        for j, combo in enumerate(combos):
+            actions = [texts[i][n * G + k] for i, k in enumerate(combo)]
+            child, result = env.step(node.state, actions)
+            done = bool(result.terminated or result.truncated)
+            rewards[n, j] = env.reward_of(node.state, child, result, ends=done or last)
+            row.append((child, result.observations, done))
+            for i in range(num_agents):
+                tally.completions[i].append(actions[i])
+            for key in ("won", "lost"):
+                tally.add(key, float(bool(result.info.get(key, False))))
+        outcomes.append(row)
+    tally.add(f"turn{turn}/reward", float(rewards.mean(dim=2).sum()))
+    return rewards, outcomes
+
+
 def _penalties(penalty: ResponsePenalty, gens, num_nodes: int, combos, G: int, tally: _Tally) -> torch.Tensor:
     """``[nodes, J, agents]``: each agent's response penalty on every joint action holding the response."""
     combo_index = torch.tensor(combos)  # [J, agents]: each agent's response index in joint action j
@@ -205,7 +239,9 @@ def _penalties(penalty: ResponsePenalty, gens, num_nodes: int, combos, G: int, t
     return penalties
 
 
-def _branch(env, tasks, nodes, texts, combos, rewards, turn, settings) -> tuple[torch.Tensor, list[_Node]]:
+def _branch(
+    env, tasks, nodes, texts, combos, rewards, turn, settings, outcomes=None
+) -> tuple[torch.Tensor, list[_Node]]:
     """The child node of each joint action (``[nodes, J]``, -1: none, after the last turn or where a
     node's mean reward exceeds ``early_termination_threshold``) and the children, their prompts
     from ONE transition call over every branch."""
@@ -216,6 +252,23 @@ def _branch(env, tasks, nodes, texts, combos, rewards, turn, settings) -> tuple[
     children = torch.full(rewards.shape[:2], -1, dtype=torch.long)
     next_nodes: list[_Node] = []
     if turn + 1 >= settings.num_turns:
+        return children, next_nodes
+    if outcomes is not None:  # a game: each joint action's child continues from its own copy
+        for n, node in enumerate(nodes):
+            for j, combo in enumerate(combos):
+                state, observations, done = outcomes[n][j]
+                if stopped[n] or done:
+                    continue
+                children[n, j] = len(next_nodes)
+                responses = [texts[i][n * G + k] for i, k in enumerate(combo)]
+                next_nodes.append(
+                    _Node(
+                        node.task,
+                        [h + [o] for h, o in zip(node.prompt_history, observations)],
+                        [h + [c] for h, c in zip(node.response_history, responses)],
+                        state,
+                    )
+                )
         return children, next_nodes
     branches, parents = [], []
     for n, node in enumerate(nodes):

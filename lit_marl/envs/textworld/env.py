@@ -11,6 +11,7 @@ played so far, the fallback for a backend that cannot copy.
 
 from __future__ import annotations
 
+import copy
 import re
 import threading
 import warnings
@@ -179,8 +180,8 @@ class TextWorldEnv(Env):
 
     # ------------------------------------------------------------------ branching
     def _like(self) -> "TextWorldEnv":
-        twin = TextWorldEnv(self.admissible_commands, self.objective)
-        twin._path, twin._played, twin._state = self._path, list(self._played), self._state
+        twin = copy.copy(self)  # the settings and any subclass's own fields; the game is replaced
+        twin._played = list(self._played)
         return twin
 
     def clone(self) -> "TextWorldEnv":
@@ -199,3 +200,38 @@ class TextWorldEnv(Env):
                 state, _, _ = twin._game.step(command)
         twin._state = state
         return twin
+
+
+PLANNER = "You are the planner. Reply with a short plan (one sentence) for the next command."
+ACTOR = "You are the actor. Reply with one command for the game."
+
+
+@register("textworld-team")
+class PlannerActorTextWorld(TextWorldEnv):
+    """Two agents on one game: a planner reads the observation and writes a short plan; an actor
+    reads the observation and the planner's latest plan and issues the command, which is what the
+    game plays. Both act at each turn at once, so the actor follows the plan written the turn
+    before (none at the first turn). The joint reward is the game's."""
+
+    num_agents = 2
+
+    def reset(self, task: dict) -> list[str]:
+        observation = super().reset(task)[0]
+        return [f"{observation}\n\n{PLANNER}", f"{observation}\n\n{ACTOR}"]
+
+    def step(self, actions: list[str]) -> StepResult:
+        plan, command = actions
+        result = super().step([command])
+        observation = result.observations[0]
+        plan = " ".join(plan.split())[:300]
+        result.observations = [
+            f"{observation}\n\n{PLANNER}",
+            f"{observation}\n\nThe planner's plan: {plan}\n\n{ACTOR}",
+        ]
+        return result
+
+    def expert_turns(self, task: dict) -> list[list[str]]:
+        """The walkthrough for the actor; for the planner, the command after the current one."""
+        commands = [turn[0] for turn in super().expert_turns(task)]
+        plans = [f"Next: {nxt}." for nxt in commands[1:]] + ["Finish the quest."]
+        return [[plan, command] for plan, command in zip(plans, commands)]

@@ -14,6 +14,7 @@ held-out game is ever trained on.
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lit_marl import ConfigError
+from lit_marl.models import cache_dir
 
 SPLITS: dict[str, tuple[int, int]] = {"train": (50001, 55000), "validation": (40001, 40100), "test": (1, 100)}
 """The guide's seed range (inclusive) of each split."""
@@ -122,12 +124,14 @@ def make_game(complexity: str, seed: int, root: str | Path) -> Path:
     else:
         make = textworld.challenges.CHALLENGES["tw-simple"][1]
         game = make({"rewards": spec.simple_rewards, "goal": "detailed", "test": False}, options)
-    partial = path.with_name(f".{path.stem}.partial.z8")  # a killed run leaves no half-written game behind
+    # compiled under a name of this process's own, then renamed: a killed run leaves no half-written
+    # game behind, and two processes making the same game (two test workers) never share a file
+    partial = path.with_name(f".{path.stem}.{os.getpid()}.partial.z8")
     options.path = str(partial)
     compiled = Path(textworld.generator.compile_game(game, options))
     compiled.with_suffix(".json").replace(path.with_suffix(".json"))
     compiled.replace(path)
-    for leftover in path.parent.glob(f".{path.stem}.partial.*"):  # the Inform 7 source
+    for leftover in path.parent.glob(f".{path.stem}.{os.getpid()}.partial.*"):  # the Inform 7 source
         leftover.unlink(missing_ok=True)
     return path
 
@@ -162,5 +166,25 @@ def write_tasks(
         {"game": str(path.resolve()), "complexity": complexity, "seed": seed, "split": split}
         for path, seed in zip(paths, seeds)
     ]
-    out.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    partial = out.with_name(f".{out.name}.{os.getpid()}")
+    partial.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    partial.replace(out)
     return out
+
+
+def default_root() -> Path:
+    """Where named game sets are generated: ``$LIT_MARL_CACHE/textworld`` (default ``~/.cache/lit_marl``)."""
+    return cache_dir() / "textworld"
+
+
+def resolve_source(source: str, field: str = "data.train_path") -> str:
+    """A task file path as it is, or a named game set ``textworld:<complexity>:<split>:<count>``
+    generated (once, cached) under ``default_root()``: its task file's path."""
+    if not source.startswith("textworld:"):
+        return source
+    parts = source.split(":")
+    if len(parts) != 4 or not parts[3].isdigit():
+        raise ConfigError(f"{field}={source!r}: name a game set as textworld:<complexity>:<split>:<count>")
+    _, complexity, split, count = parts
+    Complexity.parse(complexity, field)
+    return str(write_tasks(complexity, split, int(count), default_root(), workers=min(os.cpu_count() or 1, 4)))

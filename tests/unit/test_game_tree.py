@@ -1,0 +1,114 @@
+"""MAGRPO trees over a stateful game (``envs.game.GameEnv``): each joint action steps its own copy
+of its node's game, siblings never see each other's moves, tree sizes and generate calls are a
+stateless tree's, and the rewards follow the episodes' density rule."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+
+from helpers import AdmissibleEngine, RecordingEngine, make_trainer, snapshot, unchanged
+from lit_marl import ConfigError
+from lit_marl.algorithms import MAGRPO
+from lit_marl.data import RolloutDataModule
+from lit_marl.envs.game import GameEnv
+from lit_marl.envs.textworld.games import write_tasks
+from lit_marl.returns import step_reward, turn_rewards
+from lit_marl.rollout.tree import TreeSettings, build_tree
+from lit_marl.tasks import load_tasks
+
+
+@pytest.fixture(scope="module")
+def team_tasks(tmp_path_factory):
+    root = tmp_path_factory.mktemp("textworld")
+    return {c: write_tasks(c, "train", 2, root) for c in ("w2-o3-q4", "tw-simple-dense")}
+
+
+def rows(path):
+    return load_tasks(str(path), "data.train_path", set())
+
+
+@pytest.mark.parametrize("joint_mode, per_node, turns", [("aligned", 2, 3), ("cross", 4, 2)])
+def test_a_tree_over_textworld_has_a_stateless_trees_sizes_and_calls(
+    tiny_agents, team_tasks, joint_mode, per_node, turns
+):
+    """G=2, two agents, two tasks: G (aligned) or G^N (cross) children per node, none ending early
+    (random play does not finish a quest)."""
+    env = GameEnv("textworld-team")
+    engine = RecordingEngine()
+    settings = TreeSettings(num_generations=2, joint_mode=joint_mode, num_turns=turns, max_new_tokens=4)
+    batch = build_tree(tiny_agents, rows(team_tasks["w2-o3-q4"]), env, settings, engine=engine)
+    assert [batch.stats[f"rollout/turn{t}_nodes"] for t in range(turns)] == [2 * per_node**t for t in range(turns)]
+    assert len(engine.calls) == 2 * turns  # one batched generate per agent per turn
+    assert batch.metrics["won"] == 0.0 and torch.isfinite(batch.rewards).all()
+
+
+def test_sibling_branches_step_their_own_copies(team_tasks):
+    env = GameEnv("textworld-team")
+    (task, _) = rows(team_tasks["w2-o3-q4"])
+    root, first = env.start(task)
+    plan, command = env.make().expert_turns(task)[0]
+    took, result_a = env.step(root, [plan, command])
+    stayed, result_b = env.step(root, ["look around", "inventory"])
+    assert result_a.observations[0] != result_b.observations[0]
+    assert took.played == [[plan, command]] and stayed.played == [["look around", "inventory"]]
+    # the root is untouched: stepping it again gives the first branch's result once more
+    _, again = env.step(root, [plan, command])
+    assert again.observations == result_a.observations
+    assert "The planner's plan: look around" in result_b.observations[1]
+
+
+def test_replay_branching_gives_the_clones_games(team_tasks):
+    (task, _) = rows(team_tasks["tw-simple-dense"])
+    games = [GameEnv("textworld-team", branch=b) for b in ("clone", "replay")]
+    expert = games[0].make().expert_turns(task)
+    seen = []
+    for env in games:
+        state, _ = env.start(task)
+        observations = []
+        for actions in expert[:3]:
+            state, result = env.step(state, actions)
+            observations.append(result.observations)
+        seen.append((observations, state.score))
+    assert seen[0] == seen[1]
+
+
+@pytest.mark.parametrize("density", ["sparse", "dense"])
+def test_step_rewards_add_up_to_the_episode_rewards(density):
+    scores, won = [0.0, 2.0, 2.0, 5.0], True
+    steps = [
+        step_reward(prev, now, 5.0, won and t == 3, t == 3, density)
+        for t, (prev, now) in enumerate(zip([0.0, *scores], scores))
+    ]
+    episode = turn_rewards(torch.tensor([scores]), torch.tensor([won]), torch.tensor([5.0]), torch.tensor([4]), density)
+    assert sum(steps) == pytest.approx(float(episode.sum()))
+    assert steps == pytest.approx(episode[0].tolist())
+
+
+def test_bad_game_settings_fail_clearly():
+    with pytest.raises(ConfigError, match=r"data\.env\.name='maze'"):
+        GameEnv("maze")
+    with pytest.raises(ValueError, match=r"score_weight=1.0"):
+        GameEnv("corridor", reward_density="dense", score_weight=1.0)
+
+
+def test_magrpo_learns_from_a_tree_over_a_game(tmp_path, team_tasks):
+    """tw-simple's dense score: the listed commands the two agents pick earn different rewards,
+    so advantages are not all 0 and MAGRPO moves both agents."""
+    L.seed_everything(0)
+    env = GameEnv("textworld-team", {"admissible_commands": True}, reward_density="dense")
+    data = RolloutDataModule(
+        train_path=str(team_tasks["tw-simple-dense"]), env=env, tasks_per_step=2, num_generations=4, num_turns=2
+    )
+    data.engine = AdmissibleEngine()
+    module = MAGRPO(model="tiny-random", num_agents=2, learning_rate=1e-3)
+    module.configure_model()
+    before = [snapshot(a.model) for a in module.agents]
+    trainer = make_trainer(tmp_path, limit_train_batches=1, limit_val_batches=0)
+    trainer.fit(module, datamodule=data)
+    metrics = trainer.callback_metrics
+    assert float(metrics["train/advantage_abs_agent1"]) > 0 and torch.isfinite(metrics["train/loss_agent1"])
+    assert float(metrics["train/reward_std"]) > 0
+    for agent, weights in zip(module.agents, before):
+        assert len(unchanged(agent.model, weights)) < len(weights)
