@@ -22,7 +22,7 @@ from lit_marl.envs.base import Env, StepResult, register
 _PROMPT_LINE = re.compile(r"^\s*>")  # the parser's prompt (and the status line printed after it)
 _RESTART = re.compile(r"Would you like to RESTART, RESTORE a saved game, QUIT or UNDO the last command\?")
 _COMMAND_CHARS = re.compile(r"[^a-z0-9 ,.'-]")
-MAX_COMMAND_CHARS = 80
+MAX_COMMAND_CHARS = 160  # walkthroughs name objects like "henderson's limited edition latchkey" twice
 _ENGINE = threading.RLock()
 """TextWorld's game loading (its grammar parser) is not thread-safe: every call into the engine
 holds this lock. A step takes ~2 ms against seconds of generation, so the rollouts' thread pool
@@ -32,7 +32,7 @@ loses nothing measurable by it."""
 def sanitize(text: str) -> str:
     """One command from a reply: its first non-empty line, lower case, only letters, digits and
     ``,.'-`` (the Z-machine parser reads other characters as escapes or commands of their own),
-    at most 80 characters. An empty reply becomes ``look`` (the game then only describes the room)."""
+    at most 160 characters. An empty reply becomes ``look`` (the game then only describes the room)."""
     line = next((ln for ln in text.strip().splitlines() if ln.strip()), "")
     line = _COMMAND_CHARS.sub(" ", line.lower())
     line = " ".join(line.split())[:MAX_COMMAND_CHARS].strip(" ,.'-")
