@@ -285,8 +285,7 @@ class RolloutDataModule(TaskDataModule):
             rank_zero_warn(
                 f"data.transition_prompt_field={transition_prompt_field!r}: {len(lacking)} task rows of "
                 f"data.train_path / data.val_path have no such field (e.g. one with {sorted(lacking[0])}), so the "
-                "transition's "
-                "`prompt` argument is the empty string for them (CoMLRL's behaviour); set "
+                "transition's `prompt` argument is the empty string for them (CoMLRL's behaviour); set "
                 "data.transition_prompt_field to the field that holds the task's prompt"
             )
 

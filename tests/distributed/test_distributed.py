@@ -21,11 +21,16 @@ from lit_marl import ConfigError
 SCRIPT = TEST_SCRIPTS / "ddp_run.py"
 
 
-def run(out: Path, *args: str) -> None:
+def run_script(script: Path, *args: str, timeout: int = 180) -> None:
+    """A test script in its own processes (it spawns its ranks); its stderr's tail on failure."""
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), str(out), *args], capture_output=True, text=True, timeout=180, env=os.environ
+        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=timeout, env=os.environ
     )
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def run(out: Path, *args: str) -> None:
+    run_script(SCRIPT, str(out), *args)
 
 
 def params(path: Path) -> dict[str, torch.Tensor]:
@@ -111,15 +116,7 @@ def test_fsdp_matches_one_process_and_shards_the_weights(built):
 def test_fsdp_gradients_equal_one_process_bit_for_bit(tmp_path):
     """lit_marl.parallel.fsdp alone: rank 0 runs 3 backward passes and generates 4 tokens, rank 1 runs 1 pass
     and generates 20; the reduced gradient shards equal one process's gradients of all 4 passes."""
-    script = TEST_SCRIPTS / "fsdp_grads.py"
-    done = subprocess.run(
-        [sys.executable, str(script), str(tmp_path), str(free_port())],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=os.environ,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_script(TEST_SCRIPTS / "fsdp_grads.py", str(tmp_path), str(free_port()))
     reports = [json.loads((tmp_path / f"report_rank{r}.json").read_text()) for r in range(2)]
     assert [r["generated"] for r in reports] == [4, 20]
     for report in reports:
@@ -174,14 +171,7 @@ def test_uneven_mini_batch_counts_do_not_hang(built, schedule):
 def test_per_turn_steps_hold_the_same_turn_on_every_rank(tmp_path):
     """CoMLRL's per-turn schedule under DDP: trees of different depths and widths per rank; step k
     must hold the same turn everywhere (its gradients are summed), each turn padded on its own."""
-    done = subprocess.run(
-        [sys.executable, str(TEST_SCRIPTS / "collectives_run.py"), str(tmp_path), str(free_port())],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=os.environ,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_script(TEST_SCRIPTS / "collectives_run.py", str(tmp_path), str(free_port()), timeout=120)
     steps = [json.loads((tmp_path / f"steps_rank{r}.json").read_text()) for r in range(2)]
     assert steps[0] == ["turn0", "turn0", "turn0", "turn1", None, None]
     assert steps[1] == ["turn0", None, None, "turn1", "turn1", "turn2"]
