@@ -4,7 +4,9 @@ The budget is counted as in the practitioner's guide: ``budget`` cost units, spl
 phases by ``split`` (``"1:4"``, or ``"60:400"``), where one RL episode costs 1 unit and one
 demonstration ``demo_cost`` units. So ``budget: 460, split: "60:400"`` is 60 demonstrations then
 400 episodes, and ``budget: 1000, split: "1:4", demo_cost: 2`` is 100 demonstrations then 800
-episodes. What an RL episode is comes from the data module: a multi-turn episode of a stateful
+episodes. ``sft_epochs`` passes over those demonstrations train on each of them that many times
+(the guide's several SFT epochs on its 60 walkthroughs); a demonstration costs once however often it
+is seen. What an RL episode is comes from the data module: a multi-turn episode of a stateful
 environment, or one joint trajectory (root to leaf) of a rollout tree.
 
 The run starts in the SFT phase (the training module's ``phase``: the data module then serves
@@ -24,7 +26,7 @@ import lightning as L
 
 from lit_marl import ConfigError
 from lit_marl.callbacks.evaluation import HeldOutEvaluation
-from lit_marl.fields import PositiveFloat, check_fields
+from lit_marl.fields import PositiveFloat, PositiveInt, check_fields
 from lit_marl.parallel.collectives import all_ranks_sum
 
 
@@ -48,6 +50,7 @@ class PhaseSwitch(L.Callback):
         demo_cost: PositiveFloat = 1.0,
         reset_optimizers: bool = True,
         sft_learning_rate: PositiveFloat | None = None,
+        sft_epochs: PositiveInt = 1,
     ):
         """
         Args:
@@ -56,12 +59,16 @@ class PhaseSwitch(L.Callback):
             demo_cost: Cost of one demonstration relative to one RL episode.
             reset_optimizers: Start the RL phase with fresh optimizers (no SFT moments).
             sft_learning_rate: Learning rate of the agents during SFT (default: the module's).
+            sft_epochs: Passes over the SFT phase's demonstrations (each costs once, whatever the
+                passes); above 1 the demonstrations file must hold exactly the budget's number.
         """
         check_fields("PhaseSwitch", PhaseSwitch.__init__, locals())
         sft, rl = parse_split(split)
         self.demos = math.floor(budget * sft / (sft + rl) / demo_cost + 1e-9)
         self.episodes = math.floor(budget * rl / (sft + rl) + 1e-9)
         self.demo_cost, self.reset_optimizers, self.sft_learning_rate = demo_cost, reset_optimizers, sft_learning_rate
+        self.sft_epochs = sft_epochs
+        self.sft_steps = self.demos * sft_epochs  # demonstrations served in the SFT phase, passes included
         self.phase = "sft" if self.demos > 0 else "rl"
         self.demos_done = self.episodes_done = 0.0
         self.epoch_start_demos = 0.0  # demonstrations served before the current SFT epoch began
@@ -71,13 +78,15 @@ class PhaseSwitch(L.Callback):
     PROGRESS = ("phase", "demos_done", "episodes_done", "epoch_start_demos", "switched_at")
 
     def state_dict(self) -> dict:
-        return {key: getattr(self, key) for key in (*self.PROGRESS, "demos", "episodes")}
+        return {key: getattr(self, key) for key in (*self.PROGRESS, "demos", "episodes", "sft_epochs")}
 
     def load_state_dict(self, state: dict) -> None:
-        if (state["demos"], state["episodes"]) != (self.demos, self.episodes):
+        saved = (state["demos"], state["episodes"], state.get("sft_epochs", 1))
+        if saved != (self.demos, self.episodes, self.sft_epochs):
             raise ConfigError(
-                f"PhaseSwitch: the checkpoint's budget was {state['demos']} demonstrations + {state['episodes']} "
-                f"episodes, this run's {self.demos} + {self.episodes}: resume with the same budget, split and demo_cost"
+                f"PhaseSwitch: the checkpoint's budget was {saved[0]} demonstrations x {saved[2]} SFT epochs + "
+                f"{saved[1]} episodes, this run's {self.demos} x {self.sft_epochs} + {self.episodes}: resume with the "
+                "same budget, split, demo_cost and sft_epochs"
             )
         for key in self.PROGRESS:
             setattr(self, key, state[key])
@@ -94,13 +103,19 @@ class PhaseSwitch(L.Callback):
         data = trainer.datamodule
         if self.demos > 0 and not getattr(data, "demos", None):
             raise ConfigError("PhaseSwitch starts with SFT: set data.demo_path (scripts/make_demos.py writes one)")
+        if self.sft_epochs > 1 and len(data.demos) != self.demos:
+            raise ConfigError(
+                f"PhaseSwitch.sft_epochs={self.sft_epochs} repeats the budget's {self.demos} demonstrations, but "
+                f"data.demo_path holds {len(data.demos)}: give a file of exactly {self.demos} (a named TextWorld set "
+                f"textworld:<complexity>:validation:{self.demos}), or sft_epochs: 1"
+            )
         trainer.reload_dataloaders_every_n_epochs = 1  # the data module hands out the phase's loader each epoch
 
     def on_fit_start(self, trainer: L.Trainer, pl_module) -> None:
         # after any checkpoint was restored, before the first loader is asked for
         pl_module.phase = self.phase
         if self.phase == "sft":
-            trainer.datamodule.demo_rows = self.demos - self.epoch_start_demos
+            trainer.datamodule.demo_rows = self.sft_steps - self.epoch_start_demos
             if self.sft_learning_rate is not None:
                 self._set_learning_rate(pl_module, self.sft_learning_rate)
         if trainer.is_global_zero:
@@ -116,14 +131,14 @@ class PhaseSwitch(L.Callback):
         pl_module.log("phase/rl", float(self.phase == "rl"))
         pl_module.log("phase/demos", self.demos_done)
         pl_module.log("phase/episodes", self.episodes_done)
-        pl_module.log("phase/cost", self.demos_done * self.demo_cost + self.episodes_done)
+        pl_module.log("phase/cost", self.demos_done / self.sft_epochs * self.demo_cost + self.episodes_done)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module) -> None:
         if self.phase != "sft":
             return
-        if self.demos_done < self.demos:  # another (partial) pass over the demonstrations
+        if self.demos_done < self.sft_steps:  # another (partial) pass over the demonstrations
             self.epoch_start_demos = self.demos_done
-            trainer.datamodule.demo_rows = self.demos - self.demos_done
+            trainer.datamodule.demo_rows = self.sft_steps - self.demos_done
             return
         self.phase = pl_module.phase = "rl"
         self.switched_at = {"epoch": trainer.current_epoch, "global_step": trainer.global_step}
@@ -151,11 +166,15 @@ class PhaseSwitch(L.Callback):
     # ------------------------------------------------------------------ helpers
     def describe(self) -> str:
         if self.phase == "sft":
-            return f"SFT: {self.demos_done:.0f} of {self.demos} demonstrations, then RL: {self.episodes} episodes"
+            passes = f" x {self.sft_epochs} epochs" if self.sft_epochs > 1 else ""
+            return (
+                f"SFT: {self.demos_done:.0f} of {self.sft_steps} demonstrations ({self.demos}{passes}), then RL: "
+                f"{self.episodes} episodes"
+            )
         where = f" (switched at epoch {self.switched_at['epoch']})" if self.switched_at else ""
         return (
-            f"RL: {self.episodes_done:.0f} of {self.episodes} episodes, after SFT on {self.demos_done:.0f} "
-            f"demonstrations{where}"
+            f"RL: {self.episodes_done:.0f} of {self.episodes} episodes, after SFT on {self.demos} demonstrations"
+            f"{f' x {self.sft_epochs} epochs' if self.sft_epochs > 1 else ''}{where}"
         )
 
     @staticmethod

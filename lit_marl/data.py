@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 from lit_marl import ConfigError
 from lit_marl.envs import make_env
 from lit_marl.envs.base import FunctionEnv, JointEnv
-from lit_marl.envs.textworld.games import resolve_source
+from lit_marl.envs.textworld.games import resolve_demo_source, resolve_source, same_games
 from lit_marl.fields import (
     ClosedUnitInterval,
     PositiveFloat,
@@ -375,19 +375,23 @@ class EpisodeDataModule(TaskDataModule):
             engine_options: Settings of the vllm engine.
             demo_path: Demonstrations for SFT (the ``SFT`` module, or the first phase of
                 ``callbacks.PhaseSwitch``): JSONL rows with one chat per agent (``lit_marl/rollout/demos.py``;
-                ``scripts/make_demos.py`` writes them from an environment's expert).
+                ``scripts/make_demos.py`` writes them from an environment's expert), or the walkthroughs
+                of a named TextWorld game set ``textworld:<complexity>:<split>:<count>`` played in this
+                environment (written once, cached; a split other than train's and val's).
             demo_batch_size: Demonstrations per SFT step.
             demo_loss_on: ``all``: the loss on every assistant turn of a demonstration; ``last``: on
                 its last assistant turn only (the earlier ones are context).
         """
         super().__init__()
-        self.num_agents = make_env(env, env_kwargs).num_agents  # a bad name or kwargs fails here, field named
+        probe = make_env(env, env_kwargs)  # a bad name or kwargs fails here, field named
+        self.num_agents = probe.num_agents
         check_fields("data", EpisodeDataModule.__init__, locals())
         if max_context_tokens <= max_new_tokens:
             raise ConfigError(f"data.max_context_tokens={max_context_tokens}: must exceed max_new_tokens")
         self.save_hyperparameters()
         self.engine = build_engine(engine, engine_options)
-        self.load_demos(demo_path)
+        same_games(demo_path, {"data.train_path": train_path, "data.val_path": val_path})
+        self.load_demos(demo_path and resolve_demo_source(demo_path, probe, env, env_kwargs))
         self.train_tasks = load_tasks(resolve_source(train_path), "data.train_path", set())
         self.val_tasks = (
             load_tasks(resolve_source(val_path, "data.val_path"), "data.val_path", set()) if val_path else []

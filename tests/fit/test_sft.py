@@ -207,6 +207,26 @@ def test_sft_then_ppo_runs_both_phases(full_run):
     assert len(moved) == len(start)
 
 
+def test_sft_epochs_repeat_the_budgets_demonstrations(tmp_path):
+    """sft_epochs=2: the same 12 demonstrations twice (6 SFT steps, the cost counted once), then 16 episodes."""
+    out = tmp_path / "twice"
+    done = run(out, "--sft-epochs", "2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    log = steps(out)
+    assert [s["phase"] for s in log] == ["sft"] * 6 + ["rl"] * 4
+    assert [s["demos_done"] for s in log] == [4, 8, 12, 16, 20, 24, 24, 24, 24, 24]
+    assert [s["epoch"] for s in log] == [0, 0, 0, 1, 1, 1, 2, 2, 2, 2]
+    first, second = (sorted(r for s in log[k : k + 3] for r in s["rows"]) for k in (0, 3))
+    assert first == second and len(set(first)) == 12  # each demonstration once per pass
+    assert "after SFT on 12 demonstrations x 2 epochs" in done.stdout
+    with pytest.raises(ConfigError, match=r"PhaseSwitch.sft_epochs=2 repeats the budget's 12 demonstrations, but "
+                       r"data.demo_path holds 45"):
+        switch = PhaseSwitch(budget=28, split="12:16", sft_epochs=2)
+        data = type("Data", (), {"demos": [{}] * 45})()
+        trainer = type("Trainer", (), {"datamodule": data})()
+        switch.setup(trainer, type("Module", (), {"runs_rl": True})(), "fit")
+
+
 @pytest.mark.parametrize("kill_before", [1, 3, 5], ids=["mid-sft", "at-switch", "mid-rl"])
 def test_killed_run_resumes_in_its_phase_with_the_rest_of_its_budget(tmp_path, full_run, kill_before):
     cut = tmp_path / "cut"

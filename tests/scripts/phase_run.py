@@ -58,11 +58,21 @@ class RecordingData(EpisodeDataModule):
         return super().on_before_batch_transfer(batch, dataloader_idx)
 
 
+def demo_file(demos: Path, args) -> str:
+    """The demonstrations; for several SFT epochs exactly the budget's 12 (the first 12 rows)."""
+    if args.sft_epochs == 1:
+        return str(demos)
+    out = args.out / "demos12.jsonl"
+    out.write_text("".join(demos.read_text().splitlines(keepends=True)[:12]))
+    return str(out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("--kill-before", type=int)
     parser.add_argument("--resume")
+    parser.add_argument("--sft-epochs", type=int, default=1, help="above 1: on the first 12 demonstrations only")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     L.seed_everything(0)
@@ -70,7 +80,7 @@ def main() -> None:
     module = PPO(model="tiny-random", learning_rate=1e-3, gae="turn")
     data = RecordingData(
         train_path=str(corridor / "train.jsonl"),
-        demo_path=str(corridor / "demos.jsonl"),
+        demo_path=demo_file(corridor / "demos.jsonl", args),
         demo_batch_size=4,
         tasks_per_step=4,
         num_generations=1,
@@ -78,7 +88,7 @@ def main() -> None:
         max_new_tokens=6,
         env_workers=1,
     )
-    switch = PhaseSwitch(budget=28, split="12:16", sft_learning_rate=3e-3)
+    switch = PhaseSwitch(budget=28, split="12:16", sft_learning_rate=3e-3, sft_epochs=args.sft_epochs)
     trainer = make_trainer(
         args.out,
         logger=False,

@@ -5,6 +5,7 @@ sanitized, and bad input fails clearly."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -162,3 +163,38 @@ def test_task_rows_are_written_per_split_and_games_are_cached(games):
     _, seconds = make_games("w2-o3-q4", [1], root)
     assert paths["w2-o3-q4"].stat().st_mtime_ns == before and seconds < 0.5  # cached: not generated again
     assert not list(root.rglob(".*partial*"))  # no leftovers of the compiler
+
+
+def test_a_named_game_set_and_its_walkthrough_demonstrations(monkeypatch, tmp_path):
+    """``textworld:<complexity>:<split>:<count>`` generates the games once; as ``data.demo_path`` it
+    gives the walkthroughs played in the data module's own environment (its observations), cached."""
+    from lit_marl.data import EpisodeDataModule
+    from lit_marl.envs.textworld.games import resolve_demo_source, resolve_source
+    from lit_marl.rollout.demos import load_demos
+
+    monkeypatch.setenv("LIT_MARL_CACHE", str(tmp_path))
+    tasks = resolve_source("textworld:w2-o3-q4:validation:2")
+    rows = [json.loads(line) for line in open(tasks)]
+    assert [r["seed"] for r in rows] == [40001, 40002] and tasks.startswith(str(tmp_path))
+    env = TextWorldEnv(admissible_commands=True)
+    path = resolve_demo_source("textworld:w2-o3-q4:validation:2", env, "textworld", {"admissible_commands": True})
+    demos = load_demos(path, 1)
+    assert [d["task_id"] for d in demos] == ["w2-o3-q4/40001", "w2-o3-q4/40002"]
+    (chat,) = demos[0]["messages"]
+    walkthrough = [turn[0] for turn in env.expert_turns(rows[0])]
+    assert [m["content"] for m in chat if m["role"] == "assistant"] == walkthrough
+    assert all("Valid commands:" in m["content"] for m in chat if m["role"] == "user")  # this env's observations
+    mtime = Path(path).stat().st_mtime_ns
+    assert resolve_demo_source("textworld:w2-o3-q4:validation:2", env, "textworld", {"admissible_commands": True}) == path
+    assert Path(path).stat().st_mtime_ns == mtime  # cached
+    other = resolve_demo_source("textworld:w2-o3-q4:validation:2", TextWorldEnv(), "textworld", {})
+    assert other != path  # other settings, other observations: another file
+    with pytest.raises(ConfigError, match=r"data.demo_path='textworld:w2-o3-q4:validation:2' draws from the games of data.val_path"):
+        EpisodeDataModule(
+            train_path="textworld:w2-o3-q4:train:1", val_path="textworld:w2-o3-q4:validation:2", env="textworld",
+            demo_path="textworld:w2-o3-q4:validation:2",
+        )
+    with pytest.raises(ConfigError, match=r"data.train_path='textworld:w2-o3-q4:train': name a game set as textworld:<complexity>:<split>:<count>"):
+        resolve_source("textworld:w2-o3-q4:train")
+    with pytest.raises(ConfigError, match=r"data.train_path=.w2-x3.: not a complexity"):
+        resolve_source("textworld:w2-x3:train:1")

@@ -13,6 +13,7 @@ held-out game is ever trained on.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -188,3 +189,42 @@ def resolve_source(source: str, field: str = "data.train_path") -> str:
     _, complexity, split, count = parts
     Complexity.parse(complexity, field)
     return str(write_tasks(complexity, split, int(count), default_root(), workers=min(os.cpu_count() or 1, 4)))
+
+
+def resolve_demo_source(source: str, env, env_name: str, env_kwargs: dict | None, field: str = "data.demo_path") -> str:
+    """A demonstrations file as it is, or the walkthroughs of a named game set
+    ``textworld:<complexity>:<split>:<count>``, played by ``env`` (the data module's own environment, so
+    the observations are exactly those an RL episode renders) and written once to
+    ``<root>/<complexity>/<split>-<count>.<env>-<settings hash>.demos.jsonl``; returns that file. A
+    game whose walkthrough does not win is an error, never a demonstration."""
+    if not source.startswith("textworld:"):
+        return source
+    tasks_file = Path(resolve_source(source, field))
+    _, complexity, split, count = source.split(":")
+    settings = json.dumps({"env": env_name, "kwargs": env_kwargs or {}}, sort_keys=True, default=str)
+    key = hashlib.sha256(settings.encode()).hexdigest()[:8]
+    out = tasks_file.parent / f"{split}-{count}.{env_name}-{key}.demos.jsonl"
+    if out.is_file():
+        return str(out)
+    rows = [json.loads(line) for line in tasks_file.read_text().splitlines() if line.strip()]
+    lines = []
+    for row in rows:
+        task_id = f"{complexity}/{row['seed']}"
+        lines.append(json.dumps({"task_id": task_id, "env": env_name, "messages": env.demonstration(row)}) + "\n")
+    partial = out.with_name(f".{out.name}.{os.getpid()}")
+    partial.write_text("".join(lines))
+    partial.replace(out)
+    return str(out)
+
+
+def same_games(demo_source: str | None, sources: dict[str, str | None]) -> None:
+    """Refuse demonstrations drawn from the game set a run trains or evaluates on."""
+    if not demo_source or not demo_source.startswith("textworld:"):
+        return
+    games = demo_source.split(":")[1:3]
+    for field, source in sources.items():
+        if source and source.startswith("textworld:") and source.split(":")[1:3] == games:
+            raise ConfigError(
+                f"data.demo_path={demo_source!r} draws from the games of {field}={source!r}: take the "
+                "demonstrations from another split (the guide's: validation)"
+            )
