@@ -219,8 +219,11 @@ def test_sft_epochs_repeat_the_budgets_demonstrations(tmp_path):
     first, second = (sorted(r for s in log[k : k + 3] for r in s["rows"]) for k in (0, 3))
     assert first == second and len(set(first)) == 12  # each demonstration once per pass
     assert "after SFT on 12 demonstrations x 2 epochs" in done.stdout
-    with pytest.raises(ConfigError, match=r"PhaseSwitch.sft_epochs=2 repeats the budget's 12 demonstrations, but "
-                       r"data.demo_path holds 45"):
+    with pytest.raises(
+        ConfigError,
+        match=r"PhaseSwitch.sft_epochs=2 repeats the budget's 12 demonstrations, but "
+        r"data.demo_path holds 45",
+    ):
         switch = PhaseSwitch(budget=28, split="12:16", sft_epochs=2)
         data = type("Data", (), {"demos": [{}] * 45})()
         trainer = type("Trainer", (), {"datamodule": data})()

@@ -185,16 +185,21 @@ def test_a_named_game_set_and_its_walkthrough_demonstrations(monkeypatch, tmp_pa
     assert [m["content"] for m in chat if m["role"] == "assistant"] == walkthrough
     assert all("Valid commands:" in m["content"] for m in chat if m["role"] == "user")  # this env's observations
     mtime = Path(path).stat().st_mtime_ns
-    assert resolve_demo_source("textworld:w2-o3-q4:validation:2", env, "textworld", {"admissible_commands": True}) == path
+    again = resolve_demo_source("textworld:w2-o3-q4:validation:2", env, "textworld", {"admissible_commands": True})
+    assert again == path
     assert Path(path).stat().st_mtime_ns == mtime  # cached
     other = resolve_demo_source("textworld:w2-o3-q4:validation:2", TextWorldEnv(), "textworld", {})
     assert other != path  # other settings, other observations: another file
-    with pytest.raises(ConfigError, match=r"data.demo_path='textworld:w2-o3-q4:validation:2' draws from the games of data.val_path"):
+    clash = r"data.demo_path='textworld:w2-o3-q4:validation:2' draws from the games of data.val_path"
+    with pytest.raises(ConfigError, match=clash):
         EpisodeDataModule(
-            train_path="textworld:w2-o3-q4:train:1", val_path="textworld:w2-o3-q4:validation:2", env="textworld",
+            train_path="textworld:w2-o3-q4:train:1",
+            val_path="textworld:w2-o3-q4:validation:2",
+            env="textworld",
             demo_path="textworld:w2-o3-q4:validation:2",
         )
-    with pytest.raises(ConfigError, match=r"data.train_path='textworld:w2-o3-q4:train': name a game set as textworld:<complexity>:<split>:<count>"):
+    unnamed = r"data.train_path='textworld:w2-o3-q4:train': name a game set as textworld:<complexity>:<split>:<count>"
+    with pytest.raises(ConfigError, match=unnamed):
         resolve_source("textworld:w2-o3-q4:train")
     with pytest.raises(ConfigError, match=r"data.train_path=.w2-x3.: not a complexity"):
         resolve_source("textworld:w2-x3:train:1")
