@@ -1,0 +1,274 @@
+"""The guide's TextWorld ablation grid: algorithm x reward density x SFT:RL split (one budget) x
+train complexity, each run evaluated greedily on held-out test-seed games of every eval complexity.
+
+    python scripts/textworld_ablation.py --algorithms ppo grpo rloo --densities sparse dense \\
+        --splits 0:1 60:200 --budget 260 --train w2-o3-q4 --eval w2-o3-q4 w8-o3-q4 --seeds 0 1 2 \\
+        --baseline --out results/textworld_ablation
+
+A cell is one run of ``configs/textworld/<algorithm>_cpu.yaml`` (``--config-dir`` for the
+``*_guide.yaml`` set: ``--config-suffix guide``) with ``callbacks.PhaseSwitch`` spending the budget
+(demonstrations: the walkthroughs of validation-seed games of the train complexity, so disjoint from
+the train and test games). Its full config is written to ``<out>/cells/<cell>/config.yaml``: rerun a
+cell with ``lit-marl fit --config`` that file. Each evaluation appends a row to
+``<out>/results.jsonl`` (a cell already there is not run again: a killed grid resumes), then the
+table ``<out>/results.md`` (held-out success per cell and eval complexity, mean +- std over seeds,
+with the number of episodes behind each figure) and the plot ``<out>/success.svg`` are rewritten.
+``--set key=value`` overrides any config entry (dotted path, YAML value), e.g. a tiny model for a
+smoke run: ``--set model.init_args.model=tiny-random``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+ALGORITHMS = ("ppo", "grpo", "rloo")
+
+
+def cell_id(algorithm: str, density: str, split: str, train: str, seed: int) -> str:
+    return f"{algorithm}-{density}-sft{split.replace(':', 'rl')}-{train}-s{seed}"
+
+
+def set_path(config: dict, dotted: str, value) -> None:
+    *parents, leaf = dotted.split(".")
+    node = config
+    for key in parents:
+        node = node.setdefault(key, {})
+    node[leaf] = value
+
+
+def cell_config(args, algorithm: str, density: str, split: str, train: str, seed: int, out: Path) -> dict:
+    """The algorithm's shipped config, with this cell's data, budget and logger."""
+    from lit_marl.callbacks.phase_switch import PhaseSwitch
+
+    base = REPO / "configs" / "textworld" / f"{algorithm}_{args.config_suffix}.yaml"
+    config = yaml.safe_load(base.read_text())
+    demos = PhaseSwitch(budget=args.budget, split=split, demo_cost=args.demo_cost).demos
+    data = config["data"]["init_args"]
+    data.update(
+        train_path=f"textworld:{train}:train:{args.train_games}",
+        val_path=None,
+        reward_density=density,
+        demo_path=f"textworld:{train}:validation:{demos}" if demos else None,
+    )
+    trainer = config["trainer"]
+    trainer.update(max_epochs=-1, limit_train_batches=None, limit_val_batches=0, check_val_every_n_epoch=None)
+    trainer["logger"] = {
+        "class_path": "lightning.pytorch.loggers.CSVLogger",
+        "init_args": {"save_dir": str(out), "name": "logs"},
+    }
+    switch = {"budget": args.budget, "split": split, "demo_cost": args.demo_cost, "sft_epochs": args.sft_epochs}
+    if args.sft_learning_rate:
+        switch["sft_learning_rate"] = args.sft_learning_rate
+    trainer["callbacks"] = [{"class_path": "lit_marl.callbacks.PhaseSwitch", "init_args": switch}]
+    config["seed_everything"] = seed
+    for item in args.set:
+        key, _, value = item.partition("=")
+        set_path(config, key, yaml.safe_load(value))
+    return config
+
+
+def evaluate(module, data, complexity: str, games: int) -> dict:
+    """Greedy held-out success on ``games`` test-seed games of ``complexity``."""
+    from lit_marl.envs.textworld.games import resolve_source
+    from lit_marl.tasks import load_tasks
+
+    data.val_tasks = load_tasks(resolve_source(f"textworld:{complexity}:test:{games}", "--eval"), "--eval", set())
+    start = time.perf_counter()
+    with module.gathered():
+        metrics = data.evaluate(module.agents)
+    return {"won": metrics["won"], "eval_episodes": games, "eval_s": round(time.perf_counter() - start, 1)}
+
+
+def run_cell(args, key: dict, out: Path) -> list[dict]:
+    from lit_marl.callbacks.phase_switch import PhaseSwitch
+    from lit_marl.cli import build_cli
+
+    out.mkdir(parents=True, exist_ok=True)
+    config = cell_config(args, key["algorithm"], key["density"], key["split"], key["train"], key["seed"], out)
+    path = out / "config.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    cli = build_cli(["--config", str(path)], run=False)
+    start = time.perf_counter()
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    wall = round(time.perf_counter() - start, 1)
+    (switch,) = [c for c in cli.trainer.callbacks if isinstance(c, PhaseSwitch)]
+    trained = {"demos": switch.demos, "train_episodes": int(switch.episodes_done), "train_s": wall}
+    return [{**key, **trained, "eval": c, **evaluate(cli.model, cli.datamodule, c, args.eval_games)} for c in args.eval]
+
+
+def run_baseline(args, out: Path) -> list[dict]:
+    """The untrained model on every eval complexity (greedy: one run stands for every seed)."""
+    from lit_marl.cli import build_cli
+
+    out.mkdir(parents=True, exist_ok=True)
+    config = cell_config(args, args.algorithms[0], "sparse", "0:1", args.train[0], 0, out)
+    config["trainer"]["callbacks"] = []
+    path = out / "config.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    cli = build_cli(["--config", str(path)], run=False)
+    cli.model.configure_model()
+    key = {"algorithm": "base", "density": "-", "split": "-", "train": "-", "seed": 0}
+    trained = {"demos": 0, "train_episodes": 0, "train_s": 0.0}
+    return [{**key, **trained, "eval": c, **evaluate(cli.model, cli.datamodule, c, args.eval_games)} for c in args.eval]
+
+
+# ---------------------------------------------------------------------------- the table and the plot
+def summarize(rows: list[dict]) -> list[dict]:
+    """One line per (algorithm, density, split, train, eval): success mean and std over seeds."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["algorithm"], row["density"], row["split"], row["train"], row["eval"]), []).append(row)
+    lines = []
+    for (algorithm, density, split, train, evaluated), members in groups.items():
+        won = [m["won"] for m in members]
+        lines.append(
+            {
+                "algorithm": algorithm,
+                "density": density,
+                "split": split,
+                "train": train,
+                "eval": evaluated,
+                "seeds": len(members),
+                "won_mean": statistics.fmean(won),
+                "won_std": statistics.stdev(won) if len(won) > 1 else 0.0,
+                "eval_episodes": sum(m["eval_episodes"] for m in members),
+                "train_episodes": sum(m["train_episodes"] for m in members),
+                "demos": members[0]["demos"],
+                "train_s": statistics.fmean(m["train_s"] for m in members),
+            }
+        )
+    return lines
+
+
+def table(lines: list[dict]) -> str:
+    head = (
+        "| algorithm | rewards | SFT:RL | train | eval | held-out success | seeds | eval episodes | demos "
+        "| RL episodes (all seeds) | train s (mean) |\n|---|---|---|---|---|---|---|---|---|---|---|\n"
+    )
+    body = "".join(
+        f"| {x['algorithm']} | {x['density']} | {x['split']} | {x['train']} | {x['eval']} | "
+        f"{x['won_mean']:.3f} ± {x['won_std']:.3f} | {x['seeds']} | {x['eval_episodes']} | {x['demos']} | "
+        f"{x['train_episodes']} | {x['train_s']:.0f} |\n"
+        for x in lines
+    )
+    return head + body
+
+
+def svg(lines: list[dict]) -> str:
+    """A bar per line (success, with its std over seeds as a whisker), grouped by eval complexity."""
+    width, height, left, bottom, bar = 120 + 34 * max(len(lines), 1), 420, 60, 260, 26
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
+        'font-size="11">',
+        f'<text x="{left}" y="18" font-size="14">Held-out success (greedy) per ablation cell</text>',
+        f'<line x1="{left}" y1="{bottom}" x2="{width - 20}" y2="{bottom}" stroke="black"/>',
+        f'<line x1="{left}" y1="40" x2="{left}" y2="{bottom}" stroke="black"/>',
+    ]
+    for tick in (0.0, 0.25, 0.5, 0.75, 1.0):
+        y = bottom - tick * 220
+        parts.append(f'<text x="{left - 8}" y="{y + 4:.0f}" text-anchor="end">{tick:.2f}</text>')
+        parts.append(f'<line x1="{left}" y1="{y:.0f}" x2="{width - 20}" y2="{y:.0f}" stroke="#ddd"/>')
+    palette = {"base": "#888888", "ppo": "#1f77b4", "grpo": "#ff7f0e", "rloo": "#2ca02c"}
+    for i, x in enumerate(sorted(lines, key=lambda x: (x["eval"], x["algorithm"], x["density"], x["split"]))):
+        cx = left + 20 + i * 34
+        h = x["won_mean"] * 220
+        colour = palette.get(x["algorithm"], "#9467bd")
+        parts.append(f'<rect x="{cx}" y="{bottom - h:.1f}" width="{bar}" height="{h:.1f}" fill="{colour}"/>')
+        if x["won_std"]:
+            lo, hi = bottom - max(x["won_mean"] - x["won_std"], 0) * 220, bottom - (x["won_mean"] + x["won_std"]) * 220
+            mid = cx + bar / 2
+            parts.append(f'<line x1="{mid}" y1="{lo:.1f}" x2="{mid}" y2="{hi:.1f}" stroke="black"/>')
+        label = f"{x['algorithm']} {x['density']} {x['split']} {x['train']}&#8594;{x['eval']}"
+        parts.append(
+            f'<text x="{cx + bar / 2}" y="{bottom + 10}" transform="rotate(60 {cx + bar / 2} {bottom + 10})">'
+            f"{label}</text>"
+        )
+    parts.append("</svg>")
+    return "\n".join(parts) + "\n"
+
+
+def write_reports(out: Path, rows: list[dict]) -> None:
+    lines = summarize(rows)
+    (out / "results.md").write_text(
+        "# TextWorld ablation: held-out greedy success\n\n" + table(lines) + "\nEach figure: mean ± std over seeds "
+        "of the fraction of held-out test-seed games won; eval episodes = games × seeds.\n"
+    )
+    (out / "success.svg").write_text(svg(lines))
+
+
+def load_rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--algorithms", nargs="+", default=["ppo"], choices=ALGORITHMS)
+    parser.add_argument("--densities", nargs="+", default=["dense"], choices=["sparse", "dense"])
+    parser.add_argument("--splits", nargs="+", default=["0:1", "60:200"], help="SFT:RL shares of the budget")
+    parser.add_argument("--budget", type=float, default=260, help="cost units: one RL episode = 1")
+    parser.add_argument("--demo-cost", type=float, default=1.0, help="cost of one demonstration")
+    parser.add_argument("--sft-epochs", type=int, default=1, help="passes over the demonstrations")
+    parser.add_argument("--sft-learning-rate", type=float, default=None)
+    parser.add_argument("--train", nargs="+", default=["w2-o3-q4"], help="train complexities")
+    parser.add_argument("--eval", nargs="+", default=["w2-o3-q4"], help="eval complexities (test seeds)")
+    parser.add_argument("--train-games", type=int, default=64)
+    parser.add_argument("--eval-games", type=int, default=16)
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0])
+    parser.add_argument("--baseline", action="store_true", help="also evaluate the untrained model")
+    parser.add_argument("--config-suffix", default="cpu", help="configs/textworld/<algorithm>_<suffix>.yaml")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides (dotted keys)")
+    parser.add_argument("--out", type=Path, default=Path("results/textworld_ablation"))
+    args = parser.parse_args(argv)
+    from lit_marl import ConfigError
+    from lit_marl.callbacks.phase_switch import parse_split
+    from lit_marl.envs.textworld.games import Complexity
+
+    try:
+        for split in args.splits:
+            parse_split(split)
+        for name in [*args.train, *args.eval]:
+            Complexity.parse(name, "--train/--eval")
+    except ConfigError as err:
+        sys.exit(f"textworld_ablation: {err}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = args.out / "results.jsonl"
+    done = {row["cell"] for row in load_rows(results)}
+    cells = []
+    if args.baseline:
+        cells.append(("base", None))
+    for algorithm, density, split, train, seed in itertools.product(
+        args.algorithms, args.densities, args.splits, args.train, args.seeds
+    ):
+        key = {"algorithm": algorithm, "density": density, "split": split, "train": train, "seed": seed}
+        cells.append((cell_id(algorithm, density, split, train, seed), key))
+    for name, key in cells:
+        if name in done:
+            print(f"[ablation] {name}: done before, kept", flush=True)
+            continue
+        print(f"[ablation] {name} ...", flush=True)
+        cell_out = args.out / "cells" / name
+        rows = run_baseline(args, cell_out) if key is None else run_cell(args, key, cell_out)
+        with open(results, "a") as f:
+            for row in rows:
+                f.write(json.dumps({"cell": name, **row}) + "\n")
+        for row in rows:
+            print(f"[ablation] {name} -> {row['eval']}: won {row['won']:.3f} of {row['eval_episodes']}", flush=True)
+        write_reports(args.out, load_rows(results))
+    write_reports(args.out, load_rows(results))
+    print(f"[ablation] table: {args.out / 'results.md'}  plot: {args.out / 'success.svg'}")
+    print((args.out / "results.md").read_text())
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
