@@ -34,8 +34,8 @@ REPO = Path(__file__).resolve().parent.parent
 ALGORITHMS = ("ppo", "grpo", "rloo")
 
 
-def cell_id(algorithm: str, density: str, split: str, train: str, seed: int) -> str:
-    return f"{algorithm}-{density}-sft{split.replace(':', 'rl')}-{train}-s{seed}"
+def cell_id(algorithm: str, density: str, split: str, budget: float, train: str, seed: int) -> str:
+    return f"{algorithm}-{density}-sft{split.replace(':', 'rl')}-b{budget:g}-{train}-s{seed}"
 
 
 def set_path(config: dict, dotted: str, value) -> None:
@@ -89,6 +89,28 @@ def evaluate(module, data, complexity: str, games: int) -> dict:
     return {"won": metrics["won"], "eval_episodes": games, "eval_s": round(time.perf_counter() - start, 1)}
 
 
+def after_sft(args, key: dict, rows: list[dict]):
+    """A callback that evaluates the policy once, where the SFT phase hands over to RL."""
+    import lightning as L
+
+    from lit_marl.callbacks.phase_switch import PhaseSwitch
+
+    class AfterSFT(L.Callback):
+        def on_train_epoch_end(self, trainer, pl_module) -> None:  # runs after PhaseSwitch's (listed first)
+            (switch,) = [c for c in trainer.callbacks if isinstance(c, PhaseSwitch)]
+            if switch.switched_at is None or rows or not switch.demos:
+                return
+            trained = {"demos": switch.demos, "train_episodes": 0, "stage": "after SFT"}
+            for c in args.eval:
+                rows.append({**key, **trained, "train_s": round(time.perf_counter() - self.start, 1), "eval": c,
+                             **evaluate(pl_module, trainer.datamodule, c, args.eval_games)})  # fmt: skip
+
+        def on_train_start(self, trainer, pl_module) -> None:
+            self.start = time.perf_counter()
+
+    return AfterSFT()
+
+
 def run_cell(args, key: dict, out: Path) -> list[dict]:
     from lit_marl.callbacks.phase_switch import PhaseSwitch
     from lit_marl.cli import build_cli
@@ -98,12 +120,17 @@ def run_cell(args, key: dict, out: Path) -> list[dict]:
     path = out / "config.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     cli = build_cli(["--config", str(path)], run=False)
+    sft_rows: list[dict] = []
+    cli.trainer.callbacks.append(after_sft(args, key, sft_rows))
     start = time.perf_counter()
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
-    wall = round(time.perf_counter() - start, 1)
+    wall = round(time.perf_counter() - start, 1)  # the after-SFT evaluation included
     (switch,) = [c for c in cli.trainer.callbacks if isinstance(c, PhaseSwitch)]
-    trained = {"demos": switch.demos, "train_episodes": int(switch.episodes_done), "train_s": wall}
-    return [{**key, **trained, "eval": c, **evaluate(cli.model, cli.datamodule, c, args.eval_games)} for c in args.eval]
+    trained = {"demos": switch.demos, "train_episodes": int(switch.episodes_done), "train_s": wall, "stage": "end"}
+    final = [
+        {**key, **trained, "eval": c, **evaluate(cli.model, cli.datamodule, c, args.eval_games)} for c in args.eval
+    ]
+    return sft_rows + final
 
 
 def run_baseline(args, out: Path) -> list[dict]:
@@ -117,27 +144,25 @@ def run_baseline(args, out: Path) -> list[dict]:
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     cli = build_cli(["--config", str(path)], run=False)
     cli.model.configure_model()
-    key = {"algorithm": "base", "density": "-", "split": "-", "train": "-", "seed": 0}
-    trained = {"demos": 0, "train_episodes": 0, "train_s": 0.0}
+    key = {"algorithm": "base", "density": "-", "split": "-", "budget": 0, "train": "-", "seed": 0}
+    trained = {"demos": 0, "train_episodes": 0, "train_s": 0.0, "stage": "base"}
     return [{**key, **trained, "eval": c, **evaluate(cli.model, cli.datamodule, c, args.eval_games)} for c in args.eval]
 
 
 # ---------------------------------------------------------------------------- the table and the plot
 def summarize(rows: list[dict]) -> list[dict]:
-    """One line per (algorithm, density, split, train, eval): success mean and std over seeds."""
+    """One line per (algorithm, density, split, budget, train, stage, eval): success mean and std
+    over seeds."""
+    fields = ("algorithm", "density", "split", "budget", "train", "stage", "eval")
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
-        groups.setdefault((row["algorithm"], row["density"], row["split"], row["train"], row["eval"]), []).append(row)
+        groups.setdefault(tuple(row[f] for f in fields), []).append(row)
     lines = []
-    for (algorithm, density, split, train, evaluated), members in groups.items():
+    for values, members in groups.items():
         won = [m["won"] for m in members]
         lines.append(
             {
-                "algorithm": algorithm,
-                "density": density,
-                "split": split,
-                "train": train,
-                "eval": evaluated,
+                **dict(zip(fields, values)),
                 "seeds": len(members),
                 "won_mean": statistics.fmean(won),
                 "won_std": statistics.stdev(won) if len(won) > 1 else 0.0,
@@ -152,11 +177,12 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 def table(lines: list[dict]) -> str:
     head = (
-        "| algorithm | rewards | SFT:RL | train | eval | held-out success | seeds | eval episodes | demos "
-        "| RL episodes (all seeds) | train s (mean) |\n|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| algorithm | rewards | SFT:RL | budget | train | stage | eval | held-out success | seeds | eval episodes "
+        "| demos | RL episodes (all seeds) | train s (mean) |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     body = "".join(
-        f"| {x['algorithm']} | {x['density']} | {x['split']} | {x['train']} | {x['eval']} | "
+        f"| {x['algorithm']} | {x['density']} | {x['split']} | {x['budget']:g} | {x['train']} | {x['stage']} | "
+        f"{x['eval']} | "
         f"{x['won_mean']:.3f} ± {x['won_std']:.3f} | {x['seeds']} | {x['eval_episodes']} | {x['demos']} | "
         f"{x['train_episodes']} | {x['train_s']:.0f} |\n"
         for x in lines
@@ -179,7 +205,9 @@ def svg(lines: list[dict]) -> str:
         parts.append(f'<text x="{left - 8}" y="{y + 4:.0f}" text-anchor="end">{tick:.2f}</text>')
         parts.append(f'<line x1="{left}" y1="{y:.0f}" x2="{width - 20}" y2="{y:.0f}" stroke="#ddd"/>')
     palette = {"base": "#888888", "ppo": "#1f77b4", "grpo": "#ff7f0e", "rloo": "#2ca02c"}
-    for i, x in enumerate(sorted(lines, key=lambda x: (x["eval"], x["algorithm"], x["density"], x["split"]))):
+    order = {"base": 0, "after SFT": 1, "end": 2}
+    ranked = sorted(lines, key=lambda x: (x["eval"], x["algorithm"], x["density"], x["split"], order[x["stage"]]))
+    for i, x in enumerate(ranked):
         cx = left + 20 + i * 34
         h = x["won_mean"] * 220
         colour = palette.get(x["algorithm"], "#9467bd")
@@ -188,7 +216,7 @@ def svg(lines: list[dict]) -> str:
             lo, hi = bottom - max(x["won_mean"] - x["won_std"], 0) * 220, bottom - (x["won_mean"] + x["won_std"]) * 220
             mid = cx + bar / 2
             parts.append(f'<line x1="{mid}" y1="{lo:.1f}" x2="{mid}" y2="{hi:.1f}" stroke="black"/>')
-        label = f"{x['algorithm']} {x['density']} {x['split']} {x['train']}&#8594;{x['eval']}"
+        label = f"{x['algorithm']} {x['density']} {x['split']} {x['stage']} {x['train']}&#8594;{x['eval']}"
         parts.append(
             f'<text x="{cx + bar / 2}" y="{bottom + 10}" transform="rotate(60 {cx + bar / 2} {bottom + 10})">'
             f"{label}</text>"
@@ -249,8 +277,9 @@ def main(argv: list[str] | None = None) -> None:
     for algorithm, density, split, train, seed in itertools.product(
         args.algorithms, args.densities, args.splits, args.train, args.seeds
     ):
-        key = {"algorithm": algorithm, "density": density, "split": split, "train": train, "seed": seed}
-        cells.append((cell_id(algorithm, density, split, train, seed), key))
+        key = {"algorithm": algorithm, "density": density, "split": split, "budget": args.budget, "train": train,
+               "seed": seed}  # fmt: skip
+        cells.append((cell_id(algorithm, density, split, args.budget, train, seed), key))
     for name, key in cells:
         if name in done:
             print(f"[ablation] {name}: done before, kept", flush=True)

@@ -37,30 +37,33 @@ def test_the_grid_runs_every_cell_and_resumes(tmp_path, capsys):
     out = tmp_path / "grid"
     grid(out, capsys)
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    cells = ["base", "ppo-dense-sft0rl1-w2-o3-q4-s0", "ppo-dense-sft2rl2-w2-o3-q4-s0"]
-    assert [(r["cell"], r["eval"]) for r in rows] == [(c, e) for c in cells for e in ("w2-o3-q4", "w8-o3-q4")]
+    cells = ["base", "ppo-dense-sft0rl1-b4-w2-o3-q4-s0", "ppo-dense-sft2rl2-b4-w2-o3-q4-s0"]
+    stages = [("base", "base"), (cells[1], "end"), (cells[2], "after SFT"), (cells[2], "end")]
+    assert [(r["cell"], r["stage"], r["eval"]) for r in rows] == [
+        (c, s, e) for c, s in stages for e in ("w2-o3-q4", "w8-o3-q4")
+    ]
     assert all(0.0 <= r["won"] <= 1.0 and r["eval_episodes"] == 2 for r in rows)
-    rl_only, sft_rl = rows[2], rows[4]
-    assert (rl_only["demos"], sft_rl["demos"]) == (0, 2)
-    assert rl_only["train_episodes"] >= 4 and sft_rl["train_episodes"] >= 2  # whole steps of 2 tasks
+    rl_only, sft, sft_rl = rows[2], rows[4], rows[6]
+    assert (rl_only["demos"], sft["demos"], sft_rl["demos"]) == (0, 2, 2)
+    assert rl_only["train_episodes"] >= 4 and sft["train_episodes"] == 0 and sft_rl["train_episodes"] >= 2
     config = yaml.safe_load((out / "cells" / cells[2] / "config.yaml").read_text())
     assert config["data"]["init_args"]["demo_path"] == "textworld:w2-o3-q4:validation:2"  # not the train/test games
     assert config["trainer"]["callbacks"][0]["init_args"] == {"budget": 4.0, "split": "2:2", "demo_cost": 1.0,
                                                               "sft_epochs": 1}  # fmt: skip
     table = (out / "results.md").read_text()
-    assert table.count("\n| ppo | dense |") == 4 and table.count("\n| base |") == 2
+    assert table.count("\n| ppo | dense |") == 6 and table.count("\n| base |") == 2
     plot = ET.fromstring((out / "success.svg").read_text())
-    assert len([e for e in plot.iter() if e.tag.endswith("rect")]) == 6  # one bar per table line
+    assert len([e for e in plot.iter() if e.tag.endswith("rect")]) == 8  # one bar per table line
 
     again = grid(out, capsys)
     assert again.count("done before, kept") == 3
-    assert len((out / "results.jsonl").read_text().splitlines()) == 6
+    assert len((out / "results.jsonl").read_text().splitlines()) == 8
 
 
 def test_summary_spreads_over_seeds():
     rows = [
-        {"algorithm": "ppo", "density": "dense", "split": "0:1", "train": "w", "eval": "w", "seed": s, "won": w,
-         "eval_episodes": 16, "train_episodes": 40, "demos": 0, "train_s": 10.0}
+        {"algorithm": "ppo", "density": "dense", "split": "0:1", "budget": 40, "train": "w", "stage": "end",
+         "eval": "w", "seed": s, "won": w, "eval_episodes": 16, "train_episodes": 40, "demos": 0, "train_s": 10.0}
         for s, w in enumerate([0.25, 0.5, 0.75])
     ]  # fmt: skip
     (line,) = ablation.summarize(rows)
