@@ -150,6 +150,11 @@ def test_a_missing_or_corrupt_game_fails_clearly(games, tmp_path):
     cut.write_bytes(paths["w2-o3-q4"].read_bytes()[:5000])  # a download or copy cut short
     with pytest.raises(ValueError, match=r"the file has 5000: cut short"):
         env.reset({"game": str(cut)})
+    damaged = bytearray(paths["w2-o3-q4"].read_bytes())
+    damaged[len(damaged) // 2 : len(damaged) // 2 + 4000] = bytes(4000)  # a good header, a damaged body
+    (tmp_path / "damaged.z8").write_bytes(damaged)
+    with pytest.raises(ValueError, match=r"its checksum does not match its bytes: the file is damaged"):
+        env.reset({"game": str(tmp_path / "damaged.z8")})
     with pytest.raises(KeyError, match=r"needs the field 'game'"):
         env.reset({"path": "x"})
 

@@ -12,6 +12,8 @@ played so far, the fallback for a backend that cannot copy.
 from __future__ import annotations
 
 import copy
+import functools
+import os
 import re
 import threading
 import warnings
@@ -51,24 +53,33 @@ def clean(feedback: str) -> str:
 
 
 def check_story_file(path: str) -> None:
-    """Refuse a file that is not a Z-machine story before the engine sees it: Jericho reads a bad
-    header in C and takes the whole process down, not just the episode. The header's version
-    (byte 0) must be 1-8 and its file length (bytes 0x1A-0x1B, in units of 2, 4 or 8 bytes by
-    version) must fit the file."""
+    """Refuse a file that is not an intact Z-machine story before the engine sees it: Jericho reads
+    a bad file in C and takes the whole process down, not just the episode. The header's version
+    (byte 0) must be 1-8, its file length (bytes 0x1A-0x1B, in units of 2, 4 or 8 bytes by version)
+    must fit the file, and its checksum (bytes 0x1C-0x1D: the sum of the bytes from 0x40 to that
+    length, mod 65536) must match, so a body damaged behind a good header is refused too."""
+    stat = os.stat(path)
+    problem = _story_problem(path, stat.st_mtime_ns, stat.st_size)
+    if problem:
+        raise ValueError(f"task['game']={path!r}: not a playable TextWorld game ({problem})")
+
+
+@functools.lru_cache(maxsize=4096)
+def _story_problem(path: str, mtime_ns: int, size: int) -> str | None:
+    """What is wrong with the story file (None: nothing); cached per file version."""
     with open(path, "rb") as handle:
-        header = handle.read(64)
-        handle.seek(0, 2)
-        size = handle.tell()
-    version = header[0] if header else 0
-    if len(header) < 64 or not 1 <= version <= 8:
-        raise ValueError(f"task['game']={path!r}: not a playable TextWorld game (no Z-machine header)")
+        data = handle.read()
+    version = data[0] if data else 0
+    if len(data) < 64 or not 1 <= version <= 8:
+        return "no Z-machine header"
     scale = 2 if version <= 3 else 4 if version <= 5 else 8
-    length = int.from_bytes(header[0x1A:0x1C], "big") * scale
-    if not 64 < length <= size:
-        raise ValueError(
-            f"task['game']={path!r}: not a playable TextWorld game (its header gives {length} bytes, the file "
-            f"has {size}: cut short or not a story file)"
-        )
+    length = int.from_bytes(data[0x1A:0x1C], "big") * scale
+    if not 64 < length <= len(data):
+        return f"its header gives {length} bytes, the file has {len(data)}: cut short or not a story file"
+    expected = int.from_bytes(data[0x1C:0x1E], "big")
+    if expected and sum(data[0x40:length]) & 0xFFFF != expected:
+        return "its checksum does not match its bytes: the file is damaged"
+    return None
 
 
 def room_of(description: str) -> str:
