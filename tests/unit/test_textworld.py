@@ -206,5 +206,10 @@ def test_a_named_game_set_and_its_walkthrough_demonstrations(monkeypatch, tmp_pa
     unnamed = r"data.train_path='textworld:w2-o3-q4:train': name a game set as textworld:<complexity>:<split>:<count>"
     with pytest.raises(ConfigError, match=unnamed):
         resolve_source("textworld:w2-o3-q4:train")
+    with pytest.raises(ConfigError, match=r"data.demo_path='textworld:w2-o3-q4:validation:200': count=200: split "
+                       r"'validation' has only 100 seeds"):  # fmt: skip
+        resolve_source("textworld:w2-o3-q4:validation:200", "data.demo_path")
+    with pytest.raises(ConfigError, match=r"data.train_path='textworld:w2-o3-q4:dev:2': split='dev': choose one of"):
+        resolve_source("textworld:w2-o3-q4:dev:2")
     with pytest.raises(ConfigError, match=r"data.train_path=.w2-x3.: not a complexity"):
         resolve_source("textworld:w2-x3:train:1")

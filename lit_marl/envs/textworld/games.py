@@ -188,6 +188,10 @@ def resolve_source(source: str, field: str = "data.train_path") -> str:
         raise ConfigError(f"{field}={source!r}: name a game set as textworld:<complexity>:<split>:<count>")
     _, complexity, split, count = parts
     Complexity.parse(complexity, field)
+    try:
+        split_seeds(split, int(count))
+    except ConfigError as err:
+        raise ConfigError(f"{field}={source!r}: {err}") from None
     return str(write_tasks(complexity, split, int(count), default_root(), workers=min(os.cpu_count() or 1, 4)))
 
 
