@@ -1,7 +1,8 @@
 """Shared test setup: offline, single-threaded, and a throwaway model cache.
 
-The model cache (``LIT_MARL_CACHE``) points at a fresh temporary folder for the session, so the
-tests also cover building the tiny random model from scratch and never touch the user's cache.
+The model cache (``LIT_MARL_CACHE``) points at a fresh temporary folder for the run (shared by its
+pytest-xdist workers), so the tests also cover building the tiny random model from scratch and
+never touch the user's cache.
 Set ``LIT_MARL_TEST_CACHE=/some/folder`` to reuse a cache between runs instead. The slow SmolLM2
 test switches to the real default cache itself.
 """
@@ -23,9 +24,19 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 if os.environ.get("LIT_MARL_TEST_CACHE"):
     os.environ["LIT_MARL_CACHE"] = os.environ["LIT_MARL_TEST_CACHE"]
 else:
-    _session_cache = tempfile.mkdtemp(prefix="lit_marl_test_cache-")
+    # one cache for the pytest-xdist workers of a run (named by the controller's pid, their parent):
+    # the tiny model and the generated TextWorld games are built once, not once per worker. Every
+    # writer of the cache is safe against a concurrent one (a file lock or a write-then-rename).
+    # The controller (or a run without workers) removes it at exit; workers exit before it.
+    _worker = "PYTEST_XDIST_WORKER" in os.environ
+    _session_cache = os.path.join(
+        tempfile.gettempdir(), f"lit_marl_test_cache-{os.getppid() if _worker else os.getpid()}"
+    )
+    if not _worker:  # a killed run's leftover under a reused pid is not this run's cache
+        shutil.rmtree(_session_cache, ignore_errors=True)
+        atexit.register(shutil.rmtree, _session_cache, ignore_errors=True)
+    os.makedirs(_session_cache, exist_ok=True)
     os.environ["LIT_MARL_CACHE"] = _session_cache
-    atexit.register(shutil.rmtree, _session_cache, ignore_errors=True)
 
 # `datasets` caches every task file it reads: keep that out of the user's HF cache too
 _datasets_cache = tempfile.mkdtemp(prefix="lit_marl_test_datasets-")
