@@ -5,9 +5,10 @@ phases by ``split`` (``"1:4"``, or ``"60:400"``), where one RL episode costs 1 u
 demonstration ``demo_cost`` units. So ``budget: 460, split: "60:400"`` is 60 demonstrations then
 400 episodes, and ``budget: 1000, split: "1:4", demo_cost: 2`` is 100 demonstrations then 800
 episodes. ``sft_epochs`` passes over those demonstrations train on each of them that many times
-(the guide's several SFT epochs on its 60 walkthroughs); a demonstration costs once however often it
-is seen. What an RL episode is comes from the data module: a multi-turn episode of a stateful
-environment, or one joint trajectory (root to leaf) of a rollout tree.
+(the guide's several SFT epochs on its 60 walkthroughs), each costed once. Without it, a
+demonstrations file shorter than the budget is cycled and every demonstration served is costed.
+What an RL episode is comes from the data module: a multi-turn episode of a stateful environment,
+or one joint trajectory (root to leaf) of a rollout tree.
 
 The run starts in the SFT phase (the training module's ``phase``: the data module then serves
 rendered demonstrations and the module takes SFT steps) and, at the end of the epoch in which the
@@ -103,11 +104,11 @@ class PhaseSwitch(L.Callback):
         data = trainer.datamodule
         if self.demos > 0 and not getattr(data, "demos", None):
             raise ConfigError("PhaseSwitch starts with SFT: set data.demo_path (scripts/make_demos.py writes one)")
-        if self.sft_epochs > 1 and len(data.demos) != self.demos:
+        if self.demos > 0 and self.sft_epochs > 1 and len(data.demos) != self.demos:
             raise ConfigError(
                 f"PhaseSwitch.sft_epochs={self.sft_epochs} repeats the budget's {self.demos} demonstrations, but "
-                f"data.demo_path holds {len(data.demos)}: give a file of exactly {self.demos} (a named TextWorld set "
-                f"textworld:<complexity>:validation:{self.demos}), or sft_epochs: 1"
+                f"data.demo_path holds {len(data.demos)}: give a file of exactly {self.demos} (e.g. the TextWorld "
+                f"walkthroughs textworld:<complexity>:validation:{self.demos}), or sft_epochs: 1"
             )
         trainer.reload_dataloaders_every_n_epochs = 1  # the data module hands out the phase's loader each epoch
 

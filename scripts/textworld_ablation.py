@@ -5,12 +5,13 @@ train complexity, each run evaluated greedily on held-out test-seed games of eve
         --splits 0:1 60:200 --budget 260 --train w2-o3-q4 --eval w2-o3-q4 w8-o3-q4 --seeds 0 1 2 \\
         --baseline --out results/textworld_ablation
 
-A cell is one run of ``configs/textworld/<algorithm>_cpu.yaml`` (``--config-dir`` for the
-``*_guide.yaml`` set: ``--config-suffix guide``) with ``callbacks.PhaseSwitch`` spending the budget
+A cell is one run of ``configs/textworld/<algorithm>_cpu.yaml`` (the ``*_guide.yaml`` set:
+``--config-suffix guide``) with ``callbacks.PhaseSwitch`` spending the budget
 (demonstrations: the walkthroughs of validation-seed games of the train complexity, so disjoint from
 the train and test games). Its full config is written to ``<out>/cells/<cell>/config.yaml``: rerun a
-cell with ``lit-marl fit --config`` that file. Each evaluation appends a row to
-``<out>/results.jsonl`` (a cell already there is not run again: a killed grid resumes), then the
+cell with ``lit-marl fit --config`` that file. A finished cell appends its evaluations (after SFT
+where it has an SFT phase, and at the end) to ``<out>/results.jsonl``; a cell already there with
+the same settings is not run again, so a killed grid resumes at the cell it was in. Then the
 table ``<out>/results.md`` (held-out success per cell and eval complexity, mean +- std over seeds,
 with the number of episodes behind each figure) and the plot ``<out>/success.svg`` are rewritten.
 ``--set key=value`` overrides any config entry (dotted path, YAML value), e.g. a tiny model for a
@@ -20,6 +21,7 @@ smoke run: ``--set model.init_args.model=tiny-random``.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import itertools
 import json
 import os
@@ -34,8 +36,15 @@ REPO = Path(__file__).resolve().parent.parent
 ALGORITHMS = ("ppo", "grpo", "rloo")
 
 
-def cell_id(algorithm: str, density: str, split: str, budget: float, train: str, seed: int) -> str:
-    return f"{algorithm}-{density}-sft{split.replace(':', 'rl')}-b{budget:g}-{train}-s{seed}"
+def settings_key(args) -> str:
+    """A short hash of the settings every cell shares (a rerun with others is other cells)."""
+    shared = [args.demo_cost, args.sft_epochs, args.sft_learning_rate, args.train_games, args.eval_games,
+              sorted(args.eval), args.config_suffix, args.set]  # fmt: skip
+    return hashlib.sha256(json.dumps(shared, default=str).encode()).hexdigest()[:6]
+
+
+def cell_id(algorithm: str, density: str, split: str, budget: float, train: str, seed: int, settings: str) -> str:
+    return f"{algorithm}-{density}-sft{split.replace(':', 'rl')}-b{budget:g}-{train}-s{seed}-{settings}"
 
 
 def set_path(config: dict, dotted: str, value) -> None:
@@ -86,7 +95,11 @@ def evaluate(module, data, complexity: str, games: int) -> dict:
     start = time.perf_counter()
     with module.gathered():
         metrics = data.evaluate(module.agents)
-    return {"won": metrics["won"], "eval_episodes": games, "eval_s": round(time.perf_counter() - start, 1)}
+    return {
+        "won": metrics["won"],
+        "eval_episodes": len(data.val_tasks),
+        "eval_s": round(time.perf_counter() - start, 1),
+    }
 
 
 def after_sft(args, key: dict, rows: list[dict]):
@@ -238,7 +251,7 @@ def load_rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--algorithms", nargs="+", default=["ppo"], choices=ALGORITHMS)
     parser.add_argument("--densities", nargs="+", default=["dense"], choices=["sparse", "dense"])
@@ -256,14 +269,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config-suffix", default="cpu", help="configs/textworld/<algorithm>_<suffix>.yaml")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides (dotted keys)")
     parser.add_argument("--out", type=Path, default=Path("results/textworld_ablation"))
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     from lit_marl import ConfigError
-    from lit_marl.callbacks.phase_switch import parse_split
-    from lit_marl.envs.textworld.games import Complexity
+    from lit_marl.callbacks.phase_switch import PhaseSwitch, parse_split
+    from lit_marl.envs.textworld.games import Complexity, split_seeds
 
     try:
         for split in args.splits:
             parse_split(split)
+            demos = PhaseSwitch(budget=args.budget, split=split, demo_cost=args.demo_cost).demos
+            if demos:
+                try:
+                    split_seeds("validation", demos)
+                except ConfigError as err:
+                    raise ConfigError(
+                        f"--budget {args.budget:g} --splits {split}: {demos} demonstrations: {err}"
+                    ) from None
         for name in [*args.train, *args.eval]:
             Complexity.parse(name, "--train/--eval")
     except ConfigError as err:
@@ -272,14 +297,15 @@ def main(argv: list[str] | None = None) -> None:
     results = args.out / "results.jsonl"
     done = {row["cell"] for row in load_rows(results)}
     cells = []
+    settings = settings_key(args)
     if args.baseline:
-        cells.append(("base", None))
+        cells.append((f"base-{settings}", None))
     for algorithm, density, split, train, seed in itertools.product(
         args.algorithms, args.densities, args.splits, args.train, args.seeds
     ):
         key = {"algorithm": algorithm, "density": density, "split": split, "budget": args.budget, "train": train,
                "seed": seed}  # fmt: skip
-        cells.append((cell_id(algorithm, density, split, args.budget, train, seed), key))
+        cells.append((cell_id(algorithm, density, split, args.budget, train, seed, settings), key))
     for name, key in cells:
         if name in done:
             print(f"[ablation] {name}: done before, kept", flush=True)

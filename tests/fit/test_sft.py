@@ -141,6 +141,21 @@ def test_resuming_with_another_budget_is_refused():
         PhaseSwitch(budget=30, split="12:16").load_state_dict(state)
 
 
+def test_resuming_with_other_sft_epochs_is_refused_and_old_checkpoints_load():
+    state = PhaseSwitch(budget=28, split="12:16", sft_epochs=2).state_dict()
+    with pytest.raises(ConfigError, match=r"12 demonstrations x 2 SFT epochs \+ 16 episodes, this run's 12 x 1"):
+        PhaseSwitch(budget=28, split="12:16").load_state_dict(state)
+    old = {k: v for k, v in PhaseSwitch(budget=28, split="12:16").state_dict().items() if k != "sft_epochs"}
+    PhaseSwitch(budget=28, split="12:16").load_state_dict(old)  # saved before sft_epochs existed: one pass
+
+
+def test_sft_epochs_need_no_file_size_when_the_budget_has_no_sft():
+    switch = PhaseSwitch(budget=16, split="0:1", sft_epochs=3)
+    data = type("Data", (), {"demos": [{}] * 45})()
+    switch.setup(type("Trainer", (), {"datamodule": data})(), type("Module", (), {"runs_rl": True})(), "fit")
+    assert switch.phase == "rl" and switch.sft_steps == 0
+
+
 def test_loader_epoch_ends_where_the_budget_does():
     rows = [{"i": i} for i in range(10)]
     loader = TaskLoader(rows, batch_size=3, seed=0)

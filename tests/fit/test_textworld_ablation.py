@@ -37,8 +37,14 @@ def test_the_grid_runs_every_cell_and_resumes(tmp_path, capsys):
     out = tmp_path / "grid"
     grid(out, capsys)
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    cells = ["base", "ppo-dense-sft0rl1-b4-w2-o3-q4-s0", "ppo-dense-sft2rl2-b4-w2-o3-q4-s0"]
-    stages = [("base", "base"), (cells[1], "end"), (cells[2], "after SFT"), (cells[2], "end")]
+    settings = ablation.settings_key(ablation.parse_args(["--eval", "w2-o3-q4", "w8-o3-q4", "--train-games", "2",
+                                                          "--eval-games", "2", "--set", *TINY]))  # fmt: skip
+    cells = [
+        f"base-{settings}",
+        f"ppo-dense-sft0rl1-b4-w2-o3-q4-s0-{settings}",
+        f"ppo-dense-sft2rl2-b4-w2-o3-q4-s0-{settings}",
+    ]
+    stages = [(cells[0], "base"), (cells[1], "end"), (cells[2], "after SFT"), (cells[2], "end")]
     assert [(r["cell"], r["stage"], r["eval"]) for r in rows] == [
         (c, s, e) for c, s in stages for e in ("w2-o3-q4", "w8-o3-q4")
     ]
@@ -58,6 +64,8 @@ def test_the_grid_runs_every_cell_and_resumes(tmp_path, capsys):
     again = grid(out, capsys)
     assert again.count("done before, kept") == 3
     assert len((out / "results.jsonl").read_text().splitlines()) == 8
+    other = ablation.parse_args(["--eval", "w2-o3-q4", "w8-o3-q4", "--train-games", "2", "--eval-games", "3"])
+    assert ablation.settings_key(other) != settings  # other settings: other cells, never "done before"
 
 
 def test_summary_spreads_over_seeds():
@@ -76,3 +84,6 @@ def test_bad_grid_settings_are_named():
         ablation.main(["--splits", "60-200"])
     with pytest.raises(SystemExit, match=r"--train/--eval='w2-o3': not a complexity"):
         ablation.main(["--eval", "w2-o3"])
+    too_many = r"--budget 300 --splits 1:1: 150 demonstrations: count=150: split 'validation' has only 100 seeds"
+    with pytest.raises(SystemExit, match=too_many):
+        ablation.main(["--budget", "300", "--splits", "1:1"])

@@ -194,7 +194,14 @@ def test_a_named_game_set_and_its_walkthrough_demonstrations(monkeypatch, tmp_pa
     assert again == path
     assert Path(path).stat().st_mtime_ns == mtime  # cached
     other = resolve_demo_source("textworld:w2-o3-q4:validation:2", TextWorldEnv(), "textworld", {})
-    assert other != path  # other settings, other observations: another file
+    assert other != path and "Valid commands:" not in Path(other).read_text()  # other settings, other observations
+    assert len(load_demos(resolve_demo_source("textworld:w2-o3-q4:validation:1", env, "textworld", {}), 1)) == 1
+    assert len(load_demos(path, 1)) == 2  # a set of another count never overwrites this one's rows
+    with pytest.raises(ConfigError, match=r"data.demo_path='textworld:w2-o3-q4:validation:2' names TextWorld "
+                       r"walkthroughs, but data.env='corridor' is not a TextWorld environment"):  # fmt: skip
+        resolve_demo_source("textworld:w2-o3-q4:validation:2", make_env("corridor", {}), "corridor", {})
+    with pytest.raises(ConfigError, match=r"a count of at least 1"):
+        resolve_source("textworld:w2-o3-q4:train:0")
     clash = r"data.demo_path='textworld:w2-o3-q4:validation:2' draws from the games of data.val_path"
     with pytest.raises(ConfigError, match=clash):
         EpisodeDataModule(

@@ -64,7 +64,7 @@ def check_story_file(path: str) -> None:
         raise ValueError(f"task['game']={path!r}: not a playable TextWorld game ({problem})")
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=None)  # a few bytes per game file
 def _story_problem(path: str, mtime_ns: int, size: int) -> str | None:
     """What is wrong with the story file (None: nothing); cached per file version."""
     with open(path, "rb") as handle:

@@ -156,13 +156,19 @@ def make_games(complexity: str, seeds: list[int], root: str | Path, workers: int
 
 
 def write_tasks(
-    complexity: str, split: str, count: int, root: str | Path, workers: int = 1, ranges: dict | None = None
+    complexity: str,
+    split: str,
+    count: int,
+    root: str | Path,
+    workers: int = 1,
+    ranges: dict | None = None,
+    name: str | None = None,
 ) -> Path:
     """Generate ``count`` games of ``split`` and write their task rows to
-    ``<root>/<complexity>/<split>.jsonl``; returns that file."""
+    ``<root>/<complexity>/<name or split>.jsonl``; returns that file."""
     seeds = split_seeds(split, count, ranges)
     paths, _ = make_games(complexity, seeds, root, workers)
-    out = Path(root) / complexity / f"{split}.jsonl"
+    out = Path(root) / complexity / f"{name or split}.jsonl"
     rows = [
         {"game": str(path.resolve()), "complexity": complexity, "seed": seed, "split": split}
         for path, seed in zip(paths, seeds)
@@ -184,37 +190,62 @@ def resolve_source(source: str, field: str = "data.train_path") -> str:
     if not source.startswith("textworld:"):
         return source
     parts = source.split(":")
-    if len(parts) != 4 or not parts[3].isdigit():
-        raise ConfigError(f"{field}={source!r}: name a game set as textworld:<complexity>:<split>:<count>")
+    if len(parts) != 4 or not parts[3].isdigit() or int(parts[3]) < 1:
+        raise ConfigError(
+            f"{field}={source!r}: name a game set as textworld:<complexity>:<split>:<count> (a count of at least 1)"
+        )
     _, complexity, split, count = parts
     Complexity.parse(complexity, field)
     try:
         split_seeds(split, int(count))
     except ConfigError as err:
         raise ConfigError(f"{field}={source!r}: {err}") from None
-    return str(write_tasks(complexity, split, int(count), default_root(), workers=min(os.cpu_count() or 1, 4)))
+    # a file per count: runs naming other counts of the same split never overwrite each other's rows
+    workers = min(os.cpu_count() or 1, 4)
+    return str(write_tasks(complexity, split, int(count), default_root(), workers, name=f"{split}-{count}"))
+
+
+DEMO_FORMAT = 1
+"""Raise it when what the environment renders changes (observation text, command format): cached
+walkthrough demonstrations written by an older version are then written again."""
 
 
 def resolve_demo_source(source: str, env, env_name: str, env_kwargs: dict | None, field: str = "data.demo_path") -> str:
     """A demonstrations file as it is, or the walkthroughs of a named game set
     ``textworld:<complexity>:<split>:<count>``, played by ``env`` (the data module's own environment, so
     the observations are exactly those an RL episode renders) and written once to
-    ``<root>/<complexity>/<split>-<count>.<env>-<settings hash>.demos.jsonl``; returns that file. A
-    game whose walkthrough does not win is an error, never a demonstration."""
+    ``<root>/<complexity>/<split>-<count>.<env>-<key>.demos.jsonl``, the key hashing the env's name and
+    settings, ``DEMO_FORMAT``, the TextWorld version and the games' task rows; returns that file. A game
+    whose walkthrough does not win is an error, never a demonstration."""
     if not source.startswith("textworld:"):
         return source
+    from importlib.metadata import version
+
+    from lit_marl.envs.textworld.env import TextWorldEnv
+
+    if not isinstance(env, TextWorldEnv):
+        raise ConfigError(
+            f"{field}={source!r} names TextWorld walkthroughs, but data.env={env_name!r} is not a TextWorld "
+            "environment: give a demonstrations file (scripts/make_demos.py) or a TextWorld env"
+        )
     tasks_file = Path(resolve_source(source, field))
     _, complexity, split, count = source.split(":")
-    settings = json.dumps({"env": env_name, "kwargs": env_kwargs or {}}, sort_keys=True, default=str)
-    key = hashlib.sha256(settings.encode()).hexdigest()[:8]
+    rows = [json.loads(line) for line in tasks_file.read_text().splitlines() if line.strip()]
+    if len(rows) != int(count):
+        raise RuntimeError(f"{tasks_file}: {len(rows)} task rows for {source!r}, expected {count}")
+    settings = [env_name, env_kwargs or {}, DEMO_FORMAT, version("textworld"), rows]
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:8]
     out = tasks_file.parent / f"{split}-{count}.{env_name}-{key}.demos.jsonl"
     if out.is_file():
         return str(out)
-    rows = [json.loads(line) for line in tasks_file.read_text().splitlines() if line.strip()]
     lines = []
     for row in rows:
         task_id = f"{complexity}/{row['seed']}"
-        lines.append(json.dumps({"task_id": task_id, "env": env_name, "messages": env.demonstration(row)}) + "\n")
+        try:
+            messages = env.demonstration(row)
+        except ValueError as err:
+            raise ConfigError(f"{field}={source!r}: game {task_id}: {err}") from err
+        lines.append(json.dumps({"task_id": task_id, "env": env_name, "messages": messages}) + "\n")
     partial = out.with_name(f".{out.name}.{os.getpid()}")
     partial.write_text("".join(lines))
     partial.replace(out)
