@@ -117,6 +117,9 @@ def after_sft(args, key: dict, rows: list[dict]):
             for c in args.eval:
                 rows.append({**key, **trained, "train_s": round(time.perf_counter() - self.start, 1), "eval": c,
                              **evaluate(pl_module, trainer.datamodule, c, args.eval_games)})  # fmt: skip
+                print(
+                    f"[ablation] after SFT -> {c}: won {rows[-1]['won']:.3f} of {rows[-1]['eval_episodes']}", flush=True
+                )
 
         def on_train_start(self, trainer, pl_module) -> None:
             self.start = time.perf_counter()
