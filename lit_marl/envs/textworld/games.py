@@ -20,9 +20,11 @@ import re
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 
 from lit_marl import ConfigError
+from lit_marl.envs.textworld.env import TextWorldEnv
 from lit_marl.models import cache_dir
 
 SPLITS: dict[str, tuple[int, int]] = {"train": (50001, 55000), "validation": (40001, 40100), "test": (1, 100)}
@@ -219,10 +221,6 @@ def resolve_demo_source(source: str, env, env_name: str, env_kwargs: dict | None
     whose walkthrough does not win is an error, never a demonstration."""
     if not source.startswith("textworld:"):
         return source
-    from importlib.metadata import version
-
-    from lit_marl.envs.textworld.env import TextWorldEnv
-
     if not isinstance(env, TextWorldEnv):
         raise ConfigError(
             f"{field}={source!r} names TextWorld walkthroughs, but data.env={env_name!r} is not a TextWorld "
