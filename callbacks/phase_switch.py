@@ -69,7 +69,6 @@ class PhaseSwitch(L.Callback):
         self.episodes = math.floor(budget * rl / (sft + rl) + 1e-9)
         self.demo_cost, self.reset_optimizers, self.sft_learning_rate = demo_cost, reset_optimizers, sft_learning_rate
         self.sft_epochs = sft_epochs
-        self.sft_steps = self.demos * sft_epochs  # demonstrations served in the SFT phase, passes included
         self.phase = "sft" if self.demos > 0 else "rl"
         self.demos_done = self.episodes_done = 0.0
         self.epoch_start_demos = 0.0  # demonstrations served before the current SFT epoch began
@@ -116,7 +115,7 @@ class PhaseSwitch(L.Callback):
         # after any checkpoint was restored, before the first loader is asked for
         pl_module.phase = self.phase
         if self.phase == "sft":
-            trainer.datamodule.demo_rows = self.sft_steps - self.epoch_start_demos
+            trainer.datamodule.demo_rows = self.demos_to_serve - self.epoch_start_demos
             if self.sft_learning_rate is not None:
                 self._set_learning_rate(pl_module, self.sft_learning_rate)
         if trainer.is_global_zero:
@@ -137,9 +136,9 @@ class PhaseSwitch(L.Callback):
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module) -> None:
         if self.phase != "sft":
             return
-        if self.demos_done < self.sft_steps:  # another (partial) pass over the demonstrations
+        if self.demos_done < self.demos_to_serve:  # another (partial) pass over the demonstrations
             self.epoch_start_demos = self.demos_done
-            trainer.datamodule.demo_rows = self.sft_steps - self.demos_done
+            trainer.datamodule.demo_rows = self.demos_to_serve - self.demos_done
             return
         self.phase = pl_module.phase = "rl"
         self.switched_at = {"epoch": trainer.current_epoch, "global_step": trainer.global_step}
@@ -165,11 +164,16 @@ class PhaseSwitch(L.Callback):
             )
 
     # ------------------------------------------------------------------ helpers
+    @property
+    def demos_to_serve(self) -> int:
+        """Demonstrations the SFT phase serves, its passes included."""
+        return self.demos * self.sft_epochs
+
     def describe(self) -> str:
         if self.phase == "sft":
             passes = f" x {self.sft_epochs} epochs" if self.sft_epochs > 1 else ""
             return (
-                f"SFT: {self.demos_done:.0f} of {self.sft_steps} demonstrations ({self.demos}{passes}), then RL: "
+                f"SFT: {self.demos_done:.0f} of {self.demos_to_serve} demonstrations ({self.demos}{passes}), then RL: "
                 f"{self.episodes} episodes"
             )
         where = f" (switched at epoch {self.switched_at['epoch']})" if self.switched_at else ""

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 from lit_marl import ConfigError
 from lit_marl.envs import make_env
 from lit_marl.envs.base import FunctionEnv, JointEnv
-from lit_marl.envs.textworld.games import resolve_demo_source, resolve_source, same_games
+from lit_marl.envs.textworld.games import resolve_demo_source, resolve_source
 from lit_marl.fields import (
     ClosedUnitInterval,
     PositiveFloat,
@@ -390,8 +390,8 @@ class EpisodeDataModule(TaskDataModule):
             raise ConfigError(f"data.max_context_tokens={max_context_tokens}: must exceed max_new_tokens")
         self.save_hyperparameters()
         self.engine = build_engine(engine, engine_options)
-        same_games(demo_path, {"data.train_path": train_path, "data.val_path": val_path})
-        self.load_demos(demo_path and resolve_demo_source(demo_path, probe, env, env_kwargs))
+        others = {"data.train_path": train_path, "data.val_path": val_path}  # demonstrations never from these games
+        self.load_demos(demo_path and resolve_demo_source(demo_path, probe, env, env_kwargs, others))
         self.train_tasks = load_tasks(resolve_source(train_path), "data.train_path", set())
         self.val_tasks = (
             load_tasks(resolve_source(val_path, "data.val_path"), "data.val_path", set()) if val_path else []

@@ -21,6 +21,7 @@ smoke run: ``--set model.init_args.model=tiny-random``.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import itertools
 import json
@@ -86,12 +87,18 @@ def cell_config(args, algorithm: str, density: str, split: str, train: str, seed
     return config
 
 
-def evaluate(module, data, complexity: str, games: int) -> dict:
-    """Greedy held-out success on ``games`` test-seed games of ``complexity``."""
+@functools.cache
+def eval_tasks(complexity: str, games: int) -> tuple[dict, ...]:
+    """The ``games`` test-seed games of ``complexity`` (generated once, loaded once per grid)."""
     from lit_marl.envs.textworld.games import resolve_source
     from lit_marl.tasks import load_tasks
 
-    data.val_tasks = load_tasks(resolve_source(f"textworld:{complexity}:test:{games}", "--eval"), "--eval", set())
+    return tuple(load_tasks(resolve_source(f"textworld:{complexity}:test:{games}", "--eval"), "--eval", set()))
+
+
+def evaluate(module, data, complexity: str, games: int) -> dict:
+    """Greedy held-out success on ``games`` test-seed games of ``complexity``."""
+    data.val_tasks = list(eval_tasks(complexity, games))
     start = time.perf_counter()
     with module.gathered():
         metrics = data.evaluate(module.agents)
@@ -127,15 +134,20 @@ def after_sft(args, key: dict, rows: list[dict]):
     return AfterSFT()
 
 
-def run_cell(args, key: dict, out: Path) -> list[dict]:
-    from lit_marl.callbacks.phase_switch import PhaseSwitch
+def build(config: dict, out: Path):
+    """The cell's config written to ``out/config.yaml`` (rerunnable) and built from there."""
     from lit_marl.cli import build_cli
 
     out.mkdir(parents=True, exist_ok=True)
-    config = cell_config(args, key["algorithm"], key["density"], key["split"], key["train"], key["seed"], out)
     path = out / "config.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
-    cli = build_cli(["--config", str(path)], run=False)
+    return build_cli(["--config", str(path)], run=False)
+
+
+def run_cell(args, key: dict, out: Path) -> list[dict]:
+    from lit_marl.callbacks.phase_switch import PhaseSwitch
+
+    cli = build(cell_config(args, key["algorithm"], key["density"], key["split"], key["train"], key["seed"], out), out)
     sft_rows: list[dict] = []
     cli.trainer.callbacks.append(after_sft(args, key, sft_rows))
     start = time.perf_counter()
@@ -151,14 +163,9 @@ def run_cell(args, key: dict, out: Path) -> list[dict]:
 
 def run_baseline(args, out: Path) -> list[dict]:
     """The untrained model on every eval complexity (greedy: one run stands for every seed)."""
-    from lit_marl.cli import build_cli
-
-    out.mkdir(parents=True, exist_ok=True)
     config = cell_config(args, args.algorithms[0], "sparse", "0:1", args.train[0], 0, out)
     config["trainer"]["callbacks"] = []
-    path = out / "config.yaml"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    cli = build_cli(["--config", str(path)], run=False)
+    cli = build(config, out)
     cli.model.configure_model()
     key = {"algorithm": "base", "density": "-", "split": "-", "budget": 0, "train": "-", "seed": 0}
     trained = {"demos": 0, "train_episodes": 0, "train_s": 0.0, "stage": "base"}

@@ -153,7 +153,7 @@ def test_sft_epochs_need_no_file_size_when_the_budget_has_no_sft():
     switch = PhaseSwitch(budget=16, split="0:1", sft_epochs=3)
     data = type("Data", (), {"demos": [{}] * 45})()
     switch.setup(type("Trainer", (), {"datamodule": data})(), type("Module", (), {"runs_rl": True})(), "fit")
-    assert switch.phase == "rl" and switch.sft_steps == 0
+    assert switch.phase == "rl" and switch.demos_to_serve == 0
 
 
 def test_loader_epoch_ends_where_the_budget_does():

@@ -182,7 +182,7 @@ def test_a_named_game_set_and_its_walkthrough_demonstrations(monkeypatch, tmp_pa
     rows = [json.loads(line) for line in open(tasks)]
     assert [r["seed"] for r in rows] == [40001, 40002] and tasks.startswith(str(tmp_path))
     env = TextWorldEnv(admissible_commands=True)
-    path = resolve_demo_source("textworld:w2-o3-q4:validation:2", env, "textworld", {"admissible_commands": True})
+    path = resolve_demo_source("textworld:w2-o3-q4:validation:2", env, "textworld", {"admissible_commands": True}, {})
     demos = load_demos(path, 1)
     assert [d["task_id"] for d in demos] == ["w2-o3-q4/40001", "w2-o3-q4/40002"]
     (chat,) = demos[0]["messages"]
@@ -190,16 +190,16 @@ def test_a_named_game_set_and_its_walkthrough_demonstrations(monkeypatch, tmp_pa
     assert [m["content"] for m in chat if m["role"] == "assistant"] == walkthrough
     assert all("Valid commands:" in m["content"] for m in chat if m["role"] == "user")  # this env's observations
     mtime = Path(path).stat().st_mtime_ns
-    again = resolve_demo_source("textworld:w2-o3-q4:validation:2", env, "textworld", {"admissible_commands": True})
+    again = resolve_demo_source("textworld:w2-o3-q4:validation:2", env, "textworld", {"admissible_commands": True}, {})
     assert again == path
     assert Path(path).stat().st_mtime_ns == mtime  # cached
-    other = resolve_demo_source("textworld:w2-o3-q4:validation:2", TextWorldEnv(), "textworld", {})
+    other = resolve_demo_source("textworld:w2-o3-q4:validation:2", TextWorldEnv(), "textworld", {}, {})
     assert other != path and "Valid commands:" not in Path(other).read_text()  # other settings, other observations
-    assert len(load_demos(resolve_demo_source("textworld:w2-o3-q4:validation:1", env, "textworld", {}), 1)) == 1
+    assert len(load_demos(resolve_demo_source("textworld:w2-o3-q4:validation:1", env, "textworld", {}, {}), 1)) == 1
     assert len(load_demos(path, 1)) == 2  # a set of another count never overwrites this one's rows
     with pytest.raises(ConfigError, match=r"data.demo_path='textworld:w2-o3-q4:validation:2' names TextWorld "
                        r"walkthroughs, but data.env='corridor' is not a TextWorld environment"):  # fmt: skip
-        resolve_demo_source("textworld:w2-o3-q4:validation:2", make_env("corridor", {}), "corridor", {})
+        resolve_demo_source("textworld:w2-o3-q4:validation:2", make_env("corridor", {}), "corridor", {}, {})
     with pytest.raises(ConfigError, match=r"a count of at least 1"):
         resolve_source("textworld:w2-o3-q4:train:0")
     clash = r"data.demo_path='textworld:w2-o3-q4:validation:2' draws from the games of data.val_path"

@@ -175,10 +175,16 @@ def write_tasks(
         {"game": str(path.resolve()), "complexity": complexity, "seed": seed, "split": split}
         for path, seed in zip(paths, seeds)
     ]
-    partial = out.with_name(f".{out.name}.{os.getpid()}")
-    partial.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    partial.replace(out)
+    write_atomic(out, "".join(json.dumps(row) + "\n" for row in rows))
     return out
+
+
+def write_atomic(out: Path, text: str) -> None:
+    """Write under a name of this process's own, then rename: a killed run leaves no half-written
+    file, and two processes writing the same file never mix their bytes."""
+    partial = out.with_name(f".{out.name}.{os.getpid()}")
+    partial.write_text(text)
+    partial.replace(out)
 
 
 def default_root() -> Path:
@@ -191,6 +197,14 @@ def resolve_source(source: str, field: str = "data.train_path") -> str:
     generated (once, cached) under ``default_root()``: its task file's path."""
     if not source.startswith("textworld:"):
         return source
+    complexity, split, count = game_set(source, field)
+    # a file per count: runs naming other counts of the same split never overwrite each other's rows
+    workers = min(os.cpu_count() or 1, 4)
+    return str(write_tasks(complexity, split, count, default_root(), workers, name=f"{split}-{count}"))
+
+
+def game_set(source: str, field: str) -> tuple[str, str, int]:
+    """``textworld:<complexity>:<split>:<count>`` -> (complexity, split, count), each checked."""
     parts = source.split(":")
     if len(parts) != 4 or not parts[3].isdigit() or int(parts[3]) < 1:
         raise ConfigError(
@@ -202,9 +216,7 @@ def resolve_source(source: str, field: str = "data.train_path") -> str:
         split_seeds(split, int(count))
     except ConfigError as err:
         raise ConfigError(f"{field}={source!r}: {err}") from None
-    # a file per count: runs naming other counts of the same split never overwrite each other's rows
-    workers = min(os.cpu_count() or 1, 4)
-    return str(write_tasks(complexity, split, int(count), default_root(), workers, name=f"{split}-{count}"))
+    return complexity, split, int(count)
 
 
 DEMO_FORMAT = 1
@@ -212,24 +224,38 @@ DEMO_FORMAT = 1
 walkthrough demonstrations written by an older version are then written again."""
 
 
-def resolve_demo_source(source: str, env, env_name: str, env_kwargs: dict | None, field: str = "data.demo_path") -> str:
+def resolve_demo_source(
+    source: str,
+    env,
+    env_name: str,
+    env_kwargs: dict | None,
+    disjoint_from: dict[str, str | None],
+    field: str = "data.demo_path",
+) -> str:
     """A demonstrations file as it is, or the walkthroughs of a named game set
     ``textworld:<complexity>:<split>:<count>``, played by ``env`` (the data module's own environment, so
     the observations are exactly those an RL episode renders) and written once to
     ``<root>/<complexity>/<split>-<count>.<env>-<key>.demos.jsonl``, the key hashing the env's name and
     settings, ``DEMO_FORMAT``, the TextWorld version and the games' task rows; returns that file. A game
-    whose walkthrough does not win is an error, never a demonstration."""
+    whose walkthrough does not win is an error, never a demonstration; so is a set whose games a
+    source of ``disjoint_from`` (field -> source: the run's train and val tasks) names too."""
     if not source.startswith("textworld:"):
         return source
+    complexity, split, count = game_set(source, field)
+    for other_field, other in disjoint_from.items():
+        if other and other.startswith("textworld:") and other.split(":")[1:3] == [complexity, split]:
+            raise ConfigError(
+                f"{field}={source!r} draws from the games of {other_field}={other!r}: take the "
+                "demonstrations from another split (the guide's: validation)"
+            )
     if not isinstance(env, TextWorldEnv):
         raise ConfigError(
             f"{field}={source!r} names TextWorld walkthroughs, but data.env={env_name!r} is not a TextWorld "
             "environment: give a demonstrations file (scripts/make_demos.py) or a TextWorld env"
         )
     tasks_file = Path(resolve_source(source, field))
-    _, complexity, split, count = source.split(":")
     rows = [json.loads(line) for line in tasks_file.read_text().splitlines() if line.strip()]
-    if len(rows) != int(count):
+    if len(rows) != count:
         raise RuntimeError(f"{tasks_file}: {len(rows)} task rows for {source!r}, expected {count}")
     settings = [env_name, env_kwargs or {}, DEMO_FORMAT, version("textworld"), rows]
     key = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:8]
@@ -244,20 +270,5 @@ def resolve_demo_source(source: str, env, env_name: str, env_kwargs: dict | None
         except ValueError as err:
             raise ConfigError(f"{field}={source!r}: game {task_id}: {err}") from err
         lines.append(json.dumps({"task_id": task_id, "env": env_name, "messages": messages}) + "\n")
-    partial = out.with_name(f".{out.name}.{os.getpid()}")
-    partial.write_text("".join(lines))
-    partial.replace(out)
+    write_atomic(out, "".join(lines))
     return str(out)
-
-
-def same_games(demo_source: str | None, sources: dict[str, str | None]) -> None:
-    """Refuse demonstrations drawn from the game set a run trains or evaluates on."""
-    if not demo_source or not demo_source.startswith("textworld:"):
-        return
-    games = demo_source.split(":")[1:3]
-    for field, source in sources.items():
-        if source and source.startswith("textworld:") and source.split(":")[1:3] == games:
-            raise ConfigError(
-                f"data.demo_path={demo_source!r} draws from the games of {field}={source!r}: take the "
-                "demonstrations from another split (the guide's: validation)"
-            )
