@@ -97,13 +97,44 @@ def sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention
     return F.pad(logprobs, (1, 0))
 
 
+def masked_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    mask: torch.Tensor,
+    hidden: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs ``[B, L]`` of the tokens where ``mask`` is set, each given the tokens before it
+    (0 elsewhere, and in column 0, which has no context), equal to ``sequence_logprobs`` there;
+    with ``hidden`` also the last layer's hidden states ``[B, L, H]`` (for a value head).
+
+    The LM head runs only on the positions that predict a masked token: in a multi-turn episode
+    an agent's own replies are a small part of a sequence of observations, and full-vocabulary
+    logits over every position were most of a training pass's memory (SmolLM2, 4096 tokens:
+    ~800 MB per row in fp32, before the backward's copies)."""
+    keep = mask.bool().clone()
+    keep[:, 0] = False
+    predict = F.pad(keep[:, 1:], (0, 1))  # position t-1 predicts token t
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        logits_to_keep=predict,
+        use_cache=False,
+        output_hidden_states=hidden,
+    )
+    logits = out.logits
+    if logits.dim() == 3:  # a model that ignores a boolean logits_to_keep returns every position
+        logits = logits[predict]
+    picked = -F.cross_entropy(logits.float(), input_ids[keep], reduction="none")
+    logprobs = torch.zeros(input_ids.shape, dtype=picked.dtype, device=picked.device).masked_scatter(keep, picked)
+    return logprobs, out.hidden_states[-1] if hidden else None
+
+
 def target_logprobs(
     model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, target_mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs of the masked (target) tokens of whole sequences and the mask over them, both
-    ``[B, L - first]``: the LM head runs only from the first target column on (a single-turn
-    demonstration's prompt is most of its sequence)."""
-    first = int(target_mask.float().argmax(dim=-1).min())  # a row without targets gives 0: all columns
-    first = max(first, 1)  # token 0 has no context to be predicted from
-    logprobs = completion_logprobs(model, input_ids, attention_mask, input_ids.shape[1] - first)
-    return logprobs, target_mask[:, first:]
+    """Log-probs ``[B, L]`` of the masked (target) tokens of whole sequences and the mask over
+    them: the LM head runs only where a target token is predicted (``masked_logprobs``)."""
+    return masked_logprobs(model, input_ids, attention_mask, target_mask)[0], target_mask

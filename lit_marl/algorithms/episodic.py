@@ -14,7 +14,7 @@ from lit_marl.agents import LoraSettings
 from lit_marl.algorithms.base import AgentTeamModule
 from lit_marl.data import EpisodeDataModule
 from lit_marl.fields import ClosedUnitInterval, NonNegativeFloat, OpenUnitInterval, PositiveInt, check_fields
-from lit_marl.logprobs import sequence_logprobs
+from lit_marl.logprobs import masked_logprobs
 from lit_marl.losses import clip_fraction, clipped_surrogate, k3_kl
 from lit_marl.metrics import Timer
 from lit_marl.parallel.collectives import padded_steps
@@ -107,23 +107,28 @@ class EpisodicModule(AgentTeamModule):
         return torch.zeros(())
 
     def forward(self, samples: TrajectorySamples, learner: int = 0):
-        """Per-token log-probs of a learner's policy (subclasses add values)."""
-        return sequence_logprobs(self.model_of(learner), samples.input_ids, samples.attention_mask), None
+        """Per-token log-probs ``[B, L]`` of a learner's policy at its own tokens (``loss_mask``; 0
+        elsewhere: no loss reads them); subclasses add values."""
+        model = self.model_of(learner)
+        return masked_logprobs(model, samples.input_ids, samples.attention_mask, samples.loss_mask)[0], None
 
     # ------------------------------------------------------------------ the step
     def chunked(self, fn, batch: EpisodeBatch) -> torch.Tensor:
-        """``fn(input_ids, attention_mask)`` over the batch in the passes of ``micro_batches``, concatenated."""
-        return torch.cat([fn(batch.input_ids[r], batch.attention_mask[r]) for r in self.micro_batches(batch)])
+        """``fn(input_ids, attention_mask, loss_mask)`` over the batch in the passes of
+        ``micro_batches``, concatenated."""
+        return torch.cat(
+            [fn(batch.input_ids[r], batch.attention_mask[r], batch.loss_mask[r]) for r in self.micro_batches(batch)]
+        )
 
     @torch.no_grad()
     def reference_logprobs(self, batch: EpisodeBatch, learner: int) -> torch.Tensor:
         with self.reference_model(learner) as reference:
-            return self.chunked(lambda ids, mask: sequence_logprobs(reference, ids, mask), batch)
+            return self.chunked(lambda *rows: masked_logprobs(reference, *rows)[0], batch)
 
     @torch.no_grad()
     def prepare(self, batch: EpisodeBatch, learner: int) -> TrajectorySamples:
         model = self.model_of(learner)
-        old_logprobs = self.chunked(lambda ids, mask: sequence_logprobs(model, ids, mask), batch)
+        old_logprobs = self.chunked(lambda *rows: masked_logprobs(model, *rows)[0], batch)
         token_rewards = batch.token_rewards(batch.rewards).to(old_logprobs.device)
         ref = None
         if self.kl_coef > 0:

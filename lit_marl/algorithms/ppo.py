@@ -15,6 +15,7 @@ from lit_marl import ConfigError
 from lit_marl.algorithms.critics import ValueHead, load_critic_backbone
 from lit_marl.algorithms.episodic import EpisodicModule
 from lit_marl.fields import ClosedUnitInterval, NonNegativeFloat, PositiveFloat, PositiveInt, check_fields
+from lit_marl.logprobs import masked_logprobs
 from lit_marl.losses import explained_variance, value_loss
 from lit_marl.parallel.collectives import whiten
 from lit_marl.returns import token_gae, turn_gae
@@ -87,22 +88,21 @@ class PPO(EpisodicModule):
         return optimizers
 
     def forward(self, samples, learner: int = 0):
-        """Per-token log-probs and values ``[B, L]``; entry t is about token t given the ones before."""
+        """Per-token log-probs (at the agent's own tokens, as ``EpisodicModule.forward``) and values
+        ``[B, L]``; entry t is about token t given the ones before."""
         ids, mask = samples.input_ids, samples.attention_mask
-        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-        args = dict(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
-        out = self.model_of(learner)(**args, output_hidden_states=self.critic_backbones is None)
-        logprobs = -F.cross_entropy(out.logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none")
-        if self.critic_backbones is None:
-            hidden = out.hidden_states[-1]
-        else:
+        shared = self.critic_backbones is None  # the value head reads the policy's hidden states
+        logprobs, hidden = masked_logprobs(self.model_of(learner), ids, mask, samples.loss_mask, hidden=shared)
+        if not shared:
+            position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+            args = dict(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
             hidden = self.critic_backbones[learner](**args, output_hidden_states=True).hidden_states[-1]
         values = self.value_heads[learner](hidden[:, :-1])
-        return F.pad(logprobs, (1, 0)), F.pad(values, (1, 0))
+        return logprobs, F.pad(values, (1, 0))
 
     @torch.no_grad()
     def advantages(self, batch, token_rewards, samples, learner):
-        values = self.chunked(lambda ids, mask: self.forward(_Rows(ids, mask), learner)[1], batch)
+        values = self.chunked(lambda ids, mask, _: self.forward(_Rows(ids, mask), learner)[1], batch)
         mask = batch.loss_mask.float()
         if self.gae_mode == "token":
             advantages, returns = token_gae(token_rewards, values * mask, mask, self.discount, self.gae_lambda)
@@ -137,7 +137,9 @@ class PPO(EpisodicModule):
 
 
 class _Rows:
-    """The two fields ``PPO.forward`` reads, for the value pass over a raw episode batch."""
+    """The fields ``PPO.forward`` reads, for the value pass over a raw episode batch: no token is
+    masked, so the LM head does not run."""
 
     def __init__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
         self.input_ids, self.attention_mask = input_ids, attention_mask
+        self.loss_mask = torch.zeros_like(input_ids, dtype=torch.bool)

@@ -253,3 +253,60 @@ def test_shared_prefix_rejects_groups_with_different_prompts(tiny_agent, prompts
     attention_mask = torch.cat([gen.prompt_mask, gen.completion_mask], dim=1)
     with pytest.raises(ValueError, match="same prompt"):
         completion_logprobs(tiny_agent.model, input_ids, attention_mask, 3, prompt_groups=torch.zeros(len(prompts)))
+
+
+# --------------------------------------------------------------------------- masked_logprobs
+def test_masked_logprobs_and_gradients_equal_the_full_forward_at_the_masked_tokens(prompts):
+    """The LM head on only the positions that predict masked tokens (an agent's replies in an
+    episode) gives the full forward's log-probs there, 0 elsewhere, the same gradient, and the same
+    hidden states; a model that ignores a boolean ``logits_to_keep`` is handled too."""
+    from lit_marl.agents import Agent, LoraSettings
+    from lit_marl.logprobs import masked_logprobs, sequence_logprobs
+
+    agent = Agent("tiny-random", LoraSettings(r=4))
+    torch.manual_seed(0)
+    for p in agent.trainable_parameters():
+        p.data.normal_(0, 0.05)
+    gen = generate(agent, prompts, num_samples=2, max_new_tokens=7)
+    input_ids = torch.cat([gen.prompt_ids, gen.completion_ids], dim=1)
+    attention_mask = torch.cat([gen.prompt_mask, gen.completion_mask], dim=1)
+    mask = torch.zeros_like(input_ids, dtype=torch.bool)
+    mask[:, -gen.completion_ids.shape[1] :] = gen.completion_mask.bool()
+    mask[0, 0] = mask[1, 2] = True  # column 0 has no context: it stays 0; a prompt token counts
+    counts = mask.sum(1)
+    assert len(set(counts.tolist())) > 1  # rows keep different numbers of positions
+    params = agent.trainable_parameters()
+
+    full = sequence_logprobs(agent.model, input_ids, attention_mask)
+    picked, hidden = masked_logprobs(agent.model, input_ids, attention_mask, mask, hidden=True)
+    expected = full * mask
+    expected[:, 0] = 0
+    torch.testing.assert_close(picked, expected, atol=1e-5, rtol=0)
+    assert picked[1, 2] != 0 and picked[0, 0] == 0
+    out = agent.model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        output_hidden_states=True,
+        position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0),
+    )
+    torch.testing.assert_close(hidden, out.hidden_states[-1])
+    grad_full = torch.autograd.grad(expected.sum(), params)
+    grad_masked = torch.autograd.grad(picked.sum(), params)
+    assert max(g.abs().max() for g in grad_full) > 1e-3
+    for a, b in zip(grad_full, grad_masked):
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+
+    class FullLogits(torch.nn.Module):  # a model whose forward returns every position's logits
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, logits_to_keep=None, **kwargs):
+            return self.model(**kwargs)
+
+    with torch.no_grad():
+        fallback, _ = masked_logprobs(FullLogits(agent.model), input_ids, attention_mask, mask)
+    torch.testing.assert_close(fallback, expected.detach(), atol=1e-5, rtol=0)
+    with torch.no_grad():  # no masked token: no logits at all, all zeros
+        none, _ = masked_logprobs(agent.model, input_ids, attention_mask, torch.zeros_like(mask))
+    assert none.abs().sum() == 0
