@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 from lit_marl import ConfigError
 from lit_marl.envs import make_env
 from lit_marl.envs.base import FunctionEnv, JointEnv
-from lit_marl.envs.textworld.games import resolve_demo_source, resolve_source
+from lit_marl.envs.sources import resolve_demo_source, resolve_source
 from lit_marl.fields import (
     ClosedUnitInterval,
     PositiveFloat,
@@ -35,7 +35,7 @@ from lit_marl.rollout.batch import RolloutBatch
 from lit_marl.rollout.demos import load_demos, render_demos
 from lit_marl.rollout.episode import EpisodeSettings, run_episodes
 from lit_marl.rollout.tree import TreeSettings, build_tree
-from lit_marl.tasks import TaskLoader, import_object, load_tasks, task_loader
+from lit_marl.tasks import TaskLoader, import_object, load_tasks, mixture, task_loader
 
 
 def build_engine(name: str, options: dict | None):
@@ -116,8 +116,9 @@ class TaskDataModule(L.LightningDataModule):
     def test_dataloader(self) -> DataLoader:
         return self.val_dataloader()
 
-    def evaluation_metrics(self, agents, tasks: list[dict]) -> dict[str, float]:
-        """Means over one greedy batch of held-out tasks."""
+    def evaluation_metrics(self, agents, tasks: list[dict]) -> dict[str, float | tuple[float, int]]:
+        """Means over one greedy batch of held-out tasks; a metric of a subset of them (e.g. one task
+        type) is ``(its mean, the subset's size)``."""
         raise NotImplementedError
 
     @torch.no_grad()
@@ -129,17 +130,22 @@ class TaskDataModule(L.LightningDataModule):
             raise ConfigError("data.val_path: the held-out evaluation needs held-out tasks")
         trainer = self.trainer
         rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
-        totals: dict[str, float] = {}
+        totals: dict[str, list[float]] = {}  # key -> [sum over its tasks, its tasks (0: a metric of all)]
         mine = self.val_tasks[rank::world]
         for batch in task_loader(mine, self.hparams.eval_tasks_per_step, False, self.hparams.seed) if mine else []:
             for key, value in self.evaluation_metrics(agents, batch).items():
-                totals[key] = totals.get(key, 0.0) + value * len(batch)
+                mean, count = value if isinstance(value, tuple) else (value, None)
+                total = totals.setdefault(key, [0.0, 0])
+                total[0] += mean * (len(batch) if count is None else count)
+                total[1] += count or 0
         # ranks may report different keys (e.g. per-turn metrics of trees that ended early): merge
-        merged: dict[str, float] = {}
+        merged: dict[str, list[float]] = {}
         for part in gather_objects(totals):
-            for key, value in part.items():
-                merged[key] = merged.get(key, 0.0) + value
-        return {key: value / len(self.val_tasks) for key, value in merged.items()}
+            for key, (value, count) in part.items():
+                total = merged.setdefault(key, [0.0, 0])
+                total[0], total[1] = total[0] + value, total[1] + count
+        # a metric of every task is a mean over all of them; a subset's over its own tasks
+        return {key: value / (count or len(self.val_tasks)) for key, (value, count) in merged.items()}
 
 
 class RolloutDataModule(TaskDataModule):
@@ -346,11 +352,14 @@ class EpisodeDataModule(TaskDataModule):
         demo_path: str | None = None,
         demo_batch_size: PositiveInt = 8,
         demo_loss_on: Literal["all", "last"] = "all",
+        task_types: list[str] | None = None,
     ):
         """
         Args:
             train_path: Task rows for training (JSONL/JSON/CSV/Parquet), one episode start each, or a named
-                TextWorld game set ``textworld:<complexity>:<split>:<count>`` (generated once, cached).
+                game set (``envs/sources.py``): ``textworld:<complexity>:<split>:<count>``,
+                ``alfworld:<split>:<count per task type>`` (generated once, cached) or
+                ``alfworld-data:<split>[:<count>]`` (the official games under ``$ALFWORLD_DATA``).
             env: Registered environment name (``corridor``, ...).
             env_kwargs: Keyword arguments of the environment's constructor.
             val_path: Held-out task rows (validation/test: one greedy episode each).
@@ -381,6 +390,10 @@ class EpisodeDataModule(TaskDataModule):
             demo_batch_size: Demonstrations per SFT step.
             demo_loss_on: ``all``: the loss on every assistant turn of a demonstration; ``last``: on
                 its last assistant turn only (the earlier ones are context).
+            task_types: Train and evaluate only on rows of these task types (the rows' ``task_type``,
+                e.g. ALFWorld's), training on them in equal shares: the rarer types' rows repeat so
+                each type has as many as the most common (the guide's mixture experiment). None:
+                every row as given. Evaluation reports the success of every task type either way.
         """
         super().__init__()
         probe = make_env(env, env_kwargs)  # a bad name or kwargs fails here, field named
@@ -396,6 +409,13 @@ class EpisodeDataModule(TaskDataModule):
         self.val_tasks = (
             load_tasks(resolve_source(val_path, "data.val_path"), "data.val_path", set()) if val_path else []
         )
+        if task_types:
+            self.train_tasks = mixture(self.train_tasks, task_types, "data.task_types (train rows)")
+            if self.val_tasks:  # held-out games are played once each: filtered, not repeated
+                kept = [row for row in self.val_tasks if row.get("task_type") in task_types]
+                if not kept:
+                    raise ConfigError(f"data.task_types={task_types}: data.val_path holds no rows of these types")
+                self.val_tasks = kept
         self.num_generations = num_generations
         # how training episodes are played (evaluation: one greedy episode per task)
         self.episode = EpisodeSettings(
@@ -431,11 +451,16 @@ class EpisodeDataModule(TaskDataModule):
         return float(len(batches[0].won))
 
     def evaluation_metrics(self, agents, tasks: list[dict]) -> dict[str, float]:
-        """One greedy episode per task: win rate, mean episode reward, final score, length."""
+        """One greedy episode per task: win rate, mean episode reward, final score, length; with task
+        types in the rows (ALFWorld's), the win rate of each, ``won/<task type>``."""
         episodes = self.rollout(agents, tasks, greedy=True)[0]  # the outcome is the team's
-        return {
+        metrics = {
             "reward": float(episodes.rewards.sum(dim=1).mean()),
             "won": float(episodes.won.float().mean()),
             "final_score": float((episodes.scores[:, -1] / episodes.max_score).mean()),
             "turns": float(episodes.num_turns.float().mean()),
         }
+        for kind in sorted({str(task["task_type"]) for task in tasks if "task_type" in task}):
+            mine = [i for i, task in enumerate(tasks) if str(task.get("task_type")) == kind]
+            metrics[f"won/{kind}"] = (float(episodes.won[mine].float().mean()), len(mine))
+        return metrics

@@ -57,6 +57,22 @@ def load_tasks(path: str, field: str, required: set[str], needed_by: str = "data
     return ds.to_list()
 
 
+def mixture(rows: list[dict], types: list[str], field: str, group_field: str = "task_type") -> list[dict]:
+    """The rows whose ``group_field`` is one of ``types``, the rarer types' rows repeated (cycled)
+    until every type has as many as the most common: an epoch then samples the types in equal
+    shares (the guide's task-type mixture). A type without rows is an error naming ``field``."""
+    missing = [row for row in rows if group_field not in row]
+    if missing:
+        raise ConfigError(f"{field}: the task rows need a {group_field!r} field to be mixed by it")
+    by_type = {kind: [row for row in rows if row[group_field] == kind] for kind in types}
+    empty = [kind for kind, members in by_type.items() if not members]
+    if empty:
+        present = sorted({row[group_field] for row in rows})
+        raise ConfigError(f"{field}: no task rows of {empty}; the rows hold {present}")
+    most = max(len(members) for members in by_type.values())
+    return [members[i % len(members)] for members in by_type.values() for i in range(most)]
+
+
 def task_loader(tasks: list[dict], batch_size: int, shuffle: bool, seed: int) -> DataLoader:
     """Task rows in batches (plain lists of dicts); the order is seeded."""
     generator = torch.Generator().manual_seed(seed)

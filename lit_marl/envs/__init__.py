@@ -3,6 +3,7 @@ here, after the built-in ones have registered."""
 
 from lit_marl import ConfigError
 from lit_marl.envs import (
+    alfworld,  # noqa: F401  (registers "alfworld")
     corridor,  # noqa: F401  (registers "corridor")
     textworld,  # noqa: F401  (registers "textworld")
 )

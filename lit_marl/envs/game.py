@@ -22,7 +22,7 @@ from typing import Literal
 from lit_marl import ConfigError
 from lit_marl.envs import make_env
 from lit_marl.envs.base import Env, JointEnv, StepResult
-from lit_marl.envs.textworld.games import resolve_source
+from lit_marl.envs.sources import resolve_source
 from lit_marl.returns import step_reward
 from lit_marl.tasks import load_tasks
 

@@ -174,7 +174,7 @@ def test_a_named_game_set_and_its_walkthrough_demonstrations(monkeypatch, tmp_pa
     """``textworld:<complexity>:<split>:<count>`` generates the games once; as ``data.demo_path`` it
     gives the walkthroughs played in the data module's own environment (its observations), cached."""
     from lit_marl.data import EpisodeDataModule
-    from lit_marl.envs.textworld.games import resolve_demo_source, resolve_source
+    from lit_marl.envs.sources import resolve_demo_source, resolve_source
     from lit_marl.rollout.demos import load_demos
 
     monkeypatch.setenv("LIT_MARL_CACHE", str(tmp_path))
@@ -197,8 +197,8 @@ def test_a_named_game_set_and_its_walkthrough_demonstrations(monkeypatch, tmp_pa
     assert other != path and "Valid commands:" not in Path(other).read_text()  # other settings, other observations
     assert len(load_demos(resolve_demo_source("textworld:w2-o3-q4:validation:1", env, "textworld", {}, {}), 1)) == 1
     assert len(load_demos(path, 1)) == 2  # a set of another count never overwrites this one's rows
-    with pytest.raises(ConfigError, match=r"data.demo_path='textworld:w2-o3-q4:validation:2' names TextWorld "
-                       r"walkthroughs, but data.env='corridor' is not a TextWorld environment"):  # fmt: skip
+    with pytest.raises(ConfigError, match=r"data.demo_path='textworld:w2-o3-q4:validation:2' names textworld "
+                       r"walkthroughs, but data.env='corridor' does not play them"):  # fmt: skip
         resolve_demo_source("textworld:w2-o3-q4:validation:2", make_env("corridor", {}), "corridor", {}, {})
     with pytest.raises(ConfigError, match=r"a count of at least 1"):
         resolve_source("textworld:w2-o3-q4:train:0")

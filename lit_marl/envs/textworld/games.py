@@ -13,18 +13,15 @@ held-out game is ever trained on.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from importlib.metadata import version
 from pathlib import Path
 
 from lit_marl import ConfigError
-from lit_marl.envs.textworld.env import TextWorldEnv
 from lit_marl.models import cache_dir
 
 SPLITS: dict[str, tuple[int, int]] = {"train": (50001, 55000), "validation": (40001, 40100), "test": (1, 100)}
@@ -217,58 +214,3 @@ def game_set(source: str, field: str) -> tuple[str, str, int]:
     except ConfigError as err:
         raise ConfigError(f"{field}={source!r}: {err}") from None
     return complexity, split, int(count)
-
-
-DEMO_FORMAT = 1
-"""Raise it when what the environment renders changes (observation text, command format): cached
-walkthrough demonstrations written by an older version are then written again."""
-
-
-def resolve_demo_source(
-    source: str,
-    env,
-    env_name: str,
-    env_kwargs: dict | None,
-    disjoint_from: dict[str, str | None],
-    field: str = "data.demo_path",
-) -> str:
-    """A demonstrations file as it is, or the walkthroughs of a named game set
-    ``textworld:<complexity>:<split>:<count>``, played by ``env`` (the data module's own environment, so
-    the observations are exactly those an RL episode renders) and written once to
-    ``<root>/<complexity>/<split>-<count>.<env>-<key>.demos.jsonl``, the key hashing the env's name and
-    settings, ``DEMO_FORMAT``, the TextWorld version and the games' task rows; returns that file. A game
-    whose walkthrough does not win is an error, never a demonstration; so is a set whose games a
-    source of ``disjoint_from`` (field -> source: the run's train and val tasks) names too."""
-    if not source.startswith("textworld:"):
-        return source
-    complexity, split, count = game_set(source, field)
-    for other_field, other in disjoint_from.items():
-        if other and other.startswith("textworld:") and other.split(":")[1:3] == [complexity, split]:
-            raise ConfigError(
-                f"{field}={source!r} draws from the games of {other_field}={other!r}: take the "
-                "demonstrations from another split (the guide's: validation)"
-            )
-    if not isinstance(env, TextWorldEnv):
-        raise ConfigError(
-            f"{field}={source!r} names TextWorld walkthroughs, but data.env={env_name!r} is not a TextWorld "
-            "environment: give a demonstrations file (scripts/make_demos.py) or a TextWorld env"
-        )
-    tasks_file = Path(resolve_source(source, field))
-    rows = [json.loads(line) for line in tasks_file.read_text().splitlines() if line.strip()]
-    if len(rows) != count:
-        raise RuntimeError(f"{tasks_file}: {len(rows)} task rows for {source!r}, expected {count}")
-    settings = [env_name, env_kwargs or {}, DEMO_FORMAT, version("textworld"), rows]
-    key = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:8]
-    out = tasks_file.parent / f"{split}-{count}.{env_name}-{key}.demos.jsonl"
-    if out.is_file():
-        return str(out)
-    lines = []
-    for row in rows:
-        task_id = f"{complexity}/{row['seed']}"
-        try:
-            messages = env.demonstration(row)
-        except ValueError as err:
-            raise ConfigError(f"{field}={source!r}: game {task_id}: {err}") from err
-        lines.append(json.dumps({"task_id": task_id, "env": env_name, "messages": messages}) + "\n")
-    write_atomic(out, "".join(lines))
-    return str(out)

@@ -1,0 +1,105 @@
+"""Named task sets: one place that turns a ``data.*_path`` naming generated or installed games
+into a task file, and a named set's expert play into demonstrations.
+
+- ``textworld:<complexity>:<split>:<count>``: generated TextWorld games (``envs/textworld/games.py``);
+- ``alfworld:<split>:<count>``: the project's ALFWorld games, ``count`` per task type, and
+  ``alfworld-data:<split>[:<count>]``: the official ones under ``$ALFWORLD_DATA``
+  (``envs/alfworld/games.py``);
+- anything else is a file path and comes back as it is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from importlib.metadata import version
+from pathlib import Path
+
+from lit_marl import ConfigError
+from lit_marl.envs.alfworld import games as alfworld_games
+from lit_marl.envs.alfworld.env import AlfWorldEnv
+from lit_marl.envs.base import Env
+from lit_marl.envs.textworld import games as textworld_games
+from lit_marl.envs.textworld.env import TextWorldEnv
+from lit_marl.envs.textworld.games import write_atomic
+
+DEMO_FORMAT = 1
+"""Raise it when what an environment renders changes (observation text, command format): cached
+walkthrough demonstrations written by an older version are then written again."""
+
+# family -> (its resolver, the env class that plays it, the packages whose versions key its demos)
+FAMILIES = {
+    "textworld": (textworld_games.resolve_source, TextWorldEnv, ("textworld",)),
+    "alfworld": (alfworld_games.resolve_source, AlfWorldEnv, ("textworld", "alfworld")),
+    "alfworld-data": (alfworld_games.resolve_source, AlfWorldEnv, ("textworld", "alfworld")),
+}
+
+
+def family(source: str | None) -> str | None:
+    """The named family of ``source`` (None: a file path)."""
+    head = (source or "").split(":", 1)[0]
+    return head if head in FAMILIES and ":" in (source or "") else None
+
+
+def resolve_source(source: str, field: str = "data.train_path") -> str:
+    """A task file path as it is, or a named set's task file (its games generated once, cached)."""
+    kind = family(source)
+    return FAMILIES[kind][0](source, field) if kind else source
+
+
+def same_games(source: str, other: str) -> bool:
+    """Whether two named sources draw from the same games: the same family and the same
+    complexity and split (TextWorld) or split (ALFWorld); counts differ only in how many."""
+    a, b = source.split(":"), other.split(":")
+    key = 3 if a[0] == "textworld" else 2
+    return family(source) == family(other) and a[:key] == b[:key]
+
+
+def resolve_demo_source(
+    source: str,
+    env: Env,
+    env_name: str,
+    env_kwargs: dict | None,
+    disjoint_from: dict[str, str | None],
+    field: str = "data.demo_path",
+) -> str:
+    """A demonstrations file as it is, or the walkthroughs of a named game set played by ``env``
+    (the data module's own environment, so the observations are exactly those an RL episode
+    renders), written once beside the set's task file as ``<task file>.<env>-<key>.demos.jsonl``,
+    the key hashing the env's name and settings, ``DEMO_FORMAT``, the game packages' versions and
+    the task rows; returns that file. A game whose walkthrough does not win is an error, never a
+    demonstration; so is a set whose games a source of ``disjoint_from`` (field -> source: the run's
+    train and val tasks) names too, or an env that does not play the set's games."""
+    kind = family(source)
+    if kind is None:
+        return source
+    for other_field, other in disjoint_from.items():
+        if other and family(other) and same_games(source, other):
+            raise ConfigError(
+                f"{field}={source!r} draws from the games of {other_field}={other!r}: take the "
+                "demonstrations from another split (the guide's: validation)"
+            )
+    _, env_class, packages = FAMILIES[kind]
+    if not isinstance(env, env_class):
+        raise ConfigError(
+            f"{field}={source!r} names {kind} walkthroughs, but data.env={env_name!r} does not play them: "
+            f"give a demonstrations file (scripts/make_demos.py) or an environment of {env_class.__name__}'s kind"
+        )
+    tasks_file = Path(resolve_source(source, field))
+    rows = [json.loads(line) for line in tasks_file.read_text().splitlines() if line.strip()]
+    settings = [env_name, env_kwargs or {}, DEMO_FORMAT, [version(p) for p in packages], rows]
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:8]
+    out = tasks_file.with_name(f"{tasks_file.stem}.{env_name}-{key}.demos.jsonl")
+    if out.is_file():
+        return str(out)
+    lines = []
+    for index, row in enumerate(rows):
+        group = row.get("task_type") or source.split(":")[1]  # ALFWorld: the task type; TextWorld: complexity
+        task_id = f"{group}/{row['seed']}" if "seed" in row else f"{source}#{index}"
+        try:
+            messages = env.demonstration(row)
+        except ValueError as err:
+            raise ConfigError(f"{field}={source!r}: game {task_id} ({row.get('game')}): {err}") from err
+        lines.append(json.dumps({"task_id": task_id, "env": env_name, "messages": messages}) + "\n")
+    write_atomic(out, "".join(lines))
+    return str(out)
