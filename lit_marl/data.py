@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 
 from lit_marl import ConfigError
 from lit_marl.envs import make_env
+from lit_marl.envs.alfworld.games import ALIASES as ALFWORLD_ALIASES
 from lit_marl.envs.base import FunctionEnv, JointEnv
 from lit_marl.envs.sources import resolve_demo_source, resolve_source
 from lit_marl.fields import (
@@ -410,12 +411,18 @@ class EpisodeDataModule(TaskDataModule):
             load_tasks(resolve_source(val_path, "data.val_path"), "data.val_path", set()) if val_path else []
         )
         if task_types:
+            task_types = [ALFWORLD_ALIASES.get(kind, kind) for kind in task_types]  # ALFWorld's short names
             self.train_tasks = mixture(self.train_tasks, task_types, "data.task_types (train rows)")
             if self.val_tasks:  # held-out games are played once each: filtered, not repeated
-                kept = [row for row in self.val_tasks if row.get("task_type") in task_types]
-                if not kept:
-                    raise ConfigError(f"data.task_types={task_types}: data.val_path holds no rows of these types")
-                self.val_tasks = kept
+                self.val_tasks = [row for row in self.val_tasks if row.get("task_type") in task_types]
+                held_out = {row["task_type"] for row in self.val_tasks}
+                if held_out != set(task_types):
+                    raise ConfigError(
+                        f"data.task_types={task_types}: data.val_path holds no rows of "
+                        f"{sorted(set(task_types) - held_out)}"
+                    )
+            if self.demos:  # the SFT phase is the same mixture (rows without a type are kept)
+                self.demos = [d for d in self.demos if (d.get("task_type") or task_types[0]) in task_types]
         self.num_generations = num_generations
         # how training episodes are played (evaluation: one greedy episode per task)
         self.episode = EpisodeSettings(

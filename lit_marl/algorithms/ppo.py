@@ -92,7 +92,10 @@ class PPO(EpisodicModule):
         ``[B, L]``; entry t is about token t given the ones before."""
         ids, mask = samples.input_ids, samples.attention_mask
         shared = self.critic_backbones is None  # the value head reads the policy's hidden states
-        logprobs, hidden = masked_logprobs(self.model_of(learner), ids, mask, samples.loss_mask, hidden=shared)
+        if shared or not getattr(samples, "values_only", False):
+            logprobs, hidden = masked_logprobs(self.model_of(learner), ids, mask, samples.loss_mask, hidden=shared)
+        else:  # the value pass with a critic of its own: the policy has nothing to give
+            logprobs = torch.zeros(ids.shape, device=ids.device)
         if not shared:
             position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
             args = dict(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
@@ -138,7 +141,9 @@ class PPO(EpisodicModule):
 
 class _Rows:
     """The fields ``PPO.forward`` reads, for the value pass over a raw episode batch: no token is
-    masked, so the LM head does not run."""
+    masked, so the LM head does not run (nor the policy at all when the critic has its own model)."""
+
+    values_only = True
 
     def __init__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
         self.input_ids, self.attention_mask = input_ids, attention_mask

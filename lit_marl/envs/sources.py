@@ -23,7 +23,7 @@ from lit_marl.envs.textworld import games as textworld_games
 from lit_marl.envs.textworld.env import TextWorldEnv
 from lit_marl.envs.textworld.games import write_atomic
 
-DEMO_FORMAT = 1
+DEMO_FORMAT = 2
 """Raise it when what an environment renders changes (observation text, command format): cached
 walkthrough demonstrations written by an older version are then written again."""
 
@@ -100,6 +100,9 @@ def resolve_demo_source(
             messages = env.demonstration(row)
         except ValueError as err:
             raise ConfigError(f"{field}={source!r}: game {task_id} ({row.get('game')}): {err}") from err
-        lines.append(json.dumps({"task_id": task_id, "env": env_name, "messages": messages}) + "\n")
+        demo = {"task_id": task_id, "env": env_name, "messages": messages}
+        if "task_type" in row:  # data.task_types filters demonstrations by it too
+            demo["task_type"] = row["task_type"]
+        lines.append(json.dumps(demo) + "\n")
     write_atomic(out, "".join(lines))
     return str(out)

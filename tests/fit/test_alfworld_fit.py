@@ -55,25 +55,58 @@ def test_grpo_on_alfworld_runs(tmp_path):
         assert key in metrics and torch.isfinite(metrics[key]), key
 
 
-def test_held_out_success_per_task_type():
-    """``won/<task type>`` is the win rate over that type's held-out games alone; the overall
-    ``won`` is over all of them. A scripted team that plays each game's plan only for some types
-    checks both, through batches that mix the types."""
-    data = data_module(eval_tasks_per_step=5)
-    plans = {t["game"]: [c[0] for c in data.make_env().expert_turns(t)] for t in data.val_tasks}
-    solved = {"pick_and_place_simple", "look_at_obj_in_light"}
+def test_held_out_success_per_task_type(monkeypatch):
+    """``won/<task type>`` is the win rate over that type's held-out games alone, ``won`` over all,
+    with wins that differ inside a type and across batch boundaries (5 tasks a batch), and the same
+    figures when two ranks each play half the games and their sums are gathered."""
+    import lit_marl.data as data_module_file
 
-    def scripted(agents, tasks, greedy):  # wins exactly the games of the solved types
-        batches = EpisodeDataModule.rollout(data, agents, tasks, greedy)
-        won = torch.tensor([t["task_type"] in solved for t in tasks])
-        batches[0].won = won
-        return batches
+    data = data_module(eval_tasks_per_step=5)
+    tasks = data.val_tasks
+    assert len(tasks) == 12
+    winners = {t["game"] for t in tasks if t["seed"] == 1} | {t["game"] for t in tasks if t["task_type"] == TYPES[0]}
+
+    def scripted(agents, batch, greedy):  # the episodes are played; the outcome is scripted
+        episodes = EpisodeDataModule.rollout(data, agents, batch, greedy)
+        episodes[0].won = torch.tensor([t["game"] in winners for t in batch])
+        return episodes
 
     data.rollout = scripted
-    results = data.evaluate([Agent("tiny-random")])
-    assert len(plans) == 12
-    for kind in {t["task_type"] for t in data.val_tasks}:
-        assert results[f"won/{kind}"] == (1.0 if kind in solved else 0.0), kind
-    assert results["won"] == pytest.approx(4 / 12)
-    only = data_module(task_types=["look_at_obj_in_light"])
-    assert {t["task_type"] for t in only.val_tasks} == {"look_at_obj_in_light"} and len(only.val_tasks) == 2
+    agents = [Agent("tiny-random")]
+    alone = data.evaluate(agents)
+    for kind in {t["task_type"] for t in tasks}:
+        expected = 1.0 if kind == TYPES[0] else 0.5
+        assert alone[f"won/{kind}"] == expected, kind
+    assert alone["won"] == pytest.approx(7 / 12)
+
+    class Rank:  # what evaluate reads of a trainer
+        def __init__(self, rank):
+            self.global_rank, self.world_size = rank, 2
+
+    parts = []
+    monkeypatch.setattr(data_module_file, "gather_objects", lambda totals: parts.append(totals) or [totals])
+    data.trainer = Rank(1)
+    data.evaluate(agents)  # rank 1's own sums, kept
+    monkeypatch.setattr(data_module_file, "gather_objects", lambda totals: [totals, parts[0]])
+    data.trainer = Rank(0)
+    both = data.evaluate(agents)
+    assert both.keys() == alone.keys()
+    for key in alone:
+        assert both[key] == pytest.approx(alone[key]), key
+
+
+def test_task_types_filter_held_out_games_and_demonstrations(tmp_path):
+    import json
+    from pathlib import Path
+
+    from lit_marl import ConfigError
+    from lit_marl.envs.sources import resolve_source
+
+    only = data_module(task_types=["pick_heat_then_place"], demo_path="alfworld:validation:1")  # a short name
+    assert {t["task_type"] for t in only.val_tasks} == {"pick_heat_then_place_in_recep"} and len(only.val_tasks) == 2
+    assert [d["task_type"] for d in only.demos] == ["pick_heat_then_place_in_recep"]
+    rows = [json.loads(x) for x in Path(resolve_source("alfworld:test:1")).read_text().splitlines()]
+    held_out = tmp_path / "val.jsonl"  # held-out games of every type but one
+    held_out.write_text("".join(json.dumps(r) + "\n" for r in rows if r["task_type"] != "pick_two_obj_and_place"))
+    with pytest.raises(ConfigError, match=r"data.val_path holds no rows of \['pick_two_obj_and_place'\]"):
+        data_module(val_path=str(held_out), task_types=["pick_two_obj_and_place", "look_at_obj_in_light"])

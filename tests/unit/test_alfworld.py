@@ -17,6 +17,7 @@ from lit_marl.envs.alfworld import AlfWorldEnv
 from lit_marl.envs.alfworld import games as g
 from lit_marl.envs.alfworld.env import to_current_syntax
 from lit_marl.envs.sources import resolve_demo_source, resolve_source
+from lit_marl.envs.textworld.games import SPLITS, split_seeds
 from lit_marl.tasks import mixture
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -93,9 +94,15 @@ def test_generated_games_are_deterministic_and_the_splits_disjoint(tmp_path):
     assert g.problem_text(g.make_scene("pick_two_obj_and_place", 1)) != g.problem_text(
         g.make_scene("pick_two_obj_and_place", 2)
     )
-    train = {json.loads(x)["game"] for x in Path(resolve_source("alfworld:train:1")).read_text().splitlines()}
-    test = {json.loads(x)["game"] for x in Path(resolve_source("alfworld:test:1")).read_text().splitlines()}
-    assert len(train) == len(test) == 6 and not train & test
+
+    def signature(scene):  # the game without its coordinates: room, receptacles, goal, where things are
+        where = sorted((g._type_of(o), g._type_of(r)) for o, r in scene.objects)
+        return scene.room, sorted(map(g._type_of, scene.receptacles)), scene.target, scene.recep, where
+
+    for kind in g.TASK_TYPES:
+        splits = {split: {str(signature(g.make_scene(kind, s))) for s in split_seeds(split, 20)} for split in SPLITS}
+        assert all(len(games) >= 15 for games in splits.values())  # seeds give different games
+        assert not splits["train"] & splits["test"] and not splits["validation"] & splits["test"], kind
 
 
 def test_walkthrough_demonstrations_are_played_in_the_runs_env(rows, tmp_path):

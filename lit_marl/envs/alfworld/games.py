@@ -47,7 +47,7 @@ TASK_TYPES = (
 ALIASES = {name.removesuffix("_in_recep"): name for name in TASK_TYPES}
 """Short names (``pick_clean_then_place``) for the official ones."""
 
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2
 """Raise it when what a generated game holds changes: cached games are then written again."""
 
 OFFICIAL_SPLITS = ("train", "valid_seen", "valid_unseen")
