@@ -329,8 +329,9 @@ def plan_and_check(path: Path) -> list[str]:
     return plan
 
 
-def _write_many(jobs: list[tuple[str, int, str]]) -> list[dict]:
-    return [write_game(kind, seed, Path(root)) for kind, seed, root in jobs]
+def _write_one(job: tuple[str, int, str]) -> dict:
+    kind, seed, root = job
+    return write_game(kind, seed, Path(root))
 
 
 def write_tasks(split: str, count: int, root: Path, workers: int = 1, kinds: tuple[str, ...] = TASK_TYPES) -> Path:
@@ -353,13 +354,10 @@ def _write_set(out: Path, split: str, count: int, root: Path, workers: int, kind
     seeds = split_seeds(split, count)
     jobs = [(kind, seed, str(root / split)) for kind in kinds for seed in seeds]
     if workers > 1 and len(jobs) > 1:
-        chunks = [jobs[i::workers] for i in range(workers)]
         with ProcessPoolExecutor(workers) as pool:
-            parts = list(pool.map(_write_many, chunks))
-        by_job = {(r["task_type"], r["seed"]): r for part in parts for r in part}
-        rows = [by_job[(kind, seed)] for kind, seed, _ in jobs]
+            rows = list(pool.map(_write_one, jobs))  # in the jobs' order
     else:
-        rows = _write_many(jobs)
+        rows = [_write_one(job) for job in jobs]
     write_atomic(out, "".join(json.dumps(r) + "\n" for r in rows))
 
 
