@@ -1,13 +1,18 @@
 """Isolated execution of untrusted code (model-written programs and their tests).
 
 Each program runs in a fresh process group under resource limits (CPU seconds, address space,
-processes, file size) with a wall-clock timeout that kills the whole group. Where bubblewrap
-(`bwrap`, Debian package `bubblewrap`) is available the process also gets no network, a
-file system of only the system folders and the interpreter (read-only), a private writable /tmp
-and work folder, and an unprivileged user; where it is not, the program
-runs with the limits and the timeout in a private temporary folder, and a warning says so once.
-Many programs run at once (``run_many``), so a turn's rewards take about as long as the slowest
-program, not the sum.
+processes, file size) with a wall-clock timeout that kills the whole group, and its output is read
+as it comes with a hard cap (a program that writes more is stopped: the trainer's memory never
+holds more than the cap). Where bubblewrap (`bwrap`, Debian package `bubblewrap`) is available the
+process also gets its own PID, network, IPC and UTS namespaces (no network; it cannot see or signal
+the trainer), a file system of only the system folders and the interpreter (read-only), one
+writable folder (`/tmp`, the work folder: a tmpfs of at most ``disk_mb``) and an unprivileged user:
+when the trainer runs as root, a host uid of its own per concurrent program (root is exempt from
+RLIMIT_NPROC, also when mapped to another user in a user namespace, so the program must not be
+root on the host); otherwise the trainer's user mapped to 65534 in a user namespace. Where
+bubblewrap is not installed the program runs with the limits and the timeout in a private
+temporary folder, and a warning says so once. Many programs run at once (``run_many``), so a turn's
+rewards take about as long as the slowest program, not the sum.
 """
 
 from __future__ import annotations
@@ -15,17 +20,28 @@ from __future__ import annotations
 import logging
 import os
 import resource
+import selectors
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 _warned_no_bwrap = False
+_warned_no_setpriv = False
+_CHUNK = 1 << 16
+
+# host uids for sandboxed programs when the trainer is root: one per program running at once, so the
+# process limit of one is not spent by another's; offset by the trainer's pid so that ranks on one
+# host (each its own process) use different uids
+_UID_BASE = 200_000 + (os.getpid() % 2048) * 256
+_uids_lock = threading.Lock()
+_uids_in_use: set[int] = set()
 
 
 @dataclass(frozen=True)
@@ -37,11 +53,22 @@ class Limits:
     memory_mb: int = 1024
     """Address space (RLIMIT_AS)."""
     processes: int = 64
-    """Processes of the sandbox user (RLIMIT_NPROC)."""
+    """Processes and threads of the sandbox user (RLIMIT_NPROC)."""
     file_mb: int = 16
     """Largest file the program may write (RLIMIT_FSIZE)."""
+    disk_mb: int = 64
+    """Everything the program may write, in total (with bubblewrap: the size of its one writable
+    folder, a tmpfs, which is host memory that ``memory_mb`` does not count)."""
     output_chars: int = 20_000
-    """Characters of stdout/stderr kept."""
+    """Characters of stdout/stderr kept (each)."""
+    output_mb: float = 8.0
+    """Hard cap on what the program writes to stdout and stderr together: past it the program is
+    stopped (``Result.output_overflow``); the trainer never buffers more than ``output_chars``."""
+
+    def __post_init__(self):
+        for name in ("wall_s", "cpu_s", "memory_mb", "processes", "file_mb", "disk_mb", "output_chars", "output_mb"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"sandbox Limits.{name}={getattr(self, name)!r}: must be > 0")
 
 
 @dataclass(frozen=True)
@@ -52,14 +79,28 @@ class Result:
     timed_out: bool
     seconds: float
     isolated: bool  # ran under bubblewrap
+    output_overflow: bool = False  # stopped for writing more than Limits.output_mb
 
     @property
     def ok(self) -> bool:
-        return self.returncode == 0 and not self.timed_out
+        return self.returncode == 0 and not self.timed_out and not self.output_overflow
 
 
 def bubblewrap_available() -> bool:
     return shutil.which("bwrap") is not None
+
+
+def _setpriv_available() -> bool:
+    global _warned_no_setpriv
+    if shutil.which("setpriv"):
+        return True
+    if not _warned_no_setpriv:
+        _warned_no_setpriv = True
+        log.warning(
+            "setpriv (util-linux) not found: sandboxed programs of this root trainer run as root mapped to "
+            "65534, where RLIMIT_NPROC does not bind (the code harness's seccomp filter still stops forks)"
+        )
+    return False
 
 
 def _set_limits(limits: Limits) -> None:  # runs in the child between fork and exec
@@ -67,23 +108,35 @@ def _set_limits(limits: Limits) -> None:  # runs in the child between fork and e
     mb = 1024 * 1024
     resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s))
     resource.setrlimit(resource.RLIMIT_AS, (limits.memory_mb * mb, limits.memory_mb * mb))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_mb * mb, limits.file_mb * mb))
+    file_bytes = min(limits.file_mb, limits.disk_mb) * mb
+    resource.setrlimit(resource.RLIMIT_FSIZE, (file_bytes, file_bytes))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    # the kernel does not apply RLIMIT_NPROC to root's processes, even as a mapped user under bwrap;
-    # the code harness therefore also forbids its candidate to fork (a seccomp filter)
-    if os.getuid() != 0:
-        resource.setrlimit(resource.RLIMIT_NPROC, (limits.processes, limits.processes))
+    # inherited; it binds once the program runs as a non-root uid (root's own processes are exempt)
+    resource.setrlimit(resource.RLIMIT_NPROC, (limits.processes, limits.processes))
 
 
-def _command(code_path: str, workdir: str, isolate: bool, limits: Limits) -> list[str]:
+def _take_uid() -> int:
+    with _uids_lock:
+        uid = next(u for u in range(_UID_BASE, _UID_BASE + 10_000) if u not in _uids_in_use)
+        _uids_in_use.add(uid)
+        return uid
+
+
+def _give_uid(uid: int | None) -> None:
+    with _uids_lock:
+        _uids_in_use.discard(uid)
+
+
+def _command(code_path: str, isolate: bool, limits: Limits, uid: int | None) -> list[str]:
+    """The command line; with bubblewrap the program sees ``/tmp/program.py`` (read-only) in its
+    writable ``/tmp``, its work folder."""
     # the real interpreter, not a venv's link to it: the sandbox needs no site-packages, and a venv
     # inside /tmp would be hidden by the sandbox's private /tmp
-    python = [os.path.realpath(sys.executable), "-I", "-B", code_path]
+    interpreter = os.path.realpath(sys.executable)
     if not isolate:
-        return python
+        return [interpreter, "-I", "-B", code_path]
     # only the system's programs and libraries and the interpreter are visible (read-only): not the
-    # home folders, the checkout or the data, which the sandbox user could otherwise read (when the
-    # trainer runs as root, root's files belong to the sandbox's mapped user)
+    # home folders, the checkout or the data
     system = []
     for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/usr"):
         if os.path.islink(top):
@@ -92,27 +145,118 @@ def _command(code_path: str, workdir: str, isolate: bool, limits: Limits) -> lis
             system += ["--ro-bind", top, top]
     base = os.path.realpath(sys.base_prefix)
     if not base.startswith("/usr/"):
+        parents = []
+        parent = os.path.dirname(base)
+        while parent != "/":
+            parents.insert(0, parent)
+            parent = os.path.dirname(parent)
+        for folder in parents:  # traversable by the sandbox user (e.g. /root is 0700 on the host)
+            system += ["--perms", "0755", "--dir", folder]
         system += ["--ro-bind", base, base]
-    # the limits are applied to bwrap itself and inherited; NPROC is set inside for the sandbox user
+    program = [interpreter, "-I", "-B", "/tmp/program.py"]
+    if uid is not None:  # the trainer is root: bwrap as root, the program as its own host uid
+        user = ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
+        user += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+        drop = [
+            "setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
+            "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--",
+        ]  # fmt: skip
+    else:  # an unprivileged trainer: a user namespace, the trainer's user mapped to 65534
+        user = ["--unshare-all", "--unshare-user", "--uid", "65534", "--gid", "65534"]
+        drop = []
     return [
         "bwrap",
         *system,
         "--dev", "/dev",
         "--proc", "/proc",
-        "--tmpfs", "/tmp",
-        "--bind", workdir, workdir,
+        "--perms", "1777", "--size", str(limits.disk_mb * 1024 * 1024), "--tmpfs", "/tmp",
+        "--ro-bind", code_path, "/tmp/program.py",
         "--remount-ro", "/",
-        "--chdir", workdir,
-        "--unshare-all",
-        "--unshare-user",
-        "--uid", "65534",
-        "--gid", "65534",
+        "--chdir", "/tmp",
+        *user,
         "--die-with-parent",
         "--new-session",
         "--",
-        "/bin/sh", "-c", f'ulimit -u {limits.processes} 2>/dev/null; exec "$@"', "sh",
-        *python,
+        *drop,
+        *program,
     ]  # fmt: skip
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    for kill, target in ((os.killpg, proc.pid), (os.kill, proc.pid)):  # the group, and the process even if it left it
+        try:
+            kill(target, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _exchange(proc: subprocess.Popen, data: bytes, limits: Limits) -> tuple[bytes, bytes, bool, bool]:
+    """Feed ``data`` to stdin and read stdout and stderr as they come, until the program exits, the
+    wall time passes or the output passes its cap; at most ``4 * output_chars`` bytes of each are
+    kept. Never waits past the deadline, also when a process that escaped the group holds a pipe."""
+    deadline = time.monotonic() + limits.wall_s
+    keep, cap = 4 * limits.output_chars, int(limits.output_mb * 1024 * 1024)
+    kept = {proc.stdout: bytearray(), proc.stderr: bytearray()}
+    written, total, timed_out, overflow = 0, 0, False, False
+    selector = selectors.DefaultSelector()
+    for stream in kept:
+        os.set_blocking(stream.fileno(), False)
+        selector.register(stream, selectors.EVENT_READ)
+    if data:
+        os.set_blocking(proc.stdin.fileno(), False)
+        selector.register(proc.stdin, selectors.EVENT_WRITE)
+    else:
+        proc.stdin.close()
+    try:
+        while selector.get_map() and not overflow:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                timed_out = True
+                break
+            for key, _ in selector.select(min(left, 1.0)):
+                stream = key.fileobj
+                if stream is proc.stdin:
+                    try:
+                        written += os.write(stream.fileno(), data[written : written + _CHUNK])
+                    except BrokenPipeError:  # the program stopped reading: the rest is not wanted
+                        written = len(data)
+                    except BlockingIOError:
+                        continue
+                    if written >= len(data):
+                        selector.unregister(stream)
+                        stream.close()
+                    continue
+                try:
+                    chunk = os.read(stream.fileno(), _CHUNK)
+                except BlockingIOError:
+                    continue
+                if not chunk:
+                    selector.unregister(stream)
+                    continue
+                total += len(chunk)
+                room = keep - len(kept[stream])
+                if room > 0:
+                    kept[stream] += chunk[:room]
+                if total > cap:
+                    overflow = True
+                    break
+        if not (timed_out or overflow):  # both pipes closed: wait for the exit within the deadline
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                timed_out = True
+    finally:
+        selector.close()
+        if timed_out or overflow or proc.poll() is None:
+            _kill(proc)
+        for stream in (proc.stdin, proc.stdout, proc.stderr):
+            if not stream.closed:
+                stream.close()
+        try:
+            proc.wait(timeout=5.0)  # SIGKILLed: at once, unless the kernel is stuck
+        except subprocess.TimeoutExpired:
+            log.warning("sandboxed process %d did not exit 5 s after SIGKILL", proc.pid)
+    return bytes(kept[proc.stdout]), bytes(kept[proc.stderr]), timed_out, overflow
 
 
 def run_python(code: str, limits: Limits = Limits(), isolate: bool | None = None, stdin: str = "") -> Result:
@@ -128,32 +272,36 @@ def run_python(code: str, limits: Limits = Limits(), isolate: bool | None = None
                 "but with network access and the host's file system. Install the Debian package "
                 "'bubblewrap' for isolation."
             )
-    with tempfile.TemporaryDirectory(prefix="lit_marl_sandbox-") as workdir:
-        os.chmod(workdir, 0o777)  # the sandbox user may write its own files
-        code_path = os.path.join(workdir, "program.py")
-        with open(code_path, "w") as f:
-            f.write(code)
-        start = time.perf_counter()
-        proc = subprocess.Popen(
-            _command(code_path, workdir, isolate, limits),
-            cwd=workdir,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            preexec_fn=lambda: _set_limits(limits),
-            env={"PATH": "/usr/bin:/bin", "HOME": workdir, "PYTHONHASHSEED": "0", "LANG": "C.UTF-8"},
-        )
-        timed_out = False
-        try:
-            stdout, stderr = proc.communicate(stdin.encode(), timeout=limits.wall_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # the whole group: children and grandchildren
-            except ProcessLookupError:
-                pass
-            stdout, stderr = proc.communicate()
-        seconds = time.perf_counter() - start
+    uid = _take_uid() if isolate and os.geteuid() == 0 and _setpriv_available() else None
+    try:
+        with tempfile.TemporaryDirectory(prefix="lit_marl_sandbox-") as workdir:
+            code_path = os.path.join(workdir, "program.py")
+            with open(code_path, "w") as f:
+                f.write(code)
+            if not isolate:
+                os.chmod(workdir, 0o777)  # the program writes its files here
+            else:
+                os.chmod(workdir, 0o755)
+                os.chmod(code_path, 0o644)
+            start = time.perf_counter()
+            proc = subprocess.Popen(
+                _command(code_path, isolate, limits, uid),
+                cwd=workdir,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                preexec_fn=lambda: _set_limits(limits),
+                env={
+                    "PATH": "/usr/bin:/bin",
+                    "HOME": "/tmp" if isolate else workdir,
+                    "PYTHONHASHSEED": "0",
+                    "LANG": "C.UTF-8",
+                },
+            )
+            stdout, stderr, timed_out, overflow = _exchange(proc, stdin.encode(), limits)
+            seconds = time.perf_counter() - start
+    finally:
+        _give_uid(uid)
     cut = limits.output_chars
     return Result(
         returncode=None if timed_out else proc.returncode,
@@ -162,6 +310,7 @@ def run_python(code: str, limits: Limits = Limits(), isolate: bool | None = None
         timed_out=timed_out,
         seconds=seconds,
         isolated=isolate,
+        output_overflow=overflow,
     )
 
 

@@ -243,3 +243,70 @@ def test_humaneval_canonical_solutions_get_full_credit_and_broken_ones_none():
     ]
     for i, stub in zip(credited, run_tests(stubs)):
         assert [o.passed for o in broken[i].outcomes] == [o.passed for o in stub.outcomes], problems[i]["task_id"]
+
+
+# a wrong entry point, then the same with a definition that shadows what the tests use: a builtin
+# (abs, tuple, range) or a helper the prompt gives (poly, encode_cyclic, encode_shift)
+SHADOWING = {
+    2: ("def truncate_number(number):\n    return 0.0", "def abs(x):\n    return 0"),
+    4: ("def mean_absolute_deviation(numbers):\n    return 0.0", "def abs(x):\n    return 0"),
+    32: ("def find_zero(xs):\n    return 0.0", "def poly(xs, x):\n    return 0.0"),
+    33: ("def sort_third(l):\n    return list(l)", "def tuple(x):\n    return 0"),
+    37: ("def sort_even(l):\n    return list(l)", "def tuple(x):\n    return 0"),
+    38: ("def decode_cyclic(s):\n    return s", "def encode_cyclic(s):\n    return s"),
+    44: ("def change_base(x, base):\n    return ''", "def range(*args):\n    return []"),
+    50: ("def decode_shift(s):\n    return s", "def encode_shift(s):\n    return s"),
+    53: ("def add(x, y):\n    return 1", "def range(*args):\n    return []"),
+}
+
+
+def _fenced(code: str) -> str:
+    return f"```python\n{code}\n```"
+
+
+def test_names_a_program_defines_do_not_change_what_the_tests_compute():
+    """HumanEval problems whose tests use a builtin or a prompt helper by name: a wrong program earns
+    exactly what it earns without its shadowing definition (on the harness that handed every name
+    of the program to the tests, 4, 32, 33, 37, 38 and 50 got full credit this way, 2, 44 and 53
+    more than the program alone). And HumanEval/33's `sort_third(x)` in its check is the reference,
+    not the program (an identity function passed 3 of 7 asserts comparing it with itself; now 1)."""
+    problems = {int(p["task_id"].split("/")[1]): p for p in load_problems("humaneval")}
+    tasks = [problems[i] for i in SHADOWING]
+    env = CodeEnv(roles="single")
+    wrong = env.reward([[_fenced(w) for w, _ in SHADOWING.values()]], tasks)["level/tests_passed"]
+    shadowed = env.reward([[_fenced(f"{s}\n\n{w}") for w, s in SHADOWING.values()]], tasks)["level/tests_passed"]
+    assert shadowed == wrong, dict(zip(SHADOWING, zip(wrong, shadowed)))
+    assert max(wrong) < 1.0
+    # the reference is what 33's own-name asserts compare with: an identity function fails them
+    identity_33 = wrong[list(SHADOWING).index(33)]
+    assert identity_33 < 0.5
+    # the task's helpers are still there for the tests: right programs pass in full
+    right = env.reward([[_fenced(problems[i]["prompt"] + problems[i]["canonical_solution"]) for i in SHADOWING]], tasks)
+    assert right["level/tests_passed"] == [1.0] * len(SHADOWING)
+
+
+def test_a_helper_that_shadows_a_builtin_carries_nothing():
+    """Helper + main: the helper agent's reply alone (an `abs` beside its `aux`) must not pass a
+    wrong entry point."""
+    task = next(p for p in load_problems("humaneval") if p["task_id"] == "HumanEval/2")
+    env = CodeEnv(roles="aux_main")
+    helper = _fenced("def aux(x):\n    return x\n\ndef abs(x):\n    return 0")
+    plain = _fenced("def aux(x):\n    return x")
+    main = _fenced("def truncate_number(number):\n    return aux(0.0)")
+    shadowed = env.reward([[helper], [main]], [task])["level/tests_passed"]
+    honest = env.reward([[plain], [main]], [task])["level/tests_passed"]
+    assert shadowed == honest and honest[0] < 1.0
+
+
+@pytest.mark.parametrize("isolate", ISOLATION)
+def test_a_program_that_leaves_its_process_group_is_still_stopped(isolate):
+    """The program joins the harness's process group, so a kill of its own group finds no one: the
+    harness must still stop it and go on (a wait without a timeout held the run to its wall limit
+    and lost the whole report)."""
+    program = "import os, time\nos.setpgid(0, os.getpgid(os.getppid()))\ndef add(a, b):\n    time.sleep(100)\n"
+    start = time.perf_counter()
+    (report,) = run_tests([(program, split_tests(ADD_TESTS, "add"), "add")], FAST, isolate=isolate)
+    elapsed = time.perf_counter() - start
+    assert report.harness_ok and report.loaded, report.load_error
+    assert [o.passed for o in report.outcomes] == [False, False]
+    assert elapsed < FAST.wall_s - 1, f"{elapsed:.1f} s: the harness waited for the program"

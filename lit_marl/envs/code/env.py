@@ -31,7 +31,7 @@ from typing import Literal
 from lit_marl import ConfigError
 from lit_marl.envs.base import JointEnv
 from lit_marl.envs.code.canonical import expert_codes
-from lit_marl.envs.code.execution import ExecReport, TestCase, TestLimits, run_tests, split_tests
+from lit_marl.envs.code.execution import ExecReport, TestCase, TestLimits, _warn_once, run_tests, split_tests
 from lit_marl.envs.code.expert import Expert
 from lit_marl.envs.code.problems import load_problems
 from lit_marl.fields import PositiveInt, check_fields
@@ -118,6 +118,40 @@ def prelude(task_prompt: str, skip: set[str]) -> str:
         or (isinstance(s, (ast.FunctionDef, ast.ClassDef)) and s.name not in skip)
     ]
     return ast.unparse(ast.Module(body=keep, type_ignores=[]))
+
+
+def _check_names(test_source: str, name: str) -> bool:
+    """Whether a HumanEval-style ``check`` uses ``name`` itself (not through its parameter)."""
+    try:
+        tree = ast.parse(test_source)
+    except SyntaxError:
+        return False
+    check = next((s for s in tree.body if isinstance(s, ast.FunctionDef) and s.name == "check"), None)
+    return check is not None and any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(check))
+
+
+def provided(task: dict, names: list[str]) -> str:
+    """The task's own code the tests may call besides the program's entry point (``run_tests``
+    runs it in the tests' namespace, which sees nothing else of the program): the prompt's imports
+    and helpers (HumanEval/32's ``poly``, 38's ``encode_cyclic``), as the task defines them. Where a
+    HumanEval-style ``check`` names the entry point itself (HumanEval/33 compares
+    ``candidate(x)`` with ``sort_third(x)``), that name is the task's reference solution, so that
+    such an assert compares the candidate with the reference instead of with itself."""
+    entry, reference = task["entry_point"], task.get("canonical_solution") or ""
+    if _check_names(task["test"], entry):
+        try:
+            with_reference = prelude(task["prompt"] + reference, set(names) - {entry})
+            if reference and any(
+                isinstance(s, ast.FunctionDef) and s.name == entry for s in ast.parse(with_reference).body
+            ):
+                return with_reference
+        except SyntaxError:
+            pass
+        _warn_once(
+            f"task {task.get('task_id', '')!r}: its check names {entry} itself but the task has no reference "
+            "solution (canonical_solution): those asserts compare the program with itself"
+        )
+    return prelude(task["prompt"], set(names))
 
 
 def _function(code: str, name: str) -> ast.FunctionDef | None:
@@ -332,7 +366,10 @@ class CodeEnv(JointEnv):
             else:
                 todo.append((task, a, key))
         unique = {key: (task, a) for task, a, key in todo}
-        jobs = [(a.program, self.tests_of(task), task["entry_point"]) for task, a in unique.values()]
+        jobs = [
+            (a.program, self.tests_of(task), task["entry_point"], provided(task, a.names))
+            for task, a in unique.values()
+        ]
         for key, report in zip(unique, run_tests(jobs, self.test_limits, self.max_workers)):
             self._reports[key] = report
             while len(self._reports) > 8192:

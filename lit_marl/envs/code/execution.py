@@ -116,13 +116,17 @@ def split_tests(test_source: str, entry_point: str) -> list[TestCase]:
 
 
 def run_tests(
-    jobs: list[tuple[str, list[TestCase], str]],
+    jobs: list[tuple[str, list[TestCase], str] | tuple[str, list[TestCase], str, str]],
     limits: TestLimits = TestLimits(),
     max_workers: int | None = None,
     isolate: bool | None = None,
 ) -> list[ExecReport]:
-    """``jobs[i] = (program source, its tests, entry point)``; all run in parallel, reports in order.
-    ``isolate``: bubblewrap or not (default: where it is installed)."""
+    """``jobs[i] = (program source, its tests, entry point[, provided])``; all run in parallel,
+    reports in order. ``provided`` is the task's own code the tests may call besides the entry point
+    (the prompt's imports and helpers, see ``CodeEnv.provided``): it runs in the tests' namespace,
+    which sees nothing else of the program. ``isolate``: bubblewrap or not (default: where it is
+    installed)."""
+    jobs = [(*job, "") if len(job) == 3 else tuple(job) for job in jobs]
     nonces = [secrets.token_hex(16) for _ in jobs]
     stdins = [
         json.dumps(
@@ -131,23 +135,26 @@ def run_tests(
                 "program": program,
                 "tests": [{"setup": t.setup, "code": t.code} for t in tests],
                 "entry_point": entry_point,
+                "provided": provided,
                 "load_timeout_s": limits.load_timeout_s,
                 "test_timeout_s": limits.test_timeout_s,
                 "budget_s": limits.budget_s,
                 "max_response_bytes": limits.max_response_bytes,
             }
         )
-        for nonce, (program, tests, entry_point) in zip(nonces, jobs)
+        for nonce, (program, tests, entry_point, provided) in zip(nonces, jobs)
     ]
     sandbox = Limits(
         wall_s=limits.wall_s,
         cpu_s=int(limits.wall_s) + 1,
         memory_mb=limits.memory_mb,
         processes=limits.processes,
+        # the signed report is the last line: keep all of it (a message of up to 300 characters per test)
+        output_chars=20_000 + 400 * max((len(tests) for _, tests, *_ in jobs), default=0),
     )
     results = run_many([HARNESS] * len(jobs), sandbox, max_workers, stdins, isolate)
     reports = []
-    for nonce, (_, tests, _), result in zip(nonces, jobs, results):
+    for nonce, (_, tests, _, _), result in zip(nonces, jobs, results):
         line = next((ln for ln in result.stdout.splitlines() if ln.startswith(nonce)), None)
         try:
             raw = json.loads(line[len(nonce) :])

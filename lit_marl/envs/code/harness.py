@@ -11,7 +11,8 @@ or ``/proc/<pid>/fd`` for same-user processes), closes its fds in the child, and
 report with a nonce that it read from stdin before the candidate ran. A candidate that kills
 the harness, or exits, or hangs gets no credit for tests it did not pass.
 
-Input (stdin, JSON): nonce, program (source), tests ([{setup, code}]), entry_point,
+Input (stdin, JSON): nonce, program (source), tests ([{setup, code}]), entry_point, provided (the
+task's own code the tests may use: run in the tests' namespace, never in the program's),
 load_timeout_s, test_timeout_s, budget_s, max_response_bytes.
 Output: one line ``<nonce><JSON report>`` on stdout.
 """
@@ -206,11 +207,15 @@ class Server:
         return call
 
     def kill(self) -> None:
+        for kill in (os.killpg, os.kill):  # its group, and the process itself should it have left it
+            try:
+                kill(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
+            self.proc.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:  # never hold the harness for it: the sandbox's end kills it
             pass
-        self.proc.wait()
 
 
 def main() -> None:
@@ -235,12 +240,21 @@ def main() -> None:
             report["tests"].append({"passed": False, "error": "NotRun", "message": why_not})
             continue
         deadline[0] = min(time.monotonic() + spec["test_timeout_s"], budget_end)
+        # the tests see the builtins, what the task provides (its prompt's imports and helpers, run
+        # here from the task's own source) and the entry point; nothing else the program defines,
+        # so a program cannot redefine `abs`, `tuple` or the task's `poly` for the tests
         env = {"__builtins__": __builtins__}
-        for name in server.names:
-            env[name] = server.proxy(name, lambda: deadline[0])
-        if spec["entry_point"] in server.names:
-            env["candidate"] = env[spec["entry_point"]]
         outcome = {"passed": False, "error": "", "message": ""}
+        try:
+            exec(spec["provided"], env)
+            if spec["entry_point"] in server.names:
+                env["candidate"] = server.proxy(spec["entry_point"], lambda: deadline[0])
+                env.setdefault(spec["entry_point"], env["candidate"])
+        except Exception as err:  # the task's own code fails: no test can pass
+            message = f"the task's provided code failed: {type(err).__name__}: {err}"
+            outcome.update(error="TaskError", message=message[:300])
+            report["tests"].append(outcome)
+            continue
         try:
             exec(test["setup"], env)
             exec(test["code"], env)
