@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lit_marl import ConfigError
+from lit_marl.fields import PositiveFloat, PositiveInt, UnitIntervalRightOpen, check_fields
 from lit_marl.models import load_model_and_tokenizer
 
 
@@ -18,14 +20,19 @@ from lit_marl.models import load_model_and_tokenizer
 class LoraSettings:
     """LoRA adapters (peft) instead of full fine-tuning."""
 
-    r: int = 16
+    r: PositiveInt = 16
     """Adapter rank."""
-    alpha: int = 32
+    alpha: PositiveFloat = 32
     """Scaling numerator: the update is scaled by alpha / r."""
-    dropout: float = 0.0
+    dropout: UnitIntervalRightOpen = 0.0
     """Dropout on the adapter input."""
     target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
     """Linear layers that get adapters."""
+
+    def __post_init__(self):
+        check_fields("model.lora", LoraSettings, {k: getattr(self, k) for k in ("r", "alpha", "dropout")})
+        if not self.target_modules:
+            raise ConfigError("model.lora.target_modules=[]: name at least one linear layer, e.g. [q_proj, v_proj]")
 
 
 def lora_config(lora: LoraSettings):

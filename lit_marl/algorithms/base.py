@@ -16,7 +16,7 @@ from torch import nn
 
 from lit_marl import ConfigError
 from lit_marl.agents import Agent, LoraSettings, roles_by_model
-from lit_marl.fields import NonNegativeFloat, PositiveInt, check_fields
+from lit_marl.fields import NonNegativeFloat, PositiveFloat, PositiveInt, check_fields
 from lit_marl.logprobs import target_logprobs
 from lit_marl.losses import nll
 from lit_marl.metrics import Timer, weighted_means
@@ -45,8 +45,8 @@ class AgentTeamModule(L.LightningModule):
         num_agents: PositiveInt = 2,
         lora: LoraSettings | None = None,
         system_prompt: str | None = None,
-        learning_rate: float = 1e-5,
-        max_grad_norm: float = 1.0,
+        learning_rate: PositiveFloat = 1e-5,
+        max_grad_norm: NonNegativeFloat = 1.0,
         weight_decay: NonNegativeFloat = 0.0,
         forward_batch_size: PositiveInt | None = None,
         forward_token_budget: PositiveInt | None = 2048,

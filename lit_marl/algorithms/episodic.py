@@ -13,7 +13,14 @@ from lit_marl import ConfigError
 from lit_marl.agents import LoraSettings
 from lit_marl.algorithms.base import AgentTeamModule
 from lit_marl.data import EpisodeDataModule
-from lit_marl.fields import ClosedUnitInterval, NonNegativeFloat, OpenUnitInterval, PositiveInt, check_fields
+from lit_marl.fields import (
+    ClosedUnitInterval,
+    NonNegativeFloat,
+    OpenUnitInterval,
+    PositiveFloat,
+    PositiveInt,
+    check_fields,
+)
 from lit_marl.logprobs import masked_logprobs
 from lit_marl.losses import clip_fraction, clipped_surrogate, k3_kl
 from lit_marl.metrics import Timer
@@ -29,8 +36,8 @@ class EpisodicModule(AgentTeamModule):
         model: str = "tiny-random",
         lora: LoraSettings | None = None,
         system_prompt: str | None = None,
-        learning_rate: float = 1e-5,
-        max_grad_norm: float = 1.0,
+        learning_rate: PositiveFloat = 1e-5,
+        max_grad_norm: NonNegativeFloat = 1.0,
         forward_batch_size: PositiveInt | None = 8,
         forward_token_budget: PositiveInt | None = None,
         clip_range: OpenUnitInterval = 0.2,

@@ -26,7 +26,7 @@ class PPO(EpisodicModule):
         self,
         critic: Literal["head", "model"] = "head",
         critic_model: str | None = None,
-        critic_learning_rate: float | None = None,
+        critic_learning_rate: PositiveFloat | None = None,
         gae: Literal["token", "turn"] = "token",
         gae_lambda: ClosedUnitInterval = 0.95,
         value_loss_coef: NonNegativeFloat = 0.5,

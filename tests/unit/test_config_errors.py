@@ -64,6 +64,51 @@ def test_bad_model_settings(kwargs, field):
     assert field in str(err.value)
 
 
+ALGORITHMS = ["MAGRPO", "MARLOO", "MAREINFORCE", "MAReMax", "GRPO", "RLOO", "PPO", "IAC", "MAAC"]
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"learning_rate": -1.0}, "model.learning_rate=-1.0: must be > 0"),  # trained by gradient ascent
+        ({"learning_rate": 0.0}, "model.learning_rate=0.0: must be > 0"),  # weights never moved
+        ({"max_grad_norm": -1.0}, "model.max_grad_norm=-1.0: must be >= 0"),  # silently no clipping
+    ],
+)
+def test_learning_rate_and_clipping_bounds_in_every_algorithm(algorithm, kwargs, message, no_model_loads):
+    import lit_marl.algorithms as algorithms
+
+    with pytest.raises(ValueError) as err:
+        getattr(algorithms, algorithm)(**kwargs)
+    assert str(err.value) == message
+    assert no_model_loads == []
+
+
+@pytest.mark.parametrize(
+    "algorithm, kwargs, message",
+    [
+        ("PPO", {"critic_learning_rate": -1e-3}, "model.critic_learning_rate=-0.001: must be > 0 (or null)"),
+        ("IAC", {"critic_learning_rate": 0.0}, "model.critic_learning_rate=0.0: must be > 0 (or null)"),
+        ("MAGRPO", {"lora": {"r": 0}}, "model.lora.r=0: must be > 0"),
+        ("GRPO", {"lora": {"dropout": 1.0}}, "model.lora.dropout=1.0: must be >= 0 and < 1"),
+        ("PPO", {"lora": {"alpha": -8}}, "model.lora.alpha=-8: must be > 0"),
+    ],
+)
+def test_critic_rate_and_lora_bounds(algorithm, kwargs, message, no_model_loads):
+    import lit_marl.algorithms as algorithms
+    from lit_marl.agents import LoraSettings
+
+    if "lora" in kwargs:
+        with pytest.raises(ValueError) as err:
+            LoraSettings(**kwargs["lora"])
+    else:
+        with pytest.raises(ValueError) as err:
+            getattr(algorithms, algorithm)(**kwargs)
+    assert str(err.value) == message
+    assert no_model_loads == []
+
+
 def test_valid_module_loads_nothing_in_init(no_model_loads):
     module = MAGRPO(model="tiny-random")
     assert module.agents is None
@@ -231,3 +276,17 @@ def test_cli_unknown_model_error_is_clear(in_repo_root, tmp_path):
     message = str(err.value)
     assert message.startswith("model.model='no-such-model-xyz'"), message
     assert "NoneType" not in message
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("--model.init_args.learning_rate=-1",), "model.learning_rate=-1.0: must be > 0"),
+        (("--model.init_args.lora.r=0",), "model.lora.r=0: must be > 0"),
+    ],
+)
+def test_cli_negative_learning_rate_and_bad_lora_are_one_line(args, message, in_repo_root, tmp_path, no_model_loads):
+    with pytest.raises(ValueError) as err:
+        _cli_fit(tmp_path, *args)
+    assert message in str(err.value)
+    assert no_model_loads == []

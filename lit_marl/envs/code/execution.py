@@ -16,6 +16,7 @@ import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lit_marl import ConfigError
 from lit_marl.sandbox import Limits, run_many
 
 HARNESS = (Path(__file__).parent / "harness.py").read_text()
@@ -78,6 +79,11 @@ class TestLimits:
     """Address space of the harness and of the program, each."""
     processes: int = 32
     max_response_bytes: int = 1_000_000
+
+    def __post_init__(self):
+        for name in ("load_timeout_s", "test_timeout_s", "budget_s", "memory_mb", "processes", "max_response_bytes"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"data.env.test_limits.{name}={getattr(self, name)!r}: must be > 0")
 
     @property
     def wall_s(self) -> float:
