@@ -6,7 +6,9 @@ rollout buffer. This callback counts the steps the user set (``limit_train_batch
 ``last.ckpt`` beside a temporary file and renames it over the old one, so a run killed while saving
 keeps its previous checkpoint. Under FSDP (``TeamFSDPStrategy``, ``save_distributed_checkpoint``)
 the checkpoint is a folder of shards; it is swapped in with two renames, the previous one kept as
-``last.ckpt.old`` in between (resume from that if a kill fell exactly there). The checkpoint holds
+``last.ckpt.old`` in between (resume from that if a kill fell exactly there). A single-file
+checkpoint is flushed to disk before its rename and its SHA-256 recorded in ``last.ckpt.sha256``
+(``lit_marl.checkpoint_files``): a damaged file is refused on resume. The checkpoint holds
 what resuming needs beyond the weights and optimizers: the task position (the training loader's
 state), the rollout buffers and the RNG states (see ``AgentTeamModule.on_save_checkpoint``).
 Resume with ``lit-marl fit --config ... --ckpt_path <dirpath>/last.ckpt``.
@@ -21,6 +23,7 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.callbacks import Checkpoint
 
+from lit_marl import checkpoint_files
 from lit_marl.fields import PositiveInt, check_fields
 
 
@@ -54,7 +57,10 @@ class StepCheckpoint(Checkpoint):  # a Checkpoint: Lightning runs it after the o
                 os.replace(partial, self.path)
                 shutil.rmtree(old, ignore_errors=True)
             else:
+                checkpoint_files.fsync_file(partial)  # on disk before it replaces the old one
+                checkpoint_files.record(partial, self.path)
                 os.replace(partial, self.path)
+            checkpoint_files.fsync_dir(self.path.parent)
         trainer.strategy.barrier("StepCheckpoint")
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from lit_marl import ConfigError
+from lit_marl import ConfigError, checkpoint_files
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -37,6 +37,16 @@ def build_cli(args: list[str] | None = None, run: bool = True):
                     raise
                 raise cause from None
 
+        def _parse_ckpt_path(self) -> None:
+            # Lightning's replaces the whole model section with the checkpoint's hyperparameters, so a
+            # setting changed for the resumed run was silently dropped; here the config is kept, and
+            # the checkpoint is checked before any model loads
+            subcommand = self.config.get("subcommand")
+            path = self.config[subcommand].get("ckpt_path") if subcommand else None
+            if path and path not in ("last", "best", "hpc", "registry"):
+                saved = checkpoint_files.verify(path)
+                _check_resumed_settings(saved, self.config[subcommand]["model"])
+
         def add_arguments_to_parser(self, parser) -> None:
             # the number of agents is the number of prompt templates: said once, in the data
             parser.link_arguments("data.num_agents", "model.init_args.num_agents", apply_on="instantiate")
@@ -51,6 +61,49 @@ def build_cli(args: list[str] | None = None, run: bool = True):
         save_config_kwargs={"overwrite": True},
         trainer_defaults={"log_every_n_steps": 1, "num_sanity_val_steps": 0},
     )
+
+
+# settings that shape the weights or the optimizers' parameters: a checkpoint cannot resume without them
+STRUCTURAL = ("model", "num_agents", "lora", "share_parameters", "lora_shared_base", "critic", "critic_model")
+
+
+def _plain(value):
+    if hasattr(value, "as_dict"):  # a jsonargparse Namespace
+        value = value.as_dict()
+    if hasattr(value, "__dataclass_fields__"):
+        value = {k: getattr(value, k) for k in value.__dataclass_fields__}
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _check_resumed_settings(saved: dict, model) -> None:
+    """Compare a checkpoint's hyperparameters with the config's ``model`` section: another algorithm
+    or a setting that shapes the weights is refused (naming the keys); other changes are kept and
+    listed on stderr."""
+    import sys
+
+    saved = {k: v for k, v in saved.items() if k != "_instantiator"}
+    saved_class = saved.pop("_class_path", None)
+    config = _plain(model)
+    class_path, now = config.get("class_path"), config.get("init_args") or {}
+    if saved_class and class_path and saved_class != class_path:
+        raise ConfigError(
+            f"ckpt_path: the checkpoint was written by {saved_class}, but model.class_path is {class_path}. Resume "
+            f"with the checkpoint's algorithm (the run's config.yaml beside its logs has it), or start a new run"
+        )
+    changed = {k: (_plain(saved[k]), now[k]) for k in sorted(saved.keys() & now.keys()) if _plain(saved[k]) != now[k]}
+    shaped = [k for k in changed if k in STRUCTURAL]
+    if shaped:
+        detail = "; ".join(f"model.{k}: {changed[k][0]!r} in the checkpoint, {changed[k][1]!r} now" for k in shaped)
+        raise ConfigError(
+            f"ckpt_path: {detail}. These shape the weights the checkpoint holds: resume with the checkpoint's "
+            "values, or start a new run without --ckpt_path"
+        )
+    for key, (before, after) in changed.items():
+        sys.stderr.write(f"lit-marl: resuming with model.{key}={after!r} (the checkpoint had {before!r})\n")
 
 
 def main() -> None:

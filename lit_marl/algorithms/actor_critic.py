@@ -177,15 +177,21 @@ class ActorCritic(AgentTeamModule):
     def configure_optimizers(self):
         optimizers = []
         for index, roles in enumerate(self.learners):
-            groups = [{"params": self.agents[roles[0]].trainable_parameters(), "lr": self.hparams.learning_rate}]
+            policy = self.agents[roles[0]].trainable_parameters()
+            groups = [{"params": policy, "lr": self.hparams.learning_rate, "role": "policy"}]
             if self.critic_kind == "head":
-                groups.append({"params": list(self.critics[index].parameters()), "lr": self.critic_learning_rate})
+                critic = list(self.critics[index].parameters())
+                groups.append({"params": critic, "lr": self.critic_learning_rate, "role": "critic"})
             optimizers.append(torch.optim.AdamW(groups, weight_decay=self.weight_decay))
         if self.critic_kind == "model":
             for critic in self.critics:
                 params = [p for p in critic.parameters() if p.requires_grad]
                 optimizers.append(
-                    torch.optim.AdamW(params, lr=self.critic_learning_rate, weight_decay=self.weight_decay)
+                    torch.optim.AdamW(
+                        [{"params": params, "role": "critic"}],
+                        lr=self.critic_learning_rate,
+                        weight_decay=self.weight_decay,
+                    )
                 )
         return optimizers
 

@@ -14,7 +14,7 @@ from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 
-from lit_marl import ConfigError
+from lit_marl import ConfigError, checkpoint_files
 from lit_marl.agents import Agent, LoraSettings, roles_by_model
 from lit_marl.fields import NonNegativeFloat, PositiveFloat, PositiveInt, check_fields
 from lit_marl.logprobs import target_logprobs
@@ -181,7 +181,7 @@ class AgentTeamModule(L.LightningModule):
     def configure_optimizers(self):
         return [
             torch.optim.AdamW(
-                self.agents[roles[0]].trainable_parameters(),
+                [{"params": self.agents[roles[0]].trainable_parameters(), "role": "policy"}],
                 lr=self.hparams.learning_rate,
                 weight_decay=self.weight_decay,
             )
@@ -386,6 +386,10 @@ class AgentTeamModule(L.LightningModule):
         checkpoint["lit_marl"] = {"ranks": [_to_cpu(r) for r in gather_objects(state)]}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        path = self._trainer.ckpt_path if self._trainer is not None else None
+        if path:  # before any weight is applied: a damaged file is refused (the CLI checked it already)
+            checkpoint_files.check_recorded(path)
+        self._resume_settings(checkpoint)
         saved = checkpoint.get("lit_marl")
         if saved is None:
             return  # a checkpoint from outside lit_marl: weights and optimizers only
@@ -406,6 +410,26 @@ class AgentTeamModule(L.LightningModule):
             )
         for buffer, buffered in zip(self.rollout_buffers, state["buffers"]):
             buffer.load_state_dict(buffered)
+
+    def _resume_settings(self, checkpoint: dict) -> None:
+        """The configured learning rates and weight decay win over the checkpoint's: torch restores
+        each parameter group's ``lr`` and ``weight_decay`` with the optimizer state, so a group still
+        at the checkpoint's setting gets the configured one (a group another schedule set, e.g.
+        PhaseSwitch's SFT rate, keeps its value)."""
+        saved = checkpoint.get("hyper_parameters") or {}
+        if "learning_rate" not in saved:
+            return
+        old_lr = saved["learning_rate"]
+        old = {"policy": old_lr, "critic": saved.get("critic_learning_rate") or old_lr}
+        new = {"policy": self.hparams.learning_rate, "critic": getattr(self, "critic_learning_rate", None)}
+        old_decay, new_decay = saved.get("weight_decay", 0.0), self.weight_decay
+        for state in checkpoint.get("optimizer_states", []):
+            for group in state.get("param_groups", []):
+                role = group.get("role")
+                if role in new and new[role] is not None and group.get("lr") == old[role]:
+                    group["lr"] = new[role]
+                if group.get("weight_decay") == old_decay:
+                    group["weight_decay"] = new_decay
 
     def log_rollout(self, batch: RolloutBatch, prefix: str) -> None:
         """The rollout's metrics, averaged over ranks (weighted by joint actions)."""

@@ -80,9 +80,10 @@ class PPO(EpisodicModule):
             critic = list(self.value_heads[index].parameters())
             if self.critic_backbones is not None:
                 critic += [p for p in self.critic_backbones[index].parameters() if p.requires_grad]
+            policy = self.agents[roles[0]].trainable_parameters()
             groups = [
-                {"params": self.agents[roles[0]].trainable_parameters(), "lr": self.hparams.learning_rate},
-                {"params": critic, "lr": self.critic_learning_rate},
+                {"params": policy, "lr": self.hparams.learning_rate, "role": "policy"},
+                {"params": critic, "lr": self.critic_learning_rate, "role": "critic"},
             ]
             optimizers.append(torch.optim.AdamW(groups, weight_decay=self.weight_decay))
         return optimizers

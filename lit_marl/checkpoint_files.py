@@ -1,0 +1,111 @@
+"""Checkpoint files that cannot be half-written or silently damaged (bottom layer: stdlib + torch).
+
+``StepCheckpoint`` writes ``last.ckpt`` beside a temporary file, flushes it to disk (``fsync``) and
+renames it over the old one; before the rename it records the new file's SHA-256 in
+``last.ckpt.sha256`` next to the previous checkpoint's (so a kill between the two renames leaves
+a pair that still matches). ``verify`` checks a checkpoint before anything loads it: it exists, is
+not empty, matches its recorded checksum when it has one, and is a checkpoint torch can read
+without running code. Every failure is one ``ConfigError`` line naming ``ckpt_path``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+
+from lit_marl import ConfigError
+
+SUFFIX = ".sha256"
+
+
+def checksum(path: str | os.PathLike) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def sidecar(path: str | os.PathLike) -> Path:
+    path = Path(path)
+    return path.with_name(path.name + SUFFIX)
+
+
+def fsync_file(path: str | os.PathLike) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make a rename in ``path`` durable (power loss after the rename keeps the new name)."""
+    try:
+        fsync_file(path)
+    except OSError:  # file systems that cannot sync a folder
+        pass
+
+
+def record(written: str | os.PathLike, final: str | os.PathLike) -> None:
+    """Before ``written`` is renamed to ``final``: add its checksum to ``final``'s record, keeping
+    the previous one (the checkpoint still in place until the rename)."""
+    previous = []
+    card = sidecar(final)
+    if card.is_file():
+        previous = card.read_text().split()[-1:]
+    partial = card.with_name(card.name + ".partial")
+    partial.write_text("\n".join([*previous, checksum(written)]) + "\n")
+    fsync_file(partial)
+    os.replace(partial, card)
+
+
+_verified: dict[tuple, str] = {}
+
+
+def check_recorded(path: str | os.PathLike, field: str = "ckpt_path") -> None:
+    """Raise ``ConfigError`` when ``path`` has a checksum record that its bytes do not match (a
+    checkpoint without a record, written elsewhere, passes). Each file version is hashed once."""
+    path, card = Path(path), sidecar(path)
+    if not (path.is_file() and card.is_file()):
+        return
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if key not in _verified:
+        _verified[key] = checksum(path)
+    if _verified[key] not in card.read_text().split():
+        raise ConfigError(
+            f"{field}={str(path)!r}: the file does not match its checksum in {card.name} (damaged after it "
+            "was written: disk, copy or a partial transfer). Do not resume from it: copy it again or use "
+            "another checkpoint"
+        )
+
+
+def verify(path: str | os.PathLike, field: str = "ckpt_path") -> dict:
+    """Check the checkpoint at ``path`` and return its ``hyper_parameters`` (empty when it has none);
+    raise ``ConfigError`` with the reason and the fix. A folder (a sharded FSDP checkpoint) is only
+    checked to exist."""
+    path = Path(path)
+    if path.is_dir():
+        return {}
+    if not path.is_file():
+        raise ConfigError(
+            f"{field}={str(path)!r}: no such file. Give the path of a checkpoint (StepCheckpoint writes "
+            "<dirpath>/last.ckpt), or leave ckpt_path out to start a new run"
+        )
+    if path.stat().st_size == 0:
+        raise ConfigError(
+            f"{field}={str(path)!r}: the file is empty (0 bytes; a write that never finished?). "
+            f"Resume from an earlier checkpoint (e.g. {path.name}.old) or start a new run"
+        )
+    check_recorded(path, field)
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:
+        raise ConfigError(
+            f"{field}={str(path)!r}: not a checkpoint this version can read ({type(err).__name__}: "
+            f"{str(err).splitlines()[0][:160] if str(err) else 'no detail'}). Give a .ckpt written by lit-marl fit"
+        ) from None
+    if not isinstance(saved, dict) or "state_dict" not in saved:
+        raise ConfigError(f"{field}={str(path)!r}: a torch file but not a Lightning checkpoint (no state_dict)")
+    return dict(saved.get("hyper_parameters") or {})

@@ -1,0 +1,135 @@
+"""Resuming: the config's settings are honoured (or refused by name), and a checkpoint that is missing,
+empty, not a checkpoint or damaged is one clear line before any model loads."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import yaml
+
+from helpers import REPO_ROOT, cli_fit
+from lit_marl import ConfigError, checkpoint_files
+
+BASE = REPO_ROOT / "configs/magrpo/slogan_tiny.yaml"
+
+
+def _config(tmp_path, name: str, **model_args) -> str:
+    config = yaml.safe_load(BASE.read_text())
+    config["trainer"].update(limit_train_batches=1, limit_val_batches=0, enable_checkpointing=True, max_epochs=1)
+    config["trainer"]["callbacks"] = [
+        {"class_path": "lit_marl.callbacks.StepCheckpoint", "init_args": {"dirpath": str(tmp_path / "ckpt")}}
+    ]
+    config["model"]["init_args"].update(model_args)
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """One step of MAGRPO through the CLI, checkpointed by StepCheckpoint (with its checksum)."""
+    tmp_path = tmp_path_factory.mktemp("resume")
+    argv, sys.argv, cwd = sys.argv, ["lit-marl"], os.getcwd()
+    try:
+        os.chdir(REPO_ROOT)
+        cli_fit(tmp_path, config=_config(tmp_path, "first.yaml"))
+    finally:
+        os.chdir(cwd)
+        sys.argv = argv
+    path = tmp_path / "ckpt" / "last.ckpt"
+    assert path.is_file() and checkpoint_files.sidecar(path).is_file()
+    return path
+
+
+def test_a_changed_learning_rate_is_used_and_said(checkpoint, tmp_path, in_repo_root, capsys):
+    """Lightning replaced the whole model section with the checkpoint's and the optimizer state
+    carried the old rate: a new learning_rate on resume was ignored twice over."""
+    config = _config(tmp_path, "resume.yaml", learning_rate=5.0e-4)
+    cli = cli_fit(tmp_path, "--ckpt_path", str(checkpoint), "--trainer.max_epochs", "2", config=config)
+    assert "resuming with model.learning_rate=0.0005 (the checkpoint had 0.001)" in capsys.readouterr().err
+    assert cli.model.hparams.learning_rate == 5.0e-4
+    rates = {group["lr"] for optimizer in cli.trainer.optimizers for group in optimizer.param_groups}
+    assert rates == {5.0e-4}
+
+
+def test_another_algorithm_is_refused_by_name(checkpoint, tmp_path, in_repo_root, no_model_loads):
+    config = yaml.safe_load(BASE.read_text())
+    config["model"] = {"class_path": "lit_marl.algorithms.IAC", "init_args": {"model": "tiny-random"}}
+    path = tmp_path / "iac.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with pytest.raises(ConfigError, match=r"written by lit_marl\.algorithms\.MAGRPO, but model\.class_path is .*IAC"):
+        cli_fit(tmp_path, "--ckpt_path", str(checkpoint), config=str(path))
+    assert no_model_loads == []
+
+
+def test_a_setting_that_shapes_the_weights_is_refused(checkpoint, tmp_path, in_repo_root, no_model_loads):
+    config = _config(tmp_path, "lora.yaml", lora={"r": 4})
+    with pytest.raises(ConfigError, match=r"model\.lora: None in the checkpoint, .*'r': 4"):
+        cli_fit(tmp_path, "--ckpt_path", str(checkpoint), config=config)
+    assert no_model_loads == []
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ("missing", "no such file"),
+        ("empty", "the file is empty"),
+        ("text", "not a checkpoint this version can read"),
+        ("flipped", "does not match its checksum"),
+    ],
+)
+def test_bad_checkpoints_are_one_line_before_any_model_loads(
+    damage, message, checkpoint, tmp_path, in_repo_root, no_model_loads
+):
+    bad = tmp_path / "bad.ckpt"
+    if damage == "empty":
+        bad.write_bytes(b"")
+    elif damage == "text":
+        bad.write_text("this is not a checkpoint\n")
+    elif damage == "flipped":  # bytes in the middle, where the tensors are: torch itself loads it
+        data = bytearray(checkpoint.read_bytes())
+        middle = len(data) // 2
+        data[middle : middle + 64] = bytes(b ^ 0xFF for b in data[middle : middle + 64])
+        bad.write_bytes(bytes(data))
+        checkpoint_files.sidecar(bad).write_text(checkpoint_files.sidecar(checkpoint).read_text())
+        torch.load(bad, weights_only=True)  # no error of its own: the damage would load silently
+    with pytest.raises(ConfigError) as err:
+        cli_fit(tmp_path, "--ckpt_path", str(bad), config=_config(tmp_path, "bad.yaml"))
+    assert message in str(err.value) and str(err.value).startswith("ckpt_path=")
+    assert "\n" not in str(err.value)
+    assert no_model_loads == []
+
+
+def test_a_damaged_checkpoint_is_refused_also_from_python(checkpoint, tmp_path):
+    """Trainer.fit(ckpt_path=...) without the CLI: refused in on_load_checkpoint, before any weight
+    is applied."""
+    from helpers import make_trainer, slogan_data
+    from lit_marl.algorithms import MAGRPO
+
+    bad = tmp_path / "last.ckpt"
+    data = bytearray(checkpoint.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    checkpoint_files.sidecar(bad).write_text(checkpoint_files.sidecar(checkpoint).read_text())
+    trainer = make_trainer(tmp_path, limit_train_batches=1, limit_val_batches=0, logger=False, max_epochs=2)
+    with pytest.raises(ConfigError, match="does not match its checksum"):
+        trainer.fit(MAGRPO(model="tiny-random", learning_rate=1e-3), datamodule=slogan_data(), ckpt_path=str(bad))
+
+
+def test_checksum_record_keeps_the_previous_checkpoint_valid(tmp_path):
+    """A kill between recording the new checksum and the rename leaves the old file in place: it
+    must still verify."""
+    final, new = tmp_path / "last.ckpt", tmp_path / "last.ckpt.partial"
+    final.write_bytes(b"old")
+    checkpoint_files.record(final, final)
+    new.write_bytes(b"new")
+    checkpoint_files.record(new, final)  # killed here, before os.replace(new, final)
+    checkpoint_files.check_recorded(final)
+    final.write_bytes(b"new")
+    checkpoint_files.check_recorded(final)
+    final.write_bytes(b"bad")
+    with pytest.raises(ConfigError):
+        checkpoint_files.check_recorded(final)
