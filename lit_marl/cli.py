@@ -106,13 +106,35 @@ def _check_resumed_settings(saved: dict, model) -> None:
         sys.stderr.write(f"lit-marl: resuming with model.{key}={after!r} (the checkpoint had {before!r})\n")
 
 
+def _where(err: BaseException) -> str:
+    """The innermost frame of what caused ``err`` (the user's reward or transition line)."""
+    import traceback
+
+    cause = err.__cause__ or err
+    frames = traceback.extract_tb(cause.__traceback__) if cause.__traceback__ else []
+    if not frames:
+        return ""
+    frame = frames[-1]
+    return f"\n  at {frame.filename}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}"
+
+
 def main() -> None:
+    """``lit-marl``: a configuration error, or a fault of the user's reward or transition, is one
+    line (and the line of the user's code it came from); LIT_MARL_TRACEBACK=1 shows the traceback."""
     import sys
+
+    from lit_marl.envs.base import RewardError
 
     try:
         build_cli()
     except ConfigError as err:
+        if os.environ.get("LIT_MARL_TRACEBACK"):
+            raise
         sys.exit(f"lit-marl: configuration error: {err}")
+    except RewardError as err:
+        if os.environ.get("LIT_MARL_TRACEBACK"):
+            raise
+        sys.exit(f"lit-marl: {err}{_where(err)}\n(LIT_MARL_TRACEBACK=1 shows the whole traceback)")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 from lit_marl import ConfigError
 from lit_marl.envs import make_env
 from lit_marl.envs.alfworld.games import ALIASES as ALFWORLD_ALIASES
-from lit_marl.envs.base import FunctionEnv, JointEnv
+from lit_marl.envs.base import FunctionEnv, JointEnv, RewardError
 from lit_marl.envs.sources import resolve_demo_source, resolve_source
 from lit_marl.fields import (
     ClosedUnitInterval,
@@ -175,6 +175,9 @@ class RolloutDataModule(TaskDataModule):
         discount: ClosedUnitInterval = 1.0,
         early_termination_threshold: float | None = None,
         on_reward_error: Literal["raise", "skip"] = "raise",
+        reward_timeout_s: PositiveFloat | None = 600.0,
+        transition_timeout_s: PositiveFloat | None = 600.0,
+        max_skipped_steps: PositiveInt = 3,
         engine: str = "auto",
         engine_options: dict | None = None,
         demo_path: str | None = None,
@@ -225,7 +228,15 @@ class RolloutDataModule(TaskDataModule):
                 tree after one turn whenever rewards are non-negative.
             on_reward_error: ``raise`` (default) stops on a reward function that raises or returns
                 NaN/inf, naming the task and turn; ``skip`` gives such samples a neutral reward (no
-                advantage) and reports their fraction as the metric ``skipped_reward_frac``.
+                advantage) and reports their fraction as the metric ``skipped_reward_frac``
+                (``reward_batch_failures``: batch calls that failed and were retried per joint action;
+                ``reward_timeouts``: batch calls skipped for their time).
+            reward_timeout_s: Time limit of one batched reward call (None: none). Past it the run
+                stops naming the reward, or under ``on_reward_error: skip`` the batch is skipped.
+            transition_timeout_s: Time limit of one batched transition call (None: none); past it the
+                run stops naming the transition.
+            max_skipped_steps: Under ``on_reward_error: skip``, stop after this many training steps
+                in a row whose every reward was skipped (nothing is being learned).
             engine: What generates: ``auto`` (default: the lean ``torch`` decoder for Llama/Qwen2
                 models, transformers' ``generate`` for the rest), ``torch``, ``hf`` or ``vllm``
                 (GPU, installed separately; weights synced from the trainer before each rollout).
@@ -282,8 +293,11 @@ class RolloutDataModule(TaskDataModule):
             early_termination_threshold=early_termination_threshold,
             external_prompt_passthrough=external_prompt_passthrough,
             on_reward_error=on_reward_error,
+            reward_timeout_s=reward_timeout_s,
+            transition_timeout_s=transition_timeout_s,
             transition_prompt_field=transition_prompt_field,
         )
+        self.max_skipped_steps, self._skipped_steps = max_skipped_steps, 0
         # a user's transition reads the task prompt (an env's own, or one marked like ``plain``, may not)
         user_transition = isinstance(env, FunctionEnv) and env.has_transition
         user_transition = user_transition and getattr(env.transition_fn.func, "reads_task_prompt", True)
@@ -314,7 +328,24 @@ class RolloutDataModule(TaskDataModule):
     def rollout_batch(self, module, tasks: list[dict], training: bool) -> RolloutBatch:
         if not training:
             return self.rollout(module.agents, tasks, greedy=True)
-        return self.rollout(module.agents, tasks, greedy=False, response_penalty=module.response_penalty)
+        batch = self.rollout(module.agents, tasks, greedy=False, response_penalty=module.response_penalty)
+        self._count_skipped(batch)
+        return batch
+
+    def _count_skipped(self, batch: RolloutBatch) -> None:
+        """Stop a run whose rewards are all skipped, step after step: it would train nothing and end
+        as if it had."""
+        if batch.metrics.get("skipped_reward_frac", 0.0) < 1.0:
+            self._skipped_steps = 0
+            return
+        self._skipped_steps += 1
+        if self._skipped_steps >= self.max_skipped_steps:
+            raise RewardError(
+                f"every reward of the last {self._skipped_steps} training steps was skipped "
+                "(data.on_reward_error=skip: it raised, timed out or was NaN/inf for every sample), so nothing is "
+                "being learned. Fix the reward "
+                "(run it on a few samples by hand), or raise data.max_skipped_steps"
+            )
 
     def episodes(self, batch: RolloutBatch) -> float:
         """Joint trajectories from a root to a leaf of the trees."""

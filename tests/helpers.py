@@ -206,3 +206,8 @@ class AdmissibleEngine:
             rows = prompt_ids.repeat_interleave(num_samples, 0), prompt_mask.repeat_interleave(num_samples, 0)
             outs.append(Generation(*rows, ids, mask, num_samples))
         return outs
+
+
+def raising_reward(agent_completions, tasks):
+    """A reward that always fails (``data.reward_fn: helpers:raising_reward``)."""
+    raise RuntimeError("the scorer is down")

@@ -189,6 +189,11 @@ class AgentTeamModule(L.LightningModule):
         ]
 
     def setup(self, stage: str) -> None:
+        if stage == "fit" and self.trainer.limit_train_batches == 0:
+            raise ConfigError(
+                "trainer.limit_train_batches=0: no training step would run, and the run would end as if it had "
+                "trained; give a number of steps (or a fraction of the epoch > 0), or use `lit-marl validate`"
+            )
         strategy = self.trainer.strategy
         if isinstance(strategy, DDPStrategy) and not isinstance(strategy, TeamDDPStrategy):
             raise ConfigError(

@@ -15,6 +15,8 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import threading
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -86,6 +88,11 @@ class JointEnv(ABC):
         """How errors name the transition."""
         return type(self).transition.__qualname__
 
+    @property
+    def reward_name(self) -> str:
+        """How errors name the reward."""
+        return type(self).reward.__qualname__
+
     def demonstration(self, task: dict) -> list[list[dict]]:
         """An expert trajectory of ``task`` for SFT: one chat per agent, the env's prompts as user
         messages and the expert's replies as assistant messages (``lit_marl/rollout/demos.py``;
@@ -138,6 +145,14 @@ class FunctionEnv(JointEnv):
     def transition_name(self) -> str:
         return getattr(self.transition_fn.func, "__qualname__", repr(self.transition_fn.func))
 
+    @property
+    def reward_name(self) -> str:
+        """The user's function, ``module:name`` (what ``data.reward_fn`` names)."""
+        fn = getattr(self.reward_fn, "func", self.reward_fn)
+        qualname = getattr(fn, "__qualname__", repr(fn))
+        module = getattr(fn, "__module__", None)
+        return f"{module}:{qualname}" if module else qualname
+
     def transition(self, *, task, num_agents, **branches):
         """CoMLRL's transition interface has no ``task``: called once per branch, or once for all
         branches when it is ``batched_transition``."""
@@ -150,13 +165,63 @@ class FunctionEnv(JointEnv):
 
 
 # --------------------------------------------------------------------------- the reward-call contract
+MAX_REWARD = 1e15
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
 class RewardError(ValueError):
     """The reward function raised, or scored a joint action NaN/inf."""
 
 
-def _reward_once(reward_fn: RewardFn, agent_completions, tasks, turn, name) -> tuple[torch.Tensor, dict]:
+class CallTimeout(RewardError):
+    """A reward function or transition did not return within its time limit."""
+
+
+def call_with_timeout(fn: Callable, timeout_s: float | None, what: str, fix: str, **kwargs):
+    """``fn(**kwargs)``, but raise ``CallTimeout`` when it has not returned after ``timeout_s``
+    seconds (None: wait for ever). The call runs in a daemon thread, which Python cannot stop: a
+    call that never returns keeps it (and what it holds) until the process ends; the run itself
+    goes on or stops, as the caller's policy says."""
+    if timeout_s is None:
+        return fn(**kwargs)
+    box: dict = {}
+
+    def target():
+        try:
+            box["value"] = fn(**kwargs)
+        except BaseException as err:  # handed to the caller's thread
+            box["error"] = err
+
+    worker = threading.Thread(target=target, name=f"lit_marl {what}", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        raise CallTimeout(f"{what} did not return within {timeout_s:g} s: {fix}")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _reward_once(
+    reward_fn: RewardFn, agent_completions, tasks, turn, name, timeout_s=None
+) -> tuple[torch.Tensor, dict]:
     try:
-        out = reward_fn(agent_completions=agent_completions, tasks=tasks)
+        out = call_with_timeout(
+            reward_fn,
+            timeout_s,
+            f"reward function {name} (data.reward_fn or the env's reward) at turn {turn} on tasks {tasks[:3]!r:.200}",
+            "raise data.reward_timeout_s if it is slow, fix it if it hangs, or set data.on_reward_error=skip",
+            agent_completions=agent_completions,
+            tasks=tasks,
+        )
+    except CallTimeout:
+        raise
     except Exception as err:
         raise RewardError(
             f"reward function {name} raised {type(err).__name__}: {err} at turn {turn} on tasks {tasks[:3]!r:.300}"
@@ -193,6 +258,7 @@ def call_reward(
     tasks: list[dict],
     turn: int = 0,
     on_error: Literal["raise", "skip"] = "raise",
+    timeout_s: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """One batched call; returns the rewards and the mean of each extra metric it reported.
 
@@ -204,37 +270,55 @@ def call_reward(
     ``on_error="raise"`` stops on a reward that raises or is NaN/inf, naming the task and turn.
     ``"skip"`` isolates the culprits (after a raising batch call, one call per joint action),
     returns NaN for them and reports their fraction as ``skipped_reward_frac``; the tree then gives them
-    a neutral reward.
+    a neutral reward. ``timeout_s`` bounds the batch call (a timed-out batch is skipped whole under
+    ``skip``: one call per joint action would wait as long again, each); ``reward_batch_failures``
+    (1 for a batch call that failed and was retried per joint action) and ``reward_timeouts`` count
+    what happened.
     """
-    name = getattr(reward_fn, "__qualname__", repr(reward_fn))
+    owner = getattr(reward_fn, "__self__", None)  # an env's bound reward: the env knows its name
+    name = owner.reward_name if hasattr(owner, "reward_name") else getattr(reward_fn, "__qualname__", repr(reward_fn))
+    failures = {"reward_batch_failures": 0.0, "reward_timeouts": 0.0}
     try:
-        rewards, extra = _reward_once(reward_fn, agent_completions, tasks, turn, name)
+        rewards, extra = _reward_once(reward_fn, agent_completions, tasks, turn, name, timeout_s)
+    except CallTimeout:
+        if on_error == "raise":
+            raise
+        failures["reward_timeouts"] = 1.0
+        rewards, extra = torch.full((len(tasks),), float("nan")), {}
     except RewardError:
         if on_error == "raise":
             raise
+        failures["reward_batch_failures"] = 1.0
         scored = []
         for j in range(len(tasks)):
             one = [a[j : j + 1] for a in agent_completions]
             try:
-                scored.append(_reward_once(reward_fn, one, tasks[j : j + 1], turn, name)[0][0])
+                scored.append(_reward_once(reward_fn, one, tasks[j : j + 1], turn, name, timeout_s)[0][0])
             except RewardError:
                 scored.append(None)
         width = next((r.shape for r in scored if r is not None), ())
         rewards = torch.stack([torch.full(width, float("nan")) if r is None else r for r in scored])
         extra = {}
-    bad = ~torch.isfinite(rewards) if rewards.dim() == 1 else ~torch.isfinite(rewards).all(dim=1)
+    # a finite reward beyond MAX_REWARD overflows float32 in the batch's mean and variance (NaN
+    # advantages), so it is as unusable as NaN
+    usable = torch.isfinite(rewards) & (rewards.abs() <= MAX_REWARD)
+    bad = ~usable if rewards.dim() == 1 else ~usable.all(dim=1)
     if bad.any() and on_error == "raise":
         examples = [tasks[i] for i in torch.nonzero(bad).flatten().tolist()[:3]]
         raise RewardError(
-            f"reward function {name} returned a non-finite reward (NaN/inf) at turn {turn}, e.g. for tasks "
-            f"{examples!r:.300}; set data.on_reward_error=skip to skip such samples instead"
+            f"reward function {name} returned a non-finite reward (NaN/inf) or one beyond +-{MAX_REWARD:g} at turn "
+            f"{turn}, e.g. for tasks {examples!r:.300}; set data.on_reward_error=skip to skip such samples instead"
         )
     metrics = {}
     for key, values in extra.items():
         values = torch.as_tensor(list(values), dtype=torch.float32)
-        metrics[key] = float(values[~bad].mean()) if (~bad).any() else 0.0
+        good = ~bad & torch.isfinite(values)
+        if not torch.isfinite(values[~bad]).all():
+            _warn_once(f"reward function {name} reported a non-finite {key!r}: averaged over its finite values")
+        metrics[key] = float(values[good].mean()) if good.any() else 0.0
     if on_error == "skip":
         metrics["skipped_reward_frac"] = float(bad.float().mean())
+        metrics.update(failures)
     bad = bad.view(-1, *([1] * (rewards.dim() - 1)))
     return torch.where(bad, torch.full_like(rewards, float("nan")), rewards), metrics
 

@@ -18,7 +18,7 @@ from typing import Literal
 import torch
 
 from lit_marl.agents import Agent, roles_by_model
-from lit_marl.envs.base import JointEnv, call_reward
+from lit_marl.envs.base import JointEnv, call_reward, call_with_timeout
 from lit_marl.generation import Engine, Generation, make_engine
 from lit_marl.returns import CrossReduce, JointMode, neutral_fill, per_response, tree_returns
 from lit_marl.rollout.batch import AgentSamples, RolloutBatch
@@ -44,6 +44,8 @@ class TreeSettings:
     early_termination_threshold: float | None = None
     external_prompt_passthrough: bool = False
     on_reward_error: Literal["raise", "skip"] = "raise"
+    reward_timeout_s: float | None = None
+    transition_timeout_s: float | None = None
     transition_prompt_field: str = "prompt"
     cross_return: CrossReduce = "mean"
 
@@ -191,7 +193,9 @@ def _score(env, agents, tasks, nodes, texts, combos, turn, settings, tally: _Tal
             joint_tasks.append(tasks[node.task])
             for i, k in enumerate(combo):
                 agent_completions[i].append(texts[i][n * G + k])
-    rewards, metrics = call_reward(env.reward, agent_completions, joint_tasks, turn, settings.on_reward_error)
+    rewards, metrics = call_reward(
+        env.reward, agent_completions, joint_tasks, turn, settings.on_reward_error, settings.reward_timeout_s
+    )
     for i in range(num_agents):
         tally.completions[i] += agent_completions[i]
     if rewards.dim() == 1:  # a joint reward is every agent's reward
@@ -277,7 +281,9 @@ def _branch(
         for j, combo in enumerate(combos):
             branches.append((node, [texts[i][n * G + k] for i, k in enumerate(combo)]))
             parents.append((n, j))
-    child_prompts = call_transitions(env, branches, tasks, turn, settings.transition_prompt_field)
+    child_prompts = call_transitions(
+        env, branches, tasks, turn, settings.transition_prompt_field, settings.transition_timeout_s
+    )
     for (node, completions), (n, j), prompts in zip(branches, parents, child_prompts):
         children[n, j] = len(next_nodes)
         next_nodes.append(
@@ -296,6 +302,7 @@ def call_transitions(
     tasks: list[dict],
     turn: int,
     prompt_field: str = "prompt",
+    timeout_s: float | None = None,
 ) -> list[list[str]]:
     """Next prompts of every branch of a turn, in ONE call of the env's transition (every keyword
     argument a list over branches, and so is the result), each checked. ``prompt`` is the task's
@@ -304,7 +311,11 @@ def call_transitions(
     if not branches:
         return []
     num_agents = len(branches[0][1])
-    out = env.transition(
+    out = call_with_timeout(
+        env.transition,
+        timeout_s,
+        f"transition {env.transition_name} (data.transition or the env's) after turn {turn}",
+        "raise data.transition_timeout_s if it is slow (an expert model's edits can be), or fix it if it hangs",
         task=[tasks[node.task] for node, _ in branches],
         prompt=[task_prompt(tasks[node.task], prompt_field) for node, _ in branches],
         agent_completions=[completions for _, completions in branches],

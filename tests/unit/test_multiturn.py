@@ -269,7 +269,8 @@ def test_nan_reward_names_task_and_turn(tiny_agents):
         return [0.5 if len(calls) == 1 else float("nan")] * len(tasks)
 
     with pytest.raises(
-        RewardError, match=r"non-finite reward \(NaN/inf\) at turn 1, e.g. for tasks \[\{'topic': 'tea'\}"
+        RewardError,
+        match=r"nan_later returned a non-finite reward \(NaN/inf\) .*at turn 1, e.g. for tasks \[\{'topic': 'tea'\}",
     ):
         tree_from_functions(
             tiny_agents, TASKS, _prompts(2), nan_later, 2, max_new_tokens=2, num_turns=2, transition=plain
