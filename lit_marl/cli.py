@@ -56,6 +56,8 @@ def build_cli(args: list[str] | None = None, run: bool = True):
         TaskDataModule,
         subclass_mode_model=True,
         subclass_mode_data=True,
+        # each learner has its own AdamW (configure_optimizers): a CLI-wide --optimizer could not apply
+        auto_configure_optimizers=False,
         args=args,
         run=run,
         save_config_kwargs={"overwrite": True},

@@ -290,3 +290,11 @@ def test_cli_negative_learning_rate_and_bad_lora_are_one_line(args, message, in_
         _cli_fit(tmp_path, *args)
     assert message in str(err.value)
     assert no_model_loads == []
+
+
+def test_cli_offers_no_optimizer_it_cannot_honour(in_repo_root, tmp_path, no_model_loads, capsys):
+    """Each learner builds its own AdamW: a CLI-wide --optimizer used to be accepted and ignored."""
+    with pytest.raises(SystemExit):
+        _cli_fit(tmp_path, "--optimizer", "SGD")
+    assert "unrecognized arguments: --optimizer" in capsys.readouterr().err
+    assert no_model_loads == []
