@@ -125,7 +125,7 @@ def main() -> None:
     line (and the line of the user's code it came from); LIT_MARL_TRACEBACK=1 shows the traceback."""
     import sys
 
-    from lit_marl.envs.base import RewardError
+    from lit_marl.envs.base import RewardError  # deferred: CLI start-up cost (torch)
 
     try:
         build_cli()

@@ -4,6 +4,7 @@ import paths of user functions, and the seeded, resumable, rank-sharded order tr
 from __future__ import annotations
 
 import importlib
+import json
 import math
 import string
 from pathlib import Path
@@ -35,26 +36,106 @@ def template_fields(template: str) -> set[str]:
     return {name.split(".")[0].split("[")[0] for _, name, _, _ in string.Formatter().parse(template) if name}
 
 
+def _read_jsonl(path: Path, field: str) -> tuple[list[dict], list[int]]:
+    """The rows of a JSONL file and the line each came from; blank lines are skipped; a line that is
+    not UTF-8 or not one JSON object is an error naming it."""
+    rows, lines = [], []
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ConfigError(
+                    f"{field}={str(path)!r}, line {number}: not UTF-8 text (byte {raw[err.start]:#04x} at column "
+                    f"{err.start + 1}); re-save the file as UTF-8"
+                ) from None
+            if not text.strip():
+                continue
+            try:
+                row = json.loads(text)
+            except json.JSONDecodeError as err:
+                raise ConfigError(
+                    f"{field}={str(path)!r}, line {number}: not JSON ({err.msg} at column {err.colno}): "
+                    f"{text.strip()[:80]!r}"
+                ) from None
+            if not isinstance(row, dict):
+                raise ConfigError(
+                    f"{field}={str(path)!r}, line {number}: a JSON {type(row).__name__}, not an object of fields "
+                    '(one task per line, e.g. {"topic": "tea"})'
+                )
+            rows.append(row)
+            lines.append(number)
+    return rows, lines
+
+
 def load_tasks(path: str, field: str, required: set[str], needed_by: str = "data.agent_prompts") -> list[dict]:
     """Rows of a local JSONL/JSON/CSV/Parquet file (through ``datasets``), checked for ``required``
-    (the fields ``needed_by`` uses)."""
-    if not Path(path).is_file():
+    (the fields ``needed_by`` uses: present and not null in every row) and for duplicated ``id`` /
+    ``task_id`` values. Every problem is one ``ConfigError`` naming the file (and the line or row)."""
+    file = Path(path)
+    if not file.is_file():
         raise ConfigError(f"{field}={path!r}: file not found")
     import datasets
 
-    kind = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}.get(Path(path).suffix)
+    kind = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}.get(file.suffix)
     if kind is None:
         raise ConfigError(f"{field}={path!r}: use a .jsonl, .json, .csv or .parquet file")
+    if file.stat().st_size == 0:
+        raise ConfigError(f"{field}={path!r} is empty (0 bytes): give a file with one task per row")
     datasets.disable_progress_bars()
-    ds = datasets.load_dataset(kind, data_files=path, split="train")
+    where = "line"
+    try:
+        if file.suffix == ".jsonl":
+            rows, places = _read_jsonl(file, field)
+            names = list(dict.fromkeys(name for row in rows for name in row))  # every row's fields, in order
+            # one schema over the rows (a field a row lacks is null), as load_dataset gives
+            ds = datasets.Dataset.from_dict({name: [row.get(name) for row in rows] for name in names})
+        else:
+            if kind in ("json", "csv"):
+                data = file.read_bytes()
+                try:
+                    data.decode("utf-8")
+                except UnicodeDecodeError as err:
+                    line = data[: err.start].count(b"\n") + 1
+                    raise ConfigError(
+                        f"{field}={path!r}, line {line}: not UTF-8 text; re-save the file as UTF-8"
+                    ) from None
+                if kind == "csv" and sum(bool(line.strip()) for line in data.splitlines()) <= 1:
+                    raise ConfigError(f"{field}={path!r} holds no rows (a header at most)")
+            ds = datasets.load_dataset(kind, data_files=path, split="train")
+            places, where = list(range(1, len(ds) + 1)), "row"
+    except ConfigError:
+        raise
+    except Exception as err:
+        detail = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
+        raise ConfigError(
+            f"{field}={path!r}: cannot be read as {file.suffix[1:]} ({type(err).__name__}: {detail})"
+        ) from None
+    if len(ds) == 0:
+        raise ConfigError(f"{field}={path!r} holds no rows")
     missing = sorted(required - set(ds.column_names))
     if missing:
         raise ConfigError(
             f"{field}={path!r} lacks the field(s) {missing} that {needed_by} uses; its fields are {ds.column_names}"
         )
-    if len(ds) == 0:
-        raise ConfigError(f"{field}={path!r} holds no rows")
-    return ds.to_list()
+    rows = ds.to_list()
+    for row, place in zip(rows, places):
+        empty = sorted(name for name in required if row.get(name) is None)
+        if empty:
+            raise ConfigError(
+                f"{field}={path!r}, {where} {place}: no value for {empty} (missing or null), which {needed_by} uses"
+            )
+    for key in ("id", "task_id"):
+        seen: dict = {}
+        for row, place in zip(rows, places):
+            value = row.get(key)
+            if value is not None and value in seen:
+                raise ConfigError(
+                    f"{field}={path!r}: {key} {value!r} appears twice ({where}s {seen[value]} and {place}); task ids "
+                    "must be unique (results and caches are kept per task)"
+                )
+            seen[value] = place
+    return rows
 
 
 def mixture(rows: list[dict], types: list[str], field: str, group_field: str = "task_type") -> list[dict]:

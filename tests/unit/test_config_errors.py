@@ -298,3 +298,49 @@ def test_cli_offers_no_optimizer_it_cannot_honour(in_repo_root, tmp_path, no_mod
         _cli_fit(tmp_path, "--optimizer", "SGD")
     assert "unrecognized arguments: --optimizer" in capsys.readouterr().err
     assert no_model_loads == []
+
+
+# --------------------------------------------------------------------------- task files
+TASK_FILES = [
+    ("empty.jsonl", b"", r"is empty \(0 bytes\)"),
+    ("blank.jsonl", b"\n\n  \n", r"holds no rows"),
+    ("header.csv", b"topic,word0,word1\n", r"holds no rows"),
+    ("latin1.jsonl", '{"topic": "tea"}\n{"topic": "caf\xe9"}\n'.encode("latin-1"), r"line 2: not UTF-8 text"),
+    ("broken.jsonl", b'{"topic": "tea"}\n{"topic": "tea",\n', r"line 2: not JSON"),
+    ("list.jsonl", b'{"topic": "tea"}\n["tea"]\n', r"line 2: a JSON list, not an object"),
+    ("null.jsonl", b'{"topic": "tea", "word0": "a", "word1": "b"}\n{"topic": null, "word0": "a", "word1": "b"}\n',
+     r"line 2: no value for \['topic'\] \(missing or null\)"),
+    ("lacking.jsonl", b'{"topic": "tea", "word0": "a", "word1": "b"}\n\n{"word0": "a", "word1": "b"}\n',
+     r"line 3: no value for \['topic'\]"),
+    ("dupes.jsonl", b'{"id": 1, "topic": "a", "word0": "a", "word1": "b"}\n' * 2,
+     r"id 1 appears twice \(lines 1 and 2\)"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name, content, message", TASK_FILES, ids=[t[0] for t in TASK_FILES])
+def test_bad_task_files_are_one_line_naming_the_file_and_line(name, content, message, tmp_path, no_model_loads):
+    """A row without a template field was rendered as the text 'None'; a 0-byte file crashed the
+    argument parser's error formatter; blank-line, header-only, non-UTF-8 and malformed files gave
+    90-140 lines of dump."""
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(ValueError) as err:
+        datamodule(train_path=str(path))
+    text = str(err.value)
+    assert text.startswith(f"data.train_path='{path}'") and "\n" not in text
+    assert __import__("re").search(message, text), text
+    assert no_model_loads == []
+
+
+def test_blank_lines_in_a_task_file_are_skipped(tmp_path):
+    path = tmp_path / "spaced.jsonl"
+    path.write_text('{"topic": "tea", "word0": "a", "word1": "b"}\n\n{"topic": "pie", "word0": "c", "word1": "d"}\n\n')
+    assert [t["topic"] for t in datamodule(train_path=str(path)).train_tasks] == ["tea", "pie"]
+
+
+def test_cli_empty_task_file_is_one_line(in_repo_root, tmp_path, no_model_loads):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_bytes(b"")
+    with pytest.raises(ValueError, match=r"data\.train_path=.*is empty \(0 bytes\)"):
+        _cli_fit(tmp_path, "--data.init_args.train_path", str(empty))
+    assert no_model_loads == []
