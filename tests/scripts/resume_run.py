@@ -30,9 +30,16 @@ from lit_marl.data import RolloutDataModule  # noqa: E402
 from lit_marl.parallel.strategies import TeamFSDPStrategy  # noqa: E402
 
 
+def phase(out: Path, text: str) -> None:
+    """Where the run is (for scripts/soak_kill_resume.py: which phase a kill interrupted)."""
+    with open(out / "phases.log", "a") as f:
+        f.write(text + "\n")
+
+
 class Recorder(L.Callback):
     def __init__(self, out: Path, kill_before: int | None):
         self.out, self.kill_before = out, kill_before
+        self.steps = 0  # training steps recorded; saved in the checkpoint (the steps it holds)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if self.kill_before is not None and trainer.fit_loop.total_batch_idx == self.kill_before:
@@ -40,12 +47,24 @@ class Recorder(L.Callback):
         name = "tasks.jsonl" if trainer.global_rank == 0 else f"tasks_rank{trainer.global_rank}.jsonl"
         with open(self.out / name, "a") as f:
             f.write(json.dumps(trainer.datamodule.current_tasks, sort_keys=True) + "\n")
+        self.steps += 1
+        phase(self.out, f"update {self.steps - 1}")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        phase(self.out, f"checkpoint {self.steps - 1}")  # StepCheckpoint saves after the other callbacks
+
+    def state_dict(self):
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state):
+        self.steps = state["steps"]
 
 
 class RecordingData(RolloutDataModule):
     def on_before_batch_transfer(self, batch, dataloader_idx):
         if self.trainer.training:
             self.current_tasks = batch
+            phase(Path(self.trainer.default_root_dir), "rollout")
         return super().on_before_batch_transfer(batch, dataloader_idx)
 
 
