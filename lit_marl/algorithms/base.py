@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 
@@ -16,7 +17,7 @@ from torch import nn
 
 from lit_marl import ConfigError, checkpoint_files
 from lit_marl.agents import Agent, LoraSettings, roles_by_model
-from lit_marl.fields import NonNegativeFloat, PositiveFloat, PositiveInt, check_fields
+from lit_marl.fields import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, check_fields
 from lit_marl.logprobs import target_logprobs
 from lit_marl.losses import nll
 from lit_marl.metrics import Timer, weighted_means
@@ -52,6 +53,7 @@ class AgentTeamModule(L.LightningModule):
         forward_token_budget: PositiveInt | None = 2048,
         share_parameters: bool = False,
         lora_shared_base: bool = False,
+        max_nonfinite_steps: NonNegativeInt = 0,
     ):
         """
         Args:
@@ -78,9 +80,14 @@ class AgentTeamModule(L.LightningModule):
             lora_shared_base: With ``lora``, every agent is an adapter on ONE frozen copy of the base
                 (memory of one model plus the adapters); the agents still learn separately, each
                 with its own adapter and optimizer. Needs one model source.
+            max_nonfinite_steps: What a NaN/inf loss or gradient does: 0 (default) stops the run at
+                once; n > 0 skips up to n such optimizer steps over the run (the weights and the
+                optimizer state untouched; ``train/nonfinite_skips`` counts them) and stops at the
+                next. Never is a non-finite value applied to the weights.
         """
         super().__init__()
         check_fields("model", AgentTeamModule.__init__, locals())
+        self.nonfinite_skips = 0
         sources = [model] * num_agents if isinstance(model, str) else list(model)
         if len(sources) != num_agents:
             raise ConfigError(f"model.model lists {len(sources)} sources for {num_agents} agents: give one per agent")
@@ -267,13 +274,28 @@ class AgentTeamModule(L.LightningModule):
             self.shards.reduce_gradients(params)  # the sharded weights' gradients, summed over ranks
         sum_gradients(params, self.device)  # the module is not wrapped in DDP: parallel/strategies.py
         loss_sum = all_ranks_sum(loss_sum, self.device)
-        if not math.isfinite(loss_sum):
-            # a NaN/inf loss would write NaN into the weights: stop, with the weights untouched
+        broken = sum(int(p.grad is not None and not torch.isfinite(p.grad).all()) for p in params)
+        broken = all_ranks_sum(float(broken), self.device)  # every rank decides alike (FSDP: each its shards)
+        if not math.isfinite(loss_sum) or broken:
+            # a NaN/inf loss or gradient would write NaN into the weights: skip the step, weights untouched
             optimizer.zero_grad(set_to_none=True)
-            raise FloatingPointError(
-                f"{name}: non-finite loss {loss_sum} at global step {self.global_step}; the optimizer step was "
-                "skipped and the weights are unchanged. Lower model.learning_rate or check the rewards."
+            what = f"non-finite loss {loss_sum}" if not math.isfinite(loss_sum) else "a non-finite gradient"
+            self.nonfinite_skips += 1
+            limit = self.hparams.get("max_nonfinite_steps", 0)
+            if self.nonfinite_skips > limit:
+                raise FloatingPointError(
+                    f"{name}: {what} at global step {self.global_step}; the optimizer step was skipped and the "
+                    f"weights are unchanged ({self.nonfinite_skips} such step(s), model.max_nonfinite_steps={limit}). "
+                    "Lower model.learning_rate or check the rewards."
+                )
+            warnings.warn(
+                f"{name}: {what} at global step {self.global_step}: optimizer step skipped, weights unchanged "
+                f"({self.nonfinite_skips} of model.max_nonfinite_steps={limit})",
+                RuntimeWarning,
+                stacklevel=2,
             )
+            self.log("train/nonfinite_skips", float(self.nonfinite_skips), batch_size=1)
+            return loss_sum
         if self.hparams.max_grad_norm > 0 and self.shards is not None:
             self.shards.clip_grad_norm_(params, self.hparams.max_grad_norm)
         elif self.hparams.max_grad_norm > 0:

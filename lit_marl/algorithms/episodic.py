@@ -16,6 +16,7 @@ from lit_marl.data import EpisodeDataModule
 from lit_marl.fields import (
     ClosedUnitInterval,
     NonNegativeFloat,
+    NonNegativeInt,
     OpenUnitInterval,
     PositiveFloat,
     PositiveInt,
@@ -49,6 +50,7 @@ class EpisodicModule(AgentTeamModule):
         num_agents: PositiveInt = 1,
         share_parameters: bool = False,
         lora_shared_base: bool = False,
+        max_nonfinite_steps: NonNegativeInt = 0,
     ):
         """
         Args:
@@ -74,6 +76,8 @@ class EpisodicModule(AgentTeamModule):
                 its own token sequence, separate or shared weights (``share_parameters``).
             share_parameters: One model plays every agent (one optimizer, one generate per turn).
             lora_shared_base: With ``lora``, every agent is its own adapter on one frozen copy of the base.
+            max_nonfinite_steps: 0 stops at a NaN/inf loss or gradient; n > 0 skips up to n such
+                optimizer steps (weights untouched, counted) first (``AgentTeamModule``).
         """
         super().__init__(
             model=model,
@@ -86,6 +90,7 @@ class EpisodicModule(AgentTeamModule):
             forward_token_budget=forward_token_budget,
             share_parameters=share_parameters,
             lora_shared_base=lora_shared_base,
+            max_nonfinite_steps=max_nonfinite_steps,
         )
         check_fields("model", EpisodicModule.__init__, locals())
         self.clip_range, self.ppo_epochs, self.train_batch_size = clip_range, ppo_epochs, train_batch_size

@@ -286,6 +286,52 @@ def test_non_finite_loss_stops_training_with_weights_untouched(tmp_path, monkeyp
             assert p.grad is None, n
 
 
+def _snapshot(module):
+    return [{n: p.detach().clone() for n, p in agent.model.named_parameters()} for agent in module.agents]
+
+
+def test_non_finite_steps_are_skipped_and_counted_up_to_the_limit(tmp_path, monkeypatch):
+    """max_nonfinite_steps=2: the first two NaN steps are skipped (weights and AdamW state
+    untouched, counted), the third stops the run."""
+    L.seed_everything(0)
+    module = MAGRPO(model="tiny-random", num_agents=2, learning_rate=1e-2, max_nonfinite_steps=2)
+    module.configure_model()
+    before = _snapshot(module)
+    original = MAGRPO.policy_loss
+    monkeypatch.setattr(MAGRPO, "policy_loss", lambda self, model, mb: original(self, model, mb) * float("nan"))
+    trainer = make_trainer(tmp_path, limit_val_batches=0, limit_train_batches=5)
+    with pytest.warns(RuntimeWarning, match="optimizer step skipped, weights unchanged"):
+        with pytest.raises(FloatingPointError, match=r"3 such step\(s\), model.max_nonfinite_steps=2"):
+            trainer.fit(module, datamodule=slogan_data(max_new_tokens=16))
+    assert module.nonfinite_skips == 3
+    for i, agent in enumerate(module.agents):
+        for n, p in agent.model.named_parameters():
+            assert torch.equal(p.detach(), before[i][n]), n
+    assert all(not optimizer.state for optimizer in trainer.optimizers)  # AdamW never stepped
+
+
+def test_a_non_finite_gradient_with_a_finite_loss_never_reaches_the_weights(tmp_path, monkeypatch):
+    L.seed_everything(0)
+    module = MAGRPO(model="tiny-random", num_agents=2, learning_rate=1e-2)
+    module.configure_model()
+    before = _snapshot(module)
+    original = MAGRPO.policy_loss
+
+    def inf_gradient(self, model, mb):
+        loss = original(self, model, mb)
+        weight = next(p for p in model.parameters() if p.requires_grad)
+        weight.register_hook(lambda grad: torch.full_like(grad, float("inf")))
+        return loss
+
+    monkeypatch.setattr(MAGRPO, "policy_loss", inf_gradient)
+    trainer = make_trainer(tmp_path, limit_val_batches=0)
+    with pytest.raises(FloatingPointError, match="agent0: a non-finite gradient"):
+        trainer.fit(module, datamodule=slogan_data(max_new_tokens=16))
+    for i, agent in enumerate(module.agents):
+        for n, p in agent.model.named_parameters():
+            assert torch.equal(p.detach(), before[i][n]), n
+
+
 @pytest.mark.parametrize("name, mode", [("MAREINFORCE", "raw"), ("MAReMax", "max"), ("MARLOO", "rloo")])
 def test_named_variants_fix_the_advantage_mode(name, mode, in_repo_root):
     import lit_marl.algorithms as algorithms
