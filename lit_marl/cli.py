@@ -133,10 +133,11 @@ def main() -> None:
         if os.environ.get("LIT_MARL_TRACEBACK"):
             raise
         sys.exit(f"lit-marl: configuration error: {err}")
-    except RewardError as err:
+    except (RewardError, FloatingPointError) as err:  # the user's reward/transition; a NaN/inf loss
         if os.environ.get("LIT_MARL_TRACEBACK"):
             raise
-        sys.exit(f"lit-marl: {err}{_where(err)}\n(LIT_MARL_TRACEBACK=1 shows the whole traceback)")
+        where = _where(err) if isinstance(err, RewardError) else ""
+        sys.exit(f"lit-marl: {err}{where}\n(LIT_MARL_TRACEBACK=1 shows the whole traceback)")
 
 
 if __name__ == "__main__":

@@ -421,7 +421,7 @@ class AgentTeamModule(L.LightningModule):
         if saved is None:
             return  # a checkpoint from outside lit_marl: weights and optimizers only
         if len(saved["ranks"]) != self.world_size:
-            raise ValueError(
+            raise ConfigError(
                 f"the checkpoint was written by {len(saved['ranks'])} ranks, this run has {self.world_size}: resume "
                 "with the same number of devices and nodes (the rollout buffers and RNG states are per rank)"
             )
@@ -431,7 +431,7 @@ class AgentTeamModule(L.LightningModule):
             torch.cuda.set_rng_state_all(state["cuda_rng"])
         self.shuffle_generator.set_state(state["shuffle_rng"])
         if len(state["buffers"]) != len(self.rollout_buffers):
-            raise ValueError(
+            raise ConfigError(
                 f"the checkpoint holds {len(state['buffers'])} rollout buffers, this {type(self).__name__} has "
                 f"{len(self.rollout_buffers)}: resume with the same algorithm and number of agents"
             )
