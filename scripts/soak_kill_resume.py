@@ -5,7 +5,8 @@
 For each algorithm (MAGRPO with rollout buffers, IAC with two turns) one uninterrupted reference run
 of ``--steps`` training steps (``tests/scripts/resume_run.py``: the tiny model, a checkpoint after
 every step), then ``--trials`` runs that are each killed up to ``--kills`` times at a random moment
-of their wall time (so a kill falls in generation, the reward, the update or the checkpoint write)
+of their training (after the start-up, uniform over the reference's training time: a kill falls in
+generation and the reward, the update or the checkpoint write)
 and resumed from ``last.ckpt`` (from scratch when no checkpoint exists yet). Each checkpoint is
 verified (``lit_marl.checkpoint_files.verify``: exists, not empty, matches its checksum, loads)
 before the resume. At the end a trial's task order and final parameters are compared with the
@@ -56,10 +57,19 @@ def recorded_steps(checkpoint: Path) -> int:
     return next(v["steps"] for k, v in state["callbacks"].items() if k.startswith("Recorder"))
 
 
+def phase_count(out: Path) -> int:
+    log = out / "phases.log"
+    return len(log.read_text().splitlines()) if log.is_file() else 0
+
+
 def reference(root: Path, steps: int, algorithm: str) -> tuple[list[str], dict, float]:
+    """The uninterrupted run: its tasks, parameters and the seconds of its training (from its
+    first rollout to its end; the start-up before it is not where the kills should fall)."""
     out = root / f"reference_{algorithm}"
-    began = time.perf_counter()
     proc = start(out, steps, algorithm, None)
+    while proc.poll() is None and phase_count(out) == 0:
+        time.sleep(0.02)
+    began = time.perf_counter()
     _, err = proc.communicate()
     if proc.returncode != 0:
         raise SystemExit(f"the reference run failed:\n{err.decode()[-2000:]}")
@@ -89,11 +99,14 @@ def trial(root: Path, index: int, steps: int, algorithm: str, kills: int, durati
         elif attempt > 0:
             report["restarts"] += 1
             shutil.rmtree(out, ignore_errors=True)
+        seen = phase_count(out)
         proc = start(out, steps, algorithm, resume)
         if attempt < kills:
-            deadline = time.perf_counter() + rng.uniform(0.05, 1.0) * duration
-            while proc.poll() is None and time.perf_counter() < deadline:
+            while proc.poll() is None and phase_count(out) == seen:  # its start-up: imports, models
                 time.sleep(0.02)
+            deadline = time.perf_counter() + rng.uniform(0.0, 1.0) * duration
+            while proc.poll() is None and time.perf_counter() < deadline:
+                time.sleep(0.01)
             if proc.poll() is None:
                 report["kills"].append(last_phase(out) if out.exists() else "start-up")
                 proc.send_signal(signal.SIGKILL)
