@@ -183,11 +183,14 @@ def _command(code_path: str, isolate: bool, limits: Limits, uid: int | None) -> 
 
 
 def _kill(proc: subprocess.Popen) -> None:
-    for kill, target in ((os.killpg, proc.pid), (os.kill, proc.pid)):  # the group, and the process even if it left it
-        try:
-            kill(target, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+    """SIGKILL the program's process group, and the process itself should it have left the group
+    (only while it is not yet reaped: its pid could belong to another process afterwards)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    if proc.poll() is None:
+        proc.kill()
 
 
 def _exchange(proc: subprocess.Popen, data: bytes, limits: Limits) -> tuple[bytes, bytes, bool, bool]:
