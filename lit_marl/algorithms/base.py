@@ -196,11 +196,18 @@ class AgentTeamModule(L.LightningModule):
         ]
 
     def setup(self, stage: str) -> None:
-        if stage == "fit" and self.trainer.limit_train_batches == 0:
-            raise ConfigError(
-                "trainer.limit_train_batches=0: no training step would run, and the run would end as if it had "
-                "trained; give a number of steps (or a fraction of the epoch > 0), or use `lit-marl validate`"
-            )
+        if stage == "fit":
+            trainer = self.trainer
+            for name, value in (
+                ("limit_train_batches", trainer.limit_train_batches),
+                ("max_epochs", trainer.max_epochs),
+                ("max_steps", trainer.max_steps),
+            ):
+                if value == 0:
+                    raise ConfigError(
+                        f"trainer.{name}=0: no training step would run, and the run would end as if it had trained; "
+                        "give a number > 0 (max_epochs/max_steps: -1 for no limit), or use `lit-marl validate`"
+                    )
         strategy = self.trainer.strategy
         if isinstance(strategy, DDPStrategy) and not isinstance(strategy, TeamDDPStrategy):
             raise ConfigError(

@@ -109,9 +109,11 @@ def test_a_reward_that_always_fails_under_skip_stops_the_run(tmp_path):
     assert trainer.fit_loop.total_batch_idx <= 2
 
 
-def test_zero_training_batches_is_refused(tmp_path):
-    trainer = make_trainer(tmp_path, limit_train_batches=0, limit_val_batches=0, logger=False)
-    with pytest.raises(ValueError, match=r"trainer\.limit_train_batches=0: no training step would run"):
+@pytest.mark.parametrize("setting", ["limit_train_batches", "max_epochs", "max_steps"])
+def test_zero_training_steps_is_refused(setting, tmp_path):
+    """Each exited 0 having trained nothing."""
+    trainer = make_trainer(tmp_path, limit_val_batches=0, logger=False, **{setting: 0})
+    with pytest.raises(ValueError, match=rf"trainer\.{setting}=0: no training step would run"):
         trainer.fit(MAGRPO(model="tiny-random"), datamodule=slogan_data())
 
 
