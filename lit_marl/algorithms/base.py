@@ -198,12 +198,8 @@ class AgentTeamModule(L.LightningModule):
     def setup(self, stage: str) -> None:
         if stage == "fit":
             trainer = self.trainer
-            for name, value in (
-                ("limit_train_batches", trainer.limit_train_batches),
-                ("max_epochs", trainer.max_epochs),
-                ("max_steps", trainer.max_steps),
-            ):
-                if value == 0:
+            for name in ("limit_train_batches", "max_epochs", "max_steps"):
+                if getattr(trainer, name, None) == 0:
                     raise ConfigError(
                         f"trainer.{name}=0: no training step would run, and the run would end as if it had trained; "
                         "give a number > 0 (max_epochs/max_steps: -1 for no limit), or use `lit-marl validate`"
