@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from lit_marl import ConfigError, checkpoint_files
+from lit_marl.envs.base import RewardError  # checkpoint_files loads torch already: no start-up to save
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -124,8 +125,6 @@ def main() -> None:
     """``lit-marl``: a configuration error, or a fault of the user's reward or transition, is one
     line (and the line of the user's code it came from); LIT_MARL_TRACEBACK=1 shows the traceback."""
     import sys
-
-    from lit_marl.envs.base import RewardError  # deferred: CLI start-up cost (torch)
 
     try:
         build_cli()

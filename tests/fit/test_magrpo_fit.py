@@ -269,25 +269,30 @@ def test_rollouts_come_from_the_current_weights(tmp_path):
     assert events[-1][1] == _checksum(module.agents)
 
 
+def _snapshot(module):
+    return [{n: p.detach().clone() for n, p in agent.model.named_parameters()} for agent in module.agents]
+
+
+def _assert_unchanged(module, before, no_grad: bool = False):
+    for i, agent in enumerate(module.agents):
+        for n, p in agent.model.named_parameters():
+            assert torch.equal(p.detach(), before[i][n]), n
+            if no_grad:
+                assert p.grad is None, n
+
+
 def test_non_finite_loss_stops_training_with_weights_untouched(tmp_path, monkeypatch):
     """A NaN loss must never reach the weights: training stops with a clear error instead."""
     L.seed_everything(0)
     module = MAGRPO(model="tiny-random", num_agents=2, learning_rate=1e-2)
     module.configure_model()
-    before = [{n: p.detach().clone() for n, p in agent.model.named_parameters()} for agent in module.agents]
+    before = _snapshot(module)
     original = MAGRPO.policy_loss
     monkeypatch.setattr(MAGRPO, "policy_loss", lambda self, model, mb: original(self, model, mb) * float("nan"))
     trainer = make_trainer(tmp_path, limit_val_batches=0)
     with pytest.raises(FloatingPointError, match="agent0: non-finite loss"):
         trainer.fit(module, datamodule=slogan_data(max_new_tokens=16))
-    for i, agent in enumerate(module.agents):
-        for n, p in agent.model.named_parameters():
-            assert torch.equal(p.detach(), before[i][n]), n
-            assert p.grad is None, n
-
-
-def _snapshot(module):
-    return [{n: p.detach().clone() for n, p in agent.model.named_parameters()} for agent in module.agents]
+    _assert_unchanged(module, before, no_grad=True)
 
 
 def test_non_finite_steps_are_skipped_and_counted_up_to_the_limit(tmp_path, monkeypatch):
@@ -304,9 +309,7 @@ def test_non_finite_steps_are_skipped_and_counted_up_to_the_limit(tmp_path, monk
         with pytest.raises(FloatingPointError, match=r"3 such step\(s\), model.max_nonfinite_steps=2"):
             trainer.fit(module, datamodule=slogan_data(max_new_tokens=16))
     assert module.nonfinite_skips == 3
-    for i, agent in enumerate(module.agents):
-        for n, p in agent.model.named_parameters():
-            assert torch.equal(p.detach(), before[i][n]), n
+    _assert_unchanged(module, before)
     assert all(not optimizer.state for optimizer in trainer.optimizers)  # AdamW never stepped
 
 
@@ -327,9 +330,7 @@ def test_a_non_finite_gradient_with_a_finite_loss_never_reaches_the_weights(tmp_
     trainer = make_trainer(tmp_path, limit_val_batches=0)
     with pytest.raises(FloatingPointError, match="agent0: a non-finite gradient"):
         trainer.fit(module, datamodule=slogan_data(max_new_tokens=16))
-    for i, agent in enumerate(module.agents):
-        for n, p in agent.model.named_parameters():
-            assert torch.equal(p.detach(), before[i][n]), n
+    _assert_unchanged(module, before)
 
 
 @pytest.mark.parametrize("name, mode", [("MAREINFORCE", "raw"), ("MAReMax", "max"), ("MARLOO", "rloo")])
