@@ -127,14 +127,29 @@ def _give_uid(uid: int | None) -> None:
         _uids_in_use.discard(uid)
 
 
-def _command(code_path: str, isolate: bool, limits: Limits, uid: int | None) -> list[str]:
-    """The command line; with bubblewrap the program sees ``/tmp/program.py`` (read-only) in its
-    writable ``/tmp``, its work folder."""
-    # the real interpreter, not a venv's link to it: the sandbox needs no site-packages, and a venv
-    # inside /tmp would be hidden by the sandbox's private /tmp
-    interpreter = os.path.realpath(sys.executable)
+def _parents(path: str) -> list[str]:
+    """``path``'s folders below ``/``, outermost first."""
+    parents, parent = [], os.path.dirname(path)
+    while parent != "/":
+        parents.insert(0, parent)
+        parent = os.path.dirname(parent)
+    return parents
+
+
+def _command(
+    argv: list[str],
+    isolate: bool,
+    limits: Limits,
+    uid: int | None,
+    read_only: list[tuple[str, str]],
+    writable: str | None = None,
+) -> list[str]:
+    """The command line: ``argv`` as it is without bubblewrap; with it, inside a file system of the
+    system's folders, the interpreter and each ``(host path, path inside)`` of ``read_only``, with
+    one writable ``/tmp`` (a tmpfs of ``disk_mb``) and, when given, the host folder ``writable``
+    bound read-write at its own path (a workspace) and made the working folder."""
     if not isolate:
-        return [interpreter, "-I", "-B", code_path]
+        return list(argv)
     # only the system's programs and libraries and the interpreter are visible (read-only): not the
     # home folders, the checkout or the data
     system = []
@@ -144,16 +159,18 @@ def _command(code_path: str, isolate: bool, limits: Limits, uid: int | None) -> 
         elif os.path.isdir(top):
             system += ["--ro-bind", top, top]
     base = os.path.realpath(sys.base_prefix)
-    if not base.startswith("/usr/"):
-        parents = []
-        parent = os.path.dirname(base)
-        while parent != "/":
-            parents.insert(0, parent)
-            parent = os.path.dirname(parent)
-        for folder in parents:  # traversable by the sandbox user (e.g. /root is 0700 on the host)
-            system += ["--perms", "0755", "--dir", folder]
-        system += ["--ro-bind", base, base]
-    program = [interpreter, "-I", "-B", "/tmp/program.py"]
+    extra = ([] if base.startswith("/usr/") else [(base, base)]) + list(read_only)
+    made: set[str] = {"/tmp"}
+    binds = []  # after /tmp's tmpfs, so that folders made inside it are not hidden by it
+    for host, inside, how in [(h, i, "--ro-bind") for h, i in extra] + (
+        [(writable, writable, "--bind")] if writable else []
+    ):
+        for folder in _parents(inside):  # traversable by the sandbox user (e.g. /root is 0700 on the host)
+            if folder not in made:
+                made.add(folder)
+                (binds if folder.startswith("/tmp/") else system).extend(["--perms", "0755", "--dir", folder])
+        binds += [how, host, inside]
+    work = ["--chdir", writable] if writable else ["--chdir", "/tmp"]
     if uid is not None:  # the trainer is root: bwrap as root, the program as its own host uid
         user = ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
         user += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
@@ -170,15 +187,15 @@ def _command(code_path: str, isolate: bool, limits: Limits, uid: int | None) -> 
         "--dev", "/dev",
         "--proc", "/proc",
         "--perms", "1777", "--size", str(limits.disk_mb * 1024 * 1024), "--tmpfs", "/tmp",
-        "--ro-bind", code_path, "/tmp/program.py",
+        *binds,
+        *work,
         "--remount-ro", "/",
-        "--chdir", "/tmp",
         *user,
         "--die-with-parent",
         "--new-session",
         "--",
         *drop,
-        *program,
+        *argv,
     ]  # fmt: skip
 
 
@@ -262,9 +279,7 @@ def _exchange(proc: subprocess.Popen, data: bytes, limits: Limits) -> tuple[byte
     return bytes(kept[proc.stdout]), bytes(kept[proc.stderr]), timed_out, overflow
 
 
-def run_python(code: str, limits: Limits = Limits(), isolate: bool | None = None, stdin: str = "") -> Result:
-    """Run ``code`` with ``python -I`` in a sandbox, ``stdin`` on its standard input; never raises for
-    anything the program does."""
+def _warn_if_unisolated(isolate: bool | None) -> bool:
     global _warned_no_bwrap
     if isolate is None:
         isolate = bubblewrap_available()
@@ -275,34 +290,33 @@ def run_python(code: str, limits: Limits = Limits(), isolate: bool | None = None
                 "but with network access and the host's file system. Install the Debian package "
                 "'bubblewrap' for isolation."
             )
+    return isolate
+
+
+def _run(
+    argv: list[str],
+    limits: Limits,
+    isolate: bool,
+    stdin: str,
+    cwd: str,
+    read_only: list[tuple[str, str]],
+    writable: str | None,
+    env: dict[str, str],
+) -> Result:
     uid = _take_uid() if isolate and os.geteuid() == 0 and _setpriv_available() else None
     try:
-        with tempfile.TemporaryDirectory(prefix="lit_marl_sandbox-") as workdir:
-            code_path = os.path.join(workdir, "program.py")
-            with open(code_path, "w") as f:
-                f.write(code)
-            if not isolate:
-                os.chmod(workdir, 0o777)  # the program writes its files here
-            else:
-                os.chmod(workdir, 0o755)
-                os.chmod(code_path, 0o644)
-            start = time.perf_counter()
-            proc = subprocess.Popen(
-                _command(code_path, isolate, limits, uid),
-                cwd=workdir,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                preexec_fn=lambda: _set_limits(limits),
-                env={
-                    "PATH": "/usr/bin:/bin",
-                    "HOME": "/tmp" if isolate else workdir,
-                    "PYTHONHASHSEED": "0",
-                    "LANG": "C.UTF-8",
-                },
-            )
-            stdout, stderr, timed_out, overflow = _exchange(proc, stdin.encode(), limits)
-            seconds = time.perf_counter() - start
+        start = time.perf_counter()
+        proc = subprocess.Popen(
+            _command(argv, isolate, limits, uid, read_only, writable),
+            cwd=cwd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            preexec_fn=lambda: _set_limits(limits),
+            env={"PATH": "/usr/bin:/bin", "PYTHONHASHSEED": "0", "LANG": "C.UTF-8", **env},
+        )
+        stdout, stderr, timed_out, overflow = _exchange(proc, stdin.encode(), limits)
+        seconds = time.perf_counter() - start
     finally:
         _give_uid(uid)
     cut = limits.output_chars
@@ -315,6 +329,54 @@ def run_python(code: str, limits: Limits = Limits(), isolate: bool | None = None
         isolated=isolate,
         output_overflow=overflow,
     )
+
+
+def run_python(code: str, limits: Limits = Limits(), isolate: bool | None = None, stdin: str = "") -> Result:
+    """Run ``code`` with ``python -I`` in a sandbox, ``stdin`` on its standard input; never raises for
+    anything the program does."""
+    isolate = _warn_if_unisolated(isolate)
+    # the real interpreter, not a venv's link to it: the sandbox needs no site-packages, and a venv
+    # inside /tmp would be hidden by the sandbox's private /tmp
+    interpreter = os.path.realpath(sys.executable)
+    with tempfile.TemporaryDirectory(prefix="lit_marl_sandbox-") as workdir:
+        code_path = os.path.join(workdir, "program.py")
+        with open(code_path, "w") as f:
+            f.write(code)
+        if not isolate:
+            os.chmod(workdir, 0o777)  # the program writes its files here
+        else:
+            os.chmod(workdir, 0o755)
+            os.chmod(code_path, 0o644)
+        program = "/tmp/program.py" if isolate else code_path
+        return _run(
+            [interpreter, "-I", "-B", program],
+            limits,
+            isolate,
+            stdin,
+            workdir,
+            [(code_path, "/tmp/program.py")],
+            None,
+            {"HOME": "/tmp" if isolate else workdir},
+        )
+
+
+def run_in(
+    argv: list[str],
+    workspace: str,
+    limits: Limits = Limits(),
+    read_only: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+    isolate: bool | None = None,
+    stdin: str = "",
+) -> Result:
+    """Run ``argv`` in the folder ``workspace`` (its working folder, and with bubblewrap the only
+    host folder it can write: bound read-write at its own path, so paths are the same inside and
+    out); ``read_only`` host paths are visible read-only at their own paths. Never raises for
+    anything the program does."""
+    isolate = _warn_if_unisolated(isolate)
+    workspace = os.path.realpath(workspace)
+    mounts = [(os.path.realpath(p), os.path.realpath(p)) for p in read_only]
+    return _run(argv, limits, isolate, stdin, workspace, mounts, workspace, {"HOME": "/tmp", **(env or {})})
 
 
 def run_many(

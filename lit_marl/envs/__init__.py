@@ -5,6 +5,7 @@ from lit_marl import ConfigError
 from lit_marl.envs import (
     alfworld,  # noqa: F401  (registers "alfworld")
     corridor,  # noqa: F401  (registers "corridor")
+    swe,  # noqa: F401  (registers "swe")
     textworld,  # noqa: F401  (registers "textworld")
 )
 from lit_marl.envs.base import REGISTRY, Env

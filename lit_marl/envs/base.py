@@ -374,6 +374,17 @@ class Env(ABC):
             observations = result.observations
         raise ValueError(f"task {task!r}: the expert's {len(turns)} turns did not finish the episode")
 
+    def finish(self) -> dict | None:
+        """The rollout ended the episode (its turn or context budget ran out): the env's final
+        ``info`` when ending changes it (an env that scores on ``submit`` scores now), else None
+        (the last step's info stands)."""
+        return None
+
+    def close(self) -> None:
+        """Release what the episode holds (a workspace, a process); called once it is over, also
+        when it raised. Nothing by default."""
+        return None
+
     def clone(self) -> "Env":
         if not self.cloneable:
             raise TypeError(f"{type(self).__name__} cannot be cloned: replay the action prefix instead")

@@ -5,6 +5,8 @@ into a task file, and a named set's expert play into demonstrations.
 - ``alfworld:<split>:<count>``: the project's ALFWorld games, ``count`` per task type, and
   ``alfworld-data:<split>[:<count>]``: the official ones under ``$ALFWORLD_DATA``
   (``envs/alfworld/games.py``);
+- ``swe:bundled:<split>``: the bundled SWE repositories, and ``swe:<file>``: a local SWE-Gym
+  instance file read with ``datasets`` (``envs/swe/instances.py``);
 - anything else is a file path and comes back as it is.
 """
 
@@ -19,6 +21,8 @@ from lit_marl import ConfigError
 from lit_marl.envs.alfworld import games as alfworld_games
 from lit_marl.envs.alfworld.env import AlfWorldEnv
 from lit_marl.envs.base import Env
+from lit_marl.envs.swe.env import SWEEnv
+from lit_marl.envs.swe.instances import resolve_source as resolve_swe_source
 from lit_marl.envs.textworld import games as textworld_games
 from lit_marl.envs.textworld.env import TextWorldEnv
 from lit_marl.envs.textworld.games import write_atomic
@@ -32,6 +36,7 @@ FAMILIES = {
     "textworld": (textworld_games.resolve_source, TextWorldEnv, ("textworld",)),
     "alfworld": (alfworld_games.resolve_source, AlfWorldEnv, ("textworld", "alfworld")),
     "alfworld-data": (alfworld_games.resolve_source, AlfWorldEnv, ("textworld", "alfworld")),
+    "swe": (resolve_swe_source, SWEEnv, ()),
 }
 
 
@@ -51,7 +56,7 @@ def same_games(source: str, other: str) -> bool:
     """Whether two named sources draw from the same games: the same family and the same
     complexity and split (TextWorld) or split (ALFWorld); counts differ only in how many."""
     a, b = source.split(":"), other.split(":")
-    key = 3 if a[0] == "textworld" else 2
+    key = 3 if a[0] in ("textworld", "swe") else 2
     return family(source) == family(other) and a[:key] == b[:key]
 
 
@@ -74,6 +79,8 @@ def resolve_demo_source(
     if kind is None:
         return source
     for other_field, other in disjoint_from.items():
+        if kind == "swe" and other_field == "data.train_path":
+            continue  # SWE: SFT on the training instances' known fixes, then RL on them (held out: val)
         if other and family(other) and same_games(source, other):
             raise ConfigError(
                 f"{field}={source!r} draws from the games of {other_field}={other!r}: take the "

@@ -131,13 +131,20 @@ def run_episodes(
     generates (default: ``auto``)."""
     start = time.perf_counter()
     engine = engine or make_engine("auto")
-    episodes = _start(agents, [task for task in tasks for _ in range(settings.group_size)], make_env, settings, pool)
-    clock = dict.fromkeys(("generate_s", "env_s", "generated"), 0.0)
-    for turn in range(settings.max_turns):
-        live = [e for e in episodes if not e.done]
-        if not live:
-            break
-        _play_turn(agents, live, turn, settings, engine, pool, clock)
+    envs: list[Env] = []
+    try:
+        episodes = _start(
+            agents, [task for task in tasks for _ in range(settings.group_size)], make_env, settings, pool, envs
+        )
+        clock = dict.fromkeys(("generate_s", "env_s", "generated"), 0.0)
+        for turn in range(settings.max_turns):
+            live = [e for e in episodes if not e.done]
+            if not live:
+                break
+            _play_turn(agents, live, turn, settings, engine, pool, clock)
+    finally:  # also when an episode raised: no workspace or process outlives its rollout
+        for env in envs:
+            env.close()
     steps = sum(len(e.scores) for e in episodes)
     seconds = time.perf_counter() - start
     stats = {
@@ -149,16 +156,21 @@ def run_episodes(
         "rollout/env_steps": float(steps),
         "rollout/env_steps_per_s": steps / max(seconds, 1e-9),
     }
+    for key in sorted({k for e in episodes for k in e.info.get("counts", {})}):  # the env's own counts
+        stats[f"env/{key}"] = sum(float(e.info.get("counts", {}).get(key, 0.0)) for e in episodes) / len(episodes)
     return _batches(agents, episodes, len(tasks), settings.group_size, stats)
 
 
-def _start(agents, rows: list[dict], make_env, settings: EpisodeSettings, pool) -> list[_Live]:
-    """One environment per episode, reset on its task; each agent's first observation encoded."""
+def _start(agents, rows: list[dict], make_env, settings: EpisodeSettings, pool, envs: list[Env]) -> list[_Live]:
+    """One environment per episode (each also put in ``envs``, to be closed), reset on its task;
+    each agent's first observation encoded."""
     n = len(agents)
-    episodes = [
-        _Live(make_env(), [[] for _ in agents], [[] for _ in agents], [[] for _ in agents], [[] for _ in agents])
-        for _ in rows
-    ]
+    episodes = []
+    for _ in rows:
+        envs.append(make_env())
+        episodes.append(
+            _Live(envs[-1], [[] for _ in agents], [[] for _ in agents], [[] for _ in agents], [[] for _ in agents])
+        )
     if episodes[0].env.num_agents != n:
         raise ValueError(f"{type(episodes[0].env).__name__} has {episodes[0].env.num_agents} agents, the team {n}")
     first = (
@@ -204,23 +216,33 @@ def _play_turn(agents, live: list[_Live], turn: int, settings: EpisodeSettings, 
             clock["generated"] += len(reply)
     t1 = time.perf_counter()
     results: list[StepResult] = step_all([e.env for e in live], texts, pool)
-    t2 = time.perf_counter()
+    ended = []  # cut short by the rollout's budgets: the env may score them now (in parallel)
     for e, result, was_closed in zip(live, results, closed):
         e.info = result.info
         e.scores.append(float(result.info["score"]))
-        if result.terminated or result.truncated or turn == settings.max_turns - 1:
+        if result.terminated or result.truncated:
             e.done, e.truncated = True, not result.terminated
+            continue
+        if turn == settings.max_turns - 1:
+            e.done = e.truncated = True
+            ended.append(e)
             continue
         segments = [a.chat_continuation(o, c) for a, o, c in zip(agents, result.observations, was_closed)]
         budget = settings.max_context_tokens - settings.max_new_tokens
         if any(len(ids) + len(seg) > budget for ids, seg in zip(e.ids, segments)):
             e.done = e.truncated = True  # the overflow policy: end as truncated, keep its reward
+            ended.append(e)
             continue
         for i, seg in enumerate(segments):
             e.ids[i] += seg
             e.mask[i] += [0] * len(seg)
+    finals = list(pool.map(lambda e: e.env.finish(), ended)) if pool else [e.env.finish() for e in ended]
+    for e, info in zip(ended, finals):
+        if info is not None:
+            e.info = info
+            e.scores[-1] = float(info["score"])
     clock["generate_s"] += t1 - t0
-    clock["env_s"] += t2 - t1
+    clock["env_s"] += time.perf_counter() - t1
 
 
 def _batches(agents, episodes: list[_Live], num_tasks: int, group_size: int, stats: dict) -> list[EpisodeBatch]:

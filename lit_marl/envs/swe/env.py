@@ -1,0 +1,229 @@
+"""SWE-Gym-style repositories as a stateful ``Env``: fix a repository with tools over many turns,
+rewarded by its tests.
+
+A task row is an instance in SWE-Gym's schema (``instances.py``). ``reset`` makes a fresh copy of
+the repository at ``base_commit`` (``workspace.py``) and shows the problem, the files, the tests
+that must pass and the tools (``HELP``). Each turn the agent's reply is one tool call; a
+malformed one gets an error observation and the episode goes on. ``submit``, the env's own turn
+limit (``max_steps``) or its output budget end the episode; so does the rollout's turn or context
+budget (``finish``). Then the changes are scored on a fresh copy (``scoring.py``) and the workspace
+is removed. ``info``: ``won`` = resolved (every listed test passes), ``score`` = the fraction of
+listed tests passed (``reward: fraction``) or 1/0 (``reward: resolved``), ``max_score`` 1; the
+rollout's reward is ``won + score_weight x score`` (``returns.step_reward``). ``expert_turns`` are
+the known fix (``patch``) as tool calls, then ``submit``.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Literal
+
+from lit_marl.envs.base import Env, StepResult, register
+from lit_marl.envs.swe.instances import normalize, parse_patch, snapshot
+from lit_marl.envs.swe.scoring import SITE, Score, TestSettings, run_tests, score
+from lit_marl.envs.swe.tools import FILE_TOOLS, HELP, ToolCall, ToolError, as_calls, parse
+from lit_marl.envs.swe.workspace import Workspace, default_root, sweep
+from lit_marl.sandbox import Limits, run_in
+
+_swept: set[str] = set()
+_sweep_lock = threading.Lock()
+
+
+def cut(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters (its head and tail) with a marker saying how much went."""
+    if len(text) <= limit:
+        return text
+    head, tail = limit * 2 // 3, limit // 3
+    return f"{text[:head]}\n[... {len(text) - head - tail} characters cut ...]\n{text[-tail:]}"
+
+
+@register("swe")
+class SWEEnv(Env):
+    num_agents = 1
+    cloneable = True
+
+    def __init__(
+        self,
+        repos_dir: str | None = None,
+        reward: Literal["fraction", "resolved"] = "fraction",
+        max_steps: int = 12,
+        max_observation_chars: int = 2000,
+        max_output_chars: int = 20_000,
+        command_timeout_s: float = 20.0,
+        workspace_mb: int = 64,
+        list_tests: bool = True,
+        workspace_root: str | None = None,
+        tests: TestSettings | dict | None = None,
+    ):
+        """
+        Args:
+            repos_dir: Folder of local repository copies (``owner__name`` or ``owner/name``), for rows
+                without ``repo_path``.
+            reward: ``fraction``: ``score`` is the fraction of listed tests passed; ``resolved``: 1
+                when every listed test passes, else 0. ``won`` is resolved either way.
+            max_steps: Tool calls per episode; the last one is followed by scoring.
+            max_observation_chars: Characters of one observation (a tool's output is cut, marked).
+            max_output_chars: Characters of all observations of an episode; past it the episode ends
+                (scored).
+            command_timeout_s: Wall seconds of one ``run`` command.
+            workspace_mb: Size of the workspace past which a ``run`` ends the episode (scored).
+            list_tests: Name FAIL_TO_PASS and PASS_TO_PASS in the first observation.
+            workspace_root: Where workspaces are made (default ``$TMPDIR/lit_marl_swe``).
+            tests: How tests run (``scoring.TestSettings``: seconds per test and per run, memory,
+                retries of a run that gives no report).
+        """
+        if max_steps < 1:
+            raise ValueError(f"data.env_kwargs.max_steps={max_steps}: must be >= 1")
+        for name, value in (("max_observation_chars", max_observation_chars), ("max_output_chars", max_output_chars),
+                            ("command_timeout_s", command_timeout_s), ("workspace_mb", workspace_mb)):  # fmt: skip
+            if not value > 0:
+                raise ValueError(f"data.env_kwargs.{name}={value!r}: must be > 0")
+        if not SITE:
+            raise ValueError("the swe environment runs the repositories' tests with pytest: pip install pytest")
+        if reward not in ("fraction", "resolved"):
+            raise ValueError(f"data.env_kwargs.reward={reward!r}: choose fraction or resolved")
+        self.repos_dir, self.reward, self.max_steps = repos_dir, reward, max_steps
+        self.max_observation_chars, self.max_output_chars = max_observation_chars, max_output_chars
+        self.command_timeout_s, self.workspace_mb, self.list_tests = command_timeout_s, workspace_mb, list_tests
+        self.root = Path(workspace_root) if workspace_root else default_root()
+        self.tests = tests if isinstance(tests, TestSettings) else TestSettings(**(tests or {}))
+        with _sweep_lock:  # workspaces of killed runs go before this process makes its own
+            if str(self.root) not in _swept:
+                _swept.add(str(self.root))
+                sweep(self.root)
+        self.ws: Workspace | None = None
+        self.row: dict | None = None
+        self.base: dict | None = None
+        self.result: Score | None = None
+        self.steps = self.output = 0
+        self.counts: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ episode
+    def reset(self, task: dict) -> list[str]:
+        self.close()
+        self.row = normalize(dict(task), f"instance {task.get('instance_id', '?')}")
+        self.base = snapshot(self.row, self.repos_dir)
+        self.ws = Workspace(self.root, self.base)
+        self.result, self.steps, self.output = None, 0, 0
+        self.counts = dict.fromkeys(("tool_errors", "harness_retries", "agent_crashes", "tampered", "submitted"), 0.0)
+        listed = self.row["FAIL_TO_PASS"] + self.row["PASS_TO_PASS"]
+        files = sorted(self.base)
+        shown = ", ".join(files[:80]) + (f" and {len(files) - 80} more" if len(files) > 80 else "")
+        parts = [
+            f"Fix the repository {self.row['repo']} so that its tests pass.",
+            f"Problem:\n{self.row['problem_statement'].strip()}",
+            f"Files: {shown}",
+        ]
+        if self.list_tests:
+            parts.append("Tests that must pass: " + ", ".join(listed))
+        parts += [HELP, f"You have {self.max_steps} tool calls."]
+        return [self._observe("\n\n".join(parts), count=False)]
+
+    def _observe(self, text: str, count: bool = True) -> str:
+        text = cut(text, self.max_observation_chars)
+        if count:
+            self.output += len(text)
+        return text
+
+    def _info(self) -> dict:
+        done = self.result
+        resolved = bool(done and done.resolved)
+        value = (done.fraction if self.reward == "fraction" else float(resolved)) if done else 0.0
+        return {"won": resolved, "lost": False, "score": value, "max_score": 1, "counts": dict(self.counts)}
+
+    def step(self, actions: list[str]) -> StepResult:
+        if self.ws is None or self.result is not None:
+            raise RuntimeError("SWEEnv.step before reset or after the episode ended")
+        self.steps += 1
+        ended = ""
+        try:
+            call = parse(actions[0])
+            if call.name == "submit":
+                self.counts["submitted"] = 1.0
+                return self._end("submitted", terminated=True)
+            text = self._run_tool(call)
+        except ToolError as err:
+            self.counts["tool_errors"] += 1
+            text = f"error: {err}"
+        if self.ws.size_bytes() > self.workspace_mb * 1024 * 1024:
+            ended = f"the workspace passed {self.workspace_mb} MB"
+        elif self.steps >= self.max_steps:
+            ended = f"that was tool call {self.steps} of {self.max_steps}"
+        elif self.output + len(text) > self.max_output_chars:
+            ended = f"the episode's output passed {self.max_output_chars} characters"
+        if ended:
+            return self._end(ended, terminated=False, last=text)
+        observation = self._observe(text) + f"\n[tool call {self.steps} of {self.max_steps}]"
+        return StepResult([observation], info=self._info())
+
+    def _run_tool(self, call: ToolCall) -> str:
+        if call.name in FILE_TOOLS:
+            return FILE_TOOLS[call.name](self.ws, call)
+        if call.name == "run":
+            if not call.rest:
+                raise ToolError("run: give the shell command on the same line, e.g. 'run ls tests'")
+            seconds = self.command_timeout_s
+            limits = Limits(wall_s=seconds, cpu_s=int(seconds) + 1, memory_mb=1024, processes=64, file_mb=16,
+                            disk_mb=64, output_chars=4 * self.max_observation_chars)  # fmt: skip
+            result = run_in(["/bin/bash", "-c", call.rest], str(self.ws.path), limits, read_only=(SITE,),
+                            env={"PYTHONPATH": SITE, "PYTHONDONTWRITEBYTECODE": "1"})  # fmt: skip
+            status = (
+                "timed out" if result.timed_out else "output limit" if result.output_overflow else result.returncode
+            )
+            return f"$ {call.rest}\n{result.stdout}{result.stderr}[exit {status}]"
+        # test: the listed tests on the workspace as it is (the agent's own view; scoring uses a fresh copy)
+        listed = list(dict.fromkeys(self.row["FAIL_TO_PASS"] + self.row["PASS_TO_PASS"]))
+        report, result = run_tests(self.ws, listed, self.row["test_args"], self.tests)
+        if report is None:
+            return f"the tests gave no report (timed out: {result.timed_out}):\n{result.stderr[-800:]}"
+        lines = [f"{report.outcomes.get(test, 'missing'):8s} {test}" for test in listed]
+        return "\n".join(lines) + "\n\n" + report.log[-self.max_observation_chars // 2 :]
+
+    def _end(self, why: str, terminated: bool, last: str = "") -> StepResult:
+        self._score()
+        done = self.result
+        summary = f"{why}: {done.passed} of {len(done.outcomes)} tests pass" + (" (resolved)" if done.resolved else "")
+        text = (self._observe(last) + "\n\n" if last else "") + summary
+        return StepResult([text], terminated=terminated, truncated=not terminated, info=self._info())
+
+    def _score(self) -> None:
+        """Score the workspace (once) and remove it."""
+        if self.result is None:
+            result = score(self.row, self.base, self.ws.files(), self.root, self.tests)
+            self.counts["harness_retries"] += result.retries
+            self.counts["agent_crashes"] += float(result.agent_crash)
+            self.counts["tampered"] = float(bool(result.tampered))
+            self.result = result
+        self.ws.remove()
+
+    def finish(self) -> dict | None:
+        """The rollout ended the episode (its turn or context budget): score the changes now."""
+        if self.ws is None or self.result is not None:
+            return None
+        self._score()
+        return self._info()
+
+    def close(self) -> None:
+        if self.ws is not None:
+            self.ws.remove()
+
+    def expert_turns(self, task: dict) -> list[list[str]]:
+        """The known fix (the row's ``patch``) as tool calls, one per hunk, then ``submit``."""
+        row = normalize(dict(task), f"instance {task.get('instance_id', '?')}")
+        if not row["patch"]:
+            raise ValueError(f"instance {row['instance_id']}: no patch, so no expert")
+        return [[call] for call in as_calls(parse_patch(row["patch"]))]
+
+    def clone(self) -> "SWEEnv":
+        twin = object.__new__(SWEEnv)
+        twin.__dict__.update(self.__dict__)
+        twin.counts = dict(self.counts)
+        twin.ws = self.ws.copy() if self.ws is not None and not self.ws.removed else None
+        return twin
+
+
+def workspaces(root: str | None = None) -> list[str]:
+    """The workspace folders under ``root`` (for checks that none is left behind)."""
+    folder = Path(root) if root else default_root()
+    return sorted(p.name for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []

@@ -1,0 +1,216 @@
+"""The SWE environment end to end, in the sandbox: the known fix resolves every bundled repository,
+doing nothing earns its baseline, tampering earns nothing, budgets end episodes cleanly, harness
+faults are retried and counted (never a silent 0), workspaces never outlive their episodes (also
+after a raise and a SIGKILL), and tiny-model fits run with GRPO, RLOO and PPO."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import lightning as L
+import pytest
+import torch
+
+from helpers import make_trainer
+from lit_marl.agents import Agent
+from lit_marl.algorithms import GRPO, PPO, RLOO
+from lit_marl.data import EpisodeDataModule
+from lit_marl.envs.swe import scoring
+from lit_marl.envs.swe import workspace as workspace_module
+from lit_marl.envs.swe.env import SWEEnv, workspaces
+from lit_marl.envs.swe.instances import resolve_source
+from lit_marl.rollout.episode import EpisodeSettings, run_episodes
+
+BASELINE = {"textkit": 2 / 4, "intervals": 2 / 4, "shop": 2 / 4, "lru": 2 / 3, "csvlite": 2 / 3, "units": 1 / 3}
+"""The fraction of listed tests that pass on each base commit (its PASS_TO_PASS), by hand."""
+
+
+@pytest.fixture(scope="module")
+def rows():
+    path = resolve_source("swe:bundled:all")
+    return {json.loads(line)["repo"].split("/")[1]: json.loads(line) for line in open(path)}
+
+
+@pytest.fixture
+def root(tmp_path):
+    return str(tmp_path / "workspaces")
+
+
+def play(env: SWEEnv, row: dict, replies: list[str]):
+    env.reset(row)
+    for reply in replies:
+        result = env.step([reply])
+        if result.terminated or result.truncated:
+            return result
+    raise AssertionError("the episode did not end")
+
+
+@pytest.mark.parametrize("name", sorted(BASELINE))
+def test_known_fix_resolves_and_doing_nothing_earns_the_baseline(rows, root, name):
+    env = SWEEnv(workspace_root=root)
+    nothing = play(env, rows[name], ["submit"])
+    assert nothing.info["score"] == pytest.approx(BASELINE[name]) and not nothing.info["won"] and nothing.terminated
+    fixed = play(env, rows[name], [turn[0] for turn in env.expert_turns(rows[name])])
+    assert fixed.info["score"] == 1.0 and fixed.info["won"] and "(resolved)" in fixed.observations[0]
+    assert fixed.info["counts"]["tool_errors"] == 0 and workspaces(root) == []
+
+
+def test_the_expert_gives_a_demonstration_of_tool_calls(rows, root):
+    chats = SWEEnv(workspace_root=root).demonstration(rows["shop"])
+    replies = [m["content"] for m in chats[0] if m["role"] == "assistant"]
+    assert [r.split()[0] for r in replies] == ["replace", "replace", "submit"]
+    assert "Tests that must pass: tests/test_shop.py::test_half_up" in chats[0][0]["content"]
+
+
+def test_editing_deleting_or_plugging_the_tests_and_writing_outside_earn_nothing(rows, root, tmp_path):
+    outside = tmp_path / "outside.txt"
+    attacks = [
+        "run rm -rf tests",
+        f"run echo pwned > {outside}; touch /etc/lit_marl_pwned; echo done",
+        "create conftest.py\n<<<<<<< CONTENT\nimport pytest\n@pytest.hookimpl(hookwrapper=True)\n"
+        "def pytest_runtest_makereport(item, call):\n    outcome = yield\n    outcome.get_result().outcome = 'passed'\n"
+        ">>>>>>> END",
+        "create tests/test_slug.py\n<<<<<<< CONTENT\ndef test_collapses_runs():\n    pass\n>>>>>>> END",
+        "create pytest.ini\n<<<<<<< CONTENT\n[pytest]\naddopts = -p no:python\n>>>>>>> END",
+        "create pytest.py\n<<<<<<< CONTENT\ndef main(*a, **k):\n    return 0\n>>>>>>> END",
+        "run ln -s / escape && echo linked",
+        "create escape/tmp/lit_marl_pwned\n<<<<<<< CONTENT\nx\n>>>>>>> END",
+        "submit",
+    ]
+    env = SWEEnv(workspace_root=root)
+    result = play(env, rows["textkit"], attacks)
+    assert result.info["score"] == pytest.approx(BASELINE["textkit"]) and not result.info["won"]
+    assert (
+        not outside.exists() and not os.path.exists("/etc/lit_marl_pwned") and not os.path.exists("/tmp/lit_marl_pwned")
+    )
+    assert result.info["counts"]["tool_errors"] == 1  # the create through the link: outside the repository
+
+
+def test_code_that_patches_the_test_run_is_refused_or_scored_zero(rows, root):
+    """Direct reaches into the test machinery are refused before running; code that escapes the
+    check and kills the run (here: it prints a fake report and exits) gives no report: scored 0,
+    counted as the agent's crash (the base commit still reports)."""
+    patch = (
+        "replace textkit/slug.py\n<<<<<<< SEARCH\ndef slugify(text):\n=======\n{line}\ndef slugify(text):\n"
+        ">>>>>>> REPLACE"
+    )
+    refused = play(SWEEnv(workspace_root=root), rows["textkit"], [patch.format(line="import _pytest.runner"), "submit"])
+    assert refused.info["score"] == 0.0 and refused.info["counts"]["tampered"] == 1
+    exits = 'print("fake report"); raise SystemExit(0)'
+    crashed = play(
+        SWEEnv(workspace_root=root, tests={"retries": 0}), rows["textkit"], [patch.format(line=exits), "submit"]
+    )
+    assert crashed.info["score"] == 0.0 and crashed.info["counts"]["tampered"] == 0
+    hung = play(
+        SWEEnv(workspace_root=root, tests={"retries": 0, "test_timeout_s": 1}),
+        rows["intervals"],
+        [
+            "replace intervals.py\n<<<<<<< SEARCH\n    result = []\n=======\n"
+            "    while spans:\n        pass\n    result = []\n>>>>>>> REPLACE",
+            "submit",
+        ],
+    )
+    assert hung.info["score"] == pytest.approx(1 / 4)  # test_empty passes; the three that loop fail
+
+
+def test_run_is_sandboxed_cut_and_timed(rows, root):
+    env = SWEEnv(workspace_root=root, command_timeout_s=2, max_observation_chars=500)
+    env.reset(rows["lru"])
+    flood = env.step(["run python3 -c \"print('x' * 20000)\""]).observations[0]
+    assert "characters cut" in flood and len(flood) < 700
+    assert "[exit timed out]" in env.step(["run sleep 30"]).observations[0]
+    assert "Read-only file system" in env.step(["run touch /usr/evil"]).observations[0]
+    assert "passed   tests/test_lru.py::test_put_get" in env.step(["test"]).observations[0]
+    assert "error: no tool call" in env.step(["please fix it"]).observations[0]
+    env.close()
+    assert workspaces(root) == []
+
+
+def test_turn_limit_and_output_budget_end_the_episode_scored(rows, root):
+    limited = play(SWEEnv(workspace_root=root, max_steps=2), rows["units"], ["view units.py", "nonsense"])
+    assert limited.truncated and not limited.terminated and limited.info["score"] == pytest.approx(1 / 3)
+    assert "tool call 2 of 2" in limited.observations[0] and limited.info["counts"]["tool_errors"] == 1
+    budget = play(SWEEnv(workspace_root=root, max_output_chars=300), rows["units"], ["view units.py"] * 5)
+    assert budget.truncated and "output passed 300 characters" in budget.observations[0]
+
+
+def test_a_harness_failure_is_retried_and_counted_and_never_scored(rows, root, monkeypatch):
+    real = scoring.run_tests
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        report, result = real(*args, **kwargs)
+        return (None, result) if calls["n"] == 1 else (report, result)
+
+    monkeypatch.setattr(scoring, "run_tests", flaky)
+    env = SWEEnv(workspace_root=root)
+    result = play(env, rows["units"], ["submit"])
+    assert result.info["score"] == pytest.approx(1 / 3) and result.info["counts"]["harness_retries"] == 1
+    binary = play(SWEEnv(workspace_root=root, reward="resolved"), rows["units"], ["submit"])
+    assert binary.info["score"] == 0.0 and calls["n"] == 3  # reward=resolved: 1 only when every test passes
+    monkeypatch.setattr(scoring, "run_tests", lambda *a, **k: (None, real(*a, **k)[1]))
+    monkeypatch.setattr(scoring, "_baseline", {})
+    with pytest.raises(scoring.HarnessError, match="also on the base commit"):
+        play(SWEEnv(workspace_root=root, tests={"retries": 0}), rows["units"], ["submit"])
+    assert workspaces(root) == []
+
+
+# --------------------------------------------------------------------------- clean-up
+def test_workspaces_go_after_an_episode_that_raised(rows, root, monkeypatch):
+    agent = Agent("tiny-random")
+
+    def broken(self, actions):
+        raise RuntimeError("the env broke mid-episode")
+
+    monkeypatch.setattr(SWEEnv, "step", broken)
+    with pytest.raises(RuntimeError, match="broke mid-episode"):
+        run_episodes([agent], [rows["lru"], rows["units"]], lambda: SWEEnv(workspace_root=root),
+                     EpisodeSettings(group_size=2, max_turns=2, max_new_tokens=4, max_context_tokens=4096))  # fmt: skip
+    assert workspaces(root) == []
+
+
+def test_workspaces_of_a_killed_trainer_go_at_the_next_start(root):
+    """The child makes a workspace as an episode does and is SIGKILLed (no clean-up of its own runs);
+    it loads only the workspace module, so the test does not pay for importing the project."""
+    script = (
+        "import importlib.util, os, pathlib, signal, sys\n"
+        "spec = importlib.util.spec_from_file_location('workspace', sys.argv[2])\n"
+        "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module)\n"
+        "ws = module.Workspace(pathlib.Path(sys.argv[1]), {'lru.py': (b'x = 1', 0o644)})\n"
+        "print(ws.path, flush=True); os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    child = subprocess.run(
+        [sys.executable, "-c", script, root, workspace_module.__file__], capture_output=True, text=True
+    )
+    assert child.returncode == -signal.SIGKILL and os.path.isdir(child.stdout.strip())
+    assert len(workspaces(root)) == 1
+    SWEEnv(workspace_root=root)  # a new start sweeps
+    assert workspaces(root) == []
+
+
+# --------------------------------------------------------------------------- fits
+@pytest.mark.parametrize("algorithm, generations", [(GRPO, 2), (RLOO, 2), (PPO, 1)])
+def test_tiny_fits_on_the_bundled_repositories(tmp_path, root, algorithm, generations):
+    L.seed_everything(0)
+    module = algorithm(model="tiny-random", learning_rate=1e-2)
+    data = EpisodeDataModule(
+        train_path="swe:bundled:train",
+        env="swe",
+        env_kwargs={"workspace_root": root, "max_steps": 3},
+        tasks_per_step=2,
+        num_generations=generations,
+        max_turns=2,
+        max_new_tokens=8,
+        max_context_tokens=4096,
+        score_weight=0.5,
+    )
+    trainer = make_trainer(tmp_path, limit_train_batches=2 if algorithm is GRPO else 1, limit_val_batches=0)
+    trainer.fit(module, datamodule=data)
+    metrics = trainer.callback_metrics
+    assert torch.isfinite(metrics["train/loss"]) and float(metrics["train/reward"]) > 0  # the baselines: 1/3..2/3
+    assert workspaces(root) == []
