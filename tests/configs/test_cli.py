@@ -47,13 +47,35 @@ def test_config_prints(config, in_repo_root, capsys):
     assert "num_agents" not in printed["model"]["init_args"]
 
 
+def small_game_sets(config: str) -> list[str]:
+    """Overrides that shrink a config's named game sets to one game (per task type): resolving
+    them is what is tested; generating 64 TextWorld games and their walkthroughs is the cost of a
+    run, not of this check (it took 100-170 s a config)."""
+    data = yaml.safe_load((REPO_ROOT / config).read_text())["data"]["init_args"]
+    out = []
+    for key in ("train_path", "val_path", "demo_path"):
+        source = data.get(key) or ""
+        if source.startswith(("textworld:", "alfworld:")) and source.rsplit(":", 1)[-1].isdigit():
+            out += [f"--data.{key}", source.rsplit(":", 1)[0] + ":1"]
+    return out
+
+
+def test_small_game_sets_keep_the_set_and_shrink_the_count():
+    assert small_game_sets("configs/textworld/sft_ppo_cpu.yaml") == [
+        "--data.train_path", "textworld:w2-o3-q4:train:1",
+        "--data.val_path", "textworld:w2-o3-q4:test:1",
+        "--data.demo_path", "textworld:w2-o3-q4:validation:1",
+    ]  # fmt: skip
+    assert small_game_sets("configs/quickstart.yaml") == []
+
+
 @pytest.mark.parametrize("config", CONFIGS)
 def test_config_instantiates_without_loading_models(config, in_repo_root, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("instantiating a config must not load a model")
 
     monkeypatch.setattr(base_module, "Agent", refuse)
-    cli = build_cli(args=["--config", config], run=False)
+    cli = build_cli(args=["--config", config, *small_game_sets(config)], run=False)
     source = yaml.safe_load((REPO_ROOT / config).read_text())
     assert isinstance(cli.model, AgentTeamModule)
     assert isinstance(cli.datamodule, TaskDataModule)

@@ -50,9 +50,11 @@ def test_killed_run_resumes_exactly(tmp_path, algorithm):
         torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow  # three 2-rank runs (~1.5 min quiet, 3.5 min on a busy machine); `make test-slow`
 def test_killed_fsdp_run_resumes_exactly(tmp_path):
     """The same under FSDP on 2 ranks: a sharded checkpoint (a folder, one file of shards per rank)
-    and each rank's own tasks, RNG and buffers."""
+    and each rank's own tasks, RNG and buffers. (``make test`` keeps the FSDP checkpoint, resume and
+    export run of tests/distributed and the kill-and-resume of one process.)"""
     full = run(tmp_path / "full", "--steps", "4", "--fsdp")
     assert full.returncode == 0, full.stderr[-2000:]
     cut = run(tmp_path / "cut", "--steps", "4", "--kill-before", "3", "--fsdp")

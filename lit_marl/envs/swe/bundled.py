@@ -314,6 +314,7 @@ def instance(name: str, folder: Path, commit: str) -> dict:
         "patch": unified_diff(before, spec["fixed"]),
         "test_patch": "",
         "test_cmd": "pytest",
+        "task_type": next(split for split, names in SPLITS.items() if name in names),  # evaluation: won/<split>
     }
 
 
