@@ -9,8 +9,10 @@ four repositories, ``test`` the other two (held out).
 from __future__ import annotations
 
 import difflib
+import fcntl
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -289,14 +291,18 @@ def _git(repo: Path, *args: str) -> str:
 def write_repo(name: str, folder: Path) -> str:
     """``folder`` as a git repository holding repository ``name``'s buggy version; its commit."""
     spec = REPOS[name]
+    if (folder / ".git").is_dir():
+        try:
+            return _git(folder, "rev-parse", "HEAD").strip()
+        except subprocess.CalledProcessError:  # a write that was killed half-way: start again
+            shutil.rmtree(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    if not (folder / ".git").is_dir():
-        _git(folder, "init", "-q", "-b", "main")
-        for path, text in spec["files"].items():
-            (folder / path).parent.mkdir(parents=True, exist_ok=True)
-            (folder / path).write_text(text)
-        _git(folder, "add", "-A")
-        _git(folder, "commit", "-q", "-m", f"{name}: the version with the bug")
+    _git(folder, "init", "-q", "-b", "main")
+    for path, text in spec["files"].items():
+        (folder / path).parent.mkdir(parents=True, exist_ok=True)
+        (folder / path).write_text(text)
+    _git(folder, "add", "-A")
+    _git(folder, "commit", "-q", "-m", f"{name}: the version with the bug")
     return _git(folder, "rev-parse", "HEAD").strip()
 
 
@@ -322,6 +328,13 @@ def write(out_dir: str | Path) -> dict[str, Path]:
     """The repositories under ``out_dir/repos`` and one instance file per split
     (``out_dir/<split>.jsonl``, and ``all.jsonl``); the files of each split. Idempotent."""
     out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / ".lock", "w") as lock:  # processes writing the same folder (test workers, ranks) take turns
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _write(out)
+
+
+def _write(out: Path) -> dict[str, Path]:
     rows = {}
     for name in REPOS:
         folder = out / "repos" / name

@@ -213,7 +213,8 @@ class SWEEnv(Env):
         row = normalize(dict(task), f"instance {task.get('instance_id', '?')}")
         if not row["patch"]:
             raise ValueError(f"instance {row['instance_id']}: no patch, so no expert")
-        return [[call] for call in as_calls(parse_patch(row["patch"]))]
+        base = {path: data for path, (data, _) in snapshot(row, self.repos_dir).items()}
+        return [[call] for call in as_calls(parse_patch(row["patch"]), base)]
 
     def clone(self) -> "SWEEnv":
         twin = object.__new__(SWEEnv)

@@ -187,10 +187,31 @@ def create(ws: Workspace, call: ToolCall) -> str:
 FILE_TOOLS = {"view": view, "search": search, "replace": replace, "insert": insert, "create": create}
 
 
-def as_calls(hunks) -> list[str]:
-    """The known fix (a patch's hunks) as tool calls, one per hunk, then ``submit``."""
+def trim(hunk, text: str):
+    """``hunk`` without the context lines its old and new sides share at both ends, as long as its
+    old side still occurs exactly once in ``text`` (the file it applies to): shorter calls."""
+    old, new = hunk.old.splitlines(keepends=True), hunk.new.splitlines(keepends=True)
+
+    def once(lines):
+        return bool(lines) and text.count("".join(lines)) == 1
+
+    while len(old) > 1 and len(new) > 1 and old[0] == new[0] and once(old[1:]):
+        old, new = old[1:], new[1:]
+    while len(old) > 1 and len(new) > 1 and old[-1] == new[-1] and once(old[:-1]):
+        old, new = old[:-1], new[:-1]
+    return type(hunk)(hunk.path, "".join(old), "".join(new), hunk.created, hunk.deleted)
+
+
+def as_calls(hunks, files: dict[str, bytes] | None = None) -> list[str]:
+    """The known fix (a patch's hunks) as tool calls, one per hunk, then ``submit``; with the base
+    ``files`` each replace is trimmed to the lines that change (``trim``)."""
     calls = []
+    files = dict(files or {})
     for hunk in hunks:
+        if files and not hunk.created and not hunk.deleted and hunk.path in files:
+            text = files[hunk.path].decode(errors="replace")
+            hunk = trim(hunk, text)
+            files[hunk.path] = text.replace(hunk.old, hunk.new, 1).encode()
         if hunk.created:
             calls.append(f"create {hunk.path}\n<<<<<<< CONTENT\n{hunk.new}>>>>>>> END")
         elif hunk.deleted:
