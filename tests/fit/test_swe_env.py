@@ -136,6 +136,13 @@ def test_turn_limit_and_output_budget_end_the_episode_scored(rows, root):
     assert "tool call 2 of 2" in limited.observations[0] and limited.info["counts"]["tool_errors"] == 1
     budget = play(SWEEnv(workspace_root=root, max_output_chars=300), rows["units"], ["view units.py"] * 5)
     assert budget.truncated and "output passed 300 characters" in budget.observations[0]
+    full = play(SWEEnv(workspace_root=root, workspace_mb=1), rows["units"], ["run head -c 2000000 /dev/zero > big.bin"])
+    assert (
+        full.truncated
+        and "workspace passed 1 MB" in full.observations[0]
+        and full.info["score"] == pytest.approx(1 / 3)
+    )
+    assert workspaces(root) == []
 
 
 def test_a_harness_failure_is_retried_and_counted_and_never_scored(rows, root, monkeypatch):

@@ -136,7 +136,7 @@ class SWEEnv(Env):
         if self.ws is None or self.result is not None:
             raise RuntimeError("SWEEnv.step before reset or after the episode ended")
         self.steps += 1
-        ended = ""
+        ended, call = "", None
         try:
             call = parse(actions[0])
             if call.name == "submit":
@@ -146,7 +146,7 @@ class SWEEnv(Env):
         except ToolError as err:
             self.counts["tool_errors"] += 1
             text = f"error: {err}"
-        if self.ws.size_bytes() > self.workspace_mb * 1024 * 1024:
+        if call is not None and call.name == "run" and self.ws.size_bytes() > self.workspace_mb * 1024 * 1024:
             ended = f"the workspace passed {self.workspace_mb} MB"
         elif self.steps >= self.max_steps:
             ended = f"that was tool call {self.steps} of {self.max_steps}"
