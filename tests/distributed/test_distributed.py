@@ -37,7 +37,9 @@ def params(path: Path) -> dict[str, torch.Tensor]:
     return torch.load(path)
 
 
-@pytest.fixture(scope="module", params=["magrpo", "iac"])
+# IAC's two-rank equivalences (5 multi-process runs, ~4 min under load) run in `make test-slow`;
+# `make test` keeps MAGRPO's, and IAC trains on two ranks in tests/fit and the slow set
+@pytest.fixture(scope="module", params=["magrpo", pytest.param("iac", marks=pytest.mark.slow)])
 def built(request, tmp_path_factory):
     """Sampled rollouts of the tasks of 2 steps x 4 tasks, built once: rank 0's tasks end after turn 0."""
     root = tmp_path_factory.mktemp(f"ddp_{request.param}")
@@ -207,7 +209,7 @@ def fit_cli(tmp_path: Path, repo_root: Path, config: dict, *extra: str) -> subpr
     return done
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.slow), "fsdp"])  # ddp: make test-slow
 def test_config_runs_checkpoints_resumes_and_exports(tmp_path, repo_root, strategy):
     """configs/magrpo/slogan_tiny_{ddp,fsdp}.yaml through the console script (Lightning launches rank
     1), then resumed from its checkpoint for a second epoch; the export reloads with from_pretrained.
@@ -257,7 +259,7 @@ def test_fsdp_refuses_what_it_cannot_shard():
         MAGRPO(model="tiny-random").shard(TwoByTwo())
 
 
-@pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
+@pytest.mark.parametrize("algorithm", [pytest.param("ppo", marks=pytest.mark.slow), "grpo"])  # ppo: make test-slow
 def test_episodic_algorithms_train_on_two_fsdp_ranks(tmp_path, repo_root, algorithm):
     """PPO and GRPO on stateful corridor episodes (each rank's episodes end at their own turns),
     sharded with FSDP2 through the console script: no hang; the gathered export is finite."""
