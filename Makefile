@@ -25,11 +25,12 @@ install: $(STAMP)
 quickstart: $(STAMP)
 	OMP_NUM_THREADS=2 $(BIN)/lit-marl fit --config configs/quickstart.yaml
 
-# two pytest workers, one thread each: the suite on both cores; worksteal: a worker that runs out
-# takes tests queued on the other (the default hands out fixed chunks, and a chunk of slow tests left
-# one core idle for minutes at the end); the 15 slowest tests are listed at the end
+# three pytest workers, one thread each, on the two cores: with two, the cores were busy 1.4 of 2 on
+# average (tests wait on subprocesses: ranks starting, sandboxed programs); worksteal: a worker that
+# runs out takes tests queued on another (the default hands out fixed chunks, and a chunk of slow
+# tests left one core idle for minutes at the end); the 15 slowest tests are listed at the end
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=15
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 3 --dist worksteal --durations=15
 
 test-slow: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m slow

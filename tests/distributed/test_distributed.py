@@ -157,7 +157,7 @@ def test_per_turn_schedule_on_two_ranks_matches_one_process(built):
         torch.testing.assert_close(ranks[0][name], one[name], rtol=0, atol=1e-6 if algorithm == "magrpo" else 1e-3)
 
 
-@pytest.mark.parametrize("schedule", ["joint", "per_turn"])
+@pytest.mark.parametrize("schedule", ["joint", pytest.param("per_turn", marks=pytest.mark.slow)])  # per_turn: slow
 def test_uneven_mini_batch_counts_do_not_hang(built, schedule):
     """One node per mini-batch: rank 0's short trees give it fewer mini-batches; it joins the other
     rank's extra optimizer steps with no rows (per turn, with ``per_turn``), and both end with the

@@ -24,7 +24,7 @@ def run(out: Path, *args: str) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.parametrize("algorithm", ["magrpo", "iac"])
+@pytest.mark.parametrize("algorithm", ["magrpo", pytest.param("iac", marks=pytest.mark.slow)])  # iac: test-slow
 def test_killed_run_resumes_exactly(tmp_path, algorithm):
     """4 steps straight vs. a run killed (SIGKILL) as its 4th step starts and resumed from the
     checkpoint of its 3rd. The buffers fill over two steps, so that checkpoint holds waiting samples."""
