@@ -115,6 +115,7 @@ def test_fsdp_matches_one_process_and_shards_the_weights(built):
     assert set(shards[0]) == {n for n in one if not n.startswith("critic.")}  # IAC's value heads stay whole
 
 
+@pytest.mark.slow  # a 2-rank run of ~45-55 s: make test-slow
 def test_fsdp_gradients_equal_one_process_bit_for_bit(tmp_path):
     """lit_marl.parallel.fsdp alone: rank 0 runs 3 backward passes and generates 4 tokens, rank 1 runs 1 pass
     and generates 20; the reduced gradient shards equal one process's gradients of all 4 passes."""
@@ -127,6 +128,7 @@ def test_fsdp_gradients_equal_one_process_bit_for_bit(tmp_path):
     assert sum(r["embed_rows"] for r in reports) == reports[0]["embed_rows"] * 2 - 1  # 265 + 264
 
 
+@pytest.mark.slow  # a 2-rank run of ~45-55 s: make test-slow
 def test_fsdp_generates_different_lengths_per_rank_and_trains_a_centralized_critic(tmp_path):
     """Fresh samples under FSDP, rank r decoding up to 6 + 6r tokens per response (no collective
     inside generate, so no hang); MAAC's critic model is a sharded model of its own."""
@@ -287,6 +289,7 @@ def test_episodic_algorithms_train_on_two_fsdp_ranks(tmp_path, repo_root, algori
     assert moved > 1e-4 if algorithm == "ppo" else moved == 0.0
 
 
+@pytest.mark.slow  # a 2-rank run of ~45-55 s: make test-slow
 def test_phase_switch_counts_both_ranks(tmp_path, repo_root):
     """SFT -> PPO on 2 FSDP ranks: the demonstrations and the episodes of both ranks count toward the
     budget (4 demonstrations and 4 episodes per rank and step: 1 SFT step, then 2 PPO steps)."""

@@ -33,6 +33,7 @@ def grid(out, capsys):
     return capsys.readouterr().out
 
 
+@pytest.mark.slow  # every cell of the grid on generated games (~50 s): make test-slow
 def test_the_grid_runs_every_cell_and_resumes(tmp_path, capsys):
     out = tmp_path / "grid"
     grid(out, capsys)
