@@ -77,15 +77,19 @@ class Workspace:
     def __init__(self, root: Path, files: dict[str, tuple[bytes, int]]):
         root.mkdir(parents=True, exist_ok=True)
         os.chmod(root, 0o1777)
+        self._claim(root)
+        self.path.mkdir(mode=0o777)
+        os.chmod(self.path, 0o777)  # the sandboxed programs run as another user
+        for rel, (data, mode) in files.items():
+            self.write(rel, data, mode)
+
+    def _claim(self, root: Path) -> None:
+        """A new name under ``root``, its owner file written first, and the clean-up registered."""
         name = "ws-" + os.urandom(6).hex()
         self.owner = root / (name + OWNER)
         self.owner.write_text(f"{os.getpid()} {_start_time(os.getpid())}")
         self.path = root / name
-        self.path.mkdir(mode=0o777)
-        os.chmod(self.path, 0o777)  # the sandboxed programs run as another user
         self._finalizer = weakref.finalize(self, _remove, str(self.path), str(self.owner))
-        for rel, (data, mode) in files.items():
-            self.write(rel, data, mode)
 
     def write(self, rel: str, data: bytes, mode: int = 0o644) -> None:
         target = self.path / rel
@@ -132,13 +136,8 @@ class Workspace:
     def copy(self) -> "Workspace":
         """An independent copy (for branching a tree mid-episode)."""
         twin = Workspace.__new__(Workspace)
-        root = self.path.parent
-        name = "ws-" + os.urandom(6).hex()
-        twin.owner = root / (name + OWNER)
-        twin.owner.write_text(self.owner.read_text())
-        twin.path = root / name
+        twin._claim(self.path.parent)
         shutil.copytree(self.path, twin.path, symlinks=True)
-        twin._finalizer = weakref.finalize(twin, _remove, str(twin.path), str(twin.owner))
         return twin
 
     def remove(self) -> None:
