@@ -31,8 +31,9 @@ class HeldOutEvaluation(L.Callback):
             raise ConfigError(
                 f"HeldOutEvaluation.metric={self.metric!r} is not reported; choose from {sorted(results)}"
             )
-        if trainer.logger is not None:
-            trainer.logger.log_metrics({f"heldout/{k}": v for k, v in results.items()}, step=trainer.global_step)
+        if trainer.is_global_zero:  # x: training steps done (0 before training), as every training log
+            for logger in trainer.loggers:
+                logger.log_metrics({f"eval/{k}": v for k, v in results.items()}, step=pl_module.training_steps)
         print(f"[held-out, {tag}] " + "  ".join(f"{k}={v:.3f}" for k, v in sorted(results.items())), flush=True)
         return results
 

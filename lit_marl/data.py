@@ -349,7 +349,7 @@ class RolloutDataModule(TaskDataModule):
 
     def episodes(self, batch: RolloutBatch) -> float:
         """Joint trajectories from a root to a leaf of the trees."""
-        return batch.stats["rollout/episodes"]
+        return batch.stats["train/episodes"]
 
     def evaluation_metrics(self, agents, tasks: list[dict]) -> dict[str, float]:
         """The mean reward and the metrics the reward reported."""

@@ -51,12 +51,12 @@ def main() -> None:
         line = {
             "repeat": repeat,
             "episodes": args.episodes,
-            "env_steps": int(s["rollout/env_steps"]),
-            "seconds": round(s["time/rollout_s"], 3),
-            "env_steps_per_s": round(s["rollout/env_steps_per_s"], 1),
-            "generated_tokens_per_s": round(s["rollout/generated_tokens"] / s["time/rollout_s"], 1),
-            "generate_share": round(s["time/generate_s"] / s["time/rollout_s"], 3),
-            "env_share": round(s["time/env_s"] / s["time/rollout_s"], 4),
+            "env_steps": int(s["train/env_steps"]),
+            "seconds": round(s["perf/rollout_s"], 3),
+            "env_steps_per_s": round(s["perf/env_steps_per_s"], 1),
+            "generated_tokens_per_s": round(s["perf/generated_tokens"] / s["perf/rollout_s"], 1),
+            "generate_share": round(s["perf/generate_s"] / s["perf/rollout_s"], 3),
+            "env_share": round(s["perf/env_s"] / s["perf/rollout_s"], 4),
         }
         results.append(line)
         print(json.dumps(line))

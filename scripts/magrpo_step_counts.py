@@ -91,7 +91,7 @@ def main() -> None:
                     module.flush_buffers()
                     if repeat:
                         times.append(time.perf_counter() - start)
-            leaves = int(batch.stats[f"rollout/turn{num_turns - 1}_nodes"]) * (
+            leaves = int(batch.stats[f"turn_{num_turns - 1}/nodes"]) * (
                 args.num_generations if joint_mode == "aligned" else args.num_generations**2
             )
             print(
@@ -102,7 +102,7 @@ def main() -> None:
                         "G": args.num_generations,
                         "tasks": args.tasks,
                         "leaves": leaves,
-                        "generated_tokens": int(batch.stats["rollout/generated_tokens"]),
+                        "generated_tokens": int(batch.stats["perf/generated_tokens"]),
                         "generate_calls": counts["generate"],
                         "reward_calls": counts["reward"],
                         "transition_calls": counts["transition"],

@@ -367,10 +367,11 @@ class ActorCritic(AgentTeamModule):
                 v, y, a = samples.old_values[rows], samples.targets[rows], samples.advantages[rows]
                 if not self.centralized or role == 0:  # a centralized critic's values once
                     name = "critic" if self.centralized else f"agent{role}"
-                    self.log(f"train/turn{turn}/value_mean_{name}", v.mean(), batch_size=count)
-                    self.log(f"train/turn{turn}/explained_variance_{name}", explained_variance(y, v), batch_size=count)
-                self.log(f"train/turn{turn}/advantage_mean_agent{role}", a.mean(), batch_size=count)
-                self.log(f"train/turn{turn}/advantage_std_agent{role}", a.std(unbiased=False), batch_size=count)
+                    values = {"value_mean": v.mean(), "explained_variance": explained_variance(y, v)}
+                    self.record({f"{name}/turn_{turn}/{key}": value for key, value in values.items()}, count)
+                advantage = {"advantage_mean": a.mean(), "advantage_std": a.std(unbiased=False)}
+                self.record({f"agent{role}/turn_{turn}/{key}": value for key, value in advantage.items()}, count)
+            self.step_log.distribution(f"agent{role}/advantage", samples.advantages)
 
     # ------------------------------------------------------------------ losses
     def actor_loss(self, learner: int, samples: AgentSamples, stats: dict, forward: Forward | None = None):
@@ -423,20 +424,16 @@ class ActorCritic(AgentTeamModule):
             return
         with Timer() as train_time:
             drained = [buffer.drain(agent.pad_token_id) for buffer, agent in zip(self.rollout_buffers, self.agents)]
-            size = len(drained[0])
             actor_losses, critic_losses, epochs = self.update(drained)
-        for index, losses in actor_losses.items():
-            name = self.learner_name(index)
-            self.log(f"train/loss_{name}", sum(losses) / len(losses), batch_size=size)
-            self.log(f"train/optimizer_steps_{name}", float(len(losses)), batch_size=size)
-        by_critic: dict[str, list[float]] = {}  # MAAC stepping once per agent: one critic's steps together
-        for c, losses in critic_losses.items():
-            by_critic.setdefault(self.critic_name(c), []).extend(losses)
-        for name, losses in by_critic.items():
-            self.log(f"train/loss_{name}", sum(losses) / len(losses), batch_size=size)
-            self.log(f"train/optimizer_steps_{name}", float(len(losses)), batch_size=size)
-        self.log("train/ppo_epochs_run", float(epochs), batch_size=size)
-        self.log("time/train_s", train_time.seconds)
+        # the losses are over every rank's rows already; the steps and epochs are the same on every rank
+        by_learner = {self.learner_name(index): losses for index, losses in actor_losses.items()}
+        for c, losses in critic_losses.items():  # MAAC stepping once per agent: one critic's steps together
+            by_learner.setdefault(self.critic_name(c), []).extend(losses)
+        for name, losses in by_learner.items():
+            self.record({f"{name}/loss": sum(losses) / len(losses), f"{name}/optimizer_steps": len(losses)})
+        actor = [loss for losses in actor_losses.values() for loss in losses]
+        self.record({"train/loss": sum(actor) / len(actor), "train/ppo_epochs_run": epochs})
+        self.record({"perf/train_s": train_time.seconds})
 
     def critic_name(self, critic: int) -> str:
         return "critic" if self.centralized else f"critic_{self.learner_name(critic)}"
@@ -491,7 +488,7 @@ class ActorCritic(AgentTeamModule):
         before each mini-batch's step), clip fraction, entropy."""
         for turn, stat in stats.items():
             tokens = max(stat["tokens"], 1.0)
-            self.log(f"train/turn{turn}/approx_kl", stat["approx_kl"] / tokens)
-            self.log(f"train/turn{turn}/clip_frac", stat["clip_frac"] / tokens)
+            values = {"approx_kl": stat["approx_kl"] / tokens, "clip_frac": stat["clip_frac"] / tokens}
             if self.entropy_coef > 0:
-                self.log(f"train/turn{turn}/entropy", stat["entropy"] / tokens)
+                values["entropy"] = stat["entropy"] / tokens
+            self.record({f"turn_{turn}/{key}": value for key, value in values.items()}, weight=tokens)

@@ -20,7 +20,7 @@ from lit_marl.agents import Agent, LoraSettings, roles_by_model
 from lit_marl.fields import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, check_fields
 from lit_marl.logprobs import target_logprobs
 from lit_marl.losses import nll
-from lit_marl.metrics import Timer, weighted_means
+from lit_marl.metrics import StepLogging, Timer
 from lit_marl.models import check_source
 from lit_marl.parallel.collectives import all_ranks_max, all_ranks_sum, gather_objects, sum_gradients
 from lit_marl.parallel.fsdp import TeamShards, check_shardable, shardable_models
@@ -36,7 +36,7 @@ def sft_loss(model: nn.Module, samples: DemoSamples) -> torch.Tensor:
     return nll(*target_logprobs(model, samples.input_ids, samples.attention_mask, samples.loss_mask))
 
 
-class AgentTeamModule(L.LightningModule):
+class AgentTeamModule(StepLogging, L.LightningModule):
     # per-response reward shaping applied inside the rollout (e.g. a KL penalty); None: none
     response_penalty: ResponsePenalty | None = None
 
@@ -54,6 +54,7 @@ class AgentTeamModule(L.LightningModule):
         share_parameters: bool = False,
         lora_shared_base: bool = False,
         max_nonfinite_steps: NonNegativeInt = 0,
+        log_samples_every_n_steps: NonNegativeInt = 10,
     ):
         """
         Args:
@@ -84,6 +85,8 @@ class AgentTeamModule(L.LightningModule):
                 once; n > 0 skips up to n such optimizer steps over the run (the weights and the
                 optimizer state untouched; ``train/nonfinite_skips`` counts them) and stops at the
                 next. Never is a non-finite value applied to the weights.
+            log_samples_every_n_steps: Every n training steps (the first included) one whole joint tree or
+                episode, each branch's reward shown, to TensorBoard's text tab, rewards and advantages to histograms.
         """
         super().__init__()
         check_fields("model", AgentTeamModule.__init__, locals())
@@ -262,12 +265,15 @@ class AgentTeamModule(L.LightningModule):
         decay act, as in CoMLRL). Returns that loss."""
         local = float(count) if count is not None else 0.0 if rows is None else float(len(rows))
         total = all_ranks_sum(local, self.device)
-        loss_sum = 0.0
+        loss_sum, tokens = 0.0, 0
         if rows is not None and len(rows) and total > 0:
             for chunk in self.micro_batches(rows, shared_prompts):
-                loss = loss_fn(rows.select(chunk)) / total
+                micro = rows.select(chunk)
+                loss = loss_fn(micro) / total
                 self.manual_backward(loss)
                 loss_sum += float(loss.detach())
+                tokens += int(micro.attention_mask.sum())
+        self.record({"perf/train_tokens": float(tokens)}, reduce="sum")
         params = [p for group in optimizer.param_groups for p in group["params"]]
         if skipped_zero_loss:
             for p in params:
@@ -297,7 +303,7 @@ class AgentTeamModule(L.LightningModule):
                 RuntimeWarning,
                 stacklevel=2,
             )
-            self.log("train/nonfinite_skips", float(self.nonfinite_skips), batch_size=1)
+            self.record({"train/nonfinite_skips": float(self.nonfinite_skips)}, reduce="max")
             return loss_sum
         if self.hparams.max_grad_norm > 0 and self.shards is not None:
             self.shards.clip_grad_norm_(params, self.hparams.max_grad_norm)
@@ -348,6 +354,7 @@ class AgentTeamModule(L.LightningModule):
             self.sft_step(batch)
         else:
             self.rl_step(batch, batch_idx)
+        self.write_step_log()
 
     def rl_step(self, batch, batch_idx: int) -> None:
         raise NotImplementedError
@@ -364,11 +371,9 @@ class AgentTeamModule(L.LightningModule):
                 loss_fn = lambda mb, m=agent.model: sft_loss(m, mb)  # noqa: E731
                 losses.append(self.update_agent(index, samples, loss_fn, count=count))
                 tokens += count
-                self.log(f"train/sft_loss_{self.learner_name(index)}", losses[-1], batch_size=len(samples))
-        size = len(per_agent[0])
-        self.log("train/sft_loss", sum(losses) / len(losses), prog_bar=True, batch_size=size)
-        self.log("train/sft_tokens", all_ranks_sum(tokens, self.device), reduce_fx="sum", batch_size=size)
-        self.log("time/train_s", train_time.seconds, batch_size=size)
+                self.record({f"{self.learner_name(index)}/sft_loss": losses[-1]})
+        self.record({"train/sft_loss": sum(losses) / len(losses), "perf/train_s": train_time.seconds})
+        self.record({"train/sft_tokens": tokens}, reduce="sum")
 
     # ------------------------------------------------------------------ buffered updates (MAGRPO family, IAC/MAAC)
     rollout_buffer_size: int | None = None
@@ -396,6 +401,8 @@ class AgentTeamModule(L.LightningModule):
         if self.rollout_buffers:
             with self.gathered():
                 self.flush_buffers()
+            if self.step_log:  # the flush's losses, at the epoch's last step
+                self.write_step_log(step_end=False)
 
     # ------------------------------------------------------------------ several ranks
     @property
@@ -461,23 +468,8 @@ class AgentTeamModule(L.LightningModule):
                 if group.get("weight_decay") == old_decay:
                     group["weight_decay"] = new_decay
 
-    def log_rollout(self, batch: RolloutBatch, prefix: str) -> None:
-        """The rollout's metrics, averaged over ranks (weighted by joint actions)."""
-        size = int(batch.rewards.numel())
-        values = {f"{prefix}/reward": float(batch.rewards.mean()), "reward_sq": float((batch.rewards**2).mean())}
-        values.update({f"{prefix}/{key}": float(value) for key, value in batch.metrics.items()})
-        if prefix == "train":
-            values.update(batch.stats)
-        means, count = weighted_means(values, size)
-        reward_sq = means.pop("reward_sq")
-        for key, value in means.items():
-            self.log(key, value, prog_bar=key in (f"{prefix}/reward", "rollout/tokens_per_s"), batch_size=count)
-        if prefix == "train":
-            std = max(reward_sq - means["train/reward"] ** 2, 0.0) ** 0.5
-            self.log("train/reward_std", std, batch_size=count)
-
     def validation_step(self, batch: RolloutBatch, batch_idx: int) -> None:
-        self.log_rollout(batch, "val")
+        self.log_rollout(batch, "eval")
 
     def test_step(self, batch: RolloutBatch, batch_idx: int) -> None:
         self.log_rollout(batch, "test")

@@ -28,7 +28,7 @@ from lit_marl.metrics import Timer
 from lit_marl.parallel.collectives import padded_steps
 from lit_marl.rollout.batch import TrajectorySamples
 from lit_marl.rollout.buffer import minibatches
-from lit_marl.rollout.episode import EpisodeBatch
+from lit_marl.rollout.episode import EpisodeBatch, render_episode
 
 
 class EpisodicModule(AgentTeamModule):
@@ -51,6 +51,7 @@ class EpisodicModule(AgentTeamModule):
         share_parameters: bool = False,
         lora_shared_base: bool = False,
         max_nonfinite_steps: NonNegativeInt = 0,
+        log_samples_every_n_steps: NonNegativeInt = 10,
     ):
         """
         Args:
@@ -78,6 +79,8 @@ class EpisodicModule(AgentTeamModule):
             lora_shared_base: With ``lora``, every agent is its own adapter on one frozen copy of the base.
             max_nonfinite_steps: 0 stops at a NaN/inf loss or gradient; n > 0 skips up to n such
                 optimizer steps (weights untouched, counted) first (``AgentTeamModule``).
+            log_samples_every_n_steps: Every n training steps one whole episode to TensorBoard's
+                text tab and rewards and advantages to its histograms (0: never).
         """
         super().__init__(
             model=model,
@@ -91,6 +94,7 @@ class EpisodicModule(AgentTeamModule):
             share_parameters=share_parameters,
             lora_shared_base=lora_shared_base,
             max_nonfinite_steps=max_nonfinite_steps,
+            log_samples_every_n_steps=log_samples_every_n_steps,
         )
         check_fields("model", EpisodicModule.__init__, locals())
         self.clip_range, self.ppo_epochs, self.train_batch_size = clip_range, ppo_epochs, train_batch_size
@@ -145,6 +149,9 @@ class EpisodicModule(AgentTeamModule):
         ref = None
         if self.kl_coef > 0:
             ref = self.reference_logprobs(batch, learner)
+            tokens = batch.loss_mask.sum().clamp(min=1)  # KL(policy || reference) per sampled token
+            kl = float((k3_kl(ref - old_logprobs) * batch.loss_mask).sum() / tokens)
+            self.record({f"{self.learner_name(learner)}/kl_ref": kl}, weight=float(tokens))
             if self.kl_mode == "reward":
                 delta = old_logprobs - ref  # the per-token KL estimate of the sampled tokens
                 token_rewards = token_rewards - self.kl_coef * delta * batch.loss_mask
@@ -194,38 +201,51 @@ class EpisodicModule(AgentTeamModule):
                         losses.append(self.update_agent(index, mini, loss_fn, count=tokens))
                 all_losses += losses
                 name = self.learner_name(index)
-                self.log(f"train/loss_{name}", sum(losses) / len(losses))
-                self.log(f"train/optimizer_steps_{name}", float(len(losses)))
-        self.log("time/train_s", train_time.seconds)
-        self.log("train/loss", sum(all_losses) / len(all_losses), prog_bar=True)
-        self.log("train/approx_kl", stats["approx_kl"] / max(stats["tokens"], 1))
-        self.log("train/clip_frac", stats["clip_frac"] / max(stats["tokens"], 1))
+                self.record({f"{name}/loss": sum(losses) / len(losses), f"{name}/optimizer_steps": len(losses)})
+        tokens = max(stats["tokens"], 1)  # over this rank's tokens: averaged over ranks by them
+        self.record(
+            {"train/approx_kl": stats["approx_kl"] / tokens, "train/clip_frac": stats["clip_frac"] / tokens}, tokens
+        )
+        self.record({"train/loss": sum(all_losses) / len(all_losses), "perf/train_s": train_time.seconds})
         self.log_episodes(batches[0], "train", first)
+        if self.sample_step():
+            self.step_log.text("train/sample", render_episode(batches, list(self.agents)))
 
     def log_episodes(self, batch: EpisodeBatch, prefix: str, samples: TrajectorySamples | None = None) -> None:
-        size = len(batch.won)
+        """The team's outcomes (the same in every agent's batch): a training step records them
+        (``record``, per turn as ``turn_<t>/``, with the reward's spread and one rendered episode);
+        an evaluation batch logs them under ``prefix``."""
+        size = float(len(batch.won))
+        values = {
+            "won": batch.won.float().mean(),
+            "lost": batch.lost.float().mean(),
+            "truncated": batch.truncated.float().mean(),
+            "turns": batch.num_turns.float().mean(),
+            "final_score": (batch.scores[:, -1] / batch.max_score).mean(),
+        }
         episode_reward = batch.rewards.sum(dim=1)
-        self.log(f"{prefix}/reward", episode_reward.mean(), prog_bar=True, batch_size=size)
-        self.log(f"{prefix}/won", batch.won.float().mean(), prog_bar=True, batch_size=size)
-        self.log(f"{prefix}/lost", batch.lost.float().mean(), batch_size=size)
-        self.log(f"{prefix}/truncated", batch.truncated.float().mean(), batch_size=size)
-        self.log(f"{prefix}/turns", batch.num_turns.float().mean(), batch_size=size)
-        self.log(f"{prefix}/final_score", (batch.scores[:, -1] / batch.max_score).mean(), batch_size=size)
+        if prefix != "train":
+            self.log_eval(
+                {f"{prefix}/{k}": float(v) for k, v in {"reward": episode_reward.mean(), **values}.items()}, size
+            )
+            return
+        log = self.step_log
+        log.add({f"train/{k}": v for k, v in values.items()}, weight=size)
+        log.add(batch.stats, weight=size)
+        log.distribution("train/reward", episode_reward)
         alive = batch.alive
         for t in range(alive.shape[1]):
             live = alive[:, t]
-            count = int(live.sum())
-            self.log(f"{prefix}/turn{t}/reward", batch.rewards[live, t].mean(), batch_size=count)
-            self.log(f"{prefix}/turn{t}/episodes", float(count), batch_size=count)
-            if samples is not None:
+            log.distribution(f"turn_{t}/reward", batch.rewards[live, t])
+            log.add({f"turn_{t}/episodes": float(live.sum())}, reduce="sum")
+            if samples is not None and live.any():
                 turn = batch.turn_ids == t
-                self.log(f"{prefix}/turn{t}/advantage", samples.advantages[turn].mean(), batch_size=count)
-        if prefix == "train":
-            for key, value in batch.stats.items():
-                self.log(key, value, prog_bar=key == "rollout/tokens_per_s", batch_size=size)
+                log.add({f"turn_{t}/advantage": float(samples.advantages[turn].mean())}, weight=float(live.sum()))
+        if samples is not None:
+            log.distribution("train/advantage", samples.advantages[samples.loss_mask.bool()])
 
     def validation_step(self, batches: list[EpisodeBatch], batch_idx: int) -> None:
-        self.log_episodes(batches[0], "val")  # the outcome is the team's
+        self.log_episodes(batches[0], "eval")  # the outcome is the team's
 
     def test_step(self, batches: list[EpisodeBatch], batch_idx: int) -> None:
         self.log_episodes(batches[0], "test")

@@ -92,6 +92,7 @@ class MAGRPO(AgentTeamModule):
         with self.reference_model(self.learner_of(index)) as reference:
             ref_logprobs = completion_logprobs(reference, *args)
         k3 = k3_kl(ref_logprobs - logprobs) * gen.completion_mask
+        self.record({f"agent{index}/kl_ref": float(k3.sum(-1).mean())}, weight=len(k3))
         return self.reference_kl_coef * k3.sum(-1)
 
     def setup(self, stage: str) -> None:
@@ -121,12 +122,19 @@ class MAGRPO(AgentTeamModule):
         return reinforce(seq_logprob, samples.advantages).sum()
 
     def rl_step(self, batch: RolloutBatch, batch_idx: int) -> None:
-        self.buffer_step(batch, [samples.with_advantages(self.advantages(samples)) for samples in batch.agents])
+        per_agent = [samples.with_advantages(self.advantages(samples)) for samples in batch.agents]
+        for role, samples in enumerate(per_agent):
+            lengths = samples.completion_mask.sum(-1).float()
+            self.record({f"agent{role}/completion_len": float(lengths.mean())}, weight=len(samples))
+            self.step_log.distribution(f"agent{role}/advantage", samples.advantages)
+            self.step_log.distribution(f"agent{role}/return", samples.returns)
+        self.buffer_step(batch, per_agent)
 
     def flush_buffers(self) -> None:
         """Update every learner on all samples in its roles' buffers, one optimizer step per mini-batch."""
         if not all_ranks_max(len(self.rollout_buffers[0]), self.device):
             return
+        all_losses = []
         with Timer() as train_time:
             for index, roles in enumerate(self.learners):
                 agent = self.agents[roles[0]]
@@ -154,12 +162,13 @@ class MAGRPO(AgentTeamModule):
                     skipped = count > 0 and kept is None  # every row's advantage is 0: a zero-loss step
                     step = dict(count=count, shared_prompts=True, skipped_zero_loss=skipped)
                     losses.append(self.update_agent(index, kept, loss_fn, **step))
-                name, size = self.learner_name(index), 0 if samples is None else len(samples)
-                self.log(f"train/loss_{name}", sum(losses) / len(losses), batch_size=max(size, 1))
+                name = self.learner_name(index)
+                # the losses are over every rank's rows already; the steps are the same on every rank
+                self.record({f"{name}/loss": sum(losses) / len(losses), f"{name}/optimizer_steps": len(losses)})
                 if samples is not None:
-                    self.log(f"train/advantage_abs_{name}", samples.advantages.abs().mean(), batch_size=size)
-                self.log(f"train/optimizer_steps_{name}", float(len(losses)), batch_size=max(size, 1))
-        self.log("time/train_s", train_time.seconds)
+                    self.record({f"{name}/advantage_abs": float(samples.advantages.abs().mean())}, len(samples))
+                all_losses += losses
+        self.record({"train/loss": sum(all_losses) / len(all_losses), "perf/train_s": train_time.seconds})
 
 
 class MAREINFORCE(MAGRPO):

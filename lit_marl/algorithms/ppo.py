@@ -126,8 +126,8 @@ class PPO(EpisodicModule):
         if self.advantage_normalization:
             advantages = whiten(advantages, mask)
         returns_v, values_v = returns[value_mask.bool()], values[value_mask.bool()]
-        self.log("train/value_mean", values_v.mean(), batch_size=len(values))
-        self.log("train/explained_variance", explained_variance(returns_v, values_v), batch_size=len(values))
+        critic = {"value_mean": values_v.mean(), "explained_variance": explained_variance(returns_v, values_v)}
+        self.record({f"{self.learner_name(learner)}/{key}": value for key, value in critic.items()}, len(values))
         return {**samples, "advantages": advantages, "returns": returns, "old_values": values, "value_mask": value_mask}
 
     def extra_loss(self, samples, values, learner) -> torch.Tensor:

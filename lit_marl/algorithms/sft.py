@@ -26,8 +26,11 @@ class SFT(AgentTeamModule):
 
     def validation_step(self, batch, batch_idx: int) -> None:
         if isinstance(batch, list):  # episodes of a stateful environment: the team's outcome
-            size = len(batch[0].won)
-            self.log("val/reward", batch[0].rewards.sum(dim=1).mean(), prog_bar=True, batch_size=size)
-            self.log("val/won", batch[0].won.float().mean(), prog_bar=True, batch_size=size)
+            episodes = batch[0]
+            values = {
+                "eval/reward": float(episodes.rewards.sum(dim=1).mean()),
+                "eval/won": float(episodes.won.float().mean()),
+            }
+            self.log_eval(values, float(len(episodes.won)))
         else:
-            self.log_rollout(batch, "val")
+            self.log_rollout(batch, "eval")

@@ -259,8 +259,10 @@ def call_reward(
     turn: int = 0,
     on_error: Literal["raise", "skip"] = "raise",
     timeout_s: float | None = None,
+    samples: dict[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """One batched call; returns the rewards and the mean of each extra metric it reported.
+    """One batched call; returns the rewards and the mean of each extra metric it reported (and,
+    into ``samples`` where given, each metric's per-joint-action values, NaN where skipped).
 
     A reward function returns one float per joint action (a joint reward, shared by the agents) or
     one list of ``num_agents`` floats per joint action (per-agent rewards: ``[J]`` or ``[J, N]``
@@ -316,6 +318,8 @@ def call_reward(
         if not torch.isfinite(values[~bad]).all():
             _warn_once(f"reward function {name} reported a non-finite {key!r}: averaged over its finite values")
         metrics[key] = float(values[good].mean()) if good.any() else 0.0
+        if samples is not None:
+            samples[key] = torch.where(good, values, float("nan"))
     if on_error == "skip":
         metrics["skipped_reward_frac"] = float(bad.float().mean())
         metrics.update(failures)

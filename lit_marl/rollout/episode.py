@@ -25,6 +25,7 @@ import torch
 from lit_marl.agents import Agent, roles_by_model
 from lit_marl.envs.base import Env, StepResult, step_all
 from lit_marl.generation import Engine, left_pad, make_engine
+from lit_marl.metrics import markdown_line
 
 
 @dataclass
@@ -148,13 +149,13 @@ def run_episodes(
     steps = sum(len(e.scores) for e in episodes)
     seconds = time.perf_counter() - start
     stats = {
-        "time/generate_s": clock["generate_s"],
-        "time/env_s": clock["env_s"],
-        "time/rollout_s": seconds,
-        "rollout/generated_tokens": float(clock["generated"]),
-        "rollout/tokens_per_s": clock["generated"] / max(clock["generate_s"], 1e-9),
-        "rollout/env_steps": float(steps),
-        "rollout/env_steps_per_s": steps / max(seconds, 1e-9),
+        "perf/generate_s": clock["generate_s"],
+        "perf/env_s": clock["env_s"],
+        "perf/rollout_s": seconds,
+        "perf/generated_tokens": float(clock["generated"]),
+        "perf/tokens_per_s": clock["generated"] / max(clock["generate_s"], 1e-9),
+        "train/env_steps": float(steps),
+        "perf/env_steps_per_s": steps / max(seconds, 1e-9),
     }
     for key in sorted({k for e in episodes for k in e.info.get("counts", {})}):  # the env's own counts
         stats[f"env/{key}"] = sum(float(e.info.get("counts", {}).get(key, 0.0)) for e in episodes) / len(episodes)
@@ -279,3 +280,48 @@ def _batches(agents, episodes: list[_Live], num_tasks: int, group_size: int, sta
             )
         )
     return batches
+
+
+def render_episode(batches: list[EpisodeBatch], agents: list[Agent], row: int = 0, chars: int = 400) -> str:
+    """Episode ``row`` as Markdown (TensorBoard's text tab): its outcome, then per turn each
+    agent's observation and reply (its own token sequence, decoded in pieces: what the environment
+    said, what the agent sampled) and the turn's reward; each piece clipped to ``chars``."""
+    first = batches[0]
+    outcome = (
+        "won" if first.won[row] else "lost" if first.lost[row] else "truncated" if first.truncated[row] else "ended"
+    )
+    rewards = first.rewards[row].tolist() if first.rewards is not None else []
+    lines = [
+        f"**episode {row}** of task {int(first.group_ids[row])}: {outcome} after {int(first.num_turns[row])} turns\n"
+    ]
+    pieces = [_pieces(b, row, a) for b, a in zip(batches, agents)]
+    for turn in range(int(first.num_turns[row])):
+        reward = f", reward **{rewards[turn]:.3f}**" if turn < len(rewards) else ""
+        lines.append(f"- turn {turn}{reward}")
+        for i, agent_pieces in enumerate(pieces):
+            if turn < len(agent_pieces):
+                observation, reply = agent_pieces[turn]
+                lines.append(f"    - agent {i} saw: {markdown_line(observation, chars)}")
+                lines.append(f"    - agent {i} replied: {markdown_line(reply, chars)}")
+    return "\n".join(lines)
+
+
+def _pieces(batch: EpisodeBatch, row: int, agent: Agent) -> list[tuple[str, str]]:
+    """(observation, reply) texts of each turn of one row: the runs of ``loss_mask`` 0 and 1."""
+    ids, own = (
+        batch.input_ids[row][batch.attention_mask[row].bool()],
+        batch.loss_mask[row][batch.attention_mask[row].bool()],
+    )
+    runs, start = [], 0
+    for k in range(1, len(ids) + 1):
+        if k == len(ids) or own[k] != own[start]:
+            runs.append((int(own[start]), agent.tokenizer.decode(ids[start:k].tolist(), skip_special_tokens=True)))
+            start = k
+    turns, observation = [], ""
+    for is_reply, text in runs:
+        if is_reply:
+            turns.append((observation, text))
+            observation = ""
+        else:
+            observation += text
+    return turns

@@ -20,6 +20,7 @@ import torch
 from lit_marl.agents import Agent, roles_by_model
 from lit_marl.envs.base import JointEnv, call_reward, call_with_timeout
 from lit_marl.generation import Engine, Generation, make_engine
+from lit_marl.metrics import markdown_line
 from lit_marl.returns import CrossReduce, JointMode, neutral_fill, per_response, tree_returns
 from lit_marl.rollout.batch import AgentSamples, RolloutBatch
 
@@ -65,6 +66,7 @@ class _Node:
     prompt_history: list[list[str]]  # per agent; the last entry is this node's prompt
     response_history: list[list[str]]  # per agent; responses of the turns before this node
     state: object | None = None  # a stateful game's state at this node (``envs.game.GameEnv``)
+    label: str = "root"  # its path from the root: joint action indices, e.g. ``root.2.0``
 
 
 @dataclass
@@ -87,14 +89,21 @@ class _Tally:
     turn_metrics: dict[str, float] = field(default_factory=dict)
     stats: dict[str, float] = field(
         default_factory=lambda: {
-            **dict.fromkeys(("time/generate_s", "time/reward_s", "time/penalty_s", "time/transition_s"), 0.0),
-            "rollout/generated_tokens": 0.0,
-            "rollout/episodes": 0.0,
+            **dict.fromkeys(("perf/generate_s", "perf/reward_s", "perf/penalty_s", "perf/transition_s"), 0.0),
+            "perf/generated_tokens": 0.0,
+            "train/episodes": 0.0,
+            "train/tree_nodes": 0.0,
         }
     )
     completions: list[list[str]] = field(default_factory=list)  # [agent][joint action of every turn]
     truncated: int = 0
     responses: int = 0
+    branching: int = 0  # nodes before the last turn
+    stopped: int = 0  # ... that early termination ended
+    sample: list[str] = field(default_factory=list)  # the first task's tree, rendered (``_render``)
+    leaf_tasks: list[int] = field(default_factory=list)  # the task of each leaf, in order
+    leaf_success: list[float] = field(default_factory=list)  # its ``success`` (or ``won``), where reported
+    turn_success: torch.Tensor | None = None  # [nodes * J] of the turn being built, where reported
 
     def add(self, key: str, value: float) -> None:
         self.sums[key] = self.sums.get(key, 0.0) + value
@@ -136,20 +145,29 @@ def build_tree(
         if response_penalty is not None:
             shaped = rewards - _penalties(response_penalty, gens, len(nodes), combos, settings.num_generations, tally)
         t3 = time.perf_counter()
-        children, next_nodes = _branch(env, tasks, nodes, texts, combos, rewards, turn, settings, outcomes)
+        stopped = torch.zeros(len(nodes), dtype=torch.bool)
+        if settings.early_termination_threshold is not None:
+            stopped = rewards.mean(dim=(1, 2)) > settings.early_termination_threshold
+        children, next_nodes = _branch(env, tasks, nodes, texts, combos, stopped, turn, settings, outcomes)
         if next_nodes:
             for key, value in env.transition_metrics().items():
-                tally.turn_metrics[f"turn{turn}/{key}"] = value
+                tally.turn_metrics[f"turn_{turn}/{key}"] = value
         t4 = time.perf_counter()
+        _tally_leaves(tally, nodes, children)
+        tally.sample += _render(nodes, texts, combos, rewards, children, turn, settings.num_generations)
         levels.append(_Level(rewards, shaped, children, gens))
         stats = tally.stats
-        stats["time/generate_s"] += t1 - t0
-        stats["time/reward_s"] += t2 - t1
-        stats["time/penalty_s"] += t3 - t2
-        stats["time/transition_s"] += t4 - t3
-        stats["rollout/generated_tokens"] += sum(g.num_generated_tokens for g in gens)
-        stats[f"rollout/turn{turn}_nodes"] = float(len(nodes))
-        stats["rollout/episodes"] += float((children < 0).sum())  # joint actions that end a branch: leaves
+        stats["perf/generate_s"] += t1 - t0
+        stats["perf/reward_s"] += t2 - t1
+        stats["perf/penalty_s"] += t3 - t2
+        stats["perf/transition_s"] += t4 - t3
+        stats["perf/generated_tokens"] += sum(g.num_generated_tokens for g in gens)
+        stats[f"turn_{turn}/nodes"] = float(len(nodes))
+        stats["train/tree_nodes"] += float(len(nodes))
+        stats["train/episodes"] += float((children < 0).sum())  # joint actions that end a branch: leaves
+        if turn + 1 < settings.num_turns:  # nodes that could branch on; early termination stops some
+            tally.branching += len(nodes)
+            tally.stopped += int(stopped.sum())
         # a response without its end token hit max_new_tokens
         tally.truncated += sum(int((~(g.completion_ids == a.eos_token_id).any(-1)).sum()) for a, g in zip(agents, gens))
         tally.responses += len(agents) * len(nodes) * settings.num_generations
@@ -193,9 +211,17 @@ def _score(env, agents, tasks, nodes, texts, combos, turn, settings, tally: _Tal
             joint_tasks.append(tasks[node.task])
             for i, k in enumerate(combo):
                 agent_completions[i].append(texts[i][n * G + k])
+    per_sample: dict[str, torch.Tensor] = {}
     rewards, metrics = call_reward(
-        env.reward, agent_completions, joint_tasks, turn, settings.on_reward_error, settings.reward_timeout_s
+        env.reward,
+        agent_completions,
+        joint_tasks,
+        turn,
+        settings.on_reward_error,
+        settings.reward_timeout_s,
+        per_sample,
     )
+    tally.turn_success = per_sample.get("success")
     for i in range(num_agents):
         tally.completions[i] += agent_completions[i]
     if rewards.dim() == 1:  # a joint reward is every agent's reward
@@ -203,8 +229,8 @@ def _score(env, agents, tasks, nodes, texts, combos, turn, settings, tally: _Tal
     rewards = neutral_fill(rewards.reshape(len(nodes), len(combos), num_agents))
     for key, value in metrics.items():
         tally.add(key, value * rewards.shape[0] * rewards.shape[1])
-        tally.turn_metrics[f"turn{turn}/{key}"] = value
-    tally.add(f"turn{turn}/reward", float(rewards.mean(dim=2).sum()))
+        tally.turn_metrics[f"turn_{turn}/{key}"] = value
+    tally.add(f"turn_{turn}/reward", float(rewards.mean(dim=2).sum()))
     return rewards
 
 
@@ -214,7 +240,7 @@ def _play(env, agents, nodes, texts, combos, turn, settings, tally: _Tally) -> t
     observations and whether the game ended."""
     G, num_agents = settings.num_generations, len(agents)
     rewards = torch.zeros(len(nodes), len(combos), num_agents)
-    outcomes = []
+    outcomes, won = [], []
     last = turn + 1 >= settings.num_turns
     for n, node in enumerate(nodes):
         row = []
@@ -228,9 +254,49 @@ def _play(env, agents, nodes, texts, combos, turn, settings, tally: _Tally) -> t
                 tally.completions[i].append(actions[i])
             for key in ("won", "lost"):
                 tally.add(key, float(bool(result.info.get(key, False))))
+            won.append(float(bool(result.info.get("won", False))))
         outcomes.append(row)
-    tally.add(f"turn{turn}/reward", float(rewards.mean(dim=2).sum()))
+    tally.turn_success = torch.tensor(won)
+    tally.add(f"turn_{turn}/reward", float(rewards.mean(dim=2).sum()))
     return rewards, outcomes
+
+
+def _tally_leaves(tally: _Tally, nodes: list[_Node], children: torch.Tensor) -> None:
+    """The task of every joint action that ends its branch, and its ``success`` where reported."""
+    ends = (children < 0).tolist()
+    success = None if tally.turn_success is None else tally.turn_success.tolist()
+    for n, node in enumerate(nodes):
+        for j, leaf in enumerate(ends[n]):
+            if leaf:
+                tally.leaf_tasks.append(node.task)
+                if success is not None:
+                    tally.leaf_success.append(success[n * len(ends[n]) + j])
+
+
+SAMPLE_NODES, SAMPLE_JOINT_ACTIONS, SAMPLE_CHARS = 16, 8, 300
+
+
+def _render(nodes, texts, combos, rewards, children, turn: int, G: int) -> list[str]:
+    """The first task's nodes of this turn as Markdown lines (TensorBoard's text tab): each agent's
+    prompt, then per joint action every agent's response and the joint action's reward. At most
+    ``SAMPLE_NODES`` nodes, ``SAMPLE_JOINT_ACTIONS`` joint actions each, ``SAMPLE_CHARS`` per text."""
+    lines = []
+    mine = [n for n, node in enumerate(nodes) if node.task == 0][:SAMPLE_NODES]
+    for n in mine:
+        node = nodes[n]
+        lines.append(f"**turn {turn}, node `{node.label}`**\n")
+        lines += [
+            f"- prompt of agent {i}: {markdown_line(h[-1], SAMPLE_CHARS)}" for i, h in enumerate(node.prompt_history)
+        ]
+        for j, combo in enumerate(combos[:SAMPLE_JOINT_ACTIONS]):
+            child = int(children[n, j])
+            end = f"continues at `{node.label}.{j}`" if child >= 0 else "ends"
+            lines.append(f"- joint action {j}: reward **{float(rewards[n, j].mean()):.3f}**, {end}")
+            lines += [
+                f"    - agent {i}: {markdown_line(texts[i][n * G + k], SAMPLE_CHARS)}" for i, k in enumerate(combo)
+            ]
+        lines.append("")
+    return lines
 
 
 def _penalties(penalty: ResponsePenalty, gens, num_nodes: int, combos, G: int, tally: _Tally) -> torch.Tensor:
@@ -244,16 +310,13 @@ def _penalties(penalty: ResponsePenalty, gens, num_nodes: int, combos, G: int, t
 
 
 def _branch(
-    env, tasks, nodes, texts, combos, rewards, turn, settings, outcomes=None
+    env, tasks, nodes, texts, combos, stopped: torch.Tensor, turn, settings, outcomes=None
 ) -> tuple[torch.Tensor, list[_Node]]:
-    """The child node of each joint action (``[nodes, J]``, -1: none, after the last turn or where a
-    node's mean reward exceeds ``early_termination_threshold``) and the children, their prompts
-    from ONE transition call over every branch."""
+    """The child node of each joint action (``[nodes, J]``, -1: none, after the last turn or at a
+    ``stopped`` node: its mean reward exceeded ``early_termination_threshold``) and the children,
+    their prompts from ONE transition call over every branch."""
     G = settings.num_generations
-    stopped = torch.zeros(len(nodes), dtype=torch.bool)
-    if settings.early_termination_threshold is not None:
-        stopped = rewards.mean(dim=(1, 2)) > settings.early_termination_threshold
-    children = torch.full(rewards.shape[:2], -1, dtype=torch.long)
+    children = torch.full((len(nodes), len(combos)), -1, dtype=torch.long)
     next_nodes: list[_Node] = []
     if turn + 1 >= settings.num_turns:
         return children, next_nodes
@@ -271,6 +334,7 @@ def _branch(
                         [h + [o] for h, o in zip(node.prompt_history, observations)],
                         [h + [c] for h, c in zip(node.response_history, responses)],
                         state,
+                        f"{node.label}.{j}",
                     )
                 )
         return children, next_nodes
@@ -291,6 +355,7 @@ def _branch(
                 node.task,
                 [h + [p] for h, p in zip(node.prompt_history, prompts)],
                 [h + [c] for h, c in zip(node.response_history, completions)],
+                label=f"{node.label}.{j}",
             )
         )
     return children, next_nodes
@@ -352,8 +417,8 @@ def _assemble(agents: list[Agent], levels: list[_Level], settings: TreeSettings,
     node_offset = 0
     for turn, (level, level_returns) in enumerate(zip(levels, returns)):
         num_nodes = level_returns.shape[0]  # level_returns: [nodes, J, agents]
-        tally.sums[f"turn{turn}/return"] = float(level_returns.mean(dim=2).sum())
-        tally.sums[f"turn{turn}/joint_actions"] = float(num_nodes * level_returns.shape[1])
+        tally.sums[f"turn_{turn}/return"] = float(level_returns.mean(dim=2).sum())
+        tally.sums[f"turn_{turn}/joint_actions"] = float(num_nodes * level_returns.shape[1])
         response_returns = per_response(level_returns, settings.joint_mode, G, settings.cross_return)
         response_rewards = per_response(level.shaped, settings.joint_mode, G)  # immediate: always the mean
         if settings.joint_mode == "aligned" or G == 1:  # joint action k holds response k of every agent
@@ -375,13 +440,18 @@ def _assemble(agents: list[Agent], levels: list[_Level], settings: TreeSettings,
                 )
             )
         node_offset += num_nodes
-    all_rewards = torch.cat([lv.rewards.mean(dim=2).reshape(-1) for lv in levels])  # team mean per joint action
+    turn_rewards = [lv.rewards.mean(dim=2).reshape(-1) for lv in levels]  # team mean per joint action
+    all_rewards = torch.cat(turn_rewards)
     return RolloutBatch(
         agents=[AgentSamples.cat(parts, agent.pad_token_id) for parts, agent in zip(samples_per_agent, agents)],
         rewards=all_rewards,
         metrics=_metrics(tally, len(levels), all_rewards.numel()),
         stats=_stats(tally),
         completions=tally.completions,
+        turn_rewards=turn_rewards,
+        sample="\n".join(tally.sample),
+        leaf_tasks=torch.tensor(tally.leaf_tasks, dtype=torch.long),
+        leaf_success=torch.tensor(tally.leaf_success) if len(tally.leaf_success) == len(tally.leaf_tasks) else None,
     )
 
 
@@ -389,18 +459,20 @@ def _metrics(tally: _Tally, num_levels: int, num_joint_actions: int) -> dict[str
     """Means over joint actions: the reward's own metrics per turn and overall, each turn's reward and return."""
     metrics = dict(tally.turn_metrics)
     for key, total in tally.sums.items():
-        if not key.startswith("turn"):
+        if not key.startswith("turn_"):
             metrics[key] = total / num_joint_actions
     for turn in range(num_levels):
-        count = tally.sums[f"turn{turn}/joint_actions"]
-        metrics[f"turn{turn}/reward"] = tally.sums[f"turn{turn}/reward"] / count
-        metrics[f"turn{turn}/return"] = tally.sums[f"turn{turn}/return"] / count
+        count = tally.sums[f"turn_{turn}/joint_actions"]
+        metrics[f"turn_{turn}/reward"] = tally.sums[f"turn_{turn}/reward"] / count
+        metrics[f"turn_{turn}/return"] = tally.sums[f"turn_{turn}/return"] / count
     return metrics
 
 
 def _stats(tally: _Tally) -> dict[str, float]:
     stats = tally.stats
-    stats["rollout/tokens_per_s"] = stats["rollout/generated_tokens"] / max(stats["time/generate_s"], 1e-9)
-    stats["rollout/truncated_frac"] = tally.truncated / tally.responses
-    stats["rollout/completion_len"] = stats["rollout/generated_tokens"] / tally.responses
+    stats["perf/tokens_per_s"] = stats["perf/generated_tokens"] / max(stats["perf/generate_s"], 1e-9)
+    stats["train/truncated_frac"] = tally.truncated / tally.responses
+    stats["train/completion_len"] = stats["perf/generated_tokens"] / tally.responses
+    if tally.branching:
+        stats["train/early_termination_frac"] = tally.stopped / tally.branching
     return stats

@@ -122,11 +122,11 @@ def test_iac_fit_moves_actors_and_critics(tmp_path, critic, critic_type):
     for c, critic_module in enumerate(module.critics):
         assert not unchanged(critic_module, critics[c]), f"critic {c}: parameters not updated"
     metrics = trainer.callback_metrics
-    for key in ("train/loss_agent0", "train/loss_agent1", "train/turn1/value_mean_agent0", "train/turn0/approx_kl"):
+    for key in ("agent0/loss", "agent1/loss", "agent0/turn_1/value_mean", "turn_0/approx_kl"):
         assert math.isfinite(float(metrics[key])), key
     if critic == "model":  # separate optimizers: 2 actors + 2 critics, one step each per update, 2 updates
         assert trainer.global_step == 2 * 4
-        assert math.isfinite(float(metrics["train/loss_critic_agent0"]))
+        assert math.isfinite(float(metrics["critic_agent0/loss"]))
     else:  # the head trains with its actor's optimizer
         assert trainer.global_step == 2 * 2
 
@@ -149,8 +149,8 @@ def test_maac_centralized_critic_steps_once_per_update(tmp_path, critic_type):
     steps = {int(state["step"]) for state in critic_optimizer.state.values()}
     assert steps == {2}
     assert trainer.global_step == 2 * 3
-    assert float(trainer.callback_metrics["train/optimizer_steps_critic"]) == 1.0
-    assert math.isfinite(float(trainer.callback_metrics["train/loss_critic"]))
+    assert float(trainer.callback_metrics["critic/optimizer_steps"]) == 1.0
+    assert math.isfinite(float(trainer.callback_metrics["critic/loss"]))
 
 
 @pytest.mark.parametrize("algorithm", [IAC, MAAC])
@@ -166,7 +166,7 @@ def test_actors_move_with_one_task_per_step(tmp_path, algorithm):
     trainer.fit(module, datamodule=two_turn_data(tasks_per_step=1))
     for i, agent in enumerate(module.agents):
         assert not unchanged(agent.model, actors[i]), f"agent {i}: its actor never moved"
-    advantage = float(trainer.callback_metrics["train/turn0/advantage_mean_agent0"])
+    advantage = float(trainer.callback_metrics["agent0/turn_0/advantage_mean"])
     assert advantage != 0.0 and math.isfinite(advantage)
 
 
@@ -183,8 +183,8 @@ def test_maac_per_agent_targets_reach_the_critic(tmp_path, updates, steps):
     trainer = make_trainer(tmp_path, limit_val_batches=0)
     trainer.fit(module, datamodule=two_turn_data())
     assert {int(state["step"]) for state in trainer.optimizers[-1].state.values()} == {2 * steps}  # two updates
-    assert float(trainer.callback_metrics["train/optimizer_steps_critic"]) == float(steps)
-    assert math.isfinite(float(trainer.callback_metrics["train/loss_critic"]))
+    assert float(trainer.callback_metrics["critic/optimizer_steps"]) == float(steps)
+    assert math.isfinite(float(trainer.callback_metrics["critic/loss"]))
 
 
 @pytest.mark.parametrize("critic", ["head", "model"])
@@ -200,7 +200,7 @@ def test_parameter_shared_team_has_one_critic(tmp_path, critic):
     # one learner: one step per update, plus one for its critic model
     assert trainer.global_step == 2 * (1 if critic == "head" else 2)
     assert not unchanged(module.critics[0], before)
-    assert math.isfinite(float(trainer.callback_metrics["train/loss_shared"]))
+    assert math.isfinite(float(trainer.callback_metrics["shared/loss"]))
 
 
 def test_buffer_waits_for_its_size_and_the_epoch_end_flushes_the_rest(tmp_path):
@@ -214,7 +214,7 @@ def test_buffer_waits_for_its_size_and_the_epoch_end_flushes_the_rest(tmp_path):
     for optimizer in trainer.optimizers:
         assert {int(state["step"]) for state in optimizer.state.values()} == {1}
     assert all(len(buffer) == 0 for buffer in module.rollout_buffers)
-    assert float(trainer.callback_metrics["train/optimizer_steps_agent0"]) == 1.0
+    assert float(trainer.callback_metrics["agent0/optimizer_steps"]) == 1.0
 
 
 def test_target_kl_stops_the_remaining_epochs(tmp_path):
@@ -290,4 +290,4 @@ def test_cli_configs_run(in_repo_root, tmp_path):
             config=config,
         )
         assert cli.trainer.global_step >= 2
-        assert math.isfinite(float(cli.trainer.callback_metrics["train/loss_agent0"]))
+        assert math.isfinite(float(cli.trainer.callback_metrics["agent0/loss"]))

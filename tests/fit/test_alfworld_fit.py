@@ -44,14 +44,14 @@ def fit(tmp_path, module, num_generations):
 
 def test_ppo_on_alfworld_moves_policy_and_critic(tmp_path):
     metrics, moved = fit(tmp_path, PPO(model="tiny-random", learning_rate=1e-2), 1)
-    for key in ("train/loss", "train/turn0/reward", "train/won", "train/explained_variance"):
+    for key in ("train/loss", "turn_0/reward", "train/won", "agent0/explained_variance"):
         assert key in metrics and torch.isfinite(metrics[key]), key
     assert any(n.startswith("agents.0.") for n in moved) and any(n.startswith("value_heads.0.") for n in moved)
 
 
 def test_grpo_on_alfworld_runs(tmp_path):
     metrics, _ = fit(tmp_path, GRPO(model="tiny-random", learning_rate=1e-2), 2)
-    for key in ("train/loss", "train/turn0/reward", "train/reward"):
+    for key in ("train/loss", "turn_0/reward", "train/reward"):
         assert key in metrics and torch.isfinite(metrics[key]), key
 
 

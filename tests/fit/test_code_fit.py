@@ -44,19 +44,19 @@ def test_two_turn_level_feedback_fit(tmp_path, monkeypatch):
     metrics = trainer.callback_metrics
     for turn in (0, 1):
         for key in ("reward", "level/definitions", "level/syntax", "level/tests_passed", "collab/calls_helper"):
-            assert f"train/turn{turn}/{key}" in metrics, f"train/turn{turn}/{key}"
-            assert torch.isfinite(metrics[f"train/turn{turn}/{key}"])
+            assert f"turn_{turn}/{key}" in metrics, f"turn_{turn}/{key}"
+            assert torch.isfinite(metrics[f"turn_{turn}/{key}"])
     assert len(seen) == 2 * 2  # one child per joint action of the 2 roots (aligned, G=2)
     for aux_prompt, main_prompt in seen:
         assert "Feedback on the team's program:" in aux_prompt and "`aux`" in aux_prompt
         assert "Feedback on the team's program:" in main_prompt and "Your code at turn 1:" in main_prompt
     # the random model writes no function, so every reward ties and no update is due; the losses are finite
-    assert torch.isfinite(metrics["train/loss_agent0"]) and torch.isfinite(metrics["train/loss_agent1"])
+    assert torch.isfinite(metrics["agent0/loss"]) and torch.isfinite(metrics["agent1/loss"])
 
 
 def test_code_config_runs_from_the_cli(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO_ROOT)
     cli = cli_fit(tmp_path, "--trainer.limit_train_batches=1", config="configs/magrpo/code_tiny_2turn.yaml")
     metrics = cli.trainer.callback_metrics
-    assert "train/turn1/level/tests_passed" in metrics and "val/level/syntax" in metrics
+    assert "turn_1/level/tests_passed" in metrics and "eval/level/syntax" in metrics
     assert isinstance(cli.datamodule.env, CodeEnv) and cli.datamodule.env.num_agents == 2

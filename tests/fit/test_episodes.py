@@ -218,14 +218,16 @@ def test_ppo_fit_moves_policy_and_critic(tmp_path, kwargs):
         "train/loss",
         "train/approx_kl",
         "train/clip_frac",
-        "train/explained_variance",
-        "train/value_mean",
-        "train/turn0/reward",
-        "train/turn2/advantage",
+        "agent0/explained_variance",
+        "agent0/value_mean",
+        "turn_0/reward",
+        "turn_2/advantage",
         "train/won",
         "train/truncated",
     ):
         assert key in metrics and torch.isfinite(metrics[key]), key
+    if kwargs.get("kl_coef"):  # the KL to the reference per sampled token (k3, >= 0)
+        assert float(metrics["agent0/kl_ref"]) >= 0.0
     assert any(n.startswith("agents.0.") for n in moved)
     assert any(n.startswith("value_heads.0.") for n in moved)
     if "lora" in kwargs:
@@ -238,7 +240,7 @@ def test_ppo_fit_moves_policy_and_critic(tmp_path, kwargs):
 def test_group_fits_move_the_policy(tmp_path, cls, turn_level):
     module = cls(model="tiny-random", learning_rate=1e-2, turn_level_advantages=turn_level)
     metrics, moved = _fit(tmp_path, module, "letter-count", 4, reward_density="dense")
-    for key in ("train/loss", "train/turn0/reward", "train/turn1/advantage", "train/reward"):
+    for key in ("train/loss", "turn_0/reward", "turn_1/advantage", "train/reward"):
         assert key in metrics and torch.isfinite(metrics[key]), key
     assert any(n.startswith("agents.0.") for n in moved)
 
@@ -264,7 +266,7 @@ def test_episode_configs_run_from_the_cli(tmp_path, monkeypatch, config):
     monkeypatch.chdir(REPO_ROOT)
     cli = cli_fit(tmp_path, "--trainer.limit_train_batches=1", config=config)
     metrics = cli.trainer.callback_metrics
-    assert torch.isfinite(metrics["train/loss"]) and "val/won" in metrics and "train/turn0/reward" in metrics
+    assert torch.isfinite(metrics["train/loss"]) and "eval/won" in metrics and "turn_0/reward" in metrics
 
 
 # --------------------------------------------------------------------------- several agents
@@ -288,7 +290,7 @@ def test_two_agent_fits(tmp_path, share):
     metrics, moved = _fit(tmp_path, module, "two-letters", 4, reward_density="dense")
     names = ["shared"] if share else ["agent0", "agent1"]
     for name in names:
-        assert torch.isfinite(metrics[f"train/loss_{name}"]), name
+        assert torch.isfinite(metrics[f"{name}/loss"]), name
     assert any(n.startswith("agents.0.") for n in moved)
     if not share:
         assert any(n.startswith("agents.1.") for n in moved)

@@ -30,7 +30,7 @@ def test_fit_updates_every_agent(tmp_path):
     assert trainer.global_step == 2 * 2  # one optimizer step per agent per training step
     metrics = trainer.callback_metrics
     for i in range(2):
-        assert float(metrics[f"train/advantage_abs_agent{i}"]) > 0, "no learning signal: the check below is void"
+        assert float(metrics[f"agent{i}/advantage_abs"]) > 0, "no learning signal: the check below is void"
     for i, agent in enumerate(module.agents):
         changed = [n for n, p in agent.model.named_parameters() if not torch.equal(p.detach(), before[i][n])]
         unchanged = sorted(set(before[i]) - set(changed))
@@ -39,9 +39,9 @@ def test_fit_updates_every_agent(tmp_path):
             assert torch.isfinite(p).all()
 
     losses = {k: float(v) for k, v in metrics.items() if "loss" in k}
-    assert set(losses) >= {"train/loss_agent0", "train/loss_agent1"}
+    assert set(losses) >= {"agent0/loss", "agent1/loss"}
     assert all(math.isfinite(v) for v in losses.values()), losses
-    for key in ("train/reward", "train/reward_std", "val/reward", "val/success", "rollout/generated_tokens"):
+    for key in ("train/reward", "train/reward_std", "eval/reward", "eval/success", "perf/generated_tokens"):
         assert key in metrics, sorted(metrics)
         assert math.isfinite(float(metrics[key]))
     assert 0.0 <= float(metrics["train/reward"]) <= 1.0
@@ -61,7 +61,7 @@ def test_fit_logs_to_tensorboard(tmp_path):
     acc = EventAccumulator(str(tmp_path / "lightning_logs" / "version_0"))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    assert {"train/reward", "train/loss_agent0", "train/loss_agent1"} <= tags, tags
+    assert {"train/reward", "agent0/loss", "agent1/loss"} <= tags, tags
 
 
 # --------------------------------------------------------------------------- advantages
@@ -115,7 +115,7 @@ def test_cli_fit_end_to_end(in_repo_root, tmp_path):
     assert cli.trainer.state.finished
     assert cli.trainer.global_step == 2 * 2
     assert isinstance(cli.model, MAGRPO) and len(cli.model.agents) == 2
-    assert math.isfinite(float(cli.trainer.callback_metrics["train/loss_agent0"]))
+    assert math.isfinite(float(cli.trainer.callback_metrics["agent0/loss"]))
     log_dir = tmp_path / "magrpo_slogan_tiny" / "version_0"
     assert (log_dir / "config.yaml").exists()
     assert list(log_dir.glob("events.out.tfevents.*"))
@@ -216,7 +216,7 @@ def test_single_agent_fit(tmp_path):
     trainer = make_trainer(tmp_path, limit_train_batches=1, limit_val_batches=0, logger=False)
     trainer.fit(module, datamodule=data)
     assert trainer.global_step == 1
-    assert math.isfinite(float(trainer.callback_metrics["train/loss_agent0"]))
+    assert math.isfinite(float(trainer.callback_metrics["agent0/loss"]))
 
 
 def test_validate_and_test_are_greedy_rollouts(tmp_path):
@@ -225,7 +225,7 @@ def test_validate_and_test_are_greedy_rollouts(tmp_path):
     trainer = make_trainer(tmp_path, limit_val_batches=2, limit_test_batches=1, logger=False)
     (val,) = trainer.validate(module, datamodule=data, verbose=False)
     (test,) = trainer.test(module, datamodule=data, verbose=False)
-    assert {"val/reward", "val/success", "val/distinct"} <= set(val)
+    assert {"eval/reward", "eval/success", "eval/distinct"} <= set(val)
     assert {"test/reward", "test/success"} <= set(test)
     # greedy: the first held-out batch scores the same in validation and test
     assert test["test/reward"] == pytest.approx(
@@ -355,7 +355,7 @@ def test_a_step_of_zero_advantages_still_steps_the_optimizer(tmp_path):
     before = [snapshot(a.model) for a in module.agents]
     trainer = make_trainer(tmp_path, limit_train_batches=1, limit_val_batches=0)
     trainer.fit(module, datamodule=slogan_data(reward_fn="helpers:constant_reward"))
-    assert float(trainer.callback_metrics["train/advantage_abs_agent0"]) == 0.0
+    assert float(trainer.callback_metrics["agent0/advantage_abs"]) == 0.0
     for agent, weights in zip(module.agents, before):
         for name, p in agent.model.named_parameters():
             if name in weights:

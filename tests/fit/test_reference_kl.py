@@ -84,4 +84,7 @@ def test_fit_with_reference_kl(tmp_path):
     trainer.fit(module, datamodule=slogan_data(max_new_tokens=16))
     metrics = trainer.callback_metrics
     assert torch.isfinite(metrics["train/penalty"]) and float(metrics["train/penalty"]) >= 0
-    assert torch.isfinite(metrics["train/loss_agent0"])
+    # the KL itself, per agent: the penalty is the coefficient times the agents' mean KL
+    kl = [float(metrics[f"agent{i}/kl_ref"]) for i in range(2)]
+    assert float(metrics["train/penalty"]) == pytest.approx(0.1 * sum(kl) / 2, rel=1e-4)
+    assert torch.isfinite(metrics["agent0/loss"])

@@ -314,6 +314,6 @@ def test_sft_then_magrpo_config_runs_both_phases_per_agent(in_repo_root, tmp_pat
     assert (switch.phase, switch.demos_done, switch.episodes_done) == ("rl", 8, 16)
     assert switch.switched_at == {"epoch": 0, "global_step": 4}  # 2 SFT steps x 2 agents' optimizers
     metrics = cli.trainer.callback_metrics
-    assert float(metrics["rollout/episodes"]) == 8  # 2 tasks x G^T = 2^2 leaves
-    for name in ("train/sft_loss_agent0", "train/sft_loss_agent1", "train/loss_agent0", "train/loss_agent1"):
+    assert float(metrics["train/episodes"]) == 8  # 2 tasks x G^T = 2^2 leaves
+    for name in ("agent0/sft_loss", "agent1/sft_loss", "agent0/loss", "agent1/loss"):
         assert torch.isfinite(metrics[name]), name

@@ -55,7 +55,7 @@ def test_shared_fit_updates_the_one_model(tmp_path):
     assert trainer.global_step == 2  # one optimizer step per training step for the one model
     changed = [n for n, p in module.agents[0].model.named_parameters() if not torch.equal(p.detach(), before[n])]
     assert changed
-    assert torch.isfinite(trainer.callback_metrics["train/loss_shared"])
+    assert torch.isfinite(trainer.callback_metrics["shared/loss"])
 
 
 def test_shared_parameters_need_one_source():

@@ -40,7 +40,7 @@ def fit(tmp_path, module, tasks, num_generations):
 
 def test_ppo_on_textworld_moves_policy_and_critic(tmp_path, tasks):
     metrics, moved = fit(tmp_path, PPO(model="tiny-random", learning_rate=1e-2), tasks, 1)
-    for key in ("train/loss", "train/turn0/reward", "train/won", "train/explained_variance"):
+    for key in ("train/loss", "turn_0/reward", "train/won", "agent0/explained_variance"):
         assert key in metrics and torch.isfinite(metrics[key]), key
     assert any(n.startswith("agents.0.") for n in moved) and any(n.startswith("value_heads.0.") for n in moved)
 
@@ -50,7 +50,7 @@ def test_group_algorithms_run_on_textworld(tmp_path, tasks, algorithm):
     """Random play earns the same (zero) reward in every episode of a group: the group baseline
     gives zero advantages and the policy rightly stays; the update runs and its loss is finite."""
     metrics, moved = fit(tmp_path, algorithm(model="tiny-random", learning_rate=1e-2), tasks, 2)
-    for key in ("train/loss", "train/turn0/reward", "train/reward"):
+    for key in ("train/loss", "turn_0/reward", "train/reward"):
         assert key in metrics and torch.isfinite(metrics[key]), key
     if float(metrics["train/reward_std"] if "train/reward_std" in metrics else 0.0) == 0.0:
         assert not any(n.startswith("agents.0.") for n in moved)

@@ -39,7 +39,7 @@ def test_update_in_one_pass_equals_the_two_pass_update(tmp_path, cls, settings):
         trainer.fit(module, datamodule=two_turn_data())
         assert len(prepared) == (0 if name == "one" else 1), f"{name}: prepare ran {len(prepared)} times"
         weights = {f"actor.{k}": v for k, v in snapshot(module).items()}
-        timed = [k for k in trainer.callback_metrics if k.startswith("time/") or k.endswith("_per_s")]
+        timed = [k for k in trainer.callback_metrics if k.startswith("perf/") or k.endswith("_per_s")]
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k not in timed}
         runs[name] = weights, metrics, trainer.global_step, start
     (w1, m1, steps1, start), (w2, m2, steps2, _) = runs["one"], runs["two"]

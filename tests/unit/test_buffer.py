@@ -122,7 +122,7 @@ def test_one_optimizer_step_per_minibatch(tmp_path):
     trainer = make_trainer(tmp_path, limit_train_batches=1, limit_val_batches=0)
     trainer.fit(module, datamodule=data)
     nodes = 2 + 2 * 2  # aligned G=2: 2 roots + 4 children
-    assert float(trainer.callback_metrics["train/optimizer_steps_agent0"]) == nodes
+    assert float(trainer.callback_metrics["agent0/optimizer_steps"]) == nodes
     assert trainer.global_step == 2 * nodes
 
 

@@ -161,7 +161,7 @@ def test_a_reply_malformed_to_the_end_gives_the_fallback_and_is_counted(fallback
     env = CodeEnv(roles="aux_main", transition="expert_edits", expert=expert)
     aux_prompt, main_prompt = _transition(env)
     assert (expert.format_retries, expert.malformed_replies) == (1, 1)
-    # what the tree logs per turn (turn{t}/expert_malformed_frac): one branch, malformed to the end
+    # what the tree logs per turn (turn_{t}/expert_malformed_frac): one branch, malformed to the end
     assert env.transition_metrics() == {"expert_malformed_frac": 1.0, "expert_format_retries": 1.0}
     if fallback == "raw":  # the last reply, whole, to both roles
         for prompt in (aux_prompt, main_prompt):

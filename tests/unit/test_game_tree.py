@@ -39,7 +39,7 @@ def test_a_tree_over_textworld_has_a_stateless_trees_sizes_and_calls(
     engine = RecordingEngine()
     settings = TreeSettings(num_generations=2, joint_mode=joint_mode, num_turns=turns, max_new_tokens=4)
     batch = build_tree(tiny_agents, rows(team_tasks["w2-o3-q4"]), env, settings, engine=engine)
-    assert [batch.stats[f"rollout/turn{t}_nodes"] for t in range(turns)] == [2 * per_node**t for t in range(turns)]
+    assert [batch.stats[f"turn_{t}/nodes"] for t in range(turns)] == [2 * per_node**t for t in range(turns)]
     assert len(engine.calls) == 2 * turns  # one batched generate per agent per turn
     assert batch.metrics["won"] == 0.0 and torch.isfinite(batch.rewards).all()
 
@@ -108,7 +108,7 @@ def test_magrpo_learns_from_a_tree_over_a_game(tmp_path, team_tasks):
     trainer = make_trainer(tmp_path, limit_train_batches=1, limit_val_batches=0)
     trainer.fit(module, datamodule=data)
     metrics = trainer.callback_metrics
-    assert float(metrics["train/advantage_abs_agent1"]) > 0 and torch.isfinite(metrics["train/loss_agent1"])
+    assert float(metrics["agent1/advantage_abs"]) > 0 and torch.isfinite(metrics["agent1/loss"])
     assert float(metrics["train/reward_std"]) > 0
     for agent, weights in zip(module.agents, before):
         assert len(unchanged(agent.model, weights)) < len(weights)

@@ -77,11 +77,11 @@ def test_node_and_leaf_counts(tiny_agents, joint_mode, G, T):
     calls = engine.calls
     per_node = G if joint_mode == "aligned" else G**N
     for t in range(T):
-        assert batch.stats[f"rollout/turn{t}_nodes"] == len(TASKS) * per_node**t
+        assert batch.stats[f"turn_{t}/nodes"] == len(TASKS) * per_node**t
     leaves = per_node**T  # aligned: G^T, cross: G^(N*T)
     total_joint_actions = len(TASKS) * sum(per_node ** (t + 1) for t in range(T))
     assert batch.rewards.numel() == total_joint_actions
-    assert batch.stats[f"rollout/turn{T - 1}_nodes"] * per_node == len(TASKS) * leaves
+    assert batch.stats[f"turn_{T - 1}/nodes"] * per_node == len(TASKS) * leaves
     # every node gives every agent G rows; breadth-first: one generate per agent per turn
     assert all(len(samples) == len(TASKS) * G * sum(per_node**t for t in range(T)) for samples in batch.agents)
     assert len(calls) == N * T
@@ -95,14 +95,14 @@ def test_early_termination_stops_branching(tiny_agents):
     stopped = tree_from_functions(
         tiny_agents, TASKS, _prompts(2), always_one, 2, early_termination_threshold=0.5, **kwargs
     )
-    assert "rollout/turn1_nodes" not in stopped.stats
+    assert "turn_1/nodes" not in stopped.stats
     assert stopped.rewards.numel() == len(TASKS) * 2
     assert all(float(r) == 1.0 for r in stopped.agents[0].returns)  # no bootstrap from missing children
     going = tree_from_functions(
         tiny_agents, TASKS, _prompts(2), always_one, 2, early_termination_threshold=1.0, **kwargs
     )
-    assert going.stats["rollout/turn2_nodes"] == len(TASKS) * 4  # "exceeds": equal is not enough
-    assert going.metrics["turn0/return"] == pytest.approx(3.0)
+    assert going.stats["turn_2/nodes"] == len(TASKS) * 4  # "exceeds": equal is not enough
+    assert going.metrics["turn_0/return"] == pytest.approx(3.0)
 
 
 # --------------------------------------------------------------------------- invariant: a single path
@@ -242,7 +242,7 @@ def test_two_turn_fit_updates_every_agent(tmp_path, joint_mode):
     trainer = make_trainer(tmp_path, limit_train_batches=1, limit_val_batches=0)
     trainer.fit(module, datamodule=data)
     metrics = trainer.callback_metrics
-    for key in ("train/turn0/reward", "train/turn1/reward", "train/turn0/return", "train/loss_agent0"):
+    for key in ("turn_0/reward", "turn_1/reward", "turn_0/return", "agent0/loss"):
         assert key in metrics and torch.isfinite(metrics[key]), key
     for i, agent in enumerate(module.agents):
         changed = sum(not torch.equal(p.detach(), before[i][n]) for n, p in agent.model.named_parameters())
@@ -399,5 +399,5 @@ def test_a_transitions_metrics_are_logged_per_turn(tiny_agents):
 
     env = Counting(["{topic} A", "{topic} B"], _len_reward, plain)
     batch = build_tree(tiny_agents, TASKS, env, TreeSettings(num_generations=2, num_turns=3, max_new_tokens=2))
-    assert batch.metrics["turn0/transition_calls"] == 1.0 and batch.metrics["turn1/transition_calls"] == 2.0
-    assert "turn2/transition_calls" not in batch.metrics  # the last turn opens no children
+    assert batch.metrics["turn_0/transition_calls"] == 1.0 and batch.metrics["turn_1/transition_calls"] == 2.0
+    assert "turn_2/transition_calls" not in batch.metrics  # the last turn opens no children

@@ -114,8 +114,8 @@ def test_build_tree_two_agents(tiny_agents, joint_mode):
         assert row.tolist() == prompt
 
     generated = sum(int(s.completion_mask.sum()) for s in batch.agents)
-    assert batch.stats["rollout/generated_tokens"] == generated
-    assert 0.0 <= batch.stats["rollout/truncated_frac"] <= 1.0
+    assert batch.stats["perf/generated_tokens"] == generated
+    assert 0.0 <= batch.stats["train/truncated_frac"] <= 1.0
 
 
 def test_build_tree_cross_three_agents(tiny_agents, tiny_agent):
@@ -146,9 +146,9 @@ def test_build_tree_passes_reward_metrics(tiny_agents):
     assert batch.rewards.tolist() == [float(j) for j in range(6)]
     assert batch.metrics == {
         "level": pytest.approx(5 / 6),
-        "turn0/level": pytest.approx(5 / 6),  # each reported metric also per turn
-        "turn0/reward": pytest.approx(2.5),  # one turn: the return is the reward
-        "turn0/return": pytest.approx(2.5),
+        "turn_0/level": pytest.approx(5 / 6),  # each reported metric also per turn
+        "turn_0/reward": pytest.approx(2.5),  # one turn: the return is the reward
+        "turn_0/return": pytest.approx(2.5),
     }
 
 
