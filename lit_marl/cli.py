@@ -126,6 +126,10 @@ def main() -> None:
     line (and the line of the user's code it came from); LIT_MARL_TRACEBACK=1 shows the traceback."""
     import sys
 
+    if sys.argv[1:2] == ["plot"]:  # `lit-marl plot RUN_DIR ...`: TensorBoard curves to a PNG, no LightningCLI
+        from lit_marl.plots import main as plot_main  # deferred: matplotlib start-up cost
+
+        return plot_main(sys.argv[2:])
     try:
         build_cli()
     except ConfigError as err:
