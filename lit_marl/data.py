@@ -30,13 +30,17 @@ from lit_marl.fields import (
     check_fields,
 )
 from lit_marl.generation import make_engine
-from lit_marl.parallel.collectives import gather_objects
+from lit_marl.metrics import EvalMeans, PassAtK
 from lit_marl.returns import CrossReduce, JointMode, turn_rewards
 from lit_marl.rollout.batch import RolloutBatch
 from lit_marl.rollout.demos import load_demos, render_demos
 from lit_marl.rollout.episode import EpisodeSettings, run_episodes
 from lit_marl.rollout.tree import TreeSettings, build_tree
 from lit_marl.tasks import TaskLoader, import_object, load_tasks, mixture, task_loader
+
+# what evaluating one batch gives: metric -> mean (or (mean, tasks) of a subset), and each task's
+# samples that succeeded, [tasks, samples] (None: the environment reports no success)
+Evaluated = tuple[dict[str, float | tuple[float, int]], torch.Tensor | None]
 
 
 def build_engine(name: str, options: dict | None):
@@ -117,36 +121,39 @@ class TaskDataModule(L.LightningDataModule):
     def test_dataloader(self) -> DataLoader:
         return self.val_dataloader()
 
-    def evaluation_metrics(self, agents, tasks: list[dict]) -> dict[str, float | tuple[float, int]]:
-        """Means over one greedy batch of held-out tasks; a metric of a subset of them (e.g. one task
-        type) is ``(its mean, the subset's size)``."""
+    def evaluation_metrics(self, agents, tasks: list[dict], num_samples: int = 1) -> Evaluated:
+        """Means over one batch of held-out tasks, greedy (``num_samples`` 1) or ``num_samples``
+        sampled per task; a metric of a subset of them (e.g. one task type) is ``(its mean, the
+        subset's size)``; and each task's samples that succeeded (None where nothing says)."""
         raise NotImplementedError
 
     @torch.no_grad()
-    def evaluate(self, agents) -> dict[str, float]:
-        """Greedy rollouts on all held-out tasks; each metric's mean over the tasks. With several
-        ranks each rank plays every world-th task and the sums are gathered: every rank returns
-        the same means, having played its share only."""
+    def evaluate(self, agents, num_samples: int = 1, pass_at_k: list[int] | tuple = ()) -> dict[str, float]:
+        """Rollouts on all held-out tasks, greedy, or ``num_samples`` sampled per task (at the
+        training temperature) with the unbiased ``pass@k`` of each k in ``pass_at_k``; each metric's
+        mean over its tasks. With several ranks each rank plays every world-th task and the
+        metrics (torchmetrics) sync: every rank returns the same values, having played its share."""
         if not self.val_tasks:
             raise ConfigError("data.val_path: the held-out evaluation needs held-out tasks")
+        if any(k > num_samples for k in pass_at_k):
+            raise ConfigError(f"pass@k with k in {list(pass_at_k)} needs num_samples >= {max(pass_at_k)}")
         trainer = self.trainer
         rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
-        totals: dict[str, list[float]] = {}  # key -> [sum over its tasks, its tasks (0: a metric of all)]
+        device = trainer.strategy.root_device if trainer is not None else "cpu"
+        means, passes = EvalMeans(device), {k: PassAtK(k).to(device) for k in pass_at_k}
         mine = self.val_tasks[rank::world]
         for batch in task_loader(mine, self.hparams.eval_tasks_per_step, False, self.hparams.seed) if mine else []:
-            for key, value in self.evaluation_metrics(agents, batch).items():
-                mean, count = value if isinstance(value, tuple) else (value, None)
-                total = totals.setdefault(key, [0.0, 0])
-                total[0] += mean * (len(batch) if count is None else count)
-                total[1] += count or 0
-        # ranks may report different keys (e.g. per-turn metrics of trees that ended early): merge
-        merged: dict[str, list[float]] = {}
-        for part in gather_objects(totals):
-            for key, (value, count) in part.items():
-                total = merged.setdefault(key, [0.0, 0])
-                total[0], total[1] = total[0] + value, total[1] + count
-        # a metric of every task is a mean over all of them; a subset's over its own tasks
-        return {key: value / (count or len(self.val_tasks)) for key, (value, count) in merged.items()}
+            metrics, successes = self.evaluation_metrics(agents, batch, num_samples)
+            for key, value in metrics.items():
+                mean, count = value if isinstance(value, tuple) else (value, len(batch))
+                means.update(key, mean, count)
+            if passes and successes is None:
+                raise ConfigError("HeldOutEvaluation.pass_at_k: this environment reports no success per sample")
+            for metric in passes.values():
+                metric.update(torch.full((len(batch),), successes.shape[1]), successes.sum(dim=1))
+        results = means.compute()
+        results.update({f"pass@{k}": float(metric.compute()) for k, metric in passes.items()})
+        return results
 
 
 class RolloutDataModule(TaskDataModule):
@@ -351,10 +358,20 @@ class RolloutDataModule(TaskDataModule):
         """Joint trajectories from a root to a leaf of the trees."""
         return batch.stats["train/episodes"]
 
-    def evaluation_metrics(self, agents, tasks: list[dict]) -> dict[str, float]:
-        """The mean reward and the metrics the reward reported."""
-        rollout = self.rollout(agents, tasks, greedy=True)
-        return {"reward": float(rollout.rewards.mean()), **rollout.metrics}
+    def evaluation_metrics(self, agents, tasks: list[dict], num_samples: int = 1) -> Evaluated:
+        """The mean reward and the metrics the reward reported; with ``num_samples`` > 1 every task's
+        tree is sampled (aligned: the joint trajectories are its leaves) and a leaf succeeds where
+        the reward reports ``success`` 1 at its last joint action."""
+        if num_samples == 1:
+            rollout = self.rollout(agents, tasks, greedy=True)
+        else:
+            settings = replace(self.tree, num_generations=num_samples, joint_mode="aligned")
+            rollout = build_tree(list(agents), tasks, self.env, settings, self.engine)
+        successes = None
+        if rollout.leaf_success is not None and len(rollout.leaf_tasks):
+            order = torch.argsort(rollout.leaf_tasks, stable=True)  # leaves per task: equal counts when aligned
+            successes = (rollout.leaf_success[order] == 1.0).view(len(tasks), -1)
+        return {"reward": float(rollout.rewards.mean()), **rollout.metrics}, successes
 
 
 class EpisodeDataModule(TaskDataModule):
@@ -469,10 +486,13 @@ class EpisodeDataModule(TaskDataModule):
     def make_env(self):
         return make_env(self.hparams.env, self.hparams.env_kwargs)
 
-    def rollout(self, agents, tasks: list[dict], greedy: bool):
-        """One batch per agent; the team shares the turn rewards made from the env's score."""
+    def rollout(self, agents, tasks: list[dict], greedy: bool, group_size: int | None = None):
+        """One batch per agent; the team shares the turn rewards made from the env's score. Greedy:
+        one episode per task; else ``group_size`` (default ``num_generations``) sampled ones."""
         hp = self.hparams
         settings = replace(self.episode, group_size=1, greedy=True) if greedy else self.episode
+        if group_size is not None and not greedy:
+            settings = replace(settings, group_size=group_size)
         batches = run_episodes(list(agents), tasks, self.make_env, settings, self.pool, self.engine)
         first = batches[0]
         rewards = turn_rewards(
@@ -488,17 +508,22 @@ class EpisodeDataModule(TaskDataModule):
     def episodes(self, batches) -> float:
         return float(len(batches[0].won))
 
-    def evaluation_metrics(self, agents, tasks: list[dict]) -> dict[str, float]:
-        """One greedy episode per task: win rate, mean episode reward, final score, length; with task
-        types in the rows (ALFWorld's), the win rate of each, ``won/<task type>``."""
-        episodes = self.rollout(agents, tasks, greedy=True)[0]  # the outcome is the team's
+    def evaluation_metrics(self, agents, tasks: list[dict], num_samples: int = 1) -> Evaluated:
+        """One greedy episode per task (or ``num_samples`` sampled ones): win rate, mean episode
+        reward, final score, length; with task types or complexities in the rows (ALFWorld's,
+        TextWorld's), the win rate of each, ``won/<task type>``, ``won/<complexity>``; a won episode
+        succeeds."""
+        # the outcome is the team's: agent 0's batch holds it
+        episodes = self.rollout(agents, tasks, greedy=num_samples == 1, group_size=num_samples)[0]
+        won = episodes.won.view(len(tasks), -1)
         metrics = {
             "reward": float(episodes.rewards.sum(dim=1).mean()),
             "won": float(episodes.won.float().mean()),
             "final_score": float((episodes.scores[:, -1] / episodes.max_score).mean()),
             "turns": float(episodes.num_turns.float().mean()),
         }
-        for kind in sorted({str(task["task_type"]) for task in tasks if "task_type" in task}):
-            mine = [i for i, task in enumerate(tasks) if str(task.get("task_type")) == kind]
-            metrics[f"won/{kind}"] = (float(episodes.won[mine].float().mean()), len(mine))
-        return metrics
+        for field in ("task_type", "complexity"):
+            for kind in sorted({str(task[field]) for task in tasks if field in task}):
+                mine = [i for i, task in enumerate(tasks) if str(task.get(field)) == kind]
+                metrics[f"won/{kind}"] = (float(won[mine].float().mean()), len(mine))
+        return metrics, won

@@ -7,6 +7,7 @@ import time
 
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
+from torchmetrics import MeanMetric, Metric
 
 from lit_marl.parallel.collectives import gather_objects
 
@@ -230,3 +231,70 @@ def markdown_line(text: str, chars: int) -> str:
     text = " ".join(text.split())
     text = text if len(text) <= chars else text[:chars] + " …"
     return text.translate(_MARKDOWN)
+
+
+# --------------------------------------------------------------------------- evaluation metrics (torchmetrics)
+def pass_at_k(num_samples: torch.Tensor, num_correct: torch.Tensor, k: int) -> torch.Tensor:
+    """The unbiased pass@k of each problem (Chen et al. 2021, the Codex paper): with n samples of
+    which c are correct, 1 - C(n-c, k) / C(n, k), the chance that k of the n drawn without
+    replacement hold a correct one; computed as 1 - prod_{i=n-c+1}^{n} (1 - k/i) (no huge
+    binomials). Needs n >= k."""
+    n, c = num_samples.long(), num_correct.long()
+    if (n < k).any():
+        raise ValueError(f"pass@{k} needs at least {k} samples per problem; got {int(n.min())}")
+    if ((c < 0) | (c > n)).any():
+        raise ValueError("pass@k: the correct samples of a problem must be between 0 and its samples")
+    out = torch.ones(n.shape, dtype=torch.float64)
+    for j, (nj, cj) in enumerate(zip(n.tolist(), c.tolist())):
+        if nj - cj >= k:  # else every draw of k holds a correct sample: 1
+            i = torch.arange(nj - cj + 1, nj + 1, dtype=torch.float64)
+            out[j] = 1.0 - torch.prod(1.0 - k / i)
+    return out
+
+
+class PassAtK(Metric):
+    """The mean unbiased pass@k over problems (``pass_at_k``), summed over ranks: every rank adds
+    its problems' values and counts, ``compute`` divides the totals."""
+
+    full_state_update = False
+
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        self.k = k
+        self.add_state("total", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("problems", torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
+
+    def update(self, num_samples: torch.Tensor, num_correct: torch.Tensor) -> None:
+        self.total += pass_at_k(num_samples, num_correct, self.k).sum().to(self.total.device)
+        self.problems += len(num_samples)
+
+    def compute(self) -> torch.Tensor:
+        return self.total / self.problems.clamp(min=1)
+
+
+class EvalMeans:
+    """Named evaluation metrics, each a torchmetrics ``MeanMetric`` weighted by the tasks it covers
+    (a metric of one task type by that type's tasks), reduced over every rank at ``compute``. Ranks
+    may report different keys (trees that ended early have no later turns): ``compute`` first
+    agrees on the union, a rank without a key adds nothing to it, so every rank joins every sync."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.means: dict[str, MeanMetric] = {}
+
+    def _metric(self, key: str) -> MeanMetric:
+        if key not in self.means:
+            self.means[key] = MeanMetric(nan_strategy="ignore").to(self.device)
+        return self.means[key]
+
+    def update(self, key: str, value: float, weight: float) -> None:
+        self._metric(key).update(torch.tensor(float(value)), torch.tensor(float(weight)))
+
+    def compute(self) -> dict[str, float]:
+        keys = sorted({key for part in gather_objects(sorted(self.means)) for key in part})
+        out = {}
+        for key in keys:
+            metric = self._metric(key)
+            metric.update(torch.tensor(0.0), torch.tensor(0.0))  # joins the sync on ranks without the key
+            out[key] = float(metric.compute())
+        return out

@@ -309,3 +309,28 @@ def test_phase_switch_counts_both_ranks(tmp_path, repo_root):
     lines = [line for line in done.stdout.splitlines() if line.startswith("[phase]")]
     assert "[phase] RL: 0 of 16 episodes, after SFT on 8 demonstrations (switched at epoch 0)" in lines
     assert not any("ended before its budget" in line for line in lines)
+
+
+def test_evaluation_metrics_and_step_logs_sync_over_two_ranks(tmp_path):
+    """Each rank evaluates every second held-out task; torchmetrics syncs the means (keys some
+    ranks lack included) and pass@k: both ranks return one process's figures. A step's records
+    reduce by kind over the ranks."""
+    sys.path.insert(0, str(TEST_SCRIPTS))
+    import metrics_run
+
+    run_script(TEST_SCRIPTS / "metrics_run.py", str(tmp_path), str(free_port()), timeout=120)
+    ranks = [json.loads((tmp_path / f"metrics_rank{r}.json").read_text()) for r in range(2)]
+    alone = metrics_run.evaluate(0, 1)
+    assert {"reward", "late", "pass@1", "pass@2", "pass@4"} <= alone.keys()
+    for rank in ranks:
+        assert rank["evaluate"].keys() == alone.keys()
+        for key, value in alone.items():
+            assert rank["evaluate"][key] == pytest.approx(value), key
+    assert alone["reward"] == pytest.approx(sum(range(32)) / 32 / 32)
+    assert alone["late"] == pytest.approx(sum(range(21, 32)) / 11)
+    for rank in ranks:
+        scalars = rank["step_log"]["scalars"]
+        assert scalars["loss"] == pytest.approx(5 / 3) and scalars["peak"] == 20.0 and scalars["tokens"] == 200.0
+        assert scalars["only_rank0"] == scalars["only_rank1"] == 5.0
+        assert scalars["reward"] == pytest.approx(2.5) and (scalars["reward_min"], scalars["reward_max"]) == (0, 5)
+        assert rank["step_log"]["reward"] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]

@@ -55,44 +55,26 @@ def test_grpo_on_alfworld_runs(tmp_path):
         assert key in metrics and torch.isfinite(metrics[key]), key
 
 
-def test_held_out_success_per_task_type(monkeypatch):
+def test_held_out_success_per_task_type():
     """``won/<task type>`` is the win rate over that type's held-out games alone, ``won`` over all,
-    with wins that differ inside a type and across batch boundaries (5 tasks a batch), and the same
-    figures when two ranks each play half the games and their sums are gathered."""
-    import lit_marl.data as data_module_file
-
+    with wins that differ inside a type and across batch boundaries (5 tasks a batch). (Two ranks
+    each playing their share: tests/distributed, ``test_evaluation_metrics_and_step_logs_sync``.)"""
     data = data_module(eval_tasks_per_step=5, max_turns=1)  # the outcome is scripted: one turn is enough
     tasks = data.val_tasks
     assert len(tasks) == 12
     winners = {t["game"] for t in tasks if t["seed"] == 1} | {t["game"] for t in tasks if t["task_type"] == TYPES[0]}
 
-    def scripted(agents, batch, greedy):  # the episodes are played; the outcome is scripted
-        episodes = EpisodeDataModule.rollout(data, agents, batch, greedy)
+    def scripted(agents, batch, greedy, group_size=None):  # the episodes are played; the outcome is scripted
+        episodes = EpisodeDataModule.rollout(data, agents, batch, greedy, group_size)
         episodes[0].won = torch.tensor([t["game"] in winners for t in batch])
         return episodes
 
     data.rollout = scripted
-    agents = [Agent("tiny-random")]
-    alone = data.evaluate(agents)
+    alone = data.evaluate([Agent("tiny-random")])
     for kind in {t["task_type"] for t in tasks}:
         expected = 1.0 if kind == TYPES[0] else 0.5
         assert alone[f"won/{kind}"] == expected, kind
     assert alone["won"] == pytest.approx(7 / 12)
-
-    class Rank:  # what evaluate reads of a trainer
-        def __init__(self, rank):
-            self.global_rank, self.world_size = rank, 2
-
-    parts = []
-    monkeypatch.setattr(data_module_file, "gather_objects", lambda totals: parts.append(totals) or [totals])
-    data.trainer = Rank(1)
-    data.evaluate(agents)  # rank 1's own sums, kept
-    monkeypatch.setattr(data_module_file, "gather_objects", lambda totals: [totals, parts[0]])
-    data.trainer = Rank(0)
-    both = data.evaluate(agents)
-    assert both.keys() == alone.keys()
-    for key in alone:
-        assert both[key] == pytest.approx(alone[key]), key
 
 
 def test_task_types_filter_held_out_games_and_demonstrations(tmp_path):

@@ -51,3 +51,33 @@ def test_missing_heldout_tasks_fail_before_models_load(tmp_path):
     with pytest.raises(ConfigError, match="data.val_path"):
         trainer.fit(module, datamodule=slogan_data(val_path=None))
     assert module.agents is None
+
+
+def test_periodic_sampled_evaluation_with_pass_at_k(tmp_path, capsys):
+    """Every 2 steps (and before, after): 4 samples per held-out task, pass@1/2/4 from their
+    ``success``; logged as eval/<metric> at the training steps done."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    L.seed_everything(0)
+    callback = HeldOutEvaluation(metric="pass@4", every_n_steps=2, num_samples=4, pass_at_k=[1, 2, 4])
+    module = MAGRPO(model="tiny-random", num_agents=2, learning_rate=1e-3)
+    data = slogan_data(max_new_tokens=4, eval_tasks_per_step=32)
+    trainer = make_trainer(tmp_path, limit_train_batches=3, limit_val_batches=0, callbacks=[callback])
+    trainer.fit(module, datamodule=data)
+    assert [step for step, _ in callback.history] == [0, 2, 3]  # before, after step 2, after training
+    for _, results in callback.history:
+        # pass@k grows with k, and pass@1 is the mean success of the samples
+        assert 0.0 <= results["pass@1"] <= results["pass@2"] <= results["pass@4"] <= 1.0
+        assert results["pass@1"] == pytest.approx(results["success"])
+    out = capsys.readouterr().out
+    assert "[held-out, after 2 steps] evaluating" in out and "Held-out pass@4 (4 samples per task)" in out
+    events = EventAccumulator(str(tmp_path / "lightning_logs" / "version_0"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("eval/pass@2")] == [0, 2, 3]
+
+
+def test_pass_at_k_settings_are_checked():
+    with pytest.raises(ConfigError, match=r"pass_at_k=\[8\] needs num_samples >= 8 \(got 4\)"):
+        HeldOutEvaluation(num_samples=4, pass_at_k=[8])
+    with pytest.raises(ConfigError, match="every k must be >= 1"):
+        HeldOutEvaluation(num_samples=4, pass_at_k=[0])
