@@ -17,6 +17,7 @@ def build_cli(args: list[str] | None = None, run: bool = True):
     from lightning.pytorch.cli import LightningCLI
 
     from lit_marl.algorithms.base import AgentTeamModule  # deferred: CLI start-up cost
+    from lit_marl.callbacks.progress import use_run_progress_bar  # deferred: CLI start-up cost
     from lit_marl.data import TaskDataModule  # deferred: CLI start-up cost
 
     # HF models load in eval mode and we keep it: no dropout, so training scores the very policy
@@ -47,6 +48,9 @@ def build_cli(args: list[str] | None = None, run: bool = True):
             if path and path not in ("last", "best", "hpc", "registry"):
                 saved = checkpoint_files.verify(path)
                 _check_resumed_settings(saved, self.config[subcommand]["model"])
+
+        def instantiate_trainer(self, **kwargs):
+            return use_run_progress_bar(super().instantiate_trainer(**kwargs))
 
         def add_arguments_to_parser(self, parser) -> None:
             # the number of agents is the number of prompt templates: said once, in the data
