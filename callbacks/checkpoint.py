@@ -28,6 +28,9 @@ from lit_marl.fields import PositiveInt, check_fields
 
 
 class StepCheckpoint(Checkpoint):  # a Checkpoint: Lightning runs it after the other callbacks
+    """Saves ``last.ckpt`` every ``every_n_steps`` training steps (rollout batches) and at each epoch's end,
+    atomically (a run killed while saving keeps its previous checkpoint)."""
+
     def __init__(self, dirpath: str = "checkpoints", every_n_steps: PositiveInt = 1, filename: str = "last.ckpt"):
         """
         Args:

@@ -20,6 +20,8 @@ from lit_marl.fields import check_fields
 
 
 class HFExport(L.Callback):
+    """At the end of fit, writes each distinct model of the team as a Hugging Face folder with its tokenizer."""
+
     def __init__(self, dirpath: str = "export", lora: Literal["merged", "adapter"] = "merged"):
         """
         Args:

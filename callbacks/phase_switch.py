@@ -44,6 +44,8 @@ def parse_split(split: str) -> tuple[float, float]:
 
 
 class PhaseSwitch(L.Callback):
+    """Runs SFT on demonstrations, then RL on the same weights, splitting one budget between the phases."""
+
     def __init__(
         self,
         budget: PositiveFloat,

@@ -254,9 +254,9 @@ def episode_group_advantages(
 ) -> torch.Tensor:
     """Per-turn advantages of G episodes per task (consecutive rows), ``[B, T]``.
 
-    The baseline of episode e at turn t is the mean (``grpo``) or the leave-one-out mean
-    (``rloo``) of the other group members' returns at that turn, over the members still alive
-    there; with the episode return at turn 0 for every turn this is plain GRPO/RLOO, with
+    The baseline of episode e at turn t is the mean of the group's returns at that turn, its own
+    included (``grpo``), or the mean of the other members' (``rloo``, leave-one-out), over the
+    members still alive there; with the episode return at turn 0 for every turn this is plain GRPO/RLOO, with
     returns-to-go it is the turn-level variant for dense rewards. ``normalize`` divides by the
     group's std at that turn (GRPO's scaling)."""
     B, T = returns.shape

@@ -11,6 +11,9 @@ from lit_marl.returns import episode_group_advantages, returns_to_go
 
 
 class GRPO(EpisodicModule):
+    """GRPO on multi-turn episodes: G episodes per task, each return baselined by its group's mean (optionally
+    per turn, ``turn_level_advantages``)."""
+
     baseline = "grpo"
 
     def __init__(self, turn_level_advantages: bool = False, advantage_normalization: bool = True, **kwargs):

@@ -22,6 +22,8 @@ from lit_marl.rollout.buffer import RolloutBuffer, UpdateSchedule, batch_turns, 
 
 
 class MAGRPO(AgentTeamModule):
+    """Multi-agent GRPO on joint rollout trees: each response baselined by its G siblings at the same node."""
+
     def __init__(
         self,
         advantage_mode: AdvantageMode = "mean",
@@ -51,7 +53,9 @@ class MAGRPO(AgentTeamModule):
                 nodes); None: after every training step. What is left at the end of an epoch is used then.
             train_batch_size: Groups per mini-batch - a group is the samples that share a baseline, here
                 a tree node's G responses - one optimizer step each, mini-batches grouped by turn and
-                shuffled; None: the whole buffer in one step.
+                shuffled; None: the whole buffer in one step (with ``update_schedule: joint``).
+            update_schedule: ``joint``: mini-batches of every turn, shuffled; ``per_turn``: CoMLRL's
+                order, each turn its own steps in turn order (``train_batch_size: null``: one per turn).
             reference_kl_coef: Weight of the KL to the reference policy (the initial weights; with
                 LoRA the base model with adapters disabled, no copy), estimated per response as the
                 summed k3 estimate and subtracted from the agent's reward before returns.

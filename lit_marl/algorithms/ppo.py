@@ -22,6 +22,8 @@ from lit_marl.returns import token_gae, turn_gae
 
 
 class PPO(EpisodicModule):
+    """PPO on multi-turn episodes with a critic (a value head or a separate model) and token- or turn-level GAE."""
+
     def __init__(
         self,
         critic: Literal["head", "model"] = "head",

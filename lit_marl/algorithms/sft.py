@@ -16,6 +16,8 @@ from lit_marl.algorithms.base import AgentTeamModule
 
 
 class SFT(AgentTeamModule):
+    """Supervised fine-tuning only (no RL): each agent learns its own assistant turns of the demonstrations."""
+
     phase = "sft"
 
     def setup(self, stage: str) -> None:

@@ -27,6 +27,8 @@ def parse_command(text: str) -> str | None:
 
 @register("corridor")
 class Corridor(Env):
+    """A small deterministic text game: walk east, take the key, open the door, go out (one agent, score 0-3)."""
+
     num_agents = 1
     cloneable = True
 

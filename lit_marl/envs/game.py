@@ -38,6 +38,8 @@ class GameState:
 
 
 class GameEnv(JointEnv):
+    """A registered stateful ``Env`` (TextWorld, Corridor, ...) played inside joint rollout trees, a game per node."""
+
     stateful = True
 
     def __init__(

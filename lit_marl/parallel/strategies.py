@@ -21,6 +21,9 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
 
 class TeamDDPStrategy(DDPStrategy):
+    """Lightning's ``DDPStrategy`` with the module left unwrapped (no DistributedDataParallel): every rank
+    starts from rank 0's weights and ``AgentTeamModule`` sums the gradients over ranks itself."""
+
     def configure_ddp(self) -> None:
         _sync_module_states(self.model)  # every rank starts from rank 0's weights
 

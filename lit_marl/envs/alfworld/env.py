@@ -56,6 +56,8 @@ def check_game_file(path: str) -> dict:
 
 @register("alfworld")
 class AlfWorldEnv(Env):
+    """An ALFWorld text game (one tw-pddl game per task row), played offline by one agent; won or not."""
+
     num_agents = 1
     cloneable = False
 

@@ -39,12 +39,15 @@ from lit_marl.fields import PositiveInt, check_fields
 
 @dataclass
 class Role:
+    """One agent's part of the program: the function it writes and its prompt template."""
+
     defines: str
     """The function this role writes; ``{entry_point}`` stands for the task's entry point."""
     prompt: str
     """Template over the task's fields (``{prompt}``, ``{entry_point}`` ...), ``{defines}`` and
     ``{helpers}`` (the functions the other roles write)."""
     name: str = ""
+    """A label (``helper``, ``main``) shown with the agent in the expert's prompt and in error messages."""
 
 
 SINGLE_PROMPT = (
@@ -72,11 +75,18 @@ REVISE = "Revise your code and reply with the complete improved version only, in
 
 @dataclass(frozen=True)
 class RewardWeights:
+    """Weights of the reward levels; the reward is their weighted sum over the most a program can get."""
+
     definitions: float = 0.1
+    """Times the fraction of roles whose code defines their function."""
     syntax: float = 0.1
+    """Added when every function is defined and every role's code and the combined program parse."""
     tests: float = 0.6
+    """Times the fraction of the task's tests passed (only once the syntax level is reached)."""
     calls_helper: float = 0.1
+    """Added when the entry point calls a helper (two or more roles, and only once a test passes)."""
     not_wrapper: float = 0.1
+    """Added when the entry point calls a helper and does more than return its result (as ``calls_helper``)."""
     ignored_result: float = -0.1
     """Added (a penalty) when the entry point calls a helper as a statement, dropping its result."""
 
@@ -193,6 +203,9 @@ def _syntax_error(code: str, what: str) -> str:
 
 
 class CodeEnv(JointEnv):
+    """Cooperative code generation: each role writes one function of a program that the task's tests score,
+    over one or more turns (plain revision, level feedback or an expert's edits)."""
+
     def __init__(
         self,
         roles: list[Role] | Literal["single", "aux_main"] = "single",

@@ -67,6 +67,8 @@ class ExecReport:
 
 @dataclass(frozen=True)
 class TestLimits:
+    """Limits of one program's sandboxed test run: its times, memory, processes and reply size."""
+
     __test__ = False  # not a pytest class
 
     load_timeout_s: float = 5.0
@@ -78,7 +80,10 @@ class TestLimits:
     memory_mb: int = 1024
     """Address space of the harness and of the program, each."""
     processes: int = 32
+    """Processes and threads of the run's sandbox user (RLIMIT_NPROC): the harness and the program together."""
     max_response_bytes: int = 1_000_000
+    """Bytes of one reply of the program's process to the harness (a call's result, or its load); past it
+    the test fails (the program dies) and the next test gets a fresh process."""
 
     def __post_init__(self):
         for name in ("load_timeout_s", "test_timeout_s", "budget_s", "memory_mb", "processes", "max_response_bytes"):

@@ -106,6 +106,9 @@ def parse_edits(reply: str, names: list[str]) -> tuple[dict[str, str], str]:
 
 @dataclass
 class Expert:
+    """The model of the ``expert_edits`` transition (local or an OpenAI-compatible endpoint): it reviews the
+    team's program and proposes edits per function."""
+
     model: str
     """A model source to run locally, or the model name at the endpoint when ``base_url`` is set."""
     base_url: str | None = None
@@ -115,6 +118,7 @@ class Expert:
     max_new_tokens: PositiveInt = 256
     """Tokens of one reply; a JSON object cut short by this budget is malformed (and asked again)."""
     timeout_s: PositiveFloat = 60.0
+    """Socket timeout of one endpoint request, after which it is re-sent (``retries``); unused locally."""
     retries: NonNegativeInt = 2
     """Re-asks of a malformed reply, and (endpoint) re-sends of a failed request."""
     retry_temperature: NonNegativeFloat = 0.7
@@ -123,6 +127,7 @@ class Expert:
     """What a role gets from a reply still malformed after the retries: ``raw``, the expert's whole
     reply (free-form advice is still advice); ``none``, a note that there are no edits (CoMLRL)."""
     max_parallel: PositiveInt = 8
+    """Endpoint requests in flight at once; a local model answers all of a turn's branches in one batch."""
     prompt: str = EXPERT_PROMPT
     """Template with ``{prompt}`` (the task), ``{code}`` (the team's program), ``{roles}`` (one line per
     function: who writes it) and ``{format}`` (the JSON object to reply with; required)."""

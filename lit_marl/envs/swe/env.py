@@ -40,6 +40,8 @@ def cut(text: str, limit: int) -> str:
 
 @register("swe")
 class SWEEnv(Env):
+    """Fix a repository (a SWE-Gym instance) with tool calls over many turns; its tests score the changes."""
+
     num_agents = 1
     cloneable = True
 

@@ -57,6 +57,7 @@ class TestSettings:
     run_timeout_s: float = 300.0
     """Wall seconds of a whole test run (pytest's start and collection included)."""
     memory_mb: int = 2048
+    """Address space (RLIMIT_AS) of each process of a test run."""
     retries: int = 2
     """Further tries of a run that gave no report (the harness timed out or crashed)."""
     log_chars: int = 3000

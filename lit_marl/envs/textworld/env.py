@@ -90,6 +90,8 @@ def room_of(description: str) -> str:
 
 @register("textworld")
 class TextWorldEnv(Env):
+    """A generated TextWorld game (one Z-machine story per task row), played offline by one agent."""
+
     num_agents = 1
     cloneable = True
 
