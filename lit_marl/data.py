@@ -409,7 +409,8 @@ class EpisodeDataModule(TaskDataModule):
                 game set (``envs/sources.py``): ``textworld:<complexity>:<split>:<count>``,
                 ``alfworld:<split>:<count per task type>`` (generated once, cached) or
                 ``alfworld-data:<split>[:<count>]`` (the official games under ``$ALFWORLD_DATA``).
-            env: Registered environment name (``corridor``, ...).
+            env: Registered environment name (``corridor``, ``textworld``, ``alfworld``, ``swe``) or the import
+                path of an ``Env`` subclass of your own (``my_package.envs:MyGame``).
             env_kwargs: Keyword arguments of the environment's constructor.
             val_path: Held-out task rows (validation/test: one greedy episode each).
             tasks_per_step: Tasks per training step.

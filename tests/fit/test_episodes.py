@@ -97,6 +97,15 @@ def test_registry_errors():
     assert REGISTRY["letter-count"] is LetterCount
 
 
+def test_an_env_by_import_path_needs_no_registration():
+    env = make_env("lit_marl.envs.corridor:Corridor", {"instructions": False})
+    assert type(env).__name__ == "Corridor"
+    with pytest.raises(ConfigError, match=r"data\.env='lit_marl\.envs\.base:StepResult' is not a subclass"):
+        make_env("lit_marl.envs.base:StepResult")
+    with pytest.raises(ConfigError, match="cannot import module 'no_such_module'"):
+        make_env("no_such_module:Env")
+
+
 # --------------------------------------------------------------------------- token-in / token-out
 @pytest.fixture(scope="module")
 def agent():
