@@ -52,8 +52,8 @@ class RunProgressBar(RichProgressBar):
         if self.progress is None or self.train_progress_bar_id is None:
             return
         phase = "SFT" if pl_module.phase == "sft" else "RL"
-        epoch = self.trainer.current_epoch
-        self.progress.update(self.train_progress_bar_id, description=f"{phase} epoch {epoch} · {activity}")
+        where = "" if activity == "done" else f" epoch {self.trainer.current_epoch}"
+        self.progress.update(self.train_progress_bar_id, description=f"{phase}{where} · {activity}")
         self.refresh()
 
     def get_metrics(self, trainer, pl_module) -> dict:
