@@ -146,6 +146,8 @@ def test_relative_links_resolve(markdown):
             continue
         file, _, anchor = target.partition("#")
         resolved = (markdown.parent / file).resolve() if file else markdown
+        if not resolved.is_relative_to(REPO_ROOT):  # beside the checkout (../shared/): not the repository's
+            continue
         if not resolved.exists():
             broken.append(f"{target}: no file {os.path.relpath(resolved, REPO_ROOT)}")
         elif anchor and resolved.suffix == ".md" and anchor not in links_and_anchors(resolved)[1]:
