@@ -66,7 +66,8 @@ class HeldOutEvaluation(L.Callback):
         if trainer.is_global_zero:  # x: training steps done (0 before training), as every training log
             for logger in trainer.loggers:
                 logger.log_metrics({f"eval/{k}": v for k, v in results.items()}, step=step)
-            shown = "  ".join(f"{k}={v:.3f}" for k, v in sorted(results.items()))
+            # per-turn figures only in the logs: in a one-turn run they repeat the totals
+            shown = "  ".join(f"{k}={v:.3f}" for k, v in sorted(results.items()) if not k.startswith("turn_"))
             print(f"[held-out, {tag}] {shown}  ({time.perf_counter() - start:.0f} s)", flush=True)
         return results
 
