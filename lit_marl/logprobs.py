@@ -17,7 +17,31 @@ def completion_logprobs(
     prompt_groups: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Log-probs ``[B, num_completion]`` of the last ``num_completion`` tokens of each row,
-    conditioned exactly as in generation.
+    conditioned exactly as in generation (``completion_logits``)."""
+    logits = completion_logits(model, input_ids, attention_mask, num_completion, prompt_groups)
+    return token_logprobs(logits, input_ids[:, -num_completion:])
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``[B, C]``: the log-prob of each target token under its position's logits ``[B, C, V]``."""
+    return -F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+
+
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """``[B, C]``: the entropy of each position's next-token distribution (nats)."""
+    log_p = F.log_softmax(logits, dim=-1)
+    return -(log_p.exp() * log_p).sum(-1)
+
+
+def completion_logits(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    num_completion: int,
+    prompt_groups: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The fp32 logits ``[B, num_completion, V]`` that predict the last ``num_completion`` tokens of
+    each row, conditioned exactly as in generation.
 
     Position ids come from the attention mask, as ``generate`` computes them for left-padded
     prompts, and the LM head runs only on positions that predict completion tokens.
@@ -27,9 +51,16 @@ def completion_logprobs(
     rows, gradient included: the prompt is usually most of the sequence, so this cuts the training
     forward/backward by up to G times.
     """
-    if prompt_groups is None:
-        return completion_forward(model, input_ids, attention_mask, num_completion)[0]
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    if prompt_groups is None:
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            logits_to_keep=num_completion + 1,
+            use_cache=False,
+        )
+        return out.logits[:, :-1].float()
     prompt_len = input_ids.shape[1] - num_completion
     _, inverse = torch.unique(prompt_groups, return_inverse=True)
     first = torch.full((int(inverse.max()) + 1,), -1, dtype=torch.long, device=inverse.device)
@@ -56,8 +87,7 @@ def completion_logprobs(
             use_cache=True,
         ).logits
         logits = torch.cat([logits, rest], dim=1)
-    targets = input_ids[:, -num_completion:]
-    return -F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")
+    return logits.float()
 
 
 def completion_forward(
@@ -81,11 +111,8 @@ def completion_forward(
         output_hidden_states=hidden,
     )
     logits = out.logits[:, :-1].float()
-    logprobs = -F.cross_entropy(logits.transpose(1, 2), input_ids[:, -num_completion:], reduction="none")
-    entropies = None
-    if entropy:
-        log_p = F.log_softmax(logits, dim=-1)
-        entropies = -(log_p.exp() * log_p).sum(-1)
+    logprobs = token_logprobs(logits, input_ids[:, -num_completion:])
+    entropies = token_entropy(logits) if entropy else None
     return logprobs, entropies, out.hidden_states[-1] if hidden else None
 
 

@@ -12,7 +12,7 @@ import torch
 from lit_marl.algorithms.base import AgentTeamModule
 from lit_marl.fields import NonNegativeFloat, PositiveFloat, PositiveInt, check_fields
 from lit_marl.generation import Generation
-from lit_marl.logprobs import completion_logprobs
+from lit_marl.logprobs import completion_logits, completion_logprobs, token_entropy, token_logprobs
 from lit_marl.losses import Reduction, k3_kl, masked_sum, reinforce
 from lit_marl.metrics import Timer
 from lit_marl.parallel.collectives import all_ranks_max, padded_steps
@@ -116,12 +116,18 @@ class MAGRPO(AgentTeamModule):
         )
         return adv.reshape(-1)
 
-    def policy_loss(self, model: torch.nn.Module, samples: AgentSamples) -> torch.Tensor:
+    def policy_loss(self, model: torch.nn.Module, samples: AgentSamples, stats: dict | None = None) -> torch.Tensor:
         """Summed over rows: -A * (sum or mean of the log-probs of the response's tokens, end token
-        included, padding excluded)."""
-        logprobs = completion_logprobs(
-            model, samples.input_ids, samples.attention_mask, samples.num_completion, prompt_groups=samples.group_ids
-        )
+        included, padding excluded). ``stats`` gathers the policy's entropy over the response tokens
+        (a diagnostic: no gradient)."""
+        args = (samples.input_ids, samples.attention_mask, samples.num_completion)
+        logits = completion_logits(model, *args, prompt_groups=samples.group_ids)
+        logprobs = token_logprobs(logits, samples.input_ids[:, -samples.num_completion :])
+        if stats is not None:
+            with torch.no_grad():
+                mask = samples.completion_mask.float()
+                stats["entropy"] += float((token_entropy(logits) * mask).sum())
+                stats["tokens"] += float(mask.sum())
         seq_logprob = masked_sum(logprobs, samples.completion_mask, self.logprob_reduction)
         return reinforce(seq_logprob, samples.advantages).sum()
 
@@ -151,7 +157,7 @@ class MAGRPO(AgentTeamModule):
                     if samples is None
                     else minibatches(samples, self.train_batch_size, self.shuffle_generator, self.update_schedule)
                 )
-                losses = []
+                losses, stats = [], {"entropy": 0.0, "tokens": 0.0}
                 turns = batch_turns(samples, batches, self.update_schedule)
                 for rows in padded_steps(batches, self.device, turns):
                     kept, count = None, 0
@@ -162,7 +168,7 @@ class MAGRPO(AgentTeamModule):
                         kept_rows = torch.nonzero(batch.advantages != 0).flatten()
                         kept = batch.select(kept_rows) if kept_rows.numel() else None
                         count = len(batch)
-                    loss_fn = lambda mb, m=agent.model: self.policy_loss(m, mb)  # noqa: E731
+                    loss_fn = lambda mb, m=agent.model, s=stats: self.policy_loss(m, mb, s)  # noqa: E731
                     skipped = count > 0 and kept is None  # every row's advantage is 0: a zero-loss step
                     step = dict(count=count, shared_prompts=True, skipped_zero_loss=skipped)
                     losses.append(self.update_agent(index, kept, loss_fn, **step))
@@ -171,6 +177,8 @@ class MAGRPO(AgentTeamModule):
                 self.record({f"{name}/loss": sum(losses) / len(losses), f"{name}/optimizer_steps": len(losses)})
                 if samples is not None:
                     self.record({f"{name}/advantage_abs": float(samples.advantages.abs().mean())}, len(samples))
+                if stats["tokens"]:  # over the tokens this rank trained on (rows with advantage 0 skip their pass)
+                    self.record({f"{name}/entropy": stats["entropy"] / stats["tokens"]}, weight=stats["tokens"])
                 all_losses += losses
         self.record({"train/loss": sum(all_losses) / len(all_losses), "perf/train_s": train_time.seconds})
 

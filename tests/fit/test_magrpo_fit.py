@@ -288,7 +288,9 @@ def test_non_finite_loss_stops_training_with_weights_untouched(tmp_path, monkeyp
     module.configure_model()
     before = _snapshot(module)
     original = MAGRPO.policy_loss
-    monkeypatch.setattr(MAGRPO, "policy_loss", lambda self, model, mb: original(self, model, mb) * float("nan"))
+    monkeypatch.setattr(
+        MAGRPO, "policy_loss", lambda self, model, mb, stats=None: original(self, model, mb, stats) * float("nan")
+    )
     trainer = make_trainer(tmp_path, limit_val_batches=0)
     with pytest.raises(FloatingPointError, match="agent0: non-finite loss"):
         trainer.fit(module, datamodule=slogan_data(max_new_tokens=16))
@@ -303,7 +305,9 @@ def test_non_finite_steps_are_skipped_and_counted_up_to_the_limit(tmp_path, monk
     module.configure_model()
     before = _snapshot(module)
     original = MAGRPO.policy_loss
-    monkeypatch.setattr(MAGRPO, "policy_loss", lambda self, model, mb: original(self, model, mb) * float("nan"))
+    monkeypatch.setattr(
+        MAGRPO, "policy_loss", lambda self, model, mb, stats=None: original(self, model, mb, stats) * float("nan")
+    )
     trainer = make_trainer(tmp_path, limit_val_batches=0, limit_train_batches=5)
     with pytest.warns(RuntimeWarning, match="optimizer step skipped, weights unchanged"):
         with pytest.raises(FloatingPointError, match=r"3 such step\(s\), model.max_nonfinite_steps=2"):
@@ -320,8 +324,8 @@ def test_a_non_finite_gradient_with_a_finite_loss_never_reaches_the_weights(tmp_
     before = _snapshot(module)
     original = MAGRPO.policy_loss
 
-    def inf_gradient(self, model, mb):
-        loss = original(self, model, mb)
+    def inf_gradient(self, model, mb, stats=None):
+        loss = original(self, model, mb, stats)
         weight = next(p for p in model.parameters() if p.requires_grad)
         weight.register_hook(lambda grad: torch.full_like(grad, float("inf")))
         return loss

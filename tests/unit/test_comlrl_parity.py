@@ -106,13 +106,15 @@ def test_magrpo_preset_reproduces_comlrl(case, monkeypatch):
     logp = torch.log_softmax(torch.tensor(REFERENCE["logits"]), dim=-1)
     eos = REFERENCE["eos"]
 
-    def fixed_logprobs(model, input_ids, attention_mask, num_completion, prompt_groups=None):
-        """Each completion token's fixed log-prob; the EOS's 0, as CoMLRL leaves the last token out
-        of its loss (a documented difference)."""
+    def fixed_logits(model, input_ids, attention_mask, num_completion, prompt_groups=None):
+        """Logits that give each completion token its fixed log-prob (``logp``), and the EOS 0 (a
+        certain EOS), as CoMLRL leaves the last token out of its loss (a documented difference)."""
         tokens = input_ids[:, -num_completion:]
-        return torch.where(tokens == eos, torch.zeros(()), logp[tokens.clamp(max=len(logp) - 1)])
+        logits = logp.expand(*tokens.shape, len(logp)).clone()
+        logits[tokens == eos] = torch.where(torch.arange(len(logp)) == eos, 0.0, -1e9)
+        return logits
 
-    monkeypatch.setattr("lit_marl.algorithms.magrpo.completion_logprobs", fixed_logprobs)
+    monkeypatch.setattr("lit_marl.algorithms.magrpo.completion_logits", fixed_logits)
     for task, nodes in enumerate(case["tasks"]):
         rewards, children, levels = tree_of(nodes, case["joint_mode"])
         returns = tree_returns(rewards, children, data["discount"])

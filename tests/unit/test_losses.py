@@ -76,3 +76,13 @@ def test_explained_variance():
     assert float(explained_variance(y, torch.full_like(y, 2.5))) == 0.0  # a constant critic
     # 1 - Var(y - v) / Var(y), population variances: residuals [1, 0, 1, 0] -> 0.25 / 1.25
     assert float(explained_variance(y, T([0.0, 2.0, 2.0, 4.0]))) == pytest.approx(1 - 0.25 / 1.25)
+
+
+def test_token_entropy_and_logprobs_by_hand():
+    from lit_marl.logprobs import token_entropy, token_logprobs
+
+    logits = torch.log(torch.tensor([[[0.5, 0.25, 0.25], [1.0, 1e-30, 1e-30]]]))  # [1, 2, 3]
+    entropy = token_entropy(logits)
+    assert entropy[0, 0] == pytest.approx(-(0.5 * math.log(0.5) + 2 * 0.25 * math.log(0.25)))
+    assert entropy[0, 1] == pytest.approx(0.0, abs=1e-6)  # a certain next token
+    assert token_logprobs(logits, torch.tensor([[1, 0]])).tolist()[0] == pytest.approx([math.log(0.25), 0.0])
