@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import lightning as L
+import torch
 
 from lit_marl import ConfigError
 from lit_marl.fields import NonNegativeInt, PositiveInt, check_fields
@@ -56,8 +57,11 @@ class HeldOutEvaluation(L.Callback):
         if trainer.is_global_zero:  # a long evaluation is a visible wait, not a silent one
             print(f"[held-out, {tag}] evaluating {len(data.val_tasks)} tasks ({how}) ...", flush=True)
         start = time.perf_counter()
-        with pl_module.gathered():
+        device = pl_module.device
+        # sampled rollouts draw random numbers: training's stream goes on as if none had been drawn
+        with pl_module.gathered(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             results = data.evaluate(pl_module.agents, self.num_samples, self.pass_at_k)
+        pl_module.exclude_from_step_time(time.perf_counter() - start)  # perf/step_s: the steps' own time
         if self.metric not in results:
             raise ConfigError(
                 f"HeldOutEvaluation.metric={self.metric!r} is not reported; choose from {sorted(results)}"

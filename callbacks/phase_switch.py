@@ -130,6 +130,7 @@ class PhaseSwitch(L.Callback):
             self.episodes_done += all_ranks_sum(trainer.datamodule.episodes(batch), pl_module.device)
             if self.episodes_done >= self.episodes:
                 trainer.should_stop = True
+        pl_module.log("step", float(pl_module.training_steps))  # Lightning's x for these: the steps done, as ours
         pl_module.log("phase/rl", float(self.phase == "rl"))
         pl_module.log("phase/demos", self.demos_done)
         pl_module.log("phase/episodes", self.episodes_done)

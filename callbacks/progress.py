@@ -76,7 +76,7 @@ class RunProgressBar(RichProgressBar):
         per_step = (time.perf_counter() - self.started) / self.steps_done
         epochs = trainer.max_epochs if trainer.max_epochs is not None and trainer.max_epochs > 0 else None
         total = epochs * trainer.num_training_batches if epochs is not None else float("inf")
-        done = trainer.fit_loop.epoch_loop.batch_progress.total.completed
+        done = trainer.fit_loop.epoch_loop.batch_progress.total.processed  # completed lags a step at batch end
         left = (total - done) * per_step if total != float("inf") else None
         timer = next((c for c in trainer.callbacks if isinstance(c, Timer)), None)
         cap = timer.time_remaining() if timer is not None else None

@@ -38,9 +38,9 @@ from lit_marl.rollout.episode import EpisodeSettings, run_episodes
 from lit_marl.rollout.tree import TreeSettings, build_tree
 from lit_marl.tasks import TaskLoader, import_object, load_tasks, mixture, task_loader
 
-# what evaluating one batch gives: metric -> mean (or (mean, tasks) of a subset), and each task's
-# samples that succeeded, [tasks, samples] (None: the environment reports no success)
-Evaluated = tuple[dict[str, float | tuple[float, int]], torch.Tensor | None]
+# what evaluating one batch gives: metric -> mean (or (mean, tasks) of a subset), and per task its
+# samples and how many of them succeeded, ([tasks], [tasks]) (None: the environment reports no success)
+Evaluated = tuple[dict[str, float | tuple[float, int]], tuple[torch.Tensor, torch.Tensor] | None]
 
 
 def build_engine(name: str, options: dict | None):
@@ -124,7 +124,7 @@ class TaskDataModule(L.LightningDataModule):
     def evaluation_metrics(self, agents, tasks: list[dict], num_samples: int = 1) -> Evaluated:
         """Means over one batch of held-out tasks, greedy (``num_samples`` 1) or ``num_samples``
         sampled per task; a metric of a subset of them (e.g. one task type) is ``(its mean, the
-        subset's size)``; and each task's samples that succeeded (None where nothing says)."""
+        subset's size)``; and per task its samples and those that succeeded (None where nothing says)."""
         raise NotImplementedError
 
     @torch.no_grad()
@@ -150,7 +150,7 @@ class TaskDataModule(L.LightningDataModule):
             if passes and successes is None:
                 raise ConfigError("HeldOutEvaluation.pass_at_k: this environment reports no success per sample")
             for metric in passes.values():
-                metric.update(torch.full((len(batch),), successes.shape[1]), successes.sum(dim=1))
+                metric.update(*successes)
         results = means.compute()
         results.update({f"pass@{k}": float(metric.compute()) for k, metric in passes.items()})
         return results
@@ -369,8 +369,10 @@ class RolloutDataModule(TaskDataModule):
             rollout = build_tree(list(agents), tasks, self.env, settings, self.engine)
         successes = None
         if rollout.leaf_success is not None and len(rollout.leaf_tasks):
-            order = torch.argsort(rollout.leaf_tasks, stable=True)  # leaves per task: equal counts when aligned
-            successes = (rollout.leaf_success[order] == 1.0).view(len(tasks), -1)
+            # leaves per task differ where branches end early (early termination, a game's end)
+            samples = torch.bincount(rollout.leaf_tasks, minlength=len(tasks))
+            won = (rollout.leaf_success == 1.0).double()
+            successes = samples, torch.bincount(rollout.leaf_tasks, weights=won, minlength=len(tasks)).long()
         return {"reward": float(rollout.rewards.mean()), **rollout.metrics}, successes
 
 
@@ -527,4 +529,4 @@ class EpisodeDataModule(TaskDataModule):
             for kind in sorted({str(task[field]) for task in tasks if field in task}):
                 mine = [i for i, task in enumerate(tasks) if str(task.get(field)) == kind]
                 metrics[f"won/{kind}"] = (float(won[mine].float().mean()), len(mine))
-        return metrics, won
+        return metrics, (torch.full((len(tasks),), won.shape[1]), won.sum(dim=1))

@@ -3,6 +3,7 @@ gather (``StepLog``), and evaluation metrics that stay right under DDP (torchmet
 
 from __future__ import annotations
 
+import re
 import time
 
 import torch
@@ -42,8 +43,9 @@ def weighted_means(values: dict[str, float], weight: float) -> tuple[dict[str, f
 class StepLog:
     """One training step's diagnostics, recorded while the step runs and written once at its end.
 
-    Lightning's ``self.log`` costs ~0.6-0.9 ms per key on this machine (Lightning #20388: a result
-    collection entry, device checks and a sync decision per call); a step records 25-60 keys. Here a
+    Lightning's ``self.log`` costs ~0.2-0.9 ms per key on a CPU (``scripts/bench_logging.py``;
+    Lightning #20388: a result collection entry, device checks and a sync decision per call); a
+    step records 30-80 keys. Here a
     key is a float in a dict; at the step's end ``reduce`` combines every rank's records in ONE
     object gather: ``mean`` keys are means weighted by each rank's ``weight`` (e.g. its joint
     actions), ``min``/``max``/``sum`` keys reduce as named. Histograms are gathered in the same call
@@ -112,25 +114,31 @@ class StepLog:
                 scalars[f"{key}_min"], scalars[f"{key}_max"] = float(values.min()), float(values.max())
         return scalars, distributions
 
-    def write(self, trainer, step: int, samples: bool, parameters: int) -> dict[str, float]:
-        """Reduce (every rank together), derive the training tokens/s and, on a GPU in
-        ``PEAK_FLOPS``, the MFU (6 FLOPs per parameter and token, nanoGPT's estimate, for the team's
-        ``parameters``); write the scalars straight to every logger at ``step`` (rank 0) and into
-        ``trainer.callback_metrics`` (callbacks, the progress bar); with ``samples`` the histograms
-        and texts too (TensorBoard). Returns the scalars; the log is empty after."""
+    def write(self, trainer, step: int, samples: bool) -> dict[str, float]:
+        """Reduce (every rank together); derive the job's generation and training tokens/s (summed
+        tokens over the mean seconds) and, on a GPU in ``PEAK_FLOPS``, the MFU (``perf/train_flops``
+        over the training seconds and every rank's peak); write the scalars straight to every logger
+        at ``step`` (rank 0) and into ``trainer.callback_metrics`` (callbacks, the progress bar);
+        with ``samples`` the histograms and texts too (TensorBoard). Returns the scalars; the log is
+        empty after."""
         scalars, distributions = self.reduce()
+        if scalars.get("perf/generate_s") and "perf/generated_tokens" in scalars:
+            scalars["perf/tokens_per_s"] = scalars["perf/generated_tokens"] / scalars["perf/generate_s"]
         if scalars.get("perf/train_s") and scalars.get("perf/train_tokens"):
             scalars["perf/train_tokens_per_s"] = scalars["perf/train_tokens"] / scalars["perf/train_s"]
             peak = peak_flops(trainer.strategy.root_device)
-            if peak:
-                scalars["perf/mfu"] = 6 * parameters * scalars["perf/train_tokens_per_s"] / (peak * trainer.world_size)
+            if peak and scalars.get("perf/train_flops"):
+                scalars["perf/mfu"] = (
+                    scalars["perf/train_flops"] / scalars["perf/train_s"] / (peak * trainer.world_size)
+                )
         trainer.callback_metrics.update({key: torch.tensor(value) for key, value in scalars.items()})
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(scalars, step=step)
                 if isinstance(logger, TensorBoardLogger) and samples:
                     for key, values in distributions.items():
-                        logger.experiment.add_histogram(key, values, global_step=step)
+                        if values.numel():  # TensorBoard refuses an empty histogram
+                            logger.experiment.add_histogram(key, values, global_step=step)
                     for key, text in self.texts.items():
                         logger.experiment.add_text(key, text, global_step=step)
         self.clear()
@@ -138,6 +146,17 @@ class StepLog:
 
 
 _REDUCE = {"min": min, "max": max, "sum": lambda a, b: a + b}
+
+
+TURN_KEY = re.compile(r"turn_(\d+)/")
+# rollout stats that count (summed over ranks); the others are seconds, rates and fractions (means)
+COUNTS = re.compile(r"(perf/generated_tokens|train/(episodes|tree_nodes|env_steps)|turn_\d+/nodes)$")
+
+
+def record_stats(log: StepLog, stats: dict[str, float], weight: float) -> None:
+    """A rollout's ``stats`` into ``log``: counts summed over ranks, the rest weighted means."""
+    log.add({k: v for k, v in stats.items() if COUNTS.match(k)}, reduce="sum")
+    log.add({k: v for k, v in stats.items() if not COUNTS.match(k)}, weight=weight)
 
 
 class StepLogging:
@@ -155,7 +174,7 @@ class StepLogging:
     def log_rollout(self, batch, prefix: str) -> None:
         """A tree rollout's metrics (``rollout.batch.RolloutBatch``): a training step records them
         (``record``: per turn as ``turn_<t>/``, averaged over ranks weighted by joint actions; the
-        reward's spread over every joint action); an evaluation batch logs them under ``prefix``."""
+        reward's spread over every joint action); an evaluation batch logs them under ``prefix`` (``val``, ``test``)."""
         size = float(batch.rewards.numel())
         if prefix != "train":
             values = {"reward": float(batch.rewards.mean()), **batch.metrics}
@@ -163,10 +182,16 @@ class StepLogging:
             return
         log = self.step_log
         log.distribution("train/reward", batch.rewards)
+        turns = [float(len(rewards)) for rewards in batch.turn_rewards]  # each turn's joint actions
         for turn, rewards in enumerate(batch.turn_rewards):
             log.distribution(f"turn_{turn}/reward", rewards)
-        metrics = {k if k.startswith("turn_") else f"train/{k}": v for k, v in batch.metrics.items() if k != "reward"}
-        log.add({**metrics, **batch.stats}, weight=size)
+        for key, value in batch.metrics.items():
+            turn = TURN_KEY.match(key)
+            if turn:  # a turn's metric: weighed by that turn's joint actions
+                log.add({key: value}, weight=turns[int(turn.group(1))])
+            elif key != "reward":
+                log.add({f"train/{key}": value}, weight=size)
+        record_stats(log, batch.stats, size)
         if batch.sample and self.sample_step():
             log.text("train/sample", batch.sample)
 
@@ -176,6 +201,8 @@ class StepLogging:
         means, count = weighted_means(values, weight)
         for key, value in means.items():
             self.log(key, value, batch_size=max(int(count), 1))
+        if self.trainer.state.fn == "fit":  # Lightning's x for these (its ``step`` key): the steps done, as ours
+            self.log("step", float(self.training_steps), batch_size=1)
 
     def record(self, values: dict[str, float], weight: float = 1.0, reduce: str = "mean") -> None:
         """Record diagnostics of this training step (``StepLog``): written once, at the step's end."""
@@ -194,19 +221,24 @@ class StepLogging:
     def on_train_start(self) -> None:
         self._step_clock = time.perf_counter()
 
+    def exclude_from_step_time(self, seconds: float) -> None:
+        """Work between steps that is no step's (a held-out evaluation): kept out of ``perf/step_s``."""
+        self._step_clock += seconds
+
     def write_step_log(self, step_end: bool = True) -> None:
         """Write the step's records (``StepLog.write``) on ``trainer.log_every_n_steps`` steps and
         ``sample_step`` steps, with the wall time since the last step's end; ``step_end=False``:
-        records made after the step (the epoch end's buffer flush). Every rank calls it together."""
-        now, step = time.perf_counter(), self.training_steps
-        seconds, self._step_clock = now - self._step_clock, now
-        if step % self.trainer.log_every_n_steps and not self.sample_step():
-            self.step_log.clear()
-            return
+        records made after the step (the epoch end's buffer flush: always written, they hold the
+        update's losses). ``log_every_n_steps: 0`` writes no step's records. Every rank calls it together."""
+        now, step, every = time.perf_counter(), self.training_steps, self.trainer.log_every_n_steps
         if step_end:
+            seconds, self._step_clock = now - self._step_clock, now
+            if (not every or step % every) and not self.sample_step():
+                self.step_log.clear()
+                return
             self.record({"perf/step_s": seconds}, reduce="max")
-        parameters = sum(p.numel() for agent in self.agents for p in agent.model.parameters())
-        self.step_metrics = self.step_log.write(self.trainer, step, self.sample_step(), parameters)
+        samples = step_end and self.sample_step()
+        self.step_metrics = {**self.step_metrics, **self.step_log.write(self.trainer, step, samples)}
 
 
 # dense bf16 tensor-core peak per device (vendor figures), for MFU; a device not listed reports none
@@ -222,7 +254,9 @@ def peak_flops(device: torch.device) -> float | None:
     return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
 
 
-_MARKDOWN = str.maketrans({c: "\\" + c for c in "\\`*_[]<>#|"})
+# TensorBoard's Markdown: backslash escapes for its syntax; & < > as entities (a backslash before
+# them would be shown)
+_MARKDOWN = str.maketrans({"&": "&amp;", "<": "&lt;", ">": "&gt;", **{c: "\\" + c for c in "\\`*_[]#|"}})
 
 
 def markdown_line(text: str, chars: int) -> str:

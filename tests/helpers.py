@@ -211,3 +211,9 @@ class AdmissibleEngine:
 def raising_reward(agent_completions, tasks):
     """A reward that always fails (``data.reward_fn: helpers:raising_reward``)."""
     raise RuntimeError("the scorer is down")
+
+
+def task_zero_wins(agent_completions, tasks):
+    """Success (and reward 1) exactly on the task whose id ends in -0, whatever the text."""
+    won = [float(str(t["id"]).endswith("-0")) for t in tasks]
+    return {"reward": won, "success": won}

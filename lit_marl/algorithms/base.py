@@ -25,7 +25,7 @@ from lit_marl.models import check_source
 from lit_marl.parallel.collectives import all_ranks_max, all_ranks_sum, gather_objects, sum_gradients
 from lit_marl.parallel.fsdp import TeamShards, check_shardable, shardable_models
 from lit_marl.parallel.strategies import TeamDDPStrategy
-from lit_marl.rollout.batch import AgentSamples, RolloutBatch
+from lit_marl.rollout.batch import AgentSamples, RolloutBatch, pass_tokens
 from lit_marl.rollout.buffer import RolloutBuffer
 from lit_marl.rollout.demos import DemoSamples
 from lit_marl.rollout.tree import ResponsePenalty
@@ -243,7 +243,9 @@ class AgentTeamModule(StepLogging, L.LightningModule):
         optimizers = self.optimizers()
         optimizer = optimizers[index] if isinstance(optimizers, list) else optimizers
         name = self.learner_name(index)
-        return self.optimizer_step_on(optimizer, samples, loss_fn, name, count, shared_prompts, skipped_zero_loss)
+        parameters = sum(p.numel() for p in self.model_of(index).parameters())  # for perf/train_flops
+        step = (count, shared_prompts, skipped_zero_loss, parameters)
+        return self.optimizer_step_on(optimizer, samples, loss_fn, name, *step)
 
     def optimizer_step_on(
         self,
@@ -254,6 +256,7 @@ class AgentTeamModule(StepLogging, L.LightningModule):
         count: float | None = None,
         shared_prompts: bool = False,
         skipped_zero_loss: bool = False,
+        parameters: int = 0,
     ) -> float:
         """One step of ``optimizer`` on ``rows`` (anything with ``len``, ``select`` and ``input_ids``; None: this rank
         has nothing for this step but joins it). ``loss_fn`` returns the summed loss of a
@@ -262,7 +265,8 @@ class AgentTeamModule(StepLogging, L.LightningModule):
         the split over ranks changes the gradient. ``skipped_zero_loss``: this rank left out rows
         whose loss (and gradient) is exactly zero; parameters still without a gradient get a zero
         one, so the optimizer steps as it would after their backward (AdamW's momentum and weight
-        decay act, as in CoMLRL). Returns that loss."""
+        decay act, as in CoMLRL). ``parameters``: the model's, for ``perf/train_flops`` (6 per
+        parameter and token the passes compute). Returns that loss."""
         local = float(count) if count is not None else 0.0 if rows is None else float(len(rows))
         total = all_ranks_sum(local, self.device)
         loss_sum, tokens = 0.0, 0
@@ -272,8 +276,8 @@ class AgentTeamModule(StepLogging, L.LightningModule):
                 loss = loss_fn(micro) / total
                 self.manual_backward(loss)
                 loss_sum += float(loss.detach())
-                tokens += int(micro.attention_mask.sum())
-        self.record({"perf/train_tokens": float(tokens)}, reduce="sum")
+                tokens += pass_tokens(micro, shared_prompts)
+        self.record({"perf/train_tokens": float(tokens), "perf/train_flops": 6.0 * parameters * tokens}, reduce="sum")
         params = [p for group in optimizer.param_groups for p in group["params"]]
         if skipped_zero_loss:
             for p in params:
@@ -469,7 +473,7 @@ class AgentTeamModule(StepLogging, L.LightningModule):
                     group["weight_decay"] = new_decay
 
     def validation_step(self, batch: RolloutBatch, batch_idx: int) -> None:
-        self.log_rollout(batch, "eval")
+        self.log_rollout(batch, "val")
 
     def test_step(self, batch: RolloutBatch, batch_idx: int) -> None:
         self.log_rollout(batch, "test")

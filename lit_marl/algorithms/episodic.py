@@ -24,7 +24,7 @@ from lit_marl.fields import (
 )
 from lit_marl.logprobs import masked_logprobs
 from lit_marl.losses import clip_fraction, clipped_surrogate, k3_kl
-from lit_marl.metrics import Timer
+from lit_marl.metrics import Timer, record_stats
 from lit_marl.parallel.collectives import padded_steps
 from lit_marl.rollout.batch import TrajectorySamples
 from lit_marl.rollout.buffer import minibatches
@@ -231,7 +231,7 @@ class EpisodicModule(AgentTeamModule):
             return
         log = self.step_log
         log.add({f"train/{k}": v for k, v in values.items()}, weight=size)
-        log.add(batch.stats, weight=size)
+        record_stats(log, batch.stats, size)  # counts summed over ranks, the rest means
         log.distribution("train/reward", episode_reward)
         alive = batch.alive
         for t in range(alive.shape[1]):
@@ -245,7 +245,7 @@ class EpisodicModule(AgentTeamModule):
             log.distribution("train/advantage", samples.advantages[samples.loss_mask.bool()])
 
     def validation_step(self, batches: list[EpisodeBatch], batch_idx: int) -> None:
-        self.log_episodes(batches[0], "eval")  # the outcome is the team's
+        self.log_episodes(batches[0], "val")  # the outcome is the team's
 
     def test_step(self, batches: list[EpisodeBatch], batch_idx: int) -> None:
         self.log_episodes(batches[0], "test")

@@ -30,9 +30,9 @@ class SFT(AgentTeamModule):
         if isinstance(batch, list):  # episodes of a stateful environment: the team's outcome
             episodes = batch[0]
             values = {
-                "eval/reward": float(episodes.rewards.sum(dim=1).mean()),
-                "eval/won": float(episodes.won.float().mean()),
+                "val/reward": float(episodes.rewards.sum(dim=1).mean()),
+                "val/won": float(episodes.won.float().mean()),
             }
             self.log_eval(values, float(len(episodes.won)))
         else:
-            self.log_rollout(batch, "eval")
+            self.log_rollout(batch, "val")

@@ -76,7 +76,7 @@ class JointEnv(ABC):
 
     def transition_metrics(self) -> dict[str, float]:
         """Metrics of the last ``transition`` call (e.g. how often an expert's reply was malformed),
-        logged per turn as ``turn{t}/<name>``; none by default."""
+        logged per turn as ``turn_<t>/<name>``; none by default."""
         return {}
 
     @property

@@ -177,3 +177,16 @@ class TrajectorySamples:
                 for name, value in vars(self).items()
             }
         )
+
+
+def pass_tokens(rows, shared_prompts: bool) -> int:
+    """The tokens a training pass over ``rows`` computes: every row's, or with ``shared_prompts``
+    (``completion_logprobs(prompt_groups=...)``) each node's prompt once and every row's completion."""
+    if not shared_prompts:
+        return int(rows.attention_mask.sum())
+    prompt = rows.input_ids.shape[1] - rows.num_completion
+    first = {}
+    for row, group in enumerate(rows.group_ids.tolist()):
+        first.setdefault(group, row)
+    prompts = rows.attention_mask[list(first.values()), :prompt].sum()
+    return int(prompts + rows.attention_mask[:, prompt:].sum())

@@ -137,8 +137,8 @@ def test_cli_validate(in_repo_root, tmp_path):
         ]
     )
     metrics = cli.trainer.callback_metrics
-    assert {"eval/reward", "eval/success"} <= set(metrics)
-    assert 0.0 <= float(metrics["eval/reward"]) <= 1.0
+    assert {"val/reward", "val/success"} <= set(metrics)
+    assert 0.0 <= float(metrics["val/reward"]) <= 1.0
 
 
 def test_readme_validate_command_reports_metrics(in_repo_root, tmp_path):
@@ -157,7 +157,7 @@ def test_readme_validate_command_reports_metrics(in_repo_root, tmp_path):
             "2",
         ]
     )
-    assert "eval/reward" in cli.trainer.callback_metrics, "validate ran no held-out batch"
+    assert "val/reward" in cli.trainer.callback_metrics, "validate ran no held-out batch"
 
 
 @pytest.mark.parametrize(

@@ -58,5 +58,5 @@ def test_code_config_runs_from_the_cli(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO_ROOT)
     cli = cli_fit(tmp_path, "--trainer.limit_train_batches=1", config="configs/magrpo/code_tiny_2turn.yaml")
     metrics = cli.trainer.callback_metrics
-    assert "turn_1/level/tests_passed" in metrics and "eval/level/syntax" in metrics
+    assert "turn_1/level/tests_passed" in metrics and "val/level/syntax" in metrics
     assert isinstance(cli.datamodule.env, CodeEnv) and cli.datamodule.env.num_agents == 2

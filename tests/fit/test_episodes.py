@@ -275,7 +275,7 @@ def test_episode_configs_run_from_the_cli(tmp_path, monkeypatch, config):
     monkeypatch.chdir(REPO_ROOT)
     cli = cli_fit(tmp_path, "--trainer.limit_train_batches=1", config=config)
     metrics = cli.trainer.callback_metrics
-    assert torch.isfinite(metrics["train/loss"]) and "eval/won" in metrics and "turn_0/reward" in metrics
+    assert torch.isfinite(metrics["train/loss"]) and "val/won" in metrics and "turn_0/reward" in metrics
 
 
 # --------------------------------------------------------------------------- several agents

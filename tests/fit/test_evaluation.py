@@ -5,7 +5,7 @@ from __future__ import annotations
 import lightning as L
 import pytest
 
-from helpers import make_trainer, slogan_data
+from helpers import PLAIN, make_trainer, slogan_data
 from lit_marl import ConfigError
 from lit_marl.algorithms import MAGRPO
 from lit_marl.callbacks import HeldOutEvaluation
@@ -81,3 +81,14 @@ def test_pass_at_k_settings_are_checked():
         HeldOutEvaluation(num_samples=4, pass_at_k=[8])
     with pytest.raises(ConfigError, match="every k must be >= 1"):
         HeldOutEvaluation(num_samples=4, pass_at_k=[0])
+
+
+def test_sampled_leaves_are_counted_per_task_when_branches_end_early(tiny_agents):
+    """Task 0 succeeds at once and early termination ends its tree after turn 0 (G leaves); the
+    other tasks go on to turn 1 (G^2 leaves) and fail: the counts stay with their own tasks."""
+    data = slogan_data(
+        reward_fn="helpers:task_zero_wins", num_turns=2, transition=PLAIN, early_termination_threshold=0.5
+    )
+    tasks = data.val_tasks[:3]
+    _, (samples, correct) = data.evaluation_metrics(tiny_agents, tasks, num_samples=2)
+    assert samples.tolist() == [2, 4, 4] and correct.tolist() == [2, 0, 0]

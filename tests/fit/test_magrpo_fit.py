@@ -41,7 +41,7 @@ def test_fit_updates_every_agent(tmp_path):
     losses = {k: float(v) for k, v in metrics.items() if "loss" in k}
     assert set(losses) >= {"agent0/loss", "agent1/loss"}
     assert all(math.isfinite(v) for v in losses.values()), losses
-    for key in ("train/reward", "train/reward_std", "eval/reward", "eval/success", "perf/generated_tokens"):
+    for key in ("train/reward", "train/reward_std", "val/reward", "val/success", "perf/generated_tokens"):
         assert key in metrics, sorted(metrics)
         assert math.isfinite(float(metrics[key]))
     assert 0.0 <= float(metrics["train/reward"]) <= 1.0
@@ -225,7 +225,7 @@ def test_validate_and_test_are_greedy_rollouts(tmp_path):
     trainer = make_trainer(tmp_path, limit_val_batches=2, limit_test_batches=1, logger=False)
     (val,) = trainer.validate(module, datamodule=data, verbose=False)
     (test,) = trainer.test(module, datamodule=data, verbose=False)
-    assert {"eval/reward", "eval/success", "eval/distinct"} <= set(val)
+    assert {"val/reward", "val/success", "val/distinct"} <= set(val)
     assert {"test/reward", "test/success"} <= set(test)
     # greedy: the first held-out batch scores the same in validation and test
     assert test["test/reward"] == pytest.approx(

@@ -3,6 +3,7 @@ scalars, one rendered tree or episode as text, histograms of rewards and advanta
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import lightning as L
@@ -52,7 +53,7 @@ def test_tree_fit_writes_grouped_scalars_a_rendered_tree_and_histograms(tmp_path
         *(f"turn_{t}/{key}" for t in (0, 1) for key in ("return", "nodes", "success")),
         # agent<i>/: per learner
         *(f"agent{i}/{key}" for i in (0, 1) for key in ("loss", "optimizer_steps", "advantage_abs", "completion_len")),
-        *(f"agent{i}/advantage_std" for i in (0, 1)),
+        *(f"agent{i}/{key}" for i in (0, 1) for key in ("advantage_std", "entropy")),
         # perf/: the time split and throughput
         *(f"perf/{key}" for key in ("generate_s", "reward_s", "transition_s", "train_s", "step_s")),
         *(f"perf/{key}" for key in ("tokens_per_s", "train_tokens", "train_tokens_per_s", "generated_tokens")),
@@ -77,6 +78,13 @@ def test_tree_fit_writes_grouped_scalars_a_rendered_tree_and_histograms(tmp_path
 
     histograms = set(events.Tags()["histograms"])
     assert {"train/reward", "turn_0/reward", "turn_1/reward", "agent0/advantage", "agent1/return"} <= histograms
+    # the policy's entropy per response token: positive, at most log(vocabulary)
+    vocabulary = module.agents[0].model.config.vocab_size
+    assert all(0.0 < e.value <= math.log(vocabulary) for e in events.Scalars("agent0/entropy"))
+    # 6 FLOPs per parameter of the learner's model and token its passes computed (both agents: one size)
+    parameters = sum(p.numel() for p in module.agents[0].model.parameters())
+    for flops, tokens in zip(events.Scalars("perf/train_flops"), events.Scalars("perf/train_tokens")):
+        assert flops.value == pytest.approx(6 * parameters * tokens.value, rel=1e-5)
     (hist,) = [e for e in events.Histograms("train/reward") if e.step == 1]
     assert hist.histogram_value.num == 2 + 4  # every joint action of the step's tree: 2 at turn 0, 4 at turn 1
 
@@ -134,3 +142,35 @@ def test_step_log_reduces_by_kind():
     assert distributions["r"].tolist() == [0.0, 1.0, 2.0]
     with pytest.raises(ValueError, match="'hi' is recorded with reduce='max' and 'mean'"):
         log.add({"hi": 1.0})
+
+
+def test_the_epoch_end_flush_is_written_and_log_every_0_writes_no_step(tmp_path):
+    """An update that fires only at the epoch's end (a buffer larger than the epoch) still logs its
+    losses, whatever log_every_n_steps; log_every_n_steps 0 (Lightning: no step logging) writes no
+    step's records and does not fail."""
+    L.seed_everything(0)
+    module = MAGRPO(model="tiny-random", num_agents=2, rollout_buffer_size=1000, log_samples_every_n_steps=0)
+    trainer = make_trainer(tmp_path / "a", limit_train_batches=3, limit_val_batches=0, log_every_n_steps=2)
+    trainer.fit(module, datamodule=slogan_data(max_new_tokens=4, tasks_per_step=1, num_generations=2))
+    events = _events(tmp_path / "a")
+    assert [e.step for e in events.Scalars("train/reward")] == [2]
+    assert [e.step for e in events.Scalars("agent0/loss")] == [3] and "train/reward" in module.step_metrics
+
+    module = MAGRPO(model="tiny-random", num_agents=2, log_samples_every_n_steps=0)
+    trainer = make_trainer(tmp_path / "b", limit_train_batches=2, limit_val_batches=0, log_every_n_steps=0)
+    trainer.fit(module, datamodule=slogan_data(max_new_tokens=4, tasks_per_step=1, num_generations=2))
+    assert not list((tmp_path / "b").rglob("events.out.tfevents.*")) or "train/reward" not in set(
+        _events(tmp_path / "b").Tags()["scalars"]
+    )
+
+
+def test_rollout_counts_are_summed_and_the_rest_averaged():
+    from lit_marl.metrics import record_stats
+
+    log = StepLog()
+    stats = {"perf/generated_tokens": 10.0, "train/episodes": 4.0, "turn_1/nodes": 2.0, "train/completion_len": 5.0}
+    record_stats(log, stats, 2.0)
+    record_stats(log, {**stats, "train/completion_len": 8.0}, 1.0)  # a second rank's, say
+    scalars, _ = log.reduce()
+    assert scalars["perf/generated_tokens"] == 20.0 and scalars["train/episodes"] == 8.0
+    assert scalars["turn_1/nodes"] == 4.0 and scalars["train/completion_len"] == pytest.approx(6.0)

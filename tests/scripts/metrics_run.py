@@ -32,8 +32,7 @@ def scripted(agents, tasks, num_samples=1):
     for topic in sorted({t["topic"] for t in tasks}):
         mine = [i for i, t in zip(ids, tasks) if t["topic"] == topic]
         metrics[f"won/{topic}"] = (sum(i % 2 for i in mine) / len(mine), len(mine))
-    successes = torch.tensor([[k < i % (num_samples + 1) for k in range(num_samples)] for i in ids])
-    return metrics, successes
+    return metrics, (torch.full((len(ids),), num_samples), torch.tensor([i % (num_samples + 1) for i in ids]))
 
 
 def evaluate(rank: int, world: int) -> dict:

@@ -59,6 +59,24 @@ def test_eval_means_weigh_each_update_by_its_tasks():
 
 
 def test_markdown_line_and_peak_flops():
-    assert markdown_line("a *b*\n<c> | d", 100) == "a \\*b\\* \\<c\\> \\| d"
+    # TensorBoard's Markdown shows a backslash before < and >: those become entities
+    assert markdown_line("a *b*\n<c> | d & e", 100) == "a \\*b\\* &lt;c&gt; \\| d &amp; e"
     assert markdown_line("x" * 10, 4) == "xxxx …"
     assert peak_flops(torch.device("cpu")) is None
+
+
+def test_pass_tokens_count_a_shared_prompt_once():
+    from lit_marl.rollout.batch import AgentSamples, pass_tokens
+
+    # two nodes of 2 rows: prompts of 3 and 2 real tokens (left-padded to 3), completions 2 and 1
+    attention = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 1, 0], [0, 1, 1, 1, 0], [0, 1, 1, 1, 1]])
+    rows = AgentSamples(
+        input_ids=torch.zeros(4, 5, dtype=torch.long),
+        attention_mask=attention,
+        completion_mask=attention[:, 3:],
+        returns=torch.zeros(4),
+        group_ids=torch.tensor([0, 0, 1, 1]),
+        turn_ids=torch.zeros(4, dtype=torch.long),
+    )
+    assert pass_tokens(rows, shared_prompts=False) == int(attention.sum()) == 16
+    assert pass_tokens(rows, shared_prompts=True) == 3 + 2 + (2 + 1 + 1 + 2)

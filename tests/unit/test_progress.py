@@ -18,7 +18,7 @@ def _bar(monkeypatch, now: float, steps: int, total: int = 40, cap: float | None
         timer = Timer(duration="00:00:10:00")
         monkeypatch.setattr(timer, "time_remaining", lambda: cap)
         callbacks.append(timer)
-    done = SimpleNamespace(completed=steps)
+    done = SimpleNamespace(processed=steps)
     bar._trainer = SimpleNamespace(
         max_epochs=1,
         num_training_batches=total,
