@@ -47,7 +47,7 @@ class Logs(L.LightningModule):
                 self.log(key, value, batch_size=1)
         elif self.mode == "StepLog":
             self.step_log.add(values)
-            self.step_log.write(self.trainer, batch_idx + 1, False, 0)
+            self.step_log.write(self.trainer, batch_idx + 1, False)
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.0)
