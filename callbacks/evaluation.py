@@ -47,13 +47,16 @@ class HeldOutEvaluation(L.Callback):
         self.after: dict[str, float] | None = None
         self.history: list[tuple[int, dict[str, float]]] = []  # (training steps done, results) of each evaluation
 
+    @property
+    def how(self) -> str:
+        return "greedy" if self.num_samples == 1 else f"{self.num_samples} samples per task"
+
     def setup(self, trainer: L.Trainer, pl_module, stage: str) -> None:
         if not getattr(trainer.datamodule, "val_tasks", None):  # checked before any model loads
             raise ConfigError("HeldOutEvaluation needs held-out tasks: set data.val_path")
 
     def evaluate(self, trainer: L.Trainer, pl_module, tag: str) -> dict[str, float]:
-        data, step = trainer.datamodule, pl_module.training_steps
-        how = "greedy" if self.num_samples == 1 else f"{self.num_samples} samples per task"
+        data, step, how = trainer.datamodule, pl_module.training_steps, self.how
         if trainer.is_global_zero:  # a long evaluation is a visible wait, not a silent one
             print(f"[held-out, {tag}] evaluating {len(data.val_tasks)} tasks ({how}) ...", flush=True)
         start = time.perf_counter()
@@ -96,8 +99,7 @@ class HeldOutEvaluation(L.Callback):
         print(f"Trained {steps} steps in {time.perf_counter() - self.train_start:.0f} s", flush=True)
         self.after = self.evaluate(trainer, pl_module, "after training")
         m = self.metric
-        how = "greedy" if self.num_samples == 1 else f"{self.num_samples} samples per task"
-        print(f"\nHeld-out {m} ({how}): before {self.before[m]:.3f} -> after {self.after[m]:.3f}", flush=True)
+        print(f"\nHeld-out {m} ({self.how}): before {self.before[m]:.3f} -> after {self.after[m]:.3f}", flush=True)
         if trainer.logger is not None and trainer.logger.log_dir:
             print(
                 f"TensorBoard logs: {trainer.logger.log_dir}  (tensorboard --logdir {trainer.logger.save_dir}; "

@@ -24,7 +24,7 @@ class RunProgressBar(RichProgressBar):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.started: float | None = None  # when the first training step's rollout began
-        self.steps_done = 0  # training steps of this run (this fit), whole epochs included
+        self.first_step = 0  # training steps done then (a resumed run's earlier steps)
 
     def configure_columns(self, trainer) -> list:
         columns = super().configure_columns(trainer)
@@ -33,14 +33,13 @@ class RunProgressBar(RichProgressBar):
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         super().on_train_epoch_start(trainer, pl_module)
         if self.started is None:
-            self.started = time.perf_counter()
+            self.started, self.first_step = time.perf_counter(), self._processed()
         self._describe(pl_module, "rollout")
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         self._describe(pl_module, "update")  # the step's rollout is done: the data module made it
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        self.steps_done += 1
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         self._describe(pl_module, "rollout")  # the next step starts with its rollout
 
@@ -67,16 +66,19 @@ class RunProgressBar(RichProgressBar):
             items["tok/s"] = f"{step['perf/tokens_per_s']:.0f}"
         return items
 
+    def _processed(self) -> int:
+        """Training steps done (``completed`` lags a step in ``on_train_batch_end``)."""
+        return self.trainer.fit_loop.epoch_loop.batch_progress.total.processed
+
     def estimate(self) -> tuple[float | None, float | None, bool]:
         """(seconds per step, seconds left, whether the time cap ends the run first): from the
         training time so far over the steps done (None before the first step ends)."""
-        trainer = self.trainer
-        if self.started is None or not self.steps_done:
+        trainer, done = self.trainer, self._processed()
+        if self.started is None or done <= self.first_step:
             return None, None, False
-        per_step = (time.perf_counter() - self.started) / self.steps_done
+        per_step = (time.perf_counter() - self.started) / (done - self.first_step)
         epochs = trainer.max_epochs if trainer.max_epochs is not None and trainer.max_epochs > 0 else None
         total = epochs * trainer.num_training_batches if epochs is not None else float("inf")
-        done = trainer.fit_loop.epoch_loop.batch_progress.total.processed  # completed lags a step at batch end
         left = (total - done) * per_step if total != float("inf") else None
         timer = next((c for c in trainer.callbacks if isinstance(c, Timer)), None)
         cap = timer.time_remaining() if timer is not None else None

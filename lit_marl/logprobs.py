@@ -51,16 +51,9 @@ def completion_logits(
     rows, gradient included: the prompt is usually most of the sequence, so this cuts the training
     forward/backward by up to G times.
     """
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     if prompt_groups is None:
-        out = model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            logits_to_keep=num_completion + 1,
-            use_cache=False,
-        )
-        return out.logits[:, :-1].float()
+        return _completion_pass(model, input_ids, attention_mask, num_completion)[0]
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     prompt_len = input_ids.shape[1] - num_completion
     _, inverse = torch.unique(prompt_groups, return_inverse=True)
     first = torch.full((int(inverse.max()) + 1,), -1, dtype=torch.long, device=inverse.device)
@@ -101,6 +94,16 @@ def completion_forward(
     """One forward: the log-probs ``[B, num_completion]`` of the last ``num_completion`` tokens (as
     ``completion_logprobs``), with ``entropy`` the policy's entropy at those positions (same shape),
     with ``hidden`` the last layer's hidden states ``[B, L, H]`` (for a value head)."""
+    logits, states = _completion_pass(model, input_ids, attention_mask, num_completion, hidden)
+    logprobs = token_logprobs(logits, input_ids[:, -num_completion:])
+    return logprobs, token_entropy(logits) if entropy else None, states
+
+
+def _completion_pass(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion: int, hidden=False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One plain forward: the fp32 logits that predict the last ``num_completion`` tokens, and with
+    ``hidden`` the last layer's hidden states ``[B, L, H]``."""
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     out = model(
         input_ids=input_ids,
@@ -110,10 +113,7 @@ def completion_forward(
         use_cache=False,
         output_hidden_states=hidden,
     )
-    logits = out.logits[:, :-1].float()
-    logprobs = token_logprobs(logits, input_ids[:, -num_completion:])
-    entropies = token_entropy(logits) if entropy else None
-    return logprobs, entropies, out.hidden_states[-1] if hidden else None
+    return out.logits[:, :-1].float(), out.hidden_states[-1] if hidden else None
 
 
 def sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

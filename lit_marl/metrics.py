@@ -24,22 +24,6 @@ class Timer:
         self.seconds = time.perf_counter() - self.start
 
 
-def weighted_means(values: dict[str, float], weight: float) -> tuple[dict[str, float], float]:
-    """Each key's mean over the ranks that report it, weighted by their ``weight`` (ranks whose
-    trees ended early report no later turns, so the keys can differ: one object gather, not one
-    reduce per key); and the summed weight. One process: ``values`` and ``weight`` as given."""
-    gathered = gather_objects((values, weight))
-    if len(gathered) == 1:
-        return values, weight
-    sums: dict[str, float] = {}
-    weights: dict[str, float] = {}
-    for rank_values, rank_weight in gathered:
-        for key, value in rank_values.items():
-            sums[key] = sums.get(key, 0.0) + value * rank_weight
-            weights[key] = weights.get(key, 0.0) + rank_weight
-    return {key: sums[key] / weights[key] for key in sums}, sum(w for _, w in gathered)
-
-
 class StepLog:
     """One training step's diagnostics, recorded while the step runs and written once at its end.
 
@@ -66,15 +50,12 @@ class StepLog:
         """Record ``values`` (floats or one-element tensors); a key recorded twice in a step
         combines both records (means by their weights)."""
         for key, value in values.items():
-            value = float(value)
-            kind, old, old_weight = self.scalars.get(key, (reduce, None, 0.0))
-            if kind != reduce:
-                raise ValueError(f"{key!r} is recorded with reduce={kind!r} and {reduce!r}")
-            if reduce == "mean":
-                value, new_weight = (0.0 if old is None else old) + value * weight, old_weight + weight
-            else:
-                value, new_weight = value if old is None else _REDUCE[reduce](old, value), 1.0
-            self.scalars[key] = (reduce, value, new_weight)
+            # a mean is kept as (weighted sum, weight) until ``reduce``
+            record = (reduce, float(value) * weight, weight) if reduce == "mean" else (reduce, float(value), 1.0)
+            old = self.scalars.get(key)
+            if old is not None and old[0] != reduce:
+                raise ValueError(f"{key!r} is recorded with reduce={old[0]!r} and {reduce!r}")
+            self.scalars[key] = record if old is None else _combine(old, record)
 
     def distribution(self, key: str, values: torch.Tensor) -> None:
         """Record the values of one quantity (e.g. every joint action's reward): ``reduce`` gives
@@ -91,13 +72,8 @@ class StepLog:
         gathered = gather_objects(local)
         sums: dict[str, tuple[str, float, float]] = {}
         for scalars, _ in gathered:
-            for key, (kind, value, weight) in scalars.items():
-                if key not in sums:
-                    sums[key] = (kind, value, weight)
-                elif kind == "mean":
-                    sums[key] = (kind, sums[key][1] + value, sums[key][2] + weight)
-                else:
-                    sums[key] = (kind, _REDUCE[kind](sums[key][1], value), 1.0)
+            for key, record in scalars.items():
+                sums[key] = record if key not in sums else _combine(sums[key], record)
         scalars = {
             key: (value / weight if weight > 0 else 0.0) if kind == "mean" else value
             for key, (kind, value, weight) in sums.items()
@@ -146,6 +122,15 @@ class StepLog:
 
 
 _REDUCE = {"min": min, "max": max, "sum": lambda a, b: a + b}
+
+
+def _combine(old: tuple[str, float, float], new: tuple[str, float, float]) -> tuple[str, float, float]:
+    """Two records of one key (``StepLog``: one rank's twice, or two ranks'): a mean's weighted sums
+    and weights add, min/max/sum reduce as named."""
+    kind = old[0]
+    if kind == "mean":
+        return kind, old[1] + new[1], old[2] + new[2]
+    return kind, _REDUCE[kind](old[1], new[1]), 1.0
 
 
 TURN_KEY = re.compile(r"turn_(\d+)/")
@@ -197,8 +182,12 @@ class StepLogging:
 
     def log_eval(self, values: dict[str, float], weight: float) -> None:
         """An evaluation batch's metrics, averaged over ranks (weighted) and logged per epoch; keys may
-        differ between ranks (one object gather, not one reduce per key)."""
-        means, count = weighted_means(values, weight)
+        differ between ranks (``StepLog.reduce``: one object gather, not one reduce per key)."""
+        batch = StepLog()
+        batch.add(values, weight)
+        batch.add({"_weight": weight}, reduce="sum")  # every rank's, for Lightning's epoch mean
+        means, _ = batch.reduce()
+        count = means.pop("_weight")
         for key, value in means.items():
             self.log(key, value, batch_size=max(int(count), 1))
         if self.trainer.state.fn == "fit":  # Lightning's x for these (its ``step`` key): the steps done, as ours

@@ -25,7 +25,7 @@ def _bar(monkeypatch, now: float, steps: int, total: int = 40, cap: float | None
         callbacks=callbacks,
         fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=SimpleNamespace(total=done))),
     )
-    bar.started, bar.steps_done = 0.0, steps
+    bar.started, bar.first_step = 0.0, 0
     monkeypatch.setattr(progress.time, "perf_counter", lambda: now)
     return bar
 
