@@ -21,6 +21,7 @@ class HeldOutEvaluation(L.Callback):
         every_n_steps: NonNegativeInt = 0,
         num_samples: PositiveInt = 1,
         pass_at_k: list[PositiveInt] | None = None,
+        examples: NonNegativeInt = 3,
     ):
         """
         Args:
@@ -32,6 +33,8 @@ class HeldOutEvaluation(L.Callback):
                 per task at the training temperature (trees: aligned, their leaves are the samples).
             pass_at_k: With ``num_samples`` >= k: the unbiased pass@k of each k (Chen et al. 2021)
                 from each task's samples that succeed (the reward's ``success``, a game's ``won``).
+            examples: At the end, print the first n held-out tasks' answers before and after
+                training side by side (greedy tree rollouts; 0: none), to read what was learnt.
         """
         check_fields("HeldOutEvaluation", HeldOutEvaluation.__init__, locals())
         self.pass_at_k = list(pass_at_k or [])
@@ -43,6 +46,8 @@ class HeldOutEvaluation(L.Callback):
                 f"(got {num_samples}): raise num_samples, or drop the larger k"
             )
         self.metric, self.every_n_steps, self.num_samples = metric, every_n_steps, num_samples
+        self.examples = examples
+        self.before_examples: list[dict] = []  # the data module's ``examples`` of the first evaluation
         self.before: dict[str, float] | None = None
         self.after: dict[str, float] | None = None
         self.history: list[tuple[int, dict[str, float]]] = []  # (training steps done, results) of each evaluation
@@ -80,6 +85,7 @@ class HeldOutEvaluation(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module) -> None:
         self.before = self.evaluate(trainer, pl_module, "before training")
+        self.before_examples = list(getattr(trainer.datamodule, "examples", []))
         self.train_start = time.perf_counter()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
@@ -98,6 +104,13 @@ class HeldOutEvaluation(L.Callback):
         steps = trainer.fit_loop.epoch_loop.batch_progress.total.completed
         print(f"Trained {steps} steps in {time.perf_counter() - self.train_start:.0f} s", flush=True)
         self.after = self.evaluate(trainer, pl_module, "after training")
+        if not trainer.is_global_zero:
+            return
+        after_examples = list(getattr(trainer.datamodule, "examples", []))
+        print(
+            "\n" + report(self.before, self.after, self.before_examples, after_examples, self.examples, self.how),
+            flush=True,
+        )
         m = self.metric
         print(f"\nHeld-out {m} ({self.how}): before {self.before[m]:.3f} -> after {self.after[m]:.3f}", flush=True)
         if trainer.logger is not None and trainer.logger.log_dir:
@@ -106,3 +119,29 @@ class HeldOutEvaluation(L.Callback):
                 f"curves as a PNG: lit-marl plot {trainer.logger.log_dir})",
                 flush=True,
             )
+
+
+def report(
+    before: dict, after: dict, before_examples: list[dict], after_examples: list[dict], n: int, how: str = "greedy"
+) -> str:
+    """The before -> after table of every held-out metric (per-turn ones only in the logs), then the
+    first ``n`` tasks' answers before and after training (the same tasks, in evaluation order)."""
+    keys = [k for k in sorted(after) if not k.startswith("turn_") and k in before]
+    width = max(len(k) for k in keys + ["metric"])
+    lines = [f"{'held-out':<{width}}  before  ->  after  ({how})"]
+    lines += [f"{k:<{width}}  {before[k]:6.3f}  ->  {after[k]:.3f}" for k in keys]
+    pairs = list(zip(before_examples, after_examples))[:n]
+    if pairs:
+        lines.append(f"\nThe first {len(pairs)} held-out tasks, before -> after:")
+    for old, new in pairs:
+        task = old["task"]
+        lines.append("  " + "  ".join(f"{k}: {v}" for k, v in task.items() if k != "id") + f"  ({task.get('id', '')})")
+        for when, example in (("before", old), ("after", new)):
+            lines.append(f"    {when} (reward {example['reward']:.3f}):")
+            lines += [f"      agent {i}: {_one_line(text)}" for i, text in enumerate(example["lines"])]
+    return "\n".join(lines)
+
+
+def _one_line(text: str) -> str:
+    """An answer on one line, its line breaks shown (a rule may count them)."""
+    return " ⏎ ".join(line.strip() for line in str(text).strip().splitlines())

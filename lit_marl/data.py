@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import lightning as L
 import torch
@@ -38,9 +38,16 @@ from lit_marl.rollout.episode import EpisodeSettings, run_episodes
 from lit_marl.rollout.tree import TreeSettings, build_tree
 from lit_marl.tasks import TaskLoader, import_object, load_tasks, mixture, task_loader
 
-# what evaluating one batch gives: metric -> mean (or (mean, tasks) of a subset), and per task its
-# samples and how many of them succeeded, ([tasks], [tasks]) (None: the environment reports no success)
-Evaluated = tuple[dict[str, float | tuple[float, int]], tuple[torch.Tensor, torch.Tensor] | None]
+
+class Evaluated(NamedTuple):
+    """What evaluating one batch of held-out tasks gives."""
+
+    metrics: dict[str, float | tuple[float, int]]
+    """metric -> mean (or (mean, tasks) of a subset, e.g. one task type)"""
+    successes: tuple[torch.Tensor, torch.Tensor] | None
+    """per task its samples and how many of them succeeded, ([tasks], [tasks]); None: nothing says"""
+    examples: list[dict] | tuple = ()
+    """per task (greedy only) its final joint answer: ``{"task", "lines" (one per agent), "reward"}``"""
 
 
 def build_engine(name: str, options: dict | None):
@@ -58,6 +65,8 @@ class TaskDataModule(L.LightningDataModule):
     train_tasks: list[dict]
     val_tasks: list[dict]
     demos: list[dict] = []
+    examples: list[dict] = []
+    """The final joint answer of each held-out task of this rank's latest ``evaluate`` (greedy)."""
     demo_rows: int | None = None
     """How many demonstrations the coming SFT epoch may serve, counted from its start (``PhaseSwitch``
     sets it from the budget); None: whole passes."""
@@ -132,7 +141,8 @@ class TaskDataModule(L.LightningDataModule):
         """Rollouts on all held-out tasks, greedy, or ``num_samples`` sampled per task (at the
         training temperature) with the unbiased ``pass@k`` of each k in ``pass_at_k``; each metric's
         mean over its tasks. With several ranks each rank plays every world-th task and the
-        metrics (torchmetrics) sync: every rank returns the same values, having played its share."""
+        metrics (torchmetrics) sync: every rank returns the same values, having played its share.
+        ``self.examples`` then holds this rank's tasks' final joint answers (``Evaluated.examples``)."""
         if not self.val_tasks:
             raise ConfigError("data.val_path: the held-out evaluation needs held-out tasks")
         trainer = self.trainer
@@ -140,8 +150,10 @@ class TaskDataModule(L.LightningDataModule):
         device = trainer.strategy.root_device if trainer is not None else "cpu"
         means, passes = EvalMeans(device), {k: PassAtK(k).to(device) for k in pass_at_k}
         mine = self.val_tasks[rank::world]
+        self.examples = []
         for batch in task_loader(mine, self.hparams.eval_tasks_per_step, False, self.hparams.seed) if mine else []:
-            metrics, successes = self.evaluation_metrics(agents, batch, num_samples)
+            metrics, successes, examples = Evaluated(*self.evaluation_metrics(agents, batch, num_samples))
+            self.examples += examples
             for key, value in metrics.items():
                 mean, count = value if isinstance(value, tuple) else (value, len(batch))
                 means.update(key, mean, count)
@@ -371,7 +383,15 @@ class RolloutDataModule(TaskDataModule):
             samples = torch.bincount(rollout.leaf_tasks, minlength=len(tasks))
             won = (rollout.leaf_success == 1.0).double()
             successes = samples, torch.bincount(rollout.leaf_tasks, weights=won, minlength=len(tasks)).long()
-        return {"reward": float(rollout.rewards.mean()), **rollout.metrics}, successes
+        examples = []
+        last = rollout.turn_rewards[-1] if rollout.turn_rewards else rollout.rewards
+        if num_samples == 1 and len(last) == len(tasks):  # greedy, every task reached the last turn
+            answers = [agent[-len(tasks) :] for agent in rollout.completions]
+            examples = [
+                {"task": task, "lines": [agent[j] for agent in answers], "reward": float(last[j])}
+                for j, task in enumerate(tasks)
+            ]
+        return Evaluated({"reward": float(rollout.rewards.mean()), **rollout.metrics}, successes, examples)
 
 
 class EpisodeDataModule(TaskDataModule):

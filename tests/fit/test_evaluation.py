@@ -29,6 +29,21 @@ def test_heldout_evaluation_prints_before_and_after(tmp_path, capsys):
         assert {"reward", "success", "distinct", "length_ok"} <= set(results)
         assert all(0.0 <= v <= 1.0 for v in results.values())
     assert "TensorBoard logs:" in out
+    # the before -> after table has a row per metric, and the first 3 tasks' answers follow
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if " ->  " in line and "before" not in line}
+    assert set(rows) == {k for k in callback.after if not k.startswith("turn_")}
+    assert float(rows["success"][1]) == pytest.approx(callback.before["success"], abs=5e-4)
+    assert float(rows["reward"][3]) == pytest.approx(callback.after["reward"], abs=5e-4)
+    assert "The first 3 held-out tasks, before -> after:" in out
+    assert len(callback.before_examples) == len(data.examples) == len(data.val_tasks)
+    for old, new in zip(callback.before_examples[:3], data.examples[:3]):
+        assert old["task"] is new["task"]
+        assert f"({old['task']['id']})" in out
+        for example in (old, new):
+            assert len(example["lines"]) == 2 and 0.0 <= example["reward"] <= 1.0
+            shown = " ⏎ ".join(line.strip() for line in example["lines"][1].strip().splitlines())
+            assert f"agent 1: {shown}" in out
+    assert f"({data.val_tasks[3]['id']})" not in out
     # "before" is the greedy evaluation of the untrained agents
     fresh = MAGRPO(model="tiny-random", num_agents=2)
     fresh.configure_model()
@@ -90,5 +105,5 @@ def test_sampled_leaves_are_counted_per_task_when_branches_end_early(tiny_agents
         reward_fn="helpers:task_zero_wins", num_turns=2, transition=PLAIN, early_termination_threshold=0.5
     )
     tasks = data.val_tasks[:3]
-    _, (samples, correct) = data.evaluation_metrics(tiny_agents, tasks, num_samples=2)
+    samples, correct = data.evaluation_metrics(tiny_agents, tasks, num_samples=2).successes
     assert samples.tolist() == [2, 4, 4] and correct.tolist() == [2, 0, 0]
