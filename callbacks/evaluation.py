@@ -127,7 +127,7 @@ def report(
     """The before -> after table of every held-out metric (per-turn ones only in the logs), then the
     first ``n`` tasks' answers before and after training (the same tasks, in evaluation order)."""
     keys = [k for k in sorted(after) if not k.startswith("turn_") and k in before]
-    width = max(len(k) for k in keys + ["metric"])
+    width = max(len(k) for k in keys + ["held-out"])
     lines = [f"{'held-out':<{width}}  before  ->  after  ({how})"]
     lines += [f"{k:<{width}}  {before[k]:6.3f}  ->  {after[k]:.3f}" for k in keys]
     pairs = list(zip(before_examples, after_examples))[:n]

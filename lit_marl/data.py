@@ -384,7 +384,7 @@ class RolloutDataModule(TaskDataModule):
             won = (rollout.leaf_success == 1.0).double()
             successes = samples, torch.bincount(rollout.leaf_tasks, weights=won, minlength=len(tasks)).long()
         examples = []
-        last = rollout.turn_rewards[-1] if rollout.turn_rewards else rollout.rewards
+        last = rollout.turn_rewards[-1]  # the last turn's joint actions, one per task still playing
         if num_samples == 1 and len(last) == len(tasks):  # greedy, every task reached the last turn
             answers = [agent[-len(tasks) :] for agent in rollout.completions]
             examples = [
