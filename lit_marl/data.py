@@ -20,6 +20,9 @@ from lit_marl import ConfigError
 from lit_marl.envs import make_env
 from lit_marl.envs.alfworld.games import ALIASES as ALFWORLD_ALIASES
 from lit_marl.envs.base import FunctionEnv, JointEnv, RewardError
+from lit_marl.envs.centralized import CentralizedEnv
+from lit_marl.envs.learned import JointRewardModel, LearnedRewardEnv
+from lit_marl.envs.processors import RewardProcessor, check_range
 from lit_marl.envs.sources import resolve_demo_source, resolve_source
 from lit_marl.fields import (
     ClosedUnitInterval,
@@ -200,6 +203,11 @@ class RolloutDataModule(TaskDataModule):
         demo_path: str | None = None,
         demo_batch_size: PositiveInt = 8,
         demo_loss_on: Literal["all", "last"] = "all",
+        reward_processor: list[dict] | None = None,
+        reward_range: list[float] | None = None,
+        centralized_adapter: str | None = None,
+        parse_failure_reward: float | None = 0.0,
+        reward_model: str | None = None,
     ):
         """
         Args:
@@ -264,6 +272,24 @@ class RolloutDataModule(TaskDataModule):
             demo_batch_size: Demonstrations per SFT step.
             demo_loss_on: ``all``: the loss on every assistant turn of a demonstration; ``last``: on
                 its last assistant turn only (the earlier ones are context).
+            reward_processor: Steps applied in order to every joint action's reward before returns
+                (CoMLRL's reward processors): ``{kind: clamp, min, max}``, ``{kind: scale, factor}``,
+                ``{kind: shift, offset}``, ``{kind: sigmoid_scale}``, ``{kind: normalize_by_length,
+                max_len}`` (times min(1, answer characters / max_len)), ``{kind: identity}``. Logs,
+                early termination and evaluation keep the task reward (``lit_marl/envs/processors.py``).
+            reward_range: ``[min, max]`` of the task reward (default: the reward function's
+                ``reward_range`` attribute, if any): metadata, never a clip; carried through the
+                processor, it fixes the bins of the reward histograms.
+            centralized_adapter: Import path of an adapter class (``module:Class``, e.g.
+                ``lit_marl.envs.centralized:TaggedAdapter``): ONE joint actor writes every role's
+                output in one completion (``CentralizedMAGRPO``); the adapter builds its prompt from the
+                roles' prompts and splits its completion into roles for the reward. Single-turn.
+            parse_failure_reward: With ``centralized_adapter``, the reward of a completion without any
+                role section (counted as ``parse_failed``); null scores its roles as empty strings
+                with the task reward (CoMLRL's behaviour).
+            reward_model: A trained joint reward model's folder (``RewardModelFit``'s
+                ``reward_model_dir``): training rollouts are rewarded by its score of each joint
+                answer instead of the task reward (MARLHF); held-out evaluation keeps the task reward.
         """
         super().__init__()
         check_fields("data", RolloutDataModule.__init__, locals())
@@ -291,9 +317,27 @@ class RolloutDataModule(TaskDataModule):
                 transition_kwargs,
                 batched_transition,
             )
+        if centralized_adapter is not None:
+            if num_turns > 1:
+                raise ConfigError(
+                    f"data.centralized_adapter: a joint actor plays one turn; data.num_turns={num_turns} must be 1"
+                )
+            adapter = import_object(centralized_adapter, "data.centralized_adapter")
+            env = CentralizedEnv(env, adapter() if isinstance(adapter, type) else adapter, parse_failure_reward)
         if num_turns > 1 and not env.has_transition:
             raise ConfigError(f"data.num_turns={num_turns}: {type(env).__name__} has no transition (single-turn)")
         self.env = env
+        # what rewards training rollouts: the task reward, or a learned one (MARLHF); evaluation: the task's
+        self.train_env = LearnedRewardEnv(env, JointRewardModel.load(reward_model)) if reward_model else env
+        processor = RewardProcessor.parse(reward_processor)
+        raw_range = check_range(reward_range, "data.reward_range")
+        inner = env.inner if isinstance(env, CentralizedEnv) else env
+        if raw_range is None and isinstance(inner, FunctionEnv):
+            raw_range = check_range(getattr(inner.reward_fn, "reward_range", None), f"{reward_fn}.reward_range")
+        self.reward_range = raw_range
+        """The task reward's [min, max] (what is logged and evaluated), or None: unknown."""
+        self.training_reward_range = processor.range(raw_range) if raw_range else None
+        """The range of the rewards training's returns are built from (the processed task reward)."""
         self.load_demos(demo_path)
         self.train_tasks = env.load_tasks(train_path, "data.train_path")
         self.val_tasks = env.load_tasks(val_path, "data.val_path") if val_path else []
@@ -313,6 +357,7 @@ class RolloutDataModule(TaskDataModule):
             reward_timeout_s=reward_timeout_s,
             transition_timeout_s=transition_timeout_s,
             transition_prompt_field=transition_prompt_field,
+            reward_processor=processor,
         )
         self.max_skipped_steps, self._skipped_steps = max_skipped_steps, 0
         # a user's transition reads the task prompt (an env's own, or one marked like ``plain``, may not)
@@ -340,12 +385,16 @@ class RolloutDataModule(TaskDataModule):
 
     def rollout(self, agents, tasks: list[dict], greedy: bool, response_penalty=None) -> RolloutBatch:
         settings = replace(self.tree, num_generations=1, greedy=True) if greedy else self.tree
-        return build_tree(list(agents), tasks, self.env, settings, self.engine, response_penalty)
+        env = self.env if greedy else self.train_env
+        batch = build_tree(list(agents), tasks, env, settings, self.engine, response_penalty)
+        batch.reward_range = self.reward_range if env is self.env else None
+        return batch
 
     def rollout_batch(self, module, tasks: list[dict], training: bool) -> RolloutBatch:
         if not training:
             return self.rollout(module.agents, tasks, greedy=True)
-        batch = self.rollout(module.agents, tasks, greedy=False, response_penalty=module.response_penalty)
+        with module.rollout_team() as agents:
+            batch = self.rollout(agents, tasks, greedy=False, response_penalty=module.response_penalty)
         self._count_skipped(batch)
         return batch
 

@@ -80,3 +80,21 @@ def explained_variance(targets: torch.Tensor, values: torch.Tensor) -> torch.Ten
     critic, 0 one no better than a constant, below 0 worse; Var(y) is floored at 1e-8."""
     targets, values = targets.float(), values.float()
     return 1 - (targets - values).var(unbiased=False) / targets.var(unbiased=False).clamp(min=1e-8)
+
+
+def joint_dpo(deltas: torch.Tensor, agent: int, beta: float) -> torch.Tensor:
+    """Joint-factorised DPO (MADPO) of ``agent`` per pair: -log sigmoid(beta * (D_i + sum_{j != i} sg(D_j))).
+
+    ``deltas`` is ``[agents, pairs]``: D_j = log pi_j(y_w) - log pi_j(y_l) for agent j's parts of the
+    chosen and the rejected joint answer (the reference-anchored form subtracts the reference's
+    difference first). The joint answer's log-likelihood is the sum over agents (they act
+    independently), so this is DPO (Rafailov et al. 2023) on the joint policy; the other agents'
+    terms are constants (stop-gradient) so each agent gets gradient through its own D_i only."""
+    others = deltas.detach().sum(0) - deltas[agent].detach()
+    return -torch.nn.functional.logsigmoid(beta * (deltas[agent] + others))
+
+
+def bradley_terry(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+    """Bradley-Terry (1952) negative log-likelihood that ``chosen`` beats ``rejected``, per pair:
+    -log sigmoid(r_w - r_l) for scalar rewards r (a reward model's scores)."""
+    return -torch.nn.functional.logsigmoid(chosen - rejected)

@@ -12,6 +12,9 @@ from torchmetrics import MeanMetric, Metric
 
 from lit_marl.parallel.collectives import gather_objects
 
+HISTOGRAM_BINS = 16
+"""Bins of a histogram whose range is known (``StepLog.distribution(bounds=...)``), as CoMLRL's reward histograms."""
+
 
 class Timer:
     """``with Timer() as t: ...`` then ``t.seconds``."""
@@ -42,6 +45,7 @@ class StepLog:
         self.scalars: dict[str, tuple[str, float, float]] = {}  # key -> (reduce, value or weighted sum, weight)
         self.distributions: dict[str, list[torch.Tensor]] = {}
         self.texts: dict[str, str] = {}
+        self.bounds: dict[str, tuple[float, float]] = {}  # key -> a distribution's known range (histogram bins)
 
     def __bool__(self) -> bool:
         return bool(self.scalars or self.distributions or self.texts)
@@ -57,11 +61,14 @@ class StepLog:
                 raise ValueError(f"{key!r} is recorded with reduce={old[0]!r} and {reduce!r}")
             self.scalars[key] = record if old is None else _combine(old, record)
 
-    def distribution(self, key: str, values: torch.Tensor) -> None:
+    def distribution(self, key: str, values: torch.Tensor, bounds: tuple[float, float] | None = None) -> None:
         """Record the values of one quantity (e.g. every joint action's reward): ``reduce`` gives
         their mean, ``_std``, ``_min`` and ``_max`` over every rank's values, and the values for a
-        histogram."""
+        histogram; ``bounds`` (its known range, e.g. ``data.reward_range``) fixes the histogram's
+        ``HISTOGRAM_BINS`` bins, so steps compare bin for bin."""
         self.distributions.setdefault(key, []).append(values.detach().float().flatten().cpu())
+        if bounds is not None:
+            self.bounds[key] = bounds
 
     def text(self, key: str, value: str) -> None:
         self.texts[key] = value
@@ -114,7 +121,11 @@ class StepLog:
                 if isinstance(logger, TensorBoardLogger) and samples:
                     for key, values in distributions.items():
                         if values.numel():  # TensorBoard refuses an empty histogram
-                            logger.experiment.add_histogram(key, values, global_step=step)
+                            bins, lo_hi = "tensorflow", self.bounds.get(key)
+                            if lo_hi is not None:  # fixed bins over the known range; values outside go to the edge bins
+                                values = values.clamp(*lo_hi)
+                                bins = torch.linspace(*lo_hi, HISTOGRAM_BINS + 1).numpy()
+                            logger.experiment.add_histogram(key, values, global_step=step, bins=bins)
                     for key, text in self.texts.items():
                         logger.experiment.add_text(key, text, global_step=step)
         self.clear()
@@ -166,10 +177,10 @@ class StepLogging:
             self.log_eval({f"{prefix}/{key}": value for key, value in values.items()}, size)
             return
         log = self.step_log
-        log.distribution("train/reward", batch.rewards)
+        log.distribution("train/reward", batch.rewards, batch.reward_range)
         turns = [float(len(rewards)) for rewards in batch.turn_rewards]  # each turn's joint actions
         for turn, rewards in enumerate(batch.turn_rewards):
-            log.distribution(f"turn_{turn}/reward", rewards)
+            log.distribution(f"turn_{turn}/reward", rewards, batch.reward_range)
         for key, value in batch.metrics.items():
             turn = TURN_KEY.match(key)
             if turn:  # a turn's metric: weighed by that turn's joint actions

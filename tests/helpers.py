@@ -217,3 +217,25 @@ def task_zero_wins(agent_completions, tasks):
     """Success (and reward 1) exactly on the task whose id ends in -0, whatever the text."""
     won = [float(str(t["id"]).endswith("-0")) for t in tasks]
     return {"reward": won, "success": won}
+
+
+LENGTH_REWARD = "helpers:length_reward"
+
+
+def length_reward(agent_completions, tasks):
+    """A joint reward in [0, 1] that varies with every agent's text: the joint answer's length in
+    characters, scaled (the tiny random model's answers differ in length, so candidates rarely tie)."""
+    return [min(1.0, sum(len(agent[j]) for agent in agent_completions) / 200.0) for j in range(len(tasks))]
+
+
+class HalvesAdapter:
+    """A centralized adapter for the tiny random model (it never writes tags): the joint prompt is the
+    roles' prompts joined, and the completion's words are split into equal consecutive parts."""
+
+    def build_prompt(self, task, agent_prompts):
+        return " / ".join(agent_prompts)
+
+    def parse_completion(self, completion, task, num_agents):
+        words = completion.split()
+        size = -(-len(words) // num_agents) if words else 0
+        return [" ".join(words[i * size : (i + 1) * size]) for i in range(num_agents)]

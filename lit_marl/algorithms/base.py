@@ -7,7 +7,7 @@ import copy
 import math
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 
 import lightning as L
 import torch
@@ -22,7 +22,7 @@ from lit_marl.logprobs import target_logprobs
 from lit_marl.losses import nll
 from lit_marl.metrics import StepLogging, Timer
 from lit_marl.models import check_source
-from lit_marl.parallel.collectives import all_ranks_max, all_ranks_sum, gather_objects, sum_gradients
+from lit_marl.parallel.collectives import all_ranks_max, all_ranks_sum, gather_objects, sum_gradients, to_cpu
 from lit_marl.parallel.fsdp import TeamShards, check_shardable, shardable_models
 from lit_marl.parallel.strategies import TeamDDPStrategy
 from lit_marl.rollout.batch import AgentSamples, RolloutBatch, pass_tokens
@@ -155,6 +155,23 @@ class AgentTeamModule(StepLogging, L.LightningModule):
         model = self.model_of(learner)
         with model.disable_adapter():
             yield model
+
+    @contextmanager
+    def initial_team(self) -> Iterator[list[Agent]]:
+        """The team with every learner's reference weights (``reference_model``) for the block: the
+        same agents with their adapters off under LoRA, else agents around the frozen copies."""
+        with ExitStack() as stack:
+            team = []  # one agent per learner: a shared model still plays its roles as one
+            for n, roles in enumerate(self.learners):
+                agent, model = self.agents[roles[0]], stack.enter_context(self.reference_model(n))
+                kept = model is agent.model
+                team.append(agent if kept else Agent(agent.source, None, agent.system_prompt, (model, agent.tokenizer)))
+            yield [team[self.learner_of(role)] for role in range(len(self.agents))]
+
+    @contextmanager
+    def rollout_team(self) -> Iterator[nn.ModuleList | list[Agent]]:
+        """The agents that sample training rollouts: the current ones (an algorithm may choose others)."""
+        yield self.agents
 
     def shard(self, mesh) -> None:
         if mesh["tensor_parallel"].size() > 1:  # Lightning's mesh: (data_parallel, tensor_parallel)
@@ -424,7 +441,7 @@ class AgentTeamModule(StepLogging, L.LightningModule):
             "buffers": [buffer.state_dict() for buffer in self.rollout_buffers],
         }
         # every rank saves (joins this gather); rank 0 writes
-        checkpoint["lit_marl"] = {"ranks": [_to_cpu(r) for r in gather_objects(state)]}
+        checkpoint["lit_marl"] = {"ranks": [to_cpu(r) for r in gather_objects(state)]}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         path = self._trainer.ckpt_path if self._trainer is not None else None
@@ -477,14 +494,3 @@ class AgentTeamModule(StepLogging, L.LightningModule):
 
     def test_step(self, batch: RolloutBatch, batch_idx: int) -> None:
         self.log_rollout(batch, "test")
-
-
-def _to_cpu(tree):
-    """Tensors of a nested dict/list moved to the CPU (another rank's may be on its own GPU)."""
-    if isinstance(tree, torch.Tensor):
-        return tree.cpu()
-    if isinstance(tree, dict):
-        return {k: _to_cpu(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_to_cpu(v) for v in tree]
-    return tree

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from lit_marl import ConfigError
 from lit_marl.algorithms.base import AgentTeamModule
+from lit_marl.envs.centralized import CentralizedEnv
 from lit_marl.fields import NonNegativeFloat, PositiveFloat, PositiveInt, check_fields
 from lit_marl.generation import Generation
 from lit_marl.logprobs import completion_logits, completion_logprobs, token_entropy, token_logprobs
@@ -202,3 +204,18 @@ class MARLOO(MAGRPO):
 
     def __init__(self, **kwargs):
         super().__init__(advantage_mode="rloo", **kwargs)
+
+
+class CentralizedMAGRPO(MAGRPO):
+    """CoMLRL's centralized MAGRPO: ONE joint actor writes every role's output in one completion
+    (``data.centralized_adapter``), G samples per task baselined by their mean; the joint text is
+    split into roles only for the reward. Single-turn; the loss is MAGRPO's with one agent."""
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        data = self.trainer.datamodule
+        if not isinstance(getattr(data, "env", None), CentralizedEnv):
+            raise ConfigError(
+                "CentralizedMAGRPO needs a joint actor: set data.centralized_adapter (e.g. "
+                "lit_marl.envs.centralized:TaggedAdapter) with data.agent_prompts (one per role) and data.reward_fn"
+            )

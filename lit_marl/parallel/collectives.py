@@ -114,3 +114,14 @@ def sum_gradients(params: list[torch.nn.Parameter], device: torch.device) -> Non
     for p, g in zip(params, grads):
         p.grad = flat[offset : offset + g.numel()].view_as(p).clone()
         offset += g.numel()
+
+
+def to_cpu(tree):
+    """Tensors of a nested dict/list moved to the CPU (another rank's may be on its own GPU)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.cpu()
+    if isinstance(tree, dict):
+        return {k: to_cpu(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [to_cpu(v) for v in tree]
+    return tree

@@ -111,10 +111,12 @@ class RolloutBatch:
     metrics: dict[str, float] = field(default_factory=dict)  # means over joint actions, for logging
     stats: dict[str, float] = field(default_factory=dict)  # timings and token counts
     completions: list[list[str]] = field(default_factory=list)  # [agent][joint action], as in rewards
+    prompts: list[list[str]] = field(default_factory=list)  # [agent][joint action]: the prompt (text) it answered
     turn_rewards: list[torch.Tensor] = field(default_factory=list)  # ``rewards`` split by turn
     sample: str = ""  # the first task's tree rendered as Markdown, for TensorBoard's text tab
     leaf_tasks: torch.Tensor | None = None  # [leaves] the task of every branch's last joint action
     leaf_success: torch.Tensor | None = None  # [leaves] its ``success`` (or a game's ``won``); None: unreported
+    reward_range: tuple[float, float] | None = None  # the task reward's known [min, max] (``data.reward_range``)
 
 
 @dataclass

@@ -19,6 +19,7 @@ import torch
 
 from lit_marl.agents import Agent, roles_by_model
 from lit_marl.envs.base import JointEnv, call_reward, call_with_timeout
+from lit_marl.envs.processors import RewardProcessor
 from lit_marl.generation import Engine, Generation, make_engine
 from lit_marl.metrics import markdown_line
 from lit_marl.returns import CrossReduce, JointMode, neutral_fill, per_response, tree_returns
@@ -49,6 +50,7 @@ class TreeSettings:
     transition_timeout_s: float | None = None
     transition_prompt_field: str = "prompt"
     cross_return: CrossReduce = "mean"
+    reward_processor: RewardProcessor = RewardProcessor()
 
 
 def joint_indices(num_agents: int, num_generations: int, joint_mode: JointMode) -> list[tuple[int, ...]]:
@@ -96,6 +98,7 @@ class _Tally:
         }
     )
     completions: list[list[str]] = field(default_factory=list)  # [agent][joint action of every turn]
+    prompts: list[list[str]] = field(default_factory=list)  # [agent][joint action]: the prompt it answered
     truncated: int = 0
     responses: int = 0
     branching: int = 0  # nodes before the last turn
@@ -128,7 +131,7 @@ def build_tree(
     for t, task in enumerate(tasks):
         state, first = env.start(task) if game else (None, env.prompts(task))
         nodes.append(_Node(t, [[p] for p in first], [[] for _ in agents], state))
-    tally = _Tally(completions=[[] for _ in agents])
+    tally = _Tally(completions=[[] for _ in agents], prompts=[[] for _ in agents])
     levels: list[_Level] = []
     for turn in range(settings.num_turns):
         t0 = time.perf_counter()
@@ -142,8 +145,10 @@ def build_tree(
             rewards = _score(env, agents, tasks, nodes, texts, combos, turn, settings, tally)
         t2 = time.perf_counter()
         shaped = rewards  # what returns are built from; logs and early termination use the task reward
+        if settings.reward_processor:
+            shaped = settings.reward_processor(rewards, _answer_lengths(texts, combos, len(nodes), settings))
         if response_penalty is not None:
-            shaped = rewards - _penalties(response_penalty, gens, len(nodes), combos, settings.num_generations, tally)
+            shaped = shaped - _penalties(response_penalty, gens, len(nodes), combos, settings.num_generations, tally)
         t3 = time.perf_counter()
         stopped = torch.zeros(len(nodes), dtype=torch.bool)
         if settings.early_termination_threshold is not None:
@@ -224,6 +229,7 @@ def _score(env, agents, tasks, nodes, texts, combos, turn, settings, tally: _Tal
     tally.turn_success = per_sample.get("success")
     for i in range(num_agents):
         tally.completions[i] += agent_completions[i]
+        tally.prompts[i] += [node.prompt_history[i][-1] for node in nodes for _ in combos]
     if rewards.dim() == 1:  # a joint reward is every agent's reward
         rewards = rewards.unsqueeze(1).expand(-1, num_agents)
     rewards = neutral_fill(rewards.reshape(len(nodes), len(combos), num_agents))
@@ -252,6 +258,7 @@ def _play(env, agents, nodes, texts, combos, turn, settings, tally: _Tally) -> t
             row.append((child, result.observations, done))
             for i in range(num_agents):
                 tally.completions[i].append(actions[i])
+                tally.prompts[i].append(node.prompt_history[i][-1])
             for key in ("won", "lost"):
                 tally.add(key, float(bool(result.info.get(key, False))))
             won.append(float(bool(result.info.get("won", False))))
@@ -259,6 +266,15 @@ def _play(env, agents, nodes, texts, combos, turn, settings, tally: _Tally) -> t
     tally.turn_success = torch.tensor(won)
     tally.add(f"turn_{turn}/reward", float(rewards.mean(dim=2).sum()))
     return rewards, outcomes
+
+
+def _answer_lengths(texts, combos, num_nodes: int, settings: TreeSettings) -> torch.Tensor:
+    """``[nodes, J]``: each joint action's answer length in characters, summed over the agents."""
+    G = settings.num_generations
+    return torch.tensor(
+        [[sum(len(texts[i][n * G + k]) for i, k in enumerate(combo)) for combo in combos] for n in range(num_nodes)],
+        dtype=torch.float64,
+    ).view(num_nodes, len(combos))
 
 
 def _tally_leaves(tally: _Tally, nodes: list[_Node], children: torch.Tensor) -> None:
@@ -448,6 +464,7 @@ def _assemble(agents: list[Agent], levels: list[_Level], settings: TreeSettings,
         metrics=_metrics(tally, len(levels), all_rewards.numel()),
         stats=_stats(tally),
         completions=tally.completions,
+        prompts=tally.prompts,
         turn_rewards=turn_rewards,
         sample="\n".join(tally.sample),
         leaf_tasks=torch.tensor(tally.leaf_tasks, dtype=torch.long),

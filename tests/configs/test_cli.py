@@ -81,7 +81,9 @@ def test_config_instantiates_without_loading_models(config, in_repo_root, monkey
     assert isinstance(cli.datamodule, TaskDataModule)
     assert cli.model.agents is None
     data = source["data"]["init_args"]
-    if "agent_prompts" in data:
+    if "centralized_adapter" in data:  # one joint actor plays every role
+        agents = 1
+    elif "agent_prompts" in data:
         agents = len(data["agent_prompts"])
     else:
         agents = cli.datamodule.env.num_agents if isinstance(cli.datamodule, RolloutDataModule) else 1

@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from lit_marl.losses import (
+    bradley_terry,
     clip_fraction,
     clipped_surrogate,
     explained_variance,
+    joint_dpo,
     k3_kl,
     masked_sum,
     nll,
@@ -86,3 +88,28 @@ def test_token_entropy_and_logprobs_by_hand():
     assert entropy[0, 0] == pytest.approx(-(0.5 * math.log(0.5) + 2 * 0.25 * math.log(0.25)))
     assert entropy[0, 1] == pytest.approx(0.0, abs=1e-6)  # a certain next token
     assert token_logprobs(logits, torch.tensor([[1, 0]])).tolist()[0] == pytest.approx([math.log(0.25), 0.0])
+
+
+def test_joint_dpo_by_hand_and_gradient_only_through_the_agents_own_delta():
+    # two agents, two pairs: D = [[0.5, -1.0], [0.25, 2.0]], beta 0.1
+    deltas = T([[0.5, -1.0], [0.25, 2.0]], requires_grad=True)
+    loss = joint_dpo(deltas, agent=0, beta=0.1)
+    by_hand = [-math.log(1 / (1 + math.exp(-0.1 * (0.5 + 0.25)))), -math.log(1 / (1 + math.exp(-0.1 * (-1.0 + 2.0))))]
+    assert loss.tolist() == pytest.approx(by_hand, rel=1e-6)
+    loss.sum().backward()
+    # d/dD_0 of -log sigmoid(b z) = -b * (1 - sigmoid(b z)); agent 1's row gets no gradient (stop-gradient)
+    z = [0.75, 1.0]
+    assert deltas.grad[0].tolist() == pytest.approx([-0.1 * (1 - 1 / (1 + math.exp(-0.1 * v))) for v in z], rel=1e-6)
+    assert deltas.grad[1].tolist() == [0.0, 0.0]
+
+
+def test_joint_dpo_with_one_agent_is_dpo():
+    deltas = T([[0.3, -0.7]])
+    assert joint_dpo(deltas, 0, beta=2.0).tolist() == pytest.approx(
+        [math.log(1 + math.exp(-0.6)), math.log(1 + math.exp(1.4))], rel=1e-6
+    )
+
+
+def test_bradley_terry_by_hand():
+    out = bradley_terry(T([1.0, 0.0, -2.0]), T([0.0, 0.0, 1.0]))
+    assert out.tolist() == pytest.approx([math.log(1 + math.exp(-1)), math.log(2), math.log(1 + math.exp(3))], rel=1e-6)

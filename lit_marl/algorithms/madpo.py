@@ -1,0 +1,196 @@
+"""MADPO: multi-agent direct preference optimization on scored joint candidates (CoMLRL's MADPO).
+
+Per task every agent samples K candidates (``data.num_generations``, ``joint_mode: aligned``: the
+k-th responses form joint candidate k); the task reward scores each joint candidate; ordered pairs
+with a reward gap (``rollout/pairs.py``) are the preferences. The joint policy is the product of
+the agents' policies, so its log-ratio of chosen over rejected is the sum of the agents' own
+D_i = log pi_i(y_w^i) - log pi_i(y_l^i); agent i minimises -log sigmoid(beta (D_i + sum_{j != i}
+sg(D_j))) (``losses.joint_dpo``): gradient through its own D_i only, the others' taken before any
+update.
+
+The update is one optimizer step per learner per training step. Its gradient is computed exactly
+as a weighted sum of the candidates' log-probs: d loss / d log pi_i(y_k) is a constant at the
+current weights, so the candidates become rows with that weight as their advantage and take the
+same forward/backward path (shared prompts, micro-batches, ranks) as every other row of lit_marl.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Literal
+
+import torch
+
+from lit_marl import ConfigError
+from lit_marl.algorithms.base import AgentTeamModule
+from lit_marl.fields import PositiveFloat, PositiveInt, check_fields
+from lit_marl.logprobs import completion_logprobs
+from lit_marl.losses import joint_dpo, masked_sum, reinforce
+from lit_marl.metrics import Timer
+from lit_marl.rollout.batch import AgentSamples, RolloutBatch
+from lit_marl.rollout.pairs import PairSelection, select_pairs
+
+
+class MADPO(AgentTeamModule):
+    """Multi-agent DPO: pairs of joint candidates by reward gap, a joint-factorised DPO loss per agent."""
+
+    def __init__(
+        self,
+        dpo_beta: PositiveFloat = 0.1,
+        pair_selection: PairSelection = "reward_gap",
+        preference_pairs_per_sample: PositiveInt | None = 16,
+        dpo_reference: Literal["none", "initial"] = "none",
+        candidate_policy: Literal["initial", "current"] = "initial",
+        **kwargs,
+    ):
+        """
+        Args:
+            dpo_beta: DPO's beta: how sharply the joint log-ratio is pushed apart (CoMLRL's default 0.1).
+            pair_selection: ``reward_gap`` (largest gaps first), ``random`` (a seeded random subset)
+                or ``all`` (every pair; needs ``preference_pairs_per_sample: null``).
+            preference_pairs_per_sample: At most this many pairs per task (CoMLRL's name: a "sample"
+                is one task); null: no cap.
+            dpo_reference: ``none`` (CoMLRL's, reference-free: D_i is the policy's log-ratio) or
+                ``initial`` (DPO's reference-anchored form: D_i minus the same log-ratio under the
+                initial weights; with LoRA the base with adapters off, no copy).
+            candidate_policy: Who samples the candidates: ``initial`` (offline, as CoMLRL: the
+                initial weights, frozen; CoMLRL samples its dataset once, here every step samples
+                afresh from the same policy) or ``current`` (on-policy, iterative DPO).
+            **kwargs: The team's settings (model, lora, learning_rate, ...): see ``AgentTeamModule``.
+        """
+        super().__init__(**kwargs)
+        check_fields("model", MADPO.__init__, locals())
+        if pair_selection == "all" and preference_pairs_per_sample is not None:
+            raise ConfigError(
+                f"model.pair_selection=all keeps every pair, but model.preference_pairs_per_sample="
+                f"{preference_pairs_per_sample}: set it to null (or choose reward_gap / random)"
+            )
+        self.dpo_beta = dpo_beta
+        self.pair_selection = pair_selection
+        self.preference_pairs_per_sample = preference_pairs_per_sample
+        self.dpo_reference = dpo_reference
+        self.candidate_policy = candidate_policy
+
+    def build_models(self) -> None:
+        super().build_models()
+        if self.dpo_reference == "initial" or self.candidate_policy == "initial":
+            self.build_references()
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        self.require_groups(stage, "joint candidates of the same task in pairs")
+        tree = getattr(self.trainer.datamodule, "tree", None)
+        if stage == "fit" and tree is None:
+            raise ConfigError("MADPO scores joint candidates of one turn: use data: lit_marl.data.RolloutDataModule")
+        if stage == "fit" and (tree.num_turns != 1 or tree.joint_mode != "aligned"):
+            raise ConfigError(
+                f"MADPO compares whole joint candidates of one turn: data.num_turns={tree.num_turns} and "
+                f"data.joint_mode={tree.joint_mode!r}; set data.num_turns: 1 and data.joint_mode: aligned"
+            )
+
+    @contextmanager
+    def rollout_team(self):
+        """Candidates come from the initial weights (``candidate_policy: initial``) or the current ones."""
+        if self.candidate_policy == "current":
+            yield self.agents
+            return
+        with self.initial_team() as team:
+            yield team
+
+    # ------------------------------------------------------------------ the step
+    def rl_step(self, batch: RolloutBatch, batch_idx: int) -> None:
+        with Timer() as train_time, self.gathered():
+            chosen, rejected, gaps, tasks_without = self.pairs(batch)
+            deltas = torch.stack([self.log_ratios(i, s, chosen, rejected) for i, s in enumerate(batch.agents)])
+            for index, roles in enumerate(self.learners):
+                weights = self.candidate_weights(deltas, roles, chosen, rejected, len(batch.agents[0]))
+                parts = [batch.agents[role].with_advantages(-weight) for role, weight in zip(roles, weights)]
+                samples = AgentSamples.cat(parts, self.agents[roles[0]].pad_token_id)
+                kept_rows = torch.nonzero(samples.advantages != 0).flatten()  # candidates in no pair: no gradient
+                kept = samples.select(kept_rows) if kept_rows.numel() else None
+                model = self.model_of(index)
+                loss_fn = lambda mb, m=model: self.candidate_loss(m, mb)  # noqa: E731
+                self.update_agent(index, kept, loss_fn, count=float(len(chosen) * len(roles)), shared_prompts=True)
+                self.record({f"{self.learner_name(index)}/delta": float(deltas[roles].mean())}, weight=len(chosen))
+        joint = deltas.sum(0)  # every agent's loss has the same value, -log sigmoid(beta * joint): logged once
+        stats = {"train/loss": float(joint_dpo(deltas, 0, self.dpo_beta).mean())} if len(chosen) else {}
+        if len(chosen):
+            stats.update(
+                {
+                    "train/dpo_accuracy": float((joint > 0).float().mean()),
+                    "train/reward_gap": float(gaps.mean()),
+                    "train/joint_delta": float(joint.mean()),
+                }
+            )
+        self.record(stats, weight=len(chosen))
+        self.record(
+            {"train/pairs": float(len(chosen)), "train/tasks_without_pairs": float(tasks_without)}, reduce="sum"
+        )
+        self.record({"perf/train_s": train_time.seconds})
+        self.log_rollout(batch, "train")
+
+    def pairs(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """The chosen and rejected candidates' rows (row = task * K + k), their reward gaps and the
+        number of tasks without a pair (every candidate tied). A joint candidate's reward is the team
+        mean of its rows' returns (the processed task reward; one value for a joint reward)."""
+        num_tasks = int(batch.agents[0].group_ids.max()) + 1
+        rewards = torch.stack([s.returns.float().cpu() for s in batch.agents]).mean(0).view(num_tasks, -1)
+        K = rewards.shape[1]
+        chosen, rejected, without = [], [], 0
+        for task in range(num_tasks):
+            pairs = select_pairs(
+                rewards[task], self.pair_selection, self.preference_pairs_per_sample, self.shuffle_generator
+            )
+            without += not pairs
+            chosen += [task * K + w for w, _ in pairs]
+            rejected += [task * K + lose for _, lose in pairs]
+        chosen, rejected = torch.tensor(chosen, dtype=torch.long), torch.tensor(rejected, dtype=torch.long)
+        flat = rewards.view(-1)
+        return chosen, rejected, flat[chosen] - flat[rejected], without
+
+    @torch.no_grad()
+    def log_ratios(
+        self, role: int, samples: AgentSamples, chosen: torch.Tensor, rejected: torch.Tensor
+    ) -> torch.Tensor:
+        """``[pairs]``: D_i = log pi_i(y_w) - log pi_i(y_l) of agent ``role`` at the current weights
+        (minus the initial weights' with ``dpo_reference: initial``)."""
+        model = self.agents[role].model
+        logprobs = self.sequence_logprobs(model, samples)
+        if self.dpo_reference == "initial":
+            with self.reference_model(self.learner_of(role)) as reference:
+                logprobs = logprobs - self.sequence_logprobs(reference, samples)
+        logprobs = logprobs.float().cpu()
+        return logprobs[chosen] - logprobs[rejected]
+
+    def sequence_logprobs(self, model: torch.nn.Module, samples: AgentSamples) -> torch.Tensor:
+        """``[rows]``: each candidate's summed token log-prob (end token included), in passes of the team's size."""
+        out = []
+        for rows in self.micro_batches(samples, shared_prompts=True):
+            part = samples.select(rows)
+            args = (part.input_ids, part.attention_mask, part.num_completion)
+            out.append(
+                masked_sum(completion_logprobs(model, *args, prompt_groups=part.group_ids), part.completion_mask)
+            )
+        return torch.cat(out)
+
+    def candidate_weights(
+        self, deltas: torch.Tensor, roles: list[int], chosen: torch.Tensor, rejected: torch.Tensor, rows: int
+    ) -> list[torch.Tensor]:
+        """Per role of this learner ``[rows]``: d (sum over pairs of the role's joint DPO loss) / d log pi(y_k)
+        of every candidate k (0 for one in no pair), from ``losses.joint_dpo``'s gradient in D_i."""
+        out = []
+        for role in roles:
+            d = deltas.clone().requires_grad_(True)
+            (grad,) = torch.autograd.grad(joint_dpo(d, role, self.dpo_beta).sum(), d)
+            weight = torch.zeros(rows)  # D_i = log pi(y_w) - log pi(y_l): +grad on the chosen, -grad on the rejected
+            weight.index_add_(0, chosen, grad[role])
+            weight.index_add_(0, rejected, -grad[role])
+            out.append(weight.to(self.device))
+        return out
+
+    def candidate_loss(self, model: torch.nn.Module, samples: AgentSamples) -> torch.Tensor:
+        """Summed over rows: -A * log pi(y) with A = -(the loss's derivative in log pi(y)): its
+        gradient is the joint DPO loss's, at the current weights."""
+        args = (samples.input_ids, samples.attention_mask, samples.num_completion)
+        logprobs = completion_logprobs(model, *args, prompt_groups=samples.group_ids)
+        return reinforce(masked_sum(logprobs, samples.completion_mask), samples.advantages).sum()

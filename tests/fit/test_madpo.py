@@ -1,0 +1,133 @@
+"""MADPO on the tiny random model: the update's gradient is the joint DPO loss's, fits move every
+agent, the reference-anchored loss starts at log 2, the offline candidates come from the initial weights."""
+
+from __future__ import annotations
+
+import math
+
+import lightning as L
+import pytest
+import torch
+
+from helpers import LENGTH_REWARD, length_reward, make_trainer, slogan_data, snapshot, tree_from_functions, unchanged
+from lit_marl import ConfigError
+from lit_marl.algorithms import MADPO
+from lit_marl.logprobs import completion_logprobs
+from lit_marl.losses import joint_dpo, masked_sum
+
+TASKS = [{"topic": "tea"}, {"topic": "winter"}]
+PROMPTS = [[f"agent {i}: a slogan for {t['topic']}" for i in range(2)] for t in TASKS]
+
+
+def _candidates(module, K=4):
+    torch.manual_seed(0)
+    return tree_from_functions(list(module.agents), TASKS, PROMPTS, length_reward, num_generations=K, max_new_tokens=12)
+
+
+def _direct_gradient(module, batch, role, chosen, rejected):
+    """Autograd of the mean over pairs of -log sigmoid(beta (D_role + sg(sum of the others' D))), each D
+    minus the initial weights' log-ratio where the loss is reference-anchored."""
+
+    def sequence_logprob(model, s):
+        return masked_sum(
+            completion_logprobs(model, s.input_ids, s.attention_mask, s.num_completion), s.completion_mask
+        )
+
+    deltas = []
+    for i, s in enumerate(batch.agents):
+        with torch.set_grad_enabled(i == role):
+            lp = sequence_logprob(module.agents[i].model, s)
+        if module.dpo_reference == "initial":  # minus the frozen initial copy's log-ratio (a constant)
+            with torch.no_grad():
+                reference = sequence_logprob(module.references[i], s)
+            lp = lp - reference
+        deltas.append(lp[chosen] - lp[rejected])
+    model = module.agents[role].model
+    model.zero_grad(set_to_none=True)
+    joint_dpo(torch.stack(deltas), role, module.dpo_beta).mean().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("dpo_reference", ["none", "initial"])
+def test_update_gradient_equals_the_joint_dpo_loss_gradient(dpo_reference):
+    L.seed_everything(0)
+    module = MADPO(model="tiny-random", num_agents=2, dpo_beta=0.5, dpo_reference=dpo_reference, forward_batch_size=3)
+    module.configure_model()
+    for p in module.agents[0].model.parameters():  # the policy moves away from its reference
+        p.data.add_(0.02 * torch.randn_like(p))
+    batch = _candidates(module)
+    chosen, rejected, gaps, _ = module.pairs(batch)
+    assert len(chosen) >= 4 and (gaps > 0).all()
+    deltas = torch.stack([module.log_ratios(i, s, chosen, rejected) for i, s in enumerate(batch.agents)])
+    for role in range(2):
+        (weight,) = module.candidate_weights(deltas, [role], chosen, rejected, len(batch.agents[role]))
+        samples = batch.agents[role].with_advantages(-weight)
+        model = module.agents[role].model
+        model.zero_grad(set_to_none=True)
+        for rows in module.micro_batches(samples, shared_prompts=True):  # as update_agent: in passes
+            (module.candidate_loss(model, samples.select(rows)) / len(chosen)).backward()
+        surrogate = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        direct = _direct_gradient(module, batch, role, chosen, rejected)
+        assert surrogate.keys() == direct.keys()
+        for name in direct:
+            torch.testing.assert_close(surrogate[name], direct[name], rtol=1e-4, atol=1e-6)
+
+
+def test_fit_moves_every_agent_with_finite_losses(tmp_path):
+    L.seed_everything(0)
+    module = MADPO(model="tiny-random", num_agents=2, learning_rate=1e-2, candidate_policy="current")
+    module.configure_model()
+    before = [snapshot(agent.model) for agent in module.agents]
+    trainer = make_trainer(tmp_path, limit_val_batches=0)
+    trainer.fit(module, datamodule=slogan_data(reward_fn=LENGTH_REWARD, num_generations=4, max_new_tokens=12))
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    assert trainer.global_step == 2 * 2  # one optimizer step per agent per training step
+    assert metrics["train/pairs"] > 0 and math.isfinite(metrics["train/loss"]), metrics
+    assert 0.0 <= metrics["train/dpo_accuracy"] <= 1.0 and metrics["train/reward_gap"] > 0
+    for agent, old in zip(module.agents, before):
+        assert not unchanged(agent.model, old)
+        assert all(torch.isfinite(p).all() for p in agent.model.parameters())
+
+
+def test_anchored_loss_starts_at_log_2_and_offline_candidates_come_from_the_initial_weights(tmp_path):
+    """With LoRA the reference is the base (adapters off): at the first step the policy is its
+    reference, every D_i is 0 and the loss is exactly log 2; candidates keep coming from the base."""
+    L.seed_everything(0)
+    module = MADPO(
+        model="tiny-random", num_agents=2, learning_rate=5e-2, lora={"r": 4, "alpha": 8}, dpo_reference="initial"
+    )
+    trainer = make_trainer(tmp_path, limit_train_batches=1, limit_val_batches=0)
+    trainer.fit(module, datamodule=slogan_data(reward_fn=LENGTH_REWARD, num_generations=4, max_new_tokens=12))
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    assert metrics["train/pairs"] > 0
+    assert metrics["train/loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert metrics["train/joint_delta"] == pytest.approx(0.0, abs=1e-5)
+    # the adapters moved; greedy answers of the initial team are the base model's, not the trained ones
+    prompts = [[module.agents[0].encode_prompt("a slogan for tea")]]
+    with module.initial_team() as team:
+        initial = team[0].model(torch.tensor(prompts[0])).logits
+    with module.agents[0].model.disable_adapter():
+        base = module.agents[0].model(torch.tensor(prompts[0])).logits
+    trained = module.agents[0].model(torch.tensor(prompts[0])).logits
+    assert torch.equal(initial, base)
+    assert not torch.allclose(trained, base)
+
+
+@pytest.mark.parametrize(
+    "model_kwargs, data_kwargs, message",
+    [
+        (
+            {"pair_selection": "all"},
+            {},
+            r"model.pair_selection=all keeps every pair, but model.preference_pairs_per_sample=16",
+        ),
+        ({}, {"num_turns": 2, "transition": "lit_marl.rollout.transitions:plain"}, r"data.num_turns=2"),
+        ({}, {"joint_mode": "cross"}, r"data.joint_mode='cross'"),
+        ({}, {"num_generations": 1}, r"data.num_generations=1"),
+        ({"dpo_beta": 0.0}, {}, r"model.dpo_beta=0.0: must be > 0"),
+    ],
+)
+def test_bad_settings_name_the_field(tmp_path, model_kwargs, data_kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        module = MADPO(model="tiny-random", num_agents=2, **model_kwargs)
+        make_trainer(tmp_path).fit(module, datamodule=slogan_data(**data_kwargs))
