@@ -4,8 +4,7 @@ Each agent writes one line of a slogan on a shared topic; line i must contain th
 Every rule is bounded on both sides (a one-word "Word!" or a repeated word scores nothing), as an
 unbounded rule reward is hacked within minutes (../shared/notes/learning-signal.md).
 
-Per line: a single line; 6 to 12 words with at least 5 distinct; contains its word; ends with one
-"!" (no "!!" anywhere: stacked bangs were a hack).
+Per line: a single line; 6 to 12 words with at least 5 distinct; contains its word; ends with "!".
 Jointly: the two lines are different (word-set Jaccard at most 0.5), so one agent cannot copy
 the other. Reward = fraction of checks passed, in [0, 1]; ``success`` = all checks passed.
 """
@@ -29,9 +28,7 @@ def line_checks(line: str, word: str) -> dict[str, bool]:
         "single_line": bool(text) and "\n" not in text,
         "length_ok": MIN_WORDS <= len(words) <= MAX_WORDS and len(set(words)) >= MIN_DISTINCT,
         "has_word": word.lower() in words,
-        # one "!" at the end, no "!!" anywhere: stacked bangs were the hack of the first trained
-        # quickstarts (greedy lines ran "steady!!!!!!!!" to the token limit, still "ending with !")
-        "ends_with_bang": text.endswith("!") and "!!" not in text,
+        "ends_with_bang": text.endswith("!"),
     }
 
 
@@ -59,6 +56,3 @@ def reward(agent_completions: list[list[str]], tasks: list[dict]) -> dict[str, l
         for name in checks[0]:
             out.setdefault(name, []).append(sum(c[name] for c in checks) / len(checks))
     return out
-
-
-reward.reward_range = (0.0, 1.0)  # a fraction of checks (CoMLRL's metadata: fixed histogram bins)

@@ -112,16 +112,3 @@ def test_batch_of_joint_actions_uses_each_task():
     assert out["success"] == [1.0, 0.0, 1.0]
     assert out["has_word"] == [1.0, 0.0, 1.0]
     assert out["reward"][1] == pytest.approx((NUM_CHECKS - 2) / NUM_CHECKS)
-
-
-@pytest.mark.parametrize(
-    "line",
-    [
-        "Fresh coffee every morning makes the day bright!!",  # stacked at the end
-        "Fresh coffee!! every morning makes the day bright!",  # stacked inside
-        "Fresh coffee every morning makes the day bright!!!!!!!!!!!!!!!!",  # the greedy loop seen in training
-    ],
-)
-def test_stacked_bangs_do_not_count_as_ending_with_one(line):
-    assert not line_checks(line, "coffee")["ends_with_bang"]
-    assert line_checks("Fresh coffee! Every morning makes the day bright!", "coffee")["ends_with_bang"]
