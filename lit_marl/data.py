@@ -284,9 +284,10 @@ class RolloutDataModule(TaskDataModule):
                 ``lit_marl.envs.centralized:TaggedAdapter``): ONE joint actor writes every role's
                 output in one completion (``CentralizedMAGRPO``); the adapter builds its prompt from the
                 roles' prompts and splits its completion into roles for the reward. Single-turn.
-            parse_failure_reward: With ``centralized_adapter``, the reward of a completion without any
-                role section (counted as ``parse_failed``); null scores its roles as empty strings
-                with the task reward (CoMLRL's behaviour).
+            parse_failure_reward: With ``centralized_adapter``, the reward of a completion without
+                every role's section (counted as ``parse_failed``; set it to the reward's minimum when
+                rewards can be negative); null scores its roles as empty strings with the task reward
+                (CoMLRL's behaviour).
             reward_model: A trained joint reward model's folder (``RewardModelFit``'s
                 ``reward_model_dir``): training rollouts are rewarded by its score of each joint
                 answer instead of the task reward (MARLHF); held-out evaluation keeps the task reward.
@@ -328,6 +329,11 @@ class RolloutDataModule(TaskDataModule):
             raise ConfigError(f"data.num_turns={num_turns}: {type(env).__name__} has no transition (single-turn)")
         self.env = env
         # what rewards training rollouts: the task reward, or a learned one (MARLHF); evaluation: the task's
+        if reward_model is not None and env.stateful:
+            raise ConfigError(
+                f"data.reward_model scores joint answers of a text environment; {type(env).__name__} is a game whose "
+                "reward is its own: drop data.reward_model"
+            )
         self.train_env = LearnedRewardEnv(env, JointRewardModel.load(reward_model)) if reward_model else env
         processor = RewardProcessor.parse(reward_processor)
         raw_range = check_range(reward_range, "data.reward_range")
@@ -336,8 +342,6 @@ class RolloutDataModule(TaskDataModule):
             raw_range = check_range(getattr(inner.reward_fn, "reward_range", None), f"{reward_fn}.reward_range")
         self.reward_range = raw_range
         """The task reward's [min, max] (what is logged and evaluated), or None: unknown."""
-        self.training_reward_range = processor.range(raw_range) if raw_range else None
-        """The range of the rewards training's returns are built from (the processed task reward)."""
         self.load_demos(demo_path)
         self.train_tasks = env.load_tasks(train_path, "data.train_path")
         self.val_tasks = env.load_tasks(val_path, "data.val_path") if val_path else []

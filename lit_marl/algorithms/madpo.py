@@ -17,6 +17,7 @@ same forward/backward path (shared prompts, micro-batches, ranks) as every other
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Literal
 
 import torch
@@ -87,6 +88,11 @@ class MADPO(AgentTeamModule):
                 f"MADPO compares whole joint candidates of one turn: data.num_turns={tree.num_turns} and "
                 f"data.joint_mode={tree.joint_mode!r}; set data.num_turns: 1 and data.joint_mode: aligned"
             )
+        if stage == "fit" and tree.on_reward_error == "skip":
+            raise ConfigError(
+                "MADPO ranks candidates by their reward: data.on_reward_error=skip gives a failed reward its node's "
+                "mean, which would rank it above every worse candidate; use data.on_reward_error: raise"
+            )
 
     @contextmanager
     def rollout_team(self):
@@ -104,14 +110,19 @@ class MADPO(AgentTeamModule):
             deltas = torch.stack([self.log_ratios(i, s, chosen, rejected) for i, s in enumerate(batch.agents)])
             for index, roles in enumerate(self.learners):
                 weights = self.candidate_weights(deltas, roles, chosen, rejected, len(batch.agents[0]))
-                parts = [batch.agents[role].with_advantages(-weight) for role, weight in zip(roles, weights)]
+                nodes = int(batch.agents[0].group_ids.max()) + 1  # a shared model's roles: nodes apart (own prompts)
+                parts = [
+                    replace(batch.agents[role], group_ids=batch.agents[role].group_ids + r * nodes, advantages=-weight)
+                    for r, (role, weight) in enumerate(zip(roles, weights))
+                ]
                 samples = AgentSamples.cat(parts, self.agents[roles[0]].pad_token_id)
                 kept_rows = torch.nonzero(samples.advantages != 0).flatten()  # candidates in no pair: no gradient
                 kept = samples.select(kept_rows) if kept_rows.numel() else None
                 model = self.model_of(index)
                 loss_fn = lambda mb, m=model: self.candidate_loss(m, mb)  # noqa: E731
                 self.update_agent(index, kept, loss_fn, count=float(len(chosen) * len(roles)), shared_prompts=True)
-                self.record({f"{self.learner_name(index)}/delta": float(deltas[roles].mean())}, weight=len(chosen))
+                if len(chosen):
+                    self.record({f"{self.learner_name(index)}/delta": float(deltas[roles].mean())}, weight=len(chosen))
         joint = deltas.sum(0)  # every agent's loss has the same value, -log sigmoid(beta * joint): logged once
         stats = {"train/loss": float(joint_dpo(deltas, 0, self.dpo_beta).mean())} if len(chosen) else {}
         if len(chosen):

@@ -1,7 +1,7 @@
 """MARLHF's first phase: a joint reward model fit with Bradley-Terry on preference pairs (CoMLRL's MARLHF).
 
 The team (frozen, never trained here) samples K joint candidates per task exactly as for MADPO;
-the task reward ranks them and ``rollout/pairs.py`` picks the pairs; the reward model
+the task reward (after ``data.reward_processor``) ranks them and ``rollout/pairs.py`` picks the pairs; the reward model
 (``envs/learned.py``: a causal-LM backbone, a linear head on the last token of the joint answer as
 text) learns -log sigmoid(s_w - s_l) (``losses.bradley_terry``). At the end of the fit it is saved
 to ``reward_model_dir``; a second run trains any online algorithm on it with
@@ -83,8 +83,9 @@ class RewardModelFit(AgentTeamModule):
                 f"model.pair_selection=all keeps every pair, but model.preference_pairs_per_sample="
                 f"{preference_pairs_per_sample}: set it to null (or choose reward_gap / random)"
             )
-        self.reward_source = reward_model or self.sources[0]
-        check_source(self.reward_source, "model.reward_model")
+        self.reward_source = reward_model or self.sources[0]  # the team's source is checked already
+        if reward_model is not None:
+            check_source(reward_model, "model.reward_model")
         self.reward_model_dir = reward_model_dir
         self.reward_learning_rate = reward_learning_rate
         self.reward_freeze_backbone = reward_freeze_backbone
@@ -112,6 +113,11 @@ class RewardModelFit(AgentTeamModule):
             raise ConfigError(
                 "RewardModelFit ranks whole joint candidates of one turn: use lit_marl.data.RolloutDataModule with "
                 "data.num_turns: 1 and data.joint_mode: aligned"
+            )
+        if stage == "fit" and tree.on_reward_error == "skip":
+            raise ConfigError(
+                "RewardModelFit ranks candidates by their reward: data.on_reward_error=skip gives a failed reward its "
+                "node's mean, which would rank it above every worse candidate; use data.on_reward_error: raise"
             )
 
     def rl_step(self, batch: RolloutBatch, batch_idx: int) -> None:

@@ -34,6 +34,8 @@ RewardFn = Callable[..., Sequence[float] | Mapping[str, Sequence[float]]]
 class JointEnv(ABC):
     cloneable = True
     """Stateless: a branch is its histories, so branching never copies anything."""
+    stateful = False
+    """A game whose nodes hold states (``envs.game.GameEnv``); a stateless env's state is its histories."""
 
     @property
     @abstractmethod

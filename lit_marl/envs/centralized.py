@@ -4,7 +4,7 @@ completion; the joint text is split into roles only for the reward.
 ``CentralizedEnv`` wraps an N-agent environment as a one-agent one: its prompt is the adapter's
 ``build_prompt(task, agent_prompts)``, and its reward parses each completion with
 ``parse_completion(text, task, num_agents)`` and scores the roles with the N-agent reward. A
-completion without any role section is a parse failure: counted (``parse_failed``), scored
+completion without every role's section is a parse failure: counted (``parse_failed``), scored
 ``parse_failure_reward`` (its reward metrics, e.g. ``success``, 0), never a crash. Single-turn.
 """
 
@@ -32,8 +32,9 @@ class CentralizedAdapter(Protocol):
 class TaggedAdapter:
     """The stock adapter (CoMLRL's tagged format): the roles' prompts, then one ``<agent_i> ...
     </agent_i>`` section per role (0-based) is asked for; parsing takes each role's first section,
-    stripped (case and spaces inside the tags ignored); a missing role is the empty string; no
-    section at all is a ``ParseError``."""
+    stripped (case and spaces inside the tags ignored). A missing section is a ``ParseError``
+    (CoMLRL accepts a partial answer, its missing roles empty: one section would then earn what
+    the reward gives an empty line)."""
 
     def build_prompt(self, task: dict, agent_prompts: Sequence[str]) -> str:
         n = len(agent_prompts)
@@ -51,9 +52,10 @@ class TaggedAdapter:
         for i in range(num_agents):
             match = re.search(rf"<\s*agent_{i}\s*>(.*?)<\s*/\s*agent_{i}\s*>", completion, re.IGNORECASE | re.DOTALL)
             parts.append(match.group(1).strip() if match else None)
-        if all(p is None for p in parts):
-            raise ParseError(f"no <agent_i> section in {completion!r:.200}")
-        return [p if p is not None else "" for p in parts]
+        missing = [i for i, p in enumerate(parts) if p is None]
+        if missing:
+            raise ParseError(f"no <agent_{missing[0]}> section in {completion!r:.200}")
+        return parts
 
 
 class CentralizedEnv(JointEnv):
@@ -65,7 +67,7 @@ class CentralizedEnv(JointEnv):
             inner: The N-role environment whose prompts and reward the joint actor plays (the data
                 module builds it from ``data.agent_prompts`` and ``data.reward_fn``, or ``data.env``).
             adapter: Builds the joint prompt and splits a joint completion into roles (``TaggedAdapter``).
-            parse_failure_reward: The reward of a completion without any role section (null: its roles
+            parse_failure_reward: The reward of a completion without every role's section (null: its roles
                 scored as empty strings, CoMLRL's behaviour).
         """
         self.inner = inner

@@ -7,9 +7,9 @@ before returns are built; logs, early termination and evaluation keep the task r
       - {kind: clamp, min: 0.0, max: 1.0}
       - {kind: scale, factor: 2.0}
 
-``reward_range`` is metadata (never a clip): the range of the raw reward (``data.reward_range``, or
-the reward function's ``reward_range`` attribute as in CoMLRL), carried through the steps, so the
-reward histograms of a run have fixed bins.
+``reward_range`` is metadata (never a clip): the range of the task reward (``data.reward_range``, or
+the reward function's ``reward_range`` attribute as in CoMLRL), so the reward histograms of a run
+have fixed bins.
 """
 
 from __future__ import annotations
@@ -98,26 +98,6 @@ class RewardProcessor:
                 factor = (lengths.double() / step["max_len"]).clamp(max=1.0)
                 out = out * factor.view(*factor.shape, *([1] * (out.dim() - factor.dim())))
         return out.to(rewards.dtype)
-
-    def range(self, bounds: tuple[float, float]) -> tuple[float, float]:
-        """The processed rewards' range, given the raw rewards' (every step is monotone in the reward)."""
-        lo, hi = bounds
-        for step in self.steps:
-            if step.kind == "clamp":
-                lo, hi = min(max(lo, step["min"]), step["max"]), min(max(hi, step["min"]), step["max"])
-            elif step.kind == "scale":
-                lo, hi = sorted((lo * step["factor"], hi * step["factor"]))
-            elif step.kind == "shift":
-                lo, hi = lo + step["offset"], hi + step["offset"]
-            elif step.kind == "sigmoid_scale":
-                lo, hi = _sigmoid(lo), _sigmoid(hi)
-            elif step.kind == "normalize_by_length":  # a factor in [0, 1] times the reward
-                lo, hi = min(lo, 0.0), max(hi, 0.0)
-        return lo, hi
-
-
-def _sigmoid(x: float) -> float:
-    return 0.5 * (1.0 + math.tanh(0.5 * x))  # no overflow for large |x|
 
 
 def check_range(value, field: str) -> tuple[float, float] | None:

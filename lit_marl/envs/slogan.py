@@ -56,3 +56,6 @@ def reward(agent_completions: list[list[str]], tasks: list[dict]) -> dict[str, l
         for name in checks[0]:
             out.setdefault(name, []).append(sum(c[name] for c in checks) / len(checks))
     return out
+
+
+reward.reward_range = (0.0, 1.0)  # a fraction of checks (CoMLRL's metadata: fixed histogram bins)

@@ -91,8 +91,12 @@ class LLMBackend:
 
 
 def weight_version(model: torch.nn.Module) -> tuple:
-    """Changes whenever any parameter is modified in place (optimizer steps) or replaced."""
-    return tuple((id(p), p._version) for p in model.parameters())
+    """Changes whenever any parameter is modified in place (optimizer steps) or replaced, or LoRA
+    adapters are switched off or on (``disable_adapter``: the initial policy) or another is made active."""
+    adapters = tuple(
+        (bool(m.disable_adapters), tuple(m.active_adapters)) for m in model.modules() if hasattr(m, "lora_A")
+    )
+    return tuple((id(p), p._version) for p in model.parameters()), adapters
 
 
 class VLLMEngine:

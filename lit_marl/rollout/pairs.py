@@ -24,7 +24,7 @@ def select_pairs(
 
     - ``reward_gap``: the pairs with the largest gaps first (equal gaps in (w, l) order), at most ``max_pairs``.
     - ``random``: a uniformly random subset of ``max_pairs`` pairs, drawn with ``generator`` (seeded:
-      the same pairs for the same seed, on any number of ranks).
+      the same pairs for the same rewards and generator state).
     - ``all``: every pair, in (w, l) order; ``max_pairs`` must be None (CoMLRL's rule).
 
     Ties (a zero gap) and non-finite rewards never pair."""

@@ -126,7 +126,7 @@ def build_tree(
         raise ValueError(f"num_turns={settings.num_turns} needs a transition that builds the next turn's prompts")
     engine = engine or make_engine("auto")
     combos = joint_indices(len(agents), settings.num_generations, settings.joint_mode)
-    game = getattr(env, "stateful", False)  # a node holds a game state; its joint actions step copies
+    game = env.stateful  # a node holds a game state; its joint actions step copies
     nodes = []
     for t, task in enumerate(tasks):
         state, first = env.start(task) if game else (None, env.prompts(task))

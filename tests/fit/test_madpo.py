@@ -11,6 +11,7 @@ import torch
 
 from helpers import LENGTH_REWARD, length_reward, make_trainer, slogan_data, snapshot, tree_from_functions, unchanged
 from lit_marl import ConfigError
+from lit_marl.agents import Agent
 from lit_marl.algorithms import MADPO
 from lit_marl.logprobs import completion_logprobs
 from lit_marl.losses import joint_dpo, masked_sum
@@ -89,28 +90,66 @@ def test_fit_moves_every_agent_with_finite_losses(tmp_path):
         assert all(torch.isfinite(p).all() for p in agent.model.parameters())
 
 
-def test_anchored_loss_starts_at_log_2_and_offline_candidates_come_from_the_initial_weights(tmp_path):
+def test_anchored_loss_starts_at_log_2(tmp_path):
     """With LoRA the reference is the base (adapters off): at the first step the policy is its
-    reference, every D_i is 0 and the loss is exactly log 2; candidates keep coming from the base."""
+    reference, every D_i is 0 and the loss is exactly log 2."""
     L.seed_everything(0)
-    module = MADPO(
-        model="tiny-random", num_agents=2, learning_rate=5e-2, lora={"r": 4, "alpha": 8}, dpo_reference="initial"
-    )
+    module = MADPO(model="tiny-random", num_agents=2, lora={"r": 4, "alpha": 8}, dpo_reference="initial")
     trainer = make_trainer(tmp_path, limit_train_batches=1, limit_val_batches=0)
     trainer.fit(module, datamodule=slogan_data(reward_fn=LENGTH_REWARD, num_generations=4, max_new_tokens=12))
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     assert metrics["train/pairs"] > 0
     assert metrics["train/loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert metrics["train/joint_delta"] == pytest.approx(0.0, abs=1e-5)
-    # the adapters moved; greedy answers of the initial team are the base model's, not the trained ones
-    prompts = [[module.agents[0].encode_prompt("a slogan for tea")]]
-    with module.initial_team() as team:
-        initial = team[0].model(torch.tensor(prompts[0])).logits
-    with module.agents[0].model.disable_adapter():
-        base = module.agents[0].model(torch.tensor(prompts[0])).logits
-    trained = module.agents[0].model(torch.tensor(prompts[0])).logits
-    assert torch.equal(initial, base)
-    assert not torch.allclose(trained, base)
+
+
+class ProbeEngine:
+    """The auto engine, and at every call the logits each calling model gives a fixed probe prompt
+    (what the model that generates is, at that moment)."""
+
+    def __init__(self, probe: torch.Tensor):
+        from lit_marl.generation import make_engine
+
+        self.inner, self.probe, self.seen = make_engine("auto"), probe, []
+        self.name = self.inner.name
+
+    def generate_team(self, calls, *args, **kwargs):
+        with torch.no_grad():
+            self.seen += [agent.model(self.probe).logits for agent, _, _ in calls]
+        return self.inner.generate_team(calls, *args, **kwargs)
+
+
+@pytest.mark.parametrize("lora", [{"r": 4, "alpha": 8}, None])
+def test_offline_candidates_come_from_the_initial_weights(tmp_path, lora):
+    """Three steps with a large learning rate move the policy; every training rollout still
+    generated with a model equal to a fresh, untrained one (adapters off, or the frozen copy)."""
+    L.seed_everything(0)
+    fresh = Agent("tiny-random").model
+    probe = torch.tensor([Agent("tiny-random").encode_prompt("a slogan for tea")])
+    module = MADPO(model="tiny-random", num_agents=2, learning_rate=5e-2, lora=lora)
+    data = slogan_data(reward_fn=LENGTH_REWARD, num_generations=4, max_new_tokens=12)
+    data.engine = ProbeEngine(probe)
+    make_trainer(tmp_path, limit_train_batches=3, limit_val_batches=0).fit(module, datamodule=data)
+    with torch.no_grad():
+        expected, moved = fresh(probe).logits, module.agents[0].model(probe).logits
+    assert not torch.allclose(moved, expected, atol=1e-4), "the policy never moved: the check below is void"
+    assert len(data.engine.seen) >= 3
+    for logits in data.engine.seen:
+        torch.testing.assert_close(logits, expected)
+
+
+def test_a_parameter_shared_team_learns(tmp_path):
+    """One model plays both roles: its rows of the two roles share no prompt pass."""
+    L.seed_everything(0)
+    module = MADPO(model="tiny-random", num_agents=2, learning_rate=1e-2, share_parameters=True)
+    module.configure_model()
+    before = snapshot(module.agents[0].model)
+    trainer = make_trainer(tmp_path, limit_val_batches=0)
+    trainer.fit(module, datamodule=slogan_data(reward_fn=LENGTH_REWARD, num_generations=4, max_new_tokens=12))
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    assert trainer.global_step == 2 and metrics["train/pairs"] > 0 and math.isfinite(metrics["train/loss"])
+    assert math.isfinite(metrics["shared/delta"])
+    assert not unchanged(module.agents[0].model, before)
 
 
 @pytest.mark.parametrize(
@@ -125,6 +164,7 @@ def test_anchored_loss_starts_at_log_2_and_offline_candidates_come_from_the_init
         ({}, {"joint_mode": "cross"}, r"data.joint_mode='cross'"),
         ({}, {"num_generations": 1}, r"data.num_generations=1"),
         ({"dpo_beta": 0.0}, {}, r"model.dpo_beta=0.0: must be > 0"),
+        ({}, {"on_reward_error": "skip"}, r"data.on_reward_error=skip gives a failed reward its node's mean"),
     ],
 )
 def test_bad_settings_name_the_field(tmp_path, model_kwargs, data_kwargs, message):

@@ -38,7 +38,8 @@ def test_parse_sections_case_spaces_first_match_and_missing_roles():
     adapter = TaggedAdapter()
     text = "intro <AGENT_1 > b </ agent_1> junk <agent_0>\n a \n</agent_0><agent_0>second</agent_0>"
     assert adapter.parse_completion(text, TASK, 2) == ["a", "b"]
-    assert adapter.parse_completion("<agent_1>only</agent_1>", TASK, 2) == ["", "only"]  # partial: accepted
+    with pytest.raises(ParseError, match="no <agent_0> section"):  # partial: a failure (CoMLRL: roles empty)
+        adapter.parse_completion("<agent_1>only</agent_1>", TASK, 2)
     with pytest.raises(ParseError):
         adapter.parse_completion("no tags here <agent_0> unclosed", TASK, 2)
 
@@ -67,7 +68,7 @@ def test_parse_failures_are_counted_and_earn_the_failure_reward_not_the_roles():
     "text",
     [
         f"<agent_0>{LINE0}</agent_0><agent_1>{LINE0.replace('fast', 'calm')}</agent_1>",  # one line twice
-        f"<agent_0>{LINE0}</agent_0>",  # one role only: the other is empty
+        f"<agent_0>{LINE0}</agent_0>",  # one role only: a parse failure
         f"{LINE1} <agent_0>{LINE0}</agent_0><agent_1></agent_1>",  # the line outside the tags does not count
         f"<agent_0>{LINE0}\n{LINE1}</agent_0><agent_1>{LINE1}</agent_1>",  # two lines in one section
     ],
@@ -75,6 +76,12 @@ def test_parse_failures_are_counted_and_earn_the_failure_reward_not_the_roles():
 def test_shortcuts_do_not_succeed(text):
     rewards, samples = score([text])
     assert rewards[0] < 1.0 and samples["success"].tolist() == [0.0]
+
+
+def test_a_single_section_earns_nothing():
+    """CoMLRL would score the missing role as an empty line: 1/9 from the slogan reward for no answer."""
+    rewards, samples = score([f"<agent_1>{LINE1}</agent_1>", "<agent_0></agent_0>"])
+    assert rewards == [0.0, 0.0] and samples["parse_failed"].tolist() == [1.0, 1.0]
 
 
 def test_an_adapter_returning_the_wrong_number_of_roles_is_an_error():

@@ -393,3 +393,19 @@ def test_team_sampling_draws_each_agent_from_its_own_model(tiny_agent, prompts):
         valid = out.completion_mask.bool()
         assert torch.isfinite(own[valid]).all()
         assert own[valid].mean() > theirs[valid].mean()  # sampled from its own model, not the teammate's
+
+
+def test_vllm_weight_version_changes_when_adapters_are_switched_off():
+    """The vLLM engine reloads weights when this changes: the initial policy (adapters off, MADPO's
+    offline candidates) must not be sampled from the trained weights vLLM holds, nor the reverse."""
+    from peft import get_peft_model
+
+    from lit_marl.agents import LoraSettings, lora_config
+    from lit_marl.generation.vllm import weight_version
+    from lit_marl.models import load_model_and_tokenizer
+
+    model = get_peft_model(load_model_and_tokenizer("tiny-random")[0], lora_config(LoraSettings(r=4, alpha=8)))
+    on = weight_version(model)
+    with model.disable_adapter():
+        off = weight_version(model)
+    assert on != off and weight_version(model) == on
