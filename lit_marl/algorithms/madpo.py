@@ -22,14 +22,13 @@ from typing import Literal
 
 import torch
 
-from lit_marl import ConfigError
 from lit_marl.algorithms.base import AgentTeamModule
 from lit_marl.fields import PositiveFloat, PositiveInt, check_fields
 from lit_marl.logprobs import completion_logprobs
 from lit_marl.losses import joint_dpo, masked_sum, reinforce
 from lit_marl.metrics import Timer
 from lit_marl.rollout.batch import AgentSamples, RolloutBatch
-from lit_marl.rollout.pairs import PairSelection, select_pairs
+from lit_marl.rollout.pairs import PairSelection, PairSettings, check_candidate_rollouts, rollout_pairs
 
 
 class MADPO(AgentTeamModule):
@@ -61,14 +60,8 @@ class MADPO(AgentTeamModule):
         """
         super().__init__(**kwargs)
         check_fields("model", MADPO.__init__, locals())
-        if pair_selection == "all" and preference_pairs_per_sample is not None:
-            raise ConfigError(
-                f"model.pair_selection=all keeps every pair, but model.preference_pairs_per_sample="
-                f"{preference_pairs_per_sample}: set it to null (or choose reward_gap / random)"
-            )
+        self.pair_settings = PairSettings(pair_selection, preference_pairs_per_sample)
         self.dpo_beta = dpo_beta
-        self.pair_selection = pair_selection
-        self.preference_pairs_per_sample = preference_pairs_per_sample
         self.dpo_reference = dpo_reference
         self.candidate_policy = candidate_policy
 
@@ -80,19 +73,8 @@ class MADPO(AgentTeamModule):
     def setup(self, stage: str) -> None:
         super().setup(stage)
         self.require_groups(stage, "joint candidates of the same task in pairs")
-        tree = getattr(self.trainer.datamodule, "tree", None)
-        if stage == "fit" and tree is None:
-            raise ConfigError("MADPO scores joint candidates of one turn: use data: lit_marl.data.RolloutDataModule")
-        if stage == "fit" and (tree.num_turns != 1 or tree.joint_mode != "aligned"):
-            raise ConfigError(
-                f"MADPO compares whole joint candidates of one turn: data.num_turns={tree.num_turns} and "
-                f"data.joint_mode={tree.joint_mode!r}; set data.num_turns: 1 and data.joint_mode: aligned"
-            )
-        if stage == "fit" and tree.on_reward_error == "skip":
-            raise ConfigError(
-                "MADPO ranks candidates by their reward: data.on_reward_error=skip gives a failed reward its node's "
-                "mean, which would rank it above every worse candidate; use data.on_reward_error: raise"
-            )
+        if stage == "fit":
+            check_candidate_rollouts(self.trainer.datamodule, "MADPO")
 
     @contextmanager
     def rollout_team(self):
@@ -106,7 +88,8 @@ class MADPO(AgentTeamModule):
     # ------------------------------------------------------------------ the step
     def rl_step(self, batch: RolloutBatch, batch_idx: int) -> None:
         with Timer() as train_time, self.gathered():
-            chosen, rejected, gaps, tasks_without = self.pairs(batch)
+            pairs = rollout_pairs(batch, self.pair_settings, self.shuffle_generator)
+            chosen, rejected = pairs.chosen, pairs.rejected
             deltas = torch.stack([self.log_ratios(i, s, chosen, rejected) for i, s in enumerate(batch.agents)])
             for index, roles in enumerate(self.learners):
                 weights = self.candidate_weights(deltas, roles, chosen, rejected, len(batch.agents[0]))
@@ -129,35 +112,17 @@ class MADPO(AgentTeamModule):
             stats.update(
                 {
                     "train/dpo_accuracy": float((joint > 0).float().mean()),
-                    "train/reward_gap": float(gaps.mean()),
+                    "train/reward_gap": float(pairs.gaps.mean()),
                     "train/joint_delta": float(joint.mean()),
                 }
             )
         self.record(stats, weight=len(chosen))
         self.record(
-            {"train/pairs": float(len(chosen)), "train/tasks_without_pairs": float(tasks_without)}, reduce="sum"
+            {"train/pairs": float(len(chosen)), "train/tasks_without_pairs": float(pairs.tasks_without_pairs)},
+            reduce="sum",
         )
         self.record({"perf/train_s": train_time.seconds})
         self.log_rollout(batch, "train")
-
-    def pairs(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-        """The chosen and rejected candidates' rows (row = task * K + k), their reward gaps and the
-        number of tasks without a pair (every candidate tied). A joint candidate's reward is the team
-        mean of its rows' returns (the processed task reward; one value for a joint reward)."""
-        num_tasks = int(batch.agents[0].group_ids.max()) + 1
-        rewards = torch.stack([s.returns.float().cpu() for s in batch.agents]).mean(0).view(num_tasks, -1)
-        K = rewards.shape[1]
-        chosen, rejected, without = [], [], 0
-        for task in range(num_tasks):
-            pairs = select_pairs(
-                rewards[task], self.pair_selection, self.preference_pairs_per_sample, self.shuffle_generator
-            )
-            without += not pairs
-            chosen += [task * K + w for w, _ in pairs]
-            rejected += [task * K + lose for _, lose in pairs]
-        chosen, rejected = torch.tensor(chosen, dtype=torch.long), torch.tensor(rejected, dtype=torch.long)
-        flat = rewards.view(-1)
-        return chosen, rejected, flat[chosen] - flat[rejected], without
 
     @torch.no_grad()
     def log_ratios(

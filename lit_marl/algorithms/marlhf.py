@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 
-from lit_marl import ConfigError
 from lit_marl.algorithms.base import AgentTeamModule
 from lit_marl.envs.learned import JointRewardModel, joint_text
 from lit_marl.fields import PositiveFloat, PositiveInt, check_fields
@@ -23,7 +22,7 @@ from lit_marl.losses import bradley_terry
 from lit_marl.metrics import Timer
 from lit_marl.models import check_source
 from lit_marl.rollout.batch import RolloutBatch
-from lit_marl.rollout.pairs import PairSelection, select_pairs
+from lit_marl.rollout.pairs import PairSelection, PairSettings, check_candidate_rollouts, rollout_pairs
 
 
 @dataclass
@@ -78,11 +77,7 @@ class RewardModelFit(AgentTeamModule):
         """
         super().__init__(**kwargs)
         check_fields("model", RewardModelFit.__init__, locals())
-        if pair_selection == "all" and preference_pairs_per_sample is not None:
-            raise ConfigError(
-                f"model.pair_selection=all keeps every pair, but model.preference_pairs_per_sample="
-                f"{preference_pairs_per_sample}: set it to null (or choose reward_gap / random)"
-            )
+        self.pair_settings = PairSettings(pair_selection, preference_pairs_per_sample)
         self.reward_source = reward_model or self.sources[0]  # the team's source is checked already
         if reward_model is not None:
             check_source(reward_model, "model.reward_model")
@@ -90,8 +85,6 @@ class RewardModelFit(AgentTeamModule):
         self.reward_learning_rate = reward_learning_rate
         self.reward_freeze_backbone = reward_freeze_backbone
         self.reward_max_length = reward_max_length
-        self.pair_selection = pair_selection
-        self.preference_pairs_per_sample = preference_pairs_per_sample
         self.reward_net: JointRewardModel | None = None
 
     def build_models(self) -> None:
@@ -108,17 +101,8 @@ class RewardModelFit(AgentTeamModule):
     def setup(self, stage: str) -> None:
         super().setup(stage)
         self.require_groups(stage, "joint candidates of the same task in pairs")
-        tree = getattr(self.trainer.datamodule, "tree", None)
-        if stage == "fit" and (tree is None or tree.num_turns != 1 or tree.joint_mode != "aligned"):
-            raise ConfigError(
-                "RewardModelFit ranks whole joint candidates of one turn: use lit_marl.data.RolloutDataModule with "
-                "data.num_turns: 1 and data.joint_mode: aligned"
-            )
-        if stage == "fit" and tree.on_reward_error == "skip":
-            raise ConfigError(
-                "RewardModelFit ranks candidates by their reward: data.on_reward_error=skip gives a failed reward its "
-                "node's mean, which would rank it above every worse candidate; use data.on_reward_error: raise"
-            )
+        if stage == "fit":
+            check_candidate_rollouts(self.trainer.datamodule, "RewardModelFit")
 
     def rl_step(self, batch: RolloutBatch, batch_idx: int) -> None:
         with Timer() as train_time:
@@ -143,19 +127,12 @@ class RewardModelFit(AgentTeamModule):
 
     def pair_rows(self, batch: RolloutBatch) -> PairRows | None:
         """Every task's selected pairs of joint answers, as the reward model's token rows (None: no pair)."""
-        num_tasks = int(batch.agents[0].group_ids.max()) + 1
-        rewards = torch.stack([s.returns.float().cpu() for s in batch.agents]).mean(0).view(num_tasks, -1)
-        K = rewards.shape[1]
+        pairs = rollout_pairs(batch, self.pair_settings, self.shuffle_generator)
         texts = [
-            joint_text([p[j] for p in batch.prompts], [c[j] for c in batch.completions]) for j in range(num_tasks * K)
+            joint_text([p[j] for p in batch.prompts], [c[j] for c in batch.completions])
+            for j in range(len(batch.prompts[0]))
         ]
-        chosen, rejected = [], []
-        for task in range(num_tasks):
-            for win, lose in select_pairs(
-                rewards[task], self.pair_selection, self.preference_pairs_per_sample, self.shuffle_generator
-            ):
-                chosen.append(texts[task * K + win])
-                rejected.append(texts[task * K + lose])
+        chosen, rejected = [texts[j] for j in pairs.chosen.tolist()], [texts[j] for j in pairs.rejected.tolist()]
         if not chosen:
             return None
         return PairRows(self.reward_net.encode(chosen), self.reward_net.encode(rejected))

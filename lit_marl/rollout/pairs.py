@@ -7,9 +7,13 @@ none (equal rewards say nothing about which is better). A candidate may appear i
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
+
+from lit_marl import ConfigError
+from lit_marl.rollout.batch import RolloutBatch
 
 PairSelection = Literal["reward_gap", "random", "all"]
 
@@ -51,3 +55,67 @@ def select_pairs(
 
 def _finite(x: float) -> bool:
     return x == x and abs(x) != float("inf")
+
+
+@dataclass(frozen=True)
+class PairSettings:
+    """How a preference algorithm (MADPO, RewardModelFit) picks its pairs: ``select_pairs``'s settings."""
+
+    selection: PairSelection = "reward_gap"
+    max_pairs: int | None = 16
+
+    def __post_init__(self):
+        if self.selection == "all" and self.max_pairs is not None:
+            raise ConfigError(
+                f"model.pair_selection=all keeps every pair, but model.preference_pairs_per_sample="
+                f"{self.max_pairs}: set it to null (or choose reward_gap / random)"
+            )
+
+
+@dataclass
+class TaskPairs:
+    """The pairs of one rollout's candidates: rows ``task * K + k`` of every agent's samples."""
+
+    chosen: torch.Tensor  # [pairs]
+    rejected: torch.Tensor  # [pairs]
+    gaps: torch.Tensor  # [pairs] r_chosen - r_rejected
+    tasks_without_pairs: int  # tasks whose candidates all tied
+
+    def __len__(self) -> int:
+        return len(self.chosen)
+
+
+def rollout_pairs(batch: RolloutBatch, settings: PairSettings, generator: torch.Generator) -> TaskPairs:
+    """Every task's pairs of a single-turn aligned rollout (K candidates per task, node-major). A
+    joint candidate's reward is the team mean of its rows' returns (the processed task reward)."""
+    num_tasks = int(batch.agents[0].group_ids.max()) + 1
+    rewards = torch.stack([s.returns.float().cpu() for s in batch.agents]).mean(0).view(num_tasks, -1)
+    K = rewards.shape[1]
+    chosen, rejected, without = [], [], 0
+    for task in range(num_tasks):
+        pairs = select_pairs(rewards[task], settings.selection, settings.max_pairs, generator)
+        without += not pairs
+        chosen += [task * K + win for win, _ in pairs]
+        rejected += [task * K + lose for _, lose in pairs]
+    chosen, rejected = torch.tensor(chosen, dtype=torch.long), torch.tensor(rejected, dtype=torch.long)
+    flat = rewards.view(-1)
+    return TaskPairs(chosen, rejected, flat[chosen] - flat[rejected], without)
+
+
+def check_candidate_rollouts(datamodule, algorithm: str) -> None:
+    """A preference algorithm needs single-turn aligned trees whose rewards were all computed."""
+    tree = getattr(datamodule, "tree", None)  # episodes have none
+    if tree is None:
+        raise ConfigError(
+            f"{algorithm} compares joint candidates of one turn: use data: lit_marl.data.RolloutDataModule"
+        )
+    if tree.num_turns != 1 or tree.joint_mode != "aligned":
+        raise ConfigError(
+            f"{algorithm} compares whole joint candidates of one turn: data.num_turns={tree.num_turns} and "
+            f"data.joint_mode={tree.joint_mode!r}; set data.num_turns: 1 and data.joint_mode: aligned"
+        )
+    if tree.on_reward_error == "skip":
+        raise ConfigError(
+            f"{algorithm} ranks candidates by their reward: data.on_reward_error=skip gives a failed reward its "
+            "node's mean, which would rank it above every worse candidate; use data.on_reward_error: raise"
+        )

@@ -15,6 +15,7 @@ from lit_marl.agents import Agent
 from lit_marl.algorithms import MADPO
 from lit_marl.logprobs import completion_logprobs
 from lit_marl.losses import joint_dpo, masked_sum
+from lit_marl.rollout.pairs import rollout_pairs
 
 TASKS = [{"topic": "tea"}, {"topic": "winter"}]
 PROMPTS = [[f"agent {i}: a slogan for {t['topic']}" for i in range(2)] for t in TASKS]
@@ -57,8 +58,9 @@ def test_update_gradient_equals_the_joint_dpo_loss_gradient(dpo_reference):
     for p in module.agents[0].model.parameters():  # the policy moves away from its reference
         p.data.add_(0.02 * torch.randn_like(p))
     batch = _candidates(module)
-    chosen, rejected, gaps, _ = module.pairs(batch)
-    assert len(chosen) >= 4 and (gaps > 0).all()
+    pairs = rollout_pairs(batch, module.pair_settings, module.shuffle_generator)
+    chosen, rejected = pairs.chosen, pairs.rejected
+    assert len(chosen) >= 4 and (pairs.gaps > 0).all()
     deltas = torch.stack([module.log_ratios(i, s, chosen, rejected) for i, s in enumerate(batch.agents)])
     for role in range(2):
         (weight,) = module.candidate_weights(deltas, [role], chosen, rejected, len(batch.agents[role]))
