@@ -53,7 +53,7 @@ class RewardModelFit(AgentTeamModule):
 
     def __init__(
         self,
-        reward_model: str | None = None,
+        reward_model_name: str | None = None,
         reward_model_dir: str = "reward_model",
         reward_learning_rate: PositiveFloat = 1e-5,
         reward_freeze_backbone: bool = False,
@@ -64,7 +64,8 @@ class RewardModelFit(AgentTeamModule):
     ):
         """
         Args:
-            reward_model: Source of the reward model's backbone (default: the first agent's ``model``).
+            reward_model_name: Source of the reward model's backbone (CoMLRL's name; default: the first
+                agent's ``model``).
             reward_model_dir: Where the trained reward model is written at the end of the fit (a
                 folder: the backbone as an HF model, the head beside it); ``data.reward_model`` reads it.
             reward_learning_rate: AdamW learning rate of the reward model (CoMLRL's default 1e-5).
@@ -78,9 +79,9 @@ class RewardModelFit(AgentTeamModule):
         super().__init__(**kwargs)
         check_fields("model", RewardModelFit.__init__, locals())
         self.pair_settings = PairSettings(pair_selection, preference_pairs_per_sample)
-        self.reward_source = reward_model or self.sources[0]  # the team's source is checked already
-        if reward_model is not None:
-            check_source(reward_model, "model.reward_model")
+        self.reward_source = reward_model_name or self.sources[0]  # the team's source is checked already
+        if reward_model_name is not None:
+            check_source(reward_model_name, "model.reward_model_name")
         self.reward_model_dir = reward_model_dir
         self.reward_learning_rate = reward_learning_rate
         self.reward_freeze_backbone = reward_freeze_backbone

@@ -101,3 +101,17 @@ def test_reward_model_fit_refuses_multi_turn_and_a_capped_all(tmp_path):
             RewardModelFit(model="tiny-random", num_agents=2),
             datamodule=slogan_data(num_turns=2, transition="lit_marl.rollout.transitions:plain"),
         )
+
+
+def test_the_documented_two_commands_run(in_repo_root, tmp_path):
+    """configs/marlhf/reward_model_tiny.yaml, then a MAGRPO config on its reward model, through the CLI
+    (the model's and the data's settings are one hparams namespace to Lightning: no name may clash)."""
+    from helpers import cli_fit
+
+    folder = tmp_path / "rm"
+    cli = cli_fit(
+        tmp_path, "--model.init_args.reward_model_dir", str(folder), config="configs/marlhf/reward_model_tiny.yaml"
+    )
+    assert cli.trainer.state.finished and (folder / "reward_head.pt").exists()
+    cli = cli_fit(tmp_path, "--data.init_args.reward_model", str(folder), config="configs/magrpo/slogan_tiny.yaml")
+    assert cli.trainer.state.finished and isinstance(cli.datamodule.train_env.model, JointRewardModel)
