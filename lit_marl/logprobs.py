@@ -116,6 +116,20 @@ def _completion_pass(
     return out.logits[:, :-1].float(), out.hidden_states[-1] if hidden else None
 
 
+def final_hidden_states(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The last layer's hidden states ``[B, L, H]`` of left-padded rows, positioned as in generation;
+    the LM head runs on one position only (a value or reward head reads the states)."""
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0),
+        output_hidden_states=True,
+        logits_to_keep=1,
+        use_cache=False,
+    )
+    return out.hidden_states[-1]
+
+
 def sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Log-prob of every token given the tokens before it, ``[B, L]`` (column 0, which has no
     context, is 0): what ``generate`` computed for the tokens it sampled, for whole left-padded

@@ -13,6 +13,7 @@ from torch import nn
 
 from lit_marl import ConfigError
 from lit_marl.generation import left_pad
+from lit_marl.logprobs import final_hidden_states
 from lit_marl.models import load_model_and_tokenizer
 from lit_marl.rollout.batch import AgentSamples
 
@@ -116,16 +117,7 @@ class Critic(nn.Module):
         return self.head(hidden[torch.arange(len(positions), device=hidden.device), positions])
 
     def forward(self, inputs: CriticInputs) -> torch.Tensor:
-        mask = inputs.attention_mask
-        out = self.backbone(
-            input_ids=inputs.input_ids,
-            attention_mask=mask,
-            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-            output_hidden_states=True,
-            logits_to_keep=1,  # only the hidden states are read
-            use_cache=False,
-        )
-        return self.read(out.hidden_states[-1], inputs.positions)
+        return self.read(final_hidden_states(self.backbone, inputs.input_ids, inputs.attention_mask), inputs.positions)
 
 
 def load_critic_backbone(source: str, agents: list, field: str = "model.critic_model") -> nn.Module:

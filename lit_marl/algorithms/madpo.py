@@ -17,7 +17,6 @@ same forward/backward path (shared prompts, micro-batches, ranks) as every other
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import replace
 from typing import Literal
 
 import torch
@@ -28,6 +27,7 @@ from lit_marl.logprobs import completion_logprobs
 from lit_marl.losses import joint_dpo, masked_sum, reinforce
 from lit_marl.metrics import Timer
 from lit_marl.rollout.batch import AgentSamples, RolloutBatch
+from lit_marl.rollout.buffer import RolloutBuffer
 from lit_marl.rollout.pairs import PairSelection, PairSettings, check_candidate_rollouts, rollout_pairs
 
 
@@ -93,12 +93,10 @@ class MADPO(AgentTeamModule):
             deltas = torch.stack([self.log_ratios(i, s, chosen, rejected) for i, s in enumerate(batch.agents)])
             for index, roles in enumerate(self.learners):
                 weights = self.candidate_weights(deltas, roles, chosen, rejected, len(batch.agents[0]))
-                nodes = int(batch.agents[0].group_ids.max()) + 1  # a shared model's roles: nodes apart (own prompts)
-                parts = [
-                    replace(batch.agents[role], group_ids=batch.agents[role].group_ids + r * nodes, advantages=-weight)
-                    for r, (role, weight) in enumerate(zip(roles, weights))
-                ]
-                samples = AgentSamples.cat(parts, self.agents[roles[0]].pad_token_id)
+                merged = RolloutBuffer()  # a shared model's roles: each role's nodes its own (own prompts)
+                for role, weight in zip(roles, weights):
+                    merged.add(batch.agents[role].with_advantages(-weight))
+                samples = merged.drain(self.agents[roles[0]].pad_token_id)
                 kept_rows = torch.nonzero(samples.advantages != 0).flatten()  # candidates in no pair: no gradient
                 kept = samples.select(kept_rows) if kept_rows.numel() else None
                 model = self.model_of(index)
@@ -106,17 +104,15 @@ class MADPO(AgentTeamModule):
                 self.update_agent(index, kept, loss_fn, count=float(len(chosen) * len(roles)), shared_prompts=True)
                 if len(chosen):
                     self.record({f"{self.learner_name(index)}/delta": float(deltas[roles].mean())}, weight=len(chosen))
-        joint = deltas.sum(0)  # every agent's loss has the same value, -log sigmoid(beta * joint): logged once
-        stats = {"train/loss": float(joint_dpo(deltas, 0, self.dpo_beta).mean())} if len(chosen) else {}
-        if len(chosen):
-            stats.update(
-                {
-                    "train/dpo_accuracy": float((joint > 0).float().mean()),
-                    "train/reward_gap": float(pairs.gaps.mean()),
-                    "train/joint_delta": float(joint.mean()),
-                }
-            )
-        self.record(stats, weight=len(chosen))
+        if len(chosen):  # every agent's loss has the same value, -log sigmoid(beta * joint): logged once
+            joint = deltas.sum(0)
+            stats = {
+                "train/loss": float(joint_dpo(deltas, 0, self.dpo_beta).mean()),
+                "train/dpo_accuracy": float((joint > 0).float().mean()),
+                "train/reward_gap": float(pairs.gaps.mean()),
+                "train/joint_delta": float(joint.mean()),
+            }
+            self.record(stats, weight=len(chosen))
         self.record(
             {"train/pairs": float(len(chosen)), "train/tasks_without_pairs": float(pairs.tasks_without_pairs)},
             reduce="sum",

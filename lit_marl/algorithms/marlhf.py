@@ -129,14 +129,13 @@ class RewardModelFit(AgentTeamModule):
     def pair_rows(self, batch: RolloutBatch) -> PairRows | None:
         """Every task's selected pairs of joint answers, as the reward model's token rows (None: no pair)."""
         pairs = rollout_pairs(batch, self.pair_settings, self.shuffle_generator)
-        texts = [
-            joint_text([p[j] for p in batch.prompts], [c[j] for c in batch.completions])
-            for j in range(len(batch.prompts[0]))
-        ]
-        chosen, rejected = [texts[j] for j in pairs.chosen.tolist()], [texts[j] for j in pairs.rejected.tolist()]
-        if not chosen:
+        if not len(pairs.chosen):
             return None
-        return PairRows(self.reward_net.encode(chosen), self.reward_net.encode(rejected))
+
+        def texts(rows: torch.Tensor) -> list[str]:  # candidate row j: every agent's prompt and answer j
+            return [joint_text([p[j] for p in batch.prompts], [c[j] for c in batch.completions]) for j in rows.tolist()]
+
+        return PairRows(self.reward_net.encode(texts(pairs.chosen)), self.reward_net.encode(texts(pairs.rejected)))
 
     def pair_loss(self, rows: PairRows, stats: dict) -> torch.Tensor:
         """Summed over pairs: -log sigmoid(s_w - s_l)."""

@@ -81,7 +81,7 @@ class CentralizedEnv(JointEnv):
 
     @property
     def reward_name(self) -> str:
-        return f"{getattr(self.inner, 'reward_name', type(self.inner).__name__)} (centralized)"
+        return f"{self.inner.reward_name} (centralized)"
 
     def load_tasks(self, source: str, field: str) -> list[dict]:
         return self.inner.load_tasks(source, field)

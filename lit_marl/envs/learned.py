@@ -17,6 +17,7 @@ from torch import nn
 from lit_marl import ConfigError
 from lit_marl.envs.base import JointEnv
 from lit_marl.generation import left_pad
+from lit_marl.logprobs import final_hidden_states
 from lit_marl.models import load_model_and_tokenizer
 
 HEAD_FILE, INFO_FILE = "reward_head.pt", "reward_model.json"
@@ -38,7 +39,6 @@ class JointRewardModel(nn.Module):
         self.backbone, self.tokenizer = load_model_and_tokenizer(source)
         self.source, self.max_length = source, max_length
         self.head = nn.Linear(self.backbone.config.hidden_size, 1)
-        self.freeze_backbone = freeze_backbone
         if freeze_backbone:
             self.backbone.requires_grad_(False)
 
@@ -54,15 +54,7 @@ class JointRewardModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """``[rows]``: the head on the last position's final hidden state (rows from ``encode``)."""
-        out = self.backbone(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-            output_hidden_states=True,
-            logits_to_keep=1,
-            use_cache=False,
-        )
-        return self.head(out.hidden_states[-1][:, -1].float()).squeeze(-1)
+        return self.head(final_hidden_states(self.backbone, input_ids, mask)[:, -1].float()).squeeze(-1)
 
     def save(self, folder: str | Path) -> None:
         """The backbone as an HF folder, the head beside it."""

@@ -81,9 +81,6 @@ class TaskPairs:
     gaps: torch.Tensor  # [pairs] r_chosen - r_rejected
     tasks_without_pairs: int  # tasks whose candidates all tied
 
-    def __len__(self) -> int:
-        return len(self.chosen)
-
 
 def rollout_pairs(batch: RolloutBatch, settings: PairSettings, generator: torch.Generator) -> TaskPairs:
     """Every task's pairs of a single-turn aligned rollout (K candidates per task, node-major). A
