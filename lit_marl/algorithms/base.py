@@ -149,12 +149,9 @@ class AgentTeamModule(StepLogging, L.LightningModule):
     @contextmanager
     def reference_model(self, learner: int) -> Iterator[nn.Module]:
         """The reference policy of ``learner`` for the block: its frozen copy, or its model with the adapters off."""
-        if self.references is not None:
-            yield self.references[learner]
-            return
         model = self.model_of(learner)
-        with model.disable_adapter():
-            yield model
+        with model.disable_adapter() if self.references is None else nullcontext():
+            yield model if self.references is None else self.references[learner]
 
     @contextmanager
     def initial_team(self) -> Iterator[list[Agent]]:
@@ -186,9 +183,15 @@ class AgentTeamModule(StepLogging, L.LightningModule):
             _sync_module_states(self)  # every rank shards rank 0's weights
         self.shards = TeamShards(shardable_models(self), mesh["data_parallel"])
 
-    def gathered(self):
-        """The team's full weights for the block under FSDP (see ``lit_marl.parallel.fsdp``); else nothing to do."""
-        return self.shards.gathered() if self.shards is not None else nullcontext()
+    def computing(self) -> ExitStack:
+        """Passes outside Lightning's steps (rollouts, evaluations, epoch-end updates) as inside them:
+        the full weights under FSDP (``lit_marl.parallel.fsdp``), the trainer's precision (autocast)."""
+        stack = ExitStack()
+        if self.shards is not None:
+            stack.enter_context(self.shards.gathered())
+        if self._trainer is not None:
+            stack.enter_context(self.trainer.precision_plugin.forward_context())
+        return stack
 
     @property
     def learners(self) -> list[list[int]]:
@@ -383,7 +386,7 @@ class AgentTeamModule(StepLogging, L.LightningModule):
     def sft_step(self, per_agent: list[DemoSamples]) -> None:
         """One optimizer step per learner on its roles' demonstrations: the mean negative
         log-likelihood of the assistant tokens (over all ranks), the weights RL then continues from."""
-        with Timer() as train_time, self.gathered():
+        with Timer() as train_time, self.computing():
             losses, tokens = [], 0.0
             for index, roles in enumerate(self.learners):
                 agent = self.agents[roles[0]]
@@ -407,12 +410,11 @@ class AgentTeamModule(StepLogging, L.LightningModule):
             buffer.add(samples)
         size = self.rollout_buffer_size
         if size is None or all_ranks_max(len(self.rollout_buffers[0]) >= size, self.device):
-            with self.gathered():
+            with self.computing():
                 self.flush_buffers()
         self.log_rollout(batch, "train")
 
-    def flush_buffers(self) -> None:
-        """One update on everything buffered (algorithms that buffer)."""
+    def flush_buffers(self) -> None:  # one update on everything buffered (algorithms that buffer)
         raise NotImplementedError
 
     def on_train_epoch_end(self) -> None:
@@ -420,7 +422,7 @@ class AgentTeamModule(StepLogging, L.LightningModule):
         sample is dropped when an epoch ends before a buffer fills (after the callbacks' epoch end,
         before the checkpoints': Lightning's order)."""
         if self.rollout_buffers:
-            with self.gathered():
+            with self.computing():
                 self.flush_buffers()
             if self.step_log:  # the flush's losses, at the epoch's last step
                 self.write_step_log(step_end=False)

@@ -87,7 +87,7 @@ class MADPO(AgentTeamModule):
 
     # ------------------------------------------------------------------ the step
     def rl_step(self, batch: RolloutBatch, batch_idx: int) -> None:
-        with Timer() as train_time, self.gathered():
+        with Timer() as train_time, self.computing():
             pairs = rollout_pairs(batch, self.pair_settings, self.shuffle_generator)
             chosen, rejected = pairs.chosen, pairs.rejected
             deltas = torch.stack([self.log_ratios(i, s, chosen, rejected) for i, s in enumerate(batch.agents)])

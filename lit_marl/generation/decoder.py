@@ -6,7 +6,9 @@ as a short list of tensor ops over a preallocated cache:
 
 - it reads the model's own parameters at each call (no copy, so it never goes stale after an
   optimizer step); peft LoRA adapters that are active are merged into the weight they adapt for
-  the call (``W + get_delta_weight``), the rest of the model is used as it is;
+  the call (``W + get_delta_weight``), the rest of the model is used as it is; under autocast
+  (``trainer.precision: bf16-mixed``) the weights are cast to its dtype once per call (sampling
+  still draws from fp32 logits);
 - positions, masks, RoPE and sampling follow ``generate`` for left-padded prompts: position ids
   from the attention mask, temperature then top-p, ``multinomial`` on the softmax, greedy =
   argmax, finished rows padded after their end token, stop when every row has ended.
@@ -80,6 +82,15 @@ def _fused(parts: list[tuple[torch.Tensor, torch.Tensor | None]], fuse: bool) ->
         return [(weight, None)]
     biases = [b if b is not None else w.new_zeros(w.shape[0]) for w, b in parts]
     return [(weight, torch.cat(biases))]
+
+
+def _cast(weights, dtype: torch.dtype):
+    """Every tensor of a nested structure of dicts, lists and tuples cast to ``dtype``."""
+    if isinstance(weights, dict):
+        return {k: _cast(v, dtype) for k, v in weights.items()}
+    if isinstance(weights, (list, tuple)):
+        return type(weights)(_cast(v, dtype) for v in weights)
+    return weights if weights is None else weights.to(dtype)
 
 
 def _stack(tensors: list[torch.Tensor | None]) -> torch.Tensor | None:
@@ -162,8 +173,11 @@ class Decoder:
                 raise ValueError(f"the torch engine cannot decode this model: {reason}; use engine: hf")
         if len(models) > 1 and not _alike(models):  # each model was checked just above
             raise ValueError("these models cannot decode in one stacked forward (different shapes or too large)")
-        per_agent = [self._read(model) for model in models]  # read in turn: AdapterViews switch adapters
         lm = _causal_lm(models[0])
+        device = next(lm.parameters()).device.type
+        # under autocast (trainer.precision: bf16-mixed) the weights are cast once here, not per matmul
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        per_agent = [self._read(model, dtype) for model in models]  # in turn: AdapterViews switch adapters
         config, body = lm.config, lm.model
         self.num_agents = len(models)
         self.eps = body.norm.variance_epsilon
@@ -196,8 +210,9 @@ class Decoder:
             )
 
     @staticmethod
-    def _read(model: nn.Module) -> dict:
-        """One model's weights as they are now (LoRA merged; q/k/v and gate/up fused if small)."""
+    def _read(model: nn.Module, dtype: torch.dtype | None = None) -> dict:
+        """One model's weights as they are now (LoRA merged; q/k/v and gate/up fused if small), cast
+        to ``dtype`` (None: as they are)."""
         lm = _causal_lm(model)
         body = lm.model
         fuse = sum(p.numel() for p in lm.parameters()) < FUSE_BELOW_PARAMETERS
@@ -214,12 +229,13 @@ class Decoder:
                     "down": _linear(mlp.down_proj),
                 }
             )
-        return {
+        weights = {
             "embed": body.embed_tokens.weight,
             "norm": body.norm.weight,
             "lm_head": _linear(lm.lm_head),
             "layers": layers,
         }
+        return weights if dtype is None else _cast(weights, dtype)
 
     def _rope(self, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         positions = torch.arange(length, device=self.inv_freq.device, dtype=torch.float)

@@ -73,7 +73,8 @@ def test_update_gradient_equals_the_joint_dpo_loss_gradient(dpo_reference):
         direct = _direct_gradient(module, batch, role, chosen, rejected)
         assert surrogate.keys() == direct.keys()
         for name in direct:
-            torch.testing.assert_close(surrogate[name], direct[name], rtol=1e-4, atol=1e-6)
+            # atol: sums over passes in another order differ by ~1e-6 (float32)
+            torch.testing.assert_close(surrogate[name], direct[name], rtol=1e-4, atol=1e-5)
 
 
 def test_fit_moves_every_agent_with_finite_losses(tmp_path):

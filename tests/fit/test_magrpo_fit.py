@@ -365,3 +365,36 @@ def test_a_step_of_zero_advantages_still_steps_the_optimizer(tmp_path):
             if name in weights:
                 # decayed by lr * wd (the relative change 1e-4 is far above float32's tolerance)
                 torch.testing.assert_close(p.detach(), weights[name] * (1 - 1e-3 * 0.1))
+
+
+def test_bf16_mixed_precision_runs_rollouts_and_updates_in_bf16(tmp_path, monkeypatch):
+    """``trainer.precision: bf16-mixed`` reaches every pass, including those outside Lightning's steps:
+    the rollouts' decoder and the epoch-end update compute in bf16, the weights stay fp32 (the
+    optimizer's master copy) and move, the losses stay finite."""
+    from lit_marl.generation.decoder import Decoder
+
+    L.seed_everything(0)
+    # the buffer never fills within the 2 steps: the one update runs at the epoch's end (on_train_epoch_end)
+    module = MAGRPO(model="tiny-random", num_agents=2, learning_rate=1e-2, rollout_buffer_size=100)
+    module.configure_model()
+    before = [snapshot(agent.model) for agent in module.agents]
+    decoded, trained = [], []
+    build = Decoder.__init__
+
+    def spy(self, models):
+        build(self, models)
+        decoded.append(self.embed.dtype)
+
+    monkeypatch.setattr(Decoder, "__init__", spy)
+    for agent in module.agents:
+        head = agent.model.get_output_embeddings()
+        head.register_forward_hook(lambda m, i, out: trained.append(out.dtype) if torch.is_grad_enabled() else None)
+    trainer = make_trainer(tmp_path, precision="bf16-mixed")
+    trainer.fit(module, datamodule=slogan_data(max_new_tokens=16))
+    assert decoded and set(decoded) == {torch.bfloat16}
+    assert trained and set(trained) == {torch.bfloat16}, "the update's passes ran outside autocast"
+    for agent, old in zip(module.agents, before):
+        params = dict(agent.model.named_parameters())
+        assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in params.values())
+        assert any(not torch.equal(params[n].detach(), old[n]) for n in old)
+    assert all(math.isfinite(float(v)) for k, v in trainer.callback_metrics.items() if "loss" in k)

@@ -409,3 +409,28 @@ def test_vllm_weight_version_changes_when_adapters_are_switched_off():
     with model.disable_adapter():
         off = weight_version(model)
     assert on != off and weight_version(model) == on
+
+
+def test_torch_decoder_under_bf16_autocast_computes_as_the_bf16_model(tiny_agent, prompts):
+    """Under autocast (``trainer.precision: bf16-mixed``) the decoder casts the weights (LoRA merged)
+    to bf16 once and decodes exactly as the same model stored in bf16 (RoPE frequencies stay fp32);
+    the fp32 model is untouched."""
+    import copy
+
+    agent = llama_agent(tiny_agent.tokenizer)
+    fp32 = [p.clone() for p in agent.model.parameters()]
+    stored = copy.deepcopy(agent.model).to(torch.bfloat16)
+    for ours, theirs in zip(agent.model.modules(), stored.modules()):
+        if hasattr(ours, "inv_freq"):
+            theirs.inv_freq = ours.inv_freq.clone()  # .to() cast the buffer; the decoder reads it in fp32
+    ids, mask = left_pad(prompts, tiny_agent.pad_token_id, torch.device("cpu"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        decoder = Decoder(agent.model)
+        assert decoder.embed.dtype == torch.bfloat16
+        under_autocast = decoder.generate(ids, mask, 12, -1, tiny_agent.pad_token_id, greedy=True)
+    reference = Decoder(stored).generate(ids, mask, 12, -1, tiny_agent.pad_token_id, greedy=True)
+    assert torch.equal(under_autocast, reference)
+    fp32_ids = Decoder(agent.model).generate(ids, mask, 12, -1, tiny_agent.pad_token_id, greedy=True)
+    assert Decoder(agent.model).embed.dtype == torch.float32  # outside autocast: as stored
+    assert all(torch.equal(a, b) for a, b in zip(fp32, agent.model.parameters()))
+    assert fp32_ids.shape == under_autocast.shape
