@@ -17,6 +17,7 @@ import shutil
 import socket
 import tempfile
 from pathlib import Path
+from typing import Literal
 from urllib.parse import urlparse
 
 import torch
@@ -98,6 +99,20 @@ def check_source(source: str, field: str = "model") -> None:
         f"{field}={source!r} is not a built-in source {BUILTIN_SOURCES}, not a local folder, and not in "
         f"the HF cache, and {reason}. Fix: use a built-in source, a local folder, or download it first."
     )
+
+
+AttentionKernel = Literal["eager", "sdpa", "flex_attention", "flash_attention_2"]
+"""transformers' attention implementations a team can choose (``attn_implementation``)."""
+
+
+def set_attention(models, implementation: AttentionKernel | None) -> None:
+    """Switch the attention kernel of each model (peft and adapter wrappers included) to
+    ``implementation``; None leaves each as loaded (transformers' default, ``sdpa``)."""
+    if implementation is None:
+        return
+    for model in models:
+        lm = next(m for m in model.modules() if isinstance(m, PreTrainedModel))  # the outermost
+        lm.set_attn_implementation(implementation)
 
 
 def load_model_and_tokenizer(source: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

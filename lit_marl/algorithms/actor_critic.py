@@ -50,6 +50,7 @@ from lit_marl.losses import (
     value_loss,
 )
 from lit_marl.metrics import Timer
+from lit_marl.models import set_attention
 from lit_marl.parallel.collectives import all_ranks_max, all_ranks_sum, padded_steps, z_score_per_group
 from lit_marl.returns import next_turn_rows, td_advantages, td_targets, team_reward
 from lit_marl.rollout.batch import AgentSamples, RolloutBatch
@@ -171,6 +172,7 @@ class ActorCritic(AgentTeamModule):
         critics = []
         for source in sources:
             backbone = load_critic_backbone(self.critic_source or source, readers)
+            set_attention([backbone], self.attn_implementation)
             critics.append(Critic(backbone.config.hidden_size, backbone))
         self.critics = nn.ModuleList(critics)
 

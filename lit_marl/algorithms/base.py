@@ -21,11 +21,11 @@ from lit_marl.fields import NonNegativeFloat, NonNegativeInt, PositiveFloat, Pos
 from lit_marl.logprobs import target_logprobs
 from lit_marl.losses import nll
 from lit_marl.metrics import StepLogging, Timer
-from lit_marl.models import check_source
+from lit_marl.models import AttentionKernel, check_source, set_attention
 from lit_marl.parallel.collectives import all_ranks_max, all_ranks_sum, gather_objects, sum_gradients, to_cpu
 from lit_marl.parallel.fsdp import TeamShards, check_shardable, shardable_models
 from lit_marl.parallel.strategies import TeamDDPStrategy
-from lit_marl.rollout.batch import AgentSamples, RolloutBatch, pass_tokens
+from lit_marl.rollout.batch import AgentSamples, RolloutBatch, pass_rows, pass_tokens
 from lit_marl.rollout.buffer import RolloutBuffer
 from lit_marl.rollout.demos import DemoSamples
 from lit_marl.rollout.tree import ResponsePenalty
@@ -55,6 +55,7 @@ class AgentTeamModule(StepLogging, L.LightningModule):
         lora_shared_base: bool = False,
         max_nonfinite_steps: NonNegativeInt = 0,
         log_samples_every_n_steps: NonNegativeInt = 10,
+        attn_implementation: AttentionKernel | None = None,
     ):
         """
         Args:
@@ -65,17 +66,14 @@ class AgentTeamModule(StepLogging, L.LightningModule):
             system_prompt: System message for every agent (omit to keep the chat template's default).
             learning_rate: AdamW learning rate of every agent.
             max_grad_norm: Gradient norm clipping per agent (0 disables).
-            weight_decay: AdamW's decoupled weight decay of every optimizer (CoMLRL's: torch's
-                default 0.01); 0 keeps weights where the loss leaves them.
+            weight_decay: AdamW's decoupled weight decay (CoMLRL's: torch's default 0.01); 0: none.
             forward_batch_size: At most this many rows per forward/backward pass (None: no row cap).
                 Memory only, like ``forward_token_budget``: a mini-batch's gradients are accumulated
                 over its passes before its one optimizer step.
-            forward_token_budget: At most this many tokens per forward/backward pass (None: no cap):
-                a row counts its padded width, or where a node's G responses share one prompt pass
-                (MAGRPO) its response plus the prompt once per node; passes are filled in order.
-                Fewer, larger passes are faster; a pass's activation memory grows with it
-                (SmolLM2-135M, fp32: 2048 tokens ~4 GB peak, 8192 ~15 GB). Lower it (or set
-                ``forward_batch_size``) when a pass runs out of memory.
+            forward_token_budget: At most this many tokens per forward/backward pass (None: no cap): a row
+                counts its padded width, or where a node's G responses share one prompt pass (MAGRPO) its
+                response plus the prompt once per node. Fewer, larger passes are faster; memory grows with
+                it (SmolLM2-135M, fp32: 2048 tokens ~4 GB peak, 8192 ~15 GB): lower it if a pass runs out.
             share_parameters: One model plays every role (one set of weights, one optimizer, one
                 batched generate per turn for all roles); needs one model source.
             lora_shared_base: With ``lora``, every agent is an adapter on ONE frozen copy of the base
@@ -87,6 +85,8 @@ class AgentTeamModule(StepLogging, L.LightningModule):
                 next. Never is a non-finite value applied to the weights.
             log_samples_every_n_steps: Every n training steps (the first included) one whole joint tree or
                 episode, each branch's reward shown, to TensorBoard's text tab, rewards and advantages to histograms.
+            attn_implementation: transformers' attention kernel (None: ``sdpa``); ``eager`` with ``trainer.precision:
+                bf16-mixed`` on CPU, where sdpa's bf16 backward is slow (docs/quickstart.md).
         """
         super().__init__()
         check_fields("model", AgentTeamModule.__init__, locals())
@@ -112,6 +112,7 @@ class AgentTeamModule(StepLogging, L.LightningModule):
         self.system_prompt = system_prompt
         self.share_parameters = share_parameters
         self.lora_shared_base = lora_shared_base
+        self.attn_implementation = attn_implementation
         self.automatic_optimization = False
         self.agents: nn.ModuleList | None = None
         self.references: nn.ModuleList | None = None  # frozen copies for a KL term: ``build_references``
@@ -137,6 +138,7 @@ class AgentTeamModule(StepLogging, L.LightningModule):
             self.agents = nn.ModuleList(team)
         else:
             self.agents = nn.ModuleList(Agent(s, self.lora, self.system_prompt) for s in self.sources)
+        set_attention([agent.model for agent in self.agents], self.attn_implementation)
 
     def build_references(self) -> None:
         """The KL reference of each learner: a frozen copy of its initial weights; with LoRA none is
@@ -340,28 +342,9 @@ class AgentTeamModule(StepLogging, L.LightningModule):
         return loss_sum
 
     def micro_batches(self, rows, shared_prompts: bool = False) -> list[torch.Tensor]:
-        """Row indices of the forward/backward passes over ``rows`` (anything with ``input_ids``), in
-        order, each filled with rows while it stays within ``forward_token_budget`` tokens and
-        ``forward_batch_size`` rows (a row alone past the budget still gets its pass). A row costs its
-        padded width; with ``shared_prompts`` (the loss runs each tree node's prompt once for its
-        rows: ``completion_logprobs(prompt_groups=...)``) its completion width, plus the prompt width
-        for the first row of its node in the pass, which is what the pass computes."""
-        count, width = rows.input_ids.shape[0], rows.input_ids.shape[-1]
-        budget = self.forward_token_budget if self.forward_token_budget is not None else math.inf
-        cap = self.forward_batch_size if self.forward_batch_size is not None else count
-        completion = rows.num_completion if shared_prompts else width
-        groups = rows.group_ids.tolist() if shared_prompts else None
-        bounds, start, cost = [0], 0, 0
-        for i in range(count):
-            opens_node = groups is None or i == start or groups[i] != groups[i - 1]
-            row_cost = completion + (width - completion if opens_node else 0)
-            if i > start and (cost + row_cost > budget or i - start >= cap):
-                bounds.append(i)
-                start, cost = i, 0
-                row_cost = width  # the first row of a pass brings its node's prompt
-            cost += row_cost
-        bounds.append(count)
-        return [torch.arange(a, b, device=self.device) for a, b in zip(bounds, bounds[1:])]
+        """Row indices of the forward/backward passes over ``rows`` (``rollout.batch.pass_rows``)."""
+        cap, budget = self.forward_batch_size, self.forward_token_budget
+        return [r.to(self.device) for r in pass_rows(rows, budget, cap, shared_prompts)]
 
     # ------------------------------------------------------------------ the step: fine-tuning on demonstrations or RL
     phase: str = "rl"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -192,3 +193,28 @@ def pass_tokens(rows, shared_prompts: bool) -> int:
         first.setdefault(group, row)
     prompts = rows.attention_mask[list(first.values()), :prompt].sum()
     return int(prompts + rows.attention_mask[:, prompt:].sum())
+
+
+def pass_rows(rows, token_budget: int | None, row_cap: int | None, shared_prompts: bool = False) -> list[torch.Tensor]:
+    """Row indices of the forward/backward passes over ``rows`` (anything with ``input_ids``), in
+    order, each filled with rows while it stays within ``token_budget`` tokens and ``row_cap`` rows
+    (None: no limit; a row alone past the budget still gets its pass). A row costs its padded width;
+    with ``shared_prompts`` (the loss runs each tree node's prompt once for its rows:
+    ``completion_logprobs(prompt_groups=...)``) its completion width, plus the prompt width for the
+    first row of its node in the pass, which is what the pass computes."""
+    count, width = rows.input_ids.shape[0], rows.input_ids.shape[-1]
+    budget = token_budget if token_budget is not None else math.inf
+    cap = row_cap if row_cap is not None else count
+    completion = rows.num_completion if shared_prompts else width
+    groups = rows.group_ids.tolist() if shared_prompts else None
+    bounds, start, cost = [0], 0, 0
+    for i in range(count):
+        opens_node = groups is None or i == start or groups[i] != groups[i - 1]
+        row_cost = completion + (width - completion if opens_node else 0)
+        if i > start and (cost + row_cost > budget or i - start >= cap):
+            bounds.append(i)
+            start, cost = i, 0
+            row_cost = width  # the first row of a pass brings its node's prompt
+        cost += row_cost
+    bounds.append(count)
+    return [torch.arange(a, b) for a, b in zip(bounds, bounds[1:])]

@@ -203,3 +203,27 @@ def test_smollm2_converts_from_scratch(tmp_path, monkeypatch):
         cached = AutoModelForCausalLM.from_pretrained(str(reference), dtype=torch.float32)
         for (name, a), (_, b) in zip(model.state_dict().items(), cached.state_dict().items()):
             assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("lora", [None, {"r": 4, "alpha": 8}], ids=["full", "lora"])
+def test_attention_kernel_setting_reaches_every_agent_and_changes_no_number(lora):
+    """``attn_implementation: eager`` switches each agent's model (under peft too); the training
+    forward's log-probs are those of the default kernel (sdpa) within float32 rounding."""
+    from lit_marl.algorithms import MAGRPO
+    from lit_marl.logprobs import completion_logprobs
+
+    torch.manual_seed(0)
+    default = MAGRPO(model="tiny-random", num_agents=2, lora=lora)
+    default.configure_model()
+    eager = MAGRPO(model="tiny-random", num_agents=2, lora=lora, attn_implementation="eager")
+    eager.configure_model()
+    for agent in eager.agents:
+        assert agent.model.config._attn_implementation == "eager"
+    assert default.agents[0].model.config._attn_implementation == "sdpa"
+    ids = torch.randint(3, 200, (3, 12))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0  # a left-padded row
+    with torch.no_grad():
+        ours = completion_logprobs(eager.agents[0].model, ids, mask, 5)
+        theirs = completion_logprobs(default.agents[0].model, ids, mask, 5)
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
