@@ -7,7 +7,7 @@ import copy
 import math
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager
 
 import lightning as L
 import torch
@@ -151,9 +151,12 @@ class AgentTeamModule(StepLogging, L.LightningModule):
     @contextmanager
     def reference_model(self, learner: int) -> Iterator[nn.Module]:
         """The reference policy of ``learner`` for the block: its frozen copy, or its model with the adapters off."""
+        if self.references is not None:
+            yield self.references[learner]
+            return
         model = self.model_of(learner)
-        with model.disable_adapter() if self.references is None else nullcontext():
-            yield model if self.references is None else self.references[learner]
+        with model.disable_adapter():
+            yield model
 
     @contextmanager
     def initial_team(self) -> Iterator[list[Agent]]:
