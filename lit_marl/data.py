@@ -387,10 +387,10 @@ class RolloutDataModule(TaskDataModule):
     def prompts_for(self, tasks: list[dict]) -> list[list[str]]:
         return [self.env.prompts(task) for task in tasks]
 
-    def rollout(self, agents, tasks: list[dict], greedy: bool, response_penalty=None) -> RolloutBatch:
+    def rollout(self, agents, tasks: list[dict], greedy: bool, response_penalty=None, engine=None) -> RolloutBatch:
         settings = replace(self.tree, num_generations=1, greedy=True) if greedy else self.tree
         env = self.env if greedy else self.train_env
-        batch = build_tree(list(agents), tasks, env, settings, self.engine, response_penalty)
+        batch = build_tree(list(agents), tasks, env, settings, engine or self.engine, response_penalty)
         batch.reward_range = self.reward_range if env is self.env else None
         return batch
 
@@ -400,6 +400,10 @@ class RolloutDataModule(TaskDataModule):
         with module.rollout_team() as agents:
             batch = self.rollout(agents, tasks, greedy=False, response_penalty=module.response_penalty)
         self._count_skipped(batch)
+        with module.comparator_team(tasks) as comparator:
+            if comparator is not None:
+                rollout = self.rollout(comparator.agents, tasks, greedy=False, engine=comparator.engine)
+                batch.comparator = comparator.checked(rollout)
         return batch
 
     def _count_skipped(self, batch: RolloutBatch) -> None:

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import threading
+import time
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import torch
@@ -239,3 +244,59 @@ class HalvesAdapter:
         words = completion.split()
         size = -(-len(words) // num_agents) if words else 0
         return [" ".join(words[i * size : (i + 1) * size]) for i in range(num_agents)]
+
+
+class _ComparatorHandler(BaseHTTPRequestHandler):
+    """A comparator endpoint for the api tests; the path picks the behaviour."""
+
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.server.seen.append((self.path, {k.lower(): v for k, v in self.headers.items()}, body))
+        path = self.path
+        if path == "/slow" or (path == "/every_other_slow" and len(self.server.seen) % 2 == 0):
+            time.sleep(1.0)
+            path = "/generic"
+        path = "/generic" if path == "/every_other_slow" else path
+        if path == "/402":
+            self.send_response(402)
+            self.end_headers()
+            self.wfile.write(b'{"error": "no credit"}')
+            return
+        if path == "/generic":
+            reply = {"out": {"texts": [f"{body['agent_idx']}:{k}" for k in range(body["num_return_sequences"])]}}
+        elif path == "/openai":
+            reply = {"choices": [{"message": {"content": f"chat {k}"}} for k in range(body.get("n", 2))]}
+        elif path == "/anthropic":
+            reply = {"content": [{"type": "text", "text": "msg"}]}
+        elif path == "/short":
+            reply = {"completions": ["only one"]}
+        else:
+            data = b"<html>not json</html>"
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(data)
+            return
+        data = json.dumps(reply).encode()
+        try:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(data)
+        except BrokenPipeError:  # the client gave up waiting (the timeout test)
+            pass
+
+
+@contextmanager
+def comparator_server():
+    """An HTTP comparator endpoint on 127.0.0.1 (a free port): ``server.seen`` lists the requests."""
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _ComparatorHandler)
+    httpd.seen = []
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield httpd
+    finally:
+        httpd.shutdown()

@@ -1,5 +1,6 @@
 from lit_marl.algorithms.grpo import GRPO, RLOO
 from lit_marl.algorithms.iac import IAC
+from lit_marl.algorithms.iterative import IterativeMADPO
 from lit_marl.algorithms.maac import MAAC
 from lit_marl.algorithms.madpo import MADPO
 from lit_marl.algorithms.magrpo import MAGRPO, MAREINFORCE, MARLOO, CentralizedMAGRPO, MAReMax
@@ -11,6 +12,7 @@ __all__ = [
     "CentralizedMAGRPO",
     "GRPO",
     "IAC",
+    "IterativeMADPO",
     "MAAC",
     "MADPO",
     "MAGRPO",

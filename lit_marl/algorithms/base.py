@@ -175,6 +175,11 @@ class AgentTeamModule(StepLogging, L.LightningModule):
         """The agents that sample training rollouts: the current ones (an algorithm may choose others)."""
         yield self.agents
 
+    @contextmanager
+    def comparator_team(self, tasks: list[dict]) -> Iterator[None]:
+        """A second rollout of the same tasks by a comparator (iterative preference training): none here."""
+        yield None
+
     def shard(self, mesh) -> None:
         if mesh["tensor_parallel"].size() > 1:  # Lightning's mesh: (data_parallel, tensor_parallel)
             raise ConfigError(
@@ -427,6 +432,7 @@ class AgentTeamModule(StepLogging, L.LightningModule):
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
             "shuffle_rng": self.shuffle_generator.get_state(),
             "buffers": [buffer.state_dict() for buffer in self.rollout_buffers],
+            **self.rank_state(),
         }
         # every rank saves (joins this gather); rank 0 writes
         checkpoint["lit_marl"] = {"ranks": [to_cpu(r) for r in gather_objects(state)]}
@@ -456,6 +462,14 @@ class AgentTeamModule(StepLogging, L.LightningModule):
             )
         for buffer, buffered in zip(self.rollout_buffers, state["buffers"]):
             buffer.load_state_dict(buffered)
+        self.load_rank_state(state)
+
+    def rank_state(self) -> dict:
+        """An algorithm's own per-rank resume state (plain tensors and lists), saved with the above."""
+        return {}
+
+    def load_rank_state(self, state: dict) -> None:
+        pass
 
     def _resume_settings(self, checkpoint: dict) -> None:
         """The configured learning rates and weight decay win over the checkpoint's: torch restores

@@ -89,36 +89,40 @@ class MADPO(AgentTeamModule):
     def rl_step(self, batch: RolloutBatch, batch_idx: int) -> None:
         with Timer() as train_time, self.computing():
             pairs = rollout_pairs(batch, self.pair_settings, self.shuffle_generator)
-            chosen, rejected = pairs.chosen, pairs.rejected
-            deltas = torch.stack([self.log_ratios(i, s, chosen, rejected) for i, s in enumerate(batch.agents)])
-            for index, roles in enumerate(self.learners):
-                weights = self.candidate_weights(deltas, roles, chosen, rejected, len(batch.agents[0]))
-                merged = RolloutBuffer()  # a shared model's roles: each role's nodes its own (own prompts)
-                for role, weight in zip(roles, weights):
-                    merged.add(batch.agents[role].with_advantages(-weight))
-                samples = merged.drain(self.agents[roles[0]].pad_token_id)
-                kept_rows = torch.nonzero(samples.advantages != 0).flatten()  # candidates in no pair: no gradient
-                kept = samples.select(kept_rows) if kept_rows.numel() else None
-                model = self.model_of(index)
-                loss_fn = lambda mb, m=model: self.candidate_loss(m, mb)  # noqa: E731
-                self.update_agent(index, kept, loss_fn, count=float(len(chosen) * len(roles)), shared_prompts=True)
-                if len(chosen):
-                    self.record({f"{self.learner_name(index)}/delta": float(deltas[roles].mean())}, weight=len(chosen))
+            self.dpo_update(batch.agents, pairs.chosen, pairs.rejected, pairs.gaps)
+        self.record({"train/tasks_without_pairs": float(pairs.tasks_without_pairs)}, reduce="sum")
+        self.record({"perf/train_s": train_time.seconds})
+        self.log_rollout(batch, "train")
+
+    def dpo_update(
+        self, agents: list[AgentSamples], chosen: torch.Tensor, rejected: torch.Tensor, gaps: torch.Tensor
+    ) -> None:
+        """One optimizer step per learner on the pairs (rows ``chosen[p]`` over ``rejected[p]`` of
+        every agent's samples ``agents``), and the loss's statistics."""
+        deltas = torch.stack([self.log_ratios(i, s, chosen, rejected) for i, s in enumerate(agents)])
+        for index, roles in enumerate(self.learners):
+            weights = self.candidate_weights(deltas, roles, chosen, rejected, len(agents[0]))
+            merged = RolloutBuffer()  # a shared model's roles: each role's nodes its own (own prompts)
+            for role, weight in zip(roles, weights):
+                merged.add(agents[role].with_advantages(-weight))
+            samples = merged.drain(self.agents[roles[0]].pad_token_id)
+            kept_rows = torch.nonzero(samples.advantages != 0).flatten()  # candidates in no pair: no gradient
+            kept = samples.select(kept_rows) if kept_rows.numel() else None
+            model = self.model_of(index)
+            loss_fn = lambda mb, m=model: self.candidate_loss(m, mb)  # noqa: E731
+            self.update_agent(index, kept, loss_fn, count=float(len(chosen) * len(roles)), shared_prompts=True)
+            if len(chosen):
+                self.record({f"{self.learner_name(index)}/delta": float(deltas[roles].mean())}, weight=len(chosen))
         if len(chosen):  # every agent's loss has the same value, -log sigmoid(beta * joint): logged once
             joint = deltas.sum(0)
             stats = {
                 "train/loss": float(joint_dpo(deltas, 0, self.dpo_beta).mean()),
                 "train/dpo_accuracy": float((joint > 0).float().mean()),
-                "train/reward_gap": float(pairs.gaps.mean()),
+                "train/reward_gap": float(gaps.mean()),
                 "train/joint_delta": float(joint.mean()),
             }
             self.record(stats, weight=len(chosen))
-        self.record(
-            {"train/pairs": float(len(chosen)), "train/tasks_without_pairs": float(pairs.tasks_without_pairs)},
-            reduce="sum",
-        )
-        self.record({"perf/train_s": train_time.seconds})
-        self.log_rollout(batch, "train")
+        self.record({"train/pairs": float(len(chosen))}, reduce="sum")
 
     @torch.no_grad()
     def log_ratios(

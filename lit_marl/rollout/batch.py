@@ -118,6 +118,7 @@ class RolloutBatch:
     leaf_tasks: torch.Tensor | None = None  # [leaves] the task of every branch's last joint action
     leaf_success: torch.Tensor | None = None  # [leaves] its ``success`` (or a game's ``won``); None: unreported
     reward_range: tuple[float, float] | None = None  # the task reward's known [min, max] (``data.reward_range``)
+    comparator: "RolloutBatch | None" = None  # the same tasks rolled out by a comparator (iterative preference)
 
 
 @dataclass

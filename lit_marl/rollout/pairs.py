@@ -7,15 +7,16 @@ none (equal rewards say nothing about which is better). A candidate may appear i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
 
 from lit_marl import ConfigError
-from lit_marl.rollout.batch import RolloutBatch
+from lit_marl.rollout.batch import AgentSamples, RolloutBatch
 
 PairSelection = Literal["reward_gap", "random", "all"]
+ComparisonSelection = Literal["comparator_reward", "reward_gap", "random", "all"]
 
 
 def select_pairs(
@@ -53,6 +54,41 @@ def select_pairs(
     return pairs if max_pairs is None else pairs[:max_pairs]
 
 
+def comparison_pairs(
+    target: torch.Tensor,
+    comparator: torch.Tensor,
+    selection: ComparisonSelection = "comparator_reward",
+    max_pairs: int | None = 16,
+    generator: torch.Generator | None = None,
+) -> list[tuple[int, bool]]:
+    """One task's pairs of the policy's candidate k against the comparator's candidate k (index-
+    aligned, iterative preference training): ``(k, target_wins)`` from their ``[K]`` rewards, the
+    higher reward chosen; ties and non-finite rewards give none, so each candidate is in at most one pair.
+
+    - ``comparator_reward`` (CoMLRL's default for iterative training): the highest comparator
+      rewards first, then the largest gaps;
+    - ``reward_gap``: the largest gaps first; ``random``: a seeded random order; ``all``: every pair in k order.
+
+    At most ``max_pairs`` (None: all; must be None with ``all``)."""
+    if target.dim() != 1 or target.shape != comparator.shape:
+        raise ValueError(f"rewards must be two [K] tensors, got {tuple(target.shape)} and {tuple(comparator.shape)}")
+    if selection == "all" and max_pairs is not None:
+        raise ValueError(f"pair_selection='all' keeps every pair: max_pairs_per_task must be null, got {max_pairs}")
+    mine, theirs = target.double().tolist(), comparator.double().tolist()
+    pairs = [k for k in range(len(mine)) if mine[k] != theirs[k] and _finite(mine[k]) and _finite(theirs[k])]
+    gap = {k: abs(mine[k] - theirs[k]) for k in pairs}
+    if selection == "comparator_reward":
+        pairs.sort(key=lambda k: (theirs[k], gap[k]), reverse=True)  # stable: equal keys keep k order
+    elif selection == "reward_gap":
+        pairs.sort(key=lambda k: gap[k], reverse=True)
+    elif selection == "random":
+        pairs = [pairs[i] for i in torch.randperm(len(pairs), generator=generator).tolist()]
+    elif selection != "all":
+        raise ValueError(f"pair_selection={selection!r}: choose comparator_reward, reward_gap, random or all")
+    pairs = pairs if max_pairs is None else pairs[:max_pairs]
+    return [(k, mine[k] > theirs[k]) for k in pairs]
+
+
 def _finite(x: float) -> bool:
     return x == x and abs(x) != float("inf")
 
@@ -85,8 +121,8 @@ class TaskPairs:
 def rollout_pairs(batch: RolloutBatch, settings: PairSettings, generator: torch.Generator) -> TaskPairs:
     """Every task's pairs of a single-turn aligned rollout (K candidates per task, node-major). A
     joint candidate's reward is the team mean of its rows' returns (the processed task reward)."""
-    num_tasks = int(batch.agents[0].group_ids.max()) + 1
-    rewards = torch.stack([s.returns.float().cpu() for s in batch.agents]).mean(0).view(num_tasks, -1)
+    rewards = candidate_rewards(batch)
+    num_tasks = rewards.shape[0]
     K = rewards.shape[1]
     chosen, rejected, without = [], [], 0
     for task in range(num_tasks):
@@ -97,6 +133,131 @@ def rollout_pairs(batch: RolloutBatch, settings: PairSettings, generator: torch.
     chosen, rejected = torch.tensor(chosen, dtype=torch.long), torch.tensor(rejected, dtype=torch.long)
     flat = rewards.view(-1)
     return TaskPairs(chosen, rejected, flat[chosen] - flat[rejected], without)
+
+
+@dataclass
+class PreferenceRows:
+    """Pairs as training rows, per agent: row 2p holds pair p's chosen response, row 2p + 1 its
+    rejected one (with its prompt), so pairs from different steps and iterations stack (replay)."""
+
+    agents: list[AgentSamples]
+    chosen_rewards: torch.Tensor  # [pairs] joint reward of the chosen candidate
+    rejected_rewards: torch.Tensor  # [pairs]
+    target_wins: torch.Tensor  # [pairs] bool: the policy's candidate is the chosen one
+
+    def __len__(self) -> int:
+        return len(self.chosen_rewards)
+
+    @property
+    def chosen(self) -> torch.Tensor:
+        return torch.arange(0, 2 * len(self), 2)
+
+    @property
+    def rejected(self) -> torch.Tensor:
+        return torch.arange(1, 2 * len(self), 2)
+
+    @property
+    def gaps(self) -> torch.Tensor:
+        return self.chosen_rewards - self.rejected_rewards
+
+    def select(self, pairs: torch.Tensor) -> "PreferenceRows":
+        rows = torch.stack([2 * pairs, 2 * pairs + 1], 1).flatten()
+        return PreferenceRows(
+            [a.select(rows) for a in self.agents],
+            self.chosen_rewards[pairs],
+            self.rejected_rewards[pairs],
+            self.target_wins[pairs],
+        )
+
+    @staticmethod
+    def cat(parts: list["PreferenceRows"], pad_ids: list[int]) -> "PreferenceRows":
+        """Pairs of several parts in order; each part's prompt groups stay its own."""
+        parts = [p for p in parts if len(p)]
+        if len(parts) == 1:
+            return parts[0]
+        agents = []
+        for i, pad_id in enumerate(pad_ids):
+            offset, shifted = 0, []
+            for part in parts:
+                samples = part.agents[i]
+                shifted.append(replace(samples, group_ids=samples.group_ids - samples.group_ids.min() + offset))
+                offset = int(shifted[-1].group_ids.max()) + 1
+            agents.append(AgentSamples.cat(shifted, pad_id))
+        fields = ("chosen_rewards", "rejected_rewards", "target_wins")
+        return PreferenceRows(agents, *(torch.cat([getattr(p, f) for p in parts]) for f in fields))
+
+    def state_dict(self) -> dict:
+        """Plain tensors only (a replay shard loads with ``weights_only``)."""
+        return {
+            "agents": [{k: v for k, v in vars(a).items() if v is not None} for a in self.agents],
+            "chosen_rewards": self.chosen_rewards,
+            "rejected_rewards": self.rejected_rewards,
+            "target_wins": self.target_wins,
+        }
+
+    @staticmethod
+    def from_state_dict(state: dict) -> "PreferenceRows":
+        agents = [AgentSamples(**a) for a in state["agents"]]
+        return PreferenceRows(agents, state["chosen_rewards"], state["rejected_rewards"], state["target_wins"])
+
+
+def candidate_rewards(batch: RolloutBatch) -> torch.Tensor:
+    """``[tasks, K]``: each joint candidate's reward, the team mean of its rows' returns (the
+    processed task reward), of a single-turn aligned rollout (rows ``task * K + k``, node-major)."""
+    num_tasks = int(batch.agents[0].group_ids.max()) + 1
+    return torch.stack([s.returns.float().cpu() for s in batch.agents]).mean(0).view(num_tasks, -1)
+
+
+def comparison_rows(
+    batch: RolloutBatch,
+    comparator: RolloutBatch,
+    settings: PairSettings,
+    generator: torch.Generator,
+    pad_ids: list[int],
+) -> tuple[PreferenceRows, int]:
+    """The pairs of the policy's candidates (``batch``) against the comparator's (``comparator``,
+    the same tasks and K) by ``comparison_pairs``, as rows; and the number of tasks without a pair.
+    Both rollouts must have rendered every prompt to the same tokens (one tokenizer and template):
+    a pair's two responses then answer exactly one prompt."""
+    mine, theirs = candidate_rewards(batch), candidate_rewards(comparator)
+    if mine.shape != theirs.shape:
+        raise ValueError(
+            f"the comparator answered {tuple(theirs.shape)} tasks x candidates, the policy {tuple(mine.shape)}"
+        )
+    num_tasks, K = mine.shape
+    for i, (a, b) in enumerate(zip(batch.agents, comparator.agents)):
+        if _prompts(a, K) != _prompts(b, K):
+            raise ValueError(
+                f"agent {i}: the comparator's prompts render to other tokens than the policy's (another tokenizer, "
+                "chat template or system prompt): a preference pair must answer one prompt"
+            )
+    rows, wins, without = [], [], 0
+    for task in range(num_tasks):
+        pairs = comparison_pairs(mine[task], theirs[task], settings.selection, settings.max_pairs, generator)
+        without += not pairs
+        for k, target_wins in sorted(pairs):  # by k: a task's rows stay together (one prompt pass)
+            row = task * K + k
+            ours, other = row, num_tasks * K + row  # the comparator's rows follow the policy's
+            rows += [ours, other] if target_wins else [other, ours]
+            wins.append(target_wins)
+    rows = torch.tensor(rows, dtype=torch.long)
+    tasks = torch.arange(num_tasks).repeat_interleave(K)  # a task's rows, both sources: one prompt group
+    agents = [
+        AgentSamples.cat([replace(a, group_ids=tasks), replace(b, group_ids=tasks)], pad)
+        for a, b, pad in zip(batch.agents, comparator.agents, pad_ids)
+    ]
+    flat = torch.cat([mine.view(-1), theirs.view(-1)])
+    out = PreferenceRows(
+        [a.select(rows) for a in agents], flat[rows[0::2]], flat[rows[1::2]], torch.tensor(wins, dtype=torch.bool)
+    )
+    return out, without
+
+
+def _prompts(samples: AgentSamples, K: int) -> list[list[int]]:
+    """Each task's prompt tokens (its first candidate's row, padding dropped)."""
+    width = samples.input_ids.shape[1] - samples.num_completion
+    ids, mask = samples.input_ids[::K, :width], samples.attention_mask[::K, :width].bool()
+    return [row[m].tolist() for row, m in zip(ids, mask)]
 
 
 def check_candidate_rollouts(datamodule, algorithm: str) -> None:

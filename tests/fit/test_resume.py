@@ -24,10 +24,13 @@ def run(out: Path, *args: str) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.parametrize("algorithm", ["magrpo", pytest.param("iac", marks=pytest.mark.slow)])  # iac: test-slow
+@pytest.mark.parametrize("algorithm", ["magrpo", "iterative", pytest.param("iac", marks=pytest.mark.slow)])
 def test_killed_run_resumes_exactly(tmp_path, algorithm):
     """4 steps straight vs. a run killed (SIGKILL) as its 4th step starts and resumed from the
-    checkpoint of its 3rd. The buffers fill over two steps, so that checkpoint holds waiting samples."""
+    checkpoint of its 3rd. MAGRPO: the buffers fill over two steps, so that checkpoint holds waiting
+    samples. Iterative MADPO: the kill lands in its second iteration, whose comparator is the
+    snapshot of the policy as it began and whose pairs are drawn from both iterations' replay shards,
+    by the comparator's own random stream (iac: ``make test-slow``)."""
     full = run(tmp_path / "full", "--steps", "4", "--algorithm", algorithm)
     assert full.returncode == 0, full.stderr[-2000:]
     cut = run(tmp_path / "cut", "--steps", "4", "--kill-before", "3", "--algorithm", algorithm)
@@ -35,8 +38,12 @@ def test_killed_run_resumes_exactly(tmp_path, algorithm):
     assert not (tmp_path / "cut" / "params.pt").exists()
     checkpoint = tmp_path / "cut" / "checkpoints" / "last.ckpt"
     state = torch.load(checkpoint, weights_only=True)  # plain tensors: loads without pickled objects
-    buffers = state["lit_marl"]["ranks"][0]["buffers"]
-    assert sum(b["num_nodes"] for b in buffers) > 0, "the check of waiting samples is void"
+    saved = state["lit_marl"]["ranks"][0]
+    if algorithm == "iterative":
+        assert saved["steps_done"] == 3 and len(saved["snapshots"]) == 2
+        assert [s["iteration"] for s in saved["replay"]["shards"]] == [0, 0, 1], "the replay check is void"
+    else:
+        assert sum(b["num_nodes"] for b in saved["buffers"]) > 0, "the check of waiting samples is void"
     resumed = run(tmp_path / "cut", "--steps", "4", "--resume", str(checkpoint), "--algorithm", algorithm)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
 

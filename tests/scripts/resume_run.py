@@ -1,6 +1,6 @@
 """One training run for the resume tests, in its own process so that it can be SIGKILLed.
 
-python resume_run.py OUT --steps N [--kill-before K] [--resume CKPT] [--algorithm magrpo|iac] [--fsdp]
+python resume_run.py OUT --steps N [--kill-before K] [--resume CKPT] [--algorithm magrpo|iac|iterative] [--fsdp]
 
 Writes OUT/tasks.jsonl (the task rows of every training step, in order, appended; rank r > 0 of an
 ``--fsdp`` run, 2 ranks with sharded checkpoints, writes tasks_rank{r}.jsonl) and, when the run
@@ -24,7 +24,7 @@ import torch  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 from helpers import make_trainer, slogan_data  # noqa: E402
-from lit_marl.algorithms import IAC, MAGRPO  # noqa: E402
+from lit_marl.algorithms import IAC, MAGRPO, IterativeMADPO  # noqa: E402
 from lit_marl.callbacks import StepCheckpoint  # noqa: E402
 from lit_marl.data import RolloutDataModule  # noqa: E402
 from lit_marl.parallel.strategies import TeamFSDPStrategy  # noqa: E402
@@ -82,6 +82,19 @@ def main() -> None:
     if args.algorithm == "magrpo":
         module = MAGRPO(model="tiny-random", num_agents=2, learning_rate=1e-2, rollout_buffer_size=3)
         data_kwargs = dict(num_generations=2, max_new_tokens=12, tasks_per_step=2)
+    elif args.algorithm == "iterative":  # 2 iterations of 2 steps: the kill lands inside the second
+        module = IterativeMADPO(
+            model="tiny-random",
+            num_agents=2,
+            learning_rate=1e-2,
+            num_iterations=2,
+            steps_per_iteration=2,
+            comparator_policy="history",
+            comparator_history_k=1,
+            preference_replay_mode="lambda_decay",
+            preference_replay_lambda=0.5,
+        )
+        data_kwargs = dict(num_generations=4, max_new_tokens=12, tasks_per_step=2)
     else:
         module = IAC(model="tiny-random", num_agents=2, learning_rate=1e-2, rollout_buffer_size=6)
         data_kwargs = dict(

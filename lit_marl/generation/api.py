@@ -1,0 +1,246 @@
+"""An HTTP endpoint as a generation engine: the ``api`` comparator of iterative preference training.
+
+Each role's prompt (the user message, not the rendered chat) goes to the endpoint in one of three
+formats; the texts that come back are tokenized with the policy's tokenizer and closed with its end
+token, so they become rows the policy's log-probs are computed on, like its own samples.
+
+- ``generic`` (CoMLRL's): POST ``{prompt, agent_idx, num_return_sequences, max_new_tokens,
+  temperature, top_p, batch_item, model?}``; the reply's ``response_field`` (dotted path, default
+  ``completions``) holds the list of texts (strings, or objects with ``text``/``content``).
+- ``openai_chat``: POST ``{model, messages: [{role: user, content}], n, max_tokens, temperature,
+  top_p}``; texts from ``choices[].message.content``.
+- ``anthropic``: POST ``{model, max_tokens, messages, temperature, top_p}`` with ``anthropic-version:
+  2023-06-01``, one request per candidate (the API has no ``n``); text from ``content[].text``.
+
+A timeout or a refused connection skips that role's candidates for the task (counted; their joint
+candidates get no pairs); every other failure (an HTTP error status, a reply that is not JSON or
+lacks the texts, fewer texts than asked) raises ``ApiError`` naming what is wrong. The API key is
+read from the environment variable ``key_env``, never from the config (configs are logged).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from lit_marl.generation.base import Generation, GenerationCall, left_pad
+
+ApiFormat = Literal["generic", "openai_chat", "anthropic"]
+
+
+class ApiError(RuntimeError):
+    """The comparator endpoint answered, but not with usable texts."""
+
+
+@dataclass(frozen=True)
+class ApiSettings:
+    """Where and how to call the endpoint (``model.comparator_api``)."""
+
+    url: str
+    """The endpoint (http:// or https://), POSTed one JSON request per prompt (anthropic: per candidate)."""
+    format: ApiFormat = "generic"
+    """Request and reply shape: generic (CoMLRL's), openai_chat or anthropic (module docstring)."""
+    model: str | None = None
+    """The endpoint's model name (openai_chat and anthropic need one)."""
+    timeout_s: float = 120.0
+    """Seconds to wait for a reply; past it the prompt's candidates are skipped (counted)."""
+    key_env: str | None = None
+    """Environment variable holding the API key (none: no key sent); never the key itself in a config."""
+    key_header: str | None = None
+    """Header for the key (default: Authorization with Bearer; x-api-key for anthropic)."""
+    headers: dict[str, str] = field(default_factory=dict)
+    """Extra request headers."""
+    response_field: str = "completions"
+    """generic format: the dotted path to the list of texts in the reply."""
+    extra_body: dict = field(default_factory=dict)
+    """Merged into every request body (e.g. stop sequences)."""
+
+    def __post_init__(self):
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"model.comparator_api.url={self.url!r}: must be an http:// or https:// address")
+        if self.format in ("openai_chat", "anthropic") and not self.model:
+            raise ValueError(f"model.comparator_api.format={self.format}: set model.comparator_api.model")
+
+
+class ApiRole:
+    """Stands in for a role's agent in a comparator rollout: the policy agent's tokenizer and chat
+    template (so prompts render to the policy's tokens), and the role's index and prompt texts for the
+    request. Bound to the step's tasks (single-turn: prompt i belongs to task i)."""
+
+    def __init__(self, agent, role: int, tasks: list[dict]):
+        self.agent, self.role, self.tasks = agent, role, tasks
+        self.texts: list[str] = []
+
+    def encode_prompt(self, text: str, raw: bool = False) -> list[int]:
+        self.texts.append(text)
+        return self.agent.encode_prompt(text, raw)
+
+    @property
+    def tokenizer(self):
+        return self.agent.tokenizer
+
+    @property
+    def eos_token_id(self) -> int:
+        return self.agent.eos_token_id
+
+    @property
+    def pad_token_id(self) -> int:
+        return self.agent.pad_token_id
+
+    def decode(self, ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
+        return self.agent.decode(ids, mask)
+
+
+class ApiEngine:
+    """The ``Engine`` interface over an HTTP endpoint. ``skipped[role]``: the rows (``prompt * n +
+    k``) of the last rollout whose request timed out; ``calls``: requests made."""
+
+    name = "api"
+
+    def __init__(self, settings: ApiSettings):
+        self.settings = settings
+        self.skipped: dict[int, list[int]] = {}
+        self.calls = 0
+
+    def generate_team(
+        self, calls: list[GenerationCall], max_new_tokens: int, temperature=1.0, top_p=1.0, greedy=False
+    ) -> list[Generation]:
+        return [
+            self.generate(role, prompts, n, max_new_tokens, temperature, top_p, greedy) for role, prompts, n in calls
+        ]
+
+    def generate(self, role: ApiRole, prompts, num_samples, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False):
+        if len(role.texts) != len(prompts):
+            raise RuntimeError(f"ApiEngine: {len(prompts)} prompts but {len(role.texts)} prompt texts recorded")
+        texts, role.texts = role.texts, []
+        rows, skipped = [], []
+        for i, (text, task) in enumerate(zip(texts, role.tasks)):
+            answers = self.complete(
+                text, role.role, task, num_samples, max_new_tokens, 0.0 if greedy else temperature, top_p
+            )
+            if answers is None:
+                skipped += range(i * num_samples, (i + 1) * num_samples)
+                answers = [""] * num_samples
+            rows += [self._tokens(role, a, max_new_tokens) for a in answers]
+        self.skipped[role.role] = skipped
+        prompt_ids, prompt_mask = left_pad([p for p in prompts for _ in range(num_samples)], role.pad_token_id, "cpu")
+        width = max(len(r) for r in rows)
+        completion = torch.full((len(rows), width), role.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for r, ids in enumerate(rows):
+            completion[r, : len(ids)], mask[r, : len(ids)] = torch.tensor(ids, dtype=torch.long), 1
+        return Generation(prompt_ids, prompt_mask, completion, mask, num_samples)
+
+    @staticmethod
+    def _tokens(role: ApiRole, text: str, max_new_tokens: int) -> list[int]:
+        """The text as the policy's tokens, closed by its end token; cut (no end token) past the budget."""
+        ids = role.tokenizer(text, add_special_tokens=False)["input_ids"] + [role.eos_token_id]
+        return ids[:max_new_tokens]
+
+    # ------------------------------------------------------------------ one request
+    def complete(self, prompt: str, role: int, task: dict, n: int, max_new_tokens: int, temperature, top_p):
+        """``n`` texts for one prompt, or None when the endpoint timed out / could not be reached."""
+        s = self.settings
+        if s.format == "anthropic":
+            body = {"model": s.model, "max_tokens": max_new_tokens, "messages": [{"role": "user", "content": prompt}]}
+            body.update(temperature=temperature, top_p=top_p, **s.extra_body)
+            out = []
+            for _ in range(n):
+                reply = self._post(body)
+                if reply is None:
+                    return None
+                out += self._texts(reply, 1)
+            return out
+        if s.format == "openai_chat":
+            body = {"model": s.model, "messages": [{"role": "user", "content": prompt}], "n": n}
+            body.update(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, **s.extra_body)
+        else:
+            body = {"prompt": prompt, "agent_idx": role, "num_return_sequences": n, "max_new_tokens": max_new_tokens}
+            body.update(temperature=temperature, top_p=top_p, batch_item=_jsonable(task))
+            if s.model:
+                body["model"] = s.model
+            body.update(s.extra_body)
+        reply = self._post(body)
+        return None if reply is None else self._texts(reply, n)
+
+    def _post(self, body: dict):
+        s = self.settings
+        headers = {"Content-Type": "application/json", **s.headers}
+        if s.format == "anthropic":
+            headers.setdefault("anthropic-version", "2023-06-01")
+        if s.key_env:
+            key = os.environ.get(s.key_env)
+            if not key:
+                raise ApiError(f"model.comparator_api.key_env={s.key_env}: that environment variable is not set")
+            header = s.key_header or ("x-api-key" if s.format == "anthropic" else "Authorization")
+            headers[header] = key if header.lower() != "authorization" else f"Bearer {key}"
+        request = urllib.request.Request(s.url, json.dumps(body).encode(), headers, method="POST")
+        self.calls += 1
+        try:
+            with urllib.request.urlopen(request, timeout=s.timeout_s) as response:
+                raw = response.read().decode("utf-8", errors="replace")
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode("utf-8", errors="replace")[:300]
+            if e.code == 402:
+                raise ApiError(
+                    f"the comparator API ({s.url}) answered 402 Payment Required: the account is out of credit"
+                ) from e
+            raise ApiError(f"the comparator API ({s.url}) answered HTTP {e.code}: {detail}") from e
+        except (TimeoutError, socket.timeout):
+            return None
+        except urllib.error.URLError as e:
+            if isinstance(e.reason, (TimeoutError, socket.timeout, ConnectionError)):
+                return None
+            raise ApiError(f"the comparator API ({s.url}) could not be called: {e.reason}") from e
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ApiError(f"the comparator API ({s.url}) did not answer JSON: {raw[:200]!r}") from e
+
+    def _texts(self, reply, n: int) -> list[str]:
+        s = self.settings
+        if s.format == "openai_chat":
+            found, where = (
+                [c.get("message", {}).get("content") for c in _list(reply, "choices")],
+                "choices[].message.content",
+            )
+        elif s.format == "anthropic":
+            found = ["".join(b.get("text", "") for b in _list(reply, "content") if b.get("type", "text") == "text")]
+            where = "content[].text"
+        else:
+            value = reply
+            for part in s.response_field.split("."):
+                value = value.get(part) if isinstance(value, dict) else None
+            value = [value] if isinstance(value, str) else value
+            if not isinstance(value, list):
+                raise ApiError(
+                    f"the comparator API's reply has no list of texts at {s.response_field!r} "
+                    f"(model.comparator_api.response_field): {json.dumps(reply)[:200]}"
+                )
+            found = [v.get("text", v.get("content")) if isinstance(v, dict) else v for v in value]
+            where = s.response_field
+        if len(found) < n or not all(isinstance(t, str) for t in found[:n]):
+            raise ApiError(
+                f"the comparator API returned {len(found)} texts at {where} for {n} asked (or a non-text entry): "
+                f"{json.dumps(reply)[:200]}"
+            )
+        return found[:n]
+
+
+def _list(reply, key: str) -> list[dict]:
+    value = reply.get(key) if isinstance(reply, dict) else None
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise ApiError(f"the comparator API's reply has no {key!r} list: {json.dumps(reply)[:200]}")
+    return value
+
+
+def _jsonable(value):
+    """The task row as JSON (tensors and other objects as their values or strings)."""
+    return json.loads(json.dumps(value, default=lambda v: v.tolist() if hasattr(v, "tolist") else str(v)))
