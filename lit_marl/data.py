@@ -33,6 +33,7 @@ from lit_marl.fields import (
     check_fields,
 )
 from lit_marl.generation import make_engine
+from lit_marl.generation.base import stream_seed
 from lit_marl.metrics import EvalMeans, PassAtK
 from lit_marl.returns import CrossReduce, JointMode, turn_rewards
 from lit_marl.rollout.batch import RolloutBatch
@@ -208,6 +209,7 @@ class RolloutDataModule(TaskDataModule):
         centralized_adapter: str | None = None,
         parse_failure_reward: float | None = 0.0,
         reward_model: str | None = None,
+        sampling_streams: Literal["shared", "per_task"] = "shared",
     ):
         """
         Args:
@@ -266,6 +268,12 @@ class RolloutDataModule(TaskDataModule):
                 models, transformers' ``generate`` for the rest), ``torch``, ``hf`` or ``vllm``
                 (GPU, installed separately; weights synced from the trainer before each rollout).
             engine_options: Settings of the vllm engine (e.g. ``gpu_memory_utilization``).
+            sampling_streams: ``shared`` (default): training samples draw from torch's random generator,
+                so a response depends on the other prompts of its batch and rank; ``per_task``: each
+                response has its own counter-based stream (the run's seed, the step, the task, its tree
+                node, role and sample index), so a task samples the same responses on 1 rank or N
+                (a task twice in one step samples the same responses twice). Lean decoder only
+                (``engine: auto`` / ``torch`` with a Llama-family model).
             demo_path: Demonstrations for SFT (the ``SFT`` module, or the first phase of
                 ``callbacks.PhaseSwitch``): JSONL rows with one chat per agent (``lit_marl/rollout/demos.py``;
                 ``scripts/make_demos.py`` writes them from an environment's expert).
@@ -310,6 +318,11 @@ class RolloutDataModule(TaskDataModule):
             )
         self.save_hyperparameters(ignore=["env"])
         self.engine = build_engine(engine, engine_options)
+        if sampling_streams == "per_task" and engine not in ("auto", "torch"):
+            raise ConfigError(
+                f"data.sampling_streams=per_task samples with the lean decoder; data.engine={engine!r} cannot: "
+                "use data.engine: auto (or torch), or data.sampling_streams: shared"
+            )
         if env is None:
             env = FunctionEnv(
                 agent_prompts,
@@ -387,8 +400,16 @@ class RolloutDataModule(TaskDataModule):
     def prompts_for(self, tasks: list[dict]) -> list[list[str]]:
         return [self.env.prompts(task) for task in tasks]
 
-    def rollout(self, agents, tasks: list[dict], greedy: bool, response_penalty=None, engine=None) -> RolloutBatch:
+    def rollout(
+        self, agents, tasks: list[dict], greedy: bool, response_penalty=None, engine=None, stream: str = "policy"
+    ) -> RolloutBatch:
+        """``stream`` names the per-task sampling streams of the rollout (``sampling_streams: per_task``)."""
         settings = replace(self.tree, num_generations=1, greedy=True) if greedy else self.tree
+        if (
+            not greedy and self.hparams.sampling_streams == "per_task"
+        ):  # the same on every rank; resumes with the loader
+            seed = stream_seed(torch.initial_seed(), self.hparams.seed, self.train_loader.consumed, stream)
+            settings = replace(settings, sampling_seed=seed)
         env = self.env if greedy else self.train_env
         batch = build_tree(list(agents), tasks, env, settings, engine or self.engine, response_penalty)
         batch.reward_range = self.reward_range if env is self.env else None
@@ -402,7 +423,9 @@ class RolloutDataModule(TaskDataModule):
         self._count_skipped(batch)
         with module.comparator_team(tasks) as comparator:
             if comparator is not None:
-                rollout = self.rollout(comparator.agents, tasks, greedy=False, engine=comparator.engine)
+                rollout = self.rollout(
+                    comparator.agents, tasks, greedy=False, engine=comparator.engine, stream="comparator"
+                )
                 batch.comparator = comparator.checked(rollout)
         return batch
 

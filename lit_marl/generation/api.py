@@ -110,8 +110,9 @@ class ApiEngine:
         self.calls = 0
 
     def generate_team(
-        self, calls: list[GenerationCall], max_new_tokens: int, temperature=1.0, top_p=1.0, greedy=False
+        self, calls: list[GenerationCall], max_new_tokens: int, temperature=1.0, top_p=1.0, greedy=False, seeds=None
     ) -> list[Generation]:
+        """``seeds`` (per-task sampling streams) are not sent: an endpoint samples with its own randomness."""
         return [
             self.generate(role, prompts, n, max_new_tokens, temperature, top_p, greedy) for role, prompts, n in calls
         ]

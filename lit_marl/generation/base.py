@@ -3,6 +3,7 @@ padding helpers, and the ``Engine`` interface the rollouts call."""
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -63,7 +64,9 @@ class Engine(Protocol):
     """What the rollouts call. ``generate``: one batched generation for one agent's prompts (row
     ``i * num_samples + k`` of the result is sample k of prompt i). ``generate_team``: a turn's
     calls for every model of the team at once (one ``Generation`` per call, in order), so an
-    engine may decode the agents together; ``generate_each`` is the plain loop."""
+    engine may decode the agents together; ``generate_each`` is the plain loop. Its ``seeds`` (per
+    call, one int per prompt; ``data.sampling_streams: per_task``) give every sample its own random
+    stream: the lean decoder takes them, the others refuse them."""
 
     name: str
 
@@ -85,9 +88,44 @@ class Engine(Protocol):
         temperature: float = 1.0,
         top_p: float = 1.0,
         greedy: bool = False,
+        seeds: list[list[int]] | None = None,
     ) -> list[Generation]: ...
 
 
 def generate_each(engine, calls: list[GenerationCall], *args, **kwargs) -> list[Generation]:
     """``generate_team`` as one ``generate`` per call."""
     return [engine.generate(agent, prompts, n, *args, **kwargs) for agent, prompts, n in calls]
+
+
+# ---------------------------------------------------------------------- per-task sampling streams
+# With ``data.sampling_streams: per_task`` a response's random numbers depend only on its seed (the
+# run's seed, the step, the task, its tree node, role and sample index), not on which other prompts
+# share its batch or rank: the same task samples the same responses on 1 rank or 2 (up to float
+# differences in the logits between batch shapes). The uniforms come from a counter-based hash, so
+# nothing is drawn from torch's generators.
+_MASK32 = 0xFFFFFFFF
+
+
+def stream_seed(*parts) -> int:
+    """A 32-bit seed from any printable parts (stable across processes, unlike ``hash``)."""
+    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=4).digest(), "little")
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash on int64 tensors (multipliers below 2^31 keep every product in range)."""
+    x = x & _MASK32
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & _MASK32
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & _MASK32
+    return (x >> 16) ^ x
+
+
+def sample_seeds(prompt_seeds: torch.Tensor, num_samples: int) -> torch.Tensor:
+    """``[B * n]`` seeds of the n samples of each of ``[B]`` prompts (row i * n + k: sample k of prompt i)."""
+    k = torch.arange(num_samples, device=prompt_seeds.device).repeat(len(prompt_seeds))
+    return _mix32(_mix32(prompt_seeds.repeat_interleave(num_samples)) ^ (k * 0x2545F491))
+
+
+def counter_uniforms(seeds: torch.Tensor, step: int) -> torch.Tensor:
+    """``[rows]`` uniforms in (0, 1) for decoding step ``step`` of rows with ``seeds`` (24 bits each)."""
+    h = _mix32(_mix32(seeds) ^ ((step * 0x27D4EB2D) & _MASK32))
+    return ((h & 0xFFFFFF).double() + 0.5) / 2**24

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lit_marl.generation.base import counter_uniforms
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
 
@@ -303,6 +305,7 @@ class Decoder:
         greedy: bool = False,
         active: torch.Tensor | None = None,
         num_samples: int = 1,
+        seeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Completion ids for left-padded prompts, as ``generate``: ``[B, C]`` (C ≤ max_new_tokens)
         for ``[B, P]`` prompts of one model, ``[A, B, C]`` for ``[A, B, P]`` prompts of A stacked
@@ -310,11 +313,14 @@ class Decoder:
         per agent ``[A]``. ``active`` ``[A, B]``: rows to decode (others are filler, finished at once).
         ``num_samples`` n: each prompt is sampled n times (rows i·n .. i·n+n-1 of the result, B·n
         rows; ``active`` then covers those): its prompt runs once and the n rows share the cache
-        it leaves, as ``num_return_sequences`` does without running the prompt n times."""
+        it leaves, as ``num_return_sequences`` does without running the prompt n times. ``seeds``
+        ``[A, B·n]`` (int64, one per result row: ``generation/base.py: sample_seeds``): each row
+        samples from its own counter-based stream (``counter_uniforms``) instead of torch's generator."""
         single = prompt_ids.dim() == 2
         if single:
             prompt_ids, prompt_mask = prompt_ids[None], prompt_mask[None]
             active = active[None] if active is not None else None
+            seeds = seeds[None] if seeds is not None else None
         A, B, P = prompt_ids.shape
         if A != self.num_agents:
             raise ValueError(f"{A} prompt blocks for {self.num_agents} stacked models")
@@ -347,10 +353,12 @@ class Decoder:
         unfinished = torch.ones(rows, dtype=torch.bool, device=device)
         if active is not None:
             unfinished &= active.reshape(rows).bool()
+        row_seeds = None if seeds is None else seeds.reshape(-1).to(device)
         out = []
         for t in range(max_new_tokens):
             logits = _linear3(hidden, *self.lm_head).float().view(rows, -1)
-            token = self._sample(logits, temperature, top_p, greedy)
+            uniforms = None if row_seeds is None or greedy else counter_uniforms(row_seeds, t)
+            token = self._sample(logits, temperature, top_p, greedy, uniforms)
             token = torch.where(unfinished, token, pad)
             out.append(token)
             unfinished &= token != eos
@@ -366,7 +374,9 @@ class Decoder:
         return completion[0] if single else completion
 
     @staticmethod
-    def _sample(logits: torch.Tensor, temperature: float, top_p: float, greedy: bool) -> torch.Tensor:
+    def _sample(
+        logits: torch.Tensor, temperature: float, top_p: float, greedy: bool, uniforms: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if greedy:
             return logits.argmax(dim=-1)
         if temperature != 1.0:
@@ -378,7 +388,9 @@ class Decoder:
             logits = logits.masked_fill(remove.scatter(1, order, remove), -float("inf"))
         # inverse-CDF sampling: the distribution of torch.multinomial at a fraction of its cost here
         cdf = logits.softmax(dim=-1).cumsum(dim=-1)
-        u = torch.rand(cdf.shape[0], 1, device=cdf.device, dtype=cdf.dtype) * cdf[:, -1:]
+        if uniforms is None:
+            uniforms = torch.rand(cdf.shape[0], device=cdf.device)
+        u = uniforms.to(cdf.dtype)[:, None] * cdf[:, -1:]
         return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp(max=cdf.shape[1] - 1)
 
 

@@ -51,5 +51,7 @@ class HFEngine:
     def generate(self, agent, prompts, num_samples, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False):
         return generate(agent, prompts, num_samples, max_new_tokens, temperature, top_p, greedy)
 
-    def generate_team(self, calls, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False):
+    def generate_team(self, calls, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False, seeds=None):
+        if seeds is not None:
+            raise ValueError(f"data.sampling_streams=per_task needs the lean decoder, not the {self.name} engine")
         return generate_each(self, calls, max_new_tokens, temperature, top_p, greedy)

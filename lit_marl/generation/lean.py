@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lit_marl.generation.base import Generation, generate_each, left_pad, mask_through_first
+from lit_marl.generation.base import Generation, generate_each, left_pad, mask_through_first, sample_seeds
 from lit_marl.generation.decoder import Decoder, stackable, unsupported
 from lit_marl.generation.hf import generate
 
@@ -24,13 +24,23 @@ class TorchEngine:
             return generate(agent, prompts, num_samples, max_new_tokens, temperature, top_p, greedy)
         return self._decode([(agent, prompts, num_samples)], max_new_tokens, temperature, top_p, greedy)[0]
 
-    def generate_team(self, calls, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False):
+    def generate_team(self, calls, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False, seeds=None):
+        """``seeds``: per call, one int seed per prompt (per-task sampling streams); None: torch's generator."""
         if len(calls) > 1 and stackable([agent.model for agent, _, _ in calls]):
-            return self._decode(calls, max_new_tokens, temperature, top_p, greedy)
-        return generate_each(self, calls, max_new_tokens, temperature, top_p, greedy)
+            return self._decode(calls, max_new_tokens, temperature, top_p, greedy, seeds)
+        if seeds is None:
+            return generate_each(self, calls, max_new_tokens, temperature, top_p, greedy)
+        for agent, _, _ in calls:
+            reason = unsupported(agent.model)
+            if reason is not None:
+                raise ValueError(
+                    f"data.sampling_streams=per_task samples with the lean decoder, which cannot decode "
+                    f"{agent.source}: {reason}; use data.sampling_streams: shared"
+                )
+        return [self._decode([c], max_new_tokens, temperature, top_p, greedy, [s])[0] for c, s in zip(calls, seeds)]
 
     @torch.no_grad()
-    def _decode(self, calls, max_new_tokens, temperature, top_p, greedy) -> list[Generation]:
+    def _decode(self, calls, max_new_tokens, temperature, top_p, greedy, seeds=None) -> list[Generation]:
         """The calls' models stacked in one ``Decoder`` (the weights as they are now, LoRA merged):
         every call's rows padded to the same count and prompt width, filler rows inactive. When the
         calls sample the same number n per prompt, each prompt runs once for its n samples."""
@@ -43,12 +53,17 @@ class TorchEngine:
         ids = torch.empty(len(calls), B, P, dtype=torch.long, device=device)
         mask = torch.zeros(len(calls), B, P, dtype=torch.long, device=device)
         active = torch.zeros(len(calls), B * n, dtype=torch.bool, device=device)
-        for a, ((agent, _, _), prompts) in enumerate(zip(calls, rows)):
+        row_seeds = torch.zeros(len(calls), B * n, dtype=torch.long, device=device) if seeds is not None else None
+        for a, ((agent, _, k), prompts) in enumerate(zip(calls, rows)):
             ids[a], mask[a] = left_pad(prompts + [[]] * (B - len(prompts)), agent.pad_token_id, device, width=P)
             active[a, : len(prompts) * n] = True
+            if seeds is not None:  # sample j of prompt i: the same seed whether or not n is shared
+                row_seeds[a, : len(prompts) * n] = sample_seeds(torch.tensor(seeds[a], dtype=torch.long), k)
         eos = torch.tensor([agent.eos_token_id for agent, _, _ in calls], device=device)
         pad = torch.tensor([agent.pad_token_id for agent, _, _ in calls], device=device)
-        completion = decoder.generate(ids, mask, max_new_tokens, eos, pad, temperature, top_p, greedy, active, n)
+        completion = decoder.generate(
+            ids, mask, max_new_tokens, eos, pad, temperature, top_p, greedy, active, n, row_seeds
+        )
         ids, mask = ids.repeat_interleave(n, 1), mask.repeat_interleave(n, 1)  # row i·n+k: prompt i
         out = []
         for a, ((agent, _, k), prompts) in enumerate(zip(calls, rows)):

@@ -131,7 +131,9 @@ class VLLMEngine:
             self.syncs += 1
         return self.backends[key]
 
-    def generate_team(self, calls, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False):
+    def generate_team(self, calls, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False, seeds=None):
+        if seeds is not None:
+            raise ValueError(f"data.sampling_streams=per_task needs the lean decoder, not the {self.name} engine")
         return generate_each(self, calls, max_new_tokens, temperature, top_p, greedy)
 
     @torch.no_grad()

@@ -10,6 +10,7 @@ node whose prompts the environment's transition builds from that branch's own hi
 from __future__ import annotations
 
 import itertools
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from lit_marl.agents import Agent, roles_by_model
 from lit_marl.envs.base import JointEnv, call_reward, call_with_timeout
 from lit_marl.envs.processors import RewardProcessor
 from lit_marl.generation import Engine, Generation, make_engine
+from lit_marl.generation.base import stream_seed
 from lit_marl.metrics import markdown_line
 from lit_marl.returns import CrossReduce, JointMode, neutral_fill, per_response, tree_returns
 from lit_marl.rollout.batch import AgentSamples, RolloutBatch
@@ -51,6 +53,9 @@ class TreeSettings:
     transition_prompt_field: str = "prompt"
     cross_return: CrossReduce = "mean"
     reward_processor: RewardProcessor = RewardProcessor()
+    # None: samples draw from torch's generator; an int: every response its own stream, seeded by it,
+    # the task, the tree node, the role and the sample index (``data.sampling_streams: per_task``)
+    sampling_seed: int | None = None
 
 
 def joint_indices(num_agents: int, num_generations: int, joint_mode: JointMode) -> list[tuple[int, ...]]:
@@ -136,7 +141,7 @@ def build_tree(
     for turn in range(settings.num_turns):
         t0 = time.perf_counter()
         raw = turn > 0 and settings.external_prompt_passthrough
-        gens, texts = _generate(agents, nodes, settings, engine, raw)
+        gens, texts = _generate(agents, tasks, nodes, settings, engine, raw)
         t1 = time.perf_counter()
         outcomes = None
         if game:
@@ -183,7 +188,7 @@ def build_tree(
 
 
 def _generate(
-    agents: list[Agent], nodes: list[_Node], settings: TreeSettings, engine: Engine, raw: bool
+    agents: list[Agent], tasks: list[dict], nodes: list[_Node], settings: TreeSettings, engine: Engine, raw: bool
 ) -> tuple[list[Generation], list[list[str]]]:
     """ONE batched generation per model over all open nodes (the models together): each agent's
     generation (row n * G + k: response k at node n) and its decoded texts."""
@@ -195,8 +200,15 @@ def _generate(
         agent = agents[roles[0]]
         encoded = [agent.encode_prompt(node.prompt_history[i][-1], raw=raw) for i in roles for node in nodes]
         calls.append((agent, encoded, G))
+    seeds = None
+    if settings.sampling_seed is not None and not settings.greedy:
+        keys = [json.dumps(tasks[node.task], sort_keys=True, default=str) for node in nodes]
+        seeds = [
+            [stream_seed(settings.sampling_seed, key, node.label, i) for i in roles for key, node in zip(keys, nodes)]
+            for roles in groups
+        ]
     outputs = engine.generate_team(
-        calls, settings.max_new_tokens, settings.temperature, settings.top_p, settings.greedy
+        calls, settings.max_new_tokens, settings.temperature, settings.top_p, settings.greedy, seeds=seeds
     )
     for roles, generated in zip(groups, outputs):
         for r, i in enumerate(roles):  # a parameter-shared model played several roles at once

@@ -334,3 +334,46 @@ def test_evaluation_metrics_and_step_logs_sync_over_two_ranks(tmp_path):
         assert scalars["only_rank0"] == scalars["only_rank1"] == 5.0
         assert scalars["reward"] == pytest.approx(2.5) and (scalars["reward_min"], scalars["reward_max"]) == (0, 5)
         assert rank["step_log"]["reward"] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+@pytest.mark.parametrize("algorithm", ["madpo", pytest.param("iterative", marks=pytest.mark.slow)])
+def test_preference_pairs_are_the_same_on_one_and_two_ranks(tmp_path, algorithm):
+    """MADPO and iterative MADPO (comparator: the live policy) with per-task sampling streams: two
+    steps of 4 tasks in one process and 2 x 2 tasks on two ranks train on exactly the same pairs
+    (prompts, chosen and rejected tokens of every agent), step by step (iterative: ``make test-slow``)."""
+    script = TEST_SCRIPTS / "preference_run.py"
+    run_script(script, str(tmp_path / "one"), "--algorithm", algorithm, "--tasks-per-step", "4", "--steps", "2")
+    run_script(
+        script,
+        str(tmp_path / "two"),
+        "--algorithm",
+        algorithm,
+        "--devices",
+        "2",
+        "--tasks-per-step",
+        "2",
+        "--steps",
+        "2",
+    )
+
+    def pairs(*files: Path) -> dict[int, list[str]]:
+        by_step: dict[int, list[str]] = {}
+        for file in files:
+            for line in file.read_text().splitlines():
+                record = json.loads(line)
+                by_step.setdefault(record.pop("step"), []).append(json.dumps(record, sort_keys=True))
+        return {step: sorted(records) for step, records in by_step.items()}
+
+    one = pairs(tmp_path / "one" / "pairs_rank0.jsonl")
+    two = pairs(*(tmp_path / "two" / f"pairs_rank{r}.jsonl" for r in range(2)))
+    assert sorted(one) == [0, 1] and all(len(records) >= 8 for records in one.values()), "the check is void"
+    assert two == one
+    single, ranks = (
+        params(tmp_path / "one" / "params_rank0.pt"),
+        [params(tmp_path / "two" / f"params_rank{r}.pt") for r in range(2)],
+    )
+    for name in single:
+        torch.testing.assert_close(ranks[1][name], ranks[0][name], rtol=0, atol=0, msg=name)
+        # the same pairs; the passes see other padding (2 vs 4 tasks) and AdamW's first steps turn that
+        # float noise on near-zero gradients into up to ~4e-4 (measured), as IAC's test above
+        torch.testing.assert_close(ranks[0][name], single[name], rtol=0, atol=1e-3, msg=name)

@@ -191,6 +191,7 @@ def test_csv_tasks_are_read(tmp_path):
         ({"num_generations": 0}, "data.num_generations=0"),
         ({"joint_mode": "both"}, "data.joint_mode='both'"),
         ({"tasks_per_step": 0}, "data.tasks_per_step"),
+        ({"sampling_streams": "per_task", "engine": "hf"}, "data.sampling_streams=per_task samples with the lean"),
     ],
 )
 def test_bad_data_settings(overrides, field):

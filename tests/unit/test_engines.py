@@ -434,3 +434,39 @@ def test_torch_decoder_under_bf16_autocast_computes_as_the_bf16_model(tiny_agent
     assert Decoder(agent.model).embed.dtype == torch.float32  # outside autocast: as stored
     assert all(torch.equal(a, b) for a, b in zip(fp32, agent.model.parameters()))
     assert fp32_ids.shape == under_autocast.shape
+
+
+# --------------------------------------------------------------------------- per-task sampling streams
+def test_counter_uniforms_are_uniform_and_depend_on_seed_and_step():
+    from lit_marl.generation.base import counter_uniforms, sample_seeds, stream_seed
+
+    seeds = sample_seeds(torch.tensor([stream_seed("run", t) for t in range(100)]), 100)  # 10k rows
+    u = counter_uniforms(seeds, 0)
+    assert len(set(seeds.tolist())) == len(seeds) and (u > 0).all() and (u < 1).all()
+    counts = torch.histc(u.float(), bins=10, min=0, max=1)
+    assert (counts - 1000).abs().max() < 4 * math.sqrt(1000)  # within 4 sigma of uniform per decile
+    later = counter_uniforms(seeds, 1)
+    assert abs(float(torch.corrcoef(torch.stack([u, later]))[0, 1])) < 0.05  # steps look independent
+    assert torch.equal(counter_uniforms(seeds, 0), u) and stream_seed("a", 1) == stream_seed("a", 1)
+
+
+def test_seeded_samples_do_not_depend_on_the_batch(tiny_agent, prompts):
+    """With seeds a prompt's samples are the same whether it is decoded alone, with other prompts,
+    or stacked with another agent's call; without seeds the global generator decides (shared)."""
+    seeds = [11, 22, 33]
+    engine = TorchEngine()
+    together = engine.generate_team([(tiny_agent, prompts, 3)], 10, seeds=[seeds])[0]
+    alone = engine.generate_team([(tiny_agent, prompts[1:2], 3)], 10, seeds=[seeds[1:2]])[0]
+    other = perturbed(tiny_agent, 3)
+    stacked = engine.generate_team([(other, prompts[:1], 2), (tiny_agent, prompts[1:2], 3)], 10, seeds=[[5], [22]])[1]
+    rows = slice(3, 6)  # prompt 1's three samples
+
+    def texts(gen, rows=slice(None)):
+        return tiny_agent.decode(gen.completion_ids[rows], gen.completion_mask[rows])
+
+    assert texts(together, rows) == texts(alone) == texts(stacked)
+    assert len(set(texts(together))) > 3  # samples differ between prompts and within one
+    reseeded = engine.generate_team([(tiny_agent, prompts[1:2], 3)], 10, seeds=[[23]])[0]
+    assert texts(reseeded) != texts(alone)
+    with pytest.raises(ValueError, match="per_task needs the lean decoder, not the hf engine"):
+        HFEngine().generate_team([(tiny_agent, prompts, 1)], 4, seeds=[seeds])
