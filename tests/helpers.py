@@ -267,6 +267,9 @@ class _ComparatorHandler(BaseHTTPRequestHandler):
             return
         if path == "/generic":
             reply = {"out": {"texts": [f"{body['agent_idx']}:{k}" for k in range(body["num_return_sequences"])]}}
+        elif path == "/tagged":  # a role's section, as a sequential comparator is asked for
+            i = body["agent_idx"]
+            reply = {"completions": [f"<agent_{i}> line {k} </agent_{i}>" for k in range(body["num_return_sequences"])]}
         elif path == "/openai":
             reply = {"choices": [{"message": {"content": f"chat {k}"}} for k in range(body.get("n", 2))]}
         elif path == "/anthropic":

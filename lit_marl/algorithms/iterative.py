@@ -20,6 +20,10 @@ Comparators (``comparator_policy``):
   (LoRA: the adapters only); before the first iterations, the initial policy;
 - ``model``: other models (``comparator_model``), frozen; they must share the policy's tokenizer;
 - ``api``: an HTTP endpoint (``comparator_api``: ``generation/api.py``), texts tokenized by the policy.
+
+``comparator_generation_mode`` (``generation/text.py``): ``decentralized`` (each role's own model;
+the comparator's own tokens become rows), ``centralized`` or ``centralized_sequential`` (one writer
+for every role through an adapter; texts re-tokenized by the policy against its own prompts).
 """
 
 from __future__ import annotations
@@ -35,12 +39,14 @@ import torch
 from lit_marl import ConfigError
 from lit_marl.agents import Agent
 from lit_marl.algorithms.madpo import MADPO
-from lit_marl.fields import ClosedUnitInterval, PositiveInt, check_fields
-from lit_marl.generation.api import ApiEngine, ApiError, ApiRole, ApiSettings
+from lit_marl.fields import ClosedUnitInterval, NonNegativeInt, PositiveInt, check_fields
+from lit_marl.generation.api import ApiSettings, ApiWriter
+from lit_marl.generation.text import GenerationMode, ModelWriter, TextEngine, TextRole
 from lit_marl.metrics import Timer
 from lit_marl.rollout.batch import RolloutBatch
 from lit_marl.rollout.pairs import ComparisonSelection, PairSettings, comparison_rows
 from lit_marl.rollout.replay import PreferenceReplay, ReplayMode, ReplaySettings
+from lit_marl.tasks import import_object
 
 ComparatorPolicy = Literal["current", "current_copy", "history", "model", "api"]
 
@@ -48,24 +54,41 @@ ComparatorPolicy = Literal["current", "current_copy", "history", "model", "api"]
 @dataclass
 class Comparator:
     """What the data module rolls the comparator's candidates with; ``checked`` marks the joint
-    candidates an endpoint could not answer (timed out) so that they form no pair."""
+    candidates a text comparator could not give (a timeout, an unparseable text) so that they form no pair."""
 
     agents: list
-    engine: ApiEngine | None = None
+    engine: TextEngine | None = None
 
     def checked(self, batch: RolloutBatch) -> RolloutBatch:
         if self.engine is None:
             return batch
         rows = sorted({row for skipped in self.engine.skipped.values() for row in skipped})
-        if rows and len(rows) == len(batch.agents[0]):
-            raise ApiError(
-                f"the comparator API ({self.engine.settings.url}) timed out (or refused the connection) "
-                "on every request of this step"
-            )
         for samples in batch.agents:  # aligned, single turn: row r of every agent is joint candidate r
             samples.returns[rows] = float("nan")
-        batch.metrics["comparator_api_skipped"] = float(len(rows))
+        batch.metrics["comparator_skipped"] = float(len(rows))
+        batch.metrics["comparator_candidates"] = float(len(batch.agents[0]))
         return batch
+
+
+def check_comparator(settings: dict, num_agents: int) -> None:
+    """The comparator settings (``IterativeMADPO``'s arguments) that belong together."""
+    policy, history_k = settings["comparator_policy"], settings["comparator_history_k"]
+    model, api = settings["comparator_model"], settings["comparator_api"]
+    mode, centralized_index = settings["comparator_generation_mode"], settings["comparator_centralized_agent_index"]
+    if (history_k is not None) != (policy == "history"):
+        raise ConfigError(
+            f"model.comparator_history_k={history_k} belongs to comparator_policy: history (the policy is {policy!r})"
+        )
+    if (model is not None) != (policy == "model"):
+        raise ConfigError("model.comparator_model is needed by, and only by, model.comparator_policy: model")
+    if (api is not None) != (policy == "api"):
+        raise ConfigError("model.comparator_api is needed by, and only by, model.comparator_policy: api")
+    if centralized_index >= num_agents:
+        raise ConfigError(
+            f"model.comparator_centralized_agent_index={centralized_index}: there are {num_agents} agents (0-based)"
+        )
+    if mode == "centralized_sequential" and num_agents < 2:
+        raise ConfigError("model.comparator_generation_mode=centralized_sequential needs 2 agents or more")
 
 
 class IterativeMADPO(MADPO):
@@ -79,6 +102,10 @@ class IterativeMADPO(MADPO):
         comparator_history_k: PositiveInt | None = None,
         comparator_model: str | list[str] | None = None,
         comparator_api: ApiSettings | None = None,
+        comparator_generation_mode: GenerationMode = "decentralized",
+        comparator_centralized_agent_index: NonNegativeInt = 0,
+        comparator_adapter: str = "lit_marl.envs.centralized:TaggedAdapter",
+        max_skipped_comparator_steps: PositiveInt = 3,
         pair_selection: ComparisonSelection = "comparator_reward",
         preference_pairs_per_sample: PositiveInt | None = 4,
         preference_replay_mode: ReplayMode = "current",
@@ -99,6 +126,15 @@ class IterativeMADPO(MADPO):
             comparator_model: ``model`` only: the comparator's model source, or one per agent.
             comparator_api: ``api`` only: the endpoint (``url``, ``format``: generic / openai_chat /
                 anthropic, ``model``, ``timeout_s``, ``key_env``, ...: ``lit_marl.generation.api.ApiSettings``).
+            comparator_generation_mode: ``decentralized`` (each role by its own model), ``centralized`` (one
+                model or endpoint writes every role in one text, split by the adapter) or
+                ``centralized_sequential`` (roles in order, each seeing the earlier roles' outputs):
+                ``lit_marl/generation/text.py``.
+            comparator_centralized_agent_index: ``centralized``: which role's comparator model writes (api: the
+                ``agent_idx`` sent).
+            comparator_adapter: ``centralized`` modes: import path of the adapter (``build_prompt`` /
+                ``parse_completion``, ``build_sequential_prompt`` / ``parse_sequential_completion``).
+            max_skipped_comparator_steps: Stop after this many steps in a row with every comparator candidate skipped.
             pair_selection: Order of a task's pairs before the cap: ``comparator_reward`` (CoMLRL's default
                 here: the best comparator candidates first, then the largest gaps), ``reward_gap``,
                 ``random`` or ``all`` (needs ``preference_pairs_per_sample: null``).
@@ -119,15 +155,7 @@ class IterativeMADPO(MADPO):
         self.replay_settings = ReplaySettings(
             preference_replay_mode, preference_replay_k, preference_replay_lambda, preference_replay_sample_size
         )
-        if (comparator_history_k is not None) != (comparator_policy == "history"):
-            raise ConfigError(
-                f"model.comparator_history_k={comparator_history_k} belongs to comparator_policy: history "
-                f"(the policy is {comparator_policy!r})"
-            )
-        if (comparator_model is not None) != (comparator_policy == "model"):
-            raise ConfigError("model.comparator_model is needed by, and only by, model.comparator_policy: model")
-        if (comparator_api is not None) != (comparator_policy == "api"):
-            raise ConfigError("model.comparator_api is needed by, and only by, model.comparator_policy: api")
+        check_comparator(locals(), len(self.sources))
         self.num_iterations, self.steps_per_iteration = num_iterations, steps_per_iteration
         self.comparator_policy = comparator_policy
         self.history_k = 1 if comparator_policy == "current_copy" else comparator_history_k
@@ -135,6 +163,10 @@ class IterativeMADPO(MADPO):
             [comparator_model] * len(self.sources) if isinstance(comparator_model, str) else comparator_model
         )
         self.comparator_api = ApiSettings(**comparator_api) if isinstance(comparator_api, dict) else comparator_api
+        self.generation_mode, self.centralized_index = comparator_generation_mode, comparator_centralized_agent_index
+        adapter = import_object(comparator_adapter, "model.comparator_adapter")
+        self.adapter = adapter() if isinstance(adapter, type) else adapter
+        self.max_skipped_comparator_steps, self._skipped_comparator_steps = max_skipped_comparator_steps, 0
         self.replay_dir, self.snapshot_dir = preference_replay_dir, policy_checkpoint_dir
         self.steps_done = 0
         self.comparator_rng = torch.Generator().manual_seed(torch.initial_seed() + 1).get_state()
@@ -184,18 +216,22 @@ class IterativeMADPO(MADPO):
         """The comparator's agents for the data module's second rollout, sampling with the
         comparator's own random stream (the policy's stream is left as it was)."""
         if self.comparator_policy == "api":
-            team, engine = (
-                [ApiRole(agent, i, tasks) for i, agent in enumerate(self.agents)],
-                ApiEngine(self.comparator_api),
-            )
+            team = None
         elif self.comparator_policy == "current":
-            team, engine = list(self.agents), None
+            team = list(self.agents)
         elif self.comparator_policy == "model":
             if "team" not in self._frozen:
                 self._frozen["team"] = self._load_comparator_models()
-            team, engine = self._frozen["team"], None
+            team = self._frozen["team"]
         else:
-            team, engine = self._snapshot_team(), None
+            team = self._snapshot_team()
+        engine = None
+        if team is None or self.generation_mode != "decentralized":  # texts, as rows of the policy
+            writer = (
+                ApiWriter(self.comparator_api) if team is None else ModelWriter(team, self.trainer.datamodule.engine)
+            )
+            engine = TextEngine(writer, self.generation_mode, self.adapter, self.centralized_index)
+            team = [TextRole(agent, i, tasks) for i, agent in enumerate(self.agents)]
         cuda = self.device.type == "cuda"
         with torch.random.fork_rng(devices=[self.device] if cuda else []):
             torch.set_rng_state(self.comparator_rng)
@@ -251,6 +287,7 @@ class IterativeMADPO(MADPO):
             raise ConfigError(
                 "IterativeMADPO needs the comparator's rollout: use data: lit_marl.data.RolloutDataModule"
             )
+        self._check_skipped(batch.comparator.metrics)
         pad_ids = [agent.pad_token_id for agent in self.agents]
         with Timer() as train_time, self.computing():
             fresh, without = comparison_rows(
@@ -258,20 +295,34 @@ class IterativeMADPO(MADPO):
             )
             self.replay.write(self.iteration, self.steps_done, fresh)
             pairs = self.replay.draw(self.iteration, fresh, self.shuffle_generator)
-            self.dpo_update(pairs.agents, pairs.chosen, pairs.rejected, pairs.gaps)
+            agents = pairs.agents if len(pairs) else batch.agents  # no pair: the step still joins every rank's update
+            self.dpo_update(agents, pairs.chosen, pairs.rejected, pairs.gaps)
         if len(fresh):
             self.record({"iter/target_win_rate": float(fresh.target_wins.float().mean())}, weight=len(fresh))
         comparator_rewards = batch.comparator.rewards
         self.record({"iter/comparator_reward": float(comparator_rewards[comparator_rewards.isfinite()].mean())})
         counts = {"iter/new_pairs": float(len(fresh)), "train/tasks_without_pairs": float(without)}
-        if "comparator_api_skipped" in batch.comparator.metrics:  # joint candidates an endpoint timed out on
-            counts["iter/comparator_api_skipped"] = batch.comparator.metrics["comparator_api_skipped"]
+        if "comparator_skipped" in batch.comparator.metrics:  # a text comparator's timeouts, unparseable texts
+            counts["iter/comparator_skipped"] = batch.comparator.metrics["comparator_skipped"]
         self.record(counts, reduce="sum")
         self.record({"iter/iteration": float(self.iteration), "perf/train_s": train_time.seconds})
         self.log_rollout(batch, "train")
         self.steps_done += 1
         if self.steps_done >= self.num_iterations * self.steps_per_iteration:
             self.trainer.should_stop = True
+
+    def _check_skipped(self, metrics: dict) -> None:
+        """Stop a run whose comparator gives nothing to compare, step after step (this rank's count)."""
+        skipped = metrics.get("comparator_skipped", 0.0)
+        everything = skipped > 0 and skipped == metrics["comparator_candidates"]
+        self._skipped_comparator_steps = self._skipped_comparator_steps + 1 if everything else 0
+        if self._skipped_comparator_steps >= self.max_skipped_comparator_steps:
+            raise RuntimeError(
+                f"the comparator gave no usable candidate in the last {self._skipped_comparator_steps} steps "
+                "(every request timed out or was refused, or no text could be parsed by "
+                f"{type(self.adapter).__name__}): check model.comparator_api (url, timeout_s) or the "
+                "comparator's output format, or raise model.max_skipped_comparator_steps"
+            )
 
     # ------------------------------------------------------------------ resume
     def rank_state(self) -> dict:

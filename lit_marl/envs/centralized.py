@@ -29,6 +29,16 @@ class CentralizedAdapter(Protocol):
     def parse_completion(self, completion: str, task: dict, num_agents: int) -> Sequence[str]: ...
 
 
+class SequentialAdapter(Protocol):
+    """A comparator writing the roles one after another (iterative MADPO's ``centralized_sequential``)."""
+
+    def build_sequential_prompt(
+        self, task: dict, agent_prompts: Sequence[str], agent: int, previous: Sequence[str]
+    ) -> str: ...
+
+    def parse_sequential_completion(self, completion: str, task: dict, agent: int) -> str: ...
+
+
 class TaggedAdapter:
     """The stock adapter (CoMLRL's tagged format): the roles' prompts, then one ``<agent_i> ...
     </agent_i>`` section per role (0-based) is asked for; parsing takes each role's first section,
@@ -48,14 +58,36 @@ class TaggedAdapter:
         )
 
     def parse_completion(self, completion: str, task: dict, num_agents: int) -> list[str]:
-        parts = []
-        for i in range(num_agents):
-            match = re.search(rf"<\s*agent_{i}\s*>(.*?)<\s*/\s*agent_{i}\s*>", completion, re.IGNORECASE | re.DOTALL)
-            parts.append(match.group(1).strip() if match else None)
+        parts = [_section(completion, i) for i in range(num_agents)]
         missing = [i for i, p in enumerate(parts) if p is None]
         if missing:
             raise ParseError(f"no <agent_{missing[0]}> section in {completion!r:.200}")
         return parts
+
+    def build_sequential_prompt(
+        self, task: dict, agent_prompts: Sequence[str], agent: int, previous: Sequence[str]
+    ) -> str:
+        """Agent ``agent``'s turn: its prompt, the outputs the agents before it wrote, one section asked for."""
+        shown = "\n".join(f"<agent_{i}>\n{text}\n</agent_{i}>" for i, text in enumerate(previous)) or "(none yet)"
+        return (
+            f"You are a centralized coordinator writing the outputs of {len(agent_prompts)} agents one at a "
+            f"time. Now write agent {agent}'s output; it must satisfy agent {agent}'s prompt and fit the "
+            f"outputs written so far.\n\nAgent {agent} prompt:\n{agent_prompts[agent]}\n\n"
+            f"Outputs so far:\n{shown}\n\nReturn only:\n<agent_{agent}>\n...\n</agent_{agent}>\n"
+        )
+
+    def parse_sequential_completion(self, completion: str, task: dict, agent: int) -> str:
+        """The ``<agent_i>`` section (a ``ParseError`` without it)."""
+        part = _section(completion, agent)
+        if part is None:
+            raise ParseError(f"no <agent_{agent}> section in {completion!r:.200}")
+        return part
+
+
+def _section(completion: str, i: int) -> str | None:
+    """The first ``<agent_i> ... </agent_i>`` section, stripped (case and spaces in the tags ignored)."""
+    match = re.search(rf"<\s*agent_{i}\s*>(.*?)<\s*/\s*agent_{i}\s*>", completion, re.IGNORECASE | re.DOTALL)
+    return match.group(1).strip() if match else None
 
 
 class CentralizedEnv(JointEnv):

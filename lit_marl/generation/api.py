@@ -1,8 +1,7 @@
-"""An HTTP endpoint as a generation engine: the ``api`` comparator of iterative preference training.
+"""An HTTP endpoint as a text writer: the ``api`` comparator of iterative preference training.
 
-Each role's prompt (the user message, not the rendered chat) goes to the endpoint in one of three
-formats; the texts that come back are tokenized with the policy's tokenizer and closed with its end
-token, so they become rows the policy's log-probs are computed on, like its own samples.
+A prompt (the user message, not the rendered chat) goes to the endpoint in one of three formats;
+``generation/text.py`` turns the texts into rows of the policy (its tokenizer, its end token).
 
 - ``generic`` (CoMLRL's): POST ``{prompt, agent_idx, num_return_sequences, max_new_tokens,
   temperature, top_p, batch_item, model?}``; the reply's ``response_field`` (dotted path, default
@@ -12,8 +11,8 @@ token, so they become rows the policy's log-probs are computed on, like its own 
 - ``anthropic``: POST ``{model, max_tokens, messages, temperature, top_p}`` with ``anthropic-version:
   2023-06-01``, one request per candidate (the API has no ``n``); text from ``content[].text``.
 
-A timeout or a refused connection skips that role's candidates for the task (counted; their joint
-candidates get no pairs); every other failure (an HTTP error status, a reply that is not JSON or
+A timeout or a refused connection skips that prompt's candidates (counted; their joint candidates
+get no pairs); every other failure (an HTTP error status, a reply that is not JSON or
 lacks the texts, fewer texts than asked) raises ``ApiError`` naming what is wrong. The API key is
 read from the environment variable ``key_env``, never from the config (configs are logged).
 """
@@ -27,10 +26,6 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from typing import Literal
-
-import torch
-
-from lit_marl.generation.base import Generation, GenerationCall, left_pad
 
 ApiFormat = Literal["generic", "openai_chat", "anthropic"]
 
@@ -69,84 +64,19 @@ class ApiSettings:
             raise ValueError(f"model.comparator_api.format={self.format}: set model.comparator_api.model")
 
 
-class ApiRole:
-    """Stands in for a role's agent in a comparator rollout: the policy agent's tokenizer and chat
-    template (so prompts render to the policy's tokens), and the role's index and prompt texts for the
-    request. Bound to the step's tasks (single-turn: prompt i belongs to task i)."""
-
-    def __init__(self, agent, role: int, tasks: list[dict]):
-        self.agent, self.role, self.tasks = agent, role, tasks
-        self.texts: list[str] = []
-
-    def encode_prompt(self, text: str, raw: bool = False) -> list[int]:
-        self.texts.append(text)
-        return self.agent.encode_prompt(text, raw)
-
-    @property
-    def tokenizer(self):
-        return self.agent.tokenizer
-
-    @property
-    def eos_token_id(self) -> int:
-        return self.agent.eos_token_id
-
-    @property
-    def pad_token_id(self) -> int:
-        return self.agent.pad_token_id
-
-    def decode(self, ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
-        return self.agent.decode(ids, mask)
-
-
-class ApiEngine:
-    """The ``Engine`` interface over an HTTP endpoint. ``skipped[role]``: the rows (``prompt * n +
-    k``) of the last rollout whose request timed out; ``calls``: requests made."""
-
-    name = "api"
+class ApiWriter:
+    """The endpoint as a text writer (``generation/text.py``): ``calls`` counts the requests made."""
 
     def __init__(self, settings: ApiSettings):
         self.settings = settings
-        self.skipped: dict[int, list[int]] = {}
         self.calls = 0
 
-    def generate_team(
-        self, calls: list[GenerationCall], max_new_tokens: int, temperature=1.0, top_p=1.0, greedy=False, seeds=None
-    ) -> list[Generation]:
-        """``seeds`` (per-task sampling streams) are not sent: an endpoint samples with its own randomness."""
-        return [
-            self.generate(role, prompts, n, max_new_tokens, temperature, top_p, greedy) for role, prompts, n in calls
-        ]
-
-    def generate(self, role: ApiRole, prompts, num_samples, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False):
-        if len(role.texts) != len(prompts):
-            raise RuntimeError(f"ApiEngine: {len(prompts)} prompts but {len(role.texts)} prompt texts recorded")
-        texts, role.texts = role.texts, []
-        rows, skipped = [], []
-        for i, (text, task) in enumerate(zip(texts, role.tasks)):
-            answers = self.complete(
-                text, role.role, task, num_samples, max_new_tokens, 0.0 if greedy else temperature, top_p
-            )
-            if answers is None:
-                skipped += range(i * num_samples, (i + 1) * num_samples)
-                answers = [""] * num_samples
-            rows += [self._tokens(role, a, max_new_tokens) for a in answers]
-        self.skipped[role.role] = skipped
-        prompt_ids, prompt_mask = left_pad([p for p in prompts for _ in range(num_samples)], role.pad_token_id, "cpu")
-        width = max(len(r) for r in rows)
-        completion = torch.full((len(rows), width), role.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for r, ids in enumerate(rows):
-            completion[r, : len(ids)], mask[r, : len(ids)] = torch.tensor(ids, dtype=torch.long), 1
-        return Generation(prompt_ids, prompt_mask, completion, mask, num_samples)
-
-    @staticmethod
-    def _tokens(role: ApiRole, text: str, max_new_tokens: int) -> list[int]:
-        """The text as the policy's tokens, closed by its end token; cut (no end token) past the budget."""
-        ids = role.tokenizer(text, add_special_tokens=False)["input_ids"] + [role.eos_token_id]
-        return ids[:max_new_tokens]
+    def complete(self, prompts, role, tasks, n, max_new_tokens, temperature, top_p) -> list[list[str] | None]:
+        """Per prompt (of task ``tasks[i]``) ``n`` texts, or None where the endpoint timed out."""
+        return [self.texts_for(p, role, task, n, max_new_tokens, temperature, top_p) for p, task in zip(prompts, tasks)]
 
     # ------------------------------------------------------------------ one request
-    def complete(self, prompt: str, role: int, task: dict, n: int, max_new_tokens: int, temperature, top_p):
+    def texts_for(self, prompt: str, role: int, task: dict, n: int, max_new_tokens: int, temperature, top_p):
         """``n`` texts for one prompt, or None when the endpoint timed out / could not be reached."""
         s = self.settings
         if s.format == "anthropic":

@@ -78,7 +78,7 @@ class AgentSamples:
 
     def select(self, rows: torch.Tensor) -> "AgentSamples":
         """The given rows, trimmed of completion columns that are padding in all of them."""
-        width = max(int(self.completion_mask[rows].sum(-1).max()), 1)
+        width = max(int(self.completion_mask[rows].sum(-1).max()), 1) if len(rows) else 1
         end = self.input_ids.shape[1] - (self.num_completion - width)
         fields = dict(input_ids=self.input_ids[rows, :end], attention_mask=self.attention_mask[rows, :end])
         for name in _ROW_FIELDS:

@@ -150,11 +150,11 @@ class PreferenceRows:
 
     @property
     def chosen(self) -> torch.Tensor:
-        return torch.arange(0, 2 * len(self), 2)
+        return torch.arange(len(self)) * 2
 
     @property
     def rejected(self) -> torch.Tensor:
-        return torch.arange(1, 2 * len(self), 2)
+        return torch.arange(len(self)) * 2 + 1
 
     @property
     def gaps(self) -> torch.Tensor:

@@ -14,7 +14,6 @@ import torch
 from helpers import LENGTH_REWARD, comparator_server, make_trainer, slogan_data, snapshot, unchanged
 from lit_marl import ConfigError
 from lit_marl.algorithms import IterativeMADPO
-from lit_marl.generation.api import ApiError
 
 
 def _fit(tmp_path, steps=10, **kwargs):
@@ -87,10 +86,38 @@ def test_api_comparator_fits_and_counts_timeouts(tmp_path):
         module, _, metrics, before = _fit(tmp_path, steps=1, comparator_policy="api", comparator_api=api)
         assert len(server.seen) == 4  # 2 tasks x 2 roles
         # half the requests timed out: each one's 4 candidates (of one task) leave their joint candidates unpaired
-        assert metrics["iter/comparator_api_skipped"] == 4 and metrics["iter/new_pairs"] <= 4
+        assert metrics["iter/comparator_skipped"] == 4 and metrics["iter/new_pairs"] <= 4
         assert math.isfinite(metrics["train/loss"]) and not unchanged(module.agents[0].model, before[0])
-        with pytest.raises(ApiError, match=r"timed out \(or refused the connection\) on every request"):
-            _fit(tmp_path / "slow", steps=1, comparator_policy="api", comparator_api={**api, "url": f"{base}/slow"})
+        slow = {**api, "url": f"{base}/slow"}  # every request times out: the run stops at the second such step
+        with pytest.raises(RuntimeError, match="no usable candidate in the last 2 steps"):
+            _fit(
+                tmp_path / "slow", steps=3, comparator_policy="api", comparator_api=slow, max_skipped_comparator_steps=2
+            )
+
+
+def test_centralized_comparators_fit(tmp_path):
+    """``centralized``: one comparator model writes both roles (split by an adapter); texts become
+    rows of the policy. ``centralized_sequential`` over an endpoint: one request per role and candidate."""
+    module, _, metrics, before = _fit(
+        tmp_path / "c",
+        steps=1,
+        comparator_policy="model",
+        comparator_model="tiny-random",
+        comparator_generation_mode="centralized",
+        comparator_adapter="helpers:HalvesAdapter",
+    )
+    assert metrics["iter/new_pairs"] > 0 and metrics["iter/comparator_skipped"] == 0
+    assert math.isfinite(metrics["train/loss"]) and not unchanged(module.agents[1].model, before[1])
+    with comparator_server() as server:
+        api = {"url": f"http://127.0.0.1:{server.server_address[1]}/tagged"}
+        mode = "centralized_sequential"
+        _, _, metrics, _ = _fit(
+            tmp_path / "s", steps=1, comparator_policy="api", comparator_api=api, comparator_generation_mode=mode
+        )
+        assert len(server.seen) == 2 * 2 * 4  # roles x tasks x candidates, one text each
+        assert [body["agent_idx"] for _, _, body in server.seen] == [0] * 8 + [1] * 8
+        assert "<agent_0>\nline" in server.seen[8][2]["prompt"]  # role 1 sees role 0's output
+        assert metrics["iter/comparator_skipped"] == 0 and math.isfinite(metrics["train/loss"])
 
 
 @pytest.mark.parametrize(
@@ -102,6 +129,8 @@ def test_api_comparator_fits_and_counts_timeouts(tmp_path):
         ({"preference_replay_mode": "nearest_k"}, r"needs model.preference_replay_k"),
         ({"pair_selection": "all"}, r"pair_selection=all keeps every pair"),
         ({"preference_replay_lambda": 1.5}, r"preference_replay_lambda=1.5: must be >= 0 and <= 1"),
+        ({"comparator_centralized_agent_index": 2}, r"comparator_centralized_agent_index=2: there are 2 agents"),
+        ({"comparator_adapter": "nowhere:Adapter"}, r"model.comparator_adapter"),
     ],
 )
 def test_bad_settings_name_the_field(kwargs, message):

@@ -9,7 +9,9 @@ import torch
 from helpers import comparator_server
 from lit_marl import ConfigError
 from lit_marl.agents import Agent
-from lit_marl.generation.api import ApiEngine, ApiError, ApiRole, ApiSettings
+from lit_marl.envs.centralized import TaggedAdapter
+from lit_marl.generation.api import ApiError, ApiSettings, ApiWriter
+from lit_marl.generation.text import TextEngine, TextRole, _tokens
 from lit_marl.rollout.batch import AgentSamples
 from lit_marl.rollout.pairs import PreferenceRows, comparison_pairs
 from lit_marl.rollout.replay import PreferenceReplay, ReplaySettings, replay_weights
@@ -114,9 +116,9 @@ def agent():
 
 def _generate(server, agent, path, **settings):
     url = f"http://127.0.0.1:{server.server_address[1]}{path}"
-    engine = ApiEngine(ApiSettings(url=url, **settings))
+    engine = TextEngine(ApiWriter(ApiSettings(url=url, **settings)))
     tasks = [{"topic": "tea"}, {"topic": "snow"}]
-    role = ApiRole(agent, 1, tasks)
+    role = TextRole(agent, 1, tasks)
     prompts = [role.encode_prompt(f"slogan for {t['topic']}") for t in tasks]
     return engine, engine.generate_team([(role, prompts, 3)], max_new_tokens=16, temperature=0.7, top_p=0.9)[0]
 
@@ -133,7 +135,7 @@ def test_generic_format(server, agent, monkeypatch):
     assert texts == ["1:0", "1:1", "1:2"] * 2 and gen.completion_ids.shape[0] == 6
     ends = gen.completion_ids.gather(1, (gen.completion_mask.sum(1, keepdim=True) - 1))
     assert (ends == agent.eos_token_id).all()  # closed by the policy's end token, as its own samples
-    assert engine.skipped == {1: []} and engine.calls == 2
+    assert engine.skipped == {1: []} and engine.writer.calls == 2
 
 
 def test_openai_and_anthropic_formats(server, agent, monkeypatch):
@@ -146,7 +148,7 @@ def test_openai_and_anthropic_formats(server, agent, monkeypatch):
     monkeypatch.setenv("TEST_KEY", "k2")
     server.seen.clear()
     engine, gen = _generate(server, agent, "/anthropic", format="anthropic", model="claude-x", key_env="TEST_KEY")
-    assert engine.calls == 6  # no n: one request per candidate
+    assert engine.writer.calls == 6  # no n: one request per candidate
     path, headers, body = server.seen[0]
     assert headers["anthropic-version"] == "2023-06-01" and headers["x-api-key"] == "k2"
     assert body["model"] == "claude-x" and body["max_tokens"] == 16 and "n" not in body
@@ -170,6 +172,60 @@ def test_timeouts_are_counted_skips_and_garbage_is_an_error(server, agent):
 
 
 def test_long_texts_are_cut_without_an_end_token(server, agent):
-    role = ApiRole(agent, 0, [{}])
-    ids = ApiEngine._tokens(role, "word " * 40, max_new_tokens=5)
+    role = TextRole(agent, 0, [{}])
+    ids = _tokens(role, "word " * 40, max_new_tokens=5)
     assert len(ids) == 5 and agent.eos_token_id not in ids
+
+
+# --------------------------------------------------------------------------- centralized comparators
+class ScriptedWriter:
+    """A writer whose texts are a function of the prompt; records every ask."""
+
+    def __init__(self, answer):
+        self.answer, self.asks = answer, []
+
+    def complete(self, prompts, role, tasks, n, max_new_tokens, temperature, top_p):
+        self.asks.append((list(prompts), role, n, max_new_tokens))
+        return [[self.answer(p, role, k) for k in range(n)] for p in prompts]
+
+
+def _team(agent, engine, n=3):
+    tasks = [{"topic": "tea"}, {"topic": "snow"}]
+    roles = [TextRole(agent, i, tasks) for i in range(2)]
+    calls = [(r, [r.encode_prompt(f"role {r.role} slogan for {t['topic']}") for t in tasks], n) for r in roles]
+    gens = engine.generate_team(calls, max_new_tokens=16)
+    return [agent.decode(g.completion_ids, g.completion_mask) for g in gens], gens
+
+
+def test_centralized_generation_splits_joint_texts_and_skips_unparseable_ones(agent):
+    def joint(prompt, role, k):  # candidate 1 of every task lacks agent 1's section
+        topic = "tea" if "for tea" in prompt else "snow"
+        tail = "" if k == 1 else f"<agent_1> {topic} two {k} </agent_1>"
+        return f"<agent_0> {topic} one {k} </agent_0> {tail}"
+
+    writer = ScriptedWriter(joint)
+    engine = TextEngine(writer, "centralized", TaggedAdapter(), centralized_index=1)
+    texts, gens = _team(agent, engine)
+    (asked, role, n, budget) = writer.asks[0]
+    assert len(writer.asks) == 1 and role == 1 and n == 3 and budget == 32  # one call; every role's budget
+    assert "role 0 slogan for tea" in asked[0] and "role 1 slogan for tea" in asked[0] and len(asked) == 2
+    assert texts[0][:3] == ["tea one 0", "", "tea one 2"] and texts[1][3:] == ["snow two 0", "", "snow two 2"]
+    assert engine.skipped == {0: [1, 4], 1: [1, 4]}  # the joint candidate is skipped for every role
+    assert gens[0].prompt_ids.shape[0] == 6  # the rows answer the policy's own prompts
+
+
+def test_sequential_generation_shows_earlier_outputs(agent):
+    def reply(prompt, role, k):
+        if role == 0:
+            return "no tags" if "for snow" in prompt else "<agent_0> first </agent_0>"
+        return "<agent_1> saw first </agent_1>" if "first" in prompt else "<agent_1> saw nothing </agent_1>"
+
+    writer = ScriptedWriter(reply)
+    engine = TextEngine(writer, "centralized_sequential", TaggedAdapter())
+    texts, _ = _team(agent, engine)
+    assert [len(a[0]) for a in writer.asks] == [6, 3]  # role 1 is asked only where role 0 parsed (tea)
+    assert all(n == 1 for _, _, n, _ in writer.asks)
+    assert texts[0][:3] == ["first"] * 3 and texts[1][:3] == ["saw first"] * 3
+    assert engine.skipped == {0: [3, 4, 5], 1: [3, 4, 5]}
+    prompt = TaggedAdapter().build_sequential_prompt({}, ["p0", "p1"], 1, ["line one"])
+    assert "Agent 1 prompt:\np1" in prompt and "<agent_0>\nline one\n</agent_0>" in prompt
