@@ -145,6 +145,7 @@ def test_fsdp_generates_different_lengths_per_rank_and_trains_a_centralized_crit
     assert any(name.startswith("critic.") for name in shards)
 
 
+@pytest.mark.slow  # ~50 s of 2-rank runs; `make test-slow` (make test keeps the per-step equivalence above)
 def test_per_turn_schedule_on_two_ranks_matches_one_process(built):
     """Rank 0's trees end after turn 0: it joins turn 1's step with no rows, and the parameters are
     the one-process run's (one step per turn over every rank's rows of that turn)."""
@@ -336,11 +337,12 @@ def test_evaluation_metrics_and_step_logs_sync_over_two_ranks(tmp_path):
         assert rank["step_log"]["reward"] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
 
 
-@pytest.mark.parametrize("algorithm", ["madpo", pytest.param("iterative", marks=pytest.mark.slow)])
+@pytest.mark.slow  # four runs, ~1 min each algorithm: `make test-slow`; make test keeps the in-process check
+@pytest.mark.parametrize("algorithm", ["madpo", "iterative"])  # (tests/unit/test_engines.py: per_task_streams)
 def test_preference_pairs_are_the_same_on_one_and_two_ranks(tmp_path, algorithm):
     """MADPO and iterative MADPO (comparator: the live policy) with per-task sampling streams: two
     steps of 4 tasks in one process and 2 x 2 tasks on two ranks train on exactly the same pairs
-    (prompts, chosen and rejected tokens of every agent), step by step (iterative: ``make test-slow``)."""
+    (prompts, chosen and rejected tokens of every agent), step by step."""
     script = TEST_SCRIPTS / "preference_run.py"
     run_script(script, str(tmp_path / "one"), "--algorithm", algorithm, "--tasks-per-step", "4", "--steps", "2")
     run_script(

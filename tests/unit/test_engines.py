@@ -470,3 +470,24 @@ def test_seeded_samples_do_not_depend_on_the_batch(tiny_agent, prompts):
     assert texts(reseeded) != texts(alone)
     with pytest.raises(ValueError, match="per_task needs the lean decoder, not the hf engine"):
         HFEngine().generate_team([(tiny_agent, prompts, 1)], 4, seeds=[seeds])
+
+
+def test_per_task_streams_make_a_task_sample_the_same_tree_in_any_batch(tiny_agents):
+    """The data module's per-task seeds through the tree builder: a task's candidates (and rewards)
+    are the same rolled out with other tasks or alone, what makes 1 and N ranks agree
+    (tests/distributed: the same preference pairs on 1 and 2 ranks)."""
+    from dataclasses import replace
+
+    from helpers import LENGTH_REWARD, slogan_data
+    from lit_marl.rollout.tree import build_tree
+
+    data = slogan_data(reward_fn=LENGTH_REWARD, num_generations=3, max_new_tokens=8, sampling_streams="per_task")
+    tasks = data.train_tasks[:3]
+    settings = replace(data.tree, sampling_seed=7)
+    together = build_tree(tiny_agents, tasks, data.env, settings)
+    alone = build_tree(tiny_agents, tasks[2:], data.env, settings)
+    for agent_together, agent_alone in zip(together.completions, alone.completions):
+        assert agent_together[6:] == agent_alone and len(set(agent_together)) > 3
+    torch.testing.assert_close(together.rewards[6:], alone.rewards)
+    other = build_tree(tiny_agents, tasks[2:], data.env, replace(settings, sampling_seed=8))
+    assert other.completions != alone.completions
