@@ -275,9 +275,9 @@ class IterativeMADPO(MADPO):
             self._frozen["copy"] = copy.deepcopy(self.agents).requires_grad_(False)
         if self._frozen.get("loaded") != wanted:
             state = torch.load(self.snapshots[wanted], weights_only=True, map_location=self.device)
-            missing = self._frozen["copy"].load_state_dict(state, strict=False).unexpected_keys
-            if missing:
-                raise ConfigError(f"the snapshot {self.snapshots[wanted]} holds weights this team lacks: {missing[:3]}")
+            unknown = self._frozen["copy"].load_state_dict(state, strict=False).unexpected_keys
+            if unknown:
+                raise ConfigError(f"the snapshot {self.snapshots[wanted]} holds weights this team lacks: {unknown[:3]}")
             self._frozen["loaded"] = wanted
         return list(self._frozen["copy"])
 
@@ -305,7 +305,11 @@ class IterativeMADPO(MADPO):
         if "comparator_skipped" in batch.comparator.metrics:  # a text comparator's timeouts, unparseable texts
             counts["iter/comparator_skipped"] = batch.comparator.metrics["comparator_skipped"]
         self.record(counts, reduce="sum")
-        self.record({"iter/iteration": float(self.iteration), "perf/train_s": train_time.seconds})
+        timings = {
+            "perf/train_s": train_time.seconds,
+            "perf/comparator_generate_s": batch.comparator.stats["perf/generate_s"],
+        }
+        self.record({"iter/iteration": float(self.iteration), **timings})
         self.log_rollout(batch, "train")
         self.steps_done += 1
         if self.steps_done >= self.num_iterations * self.steps_per_iteration:
