@@ -160,7 +160,8 @@ def test_per_turn_schedule_on_two_ranks_matches_one_process(built):
         torch.testing.assert_close(ranks[0][name], one[name], rtol=0, atol=1e-6 if algorithm == "magrpo" else 1e-3)
 
 
-@pytest.mark.parametrize("schedule", ["joint", pytest.param("per_turn", marks=pytest.mark.slow)])  # per_turn: slow
+@pytest.mark.slow  # ~50 s a schedule on a quiet machine: `make test-slow` (make test keeps two_ranks_match_one_process)
+@pytest.mark.parametrize("schedule", ["joint", "per_turn"])
 def test_uneven_mini_batch_counts_do_not_hang(built, schedule):
     """One node per mini-batch: rank 0's short trees give it fewer mini-batches; it joins the other
     rank's extra optimizer steps with no rows (per turn, with ``per_turn``), and both end with the
@@ -214,7 +215,8 @@ def fit_cli(tmp_path: Path, repo_root: Path, config: dict, *extra: str) -> subpr
 
 # fsdp (~2 min under load: sharded save, resume and HF export through the console script) in
 # make test-slow; FSDP's equivalence to one process stays in make test
-@pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])
+@pytest.mark.slow  # 1.5-2 min a strategy: `make test-slow` (exports: tests/fit/test_export.py; 2 ranks: the tests above)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_config_runs_checkpoints_resumes_and_exports(tmp_path, repo_root, strategy):
     """configs/magrpo/slogan_tiny_{ddp,fsdp}.yaml through the console script (Lightning launches rank
     1), then resumed from its checkpoint for a second epoch; the export reloads with from_pretrained.
@@ -264,7 +266,8 @@ def test_fsdp_refuses_what_it_cannot_shard():
         MAGRPO(model="tiny-random").shard(TwoByTwo())
 
 
-@pytest.mark.parametrize("algorithm", [pytest.param("ppo", marks=pytest.mark.slow), "grpo"])  # ppo: make test-slow
+@pytest.mark.slow  # ~1 min an algorithm: `make test-slow` (make test keeps fsdp_matches_one_process)
+@pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
 def test_episodic_algorithms_train_on_two_fsdp_ranks(tmp_path, repo_root, algorithm):
     """PPO and GRPO on stateful corridor episodes (each rank's episodes end at their own turns),
     sharded with FSDP2 through the console script: no hang; the gathered export is finite."""

@@ -245,11 +245,12 @@ def test_sft_epochs_repeat_the_budgets_demonstrations(tmp_path):
         switch.setup(trainer, type("Module", (), {"runs_rl": True})(), "fit")
 
 
-# make test kills at the switch (the edge: the phase flips in the resumed run); mid-SFT and mid-RL
-# in make test-slow (each another ~35 s of kill + resume)
+# kills mid-SFT, at the switch (the edge: the phase flips in the resumed run) and mid-RL: each
+# ~35-90 s of kill + resume, so all three run in make test-slow
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "kill_before",
-    [pytest.param(1, marks=pytest.mark.slow), 3, pytest.param(5, marks=pytest.mark.slow)],
+    [1, 3, 5],
     ids=["mid-sft", "at-switch", "mid-rl"],
 )
 def test_killed_run_resumes_in_its_phase_with_the_rest_of_its_budget(tmp_path, full_run, kill_before):
