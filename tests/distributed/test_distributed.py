@@ -213,9 +213,9 @@ def fit_cli(tmp_path: Path, repo_root: Path, config: dict, *extra: str) -> subpr
     return done
 
 
-# fsdp (~2 min under load: sharded save, resume and HF export through the console script) in
-# make test-slow; FSDP's equivalence to one process stays in make test
-@pytest.mark.slow  # 1.5-2 min a strategy: `make test-slow` (exports: tests/fit/test_export.py; 2 ranks: the tests above)
+# 1.5-2 min a strategy under load (save, resume and HF export through the console script): both in
+# make test-slow; make test keeps exports (tests/fit/test_export.py) and 2-rank equivalence (above)
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_config_runs_checkpoints_resumes_and_exports(tmp_path, repo_root, strategy):
     """configs/magrpo/slogan_tiny_{ddp,fsdp}.yaml through the console script (Lightning launches rank
