@@ -502,6 +502,7 @@ class EpisodeDataModule(TaskDataModule):
         demo_batch_size: PositiveInt = 8,
         demo_loss_on: Literal["all", "last"] = "all",
         task_types: list[str] | None = None,
+        anchor: Literal["state", "observation"] = "state",
     ):
         """
         Args:
@@ -544,6 +545,10 @@ class EpisodeDataModule(TaskDataModule):
                 e.g. ALFWorld's), training on them in equal shares: the rarer types' rows repeat so
                 each type has as many as the most common (the guide's mixture experiment). None:
                 every row as given. Evaluation reports the success of every task type either way.
+            anchor: What makes two turns of a task's episodes one anchor state for step-level
+                groups (``model.step_advantage_weight``): ``state``, the env's canonical state
+                (TextWorld's and ALFWorld's facts, Corridor's room and items; the observation where
+                an env has none); ``observation``, the agent's observation text.
         """
         super().__init__()
         probe = make_env(env, env_kwargs)  # a bad name or kwargs fails here, field named
@@ -581,6 +586,7 @@ class EpisodeDataModule(TaskDataModule):
             max_context_tokens=max_context_tokens,
             temperature=temperature,
             top_p=top_p,
+            anchor=anchor,
         )
         self.pool = ThreadPoolExecutor(max_workers=env_workers)
 

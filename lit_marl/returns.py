@@ -252,34 +252,117 @@ def returns_to_go(rewards: torch.Tensor, alive: torch.Tensor, gamma: float = 1.0
 def episode_group_advantages(
     returns: torch.Tensor, alive: torch.Tensor, group_size: int, mode: Literal["grpo", "rloo"], normalize: bool
 ) -> torch.Tensor:
-    """Per-turn advantages of G episodes per task (consecutive rows), ``[B, T]``.
+    """Per-turn advantages of G episodes per task (consecutive rows), ``[B, T]`` (0 where not ``alive``).
 
-    The baseline of episode e at turn t is the mean of the group's returns at that turn, its own
-    included (``grpo``), or the mean of the other members' (``rloo``, leave-one-out), over the
-    members still alive there; with the episode return at turn 0 for every turn this is plain GRPO/RLOO, with
-    returns-to-go it is the turn-level variant for dense rewards. ``normalize`` divides by the
-    group's std at that turn (GRPO's scaling)."""
+    ``returns[e, t]`` is what episode e's turn t is credited with: its episode return on every turn
+    (trajectory level; also after the episode's end) or its return-to-go (turn level; 0 after the
+    end: a finished episode sits in an absorbing state that pays nothing). The baseline at turn t is
+    the mean over ALL G members of the group (``grpo``, its own included) or over the other G-1
+    (``rloo``, leave-one-out), never over the members still alive at t only: which of the others
+    are alive does not depend on e, but how many share the mean with e's own return would, and the
+    share of e's own return in its baseline, 1/n_t, would then weight each turn's gradient by
+    1 - 1/n_t - a reweighting of the turns that is not the policy gradient (docs/credit.md works
+    it out; ``tests/unit/test_credit_exact.py`` measures it). So: ``rloo`` is unbiased,
+    ``grpo`` is (G-1)/G times the policy gradient. ``normalize`` divides by the group's std at that
+    turn (GRPO's scaling; it depends on e's own return, so it is biased, as in GRPO)."""
     B, T = returns.shape
     if B % group_size:
         raise ValueError(f"{B} episodes do not split into groups of {group_size}")
     r = returns.float().view(-1, group_size, T)
-    a = alive.float().view(-1, group_size, T)
-    count = a.sum(dim=1, keepdim=True)
-    total = (r * a).sum(dim=1, keepdim=True)
+    total = r.sum(dim=1, keepdim=True)
     if mode == "grpo":
-        baseline = total / count.clamp(min=1)
+        adv = r - total / group_size
     elif mode == "rloo":
-        baseline = (total - r * a) / (count - 1).clamp(min=1)
+        adv = r - (total - r) / (group_size - 1) if group_size > 1 else torch.zeros_like(r)
     else:
         raise ValueError(f"mode={mode!r}: choose grpo or rloo")
-    adv = (r - baseline) * a
-    if mode == "rloo":
-        adv = torch.where(count > 1, adv, torch.zeros(()))  # alone at that turn: no baseline, no signal
     if normalize:
-        mean = total / count.clamp(min=1)
-        var = (((r - mean) * a) ** 2).sum(dim=1, keepdim=True) / count.clamp(min=1)
-        adv = adv / (var.sqrt() + 1e-6)
-    return adv.view(B, T)
+        adv = adv / (r.std(dim=1, unbiased=False, keepdim=True) + 1e-6)
+    return adv.view(B, T) * alive.float()
+
+
+def _shared_anchors(anchors: torch.Tensor, alive: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``[groups, e, j, t, t']``: episode j != e of the same task acted at turn t' from the state
+    episode e acted from at turn t (both turns played)."""
+    B, T = anchors.shape
+    if B % group_size:
+        raise ValueError(f"{B} episodes do not split into groups of {group_size}")
+    G, live = group_size, alive.bool()
+    same = anchors.view(-1, G, 1, T, 1) == anchors.view(-1, 1, G, 1, T)
+    same = same & live.view(-1, 1, G, 1, T) & live.view(-1, G, 1, T, 1)
+    return same & ~torch.eye(G, dtype=torch.bool).view(1, G, G, 1, 1)
+
+
+def anchor_groups(anchors: torch.Tensor, alive: torch.Tensor, group_size: int) -> torch.Tensor:
+    """How many steps of the OTHER episodes of its task share each step's anchor state, ``[B, T]``
+    (0 where not ``alive``). ``anchors[e, t]`` is an id of the state episode e acted from at turn t
+    (equal ids: the same state; ids are compared within a task's group of G consecutive rows only).
+    A step with 0 is a singleton: no other episode reached its state."""
+    return _shared_anchors(anchors, alive, group_size).sum(dim=(2, 4)).view(anchors.shape)
+
+
+def step_group_advantages(
+    to_go: torch.Tensor,
+    alive: torch.Tensor,
+    anchors: torch.Tensor,
+    group_size: int,
+    fallback: torch.Tensor,
+    normalize: bool,
+) -> torch.Tensor:
+    """The step-level part of GiGPO's advantage over anchor states, ``[B, T]`` (0 where not ``alive``).
+
+    Episode e's step t from anchor state s is credited with its return-to-go ``to_go[e, t]`` against
+    the mean return-to-go of the steps of the OTHER episodes of its task that acted from s (at any
+    turn; each such step counts once). Its own episode's steps never enter its baseline (a later
+    visit of s depends on the action being judged, an earlier one's return contains it), and
+    neither does its own return: that keeps the baseline a function of e's history and of
+    independent episodes, so the estimate is unbiased (docs/credit.md). A singleton step (no other
+    episode reached s) takes ``fallback[e, t]`` instead, the episode-level leave-one-out advantage,
+    so each step still counts once. ``normalize`` divides a grouped step by the std of its group's
+    returns, its own included (GiGPO's scaling; biased, like GRPO's)."""
+    B, T = to_go.shape
+    G = group_size
+    same = _shared_anchors(anchors, alive, G).float()
+    r = to_go.float().view(-1, G, T)
+    other = to_go.float().view(-1, 1, G, 1, T)
+    count = same.sum(dim=(2, 4))
+    total = (same * other).sum(dim=(2, 4))
+    adv = r - total / count.clamp(min=1)
+    if normalize:  # the population std of the group: the other steps and this one
+        n = count + 1
+        square = (same * other**2).sum(dim=(2, 4)) + r**2
+        std = (square / n - ((total + r) / n) ** 2).clamp(min=0).sqrt()
+        adv = adv / (std + 1e-6)
+    adv = torch.where(count > 0, adv, fallback.float().view(-1, G, T))
+    return adv.view(B, T) * alive.float()
+
+
+def episode_advantages(
+    rewards: torch.Tensor,
+    alive: torch.Tensor,
+    group_size: int,
+    mode: Literal["grpo", "rloo"],
+    normalize: bool,
+    turn_level: bool = False,
+    anchors: torch.Tensor | None = None,
+    step_weight: float = 0.0,
+    discount: float = 1.0,
+) -> torch.Tensor:
+    """GRPO's and RLOO's per-turn advantages of G episodes per task, ``[B, T]``, from each turn's
+    reward ``[B, T]``: the episode level (the episode's return, or with ``turn_level`` each turn's
+    return-to-go, against the group: ``episode_group_advantages``) plus ``step_weight`` times the
+    step level over ``anchors`` (``step_group_advantages``, singletons taking the episode's
+    leave-one-out advantage). Unnormalized, the expectation is c times the policy gradient:
+    c = (G-1)/G (``grpo``) or 1 (``rloo``), plus ``step_weight`` (docs/credit.md)."""
+    to_go = returns_to_go(rewards, alive, discount)
+    episode = to_go[:, :1].expand_as(to_go)  # the episode's return, credited to every turn
+    adv = episode_group_advantages(to_go if turn_level else episode, alive, group_size, mode, normalize)
+    if step_weight > 0:
+        if anchors is None:
+            raise ValueError("step_weight > 0 needs the anchors of the steps")
+        fallback = episode_group_advantages(episode, alive, group_size, "rloo", normalize)
+        adv = adv + step_weight * step_group_advantages(to_go, alive, anchors, group_size, fallback, normalize)
+    return adv
 
 
 # --------------------------------------------------------------------------- actor-critic (one trajectory per episode)

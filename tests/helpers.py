@@ -213,6 +213,32 @@ class AdmissibleEngine:
         return outs
 
 
+class ScriptedEngine:
+    """Replies from a script instead of sampling: at its t-th call, prompt row b gets
+    ``script[b][t]`` (one agent, every episode still live). Token ids as a real engine returns them."""
+
+    name = "scripted"
+
+    def __init__(self, script: list[list[str]]):
+        self.script, self.turn = script, 0
+
+    def generate_team(self, calls, *args, **kwargs):
+        from lit_marl.generation.base import Generation, left_pad
+
+        ((agent, prompts, _),) = calls
+        prompt_ids, prompt_mask = left_pad(prompts, agent.pad_token_id, torch.device("cpu"))
+        replies = [
+            agent.tokenizer.encode(self.script[b][self.turn], add_special_tokens=False) for b in range(len(prompts))
+        ]
+        replies = [r + [agent.eos_token_id] for r in replies]
+        self.turn += 1
+        ids = torch.full((len(replies), max(map(len, replies))), agent.pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, reply in enumerate(replies):  # completions are right-padded
+            ids[row, : len(reply)], mask[row, : len(reply)] = torch.tensor(reply), 1
+        return [Generation(prompt_ids, prompt_mask, ids, mask, 1)]
+
+
 def raising_reward(agent_completions, tasks):
     """A reward that always fails (``data.reward_fn: helpers:raising_reward``)."""
     raise RuntimeError("the scorer is down")

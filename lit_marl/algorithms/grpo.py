@@ -1,32 +1,50 @@
 """GRPO and RLOO on multi-turn episodes: G full episodes per task from the same start, the episode
 return baselined across its group (mean or leave-one-out), optionally per turn for dense rewards
-(return-to-go at turn t against the group's members still playing at t)."""
+(return-to-go at turn t against the group's returns-to-go at t), and optionally with GiGPO's
+step-level part: a step's return-to-go against the other episodes' steps from the same anchor state
+(``returns.step_group_advantages``; docs/credit.md shows each form unbiased)."""
 
 from __future__ import annotations
 
 import torch
 
+from lit_marl import ConfigError
 from lit_marl.algorithms.episodic import EpisodicModule
-from lit_marl.returns import episode_group_advantages, returns_to_go
+from lit_marl.fields import NonNegativeFloat, check_fields
+from lit_marl.returns import anchor_groups, episode_advantages
 
 
 class GRPO(EpisodicModule):
     """GRPO on multi-turn episodes: G episodes per task, each return baselined by its group's mean (optionally
-    per turn, ``turn_level_advantages``)."""
+    per turn, ``turn_level_advantages``; optionally plus step-level groups, ``step_advantage_weight``)."""
 
     baseline = "grpo"
 
-    def __init__(self, turn_level_advantages: bool = False, advantage_normalization: bool = True, **kwargs):
+    def __init__(
+        self,
+        turn_level_advantages: bool = False,
+        advantage_normalization: bool = True,
+        step_advantage_weight: NonNegativeFloat = 0.0,
+        **kwargs,
+    ):
         """
         Args:
             turn_level_advantages: Each turn's advantage from its return-to-go, baselined across the
-                group at that turn (for dense rewards); otherwise the episode's return for every turn.
-            advantage_normalization: Divide by the group's std (GRPO's scaling).
+                group at that turn (a finished episode counting 0; for dense rewards); otherwise the
+                episode's return for every turn.
+            advantage_normalization: Divide by the group's std (GRPO's scaling; also the step-level
+                part's, by its anchor group's std).
+            step_advantage_weight: GiGPO's omega: add this times the step-level advantage - the
+                step's return-to-go against the other episodes' steps from the same anchor state
+                (``data.anchor``) - to the episode-level one; a step no other episode shares keeps
+                the episode-level part only (0: off, plain GRPO/RLOO).
             **kwargs: The shared settings of ``EpisodicModule`` (model, clip_range, ppo_epochs, ...).
         """
         super().__init__(**kwargs)
+        check_fields("model", GRPO.__init__, locals())
         self.turn_level_advantages = turn_level_advantages
         self.advantage_normalization = advantage_normalization
+        self.step_advantage_weight = step_advantage_weight
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
@@ -34,11 +52,20 @@ class GRPO(EpisodicModule):
 
     def advantages(self, batch, token_rewards, samples, learner):
         alive = batch.alive
-        per_turn = batch.per_turn(token_rewards.cpu())  # a KL-in-reward term included
-        to_go = returns_to_go(per_turn, alive, self.discount)
-        returns = to_go if self.turn_level_advantages else to_go[:, :1].expand_as(to_go) * alive
         group_size = int((batch.group_ids == batch.group_ids[0]).sum())
-        turn_adv = episode_group_advantages(returns, alive, group_size, self.baseline, self.advantage_normalization)
+        if self.step_advantage_weight > 0:
+            self.record_anchors(batch, group_size)
+        turn_adv = episode_advantages(
+            batch.per_turn(token_rewards.cpu()),  # a KL-in-reward term included
+            alive,
+            group_size,
+            self.baseline,
+            self.advantage_normalization,
+            turn_level=self.turn_level_advantages,
+            anchors=batch.anchors,
+            step_weight=self.step_advantage_weight,
+            discount=self.discount,
+        )
         device = batch.input_ids.device
         zeros = torch.zeros(batch.input_ids.shape, device=device)
         return {
@@ -48,6 +75,18 @@ class GRPO(EpisodicModule):
             "old_values": zeros,
             "value_mask": zeros,
         }
+
+    def record_anchors(self, batch, group_size: int) -> None:
+        """How many steps found another episode's step from the same anchor state, and the groups' size."""
+        if batch.anchors is None:
+            raise ConfigError("model.step_advantage_weight > 0 needs episodes that record anchor states")
+        alive = batch.alive
+        shared = anchor_groups(batch.anchors, alive, group_size)
+        grouped = shared > 0
+        steps = float(alive.sum())
+        self.record({"train/anchor_grouped_frac": float(grouped.sum()) / max(steps, 1.0)}, weight=steps)
+        if grouped.any():
+            self.record({"train/anchor_group_size": float((shared[grouped] + 1).float().mean())}, float(grouped.sum()))
 
 
 class RLOO(GRPO):

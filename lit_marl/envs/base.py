@@ -380,6 +380,13 @@ class Env(ABC):
             observations = result.observations
         raise ValueError(f"task {task!r}: the expert's {len(turns)} turns did not finish the episode")
 
+    def state_key(self) -> str | None:
+        """A canonical key of the current state: equal for equal states whatever led to them (the
+        anchor of step-level groups, ``docs/credit.md``), or None when the env has none (the anchor
+        is then the agent's observation text). Any function of the episode's history so far keeps
+        the step-level estimate unbiased; a finer key groups less, a coarser one more."""
+        return None
+
     def finish(self) -> dict | None:
         """The rollout ended the episode (its turn or context budget ran out): the env's final
         ``info`` when ending changes it (an env that scores on ``submit`` scores now), else None

@@ -68,6 +68,10 @@ class Corridor(Env):
         exits = [d for d, ok in (("west", self.room > 0), ("east", self.room < self.length - 1)) if ok]
         return " ".join([f"Room {self.room + 1} of {self.length}.", *things, f"Exits: {', '.join(exits)}."])
 
+    def state_key(self) -> str:
+        """Where the player is and what it has done; not the step count (GiGPO's grouping)."""
+        return f"room={self.room} key={self.has_key} door={self.door_open}"
+
     def info(self, won: bool = False, lost: bool = False) -> dict:
         return {"won": won, "lost": lost, "score": self.score, "max_score": 3}
 

@@ -18,7 +18,7 @@ import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Literal
 
 import torch
 
@@ -50,6 +50,9 @@ class EpisodeBatch:
     stats: dict[str, float] = field(default_factory=dict)
     rewards: torch.Tensor | None = None
     """``[B, T]`` each turn's reward, set from ``scores``/``won`` by the data module's reward density."""
+    anchors: torch.Tensor | None = None
+    """``[B, T]``: an id of the state each turn acted from (``EpisodeSettings.anchor``), -1 after the
+    episode's end; equal ids within a task's group: the same state (GiGPO's anchor states)."""
 
     @property
     def alive(self) -> torch.Tensor:
@@ -98,6 +101,7 @@ class _Live:
     mask: list[list[int]]
     ends: list[list[int]]
     replies: list[list[str]]
+    keys: list[list[str]]  # per agent, per turn: the anchor key of the state the turn acts from
     scores: list[float] = field(default_factory=list)
     info: dict = field(default_factory=dict)
     done: bool = False
@@ -116,6 +120,9 @@ class EpisodeSettings:
     temperature: float = 1.0
     top_p: float = 1.0
     greedy: bool = False
+    anchor: Literal["state", "observation"] = "state"
+    """What identifies a turn's state for step-level groups: ``state``, the env's canonical
+    ``state_key()`` where it has one (else the observation); ``observation``, the agent's observation text."""
 
 
 def run_episodes(
@@ -169,9 +176,7 @@ def _start(agents, rows: list[dict], make_env, settings: EpisodeSettings, pool, 
     episodes = []
     for _ in rows:
         envs.append(make_env())
-        episodes.append(
-            _Live(envs[-1], [[] for _ in agents], [[] for _ in agents], [[] for _ in agents], [[] for _ in agents])
-        )
+        episodes.append(_Live(envs[-1], *([[] for _ in agents] for _ in range(5))))
     if episodes[0].env.num_agents != n:
         raise ValueError(f"{type(episodes[0].env).__name__} has {episodes[0].env.num_agents} agents, the team {n}")
     first = (
@@ -180,6 +185,7 @@ def _start(agents, rows: list[dict], make_env, settings: EpisodeSettings, pool, 
         else [e.env.reset(task) for e, task in zip(episodes, rows)]
     )
     for e, observations in zip(episodes, first):
+        _add_keys(e, observations, settings.anchor)
         for i, agent in enumerate(agents):
             e.ids[i] = agent.encode_prompt(observations[i])
             e.mask[i] = [0] * len(e.ids[i])
@@ -237,6 +243,7 @@ def _play_turn(agents, live: list[_Live], turn: int, settings: EpisodeSettings, 
         for i, seg in enumerate(segments):
             e.ids[i] += seg
             e.mask[i] += [0] * len(seg)
+        _add_keys(e, result.observations, settings.anchor)
     finals = list(pool.map(lambda e: e.env.finish(), ended)) if pool else [e.env.finish() for e in ended]
     for e, info in zip(ended, finals):
         if info is not None:
@@ -244,6 +251,23 @@ def _play_turn(agents, live: list[_Live], turn: int, settings: EpisodeSettings, 
             e.scores[-1] = float(info["score"])
     clock["generate_s"] += t1 - t0
     clock["env_s"] += time.perf_counter() - t1
+
+
+def _add_keys(e: _Live, observations: list[str], anchor: str) -> None:
+    """The anchor key of the state each agent acts from next: the env's canonical state (shared by
+    the agents) or the agent's own observation."""
+    state = e.env.state_key() if anchor == "state" else None
+    for i, observation in enumerate(observations):
+        e.keys[i].append(f"state:{state}" if state is not None else f"observation:{observation}")
+
+
+def _anchor_ids(keys: list[list[str]], T: int) -> torch.Tensor:
+    """``[B, T]`` ids of the rows' turn keys (equal keys, equal ids), -1 after a row's end."""
+    ids: dict[str, int] = {}
+    out = torch.full((len(keys), T), -1, dtype=torch.long)
+    for b, row in enumerate(keys):
+        out[b, : len(row)] = torch.tensor([ids.setdefault(key, len(ids)) for key in row], dtype=torch.long)
+    return out
 
 
 def _batches(agents, episodes: list[_Live], num_tasks: int, group_size: int, stats: dict) -> list[EpisodeBatch]:
@@ -276,6 +300,7 @@ def _batches(agents, episodes: list[_Live], num_tasks: int, group_size: int, sta
                 loss_mask=loss_mask,
                 end_positions=ends,
                 replies=[e.replies[i] for e in episodes],
+                anchors=_anchor_ids([e.keys[i][: len(e.scores)] for e in episodes], T),
                 **shared,
             )
         )

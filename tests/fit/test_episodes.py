@@ -3,6 +3,8 @@ and tiny-model fits of PPO (value head and separate critic), GRPO and RLOO."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import lightning as L
 import pytest
 import torch
@@ -15,6 +17,7 @@ from lit_marl.data import EpisodeDataModule
 from lit_marl.envs import make_env
 from lit_marl.envs.base import REGISTRY, Env, StepResult, register
 from lit_marl.envs.corridor import expert_actions, parse_command
+from lit_marl.returns import anchor_groups
 from lit_marl.rollout.episode import EpisodeSettings, run_episodes
 
 CORRIDOR = REPO_ROOT / "data" / "corridor"
@@ -245,13 +248,20 @@ def test_ppo_fit_moves_policy_and_critic(tmp_path, kwargs):
         assert any(n.startswith("critic_backbones.0.") for n in moved)
 
 
-@pytest.mark.parametrize("cls, turn_level", [(GRPO, False), (RLOO, False), (GRPO, True), (RLOO, True)])
-def test_group_fits_move_the_policy(tmp_path, cls, turn_level):
-    module = cls(model="tiny-random", learning_rate=1e-2, turn_level_advantages=turn_level)
+@pytest.mark.parametrize(
+    "cls, turn_level, step_weight",
+    [(GRPO, False, 0.0), (RLOO, False, 0.0), (GRPO, True, 0.0), (RLOO, True, 0.0), (GRPO, False, 1.0)],
+)
+def test_group_fits_move_the_policy(tmp_path, cls, turn_level, step_weight):
+    module = cls(
+        model="tiny-random", learning_rate=1e-2, turn_level_advantages=turn_level, step_advantage_weight=step_weight
+    )
     metrics, moved = _fit(tmp_path, module, "letter-count", 4, reward_density="dense")
     for key in ("train/loss", "turn_0/reward", "turn_1/advantage", "train/reward"):
         assert key in metrics and torch.isfinite(metrics[key]), key
     assert any(n.startswith("agents.0.") for n in moved)
+    if step_weight:  # every episode starts from the same state: at least turn 0 groups
+        assert 0 < metrics["train/anchor_grouped_frac"] <= 1 and metrics["train/anchor_group_size"] >= 2
 
 
 def test_group_algorithms_need_groups(tmp_path):
@@ -295,11 +305,15 @@ def test_each_agent_has_its_own_sequence(agent):
 
 @pytest.mark.parametrize("share", [False, True])
 def test_two_agent_fits(tmp_path, share):
-    module = GRPO(model="tiny-random", num_agents=2, share_parameters=share, learning_rate=1e-2)
+    """Step-level groups per agent: each agent's steps group over its own observations."""
+    module = GRPO(
+        model="tiny-random", num_agents=2, share_parameters=share, learning_rate=1e-2, step_advantage_weight=1.0
+    )
     metrics, moved = _fit(tmp_path, module, "two-letters", 4, reward_density="dense")
     names = ["shared"] if share else ["agent0", "agent1"]
     for name in names:
         assert torch.isfinite(metrics[f"{name}/loss"]), name
+    assert metrics["train/anchor_grouped_frac"] > 0
     assert any(n.startswith("agents.0.") for n in moved)
     if not share:
         assert any(n.startswith("agents.1.") for n in moved)
@@ -318,3 +332,30 @@ def test_episode_held_out_evaluation(agent):
     )
     results = data.evaluate([agent])
     assert set(results) == {"reward", "won", "final_score", "turns"} and results["turns"] == 2.0
+
+
+def test_episodes_record_anchor_states(agent):
+    """Corridor's state key groups equal rooms and items whatever the replies; the observation
+    anchor tells apart what it joins (the message of the move that led there)."""
+    from helpers import ScriptedEngine
+
+    script = [
+        ["east", "west", "east"],  # rooms 1, 2, 1 -> states A B A
+        ["hello", "east", "take key"],  # A A B (an unknown command: "I don't understand")
+        ["west", "east", "east"],  # A A B (no way west: "Nothing happens")
+        ["east", "east", "take key"],  # A B C
+    ]
+    task = {"length": 4, "key_room": 2, "max_steps": 12}
+    settings = EpisodeSettings(group_size=4, max_turns=3, max_new_tokens=4, anchor="state")
+    play = lambda s: run_episodes([agent], [task], lambda: make_env("corridor"), s, engine=ScriptedEngine(script))[0]  # noqa: E731
+    batch = play(settings)
+    a = batch.anchors
+    assert ((a >= 0) == batch.alive).all() and batch.num_turns.tolist() == [3, 3, 3, 3]
+    A, B, C = int(a[0, 0]), int(a[0, 1]), int(a[3, 2])
+    assert a.tolist() == [[A, B, A], [A, A, B], [A, A, B], [A, B, C]] and len({A, B, C}) == 3
+    shared = anchor_groups(a, batch.alive, 4)
+    assert shared[:, 0].tolist() == [5, 5, 5, 6]  # the 7 turns in A, less the row's own
+    assert shared[3, 2] == 0  # C: a singleton
+    by_observation = play(replace(settings, anchor="observation")).anchors
+    assert (by_observation[:, 0] == by_observation[0, 0]).all()  # one start
+    assert by_observation[1, 1] != by_observation[2, 1]  # the same state, told apart by the message

@@ -203,3 +203,22 @@ def test_bad_alfworld_input_is_named(tmp_path, rows):
         resolve_source("alfworld:train")
     with pytest.raises(ConfigError, match=r"split='dev': choose one of"):
         resolve_source("alfworld:dev:1")
+
+
+def test_the_state_key_is_the_world_not_the_path(rows):
+    row = next(r for r in rows if r["task_type"] == "pick_and_place_simple")
+    env = AlfWorldEnv()
+    plan = [turn[0] for turn in env.expert_turns(row)]
+    env.reset(row)
+    start = env.state_key()
+    env.step(["inventory"])
+    env.step(["look"])
+    assert env.state_key() == start  # the domain's "checked" memory is not the state
+    env.step([plan[0]])
+    there = env.state_key()
+    assert there != start
+    env.step(["go to " + next(p for p in plan[1:] if p.startswith("go to ")).removeprefix("go to ")])
+    env.step([plan[0]])
+    assert env.state_key() == there  # back again: the same state, whatever the detour
+    env.step([plan[1]])
+    assert env.state_key() != there

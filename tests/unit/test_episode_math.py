@@ -6,7 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lit_marl.returns import episode_group_advantages, returns_to_go, token_gae, turn_gae, turn_rewards
+from lit_marl.returns import (
+    anchor_groups,
+    episode_advantages,
+    episode_group_advantages,
+    returns_to_go,
+    step_group_advantages,
+    token_gae,
+    turn_gae,
+    turn_rewards,
+)
 
 T = torch.tensor
 
@@ -84,15 +93,55 @@ def test_episode_group_baselines():
     assert torch.allclose(normed, T([[1.0], [-1.0], [0], [0]]), atol=1e-5)  # std of (1, 0) is .5
 
 
-def test_turn_level_group_baselines_count_only_live_members():
+def test_turn_level_group_baselines_count_every_member():
+    """A finished member's return-to-go is 0 and still counts (docs/credit.md: an alive-only mean is biased)."""
     returns = T([[1.0, 0.5], [0.0, 0.0], [0.2, 0.1]])
     alive = T([[1, 1], [1, 0], [1, 1]])
     grpo = episode_group_advantages(returns, alive, 3, "grpo", False)
-    assert torch.allclose(grpo, T([[0.6, 0.2], [-0.4, 0.0], [-0.2, -0.2]]))
+    assert torch.allclose(grpo, T([[0.6, 0.3], [-0.4, 0.0], [-0.2, -0.1]]))
     rloo = episode_group_advantages(returns, alive, 3, "rloo", False)
-    assert torch.allclose(rloo, T([[0.9, 0.4], [-0.6, 0.0], [-0.3, -0.4]]))
+    assert torch.allclose(rloo, T([[0.9, 0.45], [-0.6, 0.0], [-0.3, -0.15]]))
     lonely = episode_group_advantages(T([[1.0, 1.0], [0.0, 0.0]]), T([[1, 1], [1, 0]]), 2, "rloo", False)
-    assert lonely[0, 1] == 0  # alone at turn 1: no leave-one-out baseline, no signal
+    assert lonely[0, 1] == 1.0  # alone at turn 1: the finished member's 0 is the baseline
+
+
+def test_anchor_groups_form_over_equal_states_of_other_episodes():
+    alive = T([[1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 0, 0]]).bool()
+    anchors = torch.tensor([[0, 1, 0], [0, 1, -1], [0, 2, 3], [9, -1, -1]])  # rows 0-2: one task; row 3 alone
+    sizes = anchor_groups(anchors, alive, 4)
+    # turn 0: rows 0-2 share state 0 (and row 0's revisit at turn 2 counts for rows 1, 2, not for row 0)
+    assert sizes[:, 0].tolist() == [2, 3, 3, 0]
+    assert sizes[:, 1].tolist() == [1, 1, 0, 0]  # state 1: rows 0 and 1; state 2: row 2 alone
+    assert sizes[:, 2].tolist() == [2, 0, 0, 0]  # row 0 back in state 0 meets rows 1, 2's turn 0
+    # ids are compared within a task only: two tasks with the same ids do not group
+    two_tasks = anchor_groups(torch.tensor([[0], [1], [0], [1]]), torch.ones(4, 1), 2)
+    assert two_tasks.flatten().tolist() == [0, 0, 0, 0]
+
+
+def test_step_advantages_use_other_episodes_and_fall_back_for_singletons():
+    to_go = T([[1.0, 1.0], [0.0, 0.0], [0.5, 0.0]])
+    alive = T([[1, 1], [1, 1], [1, 1]]).bool()
+    anchors = torch.tensor([[0, 1], [0, 1], [0, 2]])
+    fallback = T([[7.0, 7.0], [8.0, 8.0], [9.0, 9.0]])
+    adv = step_group_advantages(to_go, alive, anchors, 3, fallback, False)
+    assert torch.allclose(adv[:, 0], T([0.75, -0.75, 0.0]))  # each against the mean of the other two
+    assert torch.allclose(adv[:, 1], T([1.0, -1.0, 9.0]))  # rows 0, 1 pair up; row 2 is a singleton
+    normed = step_group_advantages(to_go, alive, anchors, 3, fallback, True)
+    assert torch.allclose(normed[:2, 1], T([2.0, -2.0]), atol=1e-5)  # the pair's std is 0.5
+
+
+def test_step_weight_zero_is_plain_grpo_and_needs_anchors_otherwise():
+    rewards = T([[0.0, 1.0], [0.0, 0.0], [1.0, 0.0], [0.0, 0.0]])
+    alive = torch.ones(4, 2).bool()
+    plain = episode_group_advantages(returns_to_go(rewards, alive)[:, :1].expand(4, 2), alive, 2, "grpo", True)
+    assert torch.allclose(episode_advantages(rewards, alive, 2, "grpo", True), plain)
+    with pytest.raises(ValueError, match="anchors"):
+        episode_advantages(rewards, alive, 2, "grpo", True, step_weight=1.0)
+    # every step alone in its state: the step part is the episode's leave-one-out advantage
+    lonely = episode_advantages(rewards, alive, 2, "rloo", False, anchors=torch.arange(8).view(4, 2), step_weight=1.0)
+    assert torch.allclose(
+        lonely, 2 * episode_group_advantages(T([[1.0] * 2, [0.0] * 2, [1.0] * 2, [0.0] * 2]), alive, 2, "rloo", False)
+    )
 
 
 def test_whitening_over_the_masked_entries():

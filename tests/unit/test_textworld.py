@@ -220,3 +220,21 @@ def test_a_named_game_set_and_its_walkthrough_demonstrations(monkeypatch, tmp_pa
         resolve_source("textworld:w2-o3-q4:dev:2")
     with pytest.raises(ConfigError, match=r"data.train_path=.w2-x3.: not a complexity"):
         resolve_source("textworld:w2-x3:train:1")
+
+
+def test_the_state_key_is_the_world_not_the_path(games):
+    _, paths = games
+    task = {"game": str(paths["w2-o3-q4"])}
+    env = TextWorldEnv()
+    env.reset(task)
+    start = env.state_key()
+    walkthrough = [turn[0] for turn in env.expert_turns(task)]
+    env.step(["look"])
+    env.step(["inventory"])
+    assert env.state_key() == start  # looking changes nothing in the world
+    env.step([walkthrough[0]])
+    assert env.state_key() != start
+    twin = TextWorldEnv()
+    twin.reset(task)
+    twin.step([walkthrough[0]])
+    assert twin.state_key() == env.state_key()  # another path (no looking) to the same world

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from lit_marl.envs.alfworld.games import start_game
 from lit_marl.envs.base import Env, StepResult, register
-from lit_marl.envs.textworld.env import sanitize
+from lit_marl.envs.textworld.env import sanitize, state_digest
 
 _BANNER = re.compile(r"^\s*-= Welcome to TextWorld, ALFRED! =-\s*")
 _OLD_PUT = re.compile(r"^put (.+?) (?:in on|in|on|into|onto) (.+)$")  # "in/on" arrives sanitized
@@ -28,6 +28,8 @@ _ENGINE = threading.Lock()
 """Loading a game runs Fast Downward's translator, which swaps ``sys.stdout`` and ``sys.argv``
 while it works: loads and steps hold this lock (a step takes ~10 ms)."""
 _FIELDS = ("pddl_domain", "grammar", "pddl_problem")
+_PATH_MEMORY = re.compile(r"^(checked|examined|wasinreceptacle|not_\w+)\(", re.IGNORECASE)
+"""Facts that remember how the agent got somewhere rather than where things are."""
 
 
 def to_current_syntax(command: str) -> str:
@@ -77,7 +79,7 @@ class AlfWorldEnv(Env):
         check_game_file(path)
         try:
             with _ENGINE:
-                game = start_game(path, self.admissible_commands, policy_commands)
+                game = start_game(path, self.admissible_commands, policy_commands, facts=True)
                 state = game.reset()
         except (Exception, SystemExit) as err:  # the translator exits on a malformed problem
             raise ValueError(
@@ -95,7 +97,8 @@ class AlfWorldEnv(Env):
         if "game" not in task:
             raise KeyError(f"an ALFWorld task row needs the field 'game' (a .tw-pddl path); got {sorted(task)}")
         self._task = task
-        self._game, state = self._start(str(task["game"]))
+        self._game, self._state = self._start(str(task["game"]))
+        state = self._state
         return [self.observe(state, state["feedback"])]
 
     def step(self, actions: list[str]) -> StepResult:
@@ -104,9 +107,16 @@ class AlfWorldEnv(Env):
         command = to_current_syntax(sanitize(actions[0]))
         with _ENGINE:
             state, _, done = self._game.step(command)
+        self._state = state
         won = bool(state["won"])
         info = {"won": won, "lost": False, "score": int(won), "max_score": 1}
         return StepResult([self.observe(state, state["feedback"])], terminated=bool(done or won), info=info)
+
+    def state_key(self) -> str:
+        """The PDDL facts that hold (where the agent and every object are, what is open, hot, clean,
+        held), without the domain's memory of the path (``checked``, ``examined``,
+        ``wasInReceptacle``, ``not_*``): equal whatever the commands that led there."""
+        return state_digest(f for f in self._state["facts"] if not _PATH_MEMORY.match(str(f)))
 
     def expert_turns(self, task: dict) -> list[list[str]]:
         """The game's walkthrough, one command per turn (the planner's plan when it has none)."""

@@ -297,9 +297,10 @@ def write_game(kind: str, seed: int, root: Path) -> dict:
     return row
 
 
-def start_game(path: str, admissible_commands: bool = False, policy_commands: bool = False):
+def start_game(path: str, admissible_commands: bool = False, policy_commands: bool = False, facts: bool = False):
     """A tw-pddl game through TextWorld's PDDL backend with ALFWorld's wrappers: object names as
-    ALFWorld shows them ("apple 1"), the game file among the infos."""
+    ALFWorld shows them ("apple 1"), the game file among the infos (and, with ``facts``, the PDDL
+    facts that hold: the game's state)."""
     import textworld  # deferred: 0.6 s of start-up that runs which never play it skip
     from alfworld.agents.environment.alfred_tw_env import AlfredDemangler, AlfredInfos
 
@@ -308,6 +309,7 @@ def start_game(path: str, admissible_commands: bool = False, policy_commands: bo
         feedback=True,
         admissible_commands=admissible_commands,
         policy_commands=policy_commands,
+        facts=facts,
         extras=["gamefile"],
     )
     return textworld.start(path, request_infos=infos, wrappers=[AlfredDemangler(shuffle=False), AlfredInfos])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
 import os
 import re
 import threading
@@ -82,6 +83,11 @@ def _story_problem(path: str, mtime_ns: int, size: int) -> str | None:
     return None
 
 
+def state_digest(facts) -> str:
+    """A short digest of a set of TextWorld propositions (order-free)."""
+    return hashlib.sha1("\n".join(sorted(map(str, facts))).encode()).hexdigest()[:16]
+
+
 def room_of(description: str) -> str:
     """The room's name from its description header ``-= Studio =-``."""
     found = re.search(r"-=\s*(.+?)\s*=-", description)
@@ -128,6 +134,7 @@ class TextWorldEnv(Env):
             description=True,
             inventory=True,
             feedback=True,
+            facts=True,  # the world's propositions: the canonical state (state_key), ~0 ms a step
             admissible_commands=self.admissible_commands,
             extras=["walkthrough"],
         )
@@ -182,6 +189,11 @@ class TextWorldEnv(Env):
         return StepResult(
             [self.observe(state, [feedback])], terminated=bool(done or info["won"] or info["lost"]), info=info
         )
+
+    def state_key(self) -> str:
+        """The game's world as its set of true propositions (where the player and every object
+        are, what is open, what is carried): equal whatever the commands that led there."""
+        return state_digest(self._state["facts"])
 
     def expert_turns(self, task: dict) -> list[list[str]]:
         """The game's own walkthrough, one command per turn."""
