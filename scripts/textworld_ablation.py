@@ -31,6 +31,7 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
@@ -100,7 +101,7 @@ def evaluate(module, data, complexity: str, games: int) -> dict:
     """Greedy held-out success on ``games`` test-seed games of ``complexity``."""
     data.val_tasks = list(eval_tasks(complexity, games))
     start = time.perf_counter()
-    with module.gathered():
+    with module.computing(), torch.random.fork_rng():  # training's random stream goes on untouched
         metrics = data.evaluate(module.agents)
     return {
         "won": metrics["won"],
