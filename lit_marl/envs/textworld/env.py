@@ -134,7 +134,7 @@ class TextWorldEnv(Env):
             description=True,
             inventory=True,
             feedback=True,
-            facts=True,  # the world's propositions: the canonical state (state_key), ~0 ms a step
+            facts=True,  # the world's propositions, the canonical state (state_key): ~1-3 ms more a step (measured)
             admissible_commands=self.admissible_commands,
             extras=["walkthrough"],
         )
