@@ -264,11 +264,12 @@ def episode_group_advantages(
     1 - 1/n_t - a reweighting of the turns that is not the policy gradient (docs/credit.md works
     it out; ``tests/unit/test_credit_exact.py`` measures it). So: ``rloo`` is unbiased,
     ``grpo`` is (G-1)/G times the policy gradient. ``normalize`` divides by the group's std at that
-    turn (GRPO's scaling; it depends on e's own return, so it is biased, as in GRPO)."""
+    turn (GRPO's scaling; it depends on e's own return, so it is biased, as in GRPO), a tie up to
+    rounding giving 0 (``divide_by_spread``)."""
     B, T = returns.shape
     if B % group_size:
         raise ValueError(f"{B} episodes do not split into groups of {group_size}")
-    r = returns.float().view(-1, group_size, T)
+    r = returns.double().view(-1, group_size, T)  # float64: a tie stays a tie
     total = r.sum(dim=1, keepdim=True)
     if mode == "grpo":
         adv = r - total / group_size
@@ -277,8 +278,25 @@ def episode_group_advantages(
     else:
         raise ValueError(f"mode={mode!r}: choose grpo or rloo")
     if normalize:
-        adv = adv / (r.std(dim=1, unbiased=False, keepdim=True) + 1e-6)
-    return adv.view(B, T) * alive.float()
+        adv = divide_by_spread(adv, group_spread(returns, group_size).view(-1, group_size, T), r)
+    return (adv.view(B, T) * alive.double()).float()
+
+
+def group_spread(values: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``[B, T]``: the population std over each task's G members (consecutive rows) at each turn,
+    computed in float64 around the mean (two passes)."""
+    B, T = values.shape
+    v = values.double().view(-1, group_size, T)
+    centred = v - v.mean(dim=1, keepdim=True)
+    return centred.pow(2).mean(dim=1, keepdim=True).sqrt().expand_as(v).reshape(B, T)
+
+
+def divide_by_spread(adv: torch.Tensor, spread: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``adv / spread``, and 0 where the spread is no more than the rounding noise of ``values``
+    (1e-6 of their largest size): returns that tie up to rounding carry no signal, where dividing
+    their rounding differences by a near-zero spread would make one up."""
+    noise = 1e-6 * (1.0 + float(values.abs().max())) if values.numel() else 1e-6
+    return torch.where(spread > noise, adv / spread.clamp(min=noise), torch.zeros((), dtype=adv.dtype))
 
 
 def _shared_anchors(anchors: torch.Tensor, alive: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -322,19 +340,19 @@ def step_group_advantages(
     returns, its own included (GiGPO's scaling; biased, like GRPO's)."""
     B, T = to_go.shape
     G = group_size
-    same = _shared_anchors(anchors, alive, G).float()
-    r = to_go.float().view(-1, G, T)
-    other = to_go.float().view(-1, 1, G, 1, T)
+    same = _shared_anchors(anchors, alive, G).double()
+    r = to_go.double().view(-1, G, T)
+    other = to_go.double().view(-1, 1, G, 1, T)
     count = same.sum(dim=(2, 4))
     total = (same * other).sum(dim=(2, 4))
     adv = r - total / count.clamp(min=1)
-    if normalize:  # the population std of the group: the other steps and this one
+    if normalize:  # the population std of the group (the other steps and this one), around its mean
         n = count + 1
-        square = (same * other**2).sum(dim=(2, 4)) + r**2
-        std = (square / n - ((total + r) / n) ** 2).clamp(min=0).sqrt()
-        adv = adv / (std + 1e-6)
-    adv = torch.where(count > 0, adv, fallback.float().view(-1, G, T))
-    return adv.view(B, T) * alive.float()
+        mean = (total + r) / n
+        square = (same * (other - mean.view(-1, G, 1, T, 1)) ** 2).sum(dim=(2, 4)) + (r - mean) ** 2
+        adv = divide_by_spread(adv, (square / n).sqrt(), r)
+    adv = torch.where(count > 0, adv, fallback.double().view(-1, G, T))
+    return (adv.view(B, T) * alive.double()).float()
 
 
 def episode_advantages(
@@ -353,10 +371,18 @@ def episode_advantages(
     return-to-go, against the group: ``episode_group_advantages``) plus ``step_weight`` times the
     step level over ``anchors`` (``step_group_advantages``, singletons taking the episode's
     leave-one-out advantage). Unnormalized, the expectation is c times the policy gradient:
-    c = (G-1)/G (``grpo``) or 1 (``rloo``), plus ``step_weight`` (docs/credit.md)."""
+    c = (G-1)/G (``grpo``) or 1 (``rloo``), plus ``step_weight`` (docs/credit.md). ``normalize``
+    divides the episode level by the spread of the group's episode returns (at the turn level too:
+    per turn, a late turn's lone survivor would get +-sqrt(G-1) for any return-to-go, however small)
+    and the step level by its anchor group's spread."""
     to_go = returns_to_go(rewards, alive, discount)
     episode = to_go[:, :1].expand_as(to_go)  # the episode's return, credited to every turn
-    adv = episode_group_advantages(to_go if turn_level else episode, alive, group_size, mode, normalize)
+    if turn_level:  # scaled by the spread of the episode returns: a late turn's few survivors are not blown up
+        adv = episode_group_advantages(to_go, alive, group_size, mode, False)
+        if normalize:
+            adv = divide_by_spread(adv, group_spread(episode, group_size), episode).float()
+    else:
+        adv = episode_group_advantages(episode, alive, group_size, mode, normalize)
     if step_weight > 0:
         if anchors is None:
             raise ValueError("step_weight > 0 needs the anchors of the steps")

@@ -42,6 +42,8 @@ def settings_key(args) -> str:
     """A short hash of what every cell shares (a rerun with other settings is other cells)."""
     shared = [args.env, args.complexity, args.sft_demos, args.sft_epochs, args.train_games, args.eval_games,
               args.episodes_per_step, args.group_size, args.step_weight, args.set]  # fmt: skip
+    if args.sft_learning_rate != 1e-3:  # (added later: the default keeps the earlier runs' folders)
+        shared.append(args.sft_learning_rate)
     return hashlib.sha256(json.dumps(shared, default=str).encode()).hexdigest()[:6]
 
 
@@ -182,7 +184,7 @@ def training_metrics(out: Path) -> dict:
     """The run's training means from its CSV log: reward, wins, and the anchor groups' share."""
     import csv
 
-    files = sorted(out.glob("lightning_logs/version_*/metrics.csv"))
+    files = sorted(out.glob("lightning_logs/version_*/metrics.csv"), key=lambda p: int(p.parent.name.split("_")[1]))
     if not files:
         return {}
     with open(files[-1]) as handle:
@@ -226,7 +228,10 @@ def table(curves: dict, rows: list[dict], start: dict) -> str:
         f"\nHeld-out greedy success on {start['eval_episodes']} test-seed games, mean ± std over seeds; 0 episodes: "
         f"the start ({start['demos']} demonstrations x {start['sft_epochs']} epochs of SFT), shared by every "
         "algorithm. Grouped steps: the share of training steps whose anchor state another episode of the task "
-        "also reached (step-level GRPO only). Train s: training seconds to the last budget (evaluation excluded).\n"
+        "also reached (step-level GRPO only). Train s: training seconds to the last budget (evaluation excluded). "
+        "Each algorithm keeps its shipped config: PPO makes 2 passes over a step's episodes with a value head and "
+        "plays one episode per task (so it sees G times as many distinct training games as the group methods); "
+        "GRPO and step-level GRPO scale by the group's std, RLOO does not.\n"
     )
     return head + "".join(lines) + note
 
@@ -318,7 +323,7 @@ def main(argv: list[str] | None = None) -> None:
     done = {row["cell"] for row in load_rows(results)}
     for seed in args.seeds:  # every algorithm of a seed first: a cut-short comparison still compares
         for algorithm in args.algorithms:
-            name = f"{algorithm}-s{seed}-e{args.episodes}-{settings}"
+            name = f"{algorithm}-s{seed}-e{args.episodes}-every{args.eval_every}-{settings}"
             if name in done:
                 print(f"[credit] {name}: done before, kept", flush=True)
                 continue

@@ -214,8 +214,8 @@ class AdmissibleEngine:
 
 
 class ScriptedEngine:
-    """Replies from a script instead of sampling: at its t-th call, prompt row b gets
-    ``script[b][t]`` (one agent, every episode still live). Token ids as a real engine returns them."""
+    """Replies from a script instead of sampling: at its t-th call (turn t), the b-th prompt (the
+    b-th episode still live) gets ``script[t][b]`` (one agent). Token ids as a real engine returns them."""
 
     name = "scripted"
 
@@ -227,9 +227,8 @@ class ScriptedEngine:
 
         ((agent, prompts, _),) = calls
         prompt_ids, prompt_mask = left_pad(prompts, agent.pad_token_id, torch.device("cpu"))
-        replies = [
-            agent.tokenizer.encode(self.script[b][self.turn], add_special_tokens=False) for b in range(len(prompts))
-        ]
+        assert len(self.script[self.turn]) == len(prompts), "one scripted reply per live episode"
+        replies = [agent.tokenizer.encode(text, add_special_tokens=False) for text in self.script[self.turn]]
         replies = [r + [agent.eos_token_id] for r in replies]
         self.turn += 1
         ids = torch.full((len(replies), max(map(len, replies))), agent.pad_token_id, dtype=torch.long)

@@ -335,27 +335,29 @@ def test_episode_held_out_evaluation(agent):
 
 
 def test_episodes_record_anchor_states(agent):
-    """Corridor's state key groups equal rooms and items whatever the replies; the observation
-    anchor tells apart what it joins (the message of the move that led there)."""
+    """Corridor's state key groups equal rooms and items whatever the replies; an episode the game
+    ends early records no anchor after its end; the observation anchor tells apart what the state
+    key joins (the message of the move that led there)."""
     from helpers import ScriptedEngine
 
+    # a pit corridor: the start is room 2 of 4 (S), the key lies in room 3 (K); west of S is the pit
     script = [
-        ["east", "west", "east"],  # rooms 1, 2, 1 -> states A B A
-        ["hello", "east", "take key"],  # A A B (an unknown command: "I don't understand")
-        ["west", "east", "east"],  # A A B (no way west: "Nothing happens")
-        ["east", "east", "take key"],  # A B C
+        ["east", "hello", "west", "east"],  # turn 0, episodes 0-3 (2 falls into the pit: lost, over)
+        ["west", "east", "east"],  # turn 1, episodes 0, 1, 3
+        ["east", "take key", "take key"],  # turn 2
     ]
-    task = {"length": 4, "key_room": 2, "max_steps": 12}
+    task = {"length": 4, "key_room": 2, "pit": True, "max_steps": 12}
     settings = EpisodeSettings(group_size=4, max_turns=3, max_new_tokens=4, anchor="state")
     play = lambda s: run_episodes([agent], [task], lambda: make_env("corridor"), s, engine=ScriptedEngine(script))[0]  # noqa: E731
     batch = play(settings)
     a = batch.anchors
-    assert ((a >= 0) == batch.alive).all() and batch.num_turns.tolist() == [3, 3, 3, 3]
-    A, B, C = int(a[0, 0]), int(a[0, 1]), int(a[3, 2])
-    assert a.tolist() == [[A, B, A], [A, A, B], [A, A, B], [A, B, C]] and len({A, B, C}) == 3
+    assert batch.num_turns.tolist() == [3, 3, 1, 3] and bool(batch.lost[2])
+    assert ((a >= 0) == batch.alive).all()
+    S, K, R = int(a[0, 0]), int(a[0, 1]), int(a[3, 2])
+    assert a.tolist() == [[S, K, S], [S, S, K], [S, -1, -1], [S, K, R]] and len({S, K, R}) == 3
     shared = anchor_groups(a, batch.alive, 4)
-    assert shared[:, 0].tolist() == [5, 5, 5, 6]  # the 7 turns in A, less the row's own
-    assert shared[3, 2] == 0  # C: a singleton
+    assert shared[:, 0].tolist() == [4, 4, 5, 5]  # the 6 turns in S, less the row's own
+    assert shared[3, 2] == 0  # room 4: a singleton
     by_observation = play(replace(settings, anchor="observation")).anchors
     assert (by_observation[:, 0] == by_observation[0, 0]).all()  # one start
-    assert by_observation[1, 1] != by_observation[2, 1]  # the same state, told apart by the message
+    assert by_observation[1, 1] != by_observation[1, 0]  # still in S, but "I don't understand" was said

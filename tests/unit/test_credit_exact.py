@@ -15,7 +15,7 @@ import itertools
 import pytest
 import torch
 
-from lit_marl.returns import episode_advantages, returns_to_go
+from lit_marl.returns import anchor_groups, episode_advantages, returns_to_go
 
 # state -> action -> (next state or None: the episode ends, reward). Three states, two actions;
 # A -> B -> A revisits A; "stop" ends the episode early; at most H turns.
@@ -120,6 +120,26 @@ def test_unbiased_estimates_leave_no_residual():
         assert_biased(estimate, gradient)
 
 
+def test_the_enumeration_exercises_grouped_and_singleton_steps():
+    """The step-level rows below test grouping itself: steps group and singletons occur, and the
+    step part differs from the singleton fallback it would be if nothing grouped."""
+    seen = {}
+
+    def spy(r, alive, anchors):
+        seen["shared"] = anchor_groups(anchors, alive, G)
+        seen["alive"] = alive
+        seen["grouped"] = episode_advantages(r, alive, G, "rloo", False, anchors=anchors, step_weight=1.0)
+        lonely = torch.arange(anchors.numel()).view(anchors.shape)
+        seen["lonely"] = episode_advantages(r, alive, G, "rloo", False, anchors=lonely, step_weight=1.0)
+        return seen["grouped"]
+
+    expectation(spy, sparse=False)
+    grouped = (seen["shared"] > 0) & seen["alive"]
+    assert grouped.any() and (~grouped & seen["alive"]).any()
+    assert not torch.allclose(seen["grouped"], seen["lonely"])
+    assert (seen["shared"][:, 1:] > 0).any()  # later turns group too, not only the common start
+
+
 def test_the_mdp_exercises_early_ends_and_revisits():
     lengths = {len(p) for p in TRAJ}
     assert lengths == {1, 3}  # the policy ends it at once or plays on
@@ -174,6 +194,14 @@ def gigpo_own_steps(r, alive, anchors):
     return ((to_go - mean) * live).view(-1, H)
 
 
+def anchors_after_acting(r, alive, anchors):
+    """Step-level groups keyed by the state the action LED to (a key recorded one turn late): the
+    baseline then depends on the action it judges."""
+    after = torch.cat([anchors[:, 1:], torch.full_like(anchors[:, :1], -1)], dim=1)
+    after = torch.where(after >= 0, after, 100 + torch.arange(H).expand_as(after))  # the end: its own key per turn
+    return episode_advantages(r, alive, G, "rloo", False, anchors=after, step_weight=1.0)
+
+
 def own_reward_in_baseline(r, alive, anchors):
     """A baseline that peeks at the step's own reward (a function of the action it judges)."""
     return (returns_to_go(r, alive) - r) * alive
@@ -188,6 +216,7 @@ def own_reward_in_baseline(r, alive, anchors):
         alive_only("grpo", turn_level=True),
         alive_only("rloo", turn_level=True),
         gigpo_own_steps,
+        anchors_after_acting,
         own_reward_in_baseline,
         ours("grpo", normalize=True),
         ours("grpo", turn_level=True, normalize=True),
@@ -199,6 +228,7 @@ def own_reward_in_baseline(r, alive, anchors):
         "old turn-level grpo",
         "old turn-level rloo",
         "anchor groups with own steps",
+        "anchors recorded after acting",
         "own reward in baseline",
         "std-normalized grpo",
         "std-normalized turn-level grpo",

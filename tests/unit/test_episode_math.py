@@ -155,3 +155,24 @@ def test_whitening_over_the_masked_entries():
     assert torch.allclose(out[mask.bool()], expected)
     assert (out[~mask.bool()] == 0).all()  # the padding and observation entries stay out
     assert torch.equal(whiten(values, torch.zeros_like(mask)), values)  # nothing to whiten
+
+
+def test_ties_up_to_rounding_carry_no_normalized_signal():
+    tied = torch.tensor([0.3, 0.3, 0.3, 0.3])
+    tied[0] = torch.nextafter(tied[0], torch.tensor(1.0))  # one ulp apart: a sum taken in another order
+    returns = tied.view(4, 1).expand(4, 2)
+    alive = torch.ones(4, 2)
+    assert episode_group_advantages(returns, alive, 4, "grpo", True).abs().max() == 0
+    step = step_group_advantages(returns, alive.bool(), torch.zeros(4, 2, dtype=torch.long), 4, torch.ones(4, 2), True)
+    assert step.abs().max() == 0
+    assert episode_group_advantages(T([[1.0], [0.0]]), torch.ones(2, 1), 2, "grpo", True).abs().max() > 0.99
+
+
+def test_turn_level_normalization_uses_the_episode_spread():
+    """A lone survivor with a tiny return-to-go is not blown up to +-sqrt(G-1) by the finished members' zeros."""
+    rewards = T([[0.0, 1e-4], [1.0, 0.0], [0.0, 0.0], [0.5, 0.0]])
+    alive = T([[1, 1], [1, 0], [1, 0], [1, 0]]).bool()
+    adv = episode_advantages(rewards, alive, 4, "grpo", True, turn_level=True)
+    episode = T([1e-4, 1.0, 0.0, 0.5])
+    assert torch.isclose(adv[0, 1], (1e-4 - 1e-4 / 4) / episode.std(unbiased=False), rtol=1e-3)
+    assert adv[0, 1].abs() < 1e-3
