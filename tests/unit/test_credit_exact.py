@@ -15,7 +15,13 @@ import itertools
 import pytest
 import torch
 
-from lit_marl.returns import anchor_groups, episode_advantages, returns_to_go
+from lit_marl.returns import (
+    anchor_groups,
+    episode_advantages,
+    episode_group_advantages,
+    returns_to_go,
+    step_group_advantages,
+)
 
 # state -> action -> (next state or None: the episode ends, reward). Three states, two actions;
 # A -> B -> A revisits A; "stop" ends the episode early; at most H turns.
@@ -194,6 +200,14 @@ def gigpo_own_steps(r, alive, anchors):
     return ((to_go - mean) * live).view(-1, H)
 
 
+def singletons_get_nothing(r, alive, anchors):
+    """GiGPO implementations' singleton rule: a step no other episode shares gets no step-level part,
+    so a step's weight (1 or 1 + omega) depends on whether others happened to reach its state."""
+    to_go = returns_to_go(r, alive)
+    episode = episode_group_advantages(to_go[:, :1].expand_as(to_go), alive, G, "rloo", False)
+    return episode + step_group_advantages(to_go, alive, anchors, G, torch.zeros_like(to_go), False)
+
+
 def anchors_after_acting(r, alive, anchors):
     """Step-level groups keyed by the state the action LED to (a key recorded one turn late): the
     baseline then depends on the action it judges."""
@@ -216,6 +230,7 @@ def own_reward_in_baseline(r, alive, anchors):
         alive_only("grpo", turn_level=True),
         alive_only("rloo", turn_level=True),
         gigpo_own_steps,
+        singletons_get_nothing,
         anchors_after_acting,
         own_reward_in_baseline,
         ours("grpo", normalize=True),
@@ -228,6 +243,7 @@ def own_reward_in_baseline(r, alive, anchors):
         "old turn-level grpo",
         "old turn-level rloo",
         "anchor groups with own steps",
+        "singletons get no step part",
         "anchors recorded after acting",
         "own reward in baseline",
         "std-normalized grpo",
