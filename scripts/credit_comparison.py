@@ -193,7 +193,7 @@ def training_metrics(out: Path) -> dict:
     for key in ("train/reward", "train/won", "train/anchor_grouped_frac", "train/anchor_group_size"):
         values = [float(r[key]) for r in table if r.get(key) not in (None, "")]
         if values:
-            means[key.removeprefix("train/")] = round(statistics.fmean(values), 4)
+            means[key.replace("/", "_")] = round(statistics.fmean(values), 4)  # never the held-out "won"
     return means
 
 
@@ -219,7 +219,7 @@ def table(curves: dict, rows: list[dict], start: dict) -> str:
             won = curve.get(b, [])
             spread = f" ± {statistics.stdev(won):.3f}" if len(won) > 1 else ""
             cells.append(f"{statistics.fmean(won):.3f}{spread}" if won else "-")
-        grouped = [r["anchor_grouped_frac"] for r in mine if "anchor_grouped_frac" in r]
+        grouped = [r["train_anchor_grouped_frac"] for r in mine if "train_anchor_grouped_frac" in r]
         seeds = len({r["seed"] for r in mine})
         train_s = statistics.fmean(r["train_s"] for r in mine if r["episodes"] == max(curve))
         share = f"{statistics.fmean(grouped):.2f}" if grouped else "-"

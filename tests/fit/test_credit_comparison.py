@@ -24,7 +24,14 @@ def test_the_table_and_the_curves_from_rows():
     rows = [
         {"algorithm": "grpo", "seed": 0, "episodes": 8, "won": 0.5, "train_s": 10.0},
         {"algorithm": "grpo", "seed": 1, "episodes": 8, "won": 0.0, "train_s": 12.0},
-        {"algorithm": "grpo_step", "seed": 0, "episodes": 8, "won": 0.75, "train_s": 11.0, "anchor_grouped_frac": 0.4},
+        {
+            "algorithm": "grpo_step",
+            "seed": 0,
+            "episodes": 8,
+            "won": 0.75,
+            "train_s": 11.0,
+            "train_anchor_grouped_frac": 0.4,
+        },
     ]
     curves = credit.summarize(rows, START)
     assert curves == {"grpo": {0: [0.25], 8: [0.5, 0.0]}, "grpo_step": {0: [0.25], 8: [0.75]}}
@@ -50,7 +57,8 @@ def test_the_comparison_runs_every_cell_from_one_start_and_resumes(tmp_path, cap
         ("ppo", 4),
     ]
     assert all(0 <= r["won"] <= 1 and r["eval_episodes"] == 2 for r in rows)
-    assert rows[0]["anchor_grouped_frac"] > 0 and "anchor_grouped_frac" not in rows[2]
+    assert rows[0]["train_anchor_grouped_frac"] > 0 and "train_anchor_grouped_frac" not in rows[2]
+    assert "train_won" in rows[0]  # the training outcome never takes the held-out figure's key
     (settings,) = [p for p in out.iterdir() if p.is_dir()]
     start = json.loads((settings / "start" / "row.json").read_text())
     assert start["demos"] == 2 and start["model"].startswith(str(settings / "start" / "model"))
