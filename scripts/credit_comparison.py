@@ -21,16 +21,19 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import os
 import statistics
 import time
 from pathlib import Path
 
-import torch
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("textworld_ablation", REPO / "scripts" / "textworld_ablation.py")
+ablation = importlib.util.module_from_spec(_spec)  # its cell building and held-out evaluation, shared
+_spec.loader.exec_module(ablation)
 ALGORITHMS = ("grpo", "grpo_step", "rloo", "ppo")
 GAMES = {  # env -> (train set, held-out set, demonstration set) by split, sized by the arguments
     "textworld": ("textworld:{c}:train:{n}", "textworld:{c}:test:{m}", "textworld:{c}:validation:{d}"),
@@ -45,14 +48,6 @@ def settings_key(args) -> str:
     if args.sft_learning_rate != 1e-3:  # (added later: the default keeps the earlier runs' folders)
         shared.append(args.sft_learning_rate)
     return hashlib.sha256(json.dumps(shared, default=str).encode()).hexdigest()[:6]
-
-
-def set_path(config: dict, dotted: str, value) -> None:
-    *parents, leaf = dotted.split(".")
-    node = config
-    for key in parents:
-        node = node.setdefault(key, {})
-    node[leaf] = value
 
 
 def sources(args) -> tuple[str, str, str]:
@@ -85,29 +80,8 @@ def base_config(args, algorithm: str, seed: int, out: Path) -> dict:
     config["seed_everything"] = seed
     for item in args.set:
         key, _, value = item.partition("=")
-        set_path(config, key, yaml.safe_load(value))
+        ablation.set_path(config, key, yaml.safe_load(value))
     return config
-
-
-def build(config: dict, out: Path):
-    """The run's config written to ``out/config.yaml`` (rerunnable) and built from there."""
-    from lit_marl.cli import build_cli
-
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "config.yaml"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    return build_cli(["--config", str(path)], run=False)
-
-
-def evaluate(module, data) -> dict:
-    start = time.perf_counter()
-    with module.computing(), torch.random.fork_rng():  # training's random stream goes on untouched
-        metrics = data.evaluate(module.agents)
-    return {
-        "won": metrics["won"],
-        "eval_episodes": len(data.val_tasks),
-        "eval_s": round(time.perf_counter() - start, 1),
-    }
 
 
 def start_model(args, out: Path) -> tuple[str, dict]:
@@ -131,16 +105,16 @@ def start_model(args, out: Path) -> tuple[str, dict]:
         ]
     start = time.perf_counter()
     if args.sft_demos:
-        cli = build(config, out)
+        cli = ablation.build(config, out)
         cli.trainer.fit(cli.model, datamodule=cli.datamodule)
         (model_source,) = [str(p) for p in folder.iterdir() if p.is_dir()]
     train_s = round(time.perf_counter() - start, 1)
     evaluation = base_config(args, "grpo", 0, out / "evaluation")  # the start as every cell loads it
     evaluation["model"]["init_args"]["model"] = model_source
-    cli = build(evaluation, out / "evaluation")
+    cli = ablation.build(evaluation, out / "evaluation")
     cli.model.configure_model()
     row = {"model": model_source, "demos": args.sft_demos, "sft_epochs": args.sft_epochs, "train_s": train_s}
-    row |= evaluate(cli.model, cli.datamodule)
+    row |= ablation.held_out(cli.model, cli.datamodule)
     row_file.write_text(json.dumps(row))
     return model_source, row
 
@@ -154,7 +128,7 @@ def run_cell(args, algorithm: str, seed: int, model: str, out: Path) -> list[dic
     steps = args.episodes // args.episodes_per_step
     every = max(args.eval_every // args.episodes_per_step, 1)
     # Every stops the run after `steps` training steps (not max_steps: a PPO step is several optimizer steps)
-    cli = build(config, out)
+    cli = ablation.build(config, out)
     rows: list[dict] = []
 
     class Every(L.Callback):
@@ -167,7 +141,7 @@ def run_cell(args, algorithm: str, seed: int, model: str, out: Path) -> list[dic
                 return
             self.train_s += time.perf_counter() - self.start
             row = {"episodes": step * args.episodes_per_step, "train_s": round(self.train_s, 1)}
-            rows.append(row | evaluate(pl_module, trainer.datamodule))
+            rows.append(row | ablation.held_out(pl_module, trainer.datamodule))
             print(
                 f"[credit] {algorithm} seed {seed}: {row['episodes']} episodes -> won {rows[-1]['won']:.3f}", flush=True
             )
@@ -280,10 +254,6 @@ def write_reports(out: Path, rows: list[dict], start: dict) -> None:
     (out / "success.svg").write_text(svg(curves))
 
 
-def load_rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--env", default="textworld", choices=sorted(GAMES))
@@ -320,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
     model, start = start_model(args, root / "start")
     print(f"[credit] start {model}: won {start['won']:.3f} of {start['eval_episodes']}", flush=True)
     results = args.out / "results.jsonl"
-    done = {row["cell"] for row in load_rows(results)}
+    done = {row["cell"] for row in ablation.load_rows(results)}
     for seed in args.seeds:  # every algorithm of a seed first: a cut-short comparison still compares
         for algorithm in args.algorithms:
             name = f"{algorithm}-s{seed}-e{args.episodes}-every{args.eval_every}-{settings}"
@@ -332,8 +302,8 @@ def main(argv: list[str] | None = None) -> None:
             with open(results, "a") as f:
                 for row in rows:
                     f.write(json.dumps({"cell": name, "algorithm": algorithm, "seed": seed, **row}) + "\n")
-            write_reports(args.out, [r for r in load_rows(results) if r["cell"].endswith(settings)], start)
-    write_reports(args.out, [r for r in load_rows(results) if r["cell"].endswith(settings)], start)
+            write_reports(args.out, [r for r in ablation.load_rows(results) if r["cell"].endswith(settings)], start)
+    write_reports(args.out, [r for r in ablation.load_rows(results) if r["cell"].endswith(settings)], start)
     print((args.out / "results.md").read_text())
 
 

@@ -100,6 +100,12 @@ def eval_tasks(complexity: str, games: int) -> tuple[dict, ...]:
 def evaluate(module, data, complexity: str, games: int) -> dict:
     """Greedy held-out success on ``games`` test-seed games of ``complexity``."""
     data.val_tasks = list(eval_tasks(complexity, games))
+    return held_out(module, data)
+
+
+def held_out(module, data) -> dict:
+    """Greedy success on the data module's held-out tasks, with their count and the seconds taken
+    (``scripts/credit_comparison.py`` evaluates with it too)."""
     start = time.perf_counter()
     with module.computing(), torch.random.fork_rng():  # training's random stream goes on untouched
         metrics = data.evaluate(module.agents)
