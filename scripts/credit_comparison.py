@@ -207,7 +207,27 @@ def table(curves: dict, rows: list[dict], start: dict) -> str:
         "plays one episode per task (so it sees G times as many distinct training games as the group methods); "
         "GRPO and step-level GRPO scale by the group's std, RLOO does not.\n"
     )
-    return head + "".join(lines) + note
+    return head + "".join(lines) + paired(rows) + note
+
+
+def paired(rows: list[dict], reference: str = "grpo") -> str:
+    """Each algorithm minus trajectory-level GRPO on the same seeds (same start, same seed): the
+    difference per seed at the last budget both reached, so seed-to-seed noise shared by the two cancels."""
+    won = {(r["algorithm"], r["seed"], r["episodes"]): r["won"] for r in rows}
+    out = []
+    for algorithm in sorted({r["algorithm"] for r in rows} - {reference}):
+        diffs = []
+        for seed in sorted({r["seed"] for r in rows}):
+            common = [e for (a, s, e) in won if a == algorithm and s == seed and (reference, seed, e) in won]
+            if common:
+                e = max(common)
+                diffs.append((seed, e, won[algorithm, seed, e] - won[reference, seed, e]))
+        if diffs:
+            values = [d for _, _, d in diffs]
+            spread = f" ± {statistics.stdev(values):.3f}" if len(values) > 1 else ""
+            each = ", ".join(f"seed {seed}: {d:+.3f} at {e}" for seed, e, d in diffs)
+            out.append(f"- {algorithm} − {reference}: {statistics.fmean(values):+.3f}{spread} ({each})\n")
+    return "\nPaired differences (same seed, last common budget):\n" + "".join(out) if out else ""
 
 
 def svg(curves: dict) -> str:

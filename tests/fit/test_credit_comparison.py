@@ -38,6 +38,7 @@ def test_the_table_and_the_curves_from_rows():
     text = credit.table(curves, rows, START)
     assert "| grpo | 0.250 | 0.250 ± 0.354 | 2 | - | 11 |" in text
     assert "| grpo_step | 0.250 | 0.750 | 1 | 0.40 | 11 |" in text
+    assert "- grpo_step − grpo: +0.250 (seed 0: +0.250 at 8)" in text  # paired on seed 0 only
     ET.fromstring(credit.svg(curves))  # well-formed
 
 
