@@ -16,12 +16,15 @@ import os
 import shutil
 import socket
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
 from urllib.parse import urlparse
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from lit_marl import ConfigError
 
@@ -113,6 +116,54 @@ def set_attention(models, implementation: AttentionKernel | None) -> None:
     for model in models:
         lm = next(m for m in model.modules() if isinstance(m, PreTrainedModel))  # the outermost
         lm.set_attn_implementation(implementation)
+
+
+def checkpoint_layers(module: torch.nn.Module, on: bool = True) -> int:
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them, for
+    every model under ``module`` with trainable weights (actors, LoRA adapters' bases, critic
+    backbones; frozen references have no backward to save for). transformers' per-layer
+    checkpointing, non-reentrant: it works with LoRA, DDP and FSDP2 (its hooks stay outside the
+    recompute). Only passes that build a graph recompute; generation runs as is. ``on=False``
+    leaves every model as it is. Returns how many models it switched on."""
+    if not on:
+        return 0
+    inner: set[int] = set()
+    switched = 0
+    for m in module.modules():  # pre-order: an outer model comes before the models inside it
+        if id(m) in inner or not isinstance(m, PreTrainedModel):
+            continue
+        inner.update(id(sub) for sub in m.modules())
+        if any(p.requires_grad for p in m.parameters()):
+            m.activation_checkpointing_enable({"use_reentrant": False})
+            switched += 1
+    return switched
+
+
+@contextmanager
+def checkpointed_passes(module: torch.nn.Module) -> Iterator[None]:
+    """The passes inside the block recompute the layers that ``checkpoint_layers``
+    switched on. transformers checkpoints a layer only in training mode, and lit_marl's models stay
+    in eval mode (no dropout anywhere, so the update's log-probs are the sampler's): the block flags
+    the decoder layers alone as training, not their submodules (attention and LoRA dropout stay off)."""
+    layers = [
+        m
+        for m in module.modules()
+        if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing and not m.training
+    ]
+    for layer in layers:
+        layer.training = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.training = False
+
+
+def recomputes_activations(model: torch.nn.Module) -> bool:
+    """Whether a forward of ``model`` now runs checkpointed layers, which drop any KV cache passed in."""
+    return torch.is_grad_enabled() and any(
+        isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing and m.training for m in model.modules()
+    )
 
 
 def load_model_and_tokenizer(source: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

@@ -1,0 +1,172 @@
+"""Activation checkpointing (``model.activation_checkpointing``): which models it reaches, that a
+checkpointed backward recomputes the layers and gives the plain backward's gradients, and that the
+shared-prompt pass (one KV cache for a node's G rows) stays exact although a checkpointed layer drops
+any cache it is given."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+
+from helpers import SGDRecordingMAGRPO, make_trainer, slogan_data, snapshot
+from lit_marl.algorithms import IAC, MAGRPO
+from lit_marl.logprobs import completion_logits, completion_logprobs
+from lit_marl.models import checkpoint_layers, checkpointed_passes, load_model_and_tokenizer, recomputes_activations
+
+LORA = {"r": 4, "alpha": 8}
+
+
+def _pair(lora: bool, dropout: float = 0.0):
+    """Two equal copies of the tiny model (LoRA adapters with nonzero B, so they get gradients that
+    depend on the base's activations), the second checkpointed; both in eval mode, as they train."""
+    torch.manual_seed(0)
+    models = []
+    for _ in range(2):
+        model, _ = load_model_and_tokenizer("tiny-random")
+        if lora:
+            from peft import get_peft_model
+
+            from lit_marl.agents import LoraSettings, lora_config
+
+            torch.manual_seed(1)
+            model = get_peft_model(model, lora_config(LoraSettings(**LORA, dropout=dropout)))
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    torch.nn.init.normal_(p, std=0.02, generator=torch.Generator().manual_seed(hash(name) % 2**31))
+        models.append(model.eval())
+    assert checkpoint_layers(models[1]) == 1
+    return models
+
+
+def _batch():
+    ids = torch.randint(3, 200, (4, 14), generator=torch.Generator().manual_seed(7))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding
+    ids[2:, :9] = ids[0, :9]  # rows 0, 2, 3 share a 9-token prompt (as a node's G samples do)
+    mask[2:, :9] = mask[0, :9]
+    return ids, mask
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _count_passes(model, calls: dict, key: str) -> None:
+    attention = next(m for n, m in model.named_modules() if n.endswith("layers.0.self_attn"))
+    attention.register_forward_hook(lambda *_: calls.__setitem__(key, calls.get(key, 0) + 1))
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_checkpointed_backward_recomputes_and_equals_the_plain_one(lora):
+    plain, checkpointed = _pair(lora)
+    ids, mask = _batch()
+    calls = {}
+    for name, model in (("plain", plain), ("checkpointed", checkpointed)):
+        _count_passes(model, calls, name)
+        with checkpointed_passes(model):
+            assert recomputes_activations(model) == (model is checkpointed)
+            logprobs = completion_logprobs(model, ids, mask, 5)
+            (logprobs * torch.linspace(0.5, 2.0, 5)).sum().backward()
+    assert calls == {"plain": 1, "checkpointed": 2}, "the checkpointed layer was not recomputed in the backward"
+    assert not any(m.training for m in checkpointed.modules()), "the block left a module in training mode"
+    assert not recomputes_activations(checkpointed)  # outside the block: the models' eval mode, no recompute
+    ours, theirs = _grads(checkpointed), _grads(plain)
+    assert ours.keys() == theirs.keys() and ours
+    assert all(g.abs().sum() > 0 for g in theirs.values() if g.dim() > 1), "a void comparison"
+    for name in theirs:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_shared_prompt_pass_stays_exact_under_checkpointing():
+    """A checkpointed layer drops the KV cache (transformers sets ``cache=None``): the prompt-shared
+    pass would then read the completions without their prompt. It must fall back to full rows."""
+    plain, checkpointed = _pair(lora=False)
+    ids, mask = _batch()
+    groups = torch.tensor([0, 1, 0, 0])
+    reference = completion_logits(plain, ids, mask, 5)  # one full pass per row
+    with checkpointed_passes(checkpointed):
+        shared = completion_logits(checkpointed, ids, mask, 5, prompt_groups=groups)
+    torch.testing.assert_close(shared, reference, rtol=1e-5, atol=1e-5)
+    reference.sum().backward()
+    shared.sum().backward()
+    for name, grad in _grads(plain).items():
+        torch.testing.assert_close(_grads(checkpointed)[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    with checkpointed_passes(checkpointed), torch.no_grad():  # no backward, no recompute: the cached pass runs
+        assert not recomputes_activations(checkpointed)
+        torch.testing.assert_close(completion_logits(checkpointed, ids, mask, 5, prompt_groups=groups), reference)
+
+
+def test_the_checkpointed_passes_run_without_dropout():
+    """Only the decoder layers are flagged as training inside the block: LoRA's dropout (0.5 here)
+    stays off, so two passes give the same log-probs, those of the eval-mode model."""
+    plain, checkpointed = _pair(lora=True, dropout=0.5)
+    ids, mask = _batch()
+    with torch.no_grad():
+        expected = completion_logprobs(plain, ids, mask, 5)
+    with checkpointed_passes(checkpointed):
+        first = completion_logprobs(checkpointed, ids, mask, 5)
+        second = completion_logprobs(checkpointed, ids, mask, 5)
+    torch.testing.assert_close(first, second, rtol=0, atol=0)
+    torch.testing.assert_close(first.detach(), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(cls=MAGRPO, lora=None),
+        dict(cls=MAGRPO, lora=LORA, lora_shared_base=True),
+        dict(cls=MAGRPO, share_parameters=True),
+        dict(cls=IAC, critic="model"),
+    ],
+    ids=["separate", "lora-shared-base", "shared", "iac-critic-models"],
+)
+def test_the_setting_reaches_every_trainable_model(settings):
+    settings = dict(settings)
+    cls = settings.pop("cls")
+    module = cls(model="tiny-random", num_agents=2, activation_checkpointing=True, **settings)
+    module.configure_model()
+    checked = 0
+    for model in module.modules():
+        if hasattr(model, "is_activation_checkpointing") and any(p.requires_grad for p in model.parameters()):
+            assert model.is_activation_checkpointing, type(model).__name__
+            checked += 1
+    critics = getattr(module, "critics", None) or []
+    assert checked >= (1 if settings.get("lora_shared_base") or settings.get("share_parameters") else 2) + len(critics)
+    plain = cls(model="tiny-random", num_agents=2, **settings)
+    plain.configure_model()
+    assert not any(getattr(m, "gradient_checkpointing", False) for m in plain.modules())
+
+
+def test_a_checkpointed_fit_trains_as_the_plain_one(tmp_path):
+    """One MAGRPO step (G = 3 rows share each node's prompt) with and without checkpointing, same seed,
+    SGD with lr 1 (an update is minus the gradient; Adam's first step would blow float rounding up to
+    +-lr): the same rollouts, finite losses, parameters that move, and the same update."""
+    ends, calls = [], {}
+    for checkpointing in (False, True):
+        L.seed_everything(0)
+        module = SGDRecordingMAGRPO(model="tiny-random", num_agents=2, activation_checkpointing=checkpointing)
+        module.configure_model()
+        before = [snapshot(agent.model) for agent in module.agents]
+        in_backward = [False]  # layer passes run during a backward are recomputations
+        backward = module.manual_backward
+
+        def spied_backward(loss, backward=backward, flag=in_backward):
+            flag[0] = True
+            backward(loss)
+            flag[0] = False
+
+        module.manual_backward = spied_backward
+        attention = next(m for n, m in module.agents[0].model.named_modules() if n.endswith("layers.0.self_attn"))
+        counting = lambda *_, k=checkpointing, f=in_backward: calls.__setitem__(k, calls.get(k, 0) + f[0])  # noqa: E731
+        attention.register_forward_hook(counting)
+        trainer = make_trainer(tmp_path / str(checkpointing), limit_train_batches=1, limit_val_batches=0)
+        trainer.fit(module, datamodule=slogan_data(max_new_tokens=16))
+        assert all(torch.isfinite(v) for k, v in trainer.callback_metrics.items() if "loss" in k)
+        for agent, old in zip(module.agents, before):
+            assert any(not torch.equal(p.detach(), old[n]) for n, p in agent.model.named_parameters())
+        ends.append([{n: p - old[n] for n, p in snapshot(a.model).items()} for a, old in zip(module.agents, before)])
+    assert calls[False] == 0 and calls[True] > 0, f"the fit's update did not recompute: {calls}"
+    for plain, checkpointed in zip(*ends):
+        for name in plain:
+            torch.testing.assert_close(checkpointed[name], plain[name], rtol=1e-4, atol=1e-7)
