@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -140,26 +141,46 @@ class Agent(nn.Module):
         """Token ids that follow an assistant reply to add the user message ``text`` and open the
         next reply: only the new chat segment, rendered by the chat template (the reply's own
         tokens are never re-tokenized). ``closed``: the reply ended with its end-of-turn token;
-        otherwise (cut by the token budget) the segment starts with the template's closing."""
+        otherwise (cut by the token budget) the segment starts with the template's closing.
+
+        The segment is what the template writes after a reply that is history (followed by a user
+        message), so templates that render the latest reply differently from earlier ones work too:
+        Qwen3's puts an empty think block before the last reply only and strips earlier replies'
+        think blocks. Every reply stays in the context as generated (``rewrites_history`` tells
+        whether the template's own rendering of the dialogue would differ: docs/scale.md)."""
         marker = "\u2063REPLY\u2063"
         head = [{"role": "user", "content": "x"}, {"role": "assistant", "content": marker}]
         if self.system_prompt is not None:
             head.insert(0, {"role": "system", "content": self.system_prompt})
         render = self.tokenizer.apply_chat_template
-        base = render(head, tokenize=False)
         full = render([*head, {"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
-        if not full.startswith(base) or marker not in base:
+        if full.count(marker) != 1:
             raise ValueError(
-                f"the chat template of {self.source} does not extend a conversation by appending to it; "
-                "multi-turn token-in/token-out needs one that does"
+                f"the chat template of {self.source} does not render a past reply and the next user message as "
+                "given; multi-turn token-in/token-out needs one that does"
             )
-        closing = base[base.index(marker) + len(marker) :]  # e.g. "<|im_end|>\n"
+        segment = full[full.index(marker) + len(marker) :]  # e.g. "<|im_end|>\n<|im_start|>user\n...assistant\n"
         eos = self.tokenizer.decode([self.eos_token_id])
         if closed:
-            if not closing.startswith(eos):
+            if not segment.startswith(eos):
                 raise ValueError(f"the chat template of {self.source} does not close a reply with {eos!r}")
-            closing = closing[len(eos) :]
-        return self.tokenizer(closing + full[len(base) :], add_special_tokens=False)["input_ids"]
+            segment = segment[len(eos) :]
+        return self.tokenizer(segment, add_special_tokens=False)["input_ids"]
+
+    @functools.cached_property
+    def rewrites_history(self) -> bool:
+        """Whether the chat template renders a dialogue other than by extending its shorter prefix
+        (e.g. Qwen3 drops earlier think blocks): then an episode's verbatim context is not the
+        template's rendering of the same dialogue, though training still sees exactly what each turn
+        was generated from."""
+        marker = "\u2063REPLY\u2063"
+        head = [{"role": "user", "content": "x"}, {"role": "assistant", "content": f"<think>\nr\n</think>\n\n{marker}"}]
+        if self.system_prompt is not None:
+            head.insert(0, {"role": "system", "content": self.system_prompt})
+        render = self.tokenizer.apply_chat_template
+        base = render(head, tokenize=False)
+        full = render([*head, {"role": "user", "content": "y"}], add_generation_prompt=True, tokenize=False)
+        return not full.startswith(base[: base.index(marker) + len(marker)])
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         if isinstance(self.model, AdapterView):  # its own adapter's, whichever adapter is active now

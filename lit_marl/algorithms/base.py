@@ -295,6 +295,7 @@ class AgentTeamModule(StepLogging, L.LightningModule):
         one, so the optimizer steps as it would after their backward (AdamW's momentum and weight
         decay act, as in CoMLRL). ``parameters``: the model's, for ``perf/train_flops`` (6 per
         parameter and token the passes compute). Returns that loss."""
+        shared_prompts = shared_prompts and not self.activation_checkpointing  # full rows then: logprobs.py
         local = float(count) if count is not None else 0.0 if rows is None else float(len(rows))
         total = all_ranks_sum(local, self.device)
         loss_sum, tokens = 0.0, 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Literal
@@ -179,6 +180,14 @@ def _start(agents, rows: list[dict], make_env, settings: EpisodeSettings, pool, 
         episodes.append(_Live(envs[-1], *([[] for _ in agents] for _ in range(5))))
     if episodes[0].env.num_agents != n:
         raise ValueError(f"{type(episodes[0].env).__name__} has {episodes[0].env.num_agents} agents, the team {n}")
+    for i, agent in enumerate(agents):
+        if agent.rewrites_history:
+            warnings.warn(
+                f"agent {i}'s chat template ({agent.source}) rewrites earlier turns (e.g. Qwen3 drops past think "
+                "blocks): episodes keep every reply verbatim in the context, so each turn is trained on exactly "
+                "what it was generated from, but the context is not the template's own rendering of the dialogue",
+                stacklevel=3,
+            )
     first = (
         list(pool.map(lambda pair: pair[0].env.reset(pair[1]), zip(episodes, rows)))
         if pool
