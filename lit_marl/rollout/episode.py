@@ -124,6 +124,19 @@ class EpisodeSettings:
     anchor: Literal["state", "observation"] = "state"
     """What identifies a turn's state for step-level groups: ``state``, the env's canonical
     ``state_key()`` where it has one (else the observation); ``observation``, the agent's observation text."""
+    reasoning: Literal["none", "think"] = "none"
+    """What of a reply the env gets as the action (``action_text``); the training row keeps the whole reply."""
+
+
+def action_text(reply: str, reasoning: Literal["none", "think"]) -> str:
+    """The action in a reply: all of it, or with ``think`` (Qwen3-style reasoning) the text after the
+    last ``</think>``; a reply that opened ``<think>`` and never closed it (cut by the token budget)
+    acts with the empty string, so no command is read out of unfinished reasoning."""
+    if reasoning == "none":
+        return reply
+    if "</think>" in reply:
+        return reply.rsplit("</think>", 1)[1].strip()
+    return "" if "<think>" in reply else reply
 
 
 def run_episodes(
@@ -228,7 +241,7 @@ def _play_turn(agents, live: list[_Live], turn: int, settings: EpisodeSettings, 
             e.mask[i] += [1] * len(reply)
             e.ends[i].append(len(e.ids[i]) - 1)
             e.replies[i].append(decoded[k])
-            texts[b][i], closed[b][i] = decoded[k], reply[-1] == agent.eos_token_id
+            texts[b][i], closed[b][i] = action_text(decoded[k], settings.reasoning), reply[-1] == agent.eos_token_id
             clock["generated"] += len(reply)
     t1 = time.perf_counter()
     results: list[StepResult] = step_all([e.env for e in live], texts, pool)

@@ -15,7 +15,7 @@ from helpers import RecordingEngine, ScriptedEngine
 from lit_marl.agents import Agent
 from lit_marl.envs import make_env
 from lit_marl.models import load_model_and_tokenizer
-from lit_marl.rollout.episode import EpisodeSettings, run_episodes
+from lit_marl.rollout.episode import EpisodeSettings, action_text, run_episodes
 
 QWEN25_STYLE = (
     "{%- if messages[0].role == 'system' %}{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
@@ -143,3 +143,43 @@ def test_sft_demonstrations_render_as_episodes_do(base):
         agent.chat_continuation("second")
     )
     assert torch.tensor(mask).sum() > 0
+
+
+@pytest.mark.parametrize(
+    "reply, action",
+    [
+        ("<think>\nnorth is locked\n</think>\n\ngo south", "go south"),
+        ("<think>a</think>go east<think>b</think>\n take key", "take key"),  # after the LAST block
+        ("<think>\nmaybe go north, then", ""),  # cut while reasoning: no command read out of it
+        ("go west", "go west"),  # no reasoning at all
+        ("</think>open door", "open door"),
+    ],
+)
+def test_the_env_acts_on_what_follows_the_reasoning(reply, action):
+    assert action_text(reply, "think") == action
+    assert action_text(reply, "none") == reply
+
+
+def test_episodes_with_reasoning_step_the_env_with_the_action_and_train_on_the_whole_reply(base):
+    from lit_marl.envs.corridor import Corridor
+
+    seen = []
+
+    class Recorded(Corridor):
+        def step(self, actions):
+            seen.append(list(actions))
+            return super().step(actions)
+
+    agent = _agent(base, QWEN3_STYLE)
+    for reasoning, expected in (("think", [["search"], ["wait"], ["fly"]]), ("none", [[r] for r in REPLIES])):
+        seen.clear()
+        settings = EpisodeSettings(max_turns=3, max_new_tokens=64, reasoning=reasoning)
+        engine = ScriptedEngine([[reply] for reply in REPLIES])
+        with pytest.warns(UserWarning, match="rewrites earlier turns"):
+            (batch,) = run_episodes(
+                [agent], [{"length": 6, "key_room": 4}], lambda: Recorded(False), settings, engine=engine
+            )
+        assert seen == expected
+        assert batch.replies[0] == REPLIES  # the row and the log keep the whole replies
+        trained = batch.input_ids[0][batch.loss_mask[0].bool()]
+        assert "still no key" in agent.tokenizer.decode(trained)
