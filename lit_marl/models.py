@@ -139,6 +139,38 @@ def checkpoint_layers(module: torch.nn.Module, on: bool = True) -> int:
     return switched
 
 
+class FP32Linear(torch.nn.Linear):
+    """A linear layer that computes in fp32 even under autocast (same parameters and state dict)."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(hidden.device.type, enabled=False):
+            bias = None if self.bias is None else self.bias.float()
+            return torch.nn.functional.linear(hidden.float(), self.weight.float(), bias)
+
+
+def fp32_heads(module: torch.nn.Module) -> int:
+    """The LM head of every model under ``module`` computes in fp32 even under bf16 autocast
+    (``trainer.precision: bf16-mixed``): the log-probs that feed the ratios and KL terms are then
+    exact to fp32, not rounded to bf16's 8-bit mantissa (logits of ~10 to within ~0.05, so a ratio of
+    the same policy off by up to ~5 %). Only the positions a pass scores go through the head
+    (``logits_to_keep``): a small matmul. The head becomes an ``FP32Linear`` (a copy of the model
+    keeps it; the weights and the state dict are untouched). Returns how many heads it switched."""
+    switched = 0
+    for m in module.modules():
+        head = m.get_output_embeddings() if isinstance(m, PreTrainedModel) else None
+        if type(head) is torch.nn.Linear:
+            head.__class__ = FP32Linear
+            switched += 1
+    return switched
+
+
+def prepare_models(module: torch.nn.Module, activation_checkpointing: bool) -> None:
+    """What the models under ``module`` get once built: LM heads in fp32 (``fp32_heads``) and, when
+    asked, per-layer activation checkpointing (``checkpoint_layers``)."""
+    fp32_heads(module)
+    checkpoint_layers(module, activation_checkpointing)
+
+
 @contextmanager
 def checkpointed_passes(module: torch.nn.Module) -> Iterator[None]:
     """The passes inside the block recompute the layers that ``checkpoint_layers``

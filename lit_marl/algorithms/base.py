@@ -21,7 +21,7 @@ from lit_marl.fields import NonNegativeFloat, NonNegativeInt, PositiveFloat, Pos
 from lit_marl.logprobs import target_logprobs
 from lit_marl.losses import nll
 from lit_marl.metrics import StepLogging, Timer
-from lit_marl.models import AttentionKernel, check_source, checkpoint_layers, checkpointed_passes, set_attention
+from lit_marl.models import AttentionKernel, check_source, checkpointed_passes, prepare_models, set_attention
 from lit_marl.parallel.collectives import all_ranks_max, all_ranks_sum, gather_objects, sum_gradients, to_cpu
 from lit_marl.parallel.fsdp import TeamShards, check_shardable, shardable_models
 from lit_marl.parallel.strategies import TeamDDPStrategy
@@ -123,7 +123,7 @@ class AgentTeamModule(StepLogging, L.LightningModule):
 
     def configure_model(self) -> None:
         self.build_models()  # loads weights: kept out of __init__ so bad configs fail first
-        checkpoint_layers(self, self.activation_checkpointing)
+        prepare_models(self, self.activation_checkpointing)
         if self.device_mesh is not None and self.shards is None:  # ModelParallelStrategy: FSDP2
             self.shard(self.device_mesh)
 

@@ -5,6 +5,8 @@ any cache it is given."""
 
 from __future__ import annotations
 
+import copy
+
 import lightning as L
 import pytest
 import torch
@@ -170,3 +172,28 @@ def test_a_checkpointed_fit_trains_as_the_plain_one(tmp_path):
     for plain, checkpointed in zip(*ends):
         for name in plain:
             torch.testing.assert_close(checkpointed[name], plain[name], rtol=1e-4, atol=1e-7)
+
+
+def test_the_lm_head_computes_in_fp32_under_bf16_autocast():
+    """``prepare_models`` makes each LM head an ``FP32Linear``: under autocast its logits are the fp32
+    product (a plain head's are bf16, off by up to ~1e-2 relative); copies keep their own weights."""
+    from lit_marl.models import FP32Linear, prepare_models
+
+    plain, _ = load_model_and_tokenizer("tiny-random")
+    model = copy.deepcopy(plain)
+    prepare_models(model, activation_checkpointing=False)
+    head = model.get_output_embeddings()
+    assert type(head) is FP32Linear and type(plain.get_output_embeddings()) is torch.nn.Linear
+    assert model.state_dict().keys() == plain.state_dict().keys()
+    hidden = torch.randn(3, 5, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    exact = torch.nn.functional.linear(hidden, head.weight)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours, theirs = head(hidden), plain.get_output_embeddings()(hidden)
+    assert ours.dtype == torch.float32 and theirs.dtype == torch.bfloat16
+    torch.testing.assert_close(ours, exact, rtol=1e-6, atol=1e-6)
+    assert (theirs.float() - exact).abs().max() > 1e-3  # the check above is not void
+    twin = copy.deepcopy(model)  # an iterative snapshot, a merged export: its own head, its own weights
+    with torch.no_grad():
+        twin.get_output_embeddings().weight.mul_(2)
+    torch.testing.assert_close(head(hidden), exact)
+    torch.testing.assert_close(twin.get_output_embeddings()(hidden), 2 * exact)
