@@ -26,7 +26,7 @@ class LoraSettings:
     alpha: PositiveFloat = 32
     """Scaling numerator: the update is scaled by alpha / r."""
     dropout: UnitIntervalRightOpen = 0.0
-    """Dropout on the adapter input."""
+    """Dropout on the adapter input: must stay 0 (the models run without dropout; kept for configs that say 0)."""
     target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
     """Linear layers that get adapters."""
 
@@ -34,6 +34,11 @@ class LoraSettings:
         check_fields("model.lora", LoraSettings, {k: getattr(self, k) for k in ("r", "alpha", "dropout")})
         if not self.target_modules:
             raise ConfigError("model.lora.target_modules=[]: name at least one linear layer, e.g. [q_proj, v_proj]")
+        if self.dropout > 0:
+            raise ConfigError(
+                f"model.lora.dropout={self.dropout}: lit_marl's models run without dropout (eval mode), so the update "
+                "scores the very policy that sampled; adapter dropout would train another one. Set it to 0"
+            )
 
 
 def lora_config(lora: LoraSettings):
@@ -181,6 +186,15 @@ class Agent(nn.Module):
         base = render(head, tokenize=False)
         full = render([*head, {"role": "user", "content": "y"}], add_generation_prompt=True, tokenize=False)
         return not full.startswith(base[: base.index(marker) + len(marker)])
+
+    @functools.cached_property
+    def opens_reasoning(self) -> bool:
+        """Whether the chat template's generation prompt opens a ``<think>`` block itself (reasoning
+        models such as QwQ or the Qwen3 thinking variants): their replies start inside the reasoning."""
+        prompt = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "x"}], add_generation_prompt=True, tokenize=False
+        )
+        return prompt.rfind("<think>") > prompt.rfind("</think>")
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         if isinstance(self.model, AdapterView):  # its own adapter's, whichever adapter is active now

@@ -128,15 +128,16 @@ class EpisodeSettings:
     """What of a reply the env gets as the action (``action_text``); the training row keeps the whole reply."""
 
 
-def action_text(reply: str, reasoning: Literal["none", "think"]) -> str:
+def action_text(reply: str, reasoning: Literal["none", "think"], opened: bool = False) -> str:
     """The action in a reply: all of it, or with ``think`` (Qwen3-style reasoning) the text after the
-    last ``</think>``; a reply that opened ``<think>`` and never closed it (cut by the token budget)
-    acts with the empty string, so no command is read out of unfinished reasoning."""
+    last ``</think>`` up to any new ``<think>``. Reasoning still open at the reply's end (a ``<think>``
+    never closed, or with ``opened``, a generation prompt that opened it and no ``</think>``: cut by the
+    token budget) acts with the empty string: no command is read out of unfinished reasoning."""
     if reasoning == "none":
         return reply
     if "</think>" in reply:
-        return reply.rsplit("</think>", 1)[1].strip()
-    return "" if "<think>" in reply else reply
+        return reply.rsplit("</think>", 1)[1].split("<think>", 1)[0].strip()
+    return "" if opened or "<think>" in reply else reply
 
 
 def run_episodes(
@@ -241,7 +242,8 @@ def _play_turn(agents, live: list[_Live], turn: int, settings: EpisodeSettings, 
             e.mask[i] += [1] * len(reply)
             e.ends[i].append(len(e.ids[i]) - 1)
             e.replies[i].append(decoded[k])
-            texts[b][i], closed[b][i] = action_text(decoded[k], settings.reasoning), reply[-1] == agent.eos_token_id
+            texts[b][i] = action_text(decoded[k], settings.reasoning, agent.opens_reasoning)
+            closed[b][i] = reply[-1] == agent.eos_token_id
             clock["generated"] += len(reply)
     t1 = time.perf_counter()
     results: list[StepResult] = step_all([e.env for e in live], texts, pool)

@@ -153,11 +153,27 @@ def test_sft_demonstrations_render_as_episodes_do(base):
         ("<think>\nmaybe go north, then", ""),  # cut while reasoning: no command read out of it
         ("go west", "go west"),  # no reasoning at all
         ("</think>open door", "open door"),
+        ("<think>a</think>go<think>b", "go"),  # a new block opened after the action: not part of it
     ],
 )
 def test_the_env_acts_on_what_follows_the_reasoning(reply, action):
     assert action_text(reply, "think") == action
     assert action_text(reply, "none") == reply
+
+
+def test_a_template_that_opens_the_reasoning_itself(base):
+    """QwQ-style templates end the generation prompt inside ``<think>``: a reply is reasoning until its
+    ``</think>``, so a reply cut before it acts with nothing (without the tags' evidence in the reply)."""
+    thinking = QWEN3_STYLE.replace(
+        "{{- '<|im_start|>assistant\\n' }}{%- if enable_thinking",
+        "{{- '<|im_start|>assistant\\n<think>\\n' }}{%- if enable_thinking",
+    )
+    assert thinking != QWEN3_STYLE
+    assert _agent(base, thinking).opens_reasoning
+    assert not _agent(base, QWEN3_STYLE).opens_reasoning and not _agent(base, None).opens_reasoning
+    assert action_text("north is locked, so\n</think>\n\ngo south", "think", opened=True) == "go south"
+    assert action_text("north is locked, so go north", "think", opened=True) == ""
+    assert action_text("north is locked, so go north", "think", opened=False) == "north is locked, so go north"
 
 
 def test_episodes_with_reasoning_step_the_env_with_the_action_and_train_on_the_whole_reply(base):

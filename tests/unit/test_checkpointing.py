@@ -19,7 +19,7 @@ from lit_marl.models import checkpoint_layers, checkpointed_passes, load_model_a
 LORA = {"r": 4, "alpha": 8}
 
 
-def _pair(lora: bool, dropout: float = 0.0):
+def _pair(lora: bool):
     """Two equal copies of the tiny model (LoRA adapters with nonzero B, so they get gradients that
     depend on the base's activations), the second checkpointed; both in eval mode, as they train."""
     torch.manual_seed(0)
@@ -32,7 +32,7 @@ def _pair(lora: bool, dropout: float = 0.0):
             from lit_marl.agents import LoraSettings, lora_config
 
             torch.manual_seed(1)
-            model = get_peft_model(model, lora_config(LoraSettings(**LORA, dropout=dropout)))
+            model = get_peft_model(model, lora_config(LoraSettings(**LORA))).eval()
             for name, p in model.named_parameters():
                 if "lora_B" in name:
                     torch.nn.init.normal_(p, std=0.02, generator=torch.Generator().manual_seed(hash(name) % 2**31))
@@ -99,18 +99,29 @@ def test_shared_prompt_pass_stays_exact_under_checkpointing():
         torch.testing.assert_close(completion_logits(checkpointed, ids, mask, 5, prompt_groups=groups), reference)
 
 
-def test_the_checkpointed_passes_run_without_dropout():
-    """Only the decoder layers are flagged as training inside the block: LoRA's dropout (0.5 here)
-    stays off, so two passes give the same log-probs, those of the eval-mode model."""
-    plain, checkpointed = _pair(lora=True, dropout=0.5)
-    ids, mask = _batch()
-    with torch.no_grad():
-        expected = completion_logprobs(plain, ids, mask, 5)
+def test_the_block_flags_the_decoder_layers_alone():
+    """Inside ``checkpointed_passes`` only the decoder layers are in training mode (what transformers
+    checks before checkpointing); every submodule keeps eval mode, so nothing drops out, and the block
+    restores them all."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    _, checkpointed = _pair(lora=True)
     with checkpointed_passes(checkpointed):
-        first = completion_logprobs(checkpointed, ids, mask, 5)
-        second = completion_logprobs(checkpointed, ids, mask, 5)
-    torch.testing.assert_close(first, second, rtol=0, atol=0)
-    torch.testing.assert_close(first.detach(), expected, rtol=1e-5, atol=1e-6)
+        training = [m for m in checkpointed.modules() if m.training]
+        assert training and all(isinstance(m, GradientCheckpointingLayer) for m in training)
+        assert len(training) == checkpointed.config.num_hidden_layers
+    assert not any(m.training for m in checkpointed.modules())
+
+
+def test_lora_dropout_is_refused():
+    """The models run in eval mode (the update scores the sampling policy), so adapter dropout would
+    never be what the user asked for: refused with the field and the fix."""
+    from lit_marl import ConfigError
+    from lit_marl.agents import LoraSettings
+
+    with pytest.raises(ConfigError, match=r"model\.lora\.dropout=0\.1: .*Set it to 0"):
+        LoraSettings(dropout=0.1)
+    assert LoraSettings(dropout=0.0).dropout == 0.0
 
 
 @pytest.mark.parametrize(
@@ -197,3 +208,33 @@ def test_the_lm_head_computes_in_fp32_under_bf16_autocast():
         twin.get_output_embeddings().weight.mul_(2)
     torch.testing.assert_close(head(hidden), exact)
     torch.testing.assert_close(twin.get_output_embeddings()(hidden), 2 * exact)
+
+
+def test_an_actor_critic_fit_recomputes_in_its_one_pass_update(tmp_path):
+    """IAC's default update forwards its rows once (``fits_one_pass``) before the backwards: those
+    forwards must checkpoint too, actors and critic models alike, or the setting saves nothing."""
+    from helpers import two_turn_data, unchanged
+
+    L.seed_everything(0)
+    module = IAC(model="tiny-random", num_agents=2, learning_rate=1e-3, critic="model", activation_checkpointing=True)
+    module.configure_model()
+    before = [snapshot(a.model) for a in module.agents] + [snapshot(c) for c in module.critics]
+    in_backward, calls = [False], {}
+    backward = module.manual_backward
+
+    def spied_backward(loss):
+        in_backward[0] = True
+        backward(loss)
+        in_backward[0] = False
+
+    module.manual_backward = spied_backward
+    models = {"actor": module.agents[0].model, "critic": module.critics[0]}
+    for name, model in models.items():
+        attention = next(m for n, m in model.named_modules() if n.endswith("layers.0.self_attn"))
+        attention.register_forward_hook(lambda *_, k=name: calls.__setitem__(k, calls.get(k, 0) + in_backward[0]))
+    trainer = make_trainer(tmp_path, limit_train_batches=1, limit_val_batches=0)
+    trainer.fit(module, datamodule=two_turn_data())
+    assert calls.get("actor", 0) > 0 and calls.get("critic", 0) > 0, f"no recompute in the update: {calls}"
+    after = [a.model for a in module.agents] + list(module.critics)
+    assert all(not unchanged(model, old) for model, old in zip(after, before))
+    assert all(torch.isfinite(v) for k, v in trainer.callback_metrics.items() if "loss" in k)
