@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ class LoraSettings:
     alpha: PositiveFloat = 32
     """Scaling numerator: the update is scaled by alpha / r."""
     dropout: UnitIntervalRightOpen = 0.0
-    """Dropout on the adapter input."""
+    """Dropout on the adapter input: must stay 0 (the models run without dropout; kept for configs that say 0)."""
     target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
     """Linear layers that get adapters."""
 
@@ -33,6 +34,11 @@ class LoraSettings:
         check_fields("model.lora", LoraSettings, {k: getattr(self, k) for k in ("r", "alpha", "dropout")})
         if not self.target_modules:
             raise ConfigError("model.lora.target_modules=[]: name at least one linear layer, e.g. [q_proj, v_proj]")
+        if self.dropout > 0:
+            raise ConfigError(
+                f"model.lora.dropout={self.dropout}: lit_marl's models run without dropout (eval mode), so the update "
+                "scores the very policy that sampled; adapter dropout would train another one. Set it to 0"
+            )
 
 
 def lora_config(lora: LoraSettings):
@@ -140,26 +146,55 @@ class Agent(nn.Module):
         """Token ids that follow an assistant reply to add the user message ``text`` and open the
         next reply: only the new chat segment, rendered by the chat template (the reply's own
         tokens are never re-tokenized). ``closed``: the reply ended with its end-of-turn token;
-        otherwise (cut by the token budget) the segment starts with the template's closing."""
+        otherwise (cut by the token budget) the segment starts with the template's closing.
+
+        The segment is what the template writes after a reply that is history (followed by a user
+        message), so templates that render the latest reply differently from earlier ones work too:
+        Qwen3's puts an empty think block before the last reply only and strips earlier replies'
+        think blocks. Every reply stays in the context as generated (``rewrites_history`` tells
+        whether the template's own rendering of the dialogue would differ: docs/scale.md)."""
         marker = "\u2063REPLY\u2063"
         head = [{"role": "user", "content": "x"}, {"role": "assistant", "content": marker}]
         if self.system_prompt is not None:
             head.insert(0, {"role": "system", "content": self.system_prompt})
         render = self.tokenizer.apply_chat_template
-        base = render(head, tokenize=False)
         full = render([*head, {"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
-        if not full.startswith(base) or marker not in base:
+        if full.count(marker) != 1:
             raise ValueError(
-                f"the chat template of {self.source} does not extend a conversation by appending to it; "
-                "multi-turn token-in/token-out needs one that does"
+                f"the chat template of {self.source} does not render a past reply and the next user message as "
+                "given; multi-turn token-in/token-out needs one that does"
             )
-        closing = base[base.index(marker) + len(marker) :]  # e.g. "<|im_end|>\n"
+        segment = full[full.index(marker) + len(marker) :]  # e.g. "<|im_end|>\n<|im_start|>user\n...assistant\n"
         eos = self.tokenizer.decode([self.eos_token_id])
         if closed:
-            if not closing.startswith(eos):
+            if not segment.startswith(eos):
                 raise ValueError(f"the chat template of {self.source} does not close a reply with {eos!r}")
-            closing = closing[len(eos) :]
-        return self.tokenizer(closing + full[len(base) :], add_special_tokens=False)["input_ids"]
+            segment = segment[len(eos) :]
+        return self.tokenizer(segment, add_special_tokens=False)["input_ids"]
+
+    @functools.cached_property
+    def rewrites_history(self) -> bool:
+        """Whether the chat template renders a dialogue other than by extending its shorter prefix
+        (e.g. Qwen3 drops earlier think blocks): then an episode's verbatim context is not the
+        template's rendering of the same dialogue, though training still sees exactly what each turn
+        was generated from."""
+        marker = "\u2063REPLY\u2063"
+        head = [{"role": "user", "content": "x"}, {"role": "assistant", "content": f"<think>\nr\n</think>\n\n{marker}"}]
+        if self.system_prompt is not None:
+            head.insert(0, {"role": "system", "content": self.system_prompt})
+        render = self.tokenizer.apply_chat_template
+        base = render(head, tokenize=False)
+        full = render([*head, {"role": "user", "content": "y"}], add_generation_prompt=True, tokenize=False)
+        return not full.startswith(base[: base.index(marker) + len(marker)])
+
+    @functools.cached_property
+    def opens_reasoning(self) -> bool:
+        """Whether the chat template's generation prompt opens a ``<think>`` block itself (reasoning
+        models such as QwQ or the Qwen3 thinking variants): their replies start inside the reasoning."""
+        prompt = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "x"}], add_generation_prompt=True, tokenize=False
+        )
+        return prompt.rfind("<think>") > prompt.rfind("</think>")
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         if isinstance(self.model, AdapterView):  # its own adapter's, whichever adapter is active now

@@ -503,6 +503,7 @@ class EpisodeDataModule(TaskDataModule):
         demo_loss_on: Literal["all", "last"] = "all",
         task_types: list[str] | None = None,
         anchor: Literal["state", "observation"] = "state",
+        reasoning: Literal["none", "think"] = "none",
     ):
         """
         Args:
@@ -549,6 +550,8 @@ class EpisodeDataModule(TaskDataModule):
                 groups (``model.step_advantage_weight``): ``state``, the env's canonical state
                 (TextWorld's and ALFWorld's facts, Corridor's room and items; the observation where
                 an env has none); ``observation``, the agent's observation text.
+            reasoning: ``think``: a reply's ``<think>...</think>`` block is the agent's reasoning (Qwen3): the env
+                acts on the text after it (nothing while unclosed); trained on whole either way. ``none``: all of it.
         """
         super().__init__()
         probe = make_env(env, env_kwargs)  # a bad name or kwargs fails here, field named
@@ -587,6 +590,7 @@ class EpisodeDataModule(TaskDataModule):
             temperature=temperature,
             top_p=top_p,
             anchor=anchor,
+            reasoning=reasoning,
         )
         self.pool = ThreadPoolExecutor(max_workers=env_workers)
 

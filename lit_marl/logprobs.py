@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from lit_marl.models import recomputes_activations
+
 
 def completion_logprobs(
     model: torch.nn.Module,
@@ -49,9 +51,10 @@ def completion_logits(
     ``prompt_groups`` (one id per row; rows with the same id have the same prompt, e.g. the G
     samples of one tree node) runs each distinct prompt once and shares its KV cache among its
     rows, gradient included: the prompt is usually most of the sequence, so this cuts the training
-    forward/backward by up to G times.
+    forward/backward by up to G times. Under activation checkpointing (``recomputes_activations``)
+    every row runs in full instead: a checkpointed layer drops the cache the rows would share.
     """
-    if prompt_groups is None:
+    if prompt_groups is None or recomputes_activations(model):
         return _completion_pass(model, input_ids, attention_mask, num_completion)[0]
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     prompt_len = input_ids.shape[1] - num_completion

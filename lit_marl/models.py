@@ -16,12 +16,15 @@ import os
 import shutil
 import socket
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
 from urllib.parse import urlparse
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from lit_marl import ConfigError
 
@@ -113,6 +116,86 @@ def set_attention(models, implementation: AttentionKernel | None) -> None:
     for model in models:
         lm = next(m for m in model.modules() if isinstance(m, PreTrainedModel))  # the outermost
         lm.set_attn_implementation(implementation)
+
+
+def checkpoint_layers(module: torch.nn.Module, on: bool = True) -> int:
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them, for
+    every model under ``module`` with trainable weights (actors, LoRA adapters' bases, critic
+    backbones; frozen references have no backward to save for). transformers' per-layer
+    checkpointing, non-reentrant: it works with LoRA, DDP and FSDP2 (its hooks stay outside the
+    recompute). Only passes that build a graph recompute; generation runs as is. ``on=False``
+    leaves every model as it is. Returns how many models it switched on."""
+    if not on:
+        return 0
+    inner: set[int] = set()
+    switched = 0
+    for m in module.modules():  # pre-order: an outer model comes before the models inside it
+        if id(m) in inner or not isinstance(m, PreTrainedModel):
+            continue
+        inner.update(id(sub) for sub in m.modules())
+        if any(p.requires_grad for p in m.parameters()):
+            m.activation_checkpointing_enable({"use_reentrant": False})
+            switched += 1
+    return switched
+
+
+class FP32Linear(torch.nn.Linear):
+    """A linear layer that computes in fp32 even under autocast (same parameters and state dict)."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(hidden.device.type, enabled=False):
+            bias = None if self.bias is None else self.bias.float()
+            return torch.nn.functional.linear(hidden.float(), self.weight.float(), bias)
+
+
+def fp32_heads(module: torch.nn.Module) -> int:
+    """The LM head of every model under ``module`` computes in fp32 even under bf16 autocast
+    (``trainer.precision: bf16-mixed``): the log-probs that feed the ratios and KL terms are then
+    exact to fp32, not rounded to bf16's 8-bit mantissa (logits of ~10 to within ~0.05, so a ratio of
+    the same policy off by up to ~5 %). Only the positions a pass scores go through the head
+    (``logits_to_keep``): a small matmul. The head becomes an ``FP32Linear`` (a copy of the model
+    keeps it; the weights and the state dict are untouched). Returns how many heads it switched."""
+    switched = 0
+    for m in module.modules():
+        head = m.get_output_embeddings() if isinstance(m, PreTrainedModel) else None
+        if type(head) is torch.nn.Linear:
+            head.__class__ = FP32Linear
+            switched += 1
+    return switched
+
+
+def prepare_models(module: torch.nn.Module, activation_checkpointing: bool) -> None:
+    """What the models under ``module`` get once built: LM heads in fp32 (``fp32_heads``) and, when
+    asked, per-layer activation checkpointing (``checkpoint_layers``)."""
+    fp32_heads(module)
+    checkpoint_layers(module, activation_checkpointing)
+
+
+@contextmanager
+def checkpointed_passes(module: torch.nn.Module) -> Iterator[None]:
+    """The passes inside the block recompute the layers that ``checkpoint_layers``
+    switched on. transformers checkpoints a layer only in training mode, and lit_marl's models stay
+    in eval mode (no dropout anywhere, so the update's log-probs are the sampler's): the block flags
+    the decoder layers alone as training, not their submodules (attention and LoRA dropout stay off)."""
+    layers = [
+        m
+        for m in module.modules()
+        if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing and not m.training
+    ]
+    for layer in layers:
+        layer.training = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.training = False
+
+
+def recomputes_activations(model: torch.nn.Module) -> bool:
+    """Whether a forward of ``model`` now runs checkpointed layers, which drop any KV cache passed in."""
+    return torch.is_grad_enabled() and any(
+        isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing and m.training for m in model.modules()
+    )
 
 
 def load_model_and_tokenizer(source: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

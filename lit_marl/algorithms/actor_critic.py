@@ -50,7 +50,7 @@ from lit_marl.losses import (
     value_loss,
 )
 from lit_marl.metrics import Timer
-from lit_marl.models import set_attention
+from lit_marl.models import checkpointed_passes, set_attention
 from lit_marl.parallel.collectives import all_ranks_max, all_ranks_sum, padded_steps, z_score_per_group
 from lit_marl.returns import next_turn_rows, td_advantages, td_targets, team_reward
 from lit_marl.rollout.batch import AgentSamples, RolloutBatch
@@ -446,7 +446,8 @@ class ActorCritic(AgentTeamModule):
         losses and the epochs run."""
         rows = self.update_rows(per_agent)
         one_pass = self.fits_one_pass(rows)
-        forwards = self.forwards(rows) if one_pass else self.prepare(rows)
+        with checkpointed_passes(self):  # the one-pass forwards build the graph the later backwards use
+            forwards = self.forwards(rows) if one_pass else self.prepare(rows)
         rows, per_role = self.with_targets(per_agent, rows, forwards)
         self.log_values(per_role)
         cached_actors, cached_critics = (

@@ -21,7 +21,7 @@ from lit_marl.fields import NonNegativeFloat, NonNegativeInt, PositiveFloat, Pos
 from lit_marl.logprobs import target_logprobs
 from lit_marl.losses import nll
 from lit_marl.metrics import StepLogging, Timer
-from lit_marl.models import AttentionKernel, check_source, set_attention
+from lit_marl.models import AttentionKernel, check_source, checkpointed_passes, prepare_models, set_attention
 from lit_marl.parallel.collectives import all_ranks_max, all_ranks_sum, gather_objects, sum_gradients, to_cpu
 from lit_marl.parallel.fsdp import TeamShards, check_shardable, shardable_models
 from lit_marl.parallel.strategies import TeamDDPStrategy
@@ -56,6 +56,7 @@ class AgentTeamModule(StepLogging, L.LightningModule):
         max_nonfinite_steps: NonNegativeInt = 0,
         log_samples_every_n_steps: NonNegativeInt = 10,
         attn_implementation: AttentionKernel | None = None,
+        activation_checkpointing: bool = False,
     ):
         """
         Args:
@@ -87,6 +88,8 @@ class AgentTeamModule(StepLogging, L.LightningModule):
                 episode, each branch's reward shown, to TensorBoard's text tab, rewards and advantages to histograms.
             attn_implementation: transformers' attention kernel (None: ``sdpa``); ``eager`` with ``trainer.precision:
                 bf16-mixed`` on CPU, where sdpa's bf16 backward is slow (docs/quickstart.md).
+            activation_checkpointing: Recompute each decoder layer in the backward pass instead of keeping its
+                activations (every trainable model: actors, critics): less memory, one more forward (~1/3 more FLOPs).
         """
         super().__init__()
         check_fields("model", AgentTeamModule.__init__, locals())
@@ -105,14 +108,11 @@ class AgentTeamModule(StepLogging, L.LightningModule):
         for i, source in enumerate(sources):
             check_source(source, field=f"model.model[{i}]" if not isinstance(model, str) else "model.model")
         self.save_hyperparameters()
-        self.weight_decay = weight_decay
-        self.sources = sources
+        self.weight_decay, self.sources = weight_decay, sources
         self.forward_batch_size, self.forward_token_budget = forward_batch_size, forward_token_budget
-        self.lora = LoraSettings(**lora) if isinstance(lora, dict) else lora
-        self.system_prompt = system_prompt
-        self.share_parameters = share_parameters
-        self.lora_shared_base = lora_shared_base
-        self.attn_implementation = attn_implementation
+        self.lora, self.system_prompt = LoraSettings(**lora) if isinstance(lora, dict) else lora, system_prompt
+        self.share_parameters, self.lora_shared_base = share_parameters, lora_shared_base
+        self.attn_implementation, self.activation_checkpointing = attn_implementation, activation_checkpointing
         self.automatic_optimization = False
         self.agents: nn.ModuleList | None = None
         self.references: nn.ModuleList | None = None  # frozen copies for a KL term: ``build_references``
@@ -123,6 +123,7 @@ class AgentTeamModule(StepLogging, L.LightningModule):
 
     def configure_model(self) -> None:
         self.build_models()  # loads weights: kept out of __init__ so bad configs fail first
+        prepare_models(self, self.activation_checkpointing)
         if self.device_mesh is not None and self.shards is None:  # ModelParallelStrategy: FSDP2
             self.shard(self.device_mesh)
 
@@ -215,8 +216,7 @@ class AgentTeamModule(StepLogging, L.LightningModule):
         return next(n for n, roles in enumerate(self.learners) if role in roles)
 
     def learner_name(self, index: int) -> str:
-        roles = self.learners[index]
-        return "shared" if len(roles) > 1 else f"agent{roles[0]}"
+        return "shared" if len(roles := self.learners[index]) > 1 else f"agent{roles[0]}"
 
     def configure_optimizers(self):
         return [
@@ -272,10 +272,8 @@ class AgentTeamModule(StepLogging, L.LightningModule):
         """One optimizer step for learner ``index`` (see ``learners``); see ``optimizer_step_on``."""
         optimizers = self.optimizers()
         optimizer = optimizers[index] if isinstance(optimizers, list) else optimizers
-        name = self.learner_name(index)
-        parameters = sum(p.numel() for p in self.model_of(index).parameters())  # for perf/train_flops
-        step = (count, shared_prompts, skipped_zero_loss, parameters)
-        return self.optimizer_step_on(optimizer, samples, loss_fn, name, *step)
+        step = (count, shared_prompts, skipped_zero_loss, sum(p.numel() for p in self.model_of(index).parameters()))
+        return self.optimizer_step_on(optimizer, samples, loss_fn, self.learner_name(index), *step)
 
     def optimizer_step_on(
         self,
@@ -297,16 +295,18 @@ class AgentTeamModule(StepLogging, L.LightningModule):
         one, so the optimizer steps as it would after their backward (AdamW's momentum and weight
         decay act, as in CoMLRL). ``parameters``: the model's, for ``perf/train_flops`` (6 per
         parameter and token the passes compute). Returns that loss."""
+        shared_prompts = shared_prompts and not self.activation_checkpointing  # full rows then: logprobs.py
         local = float(count) if count is not None else 0.0 if rows is None else float(len(rows))
         total = all_ranks_sum(local, self.device)
         loss_sum, tokens = 0.0, 0
         if rows is not None and len(rows) and total > 0:
-            for chunk in self.micro_batches(rows, shared_prompts):
-                micro = rows.select(chunk)
-                loss = loss_fn(micro) / total
-                self.manual_backward(loss)
-                loss_sum += float(loss.detach())
-                tokens += pass_tokens(micro, shared_prompts)
+            with checkpointed_passes(self):
+                for chunk in self.micro_batches(rows, shared_prompts):
+                    micro = rows.select(chunk)
+                    loss = loss_fn(micro) / total
+                    self.manual_backward(loss)
+                    loss_sum += float(loss.detach())
+                    tokens += pass_tokens(micro, shared_prompts)
         self.record({"perf/train_tokens": float(tokens), "perf/train_flops": 6.0 * parameters * tokens}, reduce="sum")
         params = [p for group in optimizer.param_groups for p in group["params"]]
         if skipped_zero_loss:

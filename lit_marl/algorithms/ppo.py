@@ -101,7 +101,9 @@ class PPO(EpisodicModule):
             logprobs = torch.zeros(ids.shape, device=ids.device)
         if not shared:
             position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-            args = dict(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
+            args = dict(
+                input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False, logits_to_keep=1
+            )
             hidden = self.critic_backbones[learner](**args, output_hidden_states=True).hidden_states[-1]
         values = self.value_heads[learner](hidden[:, :-1])
         return logprobs, F.pad(values, (1, 0))

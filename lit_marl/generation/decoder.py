@@ -7,8 +7,8 @@ as a short list of tensor ops over a preallocated cache:
 - it reads the model's own parameters at each call (no copy, so it never goes stale after an
   optimizer step); peft LoRA adapters that are active are merged into the weight they adapt for
   the call (``W + get_delta_weight``), the rest of the model is used as it is; under autocast
-  (``trainer.precision: bf16-mixed``) the weights are cast to its dtype once per call (sampling
-  still draws from fp32 logits);
+  (``trainer.precision: bf16-mixed``) the weights are cast to its dtype once per call, but for an
+  ``FP32Linear`` LM head, which stays fp32 as in the training forward (sampling draws from fp32 logits);
 - positions, masks, RoPE and sampling follow ``generate`` for left-padded prompts: position ids
   from the attention mask, temperature then top-p, ``multinomial`` on the softmax, greedy =
   argmax, finished rows padded after their end token, stop when every row has ended.
@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lit_marl.generation.base import counter_uniforms
+from lit_marl.models import FP32Linear
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
@@ -237,7 +238,12 @@ class Decoder:
             "lm_head": _linear(lm.lm_head),
             "layers": layers,
         }
-        return weights if dtype is None else _cast(weights, dtype)
+        if dtype is None:
+            return weights
+        cast = _cast(weights, dtype)
+        if isinstance(lm.lm_head, FP32Linear):  # sample from the fp32 head the trainer's log-probs use
+            cast["lm_head"] = weights["lm_head"]
+        return cast
 
     def _rope(self, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         positions = torch.arange(length, device=self.inv_freq.device, dtype=torch.float)
@@ -356,7 +362,7 @@ class Decoder:
         row_seeds = None if seeds is None else seeds.reshape(-1).to(device)
         out = []
         for t in range(max_new_tokens):
-            logits = _linear3(hidden, *self.lm_head).float().view(rows, -1)
+            logits = _linear3(hidden.to(self.lm_head[0].dtype), *self.lm_head).float().view(rows, -1)
             uniforms = None if row_seeds is None or greedy else counter_uniforms(row_seeds, t)
             token = self._sample(logits, temperature, top_p, greedy, uniforms)
             token = torch.where(unfinished, token, pad)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Literal
@@ -123,6 +124,20 @@ class EpisodeSettings:
     anchor: Literal["state", "observation"] = "state"
     """What identifies a turn's state for step-level groups: ``state``, the env's canonical
     ``state_key()`` where it has one (else the observation); ``observation``, the agent's observation text."""
+    reasoning: Literal["none", "think"] = "none"
+    """What of a reply the env gets as the action (``action_text``); the training row keeps the whole reply."""
+
+
+def action_text(reply: str, reasoning: Literal["none", "think"], opened: bool = False) -> str:
+    """The action in a reply: all of it, or with ``think`` (Qwen3-style reasoning) the text after the
+    last ``</think>`` up to any new ``<think>``. Reasoning still open at the reply's end (a ``<think>``
+    never closed, or with ``opened``, a generation prompt that opened it and no ``</think>``: cut by the
+    token budget) acts with the empty string: no command is read out of unfinished reasoning."""
+    if reasoning == "none":
+        return reply
+    if "</think>" in reply:
+        return reply.rsplit("</think>", 1)[1].split("<think>", 1)[0].strip()
+    return "" if opened or "<think>" in reply else reply
 
 
 def run_episodes(
@@ -179,6 +194,14 @@ def _start(agents, rows: list[dict], make_env, settings: EpisodeSettings, pool, 
         episodes.append(_Live(envs[-1], *([[] for _ in agents] for _ in range(5))))
     if episodes[0].env.num_agents != n:
         raise ValueError(f"{type(episodes[0].env).__name__} has {episodes[0].env.num_agents} agents, the team {n}")
+    for i, agent in enumerate(agents):
+        if agent.rewrites_history:
+            warnings.warn(
+                f"agent {i}'s chat template ({agent.source}) rewrites earlier turns (e.g. Qwen3 drops past think "
+                "blocks): episodes keep every reply verbatim in the context, so each turn is trained on exactly "
+                "what it was generated from, but the context is not the template's own rendering of the dialogue",
+                stacklevel=3,
+            )
     first = (
         list(pool.map(lambda pair: pair[0].env.reset(pair[1]), zip(episodes, rows)))
         if pool
@@ -219,7 +242,8 @@ def _play_turn(agents, live: list[_Live], turn: int, settings: EpisodeSettings, 
             e.mask[i] += [1] * len(reply)
             e.ends[i].append(len(e.ids[i]) - 1)
             e.replies[i].append(decoded[k])
-            texts[b][i], closed[b][i] = decoded[k], reply[-1] == agent.eos_token_id
+            texts[b][i] = action_text(decoded[k], settings.reasoning, agent.opens_reasoning)
+            closed[b][i] = reply[-1] == agent.eos_token_id
             clock["generated"] += len(reply)
     t1 = time.perf_counter()
     results: list[StepResult] = step_all([e.env for e in live], texts, pool)

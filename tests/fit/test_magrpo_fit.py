@@ -369,8 +369,8 @@ def test_a_step_of_zero_advantages_still_steps_the_optimizer(tmp_path):
 
 def test_bf16_mixed_precision_runs_rollouts_and_updates_in_bf16(tmp_path, monkeypatch):
     """``trainer.precision: bf16-mixed`` reaches every pass, including those outside Lightning's steps:
-    the rollouts' decoder and the epoch-end update compute in bf16, the weights stay fp32 (the
-    optimizer's master copy) and move, the losses stay finite."""
+    the rollouts' decoder and the epoch-end update compute in bf16 but for the LM head (fp32 log-probs), the
+    weights stay fp32 (the optimizer's master copy) and move, the losses stay finite."""
     from lit_marl.generation.decoder import Decoder
 
     L.seed_everything(0)
@@ -386,13 +386,17 @@ def test_bf16_mixed_precision_runs_rollouts_and_updates_in_bf16(tmp_path, monkey
         decoded.append(self.embed.dtype)
 
     monkeypatch.setattr(Decoder, "__init__", spy)
+    heads = []
     for agent in module.agents:
+        mlp = agent.model.model.layers[0].mlp
+        mlp.register_forward_hook(lambda m, i, out: trained.append(out.dtype) if torch.is_grad_enabled() else None)
         head = agent.model.get_output_embeddings()
-        head.register_forward_hook(lambda m, i, out: trained.append(out.dtype) if torch.is_grad_enabled() else None)
+        head.register_forward_hook(lambda m, i, out: heads.append(out.dtype) if torch.is_grad_enabled() else None)
     trainer = make_trainer(tmp_path, precision="bf16-mixed")
     trainer.fit(module, datamodule=slogan_data(max_new_tokens=16))
     assert decoded and set(decoded) == {torch.bfloat16}
     assert trained and set(trained) == {torch.bfloat16}, "the update's passes ran outside autocast"
+    assert heads and set(heads) == {torch.float32}, "the log-probs of the update came from a bf16 head"
     for agent, old in zip(module.agents, before):
         params = dict(agent.model.named_parameters())
         assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in params.values())

@@ -1,9 +1,10 @@
 """Two ranks (gloo) shard one tiny model with ``lit_marl.parallel.fsdp.TeamShards`` and run different numbers
 of forward/backward passes, and generate different numbers of tokens, inside ``gathered()``; after
 ``reduce_gradients`` each rank's gradient shards must equal the gradients of one process that ran
-every pass. Writes OUT/report_rank{r}.json.
+every pass. With ``checkpointing`` the sharded model recomputes its layers in the backward
+(``lit_marl.models.checkpoint_layers``; the one process does not). Writes OUT/report_rank{r}.json.
 
-python fsdp_grads.py OUT PORT
+python fsdp_grads.py OUT PORT [checkpointing]
 """
 
 from __future__ import annotations
@@ -25,17 +26,22 @@ def loss_of(model, ids):
     return model(input_ids=ids).logits.float().log_softmax(-1).mean()
 
 
-def worker(rank: int, world: int, folder: str, port: str) -> None:
+def worker(rank: int, world: int, folder: str, port: str, checkpointing: bool) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from lit_marl.models import load_model_and_tokenizer
+    from lit_marl.models import checkpoint_layers, checkpointed_passes, load_model_and_tokenizer
     from lit_marl.parallel.fsdp import TeamShards
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     model, _ = load_model_and_tokenizer("tiny-random")
     single = copy.deepcopy(model)
+    checkpoint_layers(model, checkpointing)
+    recomputed = [0]  # layer passes during a backward
+    in_backward = [False]
+    attention = model.model.layers[0].self_attn
+    attention.register_forward_hook(lambda *_: recomputed.__setitem__(0, recomputed[0] + in_backward[0]))
     shards = TeamShards([model], init_device_mesh("cpu", (world,)))
     batches = [torch.randint(3, 500, (2, 6), generator=torch.Generator().manual_seed(100 + i)) for i in range(4)]
     mine = batches[:3] if rank == 0 else batches[3:]  # 3 passes on rank 0, 1 on rank 1
@@ -46,7 +52,11 @@ def worker(rank: int, world: int, folder: str, port: str) -> None:
             input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True
         )
         for ids in mine:
-            loss_of(model, ids).backward()
+            with checkpointed_passes(model):
+                loss = loss_of(model, ids)
+                in_backward[0] = True
+                loss.backward()
+                in_backward[0] = False
         shards.reduce_gradients(params)
         shards.refresh(params)
     local = {n: p.to_local().shape[0] for n, p in model.named_parameters() if isinstance(p, DTensor)}
@@ -61,10 +71,11 @@ def worker(rank: int, world: int, folder: str, port: str) -> None:
         "embed_rows": local["model.embed_tokens.weight"],
         "sharded": len(local),
         "params": len(grads),
+        "recomputed": recomputed[0],
     }
     (Path(folder) / f"report_rank{rank}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    mp.spawn(worker, args=(2, sys.argv[1], sys.argv[2]), nprocs=2)
+    mp.spawn(worker, args=(2, sys.argv[1], sys.argv[2], sys.argv[3:] == ["checkpointing"]), nprocs=2)

@@ -436,6 +436,30 @@ def test_torch_decoder_under_bf16_autocast_computes_as_the_bf16_model(tiny_agent
     assert fp32_ids.shape == under_autocast.shape
 
 
+def test_torch_decoder_keeps_an_fp32_head_under_bf16_autocast(tiny_agent, prompts):
+    """With the team's ``FP32Linear`` head (``models.fp32_heads``) the decoder under autocast casts
+    every weight to bf16 but the head, and decodes as a bf16 model with an fp32 head: it samples from
+    the same head as the training forward scores."""
+    import copy
+
+    from lit_marl.models import fp32_heads
+
+    agent = llama_agent(tiny_agent.tokenizer)
+    assert fp32_heads(agent.model) == 1
+    stored = copy.deepcopy(agent.model).to(torch.bfloat16)
+    for ours, theirs in zip(agent.model.modules(), stored.modules()):
+        if hasattr(ours, "inv_freq"):
+            theirs.inv_freq = ours.inv_freq.clone()
+    stored.lm_head.weight = torch.nn.Parameter(agent.model.lm_head.weight.detach().clone())  # fp32, untied
+    ids, mask = left_pad(prompts, tiny_agent.pad_token_id, torch.device("cpu"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        decoder = Decoder(agent.model)
+        assert decoder.embed.dtype == torch.bfloat16 and decoder.lm_head[0].dtype == torch.float32
+        under_autocast = decoder.generate(ids, mask, 12, -1, tiny_agent.pad_token_id, greedy=True)
+    reference = Decoder(stored).generate(ids, mask, 12, -1, tiny_agent.pad_token_id, greedy=True)
+    assert torch.equal(under_autocast, reference)
+
+
 # --------------------------------------------------------------------------- per-task sampling streams
 def test_counter_uniforms_are_uniform_and_depend_on_seed_and_step():
     from lit_marl.generation.base import counter_uniforms, sample_seeds, stream_seed

@@ -1,0 +1,83 @@
+"""Activation checkpointing measured: peak memory and time of one training pass (forward + backward of
+the completion log-probs, as an update computes them) with and without ``activation_checkpointing``.
+
+Each setting runs in a fresh process (its peak RSS is its own); the times are compared as ratios
+within one run (the machine is shared). Prints one line per setting and the ratios.
+
+    .venv/bin/python scripts/bench_checkpointing.py --model smollm2-135m-instruct --rows 4 --tokens 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+
+def one(model: str, rows: int, tokens: int, lora: bool, checkpointing: bool, repeats: int) -> dict:
+    import torch
+
+    from lit_marl.agents import Agent, LoraSettings
+    from lit_marl.logprobs import completion_logprobs
+    from lit_marl.models import checkpoint_layers, checkpointed_passes
+
+    torch.manual_seed(0)
+    agent = Agent(model, LoraSettings() if lora else None)
+    checkpoint_layers(agent, checkpointing)
+    vocab = agent.model.config.vocab_size
+    ids = torch.randint(3, vocab, (rows, tokens), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # GiB (Linux: KiB)
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        with checkpointed_passes(agent):
+            completion_logprobs(agent.model, ids, mask, tokens // 4).sum().backward()
+        seconds.append(time.perf_counter() - start)
+        agent.model.zero_grad(set_to_none=True)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return {"loaded_gib": loaded, "peak_gib": peak, "pass_gib": peak - loaded, "s": min(seconds)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--rows", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=1024, help="tokens per row (the last quarter scored)")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one setting, print its JSON
+    args = parser.parse_args()
+    if args.one:
+        lora, checkpointing = (s == "1" for s in args.one.split(","))
+        print(json.dumps(one(args.model, args.rows, args.tokens, lora, checkpointing, args.repeats)))
+        return
+    results = {}
+    for lora in (False, True):
+        for checkpointing in (False, True):
+            command = [sys.executable, __file__, "--model", args.model, "--rows", str(args.rows)]
+            command += ["--tokens", str(args.tokens), "--repeats", str(args.repeats)]
+            command += ["--one", f"{int(lora)},{int(checkpointing)}"]
+            done = subprocess.run(command, capture_output=True, text=True, env=os.environ, check=True)
+            result = json.loads(done.stdout.strip().splitlines()[-1])
+            results[lora, checkpointing] = result
+            name = f"{'lora' if lora else 'full'} {'checkpointed' if checkpointing else 'plain':12s}"
+            print(
+                f"{name} peak {result['peak_gib']:.2f} GiB (pass {result['pass_gib']:.2f} GiB over the loaded "
+                f"{result['loaded_gib']:.2f}) | {result['s']:.2f} s per pass",
+                flush=True,
+            )
+    for lora in (False, True):
+        plain, checkpointed = results[lora, False], results[lora, True]
+        print(
+            f"{'lora' if lora else 'full'}: checkpointing keeps {checkpointed['pass_gib'] / plain['pass_gib']:.2f}x "
+            f"the pass's memory, takes {checkpointed['s'] / plain['s']:.2f}x its time "
+            f"({args.rows} rows x {args.tokens} tokens, {args.model})"
+        )
+
+
+if __name__ == "__main__":
+    main()
