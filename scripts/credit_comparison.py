@@ -150,12 +150,12 @@ def run_cell(args, algorithm: str, seed: int, model: str, out: Path) -> list[dic
 
     cli.trainer.callbacks.append(Every())
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
-    logged = training_metrics(out)
-    return [row | logged for row in rows]
+    return [row | training_metrics(out, row["episodes"] // args.episodes_per_step) for row in rows]
 
 
-def training_metrics(out: Path) -> dict:
-    """The run's training means from its CSV log: reward, wins, and the anchor groups' share."""
+def training_metrics(out: Path, steps: int) -> dict:
+    """The training means over the run's first ``steps`` training steps (one logged row each) from
+    its CSV log: reward, wins, and the anchor groups' share."""
     import csv
 
     files = sorted(out.glob("lightning_logs/version_*/metrics.csv"), key=lambda p: int(p.parent.name.split("_")[1]))
@@ -165,7 +165,7 @@ def training_metrics(out: Path) -> dict:
         table = list(csv.DictReader(handle))
     means = {}
     for key in ("train/reward", "train/won", "train/anchor_grouped_frac", "train/anchor_group_size"):
-        values = [float(r[key]) for r in table if r.get(key) not in (None, "")]
+        values = [float(r[key]) for r in table if r.get(key) not in (None, "")][:steps]
         if values:
             means[key.replace("/", "_")] = round(statistics.fmean(values), 4)  # never the held-out "won"
     return means
@@ -200,7 +200,8 @@ def table(curves: dict, rows: list[dict], start: dict) -> str:
         lines.append(f"| {algorithm} | {' | '.join(cells)} | {seeds} | {share} | {train_s:.0f} |\n")
     note = (
         f"\nHeld-out greedy success on {start['eval_episodes']} test-seed games, mean ± std over seeds; 0 episodes: "
-        f"the start ({start['demos']} demonstrations x {start['sft_epochs']} epochs of SFT), shared by every "
+        f"the start ({start['demos']} demonstrations, on ALFWorld per task type, x {start['sft_epochs']} epochs of "
+        "SFT), shared by every "
         "algorithm. Grouped steps: the share of training steps whose anchor state another episode of the task "
         "also reached (step-level GRPO only). Train s: training seconds to the last budget (evaluation excluded). "
         "Each algorithm keeps its shipped config: PPO makes 2 passes over a step's episodes with a value head and "
