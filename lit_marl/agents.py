@@ -16,6 +16,9 @@ from lit_marl import ConfigError
 from lit_marl.fields import PositiveFloat, PositiveInt, UnitIntervalRightOpen, check_fields
 from lit_marl.models import load_model_and_tokenizer
 
+REPLY_MARKER = "\u2063REPLY\u2063"
+"""A reply text no template rewrites, to find where a reply sits in a template's rendering."""
+
 
 @dataclass
 class LoraSettings:
@@ -153,12 +156,11 @@ class Agent(nn.Module):
         Qwen3's puts an empty think block before the last reply only and strips earlier replies'
         think blocks. Every reply stays in the context as generated (``rewrites_history`` tells
         whether the template's own rendering of the dialogue would differ: docs/scale.md)."""
-        marker = "\u2063REPLY\u2063"
-        head = [{"role": "user", "content": "x"}, {"role": "assistant", "content": marker}]
-        if self.system_prompt is not None:
-            head.insert(0, {"role": "system", "content": self.system_prompt})
-        render = self.tokenizer.apply_chat_template
-        full = render([*head, {"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+        head = self._one_exchange(REPLY_MARKER)
+        full = self.tokenizer.apply_chat_template(
+            [*head, {"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+        )
+        marker = REPLY_MARKER
         if full.count(marker) != 1:
             raise ValueError(
                 f"the chat template of {self.source} does not render a past reply and the next user message as "
@@ -178,14 +180,15 @@ class Agent(nn.Module):
         (e.g. Qwen3 drops earlier think blocks): then an episode's verbatim context is not the
         template's rendering of the same dialogue, though training still sees exactly what each turn
         was generated from."""
-        marker = "\u2063REPLY\u2063"
-        head = [{"role": "user", "content": "x"}, {"role": "assistant", "content": f"<think>\nr\n</think>\n\n{marker}"}]
-        if self.system_prompt is not None:
-            head.insert(0, {"role": "system", "content": self.system_prompt})
-        render = self.tokenizer.apply_chat_template
+        head, render = self._one_exchange(f"<think>\nr\n</think>\n\n{REPLY_MARKER}"), self.tokenizer.apply_chat_template
         base = render(head, tokenize=False)
         full = render([*head, {"role": "user", "content": "y"}], add_generation_prompt=True, tokenize=False)
-        return not full.startswith(base[: base.index(marker) + len(marker)])
+        return not full.startswith(base[: base.index(REPLY_MARKER) + len(REPLY_MARKER)])
+
+    def _one_exchange(self, reply: str) -> list[dict]:
+        """A probe dialogue for reading the chat template: (the system prompt,) a user turn, ``reply``."""
+        system = [] if self.system_prompt is None else [{"role": "system", "content": self.system_prompt}]
+        return [*system, {"role": "user", "content": "x"}, {"role": "assistant", "content": reply}]
 
     @functools.cached_property
     def opens_reasoning(self) -> bool:
