@@ -14,7 +14,7 @@ from torch import nn
 
 from lit_marl import ConfigError
 from lit_marl.fields import PositiveFloat, PositiveInt, UnitIntervalRightOpen, check_fields
-from lit_marl.models import load_model_and_tokenizer
+from lit_marl.models import check_source, load_model_and_tokenizer
 
 REPLY_MARKER = "\u2063REPLY\u2063"
 """A reply text no template rewrites, to find where a reply sits in a template's rendering."""
@@ -224,3 +224,23 @@ def roles_by_model(agents: list[Agent]) -> list[list[int]]:
     for i, agent in enumerate(agents):
         groups.setdefault(id(agent), []).append(i)
     return list(groups.values())
+
+
+def team_sources(
+    model: str | list[str], num_agents: int, share_parameters: bool, lora: bool, lora_shared_base: bool
+) -> list[str]:
+    """Every agent's model source, checked against the team's layout settings."""
+    sources = [model] * num_agents if isinstance(model, str) else list(model)
+    if len(sources) != num_agents:
+        raise ConfigError(f"model.model lists {len(sources)} sources for {num_agents} agents: give one per agent")
+    if share_parameters and len(set(sources)) != 1:
+        raise ConfigError(f"model.share_parameters=true needs one model source, got {sources}")
+    if lora_shared_base and (not lora or share_parameters or len(set(sources)) != 1):
+        raise ConfigError(
+            "model.lora_shared_base=true puts one LoRA adapter per agent on one base: it needs model.lora, one "
+            f"model source (got {sources}) and model.share_parameters=false (a shared model needs no adapters "
+            "of its own)"
+        )
+    for i, source in enumerate(sources):
+        check_source(source, field=f"model.model[{i}]" if not isinstance(model, str) else "model.model")
+    return sources

@@ -109,3 +109,26 @@ def verify(path: str | os.PathLike, field: str = "ckpt_path") -> dict:
     if not isinstance(saved, dict) or "state_dict" not in saved:
         raise ConfigError(f"{field}={str(path)!r}: a torch file but not a Lightning checkpoint (no state_dict)")
     return dict(saved.get("hyper_parameters") or {})
+
+
+def configured_settings_win(
+    checkpoint: dict, learning_rate: float, critic_learning_rate: float | None, weight_decay: float
+) -> None:
+    """The configured learning rates and weight decay win over the checkpoint's: torch restores
+    each parameter group's ``lr`` and ``weight_decay`` with the optimizer state, so a group still
+    at the checkpoint's setting gets the configured one (a group another schedule set, e.g.
+    PhaseSwitch's SFT rate, keeps its value)."""
+    saved = checkpoint.get("hyper_parameters") or {}
+    if "learning_rate" not in saved:
+        return
+    old_lr = saved["learning_rate"]
+    old = {"policy": old_lr, "critic": saved.get("critic_learning_rate") or old_lr}
+    new = {"policy": learning_rate, "critic": critic_learning_rate}
+    old_decay = saved.get("weight_decay", 0.0)
+    for state in checkpoint.get("optimizer_states", []):
+        for group in state.get("param_groups", []):
+            role = group.get("role")
+            if role in new and new[role] is not None and group.get("lr") == old[role]:
+                group["lr"] = new[role]
+            if group.get("weight_decay") == old_decay:
+                group["weight_decay"] = weight_decay

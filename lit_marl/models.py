@@ -164,10 +164,41 @@ def fp32_heads(module: torch.nn.Module) -> int:
     return switched
 
 
-def prepare_models(module: torch.nn.Module, activation_checkpointing: bool) -> None:
-    """What the models under ``module`` get once built: LM heads in fp32 (``fp32_heads``) and, when
-    asked, per-layer activation checkpointing (``checkpoint_layers``)."""
+WeightsDtype = Literal["float32", "bfloat16"]
+"""How a team stores the weights no optimizer updates (``model.weights_dtype``)."""
+
+
+def store_frozen(module: torch.nn.Module, dtype: WeightsDtype) -> int:
+    """Store every fp32 parameter under ``module`` that no optimizer updates (``requires_grad``
+    off: KL references, LoRA bases, frozen backbones, snapshots) in ``dtype``, in place (the same
+    Parameter objects, so tied and shared weights stay tied). Trainable weights stay fp32: they are
+    the master copy AdamW updates, cast to bf16 per op by autocast. LM heads (and embeddings tied
+    to them) stay fp32 as well, so a reference's log-probs come from the head the policy's do.
+    Returns the bytes saved."""
+    if dtype == "float32":
+        return 0
+    target = getattr(torch, dtype)
+    heads = {
+        id(m.get_output_embeddings().weight)
+        for m in module.modules()
+        if isinstance(m, PreTrainedModel) and m.get_output_embeddings() is not None
+    }
+    saved = 0
+    for p in {id(p): p for p in module.parameters()}.values():
+        if not p.requires_grad and p.dtype == torch.float32 and id(p) not in heads:
+            p.data = p.data.to(target)
+            saved += p.numel() * (4 - p.element_size())
+    return saved
+
+
+def prepare_models(
+    module: torch.nn.Module, activation_checkpointing: bool, weights_dtype: WeightsDtype = "float32"
+) -> None:
+    """What the models under ``module`` get once built: LM heads in fp32 (``fp32_heads``), frozen
+    weights in ``weights_dtype`` (``store_frozen``) and, when asked, per-layer activation
+    checkpointing (``checkpoint_layers``)."""
     fp32_heads(module)
+    store_frozen(module, weights_dtype)
     checkpoint_layers(module, activation_checkpointing)
 
 

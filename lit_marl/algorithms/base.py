@@ -16,12 +16,18 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 
 from lit_marl import ConfigError, checkpoint_files
-from lit_marl.agents import Agent, LoraSettings, roles_by_model
+from lit_marl.agents import Agent, LoraSettings, roles_by_model, team_sources
 from lit_marl.fields import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, check_fields
 from lit_marl.logprobs import target_logprobs
 from lit_marl.losses import nll
 from lit_marl.metrics import StepLogging, Timer
-from lit_marl.models import AttentionKernel, check_source, checkpointed_passes, prepare_models, set_attention
+from lit_marl.models import (
+    AttentionKernel,
+    WeightsDtype,
+    checkpointed_passes,
+    prepare_models,
+    set_attention,
+)
 from lit_marl.parallel.collectives import all_ranks_max, all_ranks_sum, gather_objects, sum_gradients, to_cpu
 from lit_marl.parallel.fsdp import TeamShards, check_shardable, shardable_models
 from lit_marl.parallel.strategies import TeamDDPStrategy
@@ -57,6 +63,7 @@ class AgentTeamModule(StepLogging, L.LightningModule):
         log_samples_every_n_steps: NonNegativeInt = 10,
         attn_implementation: AttentionKernel | None = None,
         activation_checkpointing: bool = False,
+        weights_dtype: WeightsDtype = "float32",
     ):
         """
         Args:
@@ -90,29 +97,21 @@ class AgentTeamModule(StepLogging, L.LightningModule):
                 bf16-mixed`` on CPU, where sdpa's bf16 backward is slow (docs/quickstart.md).
             activation_checkpointing: Recompute each decoder layer in the backward pass instead of keeping its
                 activations (every trainable model: actors, critics): less memory, one more forward (~1/3 more FLOPs).
+            weights_dtype: How weights no optimizer updates are stored (references, LoRA bases, frozen backbones,
+                snapshots); ``bfloat16`` halves them and needs ``trainer.precision: bf16-mixed``. Trained weights and
+                AdamW's state stay fp32 (the master copy), LM heads too (fp32 log-probs) (docs/scale.md).
         """
         super().__init__()
         check_fields("model", AgentTeamModule.__init__, locals())
         self.nonfinite_skips = 0
-        sources = [model] * num_agents if isinstance(model, str) else list(model)
-        if len(sources) != num_agents:
-            raise ConfigError(f"model.model lists {len(sources)} sources for {num_agents} agents: give one per agent")
-        if share_parameters and len(set(sources)) != 1:
-            raise ConfigError(f"model.share_parameters=true needs one model source, got {sources}")
-        if lora_shared_base and (lora is None or share_parameters or len(set(sources)) != 1):
-            raise ConfigError(
-                "model.lora_shared_base=true puts one LoRA adapter per agent on one base: it needs model.lora, one "
-                f"model source (got {sources}) and model.share_parameters=false (a shared model needs no adapters "
-                "of its own)"
-            )
-        for i, source in enumerate(sources):
-            check_source(source, field=f"model.model[{i}]" if not isinstance(model, str) else "model.model")
+        sources = team_sources(model, num_agents, share_parameters, lora is not None, lora_shared_base)
         self.save_hyperparameters()
         self.weight_decay, self.sources = weight_decay, sources
         self.forward_batch_size, self.forward_token_budget = forward_batch_size, forward_token_budget
         self.lora, self.system_prompt = LoraSettings(**lora) if isinstance(lora, dict) else lora, system_prompt
         self.share_parameters, self.lora_shared_base = share_parameters, lora_shared_base
         self.attn_implementation, self.activation_checkpointing = attn_implementation, activation_checkpointing
+        self.weights_dtype = weights_dtype
         self.automatic_optimization = False
         self.agents: nn.ModuleList | None = None
         self.references: nn.ModuleList | None = None  # frozen copies for a KL term: ``build_references``
@@ -123,7 +122,7 @@ class AgentTeamModule(StepLogging, L.LightningModule):
 
     def configure_model(self) -> None:
         self.build_models()  # loads weights: kept out of __init__ so bad configs fail first
-        prepare_models(self, self.activation_checkpointing)
+        prepare_models(self, self.activation_checkpointing, self.weights_dtype)
         if self.device_mesh is not None and self.shards is None:  # ModelParallelStrategy: FSDP2
             self.shard(self.device_mesh)
 
@@ -237,6 +236,12 @@ class AgentTeamModule(StepLogging, L.LightningModule):
                         f"trainer.{name}=0: no training step would run, and the run would end as if it had trained; "
                         "give a number > 0 (max_epochs/max_steps: -1 for no limit), or use `lit-marl validate`"
                     )
+        if self.weights_dtype != "float32" and self.trainer.precision != "bf16-mixed":
+            raise ConfigError(
+                f"model.weights_dtype={self.weights_dtype} computes in bf16 under autocast: set trainer.precision: "
+                f"bf16-mixed (got {self.trainer.precision}; trained weights and AdamW's state stay fp32), or "
+                "model.weights_dtype: float32"
+            )
         strategy = self.trainer.strategy
         if isinstance(strategy, DDPStrategy) and not isinstance(strategy, TeamDDPStrategy):
             raise ConfigError(
@@ -441,7 +446,8 @@ class AgentTeamModule(StepLogging, L.LightningModule):
         path = self._trainer.ckpt_path if self._trainer is not None else None
         if path:  # before any weight is applied: a damaged file is refused (the CLI checked it already)
             checkpoint_files.check_recorded(path)
-        self._resume_settings(checkpoint)
+        critic_lr = getattr(self, "critic_learning_rate", None)
+        checkpoint_files.configured_settings_win(checkpoint, self.hparams.learning_rate, critic_lr, self.weight_decay)
         saved = checkpoint.get("lit_marl")
         if saved is None:
             return  # a checkpoint from outside lit_marl: weights and optimizers only
@@ -470,26 +476,6 @@ class AgentTeamModule(StepLogging, L.LightningModule):
 
     def load_rank_state(self, state: dict) -> None:
         pass
-
-    def _resume_settings(self, checkpoint: dict) -> None:
-        """The configured learning rates and weight decay win over the checkpoint's: torch restores
-        each parameter group's ``lr`` and ``weight_decay`` with the optimizer state, so a group still
-        at the checkpoint's setting gets the configured one (a group another schedule set, e.g.
-        PhaseSwitch's SFT rate, keeps its value)."""
-        saved = checkpoint.get("hyper_parameters") or {}
-        if "learning_rate" not in saved:
-            return
-        old_lr = saved["learning_rate"]
-        old = {"policy": old_lr, "critic": saved.get("critic_learning_rate") or old_lr}
-        new = {"policy": self.hparams.learning_rate, "critic": getattr(self, "critic_learning_rate", None)}
-        old_decay, new_decay = saved.get("weight_decay", 0.0), self.weight_decay
-        for state in checkpoint.get("optimizer_states", []):
-            for group in state.get("param_groups", []):
-                role = group.get("role")
-                if role in new and new[role] is not None and group.get("lr") == old[role]:
-                    group["lr"] = new[role]
-                if group.get("weight_decay") == old_decay:
-                    group["weight_decay"] = new_decay
 
     def validation_step(self, batch: RolloutBatch, batch_idx: int) -> None:
         self.log_rollout(batch, "val")

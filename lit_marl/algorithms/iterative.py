@@ -43,6 +43,7 @@ from lit_marl.fields import ClosedUnitInterval, NonNegativeInt, PositiveInt, che
 from lit_marl.generation.api import ApiSettings, ApiWriter
 from lit_marl.generation.text import GenerationMode, ModelWriter, TextEngine, TextRole
 from lit_marl.metrics import Timer
+from lit_marl.models import prepare_models, store_frozen
 from lit_marl.rollout.batch import RolloutBatch
 from lit_marl.rollout.pairs import ComparisonSelection, PairSettings, comparison_rows
 from lit_marl.rollout.replay import PreferenceReplay, ReplayMode, ReplaySettings
@@ -250,6 +251,7 @@ class IterativeMADPO(MADPO):
         for role, source in enumerate(self.comparator_sources):
             if source not in loaded:
                 loaded[source] = Agent(source, None, self.system_prompt).requires_grad_(False).to(self.device)
+                prepare_models(loaded[source], False, self.weights_dtype)
             policy, theirs = self.agents[role].tokenizer, loaded[source].tokenizer
             if policy.get_vocab() != theirs.get_vocab() or policy.chat_template != theirs.chat_template:
                 raise ConfigError(
@@ -273,6 +275,7 @@ class IterativeMADPO(MADPO):
         wanted = max(self.iteration + 1 - self.history_k, 0)
         if "copy" not in self._frozen:
             self._frozen["copy"] = copy.deepcopy(self.agents).requires_grad_(False)
+            store_frozen(self._frozen["copy"], self.weights_dtype)
         if self._frozen.get("loaded") != wanted:
             state = torch.load(self.snapshots[wanted], weights_only=True, map_location=self.device)
             unknown = self._frozen["copy"].load_state_dict(state, strict=False).unexpected_keys

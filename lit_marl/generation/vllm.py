@@ -63,7 +63,7 @@ class LLMBackend:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
 
-        kwargs = dict(gpu_memory_utilization=0.3, enable_prefix_caching=True)
+        kwargs = dict(gpu_memory_utilization=0.3, enable_prefix_caching=True, dtype=compute_dtype())
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             kwargs["distributed_executor_backend"] = "external_launcher"  # one engine per rank, colocated
             kwargs["seed"] = torch.distributed.get_rank()
@@ -88,6 +88,16 @@ class LLMBackend:
         executor = self.llm.llm_engine.model_executor
         worker = getattr(executor.driver_worker, "worker", executor.driver_worker)  # V1 wraps the worker
         worker.model_runner.model.load_weights(weights=weights)
+
+
+def compute_dtype(device_type: str = "cuda") -> str:
+    """The dtype the trainer's passes compute in right now, for vLLM's ``dtype``: bf16 inside
+    ``trainer.precision: bf16-mixed``'s autocast (rollouts run in it), else float32. vLLM's own
+    default (``auto``: the checkpoint's, bf16 for Qwen) would sample an fp32 team from another
+    policy than the one the update scores."""
+    if torch.is_autocast_enabled(device_type):
+        return str(torch.get_autocast_dtype(device_type)).removeprefix("torch.")
+    return "float32"
 
 
 def weight_version(model: torch.nn.Module) -> tuple:

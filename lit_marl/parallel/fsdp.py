@@ -116,8 +116,12 @@ class TeamShards:
             raise RuntimeError("TeamShards.reduce_gradients outside gathered(): the passes would have communicated")
         for root in self.roots_of(params):
             root.set_requires_gradient_sync(True)
+            # weights stored in several dtypes (model.weights_dtype) compute only under autocast
+            low = {p.dtype for p in root.parameters()} - {torch.float32}
+            autocast = torch.autocast(self.device.type, dtype=min(low, key=str) if low else None, enabled=bool(low))
             try:
-                out = root(input_ids=torch.zeros((1, 1), dtype=torch.long, device=self.device))
+                with autocast:
+                    out = root(input_ids=torch.zeros((1, 1), dtype=torch.long, device=self.device))
                 (out[0].float().sum() * 0).backward()
             finally:
                 root.set_requires_gradient_sync(False)

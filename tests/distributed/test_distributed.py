@@ -116,18 +116,22 @@ def test_fsdp_matches_one_process_and_shards_the_weights(built):
 
 
 @pytest.mark.slow  # a 2-rank run of ~45-55 s each: make test-slow
-@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
-def test_fsdp_gradients_equal_one_process_bit_for_bit(tmp_path, checkpointing):
+@pytest.mark.parametrize("mode", ["", "checkpointing", "bf16"], ids=["plain", "checkpointed", "bf16-frozen"])
+def test_fsdp_gradients_equal_one_process_bit_for_bit(tmp_path, mode):
     """lit_marl.parallel.fsdp alone: rank 0 runs 3 backward passes and generates 4 tokens, rank 1 runs 1 pass
     and generates 20; the reduced gradient shards equal one process's gradients of all 4 passes, also
-    when the sharded model recomputes its layers in the backward (activation checkpointing under FSDP2)."""
-    run_script(TEST_SCRIPTS / "fsdp_grads.py", str(tmp_path), str(free_port()), *(["checkpointing"] * checkpointing))
+    when the sharded model recomputes its layers in the backward (activation checkpointing under FSDP2),
+    and when its units hold bf16 frozen and fp32 trained weights together under bf16 autocast
+    (``model.weights_dtype: bfloat16``)."""
+    run_script(TEST_SCRIPTS / "fsdp_grads.py", str(tmp_path), str(free_port()), *([mode] if mode else []))
     reports = [json.loads((tmp_path / f"report_rank{r}.json").read_text()) for r in range(2)]
     assert [r["generated"] for r in reports] == [4, 20]
-    assert [r["recomputed"] for r in reports] == ([3, 1] if checkpointing else [0, 0])
+    assert [r["recomputed"] for r in reports] == ([3, 1] if mode == "checkpointing" else [0, 0])
     for report in reports:
         assert report["max_grad_diff"] == 0.0
         assert report["sharded"] == report["params"]
+        assert report["dtypes"] == (["torch.bfloat16", "torch.float32"] if mode == "bf16" else ["torch.float32"])
+        assert (report["trained"] < report["params"]) == (mode == "bf16")
     assert sum(r["embed_rows"] for r in reports) == reports[0]["embed_rows"] * 2 - 1  # 265 + 264
 
 

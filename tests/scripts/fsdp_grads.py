@@ -2,9 +2,12 @@
 of forward/backward passes, and generate different numbers of tokens, inside ``gathered()``; after
 ``reduce_gradients`` each rank's gradient shards must equal the gradients of one process that ran
 every pass. With ``checkpointing`` the sharded model recomputes its layers in the backward
-(``lit_marl.models.checkpoint_layers``; the one process does not). Writes OUT/report_rank{r}.json.
+(``lit_marl.models.checkpoint_layers``; the one process does not). With ``bf16`` the MLP weights are
+frozen and stored in bf16 (``store_frozen``, as ``model.weights_dtype: bfloat16`` does), so each layer's
+FSDP unit gathers bf16 and fp32 parameters together, and every pass runs under bf16 autocast (both
+sides). Writes OUT/report_rank{r}.json.
 
-python fsdp_grads.py OUT PORT [checkpointing]
+python fsdp_grads.py OUT PORT [checkpointing|bf16]
 """
 
 from __future__ import annotations
@@ -26,18 +29,23 @@ def loss_of(model, ids):
     return model(input_ids=ids).logits.float().log_softmax(-1).mean()
 
 
-def worker(rank: int, world: int, folder: str, port: str, checkpointing: bool) -> None:
+def worker(rank: int, world: int, folder: str, port: str, mode: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from lit_marl.models import checkpoint_layers, checkpointed_passes, load_model_and_tokenizer
+    from lit_marl.models import checkpoint_layers, checkpointed_passes, load_model_and_tokenizer, store_frozen
     from lit_marl.parallel.fsdp import TeamShards
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     model, _ = load_model_and_tokenizer("tiny-random")
+    if mode == "bf16":
+        for name, p in model.named_parameters():
+            p.requires_grad_("mlp" not in name)
+        store_frozen(model, "bfloat16")
     single = copy.deepcopy(model)
-    checkpoint_layers(model, checkpointing)
+    checkpoint_layers(model, mode == "checkpointing")
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "bf16")
     recomputed = [0]  # layer passes during a backward
     in_backward = [False]
     attention = model.model.layers[0].self_attn
@@ -48,11 +56,15 @@ def worker(rank: int, world: int, folder: str, port: str, checkpointing: bool) -
     new_tokens = 4 + 16 * rank
     params = list(model.parameters())  # the sharded parameters, as an optimizer holds them
     with shards.gathered():
-        out = model.generate(
-            input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True
-        )
+        with autocast:
+            out = model.generate(
+                input_ids=torch.tensor([[5, 6, 7]]),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=True,
+            )
         for ids in mine:
-            with checkpointed_passes(model):
+            with checkpointed_passes(model), autocast:
                 loss = loss_of(model, ids)
                 in_backward[0] = True
                 loss.backward()
@@ -60,17 +72,22 @@ def worker(rank: int, world: int, folder: str, port: str, checkpointing: bool) -
         shards.reduce_gradients(params)
         shards.refresh(params)
     local = {n: p.to_local().shape[0] for n, p in model.named_parameters() if isinstance(p, DTensor)}
-    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.requires_grad}
     for ids in batches:
-        loss_of(single, ids).backward()
-    worst = max(float((grads[n] - p.grad).abs().max()) for n, p in single.named_parameters())
+        with autocast:
+            loss = loss_of(single, ids)
+        loss.backward()
+    worst = max(float((grads[n] - p.grad).abs().max()) for n, p in single.named_parameters() if p.requires_grad)
+    dtypes = sorted({str(p.dtype) for p in model.parameters()})
     report = {
         "rank": rank,
         "generated": out.shape[1] - 3,
         "max_grad_diff": worst,
         "embed_rows": local["model.embed_tokens.weight"],
         "sharded": len(local),
-        "params": len(grads),
+        "params": len(list(model.parameters())),
+        "trained": len(grads),
+        "dtypes": dtypes,
         "recomputed": recomputed[0],
     }
     (Path(folder) / f"report_rank{rank}.json").write_text(json.dumps(report))
@@ -78,4 +95,4 @@ def worker(rank: int, world: int, folder: str, port: str, checkpointing: bool) -
 
 
 if __name__ == "__main__":
-    mp.spawn(worker, args=(2, sys.argv[1], sys.argv[2], sys.argv[3:] == ["checkpointing"]), nprocs=2)
+    mp.spawn(worker, args=(2, sys.argv[1], sys.argv[2], (sys.argv[3:] or [""])[0]), nprocs=2)
