@@ -1,5 +1,9 @@
 """Activation checkpointing measured: peak memory and time of one training pass (forward + backward of
-the completion log-probs, as an update computes them) with and without ``activation_checkpointing``.
+the completion log-probs, as an update computes them) with and without ``activation_checkpointing``,
+next to the memory plan's estimate of the pass (``lit_marl.memory``: gradients and activations).
+glibc keeps freed heap memory mapped (its mmap threshold grows with each large free), so the peak
+RSS of a pass exceeds what was live; with ``MALLOC_MMAP_THRESHOLD_=131072`` in the environment large
+blocks go back to the system when freed and the RSS follows the live bytes (docs/scale.md).
 
 Each setting runs in a fresh process (its peak RSS is its own); the times are compared as ratios
 within one run (the machine is shared). Prints one line per setting and the ratios.
@@ -23,6 +27,7 @@ def one(model: str, rows: int, tokens: int, lora: bool, checkpointing: bool, rep
 
     from lit_marl.agents import Agent, LoraSettings
     from lit_marl.logprobs import completion_logprobs
+    from lit_marl.memory import GiB, activation_profile
     from lit_marl.models import checkpoint_layers, checkpointed_passes
 
     torch.manual_seed(0)
@@ -31,6 +36,10 @@ def one(model: str, rows: int, tokens: int, lora: bool, checkpointing: bool, rep
     vocab = agent.model.config.vocab_size
     ids = torch.randint(3, vocab, (rows, tokens), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
+    # the memory plan of the pass: fp32 gradients of the trained weights, the measured activation profile
+    grads = sum(p.numel() * 4 for p in agent.model.parameters() if p.requires_grad)
+    profile = activation_profile(agent.model)
+    planned = (grads + profile.pass_bytes(rows * tokens, rows * (tokens // 4), checkpointing)) / GiB
     loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # GiB (Linux: KiB)
     seconds = []
     for _ in range(repeats):
@@ -40,7 +49,13 @@ def one(model: str, rows: int, tokens: int, lora: bool, checkpointing: bool, rep
         seconds.append(time.perf_counter() - start)
         agent.model.zero_grad(set_to_none=True)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    return {"loaded_gib": loaded, "peak_gib": peak, "pass_gib": peak - loaded, "s": min(seconds)}
+    return {
+        "loaded_gib": loaded,
+        "peak_gib": peak,
+        "pass_gib": peak - loaded,
+        "planned_gib": planned,
+        "s": min(seconds),
+    }
 
 
 def main() -> None:
@@ -67,7 +82,7 @@ def main() -> None:
             name = f"{'lora' if lora else 'full'} {'checkpointed' if checkpointing else 'plain':12s}"
             print(
                 f"{name} peak {result['peak_gib']:.2f} GiB (pass {result['pass_gib']:.2f} GiB over the loaded "
-                f"{result['loaded_gib']:.2f}) | {result['s']:.2f} s per pass",
+                f"{result['loaded_gib']:.2f}; planned {result['planned_gib']:.2f}) | {result['s']:.2f} s per pass",
                 flush=True,
             )
     for lora in (False, True):

@@ -20,6 +20,7 @@ from lit_marl.agents import Agent, LoraSettings, roles_by_model, team_sources
 from lit_marl.fields import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, check_fields
 from lit_marl.logprobs import target_logprobs
 from lit_marl.losses import nll
+from lit_marl.memory import check_memory
 from lit_marl.metrics import StepLogging, Timer
 from lit_marl.models import (
     AttentionKernel,
@@ -64,6 +65,7 @@ class AgentTeamModule(StepLogging, L.LightningModule):
         attn_implementation: AttentionKernel | None = None,
         activation_checkpointing: bool = False,
         weights_dtype: WeightsDtype = "float32",
+        memory_check: bool = True,
     ):
         """
         Args:
@@ -100,6 +102,8 @@ class AgentTeamModule(StepLogging, L.LightningModule):
             weights_dtype: How weights no optimizer updates are stored (references, LoRA bases, frozen backbones,
                 snapshots); ``bfloat16`` halves them and needs ``trainer.precision: bf16-mixed``. Trained weights and
                 AdamW's state stay fp32 (the master copy), LM heads too (fp32 log-probs) (docs/scale.md).
+            memory_check: Print the memory plan per rank before the first step and stop when its peak exceeds
+                the device (docs/scale.md); false: neither.
         """
         super().__init__()
         check_fields("model", AgentTeamModule.__init__, locals())
@@ -111,7 +115,7 @@ class AgentTeamModule(StepLogging, L.LightningModule):
         self.lora, self.system_prompt = LoraSettings(**lora) if isinstance(lora, dict) else lora, system_prompt
         self.share_parameters, self.lora_shared_base = share_parameters, lora_shared_base
         self.attn_implementation, self.activation_checkpointing = attn_implementation, activation_checkpointing
-        self.weights_dtype = weights_dtype
+        self.weights_dtype, self.memory_check = weights_dtype, memory_check
         self.automatic_optimization = False
         self.agents: nn.ModuleList | None = None
         self.references: nn.ModuleList | None = None  # frozen copies for a KL term: ``build_references``
@@ -125,6 +129,10 @@ class AgentTeamModule(StepLogging, L.LightningModule):
         prepare_models(self, self.activation_checkpointing, self.weights_dtype)
         if self.device_mesh is not None and self.shards is None:  # ModelParallelStrategy: FSDP2
             self.shard(self.device_mesh)
+
+    def on_fit_start(self) -> None:
+        if self.memory_check:
+            check_memory(self, self.trainer.datamodule)
 
     def build_models(self) -> None:
         """Every model of the algorithm not built yet (agents here; critics, references in subclasses)."""

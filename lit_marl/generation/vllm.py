@@ -125,6 +125,7 @@ class VLLMEngine:
         elif llm_kwargs:
             raise ValueError(f"VLLMEngine: {sorted(llm_kwargs)} go to the default backend, not a backend_factory")
         self.backend_factory = backend_factory
+        self.llm_kwargs = llm_kwargs  # gpu_memory_utilization: the memory plan counts it
         self.backends: dict[int, VLLMBackend] = {}
         self.versions: dict[int, tuple] = {}
         self.syncs = 0  # weight loads so far (all models)
