@@ -147,7 +147,7 @@ class MemoryPlan:
     def peak(self) -> float:
         p = self.parts
         update = p.get("gradients", 0) + p.get("activations of one update pass", 0)
-        rollout = p.get("generation KV cache", 0)
+        rollout = p.get("generation KV cache", 0)  # vLLM's share is held throughout: steady
         steady = sum(v for k, v in p.items() if k not in {"gradients", "activations of one update pass"})
         return steady - rollout + max(update, rollout)
 
@@ -164,18 +164,19 @@ def _local_numel(p: torch.Tensor) -> int:
     return p.to_local().numel() if hasattr(p, "to_local") else p.numel()
 
 
-def weight_parts(module: nn.Module) -> dict[str, float]:
+def weight_parts(module: nn.Module, shard_over: int = 1) -> dict[str, float]:
     """Resident weights (local shards), the full weights a step gathers (FSDP), gradients (fp32,
-    unsharded while a step accumulates them) and AdamW's two moments (sharded like the weights)."""
+    unsharded while a step accumulates them) and AdamW's two moments (sharded like the weights).
+    ``shard_over``: plan unsharded models as FSDP2 over that many ranks will shard them."""
     params = list({id(p): p for p in module.parameters()}.values())
-    resident = sum(_local_numel(p) * p.element_size() for p in params)
+    resident = sum(_local_numel(p) * p.element_size() / shard_over for p in params)
     full = sum(p.numel() * p.element_size() for p in params)
     trained = [p for p in params if p.requires_grad]
     return {
         "weights": resident,
         "weights gathered for a step": full - resident,
         "gradients": sum(p.numel() * 4 for p in trained),
-        "AdamW state": sum(_local_numel(p) * 8 for p in trained),
+        "AdamW state": sum(_local_numel(p) * 8 / shard_over for p in trained),
     }
 
 
@@ -222,35 +223,50 @@ def generation_shape(data) -> tuple[int, int, str]:
     return hp.tasks_per_step * nodes * tree.num_generations, 512 + tree.max_new_tokens, "prompts <= 512 tokens"
 
 
-def plan(module, data=None) -> MemoryPlan:
-    """The memory plan of ``module`` (built, sharded where it will be) for a step of ``data``."""
+def plan(
+    module,
+    data=None,
+    shard_over: int = 1,
+    vllm_share: float | None = None,
+    process: float | None = None,
+    capacity: float | None = None,
+    autocast: bool | None = None,
+) -> MemoryPlan:
+    """The memory plan of ``module`` (built, sharded where it will be) for a step of ``data``. The
+    keywords plan ahead for other hardware (``scripts/plan_memory.py``): ``shard_over`` ranks of FSDP2,
+    vLLM's ``gpu_memory_utilization``, the runtime's bytes, the device's, bf16 autocast; by default
+    each is read from the run."""
     device = module.device
-    precision = getattr(module._trainer, "precision", "32-true") if module._trainer is not None else "32-true"
-    bf16 = str(precision).startswith("bf16") or getattr(module, "weights_dtype", "float32") == "bfloat16"
-    autocast = torch.bfloat16 if bf16 else None
-    result = MemoryPlan(device=str(device), capacity=device_capacity(device))
-    parts = weight_parts(module)
-    result.parts["process (runtime, data)"] = process_overhead(device, parts["weights"])
+    if autocast is None:
+        precision = str(module._trainer.precision) if module._trainer is not None else "32-true"
+        autocast = precision.startswith("bf16") or getattr(module, "weights_dtype", "float32") == "bfloat16"
+    dtype = torch.bfloat16 if autocast else None
+    result = MemoryPlan(device=str(device), capacity=capacity if capacity is not None else device_capacity(device))
+    parts = weight_parts(module, shard_over)
+    result.parts["process (runtime, data)"] = (
+        process if process is not None else process_overhead(device, parts["weights"])
+    )
     result.parts.update(parts)
     trained = [m for m in shardable_models(module) if any(p.requires_grad for p in m.parameters())]
     tokens = module.forward_token_budget
     if tokens is None:
         result.notes.append("model.forward_token_budget is null: a pass's activations are unbounded, not counted")
     elif trained:
-        passes = [
-            activation_profile(m, autocast).pass_bytes(tokens, tokens, module.activation_checkpointing) for m in trained
-        ]
+        checkpointing = module.activation_checkpointing
+        passes = [activation_profile(m, dtype).pass_bytes(tokens, tokens, checkpointing) for m in trained]
         result.parts["activations of one update pass"] = max(passes)
         result.notes.append(f"a pass of {tokens} tokens, every position scored (an upper bound on the logits)")
     engine = getattr(getattr(data, "engine", None), "name", None)
-    if data is not None and engine == "vllm":
-        share = float(getattr(data.engine, "llm_kwargs", {}).get("gpu_memory_utilization", 0.3))
+    if vllm_share is None and engine == "vllm":
+        vllm_share = float(data.engine.llm_kwargs.get("gpu_memory_utilization", 0.3))
+    if vllm_share is not None:
         models = len(shardable_models(module.agents))
-        result.parts["vLLM engines (gpu_memory_utilization)"] = share * models * (result.capacity or 0)
+        result.parts["vLLM engines (gpu_memory_utilization)"] = vllm_share * models * (result.capacity or 0)
     elif data is not None and module.agents is not None:
         rows, length, assumed = generation_shape(data)
-        dtype = autocast or torch.float32
-        result.parts["generation KV cache"] = kv_cache_bytes(module.agents[0].model, rows, length, dtype)
+        result.parts["generation KV cache"] = kv_cache_bytes(
+            module.agents[0].model, rows, length, dtype or torch.float32
+        )
         result.notes.append(f"generation: {rows} rows x {length} tokens ({assumed})")
     return result
 

@@ -25,6 +25,7 @@ from lit_marl.fields import (
 from lit_marl.logprobs import masked_logprobs
 from lit_marl.losses import clip_fraction, clipped_surrogate, k3_kl
 from lit_marl.metrics import Timer, record_stats
+from lit_marl.models import AttentionKernel, WeightsDtype
 from lit_marl.parallel.collectives import padded_steps
 from lit_marl.rollout.batch import TrajectorySamples
 from lit_marl.rollout.buffer import minibatches
@@ -52,6 +53,11 @@ class EpisodicModule(AgentTeamModule):
         lora_shared_base: bool = False,
         max_nonfinite_steps: NonNegativeInt = 0,
         log_samples_every_n_steps: NonNegativeInt = 10,
+        weight_decay: NonNegativeFloat = 0.0,
+        attn_implementation: AttentionKernel | None = None,
+        activation_checkpointing: bool = False,
+        weights_dtype: WeightsDtype = "float32",
+        memory_check: bool = True,
     ):
         """
         Args:
@@ -81,6 +87,8 @@ class EpisodicModule(AgentTeamModule):
                 optimizer steps (weights untouched, counted) first (``AgentTeamModule``).
             log_samples_every_n_steps: Every n training steps one whole episode to TensorBoard's
                 text tab and rewards and advantages to its histograms (0: never).
+            weight_decay, attn_implementation, activation_checkpointing, weights_dtype, memory_check: as for every
+                team (``AgentTeamModule``; docs/scale.md).
         """
         super().__init__(
             model=model,
@@ -95,6 +103,11 @@ class EpisodicModule(AgentTeamModule):
             lora_shared_base=lora_shared_base,
             max_nonfinite_steps=max_nonfinite_steps,
             log_samples_every_n_steps=log_samples_every_n_steps,
+            weight_decay=weight_decay,
+            attn_implementation=attn_implementation,
+            activation_checkpointing=activation_checkpointing,
+            weights_dtype=weights_dtype,
+            memory_check=memory_check,
         )
         check_fields("model", EpisodicModule.__init__, locals())
         self.clip_range, self.ppo_epochs, self.train_batch_size = clip_range, ppo_epochs, train_batch_size

@@ -1,0 +1,126 @@
+"""The memory plan of a config at a size this machine cannot load: the config's modules are built
+with the real architecture on PyTorch's meta device (shapes and dtypes, no weights; the tokenizer
+is the tiny model's), and ``lit_marl.memory.plan`` counts them as ``lit-marl fit`` would on the
+GPUs: weights sharded over the ranks (FSDP2), the activation profile measured on small CPU copies
+of the architecture, vLLM's share of the device. Prints the plan per rank for each layout.
+
+    .venv/bin/python scripts/plan_memory.py configs/scale/textworld_grpo_qwen1.5b.yaml --ranks 8 16
+
+The configs in configs/scale/ carry these figures in their headers (H100, 80 GB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from unittest import mock
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+# the architectures of the guide's models (their config.json, as published)
+ARCHITECTURES = {
+    "Qwen/Qwen2.5-1.5B-Instruct": dict(
+        architectures=["Qwen2ForCausalLM"],
+        model_type="qwen2",
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=True,
+    ),
+    "Qwen/Qwen2.5-7B-Instruct": dict(
+        architectures=["Qwen2ForCausalLM"],
+        model_type="qwen2",
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+    ),
+}
+
+
+def meta_loader(folder: Path):
+    """``load_model_and_tokenizer`` for ``folder``: the architecture on the meta device, the tiny tokenizer."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lit_marl.models import load_model_and_tokenizer
+
+    _, tokenizer = load_model_and_tokenizer("tiny-random")
+
+    def load(source: str):
+        config = AutoConfig.from_pretrained(str(folder))
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        return model.eval(), tokenizer
+
+    return load
+
+
+def plan_config(configs: list[str], model: str, ranks: int, capacity_gib: float, process_gib: float, extra: list[str]):
+    import yaml
+
+    from lit_marl.cli import build_cli
+    from lit_marl.memory import GiB, plan
+
+    raw: dict = {}
+    for path in configs:  # the engine options as the GPU run would use them
+        raw.setdefault("data", {}).update(((yaml.safe_load(Path(path).read_text()) or {}).get("data") or {}))
+    options = (raw.get("data", {}).get("init_args") or {}).get("engine_options") or {}
+    engine = (raw.get("data", {}).get("init_args") or {}).get("engine")
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        (folder / "config.json").write_text(json.dumps(ARCHITECTURES[model]))
+        load = meta_loader(folder)
+        args = ["--config", *" --config ".join(configs).split(" ")]
+        args += ["--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.num_nodes=1", "--trainer.strategy=auto"]
+        args += ["--trainer.logger=false", "--trainer.callbacks=[]", f"--model.init_args.model={folder}"]
+        args += ["--data.init_args.engine=torch", "--data.init_args.engine_options=null", *extra]
+        with mock.patch("lit_marl.agents.load_model_and_tokenizer", load):
+            with mock.patch("lit_marl.algorithms.critics.load_model_and_tokenizer", load):
+                cli = build_cli(args=args, run=False)
+                cli.model.configure_model()
+        share = float(options.get("gpu_memory_utilization", 0.3)) if engine == "vllm" else None
+        return plan(
+            cli.model,
+            cli.datamodule,
+            shard_over=ranks,
+            vllm_share=share,
+            process=process_gib * GiB,
+            capacity=capacity_gib * GiB,
+            autocast=cli.trainer.precision.startswith("bf16"),
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("configs", nargs="+", help="a config, then overlays")
+    parser.add_argument("--model", default="Qwen/Qwen2.5-1.5B-Instruct", choices=sorted(ARCHITECTURES))
+    parser.add_argument("--ranks", type=int, nargs="+", default=[8, 16], help="FSDP ranks (8: one node, 16: two)")
+    parser.add_argument("--capacity-gib", type=float, default=80.0, help="memory per GPU (H100: 80)")
+    parser.add_argument("--process-gib", type=float, default=1.0, help="CUDA context and runtime per rank")
+    parser.add_argument("--set", action="append", default=[], help="a further override --KEY=VALUE")
+    args = parser.parse_args()
+    for ranks in args.ranks:
+        result = plan_config(args.configs, args.model, ranks, args.capacity_gib, args.process_gib, args.set)
+        result.device = f"{args.model}, {ranks} ranks of FSDP2, {args.capacity_gib:g} GiB each"
+        print(result.table(), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""configs/scale: the guide's experiments at Qwen2.5-1.5B on 8 GPUs (and 2 nodes with
+two_nodes.yaml). They cannot run here; each must parse and build its modules on this CPU with the
+tiny model standing in, keep the settings that make it fit (bf16, FSDP2, checkpointing, vLLM), and
+carry the memory plan of its header as scripts/plan_memory.py computes it."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from lit_marl.cli import build_cli
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = sorted((ROOT / "configs" / "scale").glob("*_qwen1.5b.yaml"))
+SMALL = {
+    "textworld": [
+        "--data.init_args.train_path=textworld:w2-o3-q4:train:2",
+        "--data.init_args.val_path=textworld:w2-o3-q4:test:1",
+    ],
+    "alfworld": ["--data.init_args.train_path=alfworld:train:1", "--data.init_args.val_path=alfworld:test:1"],
+}
+
+
+def _stand_in(config: Path, *overlays: str) -> list[str]:
+    args = ["--config", str(config)]
+    for overlay in overlays:
+        args += ["--config", str(ROOT / "configs" / "scale" / overlay)]
+    args += ["--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.num_nodes=1", "--trainer.strategy=auto"]
+    args += ["--trainer.logger=false", "--trainer.callbacks=[]", "--model.init_args.model=tiny-random"]
+    args += ["--data.init_args.engine=torch", "--data.init_args.engine_options=null"]
+    return args + SMALL[config.name.split("_")[0]]
+
+
+def test_there_is_a_config_per_env_and_algorithm():
+    assert {c.name for c in CONFIGS} == {f"{e}_{a}_qwen1.5b.yaml" for e in SMALL for a in ("ppo", "grpo", "rloo")}
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.stem)
+def test_scale_config_builds_with_a_tiny_stand_in(config, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    raw = yaml.safe_load(config.read_text())
+    assert raw["model"]["init_args"]["model"] == "Qwen/Qwen2.5-1.5B-Instruct"
+    assert raw["trainer"]["strategy"]["class_path"] == "lit_marl.parallel.strategies.TeamFSDPStrategy"
+    assert (raw["trainer"]["precision"], raw["trainer"]["devices"], raw["trainer"]["num_nodes"]) == ("bf16-mixed", 8, 1)
+    assert raw["data"]["init_args"]["engine"] == "vllm"
+    header = config.read_text().split("seed_everything")[0]
+    assert "PLAN_" not in header and re.search(r"Memory per GPU.*GiB", header)
+    cli = build_cli(args=_stand_in(config), run=False)
+    module = cli.model
+    assert module.activation_checkpointing and module.weights_dtype == "bfloat16"
+    module.configure_model()
+    assert module.references is not None and {p.dtype for p in module.references.parameters()} >= {torch.bfloat16}
+
+
+def test_two_nodes_overlay_builds(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert yaml.safe_load((ROOT / "configs" / "scale" / "two_nodes.yaml").read_text()) == {"trainer": {"num_nodes": 2}}
+    cli = build_cli(args=_stand_in(CONFIGS[-1], "two_nodes.yaml"), run=False)
+    assert cli.model.weights_dtype == "bfloat16"
+
+
+@pytest.mark.slow  # ~25 s: the plan measures Qwen2.5-1.5B's layers on CPU copies
+def test_header_carries_the_plan_it_claims(tmp_path):
+    """The header's figure for one node equals scripts/plan_memory.py's peak (to 0.1 GiB)."""
+    config = ROOT / "configs" / "scale" / "textworld_grpo_qwen1.5b.yaml"
+    claimed = float(re.search(r"Memory per GPU[^:]*: ([\d.]+) GiB", config.read_text()).group(1))
+    command = [sys.executable, str(ROOT / "scripts" / "plan_memory.py"), str(config), "--ranks", "8"]
+    command += [f"--set={a}" for a in SMALL["textworld"]]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, check=True)
+    planned = float(re.search(r"peak \(update or rollout\)\s+([\d.]+) GiB", done.stdout).group(1))
+    assert abs(planned - claimed) <= 0.1, (planned, claimed)
