@@ -200,17 +200,25 @@ def device_capacity(device: torch.device) -> float | None:
     return total / max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
 
 
-def process_overhead(device: torch.device, weights: float) -> float:
-    """What the process holds besides the weights now: on CPU its resident memory minus the weights
-    (Python, torch, the data); on a GPU the allocator's reserve beyond what is allocated."""
-    if device.type == "cuda":
-        return float(torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+def _rss() -> float:
     try:
         with open("/proc/self/statm") as f:
-            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            return float(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
     except (OSError, ValueError, IndexError):
         return 0.0
-    return max(rss - weights, 0.0)
+
+
+_RSS_AT_IMPORT = _rss()  # Python, torch, transformers and Lightning loaded; no model yet (base.py imports this)
+
+
+def process_overhead(device: torch.device, weights: float) -> float:
+    """What the process holds besides the weights now: on CPU its resident memory minus the weights
+    (Python, torch, the data), at least what it held before any model loaded (weights read from a
+    safetensors file are mapped, and resident only once touched); on a GPU the allocator's reserve
+    beyond what is allocated."""
+    if device.type == "cuda":
+        return float(torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+    return max(_rss() - weights, _RSS_AT_IMPORT)
 
 
 def generation_shape(data) -> tuple[int, int, str]:
