@@ -504,6 +504,7 @@ class EpisodeDataModule(TaskDataModule):
         task_types: list[str] | None = None,
         anchor: Literal["state", "observation"] = "state",
         reasoning: Literal["none", "think"] = "none",
+        history: Literal["verbatim", "strict"] = "verbatim",
     ):
         """
         Args:
@@ -552,6 +553,8 @@ class EpisodeDataModule(TaskDataModule):
                 an env has none); ``observation``, the agent's observation text.
             reasoning: ``think``: a reply's ``<think>...</think>`` block is the agent's reasoning (Qwen3): the env
                 acts on the text after it (nothing while unclosed); trained on whole either way. ``none``: all of it.
+            history: For chat templates that rewrite earlier turns (Qwen3's think blocks): ``verbatim`` keeps each
+                reply as generated in the context (exact training; a warning); ``strict`` refuses such templates.
         """
         super().__init__()
         probe = make_env(env, env_kwargs)  # a bad name or kwargs fails here, field named
@@ -591,6 +594,7 @@ class EpisodeDataModule(TaskDataModule):
             top_p=top_p,
             anchor=anchor,
             reasoning=reasoning,
+            history=history,
         )
         self.pool = ThreadPoolExecutor(max_workers=env_workers)
 

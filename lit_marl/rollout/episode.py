@@ -23,6 +23,7 @@ from typing import Callable, Literal
 
 import torch
 
+from lit_marl import ConfigError
 from lit_marl.agents import Agent, roles_by_model
 from lit_marl.envs.base import Env, StepResult, step_all
 from lit_marl.generation import Engine, left_pad, make_engine
@@ -126,6 +127,10 @@ class EpisodeSettings:
     ``state_key()`` where it has one (else the observation); ``observation``, the agent's observation text."""
     reasoning: Literal["none", "think"] = "none"
     """What of a reply the env gets as the action (``action_text``); the training row keeps the whole reply."""
+    history: Literal["verbatim", "strict"] = "verbatim"
+    """A chat template that rewrites earlier turns (``Agent.rewrites_history``): ``verbatim`` keeps every
+    reply as generated in the context (a warning says so); ``strict`` refuses it, so the context is
+    always the template's own rendering of the dialogue."""
 
 
 def action_text(reply: str, reasoning: Literal["none", "think"], opened: bool = False) -> str:
@@ -195,6 +200,12 @@ def _start(agents, rows: list[dict], make_env, settings: EpisodeSettings, pool, 
     if episodes[0].env.num_agents != n:
         raise ValueError(f"{type(episodes[0].env).__name__} has {episodes[0].env.num_agents} agents, the team {n}")
     for i, agent in enumerate(agents):
+        if agent.rewrites_history and settings.history == "strict":
+            raise ConfigError(
+                f"data.history=strict: agent {i}'s chat template ({agent.source}) rewrites earlier turns (e.g. "
+                "Qwen3 drops past think blocks), so no single context is both the template's rendering and what "
+                "each turn was generated from; use data.history: verbatim (every reply kept as generated)"
+            )
         if agent.rewrites_history:
             warnings.warn(
                 f"agent {i}'s chat template ({agent.source}) rewrites earlier turns (e.g. Qwen3 drops past think "

@@ -7,11 +7,13 @@ exactly the tokens it was generated from."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
 
 from helpers import RecordingEngine, ScriptedEngine
+from lit_marl import ConfigError
 from lit_marl.agents import Agent
 from lit_marl.envs import make_env
 from lit_marl.models import load_model_and_tokenizer
@@ -199,3 +201,24 @@ def test_episodes_with_reasoning_step_the_env_with_the_action_and_train_on_the_w
         assert batch.replies[0] == REPLIES  # the row and the log keep the whole replies
         trained = batch.input_ids[0][batch.loss_mask[0].bool()]
         assert "still no key" in agent.tokenizer.decode(trained)
+
+
+@pytest.mark.parametrize("template", [QWEN25_STYLE, QWEN3_STYLE], ids=["qwen2.5-style", "qwen3-style"])
+def test_strict_history_refuses_a_template_that_rewrites_earlier_turns(base, template):
+    """``data.history: strict``: the context must be the template's own rendering; a template that
+    rewrites history is refused by name (at the first rollout, before any update), one that extends
+    plays as before."""
+    agent = _agent(base, template)
+    engine = ScriptedEngine([[reply] for reply in REPLIES])
+    settings = EpisodeSettings(max_turns=3, max_new_tokens=64, history="strict")
+    env = lambda: make_env("corridor", {"instructions": False})  # noqa: E731
+    if agent.rewrites_history:
+        with pytest.raises(
+            ConfigError, match=r"data.history=strict: agent 0's chat template .* data.history: verbatim"
+        ):
+            run_episodes([agent], [{"length": 6, "key_room": 4}], env, settings, engine=engine)
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning either: nothing is rewritten
+        (batch,) = run_episodes([agent], [{"length": 6, "key_room": 4}], env, settings, engine=engine)
+    assert int(batch.num_turns[0]) == 3

@@ -54,7 +54,9 @@ def test_parts_are_the_models_bytes_and_a_plan_is_printed(tmp_path, capsys):
     trained = [p for p in module.parameters() if p.requires_grad]
     assert parts["gradients"] == sum(p.numel() * 4 for p in trained)
     assert parts["AdamW state"] == 2 * parts["gradients"]
-    assert parts["weights"] == sum(p.numel() * p.element_size() for p in {id(p): p for p in module.parameters()}.values())
+    assert parts["weights"] == sum(
+        p.numel() * p.element_size() for p in {id(p): p for p in module.parameters()}.values()
+    )
     assert parts["weights gathered for a step"] == 0  # nothing sharded
     result = plan(module)
     assert result.peak >= parts["weights"] + parts["gradients"] + parts["AdamW state"]
