@@ -27,6 +27,7 @@ from torch import nn
 
 from lit_marl import ConfigError
 from lit_marl.models import store_frozen
+from lit_marl.parallel.collectives import all_ranks_max
 from lit_marl.parallel.fsdp import shardable_models
 
 GiB = 2**30
@@ -188,16 +189,16 @@ def kv_cache_bytes(model: nn.Module, rows: int, tokens: int, dtype: torch.dtype)
     return 2.0 * config.num_hidden_layers * heads * head_dim * rows * tokens * torch.finfo(dtype).bits / 8
 
 
-def device_capacity(device: torch.device) -> float | None:
+def device_capacity(device: torch.device, ranks_here: int = 1) -> float | None:
     """Bytes this rank may use: the GPU's total memory, or on CPU the machine's memory divided among
-    the ranks on it."""
+    the ``ranks_here`` ranks on it."""
     if device.type == "cuda":
         return float(torch.cuda.get_device_properties(device).total_memory)
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
         return None
-    return total / max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
+    return total / max(ranks_here, 1)
 
 
 def _rss() -> float:
@@ -249,7 +250,11 @@ def plan(
         precision = str(module._trainer.precision) if module._trainer is not None else "32-true"
         autocast = precision.startswith("bf16") or getattr(module, "weights_dtype", "float32") == "bfloat16"
     dtype = torch.bfloat16 if autocast else None
-    result = MemoryPlan(device=str(device), capacity=capacity if capacity is not None else device_capacity(device))
+    if capacity is None:
+        trainer = module._trainer
+        ranks_here = trainer.num_devices if trainer is not None and device.type == "cpu" else 1
+        capacity = device_capacity(device, ranks_here)
+    result = MemoryPlan(device=str(device), capacity=capacity)
     parts = weight_parts(module, shard_over)
     result.parts["process (runtime, data)"] = (
         process if process is not None else process_overhead(device, parts["weights"])
@@ -286,7 +291,9 @@ def check_memory(module, data=None) -> MemoryPlan:
 
     result = plan(module, data)
     rank_zero_info(result.table())
-    if result.capacity is None or result.peak <= result.capacity:
+    # every rank decides alike (one rank stopping alone would leave the others waiting in a collective)
+    over = all_ranks_max(result.peak - result.capacity if result.capacity is not None else -1.0, module.device)
+    if over <= 0:
         return result
     fixes = {
         "activations of one update pass": "lower model.forward_token_budget, or model.activation_checkpointing: true",
@@ -299,7 +306,7 @@ def check_memory(module, data=None) -> MemoryPlan:
     largest = sorted((name for name in result.parts if name in fixes), key=lambda n: -result.parts[n])[:2]
     advice = "; ".join(f"{name} ({result.parts[name] / GiB:.2f} GiB): {fixes[name]}" for name in largest)
     raise ConfigError(
-        f"the memory plan needs {result.peak / GiB:.2f} GiB per rank at its peak, the device has "
-        f"{result.capacity / GiB:.2f} GiB. Largest: {advice}. (model.memory_check: false skips this check)\n"
-        + result.table()
+        f"the memory plan needs {result.peak / GiB:.2f} GiB on this rank at its peak (the fullest rank "
+        f"{over / GiB:.2f} GiB more than its device), the device has {(result.capacity or 0) / GiB:.2f} GiB. "
+        f"Largest: {advice}. (model.memory_check: false skips this check)\n" + result.table()
     )

@@ -74,9 +74,9 @@ def test_kv_cache_counts_keys_and_values_of_every_layer():
 def test_a_plan_that_does_not_fit_stops_before_the_first_step(tmp_path, monkeypatch):
     import lit_marl.memory as memory
 
-    monkeypatch.setattr(memory, "device_capacity", lambda device: 0.01 * GiB)
+    monkeypatch.setattr(memory, "device_capacity", lambda device, ranks_here=1: 0.01 * GiB)
     module = MAGRPO(model="tiny-random", num_agents=2)
-    with pytest.raises(ConfigError, match=r"(?s)memory plan needs .* GiB per rank.*forward_token_budget"):
+    with pytest.raises(ConfigError, match=r"(?s)memory plan needs .* GiB on this rank.*forward_token_budget"):
         make_trainer(tmp_path).fit(module, datamodule=slogan_data())
     assert module.global_step == 0
     skipped = MAGRPO(model="tiny-random", num_agents=2, memory_check=False)
