@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from lit_marl import ConfigError
-from lit_marl.models import store_frozen
+from lit_marl.models import store_frozen, trained
 from lit_marl.parallel.collectives import all_ranks_max
 from lit_marl.parallel.fsdp import shardable_models
 
@@ -103,8 +103,9 @@ def _measure(model: nn.Module, lm: nn.Module, config, peft, autocast: torch.dtyp
         small.num_hidden_layers, small.vocab_size = layers, PROFILE_VOCAB
         if getattr(small, "layer_types", None) is not None:
             small.layer_types = small.layer_types[:layers]
-        with torch.random.fork_rng():
-            copy_ = AutoModelForCausalLM.from_config(small, dtype=torch.float32).eval()
+        with torch.random.fork_rng(devices=[]):  # sdpa: the run's kernel may not run on a CPU (flash)
+            copy_ = AutoModelForCausalLM.from_config(small, dtype=torch.float32, attn_implementation="sdpa")
+            copy_ = copy_.eval()
             if peft:
                 from peft import get_peft_model
 
@@ -169,15 +170,16 @@ def weight_parts(module: nn.Module, shard_over: int = 1) -> dict[str, float]:
     """Resident weights (local shards), the full weights a step gathers (FSDP), gradients (fp32,
     unsharded while a step accumulates them) and AdamW's two moments (sharded like the weights).
     ``shard_over``: plan unsharded models as FSDP2 over that many ranks will shard them."""
-    params = list({id(p): p for p in module.parameters()}.values())
+    named = list({id(p): (n, p) for n, p in module.named_parameters()}.values())
+    params = [p for _, p in named]
     resident = sum(_local_numel(p) * p.element_size() / shard_over for p in params)
     full = sum(p.numel() * p.element_size() for p in params)
-    trained = [p for p in params if p.requires_grad]
+    learned = [p for n, p in named if trained(n, p)]
     return {
         "weights": resident,
         "weights gathered for a step": full - resident,
-        "gradients": sum(p.numel() * 4 for p in trained),
-        "AdamW state": sum(_local_numel(p) * 8 / shard_over for p in trained),
+        "gradients": sum(p.numel() * 4 for p in learned),
+        "AdamW state": sum(_local_numel(p) * 8 / shard_over for p in learned),
     }
 
 
@@ -222,12 +224,15 @@ def process_overhead(device: torch.device, weights: float) -> float:
     return max(_rss() - weights, _RSS_AT_IMPORT)
 
 
-def generation_shape(data) -> tuple[int, int, str]:
-    """The most rows one generate call of a training step holds and their tokens, with the assumption made."""
+def generation_shape(data) -> tuple[int, int, str] | None:
+    """The most rows one generate call of a training step holds for one agent and their tokens, with
+    the assumption made; None for a data module that is neither episodes nor trees."""
     hp = data.hparams
     if hasattr(data, "episode"):  # episodes: every task's group plays at once, contexts up to the cap
         return hp.tasks_per_step * data.episode.group_size, data.episode.max_context_tokens, "max_context_tokens"
-    tree = data.tree  # the last turn's call: every node's G samples (cross: the joint nodes of all agents)
+    tree = getattr(data, "tree", None)  # the last turn's call: every node's G samples (cross: all agents' nodes)
+    if tree is None:
+        return None
     nodes = tree.num_generations ** ((tree.num_turns - 1) * (data.num_agents if tree.joint_mode == "cross" else 1))
     return hp.tasks_per_step * nodes * tree.num_generations, 512 + tree.max_new_tokens, "prompts <= 512 tokens"
 
@@ -260,28 +265,45 @@ def plan(
         process if process is not None else process_overhead(device, parts["weights"])
     )
     result.parts.update(parts)
-    trained = [m for m in shardable_models(module) if any(p.requires_grad for p in m.parameters())]
-    tokens = module.forward_token_budget
-    if tokens is None:
-        result.notes.append("model.forward_token_budget is null: a pass's activations are unbounded, not counted")
-    elif trained:
-        checkpointing = module.activation_checkpointing
-        passes = [activation_profile(m, dtype).pass_bytes(tokens, tokens, checkpointing) for m in trained]
-        result.parts["activations of one update pass"] = max(passes)
-        result.notes.append(f"a pass of {tokens} tokens, every position scored (an upper bound on the logits)")
+    result.parts["activations of one update pass"] = _pass_bytes(module, dtype, result.notes)
     engine = getattr(getattr(data, "engine", None), "name", None)
     if vllm_share is None and engine == "vllm":
         vllm_share = float(data.engine.llm_kwargs.get("gpu_memory_utilization", 0.3))
+    agents = list(module.agents) if module.agents is not None else []
     if vllm_share is not None:
-        models = len(shardable_models(module.agents))
-        result.parts["vLLM engines (gpu_memory_utilization)"] = vllm_share * models * (result.capacity or 0)
-    elif data is not None and module.agents is not None:
-        rows, length, assumed = generation_shape(data)
-        result.parts["generation KV cache"] = kv_cache_bytes(
-            module.agents[0].model, rows, length, dtype or torch.float32
-        )
-        result.notes.append(f"generation: {rows} rows x {length} tokens ({assumed})")
+        engines = len({id(agent.model) for agent in agents})  # one per model an agent samples from
+        result.parts["vLLM engines (gpu_memory_utilization)"] = vllm_share * engines * (result.capacity or 0)
+    elif data is not None and agents and (shape := generation_shape(data)) is not None:
+        rows, length, assumed = shape
+        # the lean decoder stacks every agent's call of a turn into one: all roles' rows at once
+        kv = kv_cache_bytes(agents[0].model, rows * len(agents), length, dtype or torch.float32)
+        result.parts["generation KV cache"] = kv
+        result.notes.append(f"generation: {len(agents)} agents x {rows} rows x {length} tokens ({assumed})")
     return result
+
+
+def _pass_bytes(module, dtype: torch.dtype | None, notes: list[str]) -> float:
+    """One update pass: the largest policy pass (every position scored), plus every other trained
+    model's (critic backbones, reward models: no logits), since an actor-critic update runs policy
+    and critic in one graph."""
+    tokens = module.forward_token_budget
+    if tokens is None:
+        notes.append("model.forward_token_budget is null: a pass's activations are unbounded, not counted")
+        return 0.0
+    policies = {id(agent.model) for agent in module.agents or []}
+    checkpointing = module.activation_checkpointing
+    policy, others = [0.0], 0.0
+    for model in shardable_models(module):
+        if not any(trained(n, p) for n, p in model.named_parameters()):
+            continue
+        is_policy = id(model) in policies or any(id(m) in policies for m in model.modules())
+        size = activation_profile(model, dtype).pass_bytes(tokens, tokens if is_policy else 0, checkpointing)
+        if is_policy:
+            policy.append(size)
+        else:
+            others += size
+    notes.append(f"a pass of {tokens} tokens, every position scored (an upper bound on the logits)")
+    return max(policy) + others
 
 
 def check_memory(module, data=None) -> MemoryPlan:

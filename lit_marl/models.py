@@ -169,8 +169,8 @@ WeightsDtype = Literal["float32", "bfloat16"]
 
 
 def store_frozen(module: torch.nn.Module, dtype: WeightsDtype) -> int:
-    """Store every fp32 parameter under ``module`` that no optimizer updates (``requires_grad``
-    off: KL references, LoRA bases, frozen backbones, snapshots) in ``dtype``, in place (the same
+    """Store every fp32 parameter under ``module`` that no optimizer updates (not ``trained``: KL
+    references, LoRA bases, frozen backbones, snapshots) in ``dtype``, in place (the same
     Parameter objects, so tied and shared weights stay tied). Trainable weights stay fp32: they are
     the master copy AdamW updates, cast to bf16 per op by autocast. LM heads (and embeddings tied
     to them) stay fp32 as well, so a reference's log-probs come from the head the policy's do.
@@ -184,11 +184,18 @@ def store_frozen(module: torch.nn.Module, dtype: WeightsDtype) -> int:
         if isinstance(m, PreTrainedModel) and m.get_output_embeddings() is not None
     }
     saved = 0
-    for p in {id(p): p for p in module.parameters()}.values():
-        if not p.requires_grad and p.dtype == torch.float32 and id(p) not in heads:
+    for name, p in {id(p): (n, p) for n, p in module.named_parameters()}.values():
+        if not trained(name, p) and p.dtype == torch.float32 and id(p) not in heads:
             p.data = p.data.to(target)
             saved += p.numel() * (4 - p.element_size())
     return saved
+
+
+def trained(name: str, parameter: torch.Tensor) -> bool:
+    """Whether an optimizer may update ``parameter``: it requires grad now, or it is a LoRA adapter
+    weight (peft turns grad on for the active adapter only: on one shared base, the other agents'
+    adapters look frozen until their agent's turn)."""
+    return parameter.requires_grad or "lora_" in name
 
 
 def prepare_models(

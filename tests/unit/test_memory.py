@@ -82,3 +82,20 @@ def test_a_plan_that_does_not_fit_stops_before_the_first_step(tmp_path, monkeypa
     skipped = MAGRPO(model="tiny-random", num_agents=2, memory_check=False)
     make_trainer(tmp_path, limit_train_batches=1, limit_val_batches=0).fit(skipped, datamodule=slogan_data())
     assert skipped.global_step >= 1
+
+
+def test_an_actor_critic_pass_counts_policy_and_critic_together():
+    """PPO with a critic model runs policy and critic in one graph: the pass is their sum, the
+    critic's without logits (it scores values, not tokens)."""
+    from lit_marl.algorithms import PPO
+    from lit_marl.memory import _pass_bytes
+
+    alone = PPO(model="tiny-random", forward_token_budget=512)
+    alone.configure_model()
+    with_critic = PPO(model="tiny-random", critic="model", forward_token_budget=512)
+    with_critic.configure_model()
+    policy = _pass_bytes(alone, None, [])
+    profile = activation_profile(with_critic.critic_backbones[0], None)
+    critic = profile.pass_bytes(with_critic.forward_token_budget, 0, False)
+    assert _pass_bytes(with_critic, None, []) == pytest.approx(policy + critic)
+    assert critic < policy  # no 12 bytes per vocabulary entry and scored position

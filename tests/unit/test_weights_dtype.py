@@ -97,3 +97,15 @@ def test_vllm_computes_in_the_trainers_dtype():
     assert compute_dtype("cpu") == "float32"
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert compute_dtype("cpu") == "bfloat16"
+
+
+def test_every_agents_adapter_stays_fp32_on_a_shared_base():
+    """peft turns grad on for the active adapter only, so on one shared base the other agents'
+    adapters look frozen when the team is built: they are trained all the same and stay fp32."""
+    module = MAGRPO(model="tiny-random", num_agents=3, lora=LORA, lora_shared_base=True, weights_dtype="bfloat16")
+    module.configure_model()
+    for agent in module.agents:
+        own = agent.trainable_parameters()
+        assert own and {p.dtype for p in own} == {torch.float32}
+    base = [p for n, p in module.named_parameters() if "lora_" not in n and p.dim() == 2]
+    assert {p.dtype for p in base} == {torch.bfloat16, torch.float32}  # the head (and tied embedding) fp32
