@@ -17,8 +17,12 @@ from lit_marl.cli import build_cli
 from lit_marl.data import RolloutDataModule, TaskDataModule
 
 # whole runs; configs/comlrl/ holds presets that go after one (test_comlrl_parity.py)
+# comlrl/: CoMLRL's own configs; scale/: GPU-only (vLLM, a hub model, 8 GPUs, official ALFWorld data), built
+# with a tiny stand-in in tests/unit/test_scale_configs.py
 CONFIGS = sorted(
-    p.relative_to(REPO_ROOT).as_posix() for p in (REPO_ROOT / "configs").rglob("*.yaml") if p.parent.name != "comlrl"
+    p.relative_to(REPO_ROOT).as_posix()
+    for p in (REPO_ROOT / "configs").rglob("*.yaml")
+    if p.parent.name not in ("comlrl", "scale")
 )
 
 
