@@ -52,15 +52,10 @@ def decode(engine_name: str, agent, rows: int, new_tokens: int, device: str) -> 
         sync(device)
         seconds = time.perf_counter() - start
     generated = int(out.completion_mask.sum())
-    config = agent.model.config
+    from lit_marl.memory import kv_cache_bytes
+
     weights = sum(p.numel() for p in agent.model.parameters()) * 2  # bf16
-    kv_per_token = (
-        2
-        * config.num_hidden_layers
-        * config.num_key_value_heads
-        * (config.hidden_size // config.num_attention_heads)
-        * 2
-    )
+    kv_per_token = kv_cache_bytes(agent.model, rows=1, tokens=1, dtype=torch.bfloat16)
     context = len(prompt) + new_tokens / 2  # mean KV length over the decode
     per_step = weights + rows * context * kv_per_token
     bw = bandwidth(torch.cuda.get_device_name()) if device == "cuda" else None
