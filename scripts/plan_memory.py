@@ -72,6 +72,15 @@ def meta_loader(folder: Path):
     return load
 
 
+def stand_in_args(configs: list[str], model: str) -> list[str]:
+    """CLI arguments that build a GPU config's modules on this CPU: one process, no logger or
+    callbacks, ``model`` for every agent, the torch decoder for vLLM (not installed here)."""
+    args = [arg for path in configs for arg in ("--config", str(path))]
+    args += ["--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.num_nodes=1", "--trainer.strategy=auto"]
+    args += ["--trainer.logger=false", "--trainer.callbacks=[]", f"--model.init_args.model={model}"]
+    return args + ["--data.init_args.engine=torch", "--data.init_args.engine_options=null"]
+
+
 def plan_config(configs: list[str], model: str, ranks: int, capacity_gib: float, process_gib: float, extra: list[str]):
     import yaml
 
@@ -87,10 +96,7 @@ def plan_config(configs: list[str], model: str, ranks: int, capacity_gib: float,
         folder = Path(tmp)
         (folder / "config.json").write_text(json.dumps(ARCHITECTURES[model]))
         load = meta_loader(folder)
-        args = ["--config", *" --config ".join(configs).split(" ")]
-        args += ["--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.num_nodes=1", "--trainer.strategy=auto"]
-        args += ["--trainer.logger=false", "--trainer.callbacks=[]", f"--model.init_args.model={folder}"]
-        args += ["--data.init_args.engine=torch", "--data.init_args.engine_options=null", *extra]
+        args = stand_in_args(configs, str(folder)) + extra
         with mock.patch("lit_marl.agents.load_model_and_tokenizer", load):
             with mock.patch("lit_marl.algorithms.critics.load_model_and_tokenizer", load):
                 cli = build_cli(args=args, run=False)

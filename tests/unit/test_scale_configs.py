@@ -28,13 +28,11 @@ SMALL = {
 
 
 def _stand_in(config: Path, *overlays: str) -> list[str]:
-    args = ["--config", str(config)]
-    for overlay in overlays:
-        args += ["--config", str(ROOT / "configs" / "scale" / overlay)]
-    args += ["--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.num_nodes=1", "--trainer.strategy=auto"]
-    args += ["--trainer.logger=false", "--trainer.callbacks=[]", "--model.init_args.model=tiny-random"]
-    args += ["--data.init_args.engine=torch", "--data.init_args.engine_options=null"]
-    return args + SMALL[config.name.split("_")[0]]
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from plan_memory import stand_in_args
+
+    configs = [str(config)] + [str(ROOT / "configs" / "scale" / overlay) for overlay in overlays]
+    return stand_in_args(configs, "tiny-random") + SMALL[config.name.split("_")[0]]
 
 
 def test_there_is_a_config_per_env_and_algorithm():
