@@ -146,7 +146,7 @@ def floor(module, summary: dict, engine: str) -> dict:
         start = time.perf_counter()
         with torch.no_grad():
             if lean:  # no end token (-1): every row decodes all `new` tokens
-                completion = Decoder(model).generate(ids, torch.ones_like(ids), new, -1, agent.pad_token_id)
+                completion, _ = Decoder(model).generate(ids, torch.ones_like(ids), new, -1, agent.pad_token_id)
                 out = torch.cat([ids, completion], dim=1)
             else:
                 out = type(model).generate(

@@ -21,6 +21,9 @@ class Generation:
     completion_ids: torch.Tensor  # [B, C] right-padded after the end token
     completion_mask: torch.Tensor  # [B, C] 1 on generated tokens up to and including the end token
     num_samples: int = 1  # rows per prompt
+    # [B, C] the engine's log-prob of each sampled token under the raw model distribution (before
+    # temperature and top-p, as the trainer's forward computes it), 0 after the end; None: not given
+    logprobs: torch.Tensor | None = None
 
     def rows(self, index: slice) -> "Generation":
         return Generation(
@@ -29,6 +32,7 @@ class Generation:
             self.completion_ids[index],
             self.completion_mask[index],
             self.num_samples,
+            None if self.logprobs is None else self.logprobs[index],
         )
 
     @property

@@ -19,6 +19,7 @@ sliding-window attention, dynamic RoPE, sharded parameters); the engine then ref
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -312,8 +313,10 @@ class Decoder:
         active: torch.Tensor | None = None,
         num_samples: int = 1,
         seeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Completion ids for left-padded prompts, as ``generate``: ``[B, C]`` (C ≤ max_new_tokens)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Completion ids and the log-prob of each sampled token under the raw model distribution
+        (fp32 logits before temperature and top-p, as the training forward computes them), each
+        ``[B, C]`` (C ≤ max_new_tokens), for left-padded prompts, as ``generate``:
         for ``[B, P]`` prompts of one model, ``[A, B, C]`` for ``[A, B, P]`` prompts of A stacked
         models (row block a through model a). ``eos_token_id`` / ``pad_token_id``: one id, or one
         per agent ``[A]``. ``active`` ``[A, B]``: rows to decode (others are filler, finished at once).
@@ -360,13 +363,14 @@ class Decoder:
         if active is not None:
             unfinished &= active.reshape(rows).bool()
         row_seeds = None if seeds is None else seeds.reshape(-1).to(device)
-        out = []
+        out, logprobs = [], []
         for t in range(max_new_tokens):
             logits = _linear3(hidden.to(self.lm_head[0].dtype), *self.lm_head).float().view(rows, -1)
             uniforms = None if row_seeds is None or greedy else counter_uniforms(row_seeds, t)
             token = self._sample(logits, temperature, top_p, greedy, uniforms)
             token = torch.where(unfinished, token, pad)
             out.append(token)
+            logprobs.append(logits.log_softmax(-1).gather(1, token[:, None]).squeeze(1))
             unfinished &= token != eos
             if t == max_new_tokens - 1 or not bool(unfinished.any()):
                 break
@@ -377,7 +381,8 @@ class Decoder:
             hidden = self._forward(token.view(A, B, 1), cos, sin, cache_k, cache_v, slot, bias)
             next_position = next_position + 1
         completion = torch.stack(out, dim=1).view(A, B, -1)
-        return completion[0] if single else completion
+        token_logprobs = torch.stack(logprobs, dim=1).view(A, B, -1)
+        return (completion[0], token_logprobs[0]) if single else (completion, token_logprobs)
 
     @staticmethod
     def _sample(
@@ -400,22 +405,36 @@ class Decoder:
         return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp(max=cdf.shape[1] - 1)
 
 
-def effective_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The plain causal LM's state dict (transformers' names) with the active LoRA adapters merged
-    into the weights they adapt: what an inference engine that holds its own copy of the weights
-    (vLLM) must load after each update. Sharded (DTensor) parameters are gathered."""
+def effective_weights(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The plain causal LM's weights (transformers' names), one tensor at a time, with the active
+    LoRA adapters merged into the weights they adapt: what an inference engine that holds its own
+    copy of the weights (vLLM) loads after each update. Sharded (DTensor) parameters are gathered one
+    at a time and ``dtype`` casts each tensor as it is produced, so at most one tensor is copied at
+    once; a weight shared by two names (tied embeddings) is made once and sent under both (vLLM's CPU
+    kernels keep the LM head packed apart from the embedding: it must receive its weight)."""
     lm = _causal_lm(model)
     adapted = {name: module for name, module in lm.named_modules() if hasattr(module, "base_layer")}
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in lm.state_dict(keep_vars=True).items():
+    state = lm.state_dict(keep_vars=True)
+    names_of: dict[int, int] = {}
+    for tensor in state.values():
+        names_of[id(tensor)] = names_of.get(id(tensor), 0) + 1
+    tied: dict[int, torch.Tensor] = {}
+    for name, tensor in state.items():
         if ".lora_" in name:
             continue
         owner = next((m for prefix, m in adapted.items() if name.startswith(prefix + ".base_layer.")), None)
         if owner is not None:
             weight, bias = _linear(owner)
-            tensor = weight if name.endswith(".weight") else bias
-            name = name.replace(".base_layer.", ".")
-        if type(tensor).__name__ == "DTensor":
-            tensor = tensor.full_tensor()
-        out[name] = tensor.detach()
-    return out
+            yield name.replace(".base_layer.", "."), _served(weight if name.endswith(".weight") else bias, dtype)
+        elif names_of[id(tensor)] > 1:
+            if id(tensor) not in tied:
+                tied[id(tensor)] = _served(tensor, dtype)
+            yield name, tied[id(tensor)]
+        else:
+            yield name, _served(tensor, dtype)
+
+
+def _served(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    if type(tensor).__name__ == "DTensor":
+        tensor = tensor.full_tensor()
+    return tensor.detach() if dtype is None else tensor.detach().to(dtype)

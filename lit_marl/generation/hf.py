@@ -35,12 +35,20 @@ def generate(
     was_training = model.training
     model.eval()
     try:
-        out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config)
+        out = model.generate(
+            input_ids=prompt_ids,
+            attention_mask=prompt_mask,
+            generation_config=config,
+            output_logits=True,  # the raw logits, before temperature and top-p
+            return_dict_in_generate=True,
+        )
     finally:
         model.train(was_training)
-    completion_ids = out[:, prompt_ids.shape[1] :]
+    completion_ids = out.sequences[:, prompt_ids.shape[1] :]
     completion_mask = mask_through_first(completion_ids, agent.eos_token_id)
-    return Generation(prompt_ids, prompt_mask, completion_ids, completion_mask, num_samples)
+    logits = torch.stack(out.logits, dim=1).float()
+    logprobs = logits.log_softmax(-1).gather(2, completion_ids[..., None]).squeeze(2)
+    return Generation(prompt_ids, prompt_mask, completion_ids, completion_mask, num_samples, logprobs * completion_mask)
 
 
 class HFEngine:

@@ -61,7 +61,7 @@ class TorchEngine:
                 row_seeds[a, : len(prompts) * n] = sample_seeds(torch.tensor(seeds[a], dtype=torch.long), k)
         eos = torch.tensor([agent.eos_token_id for agent, _, _ in calls], device=device)
         pad = torch.tensor([agent.pad_token_id for agent, _, _ in calls], device=device)
-        completion = decoder.generate(
+        completion, logprobs = decoder.generate(
             ids, mask, max_new_tokens, eos, pad, temperature, top_p, greedy, active, n, row_seeds
         )
         ids, mask = ids.repeat_interleave(n, 1), mask.repeat_interleave(n, 1)  # row i·n+k: prompt i
@@ -77,6 +77,7 @@ class TorchEngine:
                     completion[a, :count, :length],
                     completion_mask[:, :length],
                     k,
+                    logprobs[a, :count, :length] * completion_mask[:, :length],
                 )
             )
         return out

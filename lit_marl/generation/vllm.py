@@ -1,33 +1,42 @@
-"""The vLLM generation engine (optional, GPU machines): install a vLLM build made for the torch
-release this project pins (vLLM pins torch exactly, so it is not a declared extra).
+"""The vLLM generation engine (optional: ``make vllm`` builds ``.venv-vllm`` with vLLM's CPU build;
+on GPU machines install a vLLM build for the torch release this project pins).
 
-Colocated, as TRL's ``vllm_mode=colocate``: every rank runs its own vLLM instance beside its
-trainer, one instance per distinct model of the team (an ``AdapterView`` agent gets its own, with
-its adapter merged). vLLM keeps its own copy of the weights, so before each generation the engine
-compares the model's parameter versions (every in-place optimizer step bumps them) with those it
-last loaded and, when they changed, loads ``effective_state_dict`` into vLLM: the first rollout
-after every update syncs, on every rank, inside the same ``gathered()`` block that makes sharded
-(FSDP) weights whole.
+Colocated, as TRL's ``vllm_mode=colocate`` and verl's hybrid engine: every rank runs its own vLLM
+instance beside its trainer, one instance per distinct model of the team (an ``AdapterView`` agent
+gets its own, its adapter merged). An instance starts from the model's config alone (a temporary
+folder, ``load_format="dummy"``, no tokenizer: prompts go in as token ids), so nothing is read from
+disk or the hub: the trainer's weights are what it serves. vLLM keeps its own copy of them, so
+before each generation the engine compares the model's parameter versions (every in-place
+optimizer step bumps them) with those it last loaded and, when they changed, streams
+``effective_weights`` into vLLM (one tensor at a time in the serving dtype, each tied weight once,
+LoRA merged) and empties vLLM's prefix cache, whose keys and values were computed with the old
+weights. The first rollout after every update syncs, on every rank, inside the same ``gathered()``
+block that makes sharded (FSDP) weights whole.
 
-What this module owns is bookkeeping, tested with a fake backend (``tests/unit/test_engines.py``):
-rows ↔ prompts × samples (row ``i * n + k`` = sample k of prompt i), the end token kept on
-stopped samples, right padding after it and the completion mask, left-padded prompts, and the
-weight versions. ``VLLMBackend`` is the two calls it needs from vLLM.
+Each sample comes back with the log-prob vLLM computed for every token it sampled (the raw model
+distribution, before temperature and top-p: what the trainer's forward recomputes), so the trainer
+can measure and correct the mismatch (``losses.truncated_is_weights``).
+
+``VLLMEngine`` owns the bookkeeping, tested with a fake backend (``tests/unit/test_engines.py``):
+rows ↔ prompts × samples (row ``i * n + k`` = sample k of prompt i), the end token kept on stopped
+samples, right padding after it and the completion mask, left-padded prompts, the weight versions.
+``LLMBackend`` is the real ``vllm.LLM`` (``tests/vllm/``, ``make test-vllm``).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import tempfile
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from lit_marl.agents import Agent
 from lit_marl.generation.base import Generation, generate_each, left_pad, mask_through_first
-from lit_marl.generation.decoder import effective_state_dict
+from lit_marl.generation.decoder import _causal_lm, effective_weights
 
 
 @dataclass
@@ -45,6 +54,7 @@ class Sampling:
 class Sample:
     token_ids: list[int]
     finish_reason: str  # "stop" (an end/stop token) or "length"
+    logprobs: list[float] | None = field(default=None)  # per token of token_ids (raw model log-probs)
 
 
 class VLLMBackend(Protocol):
@@ -52,23 +62,45 @@ class VLLMBackend(Protocol):
         """For each prompt, in order, its ``sampling.n`` samples."""
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Replace the served weights (transformers' names, full tensors)."""
+        """Replace the served weights (transformers' names, full tensors), and forget every cached
+        prefix computed with the old ones."""
+
+
+# vLLM's memory settings where the user gives none. A GPU instance takes a share of the card; on
+# CPU, vLLM's share would be of the machine's memory minus this whole process (the trainer
+# included), so the KV cache gets a fixed budget; and CPU graph compilation takes minutes at every
+# start (its cache is not reused), so CPU instances run eagerly.
+GPU_DEFAULTS = dict(gpu_memory_utilization=0.3)
+CPU_DEFAULTS = dict(kv_cache_memory_bytes=1 << 30, enforce_eager=True)
 
 
 class LLMBackend:
-    """A real ``vllm.LLM`` for one model, in this process (V1 multiprocessing off so the trainer
-    can reach the worker's model to load weights)."""
+    """A real ``vllm.LLM`` for one model, in this process (V1 multiprocessing off so that the weights
+    stream in without leaving it). ``external_launcher``: the trainer's ranks are the launcher
+    (under torch.distributed, one instance per rank); else vLLM sets up its own one-process group."""
 
-    def __init__(self, source: str, **llm_kwargs):
+    def __init__(self, agent: Agent, dtype: str, external_launcher: bool, **llm_kwargs):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
 
-        kwargs = dict(gpu_memory_utilization=0.3, enable_prefix_caching=True, dtype=compute_dtype())
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            kwargs["distributed_executor_backend"] = "external_launcher"  # one engine per rank, colocated
-            kwargs["seed"] = torch.distributed.get_rank()
+        self.folder = tempfile.TemporaryDirectory(prefix="lit_marl_vllm_")
+        _causal_lm(agent.model).config.save_pretrained(self.folder.name)  # the architecture only
+        kwargs = dict(CPU_DEFAULTS if next(agent.model.parameters()).device.type == "cpu" else GPU_DEFAULTS)
+        kwargs.update(
+            enable_prefix_caching=True,
+            dtype=dtype,
+            load_format="dummy",  # the trainer's weights are synced in before the first generation
+            skip_tokenizer_init=True,  # token ids in and out
+            generation_config="vllm",  # no sampling defaults from the model's folder: ours only
+            seed=0,
+        )
+        if external_launcher:
+            rank = torch.distributed.get_rank()  # the launcher's variables, where it did not set them
+            for name, value in (("RANK", rank), ("LOCAL_RANK", rank), ("WORLD_SIZE", torch.distributed.get_world_size())):
+                os.environ.setdefault(name, str(value))
+            kwargs.update(distributed_executor_backend="external_launcher", seed=rank)
         kwargs.update(llm_kwargs)
-        self.llm = LLM(model=source, **kwargs)
+        self.llm = LLM(model=self.folder.name, **kwargs)
 
     def generate(self, prompts, sampling):
         from vllm import SamplingParams
@@ -78,19 +110,28 @@ class LLMBackend:
             max_tokens=sampling.max_tokens,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
+            top_k=0,
             stop_token_ids=sampling.stop_token_ids,
             detokenize=False,
+            logprobs=0,  # the sampled token's own log-prob
         )
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        return [[Sample(list(o.token_ids), o.finish_reason) for o in out.outputs] for out in outputs]
+        return [
+            [
+                Sample(list(o.token_ids), o.finish_reason, [d[t].logprob for t, d in zip(o.token_ids, o.logprobs)])
+                for o in out.outputs
+            ]
+            for out in outputs
+        ]
 
     def load_weights(self, weights):
-        executor = self.llm.llm_engine.model_executor
-        worker = getattr(executor.driver_worker, "worker", executor.driver_worker)  # V1 wraps the worker
-        worker.model_runner.model.load_weights(weights=weights)
+        # vLLM's in-place reload: layer by layer, its CPU kernels' repacking redone; the worker's
+        # model.load_weights would write into weights the CPU backend has already repacked and dropped
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+        self.llm.reset_prefix_cache()
 
 
-def compute_dtype(device_type: str = "cuda") -> str:
+def compute_dtype(device_type: str) -> str:
     """The dtype the trainer's passes compute in right now, for vLLM's ``dtype``: bf16 inside
     ``trainer.precision: bf16-mixed``'s autocast (rollouts run in it), else float32. vLLM's own
     default (``auto``: the checkpoint's, bf16 for Qwen) would sample an fp32 team from another
@@ -112,32 +153,47 @@ def weight_version(model: torch.nn.Module) -> tuple:
 class VLLMEngine:
     name = "vllm"
 
-    def __init__(self, backend_factory: Callable[[Agent], VLLMBackend] | None = None, **llm_kwargs):
-        """``backend_factory(agent)`` makes the backend for one model (default: a ``vllm.LLM`` on
-        ``agent.source`` with ``llm_kwargs``, e.g. ``gpu_memory_utilization``, ``max_model_len``)."""
+    def __init__(self, backend_factory: Callable[[Agent, str], VLLMBackend] | None = None, **llm_kwargs):
+        """``backend_factory(agent, dtype)`` makes the backend for one model (default: a ``vllm.LLM``
+        with ``llm_kwargs``, e.g. ``gpu_memory_utilization``, ``max_model_len``, ``enforce_eager``)."""
         if backend_factory is None:
             if importlib.util.find_spec("vllm") is None:
                 raise ImportError(
-                    f"data.engine=vllm: vllm is not installed; on a GPU machine install a vLLM build for "
-                    f"torch {torch.__version__}, or use engine: auto"
+                    f"data.engine=vllm: vllm is not installed; `make vllm` builds .venv-vllm with vLLM's CPU "
+                    f"build, on a GPU machine install a vLLM build for torch {torch.__version__}; or use engine: auto"
                 )
-            backend_factory = lambda agent: LLMBackend(agent.source, **llm_kwargs)  # noqa: E731
+            backend_factory = self._llm
         elif llm_kwargs:
             raise ValueError(f"VLLMEngine: {sorted(llm_kwargs)} go to the default backend, not a backend_factory")
         self.backend_factory = backend_factory
         self.llm_kwargs = llm_kwargs  # gpu_memory_utilization: the memory plan counts it
         self.backends: dict[int, VLLMBackend] = {}
+        self.dtypes: dict[int, str] = {}
         self.versions: dict[int, tuple] = {}
         self.syncs = 0  # weight loads so far (all models)
+        self.external_launcher: bool | None = None  # decided before the first instance starts
+
+    def _llm(self, agent: Agent, dtype: str) -> LLMBackend:
+        if self.external_launcher is None:  # a first instance sets up a process group of its own
+            self.external_launcher = torch.distributed.is_available() and torch.distributed.is_initialized()
+        return LLMBackend(agent, dtype, self.external_launcher, **self.llm_kwargs)
 
     def sync(self, agent: Agent) -> VLLMBackend:
-        """The backend of ``agent``'s model, holding its current weights."""
+        """The backend of ``agent``'s model, holding its current weights in the trainer's compute dtype."""
         key = id(agent.model)
+        device = next(agent.model.parameters()).device
         if key not in self.backends:
-            self.backends[key] = self.backend_factory(agent)
+            self.dtypes[key] = compute_dtype(device.type)
+            self.backends[key] = self.backend_factory(agent, self.dtypes[key])
+        elif compute_dtype(device.type) != self.dtypes[key]:
+            raise RuntimeError(
+                f"the vllm engine of {agent.source} serves {self.dtypes[key]}, but this rollout computes in "
+                f"{compute_dtype(device.type)}: one engine cannot change dtype; roll out in one precision"
+            )
         version = weight_version(agent.model)
         if self.versions.get(key) != version:
-            self.backends[key].load_weights(effective_state_dict(agent.model).items())
+            dtype = getattr(torch, self.dtypes[key])
+            self.backends[key].load_weights(effective_weights(agent.model, dtype))
             self.versions[key] = version
             self.syncs += 1
         return self.backends[key]
@@ -163,20 +219,29 @@ class VLLMEngine:
                 f"vllm returned {[len(o) for o in outputs]} samples for {len(prompts)} prompts × {num_samples}"
             )
         eos = agent.eos_token_id
-        rows = []
+        rows, row_logprobs = [], []
         for samples in outputs:
             for sample in samples:
                 ids = list(sample.token_ids)[:max_new_tokens]
+                logprobs = list(sample.logprobs or [])[: len(ids)]
                 if sample.finish_reason == "stop" and (not ids or ids[-1] != eos) and len(ids) < max_new_tokens:
                     ids.append(eos)  # the end token that stopped the sample is part of the response
                 rows.append(ids)
+                row_logprobs.append(logprobs if sample.logprobs is not None and len(logprobs) == len(ids) else None)
         device = next(agent.model.parameters()).device
         prompt_ids, prompt_mask = left_pad([p for p in prompts for _ in range(num_samples)], agent.pad_token_id, device)
         width = max(1, max(len(r) for r in rows))
         completion_ids = torch.full((len(rows), width), agent.pad_token_id, dtype=torch.long, device=device)
-        for i, ids in enumerate(rows):
+        completion_logprobs = torch.zeros((len(rows), width), dtype=torch.float32, device=device)
+        for i, (ids, logprobs) in enumerate(zip(rows, row_logprobs)):
             completion_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long, device=device)
+            if logprobs is not None:
+                completion_logprobs[i, : len(ids)] = torch.tensor(logprobs, dtype=torch.float32, device=device)
         completion_mask = mask_through_first(completion_ids, eos)
         lengths = torch.tensor([len(r) for r in rows], device=device)
         completion_mask &= (torch.arange(width, device=device)[None, :] < lengths[:, None]).long()
-        return Generation(prompt_ids, prompt_mask, completion_ids, completion_mask, num_samples)
+        complete = all(lp is not None for lp in row_logprobs)  # a dropped end token has no log-prob of its own
+        return Generation(
+            prompt_ids, prompt_mask, completion_ids, completion_mask, num_samples,
+            completion_logprobs * completion_mask if complete else None,
+        )

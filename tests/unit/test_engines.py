@@ -13,7 +13,7 @@ from transformers.generation.logits_process import TopPLogitsWarper
 from lit_marl import ConfigError
 from lit_marl.agents import AdapterView, Agent, LoraSettings, lora_config
 from lit_marl.generation import HFEngine, TorchEngine, left_pad, make_engine, mask_through_first
-from lit_marl.generation.decoder import Decoder, effective_state_dict, unsupported
+from lit_marl.generation.decoder import Decoder, effective_weights, unsupported
 from lit_marl.generation.vllm import Sample, VLLMEngine
 from lit_marl.logprobs import completion_logprobs
 
@@ -98,7 +98,7 @@ def test_torch_decoder_logits_equal_the_training_forward(tiny_agent, prompts):
 
     decoder._sample = record
     torch.manual_seed(0)
-    ids = decoder.generate(gen.prompt_ids, gen.prompt_mask, 8, agent.eos_token_id, agent.pad_token_id)
+    ids, _ = decoder.generate(gen.prompt_ids, gen.prompt_mask, 8, agent.eos_token_id, agent.pad_token_id)
     assert torch.equal(ids, gen.completion_ids)  # same seed, same samples
     ours = torch.stack(seen, 1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
     input_ids = torch.cat([gen.prompt_ids, gen.completion_ids], 1)
@@ -224,8 +224,8 @@ class FakeBackend:
     """Answers like vLLM: per prompt, n samples; some stopped by the end token (vLLM keeps it in
     ``token_ids`` - or, as some versions do for stop ids, drops it), some cut by the length."""
 
-    def __init__(self, agent, drop_stop_token=False):
-        self.agent, self.drop = agent, drop_stop_token
+    def __init__(self, agent, drop_stop_token=False, dtype="float32"):
+        self.agent, self.drop, self.dtype = agent, drop_stop_token, dtype
         self.loads: list[dict[str, torch.Tensor]] = []
         self.calls = []
 
@@ -241,10 +241,9 @@ class FakeBackend:
             for k in range(sampling.n):
                 length = (i + k) % (sampling.max_tokens + 1)  # 0 .. max_tokens tokens
                 body = [100 + i * 10 + k] * length
-                if length < sampling.max_tokens:
-                    samples.append(Sample(body if self.drop else body + [eos], "stop"))
-                else:
-                    samples.append(Sample(body, "length"))
+                ids = body if self.drop or length == sampling.max_tokens else body + [eos]
+                logprobs = [-0.5 - 0.1 * j for j in range(len(ids))]
+                samples.append(Sample(ids, "stop" if length < sampling.max_tokens else "length", logprobs))
             out.append(samples)
         return out
 
@@ -252,7 +251,7 @@ class FakeBackend:
 @pytest.mark.parametrize("drop_stop_token", [False, True])
 def test_vllm_rows_masks_and_padding(tiny_agent, prompts, drop_stop_token):
     backends = []
-    engine = VLLMEngine(backend_factory=lambda a: backends.append(FakeBackend(a, drop_stop_token)) or backends[-1])
+    engine = VLLMEngine(backend_factory=lambda a, dtype: backends.append(FakeBackend(a, drop_stop_token)) or backends[-1])
     n, new = 3, 4
     gen = engine.generate(tiny_agent, prompts, n, new, temperature=0.7, top_p=0.9)
     eos, pad = tiny_agent.eos_token_id, tiny_agent.pad_token_id
@@ -274,6 +273,11 @@ def test_vllm_rows_masks_and_padding(tiny_agent, prompts, drop_stop_token):
             else:
                 assert ids == [100 + i * 10 + k] * new and mask == [1] * new
     assert torch.equal(gen.completion_mask, mask_through_first(gen.completion_ids, eos))
+    if drop_stop_token:  # the end token added back has no log-prob of its own: none are given
+        assert gen.logprobs is None
+    else:  # each sampled token's log-prob in its column, 0 after the end
+        expected = torch.tensor([-0.5 - 0.1 * j for j in range(new)]) * gen.completion_mask
+        assert torch.allclose(gen.logprobs, expected)
     greedy = engine.generate(tiny_agent, prompts, 1, new, greedy=True)
     assert backends[0].calls[-1][1].temperature == 0.0 and greedy.completion_ids.shape[0] == len(prompts)
 
@@ -281,7 +285,7 @@ def test_vllm_rows_masks_and_padding(tiny_agent, prompts, drop_stop_token):
 def test_vllm_weights_sync_once_per_update(tiny_agents, prompts):
     agent = Agent("tiny-random")
     backends = []
-    engine = VLLMEngine(backend_factory=lambda a: backends.append(FakeBackend(a)) or backends[-1])
+    engine = VLLMEngine(backend_factory=lambda a, dtype: backends.append(FakeBackend(a, dtype=dtype)) or backends[-1])
     engine.generate(agent, prompts, 2, 3)
     engine.generate(agent, prompts, 2, 3)
     assert engine.syncs == 1 and len(backends) == 1  # no update in between: no reload
@@ -299,10 +303,32 @@ def test_vllm_weights_sync_once_per_update(tiny_agents, prompts):
     assert len(backends) == 2 and engine.syncs == 3
 
 
-def test_effective_state_dict_merges_the_active_adapter(tiny_agent):
+def test_vllm_weights_stream_in_the_rollouts_dtype(prompts):
+    """Under bf16 autocast the engine serves bf16: its backend is opened so and every tensor is cast
+    as it streams (one at a time: the stream is lazy); a tied weight is cast once and sent under both
+    names; a rollout in another precision later is refused rather than served in the wrong dtype."""
+    agent = Agent("tiny-random")
+    lm = agent.model
+    lm.lm_head.weight = lm.model.embed_tokens.weight  # tie them, as SmolLM2 and small Qwen2 do
+    stream = effective_weights(agent.model, torch.bfloat16)
+    first_name, first = next(stream)  # lazy: nothing else produced yet
+    assert first.dtype == torch.bfloat16 and first_name == next(iter(lm.state_dict()))
+    rest = dict(stream)
+    assert rest["lm_head.weight"] is (first if first_name == "model.embed_tokens.weight" else rest["model.embed_tokens.weight"])
+    backends = []
+    engine = VLLMEngine(backend_factory=lambda a, dtype: backends.append(FakeBackend(a, dtype=dtype)) or backends[-1])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        engine.generate(agent, prompts, 1, 3)
+    assert backends[0].dtype == "bfloat16"
+    assert {t.dtype for t in backends[0].loads[0].values()} == {torch.bfloat16}
+    with pytest.raises(RuntimeError, match="serves bfloat16, but this rollout computes in float32"):
+        engine.generate(agent, prompts, 1, 3)
+
+
+def test_effective_weights_merge_the_active_adapter(tiny_agent):
     plain_names = set(llama_agent(tiny_agent.tokenizer).model.state_dict())
     view = adapter_team(tiny_agent.tokenizer)[1].model  # agent1's AdapterView
-    state = effective_state_dict(view)
+    state = dict(effective_weights(view))
     assert set(state) == plain_names
     merged = view.merged().state_dict()
     for name, tensor in merged.items():
@@ -427,10 +453,10 @@ def test_torch_decoder_under_bf16_autocast_computes_as_the_bf16_model(tiny_agent
     with torch.autocast("cpu", dtype=torch.bfloat16):
         decoder = Decoder(agent.model)
         assert decoder.embed.dtype == torch.bfloat16
-        under_autocast = decoder.generate(ids, mask, 12, -1, tiny_agent.pad_token_id, greedy=True)
-    reference = Decoder(stored).generate(ids, mask, 12, -1, tiny_agent.pad_token_id, greedy=True)
+        under_autocast, _ = decoder.generate(ids, mask, 12, -1, tiny_agent.pad_token_id, greedy=True)
+    reference, _ = Decoder(stored).generate(ids, mask, 12, -1, tiny_agent.pad_token_id, greedy=True)
     assert torch.equal(under_autocast, reference)
-    fp32_ids = Decoder(agent.model).generate(ids, mask, 12, -1, tiny_agent.pad_token_id, greedy=True)
+    fp32_ids, _ = Decoder(agent.model).generate(ids, mask, 12, -1, tiny_agent.pad_token_id, greedy=True)
     assert Decoder(agent.model).embed.dtype == torch.float32  # outside autocast: as stored
     assert all(torch.equal(a, b) for a, b in zip(fp32, agent.model.parameters()))
     assert fp32_ids.shape == under_autocast.shape
@@ -455,8 +481,8 @@ def test_torch_decoder_keeps_an_fp32_head_under_bf16_autocast(tiny_agent, prompt
     with torch.autocast("cpu", dtype=torch.bfloat16):
         decoder = Decoder(agent.model)
         assert decoder.embed.dtype == torch.bfloat16 and decoder.lm_head[0].dtype == torch.float32
-        under_autocast = decoder.generate(ids, mask, 12, -1, tiny_agent.pad_token_id, greedy=True)
-    reference = Decoder(stored).generate(ids, mask, 12, -1, tiny_agent.pad_token_id, greedy=True)
+        under_autocast, _ = decoder.generate(ids, mask, 12, -1, tiny_agent.pad_token_id, greedy=True)
+    reference, _ = Decoder(stored).generate(ids, mask, 12, -1, tiny_agent.pad_token_id, greedy=True)
     assert torch.equal(under_autocast, reference)
 
 
@@ -515,3 +541,21 @@ def test_per_task_streams_make_a_task_sample_the_same_tree_in_any_batch(tiny_age
     torch.testing.assert_close(together.rewards[6:], alone.rewards)
     other = build_tree(tiny_agents, tasks[2:], data.env, replace(settings, sampling_seed=8))
     assert other.completions != alone.completions
+
+
+@pytest.mark.parametrize("name", ["torch", "hf"])
+def test_engines_return_the_raw_log_probs_of_their_samples(tiny_agents, prompts, name):
+    """Each sampled token's log-prob as the engine computed it: the raw model distribution (before
+    temperature and top-p), the quantity the training forward recomputes; 0 after the end. A stacked
+    team gives each agent its own model's."""
+    from lit_marl.logprobs import completion_logprobs
+
+    torch.manual_seed(0)
+    calls = [(agent, prompts, 2) for agent in tiny_agents]
+    for agent, gen in zip(tiny_agents, make_engine(name).generate_team(calls, 8, temperature=0.7, top_p=0.9)):
+        ids = torch.cat([gen.prompt_ids, gen.completion_ids], 1)
+        mask = torch.cat([gen.prompt_mask, gen.completion_mask], 1)
+        with torch.no_grad():
+            expected = completion_logprobs(agent.model, ids, mask, gen.completion_ids.shape[1])
+        assert torch.allclose(gen.logprobs, expected * gen.completion_mask, atol=1e-4)
+        assert (gen.logprobs[gen.completion_mask == 0] == 0).all()
