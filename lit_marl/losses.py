@@ -116,3 +116,13 @@ def bradley_terry(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
     """Bradley-Terry (1952) negative log-likelihood that ``chosen`` beats ``rejected``, per pair:
     -log sigmoid(r_w - r_l) for scalar rewards r (a reward model's scores)."""
     return -torch.nn.functional.logsigmoid(chosen - rejected)
+
+
+def truncated_is_weights(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance sampling against the rollout engine (Yao et al. 2025, "Your efficient RL
+    framework secretly brings you off-policy RL training"; veRL's TIS, TRL's
+    ``vllm_importance_sampling_correction``): per token min(pi / pi_rollout, cap), no gradient. The
+    engine sampled from pi_rollout (other kernels, another precision, a stale cache), the loss is
+    written for the trainer's pi; the weight corrects the expectation and the cap bounds its variance."""
+    return (logprobs - rollout_logprobs).detach().exp().clamp(max=cap)
+

@@ -149,6 +149,34 @@ TURN_KEY = re.compile(r"turn_(\d+)/")
 COUNTS = re.compile(r"(perf/generated_tokens|train/(episodes|tree_nodes|env_steps)|turn_\d+/nodes)$")
 
 
+def record_rollout_mismatch(
+    log: StepLog, logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor, cap: float | None
+) -> None:
+    """The trainer's log-probs of sampled tokens against the rollout engine's (``mask``: the tokens):
+    ``train/rollout_logp_diff``, the mean |delta log p|; ``train/rollout_ratio``, the distribution of
+    pi / pi_rollout (with ``_std``, ``_min``, ``_max``); with truncated importance sampling at ``cap``,
+    ``train/rollout_is_capped_frac``, the tokens whose ratio was cut to it."""
+    mask = mask.bool()
+    tokens = float(mask.sum())
+    if not tokens:
+        return
+    delta = (logprobs.detach().float() - rollout_logprobs.float())[mask]
+    log.add({"train/rollout_logp_diff": float(delta.abs().mean())}, weight=tokens)
+    log.distribution("train/rollout_ratio", delta.exp())
+    if cap is not None:
+        log.add({"train/rollout_is_capped_frac": float((delta.exp() > cap).float().mean())}, weight=tokens)
+
+
+def rollout_logprobs_of(samples) -> torch.Tensor:
+    """The rows' rollout log-probs, which truncated importance sampling needs."""
+    if samples.rollout_logprobs is None:
+        raise ValueError(
+            "model.rollout_is_cap is set, but the rollout engine gave no log-probs of its samples "
+            "(data.engine: auto, torch, hf and vllm give them); remove model.rollout_is_cap"
+        )
+    return samples.rollout_logprobs
+
+
 def record_stats(log: StepLog, stats: dict[str, float], weight: float) -> None:
     """A rollout's ``stats`` into ``log``: counts summed over ranks, the rest weighted means."""
     log.add({k: v for k, v in stats.items() if COUNTS.match(k)}, reduce="sum")

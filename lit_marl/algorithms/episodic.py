@@ -24,8 +24,8 @@ from lit_marl.fields import (
     check_fields,
 )
 from lit_marl.logprobs import masked_logprobs
-from lit_marl.losses import clip_fraction, clipped_surrogate, k3_kl
-from lit_marl.metrics import Timer, record_stats
+from lit_marl.losses import clip_fraction, clipped_surrogate, k3_kl, truncated_is_weights
+from lit_marl.metrics import Timer, record_rollout_mismatch, record_stats, rollout_logprobs_of
 from lit_marl.models import AttentionKernel, WeightsDtype
 from lit_marl.parallel.collectives import padded_steps
 from lit_marl.rollout.batch import TrajectorySamples
@@ -59,6 +59,7 @@ class EpisodicModule(AgentTeamModule):
         kl_coef: NonNegativeFloat = 0.0,
         kl_mode: Literal["loss", "reward"] = "loss",
         kl_clamp: PositiveFloat | None = None,
+        rollout_is_cap: PositiveFloat | None = None,
         num_agents: PositiveInt = 1,
         share_parameters: bool = False,
         lora_shared_base: bool = False,
@@ -78,19 +79,18 @@ class EpisodicModule(AgentTeamModule):
             learning_rate: AdamW learning rate of the policy.
             max_grad_norm: Gradient norm clipping, a critic's apart from its policy's (0 disables).
             forward_batch_size: At most this many episodes per forward/backward pass (memory only; None: no cap).
-            forward_token_budget: At most this many padded tokens (episodes x sequence width) per pass (memory
-                only; None: no cap, ``forward_batch_size`` alone cuts); see ``AgentTeamModule``.
+            forward_token_budget: At most this many padded tokens per pass (memory only; None: no cap).
             clip_range: PPO's ratio clipping epsilon.
-            dual_clip: Dual-clip PPO's c (veRL's ``clip_ratio_c``, the guide's 3): a token with a negative
-                advantage loses at most c times it, however far its ratio grew; None: off (Schulman, TRL).
+            dual_clip: Dual-clip PPO's c (veRL's ``clip_ratio_c``, the guide's 3): a token with a negative advantage
+                loses at most c times it, however far its ratio grew; None: off (Schulman, TRL).
             ppo_epochs: Passes over the step's episodes (the behaviour log-probs stay those of the rollout).
-            train_batch_size: Groups per mini-batch - a group is the samples that share a baseline, here
-                a task's G episodes, kept together - one optimizer step each; None: one mini-batch per epoch.
+            train_batch_size: Groups (a task's G episodes) per mini-batch, one step each; None: one per epoch.
             discount: Discount gamma between turns / tokens (1.0, the practitioner guide's finding).
             kl_coef: Weight of KL(policy || reference); 0 disables.
             kl_mode: ``loss``: a loss term (k3 per token); ``reward``: k1 subtracted from each token's reward.
-            kl_clamp: With ``kl_mode: loss``, cap each token's k3 estimate at this (and its log-ratio
-                at +-20), as veRL's ``low_var_kl`` does with 10; None: the exact k3 (unbiased, unbounded).
+            kl_clamp: With ``kl_mode: loss``, cap each token's k3 at this (its log-ratio at +-20), as veRL's
+                ``low_var_kl`` does with 10; None: the exact k3 (unbiased, unbounded).
+            rollout_is_cap: Truncated importance sampling against the rollout engine's log-probs, as MAGRPO's.
             num_agents: Agents in the environment (the CLI links it); each plays its own token sequence.
             share_parameters, lora_shared_base: One model plays every agent; with ``lora``, each its adapter on a base.
             max_nonfinite_steps: 0 stops at a NaN/inf loss or gradient; n > 0 skips up to n such steps first.
@@ -121,7 +121,7 @@ class EpisodicModule(AgentTeamModule):
         check_kl_clamp(kl_clamp, kl_mode, kl_coef)
         self.clip_range, self.dual_clip, self.ppo_epochs = clip_range, dual_clip, ppo_epochs
         self.discount, self.kl_coef, self.kl_mode, self.kl_clamp = discount, kl_coef, kl_mode, kl_clamp
-        self.train_batch_size = train_batch_size
+        self.train_batch_size, self.rollout_is_cap = train_batch_size, rollout_is_cap
 
     def build_models(self) -> None:
         super().build_models()
@@ -170,6 +170,9 @@ class EpisodicModule(AgentTeamModule):
         model = self.model_of(learner)
         old_logprobs = self.chunked(lambda *rows: masked_logprobs(model, *rows)[0], batch)
         token_rewards = batch.token_rewards(batch.rewards).to(old_logprobs.device)
+        rollout = None if batch.rollout_logprobs is None else batch.rollout_logprobs.to(old_logprobs.device)
+        if rollout is not None:
+            record_rollout_mismatch(self.step_log, old_logprobs, rollout, batch.loss_mask, self.rollout_is_cap)
         ref = None
         if self.kl_coef > 0:
             ref = self.reference_logprobs(batch, learner)
@@ -185,6 +188,7 @@ class EpisodicModule(AgentTeamModule):
             loss_mask=batch.loss_mask,
             old_logprobs=old_logprobs,
             ref_logprobs=ref if self.kl_mode == "loss" else None,
+            rollout_logprobs=rollout,
             group_ids=batch.group_ids.to(batch.input_ids.device),
             turn_ids=torch.zeros_like(batch.group_ids).to(batch.input_ids.device),
         )
@@ -196,7 +200,10 @@ class EpisodicModule(AgentTeamModule):
         logprobs, outputs = self.forward(samples, learner)
         mask = samples.loss_mask.float()
         ratio_terms = (logprobs, samples.old_logprobs, samples.advantages, self.clip_range, self.dual_clip)
-        loss = (clipped_surrogate(*ratio_terms) * mask).sum()
+        weight = mask  # the policy terms, with truncated importance sampling reweighted per token
+        if self.rollout_is_cap is not None:
+            weight = mask * truncated_is_weights(samples.old_logprobs, rollout_logprobs_of(samples), self.rollout_is_cap)
+        loss = (clipped_surrogate(*ratio_terms) * weight).sum()
         if samples.ref_logprobs is not None:
             loss = loss + self.kl_coef * (k3_kl(samples.ref_logprobs - logprobs, self.kl_clamp) * mask).sum()
         with torch.no_grad():

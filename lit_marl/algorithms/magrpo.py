@@ -15,8 +15,8 @@ from lit_marl.envs.centralized import CentralizedEnv
 from lit_marl.fields import NonNegativeFloat, PositiveFloat, PositiveInt, check_fields
 from lit_marl.generation import Generation
 from lit_marl.logprobs import completion_logits, completion_logprobs, token_entropy, token_logprobs
-from lit_marl.losses import Reduction, k3_kl, masked_sum, reinforce
-from lit_marl.metrics import Timer
+from lit_marl.losses import Reduction, k3_kl, masked_sum, reinforce, truncated_is_weights
+from lit_marl.metrics import Timer, record_rollout_mismatch, rollout_logprobs_of
 from lit_marl.parallel.collectives import all_ranks_max, padded_steps
 from lit_marl.returns import AdvantageMode, NormalizationForm, group_advantages
 from lit_marl.rollout.batch import AgentSamples, RolloutBatch
@@ -37,6 +37,7 @@ class MAGRPO(AgentTeamModule):
         train_batch_size: PositiveInt | None = None,
         update_schedule: UpdateSchedule = "joint",
         reference_kl_coef: NonNegativeFloat = 0.0,
+        rollout_is_cap: PositiveFloat | None = None,
         **kwargs,
     ):
         """
@@ -61,6 +62,9 @@ class MAGRPO(AgentTeamModule):
             reference_kl_coef: Weight of the KL to the reference policy (the initial weights; with
                 LoRA the base model with adapters disabled, no copy), estimated per response as the
                 summed k3 estimate and subtracted from the agent's reward before returns.
+            rollout_is_cap: Truncated importance sampling against the rollout engine's log-probs (veRL's
+                TIS, TRL's ``vllm_importance_sampling_cap``): each token's term weighted by
+                min(pi / pi_rollout, cap); None: off (the mismatch is logged either way: docs/generation.md).
             **kwargs: The team's settings (model, lora, learning_rate, ...): see ``AgentTeamModule``.
         """
         super().__init__(**kwargs)
@@ -76,6 +80,7 @@ class MAGRPO(AgentTeamModule):
         self.advantage_normalization_form = advantage_normalization_form
         self.update_schedule = update_schedule
         self.reference_kl_coef = reference_kl_coef
+        self.rollout_is_cap = rollout_is_cap
         if reference_kl_coef > 0:
             self.response_penalty = self.reference_kl
         self.rollout_buffers = [RolloutBuffer() for _ in range(self.hparams.num_agents)]
@@ -130,6 +135,12 @@ class MAGRPO(AgentTeamModule):
                 mask = samples.completion_mask.float()
                 stats["entropy"] += float((token_entropy(logits) * mask).sum())
                 stats["tokens"] += float(mask.sum())
+        if samples.rollout_logprobs is not None:
+            record_rollout_mismatch(
+                self.step_log, logprobs, samples.rollout_logprobs, samples.completion_mask, self.rollout_is_cap
+            )
+        if self.rollout_is_cap is not None:
+            logprobs = logprobs * truncated_is_weights(logprobs, rollout_logprobs_of(samples), self.rollout_is_cap)
         seq_logprob = masked_sum(logprobs, samples.completion_mask, self.logprob_reduction)
         return reinforce(seq_logprob, samples.advantages).sum()
 

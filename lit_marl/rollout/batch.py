@@ -30,6 +30,8 @@ class AgentSamples:
     # [B] the tree node (a group id) the row's joint action opened; -1: none (the branch ended, or
     # ambiguous: in cross mode with G > 1 a response takes part in several joint actions)
     next_group: torch.Tensor | None = None
+    # [B, C] the rollout engine's log-prob of each sampled token (``Generation.logprobs``); None: not given
+    rollout_logprobs: torch.Tensor | None = None
     # set by actor-critic updates: behaviour log-probs [B, C], critic values [B], TD targets [B]
     old_logprobs: torch.Tensor | None = None
     old_values: torch.Tensor | None = None
@@ -98,11 +100,12 @@ _ROW_FIELDS = (
     "advantages",
     "rewards",
     "next_group",
+    "rollout_logprobs",
     "old_logprobs",
     "old_values",
     "targets",
 )
-_COMPLETION_FIELDS = ("completion_mask", "old_logprobs")
+_COMPLETION_FIELDS = ("completion_mask", "rollout_logprobs", "old_logprobs")
 
 
 @dataclass
@@ -140,6 +143,8 @@ class TrajectorySamples:
     value_mask: torch.Tensor
     """Where the value loss applies: every action token (token-level GAE) or each turn's first one."""
     ref_logprobs: torch.Tensor | None
+    rollout_logprobs: torch.Tensor | None
+    """The rollout engine's log-prob of each sampled token (``EpisodeBatch.rollout_logprobs``)."""
     group_ids: torch.Tensor
     turn_ids: torch.Tensor
 

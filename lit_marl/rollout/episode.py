@@ -52,6 +52,9 @@ class EpisodeBatch:
     stats: dict[str, float] = field(default_factory=dict)
     rewards: torch.Tensor | None = None
     """``[B, T]`` each turn's reward, set from ``scores``/``won`` by the data module's reward density."""
+    rollout_logprobs: torch.Tensor | None = None
+    """``[B, L]``: the rollout engine's log-prob of each sampled token (``Generation.logprobs``), 0 on
+    other tokens; None when the engine gave none."""
     anchors: torch.Tensor | None = None
     """``[B, T]``: an id of the state each turn acted from (``EpisodeSettings.anchor``), -1 after the
     episode's end; equal ids within a task's group: the same state (GiGPO's anchor states)."""
@@ -104,6 +107,8 @@ class _Live:
     ends: list[list[int]]
     replies: list[list[str]]
     keys: list[list[str]]  # per agent, per turn: the anchor key of the state the turn acts from
+    # per agent, per turn: (index of the reply's first token, the engine's log-probs of its tokens or None)
+    logprobs: list[list[tuple[int, list[float] | None]]]
     scores: list[float] = field(default_factory=list)
     info: dict = field(default_factory=dict)
     done: bool = False
@@ -196,7 +201,7 @@ def _start(agents, rows: list[dict], make_env, settings: EpisodeSettings, pool, 
     episodes = []
     for _ in rows:
         envs.append(make_env())
-        episodes.append(_Live(envs[-1], *([[] for _ in agents] for _ in range(5))))
+        episodes.append(_Live(envs[-1], *([[] for _ in agents] for _ in range(6))))
     if episodes[0].env.num_agents != n:
         raise ValueError(f"{type(episodes[0].env).__name__} has {episodes[0].env.num_agents} agents, the team {n}")
     for i, agent in enumerate(agents):
@@ -249,6 +254,7 @@ def _play_turn(agents, live: list[_Live], turn: int, settings: EpisodeSettings, 
         for k, (ids, m) in enumerate(zip(out.completion_ids, out.completion_mask)):
             i, b = roles[k // len(live)], k % len(live)
             e, reply = live[b], ids[m.bool()].tolist()
+            e.logprobs[i].append((len(e.ids[i]), None if out.logprobs is None else out.logprobs[k][m.bool()].tolist()))
             e.ids[i] += reply
             e.mask[i] += [1] * len(reply)
             e.ends[i].append(len(e.ids[i]) - 1)
@@ -330,6 +336,8 @@ def _batches(agents, episodes: list[_Live], num_tasks: int, group_size: int, sta
             ends[b, : len(e.ends[i])] = torch.tensor(e.ends[i]) + input_ids.shape[1] - len(e.ids[i])
         batches.append(
             EpisodeBatch(
+                rollout_logprobs=_rollout_logprobs([e.logprobs[i] for e in episodes], input_ids.shape[1], [
+                    len(e.ids[i]) for e in episodes]),
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 loss_mask=loss_mask,
@@ -340,6 +348,19 @@ def _batches(agents, episodes: list[_Live], num_tasks: int, group_size: int, sta
             )
         )
     return batches
+
+
+def _rollout_logprobs(replies, width: int, lengths: list[int]) -> torch.Tensor | None:
+    """``[B, width]`` (left-padded rows of ``lengths`` tokens): each reply's engine log-probs at its
+    tokens, 0 elsewhere; None when the engine gave none for some reply."""
+    out = torch.zeros(len(replies), width)
+    for b, (row, length) in enumerate(zip(replies, lengths)):
+        for start, values in row:
+            if values is None:
+                return None
+            offset = width - length + start
+            out[b, offset : offset + len(values)] = torch.tensor(values)
+    return out
 
 
 def render_episode(batches: list[EpisodeBatch], agents: list[Agent], row: int = 0, chars: int = 400) -> str:

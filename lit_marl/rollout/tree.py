@@ -465,6 +465,7 @@ def _assemble(agents: list[Agent], levels: list[_Level], settings: TreeSettings,
                     turn_ids=torch.full((num_nodes * G,), turn, device=device),
                     rewards=response_rewards[i].reshape(-1).to(device),
                     next_group=next_group.to(device),
+                    rollout_logprobs=g.logprobs,
                 )
             )
         node_offset += num_nodes
