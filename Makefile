@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut 
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 
-.PHONY: quickstart test test-slow install clean
+.PHONY: quickstart test test-slow install vllm test-vllm clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -37,5 +37,20 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m slow
 
+# the vLLM engine on CPU (optional): vLLM's CPU build in its own venv, beside the lean default one
+VLLM_VENV  := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cat pyproject.toml Makefile scripts/setup_vllm_venv.sh | cksum | cut -d' ' -f1)
+
+$(VLLM_STAMP): pyproject.toml Makefile scripts/setup_vllm_venv.sh
+	./scripts/setup_vllm_venv.sh $(VLLM_VENV)
+	rm -f $(VLLM_VENV)/.installed-* && touch $@
+
+vllm: $(VLLM_STAMP)
+
+# the engine against real vLLM (tests/vllm/): greedy parity with the lean decoder, weight syncs,
+# prefix cache, a team of two models, LoRA, fits; not part of `make test`
+test-vllm: $(VLLM_STAMP)
+	OMP_NUM_THREADS=2 $(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/vllm
+
 clean:
-	rm -rf $(VENV) lightning_logs .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) lightning_logs .pytest_cache
