@@ -1,7 +1,8 @@
 """The training forwards: log-probs of the tokens a policy produced, conditioned exactly as in
 generation (position ids from the attention mask, as ``generate`` computes them for left-padded
-prompts), with entropies or hidden states for a value head when asked. Engines return token ids
-only; every log-prob a loss uses is recomputed here, so an engine's numerics never enter a loss."""
+prompts), with entropies or hidden states for a value head when asked. Every log-prob a loss
+differentiates is computed here; an engine's own log-probs only measure and (optionally) correct
+the mismatch between its sampling and this forward (``losses.truncated_is_weights``)."""
 
 from __future__ import annotations
 

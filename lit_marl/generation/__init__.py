@@ -10,10 +10,13 @@ max_new_tokens, temperature, top_p, greedy) -> Generation``:
 - ``torch``: ``generation/decoder.py``'s lean KV-cache decoder for Llama-family models (Llama, Qwen2),
   2-3x faster than ``generate`` on small models, where a token's time is Python overhead;
 - ``auto`` (default): ``torch`` where the model supports it, else ``hf``, decided per call;
-- ``vllm``: ``generation/vllm.py`` (optional extra, GPU), weights synced from the trainer.
+- ``vllm``: ``generation/vllm.py`` (optional: ``make vllm`` on CPU, a vLLM build on GPU), weights
+  synced from the trainer.
 
-Engines return token ids only: the log-probs that training needs are always recomputed by the
-trainer's own forward (``lit_marl/logprobs.py``), so an engine's numerics never enter a loss.
+Engines return token ids and the log-prob they computed for each sampled token. The log-probs a
+loss differentiates are always recomputed by the trainer's own forward (``lit_marl/logprobs.py``);
+the engine's are compared with them (logged) and, with ``model.rollout_is_cap``, weigh the policy
+terms by truncated importance sampling (``losses.truncated_is_weights``).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ def make_engine(name: str = "auto", options: dict | None = None, field: str = "d
     """The engine called ``name``; ``options`` go to its constructor (vLLM's settings)."""
     options = dict(options or {})
     if name == "vllm":
-        from lit_marl.generation.vllm import VLLMEngine  # deferred: vLLM is an optional GPU extra
+        from lit_marl.generation.vllm import VLLMEngine  # deferred: vLLM is an optional engine
 
         return VLLMEngine(**options)
     if options:

@@ -31,17 +31,13 @@ def generate(
         top_k=0,  # None would mean transformers' default of 50: samples must come from the policy
         eos_token_id=agent.eos_token_id,
         pad_token_id=agent.pad_token_id,
+        output_logits=True,  # the raw logits, before temperature and top-p: the samples' log-probs
+        return_dict_in_generate=True,
     )
     was_training = model.training
     model.eval()
     try:
-        out = model.generate(
-            input_ids=prompt_ids,
-            attention_mask=prompt_mask,
-            generation_config=config,
-            output_logits=True,  # the raw logits, before temperature and top-p
-            return_dict_in_generate=True,
-        )
+        out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config)
     finally:
         model.train(was_training)
     completion_ids = out.sequences[:, prompt_ids.shape[1] :]
