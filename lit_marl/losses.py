@@ -125,4 +125,3 @@ def truncated_is_weights(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
     engine sampled from pi_rollout (other kernels, another precision, a stale cache), the loss is
     written for the trainer's pi; the weight corrects the expectation and the cap bounds its variance."""
     return (logprobs - rollout_logprobs).detach().exp().clamp(max=cap)
-

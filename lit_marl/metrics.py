@@ -10,6 +10,7 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from torchmetrics import MeanMetric, Metric
 
+from lit_marl.losses import truncated_is_weights
 from lit_marl.parallel.collectives import gather_objects
 
 HISTOGRAM_BINS = 16
@@ -167,14 +168,23 @@ def record_rollout_mismatch(
         log.add({"train/rollout_is_capped_frac": float((delta.exp() > cap).float().mean())}, weight=tokens)
 
 
-def rollout_logprobs_of(samples) -> torch.Tensor:
-    """The rows' rollout log-probs, which truncated importance sampling needs."""
-    if samples.rollout_logprobs is None:
+def rollout_correction(
+    log: StepLog, behaviour: torch.Tensor, samples, mask: torch.Tensor, cap: float | None
+) -> torch.Tensor | None:
+    """Record the mismatch of the trainer's ``behaviour`` log-probs with the rollout engine's (the
+    rows' ``rollout_logprobs``: ``record_rollout_mismatch``) and return the truncated
+    importance-sampling weights at ``cap`` (None: the correction is off)."""
+    rollout = samples.rollout_logprobs
+    if rollout is not None:
+        record_rollout_mismatch(log, behaviour, rollout, mask, cap)
+    if cap is None:
+        return None
+    if rollout is None:
         raise ValueError(
             "model.rollout_is_cap is set, but the rollout engine gave no log-probs of its samples "
             "(data.engine: auto, torch, hf and vllm give them); remove model.rollout_is_cap"
         )
-    return samples.rollout_logprobs
+    return truncated_is_weights(behaviour, rollout, cap)
 
 
 def record_stats(log: StepLog, stats: dict[str, float], weight: float) -> None:

@@ -67,7 +67,9 @@ def main() -> None:
     results = []
     for count in args.prompts:
         tasks = workload.tasks(count)
-        prompts = [history(agent, i, args.context_tokens) + agent.encode_prompt(t["prompt"]) for i, t in enumerate(tasks)]
+        prompts = [
+            history(agent, i, args.context_tokens) + agent.encode_prompt(t["prompt"]) for i, t in enumerate(tasks)
+        ]
         expected = reference.generate(agent, prompts, 1, args.max_new_tokens, greedy=True).completion_ids.cpu()
         for name, engine in engines.items():
             with autocast(args):
@@ -110,8 +112,18 @@ def main() -> None:
                 f"|d log p| vs trainer: mean {mean_diff:.2e} max {max_diff:.2e}",
                 flush=True,
             )
-    print(json.dumps({"model": model, "device": args.device, "threads": args.threads, "bf16": args.bf16,
-                      "context_tokens": args.context_tokens, "results": results}))
+    print(
+        json.dumps(
+            {
+                "model": model,
+                "device": args.device,
+                "threads": args.threads,
+                "bf16": args.bf16,
+                "context_tokens": args.context_tokens,
+                "results": results,
+            }
+        )
+    )
 
 
 def autocast(args):

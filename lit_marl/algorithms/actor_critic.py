@@ -49,7 +49,7 @@ from lit_marl.losses import (
     reinforce,
     value_loss,
 )
-from lit_marl.metrics import Timer
+from lit_marl.metrics import Timer, rollout_correction
 from lit_marl.models import checkpointed_passes, set_attention
 from lit_marl.parallel.collectives import all_ranks_max, all_ranks_sum, padded_steps, z_score_per_group
 from lit_marl.returns import next_turn_rows, td_advantages, td_targets, team_reward
@@ -96,6 +96,7 @@ class ActorCritic(AgentTeamModule):
         rollout_buffer_size: PositiveInt | None = None,
         train_batch_size: PositiveInt | None = None,
         update_schedule: UpdateSchedule = "joint",
+        rollout_is_cap: PositiveFloat | None = None,
         **kwargs,
     ):
         """
@@ -115,18 +116,17 @@ class ActorCritic(AgentTeamModule):
                 surrogate with the importance ratio against the behaviour log-probs.
             clip_range: PPO's ratio clipping epsilon (``policy_loss=ppo``).
             ppo_epochs: Passes over each update's samples (``ppo`` only; the ratio-free loss is on-policy).
-            target_kl: Stop the remaining epochs of an update once an epoch's mean approximate KL to
-                the behaviour policy (measured on each mini-batch's forward, before its step, as
-                cleanrl does) exceeds this (``ppo`` only); None: never.
+            target_kl: Stop an update's remaining epochs once an epoch's mean approximate KL to the behaviour
+                policy (on each mini-batch's forward, before its step, as cleanrl) exceeds this (``ppo``); None: never.
             entropy_coef: Weight of the entropy bonus on the response tokens (0: none).
             logprob_reduction: A response's loss is the ``sum`` or the ``mean`` of its tokens' terms.
-            rollout_buffer_size: An update fires when each agent's buffer holds this many groups (one
-                per turn of an episode); None: after every training step. The rest is used at epoch end.
-            train_batch_size: Groups per mini-batch - a group is the samples that share a baseline, here
-                one turn of one episode - one optimizer step each, grouped by turn and shuffled; None:
-                the whole buffer in one step (with ``update_schedule: joint``).
+            rollout_buffer_size: Update when each agent's buffer holds this many groups (one per turn of an
+                episode); None: every step. The rest is used at epoch end.
+            train_batch_size: Groups (one turn of one episode) per mini-batch, one optimizer step each, grouped
+                by turn and shuffled; None: the whole buffer in one step (``update_schedule: joint``).
             update_schedule: ``joint``: mini-batches of every turn, shuffled; ``per_turn``: CoMLRL's
                 order, each turn its own steps in turn order (``train_batch_size: null``: one per turn).
+            rollout_is_cap: Truncated importance sampling against the rollout engine's log-probs, as MAGRPO's.
             **kwargs: The team's settings (model, num_agents, lora, learning_rate, ...): see ``AgentTeamModule``.
         """
         super().__init__(**kwargs)
@@ -155,7 +155,7 @@ class ActorCritic(AgentTeamModule):
         self.policy_form, self.clip_range, self.ppo_epochs = policy_loss, clip_range, ppo_epochs
         self.target_kl, self.entropy_coef, self.logprob_reduction = target_kl, entropy_coef, logprob_reduction
         self.rollout_buffer_size, self.train_batch_size = rollout_buffer_size, train_batch_size
-        self.update_schedule = update_schedule
+        self.update_schedule, self.rollout_is_cap = update_schedule, rollout_is_cap
         self.critics: nn.ModuleList | None = None
         self.rollout_buffers = [RolloutBuffer() for _ in range(self.hparams.num_agents)]
 
@@ -389,6 +389,8 @@ class ActorCritic(AgentTeamModule):
             per_token = clipped_surrogate(logprobs, samples.old_logprobs, advantages, self.clip_range)
         else:
             per_token = reinforce(logprobs, advantages)
+        weights = rollout_correction(self.step_log, samples.old_logprobs, samples, mask, self.rollout_is_cap)
+        per_token = per_token if weights is None else per_token * weights  # truncated importance sampling
         if entropies is not None:
             per_token = per_token - self.entropy_coef * entropies
         loss = masked_sum(per_token, mask, self.logprob_reduction).sum()

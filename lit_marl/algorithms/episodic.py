@@ -24,8 +24,8 @@ from lit_marl.fields import (
     check_fields,
 )
 from lit_marl.logprobs import masked_logprobs
-from lit_marl.losses import clip_fraction, clipped_surrogate, k3_kl, truncated_is_weights
-from lit_marl.metrics import Timer, record_rollout_mismatch, record_stats, rollout_logprobs_of
+from lit_marl.losses import clip_fraction, clipped_surrogate, k3_kl
+from lit_marl.metrics import Timer, record_stats, rollout_correction
 from lit_marl.models import AttentionKernel, WeightsDtype
 from lit_marl.parallel.collectives import padded_steps
 from lit_marl.rollout.batch import TrajectorySamples
@@ -171,8 +171,6 @@ class EpisodicModule(AgentTeamModule):
         old_logprobs = self.chunked(lambda *rows: masked_logprobs(model, *rows)[0], batch)
         token_rewards = batch.token_rewards(batch.rewards).to(old_logprobs.device)
         rollout = None if batch.rollout_logprobs is None else batch.rollout_logprobs.to(old_logprobs.device)
-        if rollout is not None:
-            record_rollout_mismatch(self.step_log, old_logprobs, rollout, batch.loss_mask, self.rollout_is_cap)
         ref = None
         if self.kl_coef > 0:
             ref = self.reference_logprobs(batch, learner)
@@ -200,9 +198,8 @@ class EpisodicModule(AgentTeamModule):
         logprobs, outputs = self.forward(samples, learner)
         mask = samples.loss_mask.float()
         ratio_terms = (logprobs, samples.old_logprobs, samples.advantages, self.clip_range, self.dual_clip)
-        weight = mask  # the policy terms, with truncated importance sampling reweighted per token
-        if self.rollout_is_cap is not None:
-            weight = mask * truncated_is_weights(samples.old_logprobs, rollout_logprobs_of(samples), self.rollout_is_cap)
+        weights = rollout_correction(self.step_log, samples.old_logprobs, samples, mask, self.rollout_is_cap)
+        weight = mask if weights is None else mask * weights  # truncated importance sampling
         loss = (clipped_surrogate(*ratio_terms) * weight).sum()
         if samples.ref_logprobs is not None:
             loss = loss + self.kl_coef * (k3_kl(samples.ref_logprobs - logprobs, self.kl_clamp) * mask).sum()

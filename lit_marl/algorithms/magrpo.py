@@ -15,8 +15,8 @@ from lit_marl.envs.centralized import CentralizedEnv
 from lit_marl.fields import NonNegativeFloat, PositiveFloat, PositiveInt, check_fields
 from lit_marl.generation import Generation
 from lit_marl.logprobs import completion_logits, completion_logprobs, token_entropy, token_logprobs
-from lit_marl.losses import Reduction, k3_kl, masked_sum, reinforce, truncated_is_weights
-from lit_marl.metrics import Timer, record_rollout_mismatch, rollout_logprobs_of
+from lit_marl.losses import Reduction, k3_kl, masked_sum, reinforce
+from lit_marl.metrics import Timer, rollout_correction
 from lit_marl.parallel.collectives import all_ranks_max, padded_steps
 from lit_marl.returns import AdvantageMode, NormalizationForm, group_advantages
 from lit_marl.rollout.batch import AgentSamples, RolloutBatch
@@ -135,12 +135,10 @@ class MAGRPO(AgentTeamModule):
                 mask = samples.completion_mask.float()
                 stats["entropy"] += float((token_entropy(logits) * mask).sum())
                 stats["tokens"] += float(mask.sum())
-        if samples.rollout_logprobs is not None:
-            record_rollout_mismatch(
-                self.step_log, logprobs, samples.rollout_logprobs, samples.completion_mask, self.rollout_is_cap
-            )
-        if self.rollout_is_cap is not None:
-            logprobs = logprobs * truncated_is_weights(logprobs, rollout_logprobs_of(samples), self.rollout_is_cap)
+        mask = samples.completion_mask
+        weights = rollout_correction(self.step_log, logprobs.detach(), samples, mask, self.rollout_is_cap)
+        if weights is not None:  # truncated importance sampling
+            logprobs = logprobs * weights
         seq_logprob = masked_sum(logprobs, samples.completion_mask, self.logprob_reduction)
         return reinforce(seq_logprob, samples.advantages).sum()
 

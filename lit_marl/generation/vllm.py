@@ -25,8 +25,10 @@ samples, right padding after it and the completion mask, left-padded prompts, th
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+import random
 import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -96,11 +98,16 @@ class LLMBackend:
         )
         if external_launcher:
             rank = torch.distributed.get_rank()  # the launcher's variables, where it did not set them
-            for name, value in (("RANK", rank), ("LOCAL_RANK", rank), ("WORLD_SIZE", torch.distributed.get_world_size())):
+            for name, value in (
+                ("RANK", rank),
+                ("LOCAL_RANK", rank),
+                ("WORLD_SIZE", torch.distributed.get_world_size()),
+            ):
                 os.environ.setdefault(name, str(value))
             kwargs.update(distributed_executor_backend="external_launcher", seed=rank)
         kwargs.update(llm_kwargs)
-        self.llm = LLM(model=self.folder.name, **kwargs)
+        with kept_random_state():  # in this process vLLM seeds the global generators: the run's own stay
+            self.llm = LLM(model=self.folder.name, **kwargs)
 
     def generate(self, prompts, sampling):
         from vllm import SamplingParams
@@ -129,6 +136,21 @@ class LLMBackend:
         # model.load_weights would write into weights the CPU backend has already repacked and dropped
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         self.llm.reset_prefix_cache()
+
+
+@contextlib.contextmanager
+def kept_random_state():
+    """Python's, numpy's and torch's (CPU and CUDA) global random states as they were before the block."""
+    import numpy as np
+
+    python, numpy = random.getstate(), np.random.get_state()
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            random.setstate(python)
+            np.random.set_state(numpy)
 
 
 def compute_dtype(device_type: str) -> str:
@@ -242,6 +264,10 @@ class VLLMEngine:
         completion_mask &= (torch.arange(width, device=device)[None, :] < lengths[:, None]).long()
         complete = all(lp is not None for lp in row_logprobs)  # a dropped end token has no log-prob of its own
         return Generation(
-            prompt_ids, prompt_mask, completion_ids, completion_mask, num_samples,
+            prompt_ids,
+            prompt_mask,
+            completion_ids,
+            completion_mask,
+            num_samples,
             completion_logprobs * completion_mask if complete else None,
         )

@@ -336,8 +336,9 @@ def _batches(agents, episodes: list[_Live], num_tasks: int, group_size: int, sta
             ends[b, : len(e.ends[i])] = torch.tensor(e.ends[i]) + input_ids.shape[1] - len(e.ids[i])
         batches.append(
             EpisodeBatch(
-                rollout_logprobs=_rollout_logprobs([e.logprobs[i] for e in episodes], input_ids.shape[1], [
-                    len(e.ids[i]) for e in episodes]),
+                rollout_logprobs=_rollout_logprobs(
+                    [e.logprobs[i] for e in episodes], input_ids.shape[1], [len(e.ids[i]) for e in episodes]
+                ),
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 loss_mask=loss_mask,

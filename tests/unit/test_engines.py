@@ -251,7 +251,9 @@ class FakeBackend:
 @pytest.mark.parametrize("drop_stop_token", [False, True])
 def test_vllm_rows_masks_and_padding(tiny_agent, prompts, drop_stop_token):
     backends = []
-    engine = VLLMEngine(backend_factory=lambda a, dtype: backends.append(FakeBackend(a, drop_stop_token)) or backends[-1])
+    engine = VLLMEngine(
+        backend_factory=lambda a, dtype: backends.append(FakeBackend(a, drop_stop_token)) or backends[-1]
+    )
     n, new = 3, 4
     gen = engine.generate(tiny_agent, prompts, n, new, temperature=0.7, top_p=0.9)
     eos, pad = tiny_agent.eos_token_id, tiny_agent.pad_token_id
@@ -314,7 +316,9 @@ def test_vllm_weights_stream_in_the_rollouts_dtype(prompts):
     first_name, first = next(stream)  # lazy: nothing else produced yet
     assert first.dtype == torch.bfloat16 and first_name == next(iter(lm.state_dict()))
     rest = dict(stream)
-    assert rest["lm_head.weight"] is (first if first_name == "model.embed_tokens.weight" else rest["model.embed_tokens.weight"])
+    assert rest["lm_head.weight"] is (
+        first if first_name == "model.embed_tokens.weight" else rest["model.embed_tokens.weight"]
+    )
     backends = []
     engine = VLLMEngine(backend_factory=lambda a, dtype: backends.append(FakeBackend(a, dtype=dtype)) or backends[-1])
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -122,3 +122,32 @@ def test_episode_policy_terms_are_reweighted_and_nothing_else():
     kl = 0.1 * (k3_kl(samples.ref_logprobs - new) * mask).sum()  # the KL term is not reweighted
     torch.testing.assert_close(policy, (surrogate * weights * mask).sum() + kl, atol=1e-5, rtol=1e-5)
     assert stats["tokens"] == float(mask.sum())
+
+
+def test_actor_critic_policy_terms_are_reweighted_and_the_value_term_is_not():
+    from lit_marl.algorithms import IAC
+    from lit_marl.losses import masked_sum
+
+    module = IAC(model="tiny-random", num_agents=1, rollout_is_cap=1.5, policy_loss="ppo")
+    module.configure_model()
+    samples = _tree_samples(module.agents[0], torch.zeros(6))
+    logprobs, _, values = module.actor_forward(0, samples, entropy=False)
+    old = (logprobs.detach() + 0.1 * torch.randn_like(logprobs)) * samples.completion_mask
+    rollout = old - torch.randn_like(old) * samples.completion_mask
+    samples = AgentSamples(
+        **{
+            **vars(samples),
+            "old_logprobs": old,
+            "rollout_logprobs": rollout,
+            "old_values": torch.zeros(4),
+            "targets": torch.ones(4),
+        }
+    )
+    loss = module.actor_loss(0, samples, {})
+    mask = samples.completion_mask.float()
+    weights = truncated_is_weights(old, rollout, 1.5)
+    assert (weights[mask.bool()] == 1.5).any() and (weights[mask.bool()] < 1).any()
+    surrogate = clipped_surrogate(logprobs, old, samples.advantages.unsqueeze(1), module.clip_range)
+    expected = masked_sum(surrogate * weights, mask, module.logprob_reduction).sum()
+    expected = expected + module.value_term(values, samples.old_values, samples.targets)
+    torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-5)

@@ -39,9 +39,12 @@ TEXTS = [
 ]
 # a long shared opening (~330 tokens: two of the CPU backend's 128-token cache blocks; a GPU's are 16),
 # then different endings
-PREFIX = " ".join(
-    f"Rule {i}: read the question, think about what is asked, and answer in one short sentence." for i in range(16)
-) + " Question: "
+PREFIX = (
+    " ".join(
+        f"Rule {i}: read the question, think about what is asked, and answer in one short sentence." for i in range(16)
+    )
+    + " Question: "
+)
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +100,7 @@ def test_after_updates_vllm_serves_the_new_weights_also_for_cached_prefixes():
     agent = Agent("smollm2-135m-instruct")
     engine = make_engine("vllm")
     first = encode(agent, [PREFIX + t for t in TEXTS])
-    assert agreement(engine, agent, first) [0] == len(TEXTS)  # the prefix is now in vLLM's cache
+    assert agreement(engine, agent, first)[0] == len(TEXTS)  # the prefix is now in vLLM's cache
     before = make_engine("torch").generate(agent, first, 1, 16, greedy=True).completion_ids
     update(agent)
     after = make_engine("torch").generate(agent, first, 1, 16, greedy=True).completion_ids
@@ -107,6 +110,22 @@ def test_after_updates_vllm_serves_the_new_weights_also_for_cached_prefixes():
         equal, diff = agreement(engine, agent, prompts)
         assert equal == len(TEXTS) and diff < 2e-3
     assert engine.syncs == 2
+
+
+def test_starting_vllm_leaves_the_runs_random_state(smollm2):
+    """vLLM seeds the global generators when it starts in this process; the run's streams go on as
+    if it had not (sampling afterwards draws from them, as the lean decoder does)."""
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(123), random.seed(123), np.random.seed(123)
+    expected = (torch.rand(3), random.random(), np.random.rand())
+    torch.manual_seed(123), random.seed(123), np.random.seed(123)
+    engine = make_engine("vllm")
+    engine.sync(smollm2)  # starts vLLM and loads the weights, nothing sampled
+    assert torch.equal(torch.rand(3), expected[0])
+    assert (random.random(), np.random.rand()) == expected[1:]
 
 
 def _rss_mib() -> float:
@@ -119,7 +138,7 @@ def test_repeated_syncs_do_not_grow_memory(smollm2):
     engine = make_engine("vllm")
     prompts = encode(smollm2, TEXTS[:4])
     sizes = []
-    for step in range(6):
+    for _ in range(6):
         with torch.no_grad():
             smollm2.model.model.norm.weight.add_(1e-3)  # a new version: the next generate syncs
         engine.generate(smollm2, prompts, 1, 8, greedy=True)
