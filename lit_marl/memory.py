@@ -267,13 +267,18 @@ def plan(
     result.parts.update(parts)
     result.parts["activations of one update pass"] = _pass_bytes(module, dtype, result.notes)
     engine = getattr(getattr(data, "engine", None), "name", None)
-    if vllm_share is None and engine == "vllm":
-        vllm_share = float(data.engine.llm_kwargs.get("gpu_memory_utilization", 0.3))
     agents = list(module.agents) if module.agents is not None else []
+    models = list({id(agent.model): agent.model for agent in agents}.values())  # one engine per model
+    if vllm_share is None and engine == "vllm":
+        options = data.engine.options(device.type)
+        if "kv_cache_memory_bytes" in options:  # a fixed KV budget (CPU's default) beside its own weights
+            served = sum(p.numel() for m in models for p in m.parameters()) * (2 if autocast else 4)
+            result.parts["vLLM engines (KV budget, weights)"] = len(models) * options["kv_cache_memory_bytes"] + served
+        else:
+            vllm_share = float(options["gpu_memory_utilization"])
     if vllm_share is not None:
-        engines = len({id(agent.model) for agent in agents})  # one per model an agent samples from
-        result.parts["vLLM engines (gpu_memory_utilization)"] = vllm_share * engines * (result.capacity or 0)
-    elif data is not None and agents and (shape := generation_shape(data)) is not None:
+        result.parts["vLLM engines (gpu_memory_utilization)"] = vllm_share * len(models) * (result.capacity or 0)
+    elif engine != "vllm" and data is not None and agents and (shape := generation_shape(data)) is not None:
         rows, length, assumed = shape
         # the lean decoder stacks every agent's call of a turn into one: all roles' rows at once
         kv = kv_cache_bytes(agents[0].model, rows * len(agents), length, dtype or torch.float32)
@@ -324,6 +329,7 @@ def check_memory(module, data=None) -> MemoryPlan:
         "weights": "set model.weights_dtype: bfloat16, model.lora_shared_base: true, or shard over more ranks",
         "generation KV cache": "lower data.tasks_per_step, data.num_generations or the context",
         "vLLM engines (gpu_memory_utilization)": "lower gpu_memory_utilization in data.engine_options",
+        "vLLM engines (KV budget, weights)": "lower kv_cache_memory_bytes in data.engine_options",
     }
     largest = sorted((name for name in result.parts if name in fixes), key=lambda n: -result.parts[n])[:2]
     advice = "; ".join(f"{name} ({result.parts[name] / GiB:.2f} GiB): {fixes[name]}" for name in largest)

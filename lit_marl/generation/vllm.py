@@ -87,8 +87,7 @@ class LLMBackend:
 
         self.folder = tempfile.TemporaryDirectory(prefix="lit_marl_vllm_")
         _causal_lm(agent.model).config.save_pretrained(self.folder.name)  # the architecture only
-        kwargs = dict(CPU_DEFAULTS if next(agent.model.parameters()).device.type == "cpu" else GPU_DEFAULTS)
-        kwargs.update(
+        kwargs = dict(
             enable_prefix_caching=True,
             dtype=dtype,
             load_format="dummy",  # the trainer's weights are synced in before the first generation
@@ -188,17 +187,22 @@ class VLLMEngine:
         elif llm_kwargs:
             raise ValueError(f"VLLMEngine: {sorted(llm_kwargs)} go to the default backend, not a backend_factory")
         self.backend_factory = backend_factory
-        self.llm_kwargs = llm_kwargs  # gpu_memory_utilization: the memory plan counts it
+        self.llm_kwargs = llm_kwargs  # the memory plan counts the share or KV budget (``options``)
         self.backends: dict[int, VLLMBackend] = {}
         self.dtypes: dict[int, str] = {}
         self.versions: dict[int, tuple] = {}
         self.syncs = 0  # weight loads so far (all models)
         self.external_launcher: bool | None = None  # decided before the first instance starts
 
+    def options(self, device_type: str) -> dict:
+        """The ``vllm.LLM`` memory and compilation settings on this device: the defaults, then the user's."""
+        return {**(CPU_DEFAULTS if device_type == "cpu" else GPU_DEFAULTS), **self.llm_kwargs}
+
     def _llm(self, agent: Agent, dtype: str) -> LLMBackend:
         if self.external_launcher is None:  # a first instance sets up a process group of its own
             self.external_launcher = torch.distributed.is_available() and torch.distributed.is_initialized()
-        return LLMBackend(agent, dtype, self.external_launcher, **self.llm_kwargs)
+        options = self.options(next(agent.model.parameters()).device.type)
+        return LLMBackend(agent, dtype, self.external_launcher, **options)
 
     def sync(self, agent: Agent) -> VLLMBackend:
         """The backend of ``agent``'s model, holding its current weights in the trainer's compute dtype."""

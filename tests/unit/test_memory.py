@@ -99,3 +99,29 @@ def test_an_actor_critic_pass_counts_policy_and_critic_together():
     critic = profile.pass_bytes(with_critic.forward_token_budget, 0, False)
     assert _pass_bytes(with_critic, None, []) == pytest.approx(policy + critic)
     assert critic < policy  # no 12 bytes per vocabulary entry and scored position
+
+
+def test_vllm_engines_are_planned_by_their_share_or_their_kv_budget():
+    """One vLLM instance per model: on a GPU its share of the card; on CPU (or with
+    ``kv_cache_memory_bytes``) that KV budget plus its own copy of the weights, in the serving dtype."""
+    from types import SimpleNamespace
+
+    from lit_marl.generation.vllm import VLLMEngine
+
+    module = MAGRPO(model="tiny-random", num_agents=2)
+    module.configure_model()
+    engine = VLLMEngine(backend_factory=lambda agent, dtype: None)
+    data = SimpleNamespace(engine=engine)
+    numel = sum(p.numel() for p in module.parameters())  # two models, each served whole
+    cpu = plan(module, data, capacity=64 * GiB)
+    assert cpu.parts["vLLM engines (KV budget, weights)"] == 2 * 2**30 + numel * 4
+    assert "generation KV cache" not in cpu.parts  # the lean decoder's cache is not used
+    engine.llm_kwargs = {"kv_cache_memory_bytes": 2**28}
+    bf16 = plan(module, data, capacity=64 * GiB, autocast=True)
+    assert bf16.parts["vLLM engines (KV budget, weights)"] == 2 * 2**28 + numel * 2
+    gpu = engine.options("cuda")
+    assert gpu["gpu_memory_utilization"] == 0.3 and gpu["kv_cache_memory_bytes"] == 2**28
+    assert (
+        plan(module, data, vllm_share=0.25, capacity=64 * GiB).parts["vLLM engines (gpu_memory_utilization)"]
+        == 0.25 * 2 * 64 * GiB
+    )
