@@ -5,7 +5,8 @@ equal the trainer's forward; after optimizer steps vLLM serves the new weights, 
 that share a prefix with earlier ones (the prefix cache is emptied at every sync: without that,
 rows are decoded from keys and values of the old weights, which the last test shows); repeated
 syncs do not grow memory; LoRA agents on one base each get their own merged weights; and a
-``lit-marl fit`` with two distinct models (MAGRPO) and on episodes (PPO) runs with vLLM rollouts."""
+``lit-marl fit`` with two distinct models (MAGRPO), on 2 DDP ranks, and on episodes (PPO) runs with
+vLLM rollouts."""
 
 from __future__ import annotations
 
@@ -183,7 +184,9 @@ def _fit(tmp_path, config: str, *extra: str) -> dict[str, list[float]]:
     assert done.returncode == 0, done.stderr[-4000:]
     events = EventAccumulator(str(next(tmp_path.rglob("events.out.tfevents.*")).parent))
     events.Reload()
-    return {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    scalars = {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    scalars["log"] = done.stdout + done.stderr
+    return scalars
 
 
 def test_a_team_of_two_models_fits_with_vllm_rollouts(tmp_path):
@@ -191,6 +194,16 @@ def test_a_team_of_two_models_fits_with_vllm_rollouts(tmp_path):
     diffs = scalars["train/rollout_logp_diff"]
     assert len(diffs) == 2 and max(diffs) < 1e-3  # step 2 sampled from the updated weights
     assert all(torch.isfinite(torch.tensor(scalars["train/loss"])))
+
+
+def test_two_ranks_each_run_their_own_vllm(tmp_path):
+    """Under DDP (2 gloo ranks) every rank starts its own instances with vLLM's external launcher
+    (the trainer's ranks are the launcher) and samples from the weights its rank synced."""
+    extra = ["--trainer.callbacks=[]", "--trainer.enable_checkpointing", "false"]
+    scalars = _fit(tmp_path, "configs/magrpo/slogan_tiny_ddp.yaml", *extra)
+    assert scalars["log"].count("Using external launcher for distributed inference") == 4  # 2 ranks x 2 models
+    diffs = scalars["train/rollout_logp_diff"]
+    assert len(diffs) == 2 and max(diffs) < 1e-3
 
 
 def test_ppo_on_episodes_fits_with_vllm_rollouts_and_truncated_is(tmp_path):
