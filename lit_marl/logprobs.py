@@ -121,17 +121,18 @@ def _completion_pass(
 
 
 def final_hidden_states(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """The last layer's hidden states ``[B, L, H]`` of left-padded rows, positioned as in generation;
-    the LM head runs on one position only (a value or reward head reads the states)."""
+    """The last layer's hidden states ``[B, L, H]`` of left-padded rows, positioned as in generation,
+    for a value or reward head: of a causal LM (its LM head runs on one position only) or of a bare
+    decoder without a head (a critic's backbone, ``critics.load_critic_backbone``)."""
+    head = hasattr(model, "lm_head")
     out = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0),
-        output_hidden_states=True,
-        logits_to_keep=1,
         use_cache=False,
+        **(dict(output_hidden_states=True, logits_to_keep=1) if head else {}),
     )
-    return out.hidden_states[-1]
+    return out.hidden_states[-1] if head else out.last_hidden_state
 
 
 def sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

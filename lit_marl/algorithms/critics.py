@@ -121,9 +121,11 @@ class Critic(nn.Module):
 
 
 def load_critic_backbone(source: str, agents: list, field: str = "model.critic_model") -> nn.Module:
-    """A critic model from ``source``; it must use the tokenizer of every agent in ``agents``, as it
-    reads their token ids."""
-    backbone, tokenizer = load_model_and_tokenizer(source)
+    """A critic model from ``source`` without its LM head (the decoder a value head reads: a head of
+    vocabulary x hidden weights, with their gradients and AdamW state, would never be used); it must
+    use the tokenizer of every agent in ``agents``, as it reads their token ids."""
+    model, tokenizer = load_model_and_tokenizer(source)
+    backbone = model.base_model  # the decoder under the ``*ForCausalLM`` (embeddings, layers, final norm)
     for i, agent in enumerate(agents):
         if tokenizer.get_vocab() != agent.tokenizer.get_vocab():
             raise ConfigError(

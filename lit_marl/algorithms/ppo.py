@@ -22,7 +22,7 @@ from lit_marl.fields import (
     PositiveInt,
     check_fields,
 )
-from lit_marl.logprobs import masked_logprobs
+from lit_marl.logprobs import final_hidden_states, masked_logprobs
 from lit_marl.losses import explained_variance, value_loss
 from lit_marl.parallel.collectives import whiten
 from lit_marl.returns import token_gae, turn_gae
@@ -111,11 +111,7 @@ class PPO(EpisodicModule):
         else:  # the value pass with a critic of its own: the policy has nothing to give
             logprobs = torch.zeros(ids.shape, device=ids.device)
         if not shared:
-            position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-            args = dict(
-                input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False, logits_to_keep=1
-            )
-            hidden = self.critic_backbones[learner](**args, output_hidden_states=True).hidden_states[-1]
+            hidden = final_hidden_states(self.critic_backbones[learner], ids, mask)
         if self.warming_up:  # the value head reads the policy's features without training them
             hidden = hidden.detach()
         values = self.value_heads[learner](hidden[:, :-1])

@@ -125,3 +125,24 @@ def test_vllm_engines_are_planned_by_their_share_or_their_kv_budget():
         plan(module, data, vllm_share=0.25, capacity=64 * GiB).parts["vLLM engines (gpu_memory_utilization)"]
         == 0.25 * 2 * 64 * GiB
     )
+
+
+def test_a_critic_model_carries_no_lm_head_and_reads_the_same_states():
+    """A critic model is the decoder under the causal LM: no vocabulary x hidden head (nor its
+    gradients and AdamW state), and the value head reads exactly the causal LM's final states."""
+    from lit_marl.algorithms import PPO
+    from lit_marl.logprobs import final_hidden_states
+
+    module = PPO(model="tiny-random", critic="model")
+    module.configure_model()
+    backbone = module.critic_backbones[0]
+    assert not any("lm_head" in name for name, _ in module.critic_backbones.named_parameters())
+    full, _ = load_model_and_tokenizer("tiny-random")
+    full.base_model.load_state_dict(backbone.state_dict())
+    ids = torch.randint(5, 100, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding
+    torch.testing.assert_close(final_hidden_states(backbone, ids, mask), final_hidden_states(full, ids, mask))
+    policy = sum(p.numel() for p in module.agents[0].model.parameters())
+    head = full.lm_head.weight.numel() if full.lm_head.weight is not full.base_model.embed_tokens.weight else 0
+    assert sum(p.numel() for p in backbone.parameters()) == policy - head
