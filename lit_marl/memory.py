@@ -136,28 +136,41 @@ def _match_dtypes(small: nn.Module, model: nn.Module) -> None:
         store_frozen(small, "bfloat16")
 
 
+UPDATE, ROLLOUT = "update", "rollout"
+
+
 @dataclass
 class MemoryPlan:
-    """Bytes per rank, by component; ``peak`` is what the busiest moment of a step needs."""
+    """Bytes per rank, by component; each part is held through the whole step or only in its
+    phase (``phases``: the update, or the rollout); ``peak`` is the fuller of the two phases."""
 
     parts: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     device: str = "cpu"
     capacity: float | None = None  # bytes the device has for this rank (None: unknown)
+    phases: dict[str, str] = field(default_factory=dict)  # part -> UPDATE or ROLLOUT (absent: both)
+    mode: str | None = None  # FSDP2's mode (None: not sharded)
+
+    def phase(self, name: str) -> float:
+        """What the step holds in phase ``name`` (update or rollout)."""
+        return sum(v for k, v in self.parts.items() if self.phases.get(k, name) == name)
 
     @property
     def peak(self) -> float:
-        p = self.parts
-        update = p.get("gradients", 0) + p.get("activations of one update pass", 0)
-        rollout = p.get("generation KV cache", 0)  # vLLM's share is held throughout: steady
-        steady = sum(v for k, v in p.items() if k not in {"gradients", "activations of one update pass"})
-        return steady - rollout + max(update, rollout)
+        return max(self.phase(UPDATE), self.phase(ROLLOUT))
 
     def table(self) -> str:
-        lines = [f"memory plan per rank ({self.device}):"]
-        lines += [f"  {name:<34} {size / GiB:8.2f} GiB" for name, size in self.parts.items()]
+        mode = f", FSDP2 {self.mode}" if self.mode else ""
+        lines = [f"memory plan per rank ({self.device}{mode}):"]
+        for name, size in self.parts.items():
+            lines.append(
+                f"  {name:<40} {size / GiB:8.2f} GiB" + (f"  ({self.phases[name]})" if name in self.phases else "")
+            )
         have = f" of {self.capacity / GiB:.2f} GiB" if self.capacity else ""
-        lines.append(f"  {'peak (update or rollout)':<34} {self.peak / GiB:8.2f} GiB{have}")
+        lines.append(
+            f"  {'update / rollout':<40} {self.phase(UPDATE) / GiB:8.2f} / {self.phase(ROLLOUT) / GiB:.2f} GiB"
+        )
+        lines.append(f"  {'peak':<40} {self.peak / GiB:8.2f} GiB{have}")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -166,21 +179,65 @@ def _local_numel(p: torch.Tensor) -> int:
     return p.to_local().numel() if hasattr(p, "to_local") else p.numel()
 
 
-def weight_parts(module: nn.Module, shard_over: int = 1) -> dict[str, float]:
-    """Resident weights (local shards), the full weights a step gathers (FSDP), gradients (fp32,
-    unsharded while a step accumulates them) and AdamW's two moments (sharded like the weights).
+def weight_parts(module: nn.Module, shard_over: int = 1, mode: str = "gathered") -> tuple[dict, dict]:
+    """The weight-sized parts and their phases: resident weights (local shards), AdamW's two
+    moments (sharded like the weights), gradients (fp32) and the full weights FSDP gathers.
+    ``gathered``: every model whole through the step, gradients unsharded while they accumulate.
+    ``per_layer``: two units (the computing layer and the prefetched next) and each root's own
+    parameters whole in a pass, their gradients unsharded until reduced, the rest of the
+    gradients sharded; the rollout gathers the whole models (generation with torch/hf).
     ``shard_over``: plan unsharded models as FSDP2 over that many ranks will shard them."""
     named = list({id(p): (n, p) for n, p in module.named_parameters()}.values())
     params = [p for _, p in named]
     resident = sum(_local_numel(p) * p.element_size() / shard_over for p in params)
     full = sum(p.numel() * p.element_size() for p in params)
     learned = [p for n, p in named if trained(n, p)]
-    return {
-        "weights": resident,
-        "weights gathered for a step": full - resident,
-        "gradients": sum(p.numel() * 4 for p in learned),
-        "AdamW state": sum(_local_numel(p) * 8 / shard_over for p in learned),
-    }
+    parts = {"weights": resident, "AdamW state": sum(_local_numel(p) * 8 / shard_over for p in learned)}
+    if mode != "per_layer":
+        parts["weights gathered for a step"] = full - resident
+        parts["gradients"] = sum(p.numel() * 4 for p in learned)
+        return parts, {"gradients": UPDATE}
+    sharded = 1 - 1 / _world_of(params, shard_over)
+    units = [unit for model in shardable_models(module) for unit in fsdp_units(model)]
+    learned_ids = {id(p) for p in learned}
+
+    def size(unit):
+        return sum(p.numel() * p.element_size() for p in unit), sum(p.numel() * 4 for p in unit if id(p) in learned_ids)
+
+    roots = [size(unit) for unit, is_root in units if is_root]
+    others = sorted((size(unit) for unit, is_root in units if not is_root), reverse=True)[:2]
+    parts["layers gathered in a pass"] = sharded * (sum(w for w, _ in roots) + sum(w for w, _ in others))
+    parts["gradients"] = sum(_local_numel(p) * 4 / shard_over for p in learned) + sharded * (
+        sum(g for _, g in roots) + sum(g for _, g in others)
+    )
+    parts["weights gathered for generation"] = full - resident
+    return parts, {"layers gathered in a pass": UPDATE, "gradients": UPDATE, "weights gathered for generation": ROLLOUT}
+
+
+def _world_of(params: list[torch.Tensor], shard_over: int) -> int:
+    """The ranks the parameters are (or will be) sharded over."""
+    for p in params:
+        if hasattr(p, "device_mesh"):
+            return p.device_mesh.size()
+    return shard_over
+
+
+def fsdp_units(model: nn.Module) -> list[tuple[list[torch.Tensor], bool]]:
+    """The parameters of each FSDP2 unit ``per_layer`` makes of ``model`` (its decoder layers, its
+    untied embedding and head, the rest: the root, flagged True)."""
+    from lit_marl.parallel.fsdp import untied_edges
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    blocks = set(getattr(base, "_no_split_modules", None) or ())
+    modules = [m for m in model.modules() if type(m).__name__ in blocks] + untied_edges(base)
+    taken: set[int] = set()
+    units = []
+    for m in modules:
+        own = [p for p in m.parameters() if id(p) not in taken]
+        taken.update(id(p) for p in own)
+        units.append((own, False))
+    units.append(([p for p in model.parameters() if id(p) not in taken], True))
+    return units
 
 
 def kv_cache_bytes(model: nn.Module, rows: int, tokens: int, dtype: torch.dtype) -> float:
@@ -245,11 +302,12 @@ def plan(
     process: float | None = None,
     capacity: float | None = None,
     autocast: bool | None = None,
+    mode: str | None = None,
 ) -> MemoryPlan:
     """The memory plan of ``module`` (built, sharded where it will be) for a step of ``data``. The
-    keywords plan ahead for other hardware (``scripts/plan_memory.py``): ``shard_over`` ranks of FSDP2,
-    vLLM's ``gpu_memory_utilization``, the runtime's bytes, the device's, bf16 autocast; by default
-    each is read from the run."""
+    keywords plan ahead for other hardware (``scripts/plan_memory.py``): ``shard_over`` ranks of FSDP2
+    in ``mode`` (gathered or per_layer), vLLM's ``gpu_memory_utilization`` (None: what vLLM needs),
+    the runtime's bytes, the device's, bf16 autocast; by default each is read from the run."""
     device = module.device
     if autocast is None:
         precision = str(module._trainer.precision) if module._trainer is not None else "32-true"
@@ -259,32 +317,86 @@ def plan(
         trainer = module._trainer
         ranks_here = trainer.num_devices if trainer is not None and device.type == "cpu" else 1
         capacity = device_capacity(device, ranks_here)
-    result = MemoryPlan(device=str(device), capacity=capacity)
-    parts = weight_parts(module, shard_over)
+    if mode is None:
+        mode = module.shards.mode if module.shards is not None else None
+    sharded = mode is not None or shard_over > 1
+    result = MemoryPlan(device=str(device), capacity=capacity, mode=(mode or "gathered") if sharded else None)
+    parts, phases = weight_parts(module, shard_over, mode or "gathered")
     result.parts["process (runtime, data)"] = (
         process if process is not None else process_overhead(device, parts["weights"])
     )
     result.parts.update(parts)
+    result.phases.update(phases)
     result.parts["activations of one update pass"] = _pass_bytes(module, dtype, result.notes)
+    result.phases["activations of one update pass"] = UPDATE
     engine = getattr(getattr(data, "engine", None), "name", None)
     agents = list(module.agents) if module.agents is not None else []
     models = list({id(agent.model): agent.model for agent in agents}.values())  # one engine per model
-    if vllm_share is None and engine == "vllm":
-        options = data.engine.options(device.type)
-        if "kv_cache_memory_bytes" in options:  # a fixed KV budget (CPU's default) beside its own weights
-            served = sum(p.numel() for m in models for p in m.parameters()) * (2 if autocast else 4)
-            result.parts["vLLM engines (KV budget, weights)"] = len(models) * options["kv_cache_memory_bytes"] + served
-        else:
-            vllm_share = float(options["gpu_memory_utilization"])
-    if vllm_share is not None:
-        result.parts["vLLM engines (gpu_memory_utilization)"] = vllm_share * len(models) * (result.capacity or 0)
-    elif engine != "vllm" and data is not None and agents and (shape := generation_shape(data)) is not None:
+    shape = generation_shape(data) if data is not None and agents else None
+    if engine == "vllm":
+        result.parts.pop("weights gathered for generation", None)  # vLLM holds its own copy
+        _vllm_parts(result, data.engine.options(device.type), models, shape, vllm_share, dtype)
+    elif shape is not None:
         rows, length, assumed = shape
         # the lean decoder stacks every agent's call of a turn into one: all roles' rows at once
-        kv = kv_cache_bytes(agents[0].model, rows * len(agents), length, dtype or torch.float32)
-        result.parts["generation KV cache"] = kv
+        result.parts["generation KV cache"] = kv_cache_bytes(
+            agents[0].model, rows * len(agents), length, dtype or torch.float32
+        )
+        result.phases["generation KV cache"] = ROLLOUT
         result.notes.append(f"generation: {len(agents)} agents x {rows} rows x {length} tokens ({assumed})")
     return result
+
+
+VLLM_OVERHEAD = 2 * GiB  # per GPU instance: CUDA graphs, sampler, activations of the largest batch
+
+
+def _vllm_parts(result: MemoryPlan, options: dict, models: list, shape, share: float | None, dtype) -> None:
+    """vLLM's instances: on CPU a fixed KV budget beside their weights; on a GPU the share they are
+    given, or (``share`` None and none configured) what they need: weights / tensor-parallel ranks +
+    the KV cache of the step's generation shape + ~2 GiB. Asleep during the update with
+    ``enable_sleep_mode`` (weights and KV freed)."""
+    bytes_per = 2 if dtype is not None else 4
+    served = sum(p.numel() for m in models for p in m.parameters()) * bytes_per
+    if "kv_cache_memory_bytes" in options:
+        name = "vLLM engines (KV budget, weights)"
+        result.parts[name] = len(models) * options["kv_cache_memory_bytes"] + served
+    else:
+        share = share if share is not None else options.get("gpu_memory_utilization")
+        tp = int(options.get("tensor_parallel_size", 1))
+        kv = sum(kv_cache_bytes(m, shape[0], shape[1], dtype or torch.float32) for m in models) if shape else 0.0
+        need = served / tp + kv / tp + len(models) * VLLM_OVERHEAD
+        if share is None:
+            name = "vLLM engines (weights / TP, KV, overhead)"
+            result.parts[name] = need
+            if result.capacity:
+                per = need / len(models) / result.capacity
+                result.notes.append(f"vLLM: gpu_memory_utilization {per:.2f} per instance covers its need")
+        else:
+            name = "vLLM engines (gpu_memory_utilization)"
+            result.parts[name] = share * len(models) * (result.capacity or 0)
+            if result.capacity and need > result.parts[name]:
+                result.notes.append(
+                    f"vLLM needs ~{need / GiB:.1f} GiB (weights / TP, KV, overhead): raise gpu_memory_utilization"
+                )
+    if options.get("enable_sleep_mode"):
+        result.phases[name] = ROLLOUT
+
+
+def choose_mode(module, data, ranks: int, device: torch.device) -> str:
+    """FSDP2's mode under ``auto``: ``gathered`` (least traffic) when its plan fits the device on
+    every rank, else ``per_layer``. Every rank decides alike."""
+    from lightning.pytorch.utilities import rank_zero_info
+
+    trainer = module._trainer
+    ranks_here = trainer.num_devices if trainer is not None and device.type == "cpu" else 1
+    capacity = device_capacity(device, ranks_here)
+    whole = plan(module, data, shard_over=ranks, capacity=capacity, mode="gathered")
+    over = all_ranks_max(whole.peak - capacity if capacity is not None else -1.0, device)
+    mode = "gathered" if over <= 0 else "per_layer"
+    rank_zero_info(
+        f"FSDP2 mode auto: {mode} (gathered needs {whole.peak / GiB:.2f} GiB of {(capacity or 0) / GiB:.2f})"
+    )
+    return mode
 
 
 def _pass_bytes(module, dtype: torch.dtype | None, notes: list[str]) -> float:
@@ -330,11 +442,18 @@ def check_memory(module, data=None) -> MemoryPlan:
         "generation KV cache": "lower data.tasks_per_step, data.num_generations or the context",
         "vLLM engines (gpu_memory_utilization)": "lower gpu_memory_utilization in data.engine_options",
         "vLLM engines (KV budget, weights)": "lower kv_cache_memory_bytes in data.engine_options",
+        "vLLM engines (weights / TP, KV, overhead)": "lower data.tasks_per_step or the context, or set "
+        "enable_sleep_mode: true in data.engine_options (GPU)",
+        "weights gathered for a step": "use per-layer FSDP2 (trainer.strategy.init_args.mode: per_layer)",
+        "layers gathered in a pass": "set trainer.strategy.init_args.gather_dtype: bfloat16",
+        "weights gathered for generation": "generate with vLLM (data.engine: vllm)",
     }
-    largest = sorted((name for name in result.parts if name in fixes), key=lambda n: -result.parts[n])[:2]
+    fuller = UPDATE if result.phase(UPDATE) >= result.phase(ROLLOUT) else ROLLOUT
+    held = [name for name in result.parts if name in fixes and result.phases.get(name, fuller) == fuller]
+    largest = sorted(held, key=lambda n: -result.parts[n])[:2]
     advice = "; ".join(f"{name} ({result.parts[name] / GiB:.2f} GiB): {fixes[name]}" for name in largest)
     raise ConfigError(
-        f"the memory plan needs {result.peak / GiB:.2f} GiB on this rank at its peak (the fullest rank "
+        f"the memory plan needs {result.peak / GiB:.2f} GiB on this rank at its peak (the {fuller}; the fullest rank "
         f"{over / GiB:.2f} GiB more than its device), the device has {(result.capacity or 0) / GiB:.2f} GiB. "
         f"Largest: {advice}. (model.memory_check: false skips this check)\n" + result.table()
     )

@@ -278,7 +278,10 @@ class ActorCritic(AgentTeamModule):
         entropy = torch.is_grad_enabled() and self.entropy_coef > 0
         actors = []
         for learner, samples in enumerate(rows.actors):
-            parts = [self.actor_forward(learner, samples.select(r), entropy) for r in self.micro_batches(samples)]
+            parts = [
+                self.actor_forward(learner, samples.select(r), entropy)
+                for r in self.passes(samples, [self.model_of(learner)])
+            ]
             width = samples.num_completion
             logprobs = torch.cat([nn.functional.pad(p[0], (0, width - p[0].shape[1])) for p in parts])
             entropies = torch.cat([p[1] for p in parts]) if entropy else None
@@ -288,7 +291,7 @@ class ActorCritic(AgentTeamModule):
         for c, inputs in enumerate(rows.critics):
             if id(inputs) not in computed:
                 computed[id(inputs)] = torch.cat(
-                    [self.critic_model(c)(inputs.select(r)) for r in self.micro_batches(inputs)]
+                    [self.critic_model(c)(inputs.select(r)) for r in self.passes(inputs, [self.critic_model(c)])]
                 )
         return actors, [computed[id(inputs)] for inputs in rows.critics]
 

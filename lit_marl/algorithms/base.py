@@ -20,7 +20,7 @@ from lit_marl.agents import Agent, LoraSettings, roles_by_model, team_sources
 from lit_marl.fields import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, check_fields
 from lit_marl.logprobs import target_logprobs
 from lit_marl.losses import nll
-from lit_marl.memory import check_memory
+from lit_marl.memory import check_memory, choose_mode
 from lit_marl.metrics import StepLogging, Timer
 from lit_marl.models import (
     AttentionKernel,
@@ -31,7 +31,7 @@ from lit_marl.models import (
 )
 from lit_marl.parallel.collectives import all_ranks_max, all_ranks_sum, gather_objects, sum_gradients, to_cpu
 from lit_marl.parallel.fsdp import TeamShards, check_shardable, shardable_models
-from lit_marl.parallel.strategies import TeamDDPStrategy
+from lit_marl.parallel.strategies import TeamDDPStrategy, TeamFSDPStrategy
 from lit_marl.rollout.batch import AgentSamples, RolloutBatch, pass_rows, pass_tokens
 from lit_marl.rollout.buffer import RolloutBuffer
 from lit_marl.rollout.demos import DemoSamples
@@ -207,17 +207,38 @@ class AgentTeamModule(StepLogging, L.LightningModule):
         self.to(self.trainer.strategy.root_device)
         if self.world_size > 1:
             _sync_module_states(self)  # every rank shards rank 0's weights
-        self.shards = TeamShards(shardable_models(self), mesh["data_parallel"])
+        strategy = self.trainer.strategy
+        mode, gather_dtype = "gathered", "float32"
+        if isinstance(strategy, TeamFSDPStrategy):
+            mode, gather_dtype = strategy.mode, strategy.gather_dtype
+        if mode == "auto":
+            mode = choose_mode(self, self.trainer.datamodule, mesh["data_parallel"].size(), strategy.root_device)
+            gather_dtype = gather_dtype if mode == "per_layer" else "float32"
+        self.shards = TeamShards(shardable_models(self), mesh["data_parallel"], mode, gather_dtype)
 
     def computing(self) -> ExitStack:
-        """Passes outside Lightning's steps (rollouts, evaluations, epoch-end updates) as inside them:
-        the full weights under FSDP (``lit_marl.parallel.fsdp``), the trainer's precision (autocast)."""
+        """Rollouts and evaluations as Lightning's steps run: the full weights under FSDP
+        (``lit_marl.parallel.fsdp``: generation needs them), the trainer's precision (autocast)."""
+        return self._passes(self.shards.gathered if self.shards is not None else None)
+
+    def updating(self) -> ExitStack:
+        """An update's block: ``computing`` in FSDP's gathered mode; per_layer gathers layer by layer."""
+        return self._passes(self.shards.updating if self.shards is not None else None)
+
+    def _passes(self, weights) -> ExitStack:
         stack = ExitStack()
-        if self.shards is not None:
-            stack.enter_context(self.shards.gathered())
+        if weights is not None:
+            stack.enter_context(weights())
         if self._trainer is not None:
             stack.enter_context(self.trainer.precision_plugin.forward_context())
         return stack
+
+    def passes(self, rows, models: list[nn.Module], backward: bool = False, shared_prompts: bool = False):
+        """The forward(/backward) passes of one loop over ``rows`` (``micro_batches``), each of
+        ``models`` forwarded once per pass; under per-layer FSDP padded to the most any rank runs
+        (``TeamShards.lockstep``: every rank must run the same loops)."""
+        chunks = self.micro_batches(rows, shared_prompts) if rows is not None and len(rows) else []
+        return chunks if self.shards is None else self.shards.lockstep(chunks, models, backward)
 
     @property
     def learners(self) -> list[list[int]]:
@@ -317,20 +338,20 @@ class AgentTeamModule(StepLogging, L.LightningModule):
         one, so the optimizer steps as it would after their backward (AdamW's momentum and weight
         decay act, as in CoMLRL). ``parameters``: the model's, for ``perf/train_flops`` (6 per
         parameter and token the passes compute). Returns that loss."""
-        shared_prompts = shared_prompts and not self.activation_checkpointing  # full rows then: logprobs.py
+        shared_prompts = shared_prompts and self.shares_prompts  # full rows otherwise: logprobs.py
         local = count if isinstance(count, tuple) else (count if count is not None else len(rows or ()),)
         totals = [all_ranks_sum(float(c), self.device) for c in local]
         loss_sum, tokens = 0.0, 0
-        if rows is not None and len(rows) and max(totals) > 0:
-            with checkpointed_passes(self):
-                for chunk in self.micro_batches(rows, shared_prompts):
-                    micro = rows.select(chunk)
-                    loss = sum(term / n for term, n in zip(loss_fn(micro).reshape(-1), totals) if n > 0)
-                    self.manual_backward(loss)
-                    loss_sum += float(loss.detach())
-                    tokens += pass_tokens(micro, shared_prompts)
-        self.record({"perf/train_tokens": float(tokens), "perf/train_flops": 6.0 * parameters * tokens}, reduce="sum")
         params = [p for group in optimizer.param_groups for p in group["params"]]
+        models = self.shards.roots_of(params) if self.shards is not None else []
+        with checkpointed_passes(self):
+            for chunk in self.passes(rows if max(totals) > 0 else None, models, True, shared_prompts):
+                micro = rows.select(chunk)
+                loss = sum(term / n for term, n in zip(loss_fn(micro).reshape(-1), totals) if n > 0)
+                self.manual_backward(loss)
+                loss_sum += float(loss.detach())
+                tokens += pass_tokens(micro, shared_prompts)
+        self.record({"perf/train_tokens": float(tokens), "perf/train_flops": 6.0 * parameters * tokens}, reduce="sum")
         if skipped_zero_loss:
             for p in params:
                 if p.requires_grad and p.grad is None:
@@ -370,6 +391,19 @@ class AgentTeamModule(StepLogging, L.LightningModule):
             self.shards.refresh(params)
         return loss_sum
 
+    def prompt_groups(self, samples) -> torch.Tensor | None:
+        """The ids that let a pass run each distinct prompt once for its rows
+        (``logprobs.completion_logits``); None under per-layer FSDP, where such a pass would forward
+        the model twice, or once when a rank's completions are one token long: the ranks' passes
+        would not match."""
+        return None if self.shards is not None and self.shards.mode == "per_layer" else samples.group_ids
+
+    @property
+    def shares_prompts(self) -> bool:
+        """Whether update passes share prompts (``prompt_groups``): not under activation checkpointing
+        either (a checkpointed layer drops the shared cache)."""
+        return not self.activation_checkpointing and (self.shards is None or self.shards.mode != "per_layer")
+
     def micro_batches(self, rows, shared_prompts: bool = False) -> list[torch.Tensor]:
         """Row indices of the forward/backward passes over ``rows`` (``rollout.batch.pass_rows``)."""
         cap, budget = self.forward_batch_size, self.forward_token_budget
@@ -398,7 +432,7 @@ class AgentTeamModule(StepLogging, L.LightningModule):
     def sft_step(self, per_agent: list[DemoSamples]) -> None:
         """One optimizer step per learner on its roles' demonstrations: the mean negative
         log-likelihood of the assistant tokens (over all ranks), the weights RL then continues from."""
-        with Timer() as train_time, self.computing():
+        with Timer() as train_time, self.updating():
             losses, tokens = [], 0.0
             for index, roles in enumerate(self.learners):
                 agent = self.agents[roles[0]]
@@ -422,7 +456,7 @@ class AgentTeamModule(StepLogging, L.LightningModule):
             buffer.add(samples)
         size = self.rollout_buffer_size
         if size is None or all_ranks_max(len(self.rollout_buffers[0]) >= size, self.device):
-            with self.computing():
+            with self.updating():
                 self.flush_buffers()
         self.log_rollout(batch, "train")
 
@@ -434,7 +468,7 @@ class AgentTeamModule(StepLogging, L.LightningModule):
         sample is dropped when an epoch ends before a buffer fills (after the callbacks' epoch end,
         before the checkpoints': Lightning's order)."""
         if self.rollout_buffers:
-            with self.computing():
+            with self.updating():
                 self.flush_buffers()
             if self.step_log:  # the flush's losses, at the epoch's last step
                 self.write_step_log(step_end=False)

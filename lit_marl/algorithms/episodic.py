@@ -153,22 +153,22 @@ class EpisodicModule(AgentTeamModule):
         return masked_logprobs(model, samples.input_ids, samples.attention_mask, samples.loss_mask)[0], None
 
     # ------------------------------------------------------------------ the step
-    def chunked(self, fn, batch: EpisodeBatch) -> torch.Tensor:
+    def chunked(self, fn, batch: EpisodeBatch, model: torch.nn.Module) -> torch.Tensor:
         """``fn(input_ids, attention_mask, loss_mask)`` over the batch in the passes of
-        ``micro_batches``, concatenated."""
+        ``micro_batches`` (each a forward of ``model``: ``passes``), concatenated."""
         return torch.cat(
-            [fn(batch.input_ids[r], batch.attention_mask[r], batch.loss_mask[r]) for r in self.micro_batches(batch)]
+            [fn(batch.input_ids[r], batch.attention_mask[r], batch.loss_mask[r]) for r in self.passes(batch, [model])]
         )
 
     @torch.no_grad()
     def reference_logprobs(self, batch: EpisodeBatch, learner: int) -> torch.Tensor:
         with self.reference_model(learner) as reference:
-            return self.chunked(lambda *rows: masked_logprobs(reference, *rows)[0], batch)
+            return self.chunked(lambda *rows: masked_logprobs(reference, *rows)[0], batch, reference)
 
     @torch.no_grad()
     def prepare(self, batch: EpisodeBatch, learner: int) -> TrajectorySamples:
         model = self.model_of(learner)
-        old_logprobs = self.chunked(lambda *rows: masked_logprobs(model, *rows)[0], batch)
+        old_logprobs = self.chunked(lambda *rows: masked_logprobs(model, *rows)[0], batch, model)
         token_rewards = batch.token_rewards(batch.rewards).to(old_logprobs.device)
         rollout = None if batch.rollout_logprobs is None else batch.rollout_logprobs.to(old_logprobs.device)
         ref = None
@@ -212,7 +212,7 @@ class EpisodicModule(AgentTeamModule):
 
     def rl_step(self, batches: list[EpisodeBatch], batch_idx: int) -> None:
         """Each learner (a model) updates on the sequences of every agent it plays."""
-        with Timer() as train_time, self.computing():
+        with Timer() as train_time, self.updating():
             stats = dict.fromkeys(("approx_kl", "clip_frac", "tokens"), 0.0)
             first, all_losses = None, []
             for index, roles in enumerate(self.learners):

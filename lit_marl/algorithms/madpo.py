@@ -87,7 +87,7 @@ class MADPO(AgentTeamModule):
 
     # ------------------------------------------------------------------ the step
     def rl_step(self, batch: RolloutBatch, batch_idx: int) -> None:
-        with Timer() as train_time, self.computing():
+        with Timer() as train_time, self.updating():
             pairs = rollout_pairs(batch, self.pair_settings, self.shuffle_generator)
             self.dpo_update(batch.agents, pairs.chosen, pairs.rejected, pairs.gaps)
         self.record({"train/tasks_without_pairs": float(pairs.tasks_without_pairs)}, reduce="sum")
@@ -141,11 +141,13 @@ class MADPO(AgentTeamModule):
     def sequence_logprobs(self, model: torch.nn.Module, samples: AgentSamples) -> torch.Tensor:
         """``[rows]``: each candidate's summed token log-prob (end token included), in passes of the team's size."""
         out = []
-        for rows in self.micro_batches(samples, shared_prompts=True):
+        for rows in self.passes(samples, [model], shared_prompts=self.prompt_groups(samples) is not None):
             part = samples.select(rows)
             args = (part.input_ids, part.attention_mask, part.num_completion)
             out.append(
-                masked_sum(completion_logprobs(model, *args, prompt_groups=part.group_ids), part.completion_mask)
+                masked_sum(
+                    completion_logprobs(model, *args, prompt_groups=self.prompt_groups(part)), part.completion_mask
+                )
             )
         return torch.cat(out)
 
@@ -168,5 +170,5 @@ class MADPO(AgentTeamModule):
         """Summed over rows: -A * log pi(y) with A = -(the loss's derivative in log pi(y)): its
         gradient is the joint DPO loss's, at the current weights."""
         args = (samples.input_ids, samples.attention_mask, samples.num_completion)
-        logprobs = completion_logprobs(model, *args, prompt_groups=samples.group_ids)
+        logprobs = completion_logprobs(model, *args, prompt_groups=self.prompt_groups(samples))
         return reinforce(masked_sum(logprobs, samples.completion_mask), samples.advantages).sum()

@@ -128,7 +128,7 @@ class MAGRPO(AgentTeamModule):
         included, padding excluded). ``stats`` gathers the policy's entropy over the response tokens
         (a diagnostic: no gradient)."""
         args = (samples.input_ids, samples.attention_mask, samples.num_completion)
-        logits = completion_logits(model, *args, prompt_groups=samples.group_ids)
+        logits = completion_logits(model, *args, prompt_groups=self.prompt_groups(samples))
         logprobs = token_logprobs(logits, samples.input_ids[:, -samples.num_completion :])
         if stats is not None:
             with torch.no_grad():

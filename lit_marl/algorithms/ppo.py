@@ -119,7 +119,8 @@ class PPO(EpisodicModule):
 
     @torch.no_grad()
     def advantages(self, batch, token_rewards, samples, learner):
-        values = self.chunked(lambda ids, mask, _: self.forward(_Rows(ids, mask), learner)[1], batch)
+        scorer = self.model_of(learner) if self.critic_backbones is None else self.critic_backbones[learner]
+        values = self.chunked(lambda ids, mask, _: self.forward(_Rows(ids, mask), learner)[1], batch, scorer)
         mask = batch.loss_mask.float()
         if self.gae_mode == "token":
             advantages, returns = token_gae(token_rewards, values * mask, mask, self.discount, self.gae_lambda)

@@ -1,35 +1,45 @@
-"""FSDP2 (``fully_shard``) for an agent team: weights, gradients and optimizer states sharded
-across ranks, with collectives only at points every rank reaches the same number of times.
+"""FSDP2 (``fully_shard``) for an agent team, in two modes, with the same collectives on every rank.
 
 An RL step does not fit FSDP's usual rhythm of one forward and one backward per rank: ``generate``
 runs one forward per new token (sequence lengths differ per rank), and an update runs as many
-passes as the rank's trees have rows (early termination makes them differ). Every FSDP forward
-and backward is a collective (all-gather of a layer's weights, reduce-scatter of its gradients),
-so those counts would have to match exactly or the ranks deadlock. Instead:
+passes as the rank's rows need (early termination, different episode lengths). Every FSDP forward
+and backward is a collective (all-gather of a unit's weights, reduce-scatter of its gradients), so
+the passes must match across ranks or the ranks deadlock. Two ways to make them match:
 
-- ``gathered()`` all-gathers each model's weights once (the rollout of a step, an update) and keeps
-  them while the rank runs any number of forwards and backwards without communication
-  (gradients accumulate unsharded, as FSDP's own gradient accumulation does);
-- ``reduce_gradients`` ends every optimizer step with one zero-loss pass per model with gradient
-  sync on: FSDP reduce-scatters the accumulated gradients of all ranks (a sum: our losses are
-  already divided by the count over all ranks) into each rank's shard;
-- ``refresh`` re-gathers a model after its optimizer stepped its shards.
+``gathered`` (for models that fit whole on a device; cheapest traffic)
+    ``gathered()`` all-gathers each model once (the rollout of a step, an update) and keeps it
+    while the rank runs any number of forwards and backwards without communication (gradients
+    accumulate unsharded); ``reduce_gradients`` ends every optimizer step with one zero-loss pass
+    per model with gradient sync on (FSDP reduce-scatters the accumulated gradients into each
+    rank's shard); ``refresh`` re-gathers a model after its optimizer stepped.
 
-Optimizer steps are already the same on every rank (``parallel.collectives.padded_steps``), so
-these are the only collectives, and they match. Between steps each rank holds 1/world of the
-weights and of AdamW's state; during a step, the full weights and gradients of the models in use
-(generation needs the full weights anyway).
+``per_layer`` (FSDP's own memory: 7B and up)
+    each decoder layer is its own unit, gathered only while it computes and resharded after its
+    forward; untied embeddings and LM heads are units of their own; gradients are reduce-scattered
+    in every backward and the optimizer steps the shards. Every loop of passes over a rank's rows
+    runs through ``lockstep``: the all-rank maximum of the loop's pass count is agreed first, and a
+    rank with fewer passes runs zero-loss 1-token passes of the same models until it reaches it, so
+    every rank issues the same collectives in the same order. Generation and evaluation gather the
+    whole model around the rollout (``gathered()``), as TRL's ``ds3_gather_for_generation`` does,
+    unless vLLM generates (it holds its own copy). One pass is one forward of each model it uses
+    (``lockstep`` checks it): the shared-prompt pass, two forwards of a model, is not used.
+
+Optimizer steps are already the same on every rank (``parallel.collectives.padded_steps``).
+Between steps each rank holds 1/world of the weights and of AdamW's state.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import nn
 
 from lit_marl import ConfigError
+from lit_marl.parallel.collectives import all_ranks_max
+
+MODES = ("gathered", "per_layer", "auto")
 
 
 def shardable_models(module: nn.Module) -> list[nn.Module]:
@@ -51,33 +61,60 @@ def shardable_models(module: nn.Module) -> list[nn.Module]:
 
 
 class TeamShards:
-    """The sharded models of a team and the collectives around their use (see the module doc)."""
+    """The sharded models of a team and the collectives around their use (see the module doc).
+    ``gather_dtype`` (per_layer only): the dtype decoder layers are gathered and compute in
+    (bfloat16 halves their traffic; gradients are still reduced in fp32; embeddings and heads fp32)."""
 
-    def __init__(self, models: list[nn.Module], mesh):
-        from torch.distributed.fsdp import FSDPModule, fully_shard
+    def __init__(self, models: list[nn.Module], mesh, mode: str = "gathered", gather_dtype: str = "float32"):
+        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-        self.mesh = mesh
+        if mode not in ("gathered", "per_layer"):
+            raise ValueError(f"TeamShards: mode must be gathered or per_layer, got {mode!r}")
+        self.mesh, self.mode = mesh, mode
         cuda = mesh.device_type == "cuda"
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device(mesh.device_type)
+        per_layer = mode == "per_layer"
+        if gather_dtype != "float32" and not per_layer:
+            raise ConfigError(
+                f"gather_dtype={gather_dtype} with mode={mode}: whole gathered models accumulate their gradients "
+                "unsharded, in the gathered dtype; use mode: per_layer, or gather_dtype: float32"
+            )
+        low = gather_dtype != "float32"  # else each parameter is gathered and computes in its stored dtype
+        layer_policy = (
+            MixedPrecisionPolicy(param_dtype=getattr(torch, gather_dtype), reduce_dtype=torch.float32)
+            if low
+            else MixedPrecisionPolicy()
+        )
         self.roots: list[nn.Module] = []
         self.params_of: list[set[int]] = []  # ids of each root's sharded parameters (what optimizers hold)
         for model in models:
             base = model.get_base_model() if hasattr(model, "get_base_model") else model
             blocks = set(getattr(base, "_no_split_modules", None) or ())
             for layer in [m for m in model.modules() if type(m).__name__ in blocks]:
-                fully_shard(layer, mesh=mesh)  # one all-gather unit per decoder layer
+                # one all-gather unit per decoder layer
+                fully_shard(layer, mesh=mesh, mp_policy=layer_policy)
+            if per_layer:
+                for edge in untied_edges(base):  # torchtitan's embedding and output units
+                    fully_shard(edge, mesh=mesh, reshard_after_forward=True)
             fully_shard(model, mesh=mesh)
-            model.set_requires_gradient_sync(False)  # gradients are reduced by ``reduce_gradients`` only
-            model.set_reshard_after_backward(False)
+            if not per_layer:
+                model.set_requires_gradient_sync(False)  # gradients are reduced by ``reduce_gradients`` only
+                model.set_reshard_after_backward(False)
             # every trainable parameter takes part in every reduction (zero where unused), so the
             # reduce-scatter has the same layout on every rank whatever each rank's passes touched
             model.set_reduce_scatter_unused_params(True)
             for unit in (m for m in model.modules() if isinstance(m, FSDPModule)):
                 unit.set_gradient_divide_factor(1.0)  # a sum over ranks
                 unit.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
+            model.register_forward_pre_hook(self._record)
             self.roots.append(model)
             self.params_of.append({id(p) for p in model.parameters()})
         self.depth = 0
+        self._seen: list[int] | None = None  # inside a lockstep pass: the roots forwarded, in order
+
+    def _record(self, root: nn.Module, _args) -> None:
+        if self._seen is not None:
+            self._seen.append(id(root))
 
     def units(self, roots: list[nn.Module] | None = None) -> Iterator[nn.Module]:
         from torch.distributed.fsdp import FSDPModule
@@ -87,7 +124,8 @@ class TeamShards:
 
     @contextmanager
     def gathered(self) -> Iterator[None]:
-        """Full weights on every rank inside; re-entrant (only the outermost level communicates)."""
+        """Full weights on every rank inside; re-entrant (only the outermost level communicates).
+        No backward may run inside in ``per_layer`` mode (its gradients reduce in every backward)."""
         if self.depth == 0:
             self._unshard(self.roots)
         self.depth += 1
@@ -96,42 +134,109 @@ class TeamShards:
         finally:
             self.depth -= 1
             if self.depth == 0:
-                for unit in self.units():
-                    unit.reshard()
-                    unit.set_reshard_after_forward(True, recurse=False)
+                self._reshard(self.roots)
+
+    @contextmanager
+    def updating(self) -> Iterator[None]:
+        """The block of an update: ``gathered()`` in that mode; per_layer gathers layer by layer."""
+        if self.mode == "gathered":
+            with self.gathered():
+                yield
+        else:
+            yield
 
     def _unshard(self, roots: list[nn.Module]) -> None:
         for unit in self.units(roots):
             unit.set_reshard_after_forward(False, recurse=False)
             unit.unshard()
 
-    def roots_of(self, params: list[torch.Tensor]) -> list[nn.Module]:
+    def _reshard(self, roots: list[nn.Module]) -> None:
+        for unit in self.units(roots):
+            unit.reshard()
+            unit.set_reshard_after_forward(True, recurse=False)
+
+    def roots_of(self, params: Iterable[torch.Tensor]) -> list[nn.Module]:
         ids = {id(p) for p in params}
         return [root for root, own in zip(self.roots, self.params_of) if own & ids]
 
+    def roots_in(self, models: Iterable[nn.Module]) -> list[nn.Module]:
+        """The sharded roots ``models`` forward, in their order: a root, a module inside one (a peft
+        model's base) or a module holding one (a reward model around its backbone)."""
+        out = []
+        for model in models:
+            inner = {id(m) for m in model.modules()}
+            out += [r for r in self.roots if id(r) in inner or any(m is model for m in r.modules())][:1]
+        return out
+
+    def lockstep(self, chunks: list, models: Iterable[nn.Module], backward: bool = False) -> Iterator:
+        """The passes of one loop over this rank's ``chunks`` (each pass forwards every model of
+        ``models`` once, in that order, and with ``backward`` runs one backward), then, under
+        ``per_layer``, zero-loss 1-token passes of the same models up to the most any rank runs:
+        every rank then issues the same all-gathers and reduce-scatters. Every rank must call it
+        for the same loops in the same order."""
+        if self.mode != "per_layer" or self.depth > 0:  # whole weights held: passes do not communicate
+            yield from chunks
+            return
+        roots = self.roots_in(models)
+        total = int(all_ranks_max(len(chunks), self.device))
+        for chunk in chunks:
+            self._seen = []
+            try:
+                yield chunk
+            finally:
+                seen, self._seen = self._seen, None
+            if seen and seen != [id(r) for r in roots]:
+                names = [type(r).__name__ for r in self.roots if id(r) in seen]
+                raise RuntimeError(
+                    f"TeamShards.lockstep: a pass forwarded {names} where its loop declared "
+                    f"{[type(r).__name__ for r in roots]}; the padding passes of other ranks would not match"
+                )
+        for _ in range(total - len(chunks)):
+            self.padding_pass(roots, backward)
+
+    def padding_pass(self, roots: list[nn.Module], backward: bool) -> None:
+        """One forward of each root on a 1-token row, and with ``backward`` one backward of a zero
+        loss over them: the collectives of a real pass, no gradient."""
+        with torch.set_grad_enabled(backward and torch.is_grad_enabled()):
+            zero = None
+            for root in roots:
+                with self._autocast(root):
+                    out = root(input_ids=torch.zeros((1, 1), dtype=torch.long, device=self.device))
+                term = out[0].float().sum() * 0
+                if term.requires_grad:
+                    zero = term if zero is None else zero + term
+            if zero is not None:
+                zero.backward()
+
+    def _autocast(self, root: nn.Module):
+        # weights stored in several dtypes (model.weights_dtype) compute only under autocast
+        low = {p.dtype for p in root.parameters()} - {torch.float32}
+        return torch.autocast(self.device.type, dtype=min(low, key=str), cache_enabled=False) if low else nullcontext()
+
     def reduce_gradients(self, params: list[torch.Tensor]) -> None:
         """Sum the gradients accumulated on every rank into each rank's shards of ``params``: one
-        zero-loss forward/backward per model holding any of them, with gradient sync on."""
+        zero-loss forward/backward per model holding any of them, with gradient sync on. Nothing
+        under ``per_layer``: each backward reduced its gradients already."""
+        if self.mode == "per_layer":
+            return
         if self.depth == 0:
             raise RuntimeError("TeamShards.reduce_gradients outside gathered(): the passes would have communicated")
         for root in self.roots_of(params):
             root.set_requires_gradient_sync(True)
-            # weights stored in several dtypes (model.weights_dtype) compute only under autocast
-            low = {p.dtype for p in root.parameters()} - {torch.float32}
-            autocast = torch.autocast(self.device.type, dtype=min(low, key=str) if low else None, enabled=bool(low))
             try:
-                with autocast:
+                with self._autocast(root):
                     out = root(input_ids=torch.zeros((1, 1), dtype=torch.long, device=self.device))
                 (out[0].float().sum() * 0).backward()
             finally:
                 root.set_requires_gradient_sync(False)
 
     def refresh(self, params: list[torch.Tensor]) -> None:
-        """After an optimizer step on the shards of ``params``: gather those models' new weights."""
+        """After an optimizer step on the shards of ``params``: gather those models' new weights
+        (inside ``gathered()``)."""
         roots = self.roots_of(params)
-        for unit in self.units(roots):
-            unit.reshard()
         if self.depth > 0:
+            for unit in self.units(roots):
+                unit.reshard()
             self._unshard(roots)
 
     def full_copy(self, model: nn.Module) -> nn.Module | None:
@@ -173,6 +278,16 @@ class TeamShards:
             for g in grads:
                 g.mul_(coef)
         return norm
+
+
+def untied_edges(model: nn.Module) -> list[nn.Module]:
+    """The input embedding and the output head of ``model`` when they hold separate weights (a
+    tied pair stays in the root unit: one tensor cannot sit in two units)."""
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if embed is None or head is None or head.weight is embed.weight:
+        return [m for m in (embed,) if m is not None and head is None]
+    return [embed, head]
 
 
 def check_shardable(module: nn.Module) -> None:

@@ -19,6 +19,9 @@ from __future__ import annotations
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
+from lit_marl import ConfigError
+from lit_marl.parallel.fsdp import MODES
+
 
 class TeamDDPStrategy(DDPStrategy):
     """Lightning's ``DDPStrategy`` with the module left unwrapped (no DistributedDataParallel): every rank
@@ -35,12 +38,28 @@ class TeamFSDPStrategy(ModelParallelStrategy):
     collectives is in ``lit_marl.parallel.fsdp``.
 
         trainer:
-          strategy: {class_path: lit_marl.parallel.strategies.TeamFSDPStrategy}
+          strategy:
+            class_path: lit_marl.parallel.strategies.TeamFSDPStrategy
+            init_args: {mode: per_layer}
           devices: 2
+
+    Args:
+        mode: ``gathered`` (each model gathered whole once per rollout and update: least traffic,
+            for models that fit a device whole), ``per_layer`` (each decoder layer gathered only
+            while it computes, gradients reduce-scattered in every backward: FSDP's memory, for 7B
+            and up), or ``auto``: the memory plan picks ``gathered`` when its peak fits the device
+            (docs/scale.md).
+        gather_dtype: ``bfloat16`` gathers decoder layers in bf16 (half the traffic and the gathered
+            bytes; gradients reduced in fp32; embeddings and heads stay fp32); ``per_layer`` only.
     """
 
-    def __init__(self, **kwargs):
+    def __init__(self, mode: str = "auto", gather_dtype: str = "float32", **kwargs):
+        if mode not in MODES:
+            raise ConfigError(f"trainer.strategy.init_args.mode={mode!r}: choose one of {', '.join(MODES)}")
+        if gather_dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"trainer.strategy.init_args.gather_dtype={gather_dtype!r}: choose float32 or bfloat16")
         super().__init__(data_parallel_size="auto", tensor_parallel_size=1, **kwargs)
+        self.mode, self.gather_dtype = mode, gather_dtype
 
     def setup_environment(self) -> None:
         self._data_parallel_size = self.num_nodes * self.num_processes

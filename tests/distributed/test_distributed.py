@@ -135,6 +135,43 @@ def test_fsdp_gradients_equal_one_process_bit_for_bit(tmp_path, mode):
     assert sum(r["embed_rows"] for r in reports) == reports[0]["embed_rows"] * 2 - 1  # 265 + 264
 
 
+@pytest.mark.parametrize(
+    "mode",
+    ["", pytest.param("checkpointing", marks=pytest.mark.slow), pytest.param("bf16", marks=pytest.mark.slow)],
+    ids=["plain", "checkpointed", "bf16-frozen"],
+)
+def test_per_layer_fsdp_pads_passes_and_issues_the_same_collectives(tmp_path, mode):
+    """Per-layer FSDP2 (each decoder layer gathered while it computes, gradients reduce-scattered
+    in every backward): rank 0 runs 3 passes, rank 1 one pass and, through ``TeamShards.lockstep``,
+    2 zero-loss padding passes. The gradient shards equal one process's over the 4 batches (summed
+    in another order: within 1e-8), with checkpointed layers and with bf16 frozen + fp32 trained
+    weights in one unit too; and each rank issued the same collectives, (name, numel) in order."""
+    run_script(
+        TEST_SCRIPTS / "fsdp_grads.py", str(tmp_path), str(free_port()), *([mode] if mode else []), "--per-layer"
+    )
+    reports = [json.loads((tmp_path / f"report_rank{r}.json").read_text()) for r in range(2)]
+    assert [r["generated"] for r in reports] == [4, 20]
+    assert [r["recomputed"] for r in reports] == ([3, 1] if mode == "checkpointing" else [0, 0])  # real passes
+    for report in reports:
+        assert report["max_grad_diff"] < 1e-8
+        assert report["sharded"] == report["params"]
+    calls = [[tuple(c) for c in r["collectives"]] for r in reports]
+    assert calls[0] == calls[1]
+    # the padding passes gathered and reduced: 3 passes' worth of reduce-scatters on both ranks
+    scatters = [c for c in calls[1] if c[0] == "reduce_scatter_single"]
+    assert len(scatters) == 3 * (len(scatters) // 3) and len(scatters) >= 3
+
+
+def test_per_layer_fsdp_without_padding_fails_instead_of_hanging(tmp_path):
+    """The negative control: the same uneven passes without ``lockstep`` must not pass: the ranks'
+    collectives no longer match and the run stops with an error (20 s collective timeout) instead
+    of hanging or returning gradients."""
+    script = [sys.executable, str(TEST_SCRIPTS / "fsdp_grads.py"), str(tmp_path), str(free_port())]
+    done = subprocess.run([*script, "--per-layer", "--no-padding"], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert not list(tmp_path.glob("report_rank*.json"))
+
+
 @pytest.mark.slow  # a 2-rank run of ~45-55 s: make test-slow
 def test_fsdp_generates_different_lengths_per_rank_and_trains_a_centralized_critic(tmp_path):
     """Fresh samples under FSDP, rank r decoding up to 6 + 6r tokens per response (no collective

@@ -120,7 +120,7 @@ def test_value_loss_coef_weighs_a_mean_over_value_positions_in_both_gae_modes(tm
     values = module.forward(samples, 0)[1]
     mse = value_loss(values, samples.old_values, samples.returns, samples.value_mask, module.value_clip_range, "mean")
     grads = torch.autograd.grad(0.7 * 0.5 * mse, list(head.values()))
-    for (name, p), grad in zip(head.items(), grads):
+    for (name, _), grad in zip(head.items(), grads):
         assert grad.abs().sum() > 0, "no value gradient: the check is void"
         torch.testing.assert_close(before[f"value_heads.0.{name}"] - after[name], grad, atol=1e-6, rtol=1e-4)
 
