@@ -132,3 +132,38 @@ def configured_settings_win(
                 group["lr"] = new[role]
             if group.get("weight_decay") == old_decay:
                 group["weight_decay"] = weight_decay
+
+
+def rank_state(shuffle_generator: torch.Generator, rollout_buffers: list) -> dict:
+    """What Lightning does not save, for this rank: the sampling RNG (rollouts continue with the
+    same random numbers), the mini-batch order generator, the samples waiting in the rollout buffers."""
+    return {
+        "torch_rng": torch.get_rng_state(),
+        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "shuffle_rng": shuffle_generator.get_state(),
+        "buffers": [buffer.state_dict() for buffer in rollout_buffers],
+    }
+
+
+def restore_rank_state(
+    saved: dict, world_size: int, rank: int, shuffle_generator: torch.Generator, rollout_buffers: list, name: str
+) -> dict:
+    """``rank_state`` of this rank applied back (RNGs, buffers); returns it (an algorithm's own keys too)."""
+    if len(saved["ranks"]) != world_size:
+        raise ConfigError(
+            f"the checkpoint was written by {len(saved['ranks'])} ranks, this run has {world_size}: resume "
+            "with the same number of devices and nodes (the rollout buffers and RNG states are per rank)"
+        )
+    state = saved["ranks"][rank]
+    torch.set_rng_state(state["torch_rng"])
+    if state["cuda_rng"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda_rng"])
+    shuffle_generator.set_state(state["shuffle_rng"])
+    if len(state["buffers"]) != len(rollout_buffers):
+        raise ConfigError(
+            f"the checkpoint holds {len(state['buffers'])} rollout buffers, this {name} has "
+            f"{len(rollout_buffers)}: resume with the same algorithm and number of agents"
+        )
+    for buffer, buffered in zip(rollout_buffers, state["buffers"]):
+        buffer.load_state_dict(buffered)
+    return state

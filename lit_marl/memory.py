@@ -28,7 +28,7 @@ from torch import nn
 from lit_marl import ConfigError
 from lit_marl.models import store_frozen, trained
 from lit_marl.parallel.collectives import all_ranks_max
-from lit_marl.parallel.fsdp import shardable_models
+from lit_marl.parallel.fsdp import shardable_models, untied_edges
 
 GiB = 2**30
 LOGIT_BYTES = 12  # per scored position and vocabulary entry: fp32 logits, log-softmax, its gradient
@@ -225,8 +225,6 @@ def _world_of(params: list[torch.Tensor], shard_over: int) -> int:
 def fsdp_units(model: nn.Module) -> list[tuple[list[torch.Tensor], bool]]:
     """The parameters of each FSDP2 unit ``per_layer`` makes of ``model`` (its decoder layers, its
     untied embedding and head, the rest: the root, flagged True)."""
-    from lit_marl.parallel.fsdp import untied_edges
-
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     blocks = set(getattr(base, "_no_split_modules", None) or ())
     modules = [m for m in model.modules() if type(m).__name__ in blocks] + untied_edges(base)
@@ -284,14 +282,21 @@ def process_overhead(device: torch.device, weights: float) -> float:
 def generation_shape(data) -> tuple[int, int, str] | None:
     """The most rows one generate call of a training step holds for one agent and their tokens, with
     the assumption made; None for a data module that is neither episodes nor trees."""
-    hp = data.hparams
     if hasattr(data, "episode"):  # episodes: every task's group plays at once, contexts up to the cap
-        return hp.tasks_per_step * data.episode.group_size, data.episode.max_context_tokens, "max_context_tokens"
+        return (
+            data.hparams.tasks_per_step * data.episode.group_size,
+            data.episode.max_context_tokens,
+            "max_context_tokens",
+        )
     tree = getattr(data, "tree", None)  # the last turn's call: every node's G samples (cross: all agents' nodes)
     if tree is None:
         return None
     nodes = tree.num_generations ** ((tree.num_turns - 1) * (data.num_agents if tree.joint_mode == "cross" else 1))
-    return hp.tasks_per_step * nodes * tree.num_generations, 512 + tree.max_new_tokens, "prompts <= 512 tokens"
+    return (
+        data.hparams.tasks_per_step * nodes * tree.num_generations,
+        512 + tree.max_new_tokens,
+        "prompts <= 512 tokens",
+    )
 
 
 def plan(
@@ -303,10 +308,12 @@ def plan(
     capacity: float | None = None,
     autocast: bool | None = None,
     mode: str | None = None,
+    vllm_options: dict | None = None,
 ) -> MemoryPlan:
     """The memory plan of ``module`` (built, sharded where it will be) for a step of ``data``. The
     keywords plan ahead for other hardware (``scripts/plan_memory.py``): ``shard_over`` ranks of FSDP2
-    in ``mode`` (gathered or per_layer), vLLM's ``gpu_memory_utilization`` (None: what vLLM needs),
+    in ``mode`` (gathered or per_layer), vLLM's ``gpu_memory_utilization`` (None: what vLLM needs) and
+    options (``VLLMEngine.options`` of the device it will run on),
     the runtime's bytes, the device's, bf16 autocast; by default each is read from the run."""
     device = module.device
     if autocast is None:
@@ -335,7 +342,8 @@ def plan(
     shape = generation_shape(data) if data is not None and agents else None
     if engine == "vllm":
         result.parts.pop("weights gathered for generation", None)  # vLLM holds its own copy
-        _vllm_parts(result, data.engine.options(device.type), models, shape, vllm_share, dtype)
+        options = vllm_options if vllm_options is not None else data.engine.options(device.type)
+        _vllm_parts(result, options, models, shape, vllm_share, dtype)
     elif shape is not None:
         rows, length, assumed = shape
         # the lean decoder stacks every agent's call of a turn into one: all roles' rows at once
@@ -357,7 +365,7 @@ def _vllm_parts(result: MemoryPlan, options: dict, models: list, shape, share: f
     ``enable_sleep_mode`` (weights and KV freed)."""
     bytes_per = 2 if dtype is not None else 4
     served = sum(p.numel() for m in models for p in m.parameters()) * bytes_per
-    if "kv_cache_memory_bytes" in options:
+    if share is None and "kv_cache_memory_bytes" in options:
         name = "vLLM engines (KV budget, weights)"
         result.parts[name] = len(models) * options["kv_cache_memory_bytes"] + served
     else:

@@ -278,10 +278,8 @@ class ActorCritic(AgentTeamModule):
         entropy = torch.is_grad_enabled() and self.entropy_coef > 0
         actors = []
         for learner, samples in enumerate(rows.actors):
-            parts = [
-                self.actor_forward(learner, samples.select(r), entropy)
-                for r in self.passes(samples, [self.model_of(learner)])
-            ]
+            chunks = self.passes(samples, [self.model_of(learner)])
+            parts = [self.actor_forward(learner, samples.select(r), entropy) for r in chunks]
             width = samples.num_completion
             logprobs = torch.cat([nn.functional.pad(p[0], (0, width - p[0].shape[1])) for p in parts])
             entropies = torch.cat([p[1] for p in parts]) if entropy else None
@@ -290,9 +288,8 @@ class ActorCritic(AgentTeamModule):
         computed: dict[int, torch.Tensor] = {}  # MAAC stepping once per agent: the same joint rows, run once
         for c, inputs in enumerate(rows.critics):
             if id(inputs) not in computed:
-                computed[id(inputs)] = torch.cat(
-                    [self.critic_model(c)(inputs.select(r)) for r in self.passes(inputs, [self.critic_model(c)])]
-                )
+                chunks = self.passes(inputs, [self.critic_model(c)])
+                computed[id(inputs)] = torch.cat([self.critic_model(c)(inputs.select(r)) for r in chunks])
         return actors, [computed[id(inputs)] for inputs in rows.critics]
 
     @torch.no_grad()

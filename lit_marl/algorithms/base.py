@@ -197,38 +197,28 @@ class AgentTeamModule(StepLogging, L.LightningModule):
         yield None
 
     def shard(self, mesh) -> None:
-        if mesh["tensor_parallel"].size() > 1:  # Lightning's mesh: (data_parallel, tensor_parallel)
-            raise ConfigError(
-                f"trainer.strategy: tensor_parallel_size={mesh['tensor_parallel'].size()}; lit_marl shards agents "
-                "with FSDP over data-parallel ranks only: use lit_marl.parallel.strategies.TeamFSDPStrategy (or "
-                "ModelParallelStrategy with tensor_parallel_size: 1 and data_parallel_size: the number of ranks)"
-            )
-        check_shardable(self)
+        check_shardable(self, mesh)
         self.to(self.trainer.strategy.root_device)
         if self.world_size > 1:
             _sync_module_states(self)  # every rank shards rank 0's weights
         strategy = self.trainer.strategy
-        mode, gather_dtype = "gathered", "float32"
-        if isinstance(strategy, TeamFSDPStrategy):
-            mode, gather_dtype = strategy.mode, strategy.gather_dtype
+        mode, gather_dtype = (
+            (strategy.mode, strategy.gather_dtype)
+            if isinstance(strategy, TeamFSDPStrategy)
+            else ("gathered", "float32")
+        )
         if mode == "auto":
             mode = choose_mode(self, self.trainer.datamodule, mesh["data_parallel"].size(), strategy.root_device)
             gather_dtype = gather_dtype if mode == "per_layer" else "float32"
         self.shards = TeamShards(shardable_models(self), mesh["data_parallel"], mode, gather_dtype)
 
-    def computing(self) -> ExitStack:
-        """Rollouts and evaluations as Lightning's steps run: the full weights under FSDP
-        (``lit_marl.parallel.fsdp``: generation needs them), the trainer's precision (autocast)."""
-        return self._passes(self.shards.gathered if self.shards is not None else None)
-
-    def updating(self) -> ExitStack:
-        """An update's block: ``computing`` in FSDP's gathered mode; per_layer gathers layer by layer."""
-        return self._passes(self.shards.updating if self.shards is not None else None)
-
-    def _passes(self, weights) -> ExitStack:
+    def computing(self, update: bool = False) -> ExitStack:
+        """Passes outside Lightning's steps as inside them: the trainer's precision (autocast), and under
+        FSDP the full weights for rollouts and evaluations (generation needs them) and, with ``update``,
+        what an update needs (``TeamShards.updating``: per_layer gathers layer by layer)."""
         stack = ExitStack()
-        if weights is not None:
-            stack.enter_context(weights())
+        if self.shards is not None:
+            stack.enter_context(self.shards.updating() if update else self.shards.gathered())
         if self._trainer is not None:
             stack.enter_context(self.trainer.precision_plugin.forward_context())
         return stack
@@ -239,6 +229,13 @@ class AgentTeamModule(StepLogging, L.LightningModule):
         (``TeamShards.lockstep``: every rank must run the same loops)."""
         chunks = self.micro_batches(rows, shared_prompts) if rows is not None and len(rows) else []
         return chunks if self.shards is None else self.shards.lockstep(chunks, models, backward)
+
+    per_layer_fsdp = property(lambda self: self.shards is not None and self.shards.mode == "per_layer")
+
+    def prompt_groups(self, samples) -> torch.Tensor | None:
+        """The ids that let a pass run each distinct prompt once for its rows (``logprobs.completion_logits``);
+        None under per-layer FSDP: a pass would forward the model twice, or once for 1-token completions."""
+        return None if self.per_layer_fsdp else samples.group_ids
 
     @property
     def learners(self) -> list[list[int]]:
@@ -338,7 +335,8 @@ class AgentTeamModule(StepLogging, L.LightningModule):
         one, so the optimizer steps as it would after their backward (AdamW's momentum and weight
         decay act, as in CoMLRL). ``parameters``: the model's, for ``perf/train_flops`` (6 per
         parameter and token the passes compute). Returns that loss."""
-        shared_prompts = shared_prompts and self.shares_prompts  # full rows otherwise: logprobs.py
+        # full rows under checkpointing (a checkpointed layer drops the shared cache) and per-layer FSDP
+        shared_prompts = shared_prompts and not self.activation_checkpointing and not self.per_layer_fsdp
         local = count if isinstance(count, tuple) else (count if count is not None else len(rows or ()),)
         totals = [all_ranks_sum(float(c), self.device) for c in local]
         loss_sum, tokens = 0.0, 0
@@ -391,19 +389,6 @@ class AgentTeamModule(StepLogging, L.LightningModule):
             self.shards.refresh(params)
         return loss_sum
 
-    def prompt_groups(self, samples) -> torch.Tensor | None:
-        """The ids that let a pass run each distinct prompt once for its rows
-        (``logprobs.completion_logits``); None under per-layer FSDP, where such a pass would forward
-        the model twice, or once when a rank's completions are one token long: the ranks' passes
-        would not match."""
-        return None if self.shards is not None and self.shards.mode == "per_layer" else samples.group_ids
-
-    @property
-    def shares_prompts(self) -> bool:
-        """Whether update passes share prompts (``prompt_groups``): not under activation checkpointing
-        either (a checkpointed layer drops the shared cache)."""
-        return not self.activation_checkpointing and (self.shards is None or self.shards.mode != "per_layer")
-
     def micro_batches(self, rows, shared_prompts: bool = False) -> list[torch.Tensor]:
         """Row indices of the forward/backward passes over ``rows`` (``rollout.batch.pass_rows``)."""
         cap, budget = self.forward_batch_size, self.forward_token_budget
@@ -432,7 +417,7 @@ class AgentTeamModule(StepLogging, L.LightningModule):
     def sft_step(self, per_agent: list[DemoSamples]) -> None:
         """One optimizer step per learner on its roles' demonstrations: the mean negative
         log-likelihood of the assistant tokens (over all ranks), the weights RL then continues from."""
-        with Timer() as train_time, self.updating():
+        with Timer() as train_time, self.computing(update=True):
             losses, tokens = [], 0.0
             for index, roles in enumerate(self.learners):
                 agent = self.agents[roles[0]]
@@ -456,7 +441,7 @@ class AgentTeamModule(StepLogging, L.LightningModule):
             buffer.add(samples)
         size = self.rollout_buffer_size
         if size is None or all_ranks_max(len(self.rollout_buffers[0]) >= size, self.device):
-            with self.updating():
+            with self.computing(update=True):
                 self.flush_buffers()
         self.log_rollout(batch, "train")
 
@@ -468,7 +453,7 @@ class AgentTeamModule(StepLogging, L.LightningModule):
         sample is dropped when an epoch ends before a buffer fills (after the callbacks' epoch end,
         before the checkpoints': Lightning's order)."""
         if self.rollout_buffers:
-            with self.updating():
+            with self.computing(update=True):
                 self.flush_buffers()
             if self.step_log:  # the flush's losses, at the epoch's last step
                 self.write_step_log(step_end=False)
@@ -482,13 +467,7 @@ class AgentTeamModule(StepLogging, L.LightningModule):
         """What Lightning does not save, for every rank (Lightning writes rank 0's checkpoint): the
         sampling RNG (rollouts continue with the same random numbers), the mini-batch order
         generator, and the samples waiting in the rollout buffers. Plain tensors only."""
-        state = {
-            "torch_rng": torch.get_rng_state(),
-            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-            "shuffle_rng": self.shuffle_generator.get_state(),
-            "buffers": [buffer.state_dict() for buffer in self.rollout_buffers],
-            **self.rank_state(),
-        }
+        state = {**checkpoint_files.rank_state(self.shuffle_generator, self.rollout_buffers), **self.rank_state()}
         # every rank saves (joins this gather); rank 0 writes
         checkpoint["lit_marl"] = {"ranks": [to_cpu(r) for r in gather_objects(state)]}
 
@@ -501,23 +480,9 @@ class AgentTeamModule(StepLogging, L.LightningModule):
         saved = checkpoint.get("lit_marl")
         if saved is None:
             return  # a checkpoint from outside lit_marl: weights and optimizers only
-        if len(saved["ranks"]) != self.world_size:
-            raise ConfigError(
-                f"the checkpoint was written by {len(saved['ranks'])} ranks, this run has {self.world_size}: resume "
-                "with the same number of devices and nodes (the rollout buffers and RNG states are per rank)"
-            )
-        state = saved["ranks"][self.global_rank]
-        torch.set_rng_state(state["torch_rng"])
-        if state["cuda_rng"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda_rng"])
-        self.shuffle_generator.set_state(state["shuffle_rng"])
-        if len(state["buffers"]) != len(self.rollout_buffers):
-            raise ConfigError(
-                f"the checkpoint holds {len(state['buffers'])} rollout buffers, this {type(self).__name__} has "
-                f"{len(self.rollout_buffers)}: resume with the same algorithm and number of agents"
-            )
-        for buffer, buffered in zip(self.rollout_buffers, state["buffers"]):
-            buffer.load_state_dict(buffered)
+        state = checkpoint_files.restore_rank_state(
+            saved, self.world_size, self.global_rank, self.shuffle_generator, self.rollout_buffers, type(self).__name__
+        )
         self.load_rank_state(state)
 
     def rank_state(self) -> dict:

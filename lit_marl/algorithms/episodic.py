@@ -212,7 +212,7 @@ class EpisodicModule(AgentTeamModule):
 
     def rl_step(self, batches: list[EpisodeBatch], batch_idx: int) -> None:
         """Each learner (a model) updates on the sequences of every agent it plays."""
-        with Timer() as train_time, self.updating():
+        with Timer() as train_time, self.computing(update=True):
             stats = dict.fromkeys(("approx_kl", "clip_frac", "tokens"), 0.0)
             first, all_losses = None, []
             for index, roles in enumerate(self.learners):

@@ -292,7 +292,7 @@ class IterativeMADPO(MADPO):
             )
         self._check_skipped(batch.comparator.metrics)
         pad_ids = [agent.pad_token_id for agent in self.agents]
-        with Timer() as train_time, self.updating():
+        with Timer() as train_time, self.computing(update=True):
             fresh, without = comparison_rows(
                 batch, batch.comparator, self.pair_settings, self.shuffle_generator, pad_ids
             )

@@ -87,7 +87,7 @@ class MADPO(AgentTeamModule):
 
     # ------------------------------------------------------------------ the step
     def rl_step(self, batch: RolloutBatch, batch_idx: int) -> None:
-        with Timer() as train_time, self.updating():
+        with Timer() as train_time, self.computing(update=True):
             pairs = rollout_pairs(batch, self.pair_settings, self.shuffle_generator)
             self.dpo_update(batch.agents, pairs.chosen, pairs.rejected, pairs.gaps)
         self.record({"train/tasks_without_pairs": float(pairs.tasks_without_pairs)}, reduce="sum")

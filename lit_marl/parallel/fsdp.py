@@ -290,8 +290,14 @@ def untied_edges(model: nn.Module) -> list[nn.Module]:
     return [embed, head]
 
 
-def check_shardable(module: nn.Module) -> None:
+def check_shardable(module: nn.Module, mesh=None) -> None:
     """What FSDP here cannot do yet, refused before any weights move."""
+    if mesh is not None and mesh["tensor_parallel"].size() > 1:  # Lightning's mesh: (data_parallel, tensor_parallel)
+        raise ConfigError(
+            f"trainer.strategy: tensor_parallel_size={mesh['tensor_parallel'].size()}; lit_marl shards agents "
+            "with FSDP over data-parallel ranks only: use lit_marl.parallel.strategies.TeamFSDPStrategy (or "
+            "ModelParallelStrategy with tensor_parallel_size: 1 and data_parallel_size: the number of ranks)"
+        )
     if getattr(module, "lora_shared_base", False):
         raise ConfigError(
             "model.lora_shared_base=true with FSDP: the agents' adapters share one sharded base and their "

@@ -21,11 +21,13 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # collective_trace
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
+from collective_trace import CollectiveTrace  # noqa: E402
 from helpers import make_trainer, slogan_data  # noqa: E402
 from lit_marl.algorithms import IAC, MAAC, MAGRPO  # noqa: E402
 from lit_marl.callbacks import HeldOutEvaluation  # noqa: E402
@@ -126,6 +128,7 @@ def main() -> None:
     parser.add_argument("--algorithm", default="magrpo")
     parser.add_argument("--update-schedule", default="joint")
     parser.add_argument("--fsdp", action="store_true")
+    parser.add_argument("--fsdp-mode", default="gathered", help="TeamFSDPStrategy's mode; per_layer also traces")
     parser.add_argument("--sample", action="store_true")
     parser.add_argument("--evaluate", action="store_true", help="held-out before/after: OUT/heldout_rank{r}.json")
     args = parser.parse_args()
@@ -151,7 +154,8 @@ def main() -> None:
         data.rollouts = torch.load(args.out.parent / "rollouts.pt")
     strategy = "auto"
     if args.devices > 1:
-        strategy = TeamFSDPStrategy(save_distributed_checkpoint=False) if args.fsdp else TeamDDPStrategy()
+        fsdp = TeamFSDPStrategy(mode=args.fsdp_mode, save_distributed_checkpoint=False) if args.fsdp else None
+        strategy = fsdp or TeamDDPStrategy()
     lengths = GeneratedLengths()
     evaluation = HeldOutEvaluation()
     trainer = make_trainer(
@@ -163,7 +167,10 @@ def main() -> None:
         limit_train_batches=args.steps,
         limit_val_batches=0,
     )
-    trainer.fit(module, datamodule=data)
+    with CollectiveTrace() as trace:  # every collective of the fit, in order: the same on every rank
+        trainer.fit(module, datamodule=data)
+    (args.out / f"collectives_rank{trainer.global_rank}.json").write_text(json.dumps(trace.calls))
+    (args.out / f"mode_rank{trainer.global_rank}.txt").write_text(module.shards.mode if module.shards else "")
     (args.out / f"lengths_rank{trainer.global_rank}.json").write_text(json.dumps(lengths.seen))
     if args.evaluate:
         heldout = {"before": evaluation.before, "after": evaluation.after}

@@ -50,7 +50,8 @@ def test_profile_predicts_the_whole_models_saved_activations(lora, autocast):
 def test_parts_are_the_models_bytes_and_a_plan_is_printed(tmp_path, capsys):
     module = MAGRPO(model="tiny-random", num_agents=2, lora=LORA, weights_dtype="bfloat16")
     module.configure_model()
-    parts = weight_parts(module)
+    parts, phases = weight_parts(module)
+    assert phases == {"gradients": "update"}
     trained = [p for p in module.parameters() if p.requires_grad]
     assert parts["gradients"] == sum(p.numel() * 4 for p in trained)
     assert parts["AdamW state"] == 2 * parts["gradients"]
@@ -61,6 +62,33 @@ def test_parts_are_the_models_bytes_and_a_plan_is_printed(tmp_path, capsys):
     result = plan(module)
     assert result.peak >= parts["weights"] + parts["gradients"] + parts["AdamW state"]
     assert "activations of one update pass" in result.parts
+
+
+def test_per_layer_parts_hold_two_units_and_sharded_gradients():
+    """Per-layer FSDP2 over 4 ranks: a pass holds the root's own parameters and two decoder layers
+    whole (not the model), the gradients are a quarter of the fp32 ones plus those units' unsharded
+    ones, the whole model is gathered in the rollout only; the peak is the fuller phase."""
+    from lit_marl.memory import fsdp_units
+
+    module = MAGRPO(model="tiny-random", num_agents=1)
+    module.configure_model()
+    model = module.agents[0].model
+    gathered, _ = weight_parts(module, shard_over=4, mode="gathered")
+    per_layer, phases = weight_parts(module, shard_over=4, mode="per_layer")
+    full = sum(p.numel() * 4 for p in model.parameters())
+    assert gathered["weights gathered for a step"] == full * 3 / 4
+    units = fsdp_units(model)
+    layers = [sum(p.numel() * 4 for p in params) for params, root in units if not root]
+    root = sum(p.numel() * 4 for params, is_root in units if is_root for p in params)
+    assert len(layers) == model.config.num_hidden_layers  # tied embedding: it stays in the root
+    assert per_layer["layers gathered in a pass"] == (root + 2 * max(layers)) * 3 / 4
+    assert per_layer["gradients"] == full / 4 + (root + 2 * max(layers)) * 3 / 4
+    assert per_layer["weights gathered for generation"] == full * 3 / 4
+    assert phases["weights gathered for generation"] == "rollout" and phases["gradients"] == "update"
+    result = plan(module, shard_over=4, mode="per_layer", capacity=64 * GiB)
+    update = sum(v for k, v in result.parts.items() if result.phases.get(k, "update") == "update")
+    rollout = sum(v for k, v in result.parts.items() if result.phases.get(k, "rollout") == "rollout")
+    assert result.peak == max(update, rollout) and "FSDP2 per_layer" in result.table()
 
 
 def test_kv_cache_counts_keys_and_values_of_every_layer():
