@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # collective_trace
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
+from collective_trace import CollectiveTrace  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
-from collective_trace import CollectiveTrace  # noqa: E402
 from helpers import make_trainer, slogan_data  # noqa: E402
 from lit_marl.algorithms import IAC, MAAC, MAGRPO  # noqa: E402
 from lit_marl.callbacks import HeldOutEvaluation  # noqa: E402
