@@ -112,7 +112,7 @@ class TaskDataModule(L.LightningDataModule):
         module = self.trainer.lightning_module
         if self.trainer.training and module.phase == "sft":
             return render_demos(list(module.agents), batch, self.hparams.demo_loss_on)
-        with module.computing():
+        with module.computing(rollout=self.engine), self.engine.rollout(list(module.agents)):
             return self.rollout_batch(module, batch, training=self.trainer.training)
 
     def rollout_batch(self, module, tasks: list[dict], training: bool):

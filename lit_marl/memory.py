@@ -29,6 +29,7 @@ from lit_marl import ConfigError
 from lit_marl.models import store_frozen, trained
 from lit_marl.parallel.collectives import all_ranks_max
 from lit_marl.parallel.fsdp import shardable_models, untied_edges
+from lit_marl.parallel.strategies import TeamFSDPStrategy
 
 GiB = 2**30
 LOGIT_BYTES = 12  # per scored position and vocabulary entry: fp32 logits, log-softmax, its gradient
@@ -388,6 +389,17 @@ def _vllm_parts(result: MemoryPlan, options: dict, models: list, shape, share: f
                 )
     if options.get("enable_sleep_mode"):
         result.phases[name] = ROLLOUT
+
+
+def fsdp_settings(module, strategy, ranks: int) -> tuple[str, str]:
+    """FSDP2's mode and gather dtype for ``module`` under ``strategy`` (``TeamFSDPStrategy``'s, or
+    gathered for Lightning's own ``ModelParallelStrategy``), ``auto`` resolved by ``choose_mode``."""
+    if not isinstance(strategy, TeamFSDPStrategy):
+        return "gathered", "float32"
+    if strategy.mode != "auto":
+        return strategy.mode, strategy.gather_dtype
+    mode = choose_mode(module, module.trainer.datamodule, ranks, strategy.root_device)
+    return mode, strategy.gather_dtype if mode == "per_layer" else "float32"
 
 
 def choose_mode(module, data, ranks: int, device: torch.device) -> str:

@@ -20,7 +20,7 @@ from lit_marl.agents import Agent, LoraSettings, roles_by_model, team_sources
 from lit_marl.fields import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, check_fields
 from lit_marl.logprobs import target_logprobs
 from lit_marl.losses import nll
-from lit_marl.memory import check_memory, choose_mode
+from lit_marl.memory import check_memory, fsdp_settings
 from lit_marl.metrics import StepLogging, Timer
 from lit_marl.models import (
     AttentionKernel,
@@ -31,7 +31,7 @@ from lit_marl.models import (
 )
 from lit_marl.parallel.collectives import all_ranks_max, all_ranks_sum, gather_objects, sum_gradients, to_cpu
 from lit_marl.parallel.fsdp import TeamShards, check_shardable, shardable_models
-from lit_marl.parallel.strategies import TeamDDPStrategy, TeamFSDPStrategy
+from lit_marl.parallel.strategies import TeamDDPStrategy
 from lit_marl.rollout.batch import AgentSamples, RolloutBatch, pass_rows, pass_tokens
 from lit_marl.rollout.buffer import RolloutBuffer
 from lit_marl.rollout.demos import DemoSamples
@@ -201,24 +201,20 @@ class AgentTeamModule(StepLogging, L.LightningModule):
         self.to(self.trainer.strategy.root_device)
         if self.world_size > 1:
             _sync_module_states(self)  # every rank shards rank 0's weights
-        strategy = self.trainer.strategy
-        mode, gather_dtype = (
-            (strategy.mode, strategy.gather_dtype)
-            if isinstance(strategy, TeamFSDPStrategy)
-            else ("gathered", "float32")
-        )
-        if mode == "auto":
-            mode = choose_mode(self, self.trainer.datamodule, mesh["data_parallel"].size(), strategy.root_device)
-            gather_dtype = gather_dtype if mode == "per_layer" else "float32"
+        mode, gather_dtype = fsdp_settings(self, self.trainer.strategy, mesh["data_parallel"].size())
         self.shards = TeamShards(shardable_models(self), mesh["data_parallel"], mode, gather_dtype)
 
-    def computing(self, update: bool = False) -> ExitStack:
-        """Passes outside Lightning's steps as inside them: the trainer's precision (autocast), and under
-        FSDP the full weights for rollouts and evaluations (generation needs them) and, with ``update``,
-        what an update needs (``TeamShards.updating``: per_layer gathers layer by layer)."""
+    def computing(self, update: bool = False, rollout=None) -> ExitStack:
+        """Passes outside Lightning's steps as inside them: the trainer's precision, and under FSDP the
+        full weights (generation needs them; under per-layer FSDP not the policies a ``rollout``
+        engine serves from its own copy: vLLM gathers them tensor by tensor as it syncs); with
+        ``update``, what an update needs (``TeamShards.updating``)."""
         stack = ExitStack()
         if self.shards is not None:
-            stack.enter_context(self.shards.updating() if update else self.shards.gathered())
+            own = rollout is not None and rollout.own_weights and self.per_layer_fsdp and not self.response_penalty
+            served = {id(agent.model) for agent in self.agents} if own else set()  # references, rewards: gathered
+            roots = [root for root in self.shards.roots if id(root) not in served]
+            stack.enter_context(self.shards.updating() if update else self.shards.gathered(roots))
         if self._trainer is not None:
             stack.enter_context(self.trainer.precision_plugin.forward_context())
         return stack

@@ -4,6 +4,7 @@ padding helpers, and the ``Engine`` interface the rollouts call."""
 from __future__ import annotations
 
 import hashlib
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -73,6 +74,11 @@ class Engine(Protocol):
     stream: the lean decoder takes them, the others refuse them."""
 
     name: str
+    own_weights: bool  # the engine serves its own copy of the weights (vLLM), synced from the trainer's
+
+    def rollout(self, agents: list[Agent]) -> AbstractContextManager:
+        """The block of one rollout by ``agents`` (every rank enters it for every batch): vLLM syncs
+        every model first, in order, and sleeps after it (``enable_sleep_mode``); nothing for the others."""
 
     def generate(
         self,

@@ -409,12 +409,15 @@ def effective_weights(model: nn.Module, dtype: torch.dtype | None = None) -> Ite
     """The plain causal LM's weights (transformers' names), one tensor at a time, with the active
     LoRA adapters merged into the weights they adapt: what an inference engine that holds its own
     copy of the weights (vLLM) loads after each update. Sharded (DTensor) parameters are gathered one
-    at a time and ``dtype`` casts each tensor as it is produced, so at most one tensor is copied at
-    once; a weight shared by two names (tied embeddings) is made once and sent under both (vLLM's CPU
-    kernels keep the LM head packed apart from the embedding: it must receive its weight)."""
+    at a time (the same all-gathers in the same order on every rank) and ``dtype`` casts each tensor
+    as it is produced, so at most one tensor is copied at once (the stream's bucket is one tensor:
+    7B's largest, its embedding, is 1.0 GiB in bf16); a model gathered whole is read as it is,
+    without a collective or a reshard; a weight shared by two names (tied embeddings) is made once
+    and sent under both (vLLM's CPU kernels keep the LM head packed apart from the embedding: it
+    must receive its weight)."""
     lm = _causal_lm(model)
     adapted = {name: module for name, module in lm.named_modules() if hasattr(module, "base_layer")}
-    state = lm.state_dict(keep_vars=True)
+    state = _state(lm)
     names_of: dict[int, int] = {}
     for tensor in state.values():
         names_of[id(tensor)] = names_of.get(id(tensor), 0) + 1
@@ -432,6 +435,17 @@ def effective_weights(model: nn.Module, dtype: torch.dtype | None = None) -> Ite
             yield name, tied[id(tensor)]
         else:
             yield name, _served(tensor, dtype)
+
+
+def _state(lm: nn.Module) -> dict[str, torch.Tensor]:
+    """``state_dict(keep_vars=True)``'s names and tensors (tied weights under each name, persistent
+    buffers), read without its hooks: FSDP2's would reshard a gathered model."""
+    state = dict(lm.named_parameters(remove_duplicate=False))
+    for prefix, module in lm.named_modules(remove_duplicate=False):
+        for name, buffer in module._buffers.items():
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                state[f"{prefix}.{name}" if prefix else name] = buffer
+    return state
 
 
 def _served(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from transformers import GenerationConfig
 
@@ -51,6 +53,11 @@ class HFEngine:
     """transformers' ``generate``: any causal LM."""
 
     name = "hf"
+
+    own_weights = False
+
+    def rollout(self, agents):
+        return contextlib.nullcontext()
 
     def generate(self, agent, prompts, num_samples, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False):
         return generate(agent, prompts, num_samples, max_new_tokens, temperature, top_p, greedy)

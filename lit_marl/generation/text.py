@@ -22,6 +22,7 @@ their joint candidates so they form no pair.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Literal, Protocol
 
 import torch
@@ -85,6 +86,11 @@ class TextEngine:
     """The ``Engine`` interface over a text ``writer`` in one generation mode (module docstring)."""
 
     name = "text"
+
+    own_weights = False
+
+    def rollout(self, agents):
+        return contextlib.nullcontext()
 
     def __init__(
         self, writer: Writer, mode: GenerationMode = "decentralized", adapter=None, centralized_index: int = 0

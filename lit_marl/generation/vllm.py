@@ -67,12 +67,21 @@ class VLLMBackend(Protocol):
         """Replace the served weights (transformers' names, full tensors), and forget every cached
         prefix computed with the old ones."""
 
+    sleeps: bool  # frees its weights and KV cache between rollouts (vLLM's sleep mode)
+
+    def sleep(self) -> None:
+        """Free the weights and the KV cache (level 2: the weights are synced in again on waking)."""
+
+    def wake_up(self, tags: list[str]) -> None:
+        """Allocate ``weights`` or ``kv_cache`` again."""
+
 
 # vLLM's memory settings where the user gives none. A GPU instance takes a share of the card; on
 # CPU, vLLM's share would be of the machine's memory minus this whole process (the trainer
 # included), so the KV cache gets a fixed budget; and CPU graph compilation takes minutes at every
 # start (its cache is not reused), so CPU instances run eagerly.
-GPU_DEFAULTS = dict(gpu_memory_utilization=0.3)
+# A GPU instance sleeps while the trainer updates (TRL's and verl's colocated rhythm).
+GPU_DEFAULTS = dict(gpu_memory_utilization=0.3, enable_sleep_mode=True)
 CPU_DEFAULTS = dict(kv_cache_memory_bytes=1 << 30, enforce_eager=True)
 
 
@@ -105,6 +114,7 @@ class LLMBackend:
                 os.environ.setdefault(name, str(value))
             kwargs.update(distributed_executor_backend="external_launcher", seed=rank)
         kwargs.update(llm_kwargs)
+        self.sleeps = bool(kwargs.get("enable_sleep_mode", False))
         with kept_random_state():  # in this process vLLM seeds the global generators: the run's own stay
             self.llm = LLM(model=self.folder.name, **kwargs)
 
@@ -135,6 +145,12 @@ class LLMBackend:
         # model.load_weights would write into weights the CPU backend has already repacked and dropped
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         self.llm.reset_prefix_cache()
+
+    def sleep(self):
+        self.llm.sleep(level=2)
+
+    def wake_up(self, tags):
+        self.llm.wake_up(tags=tags)
 
 
 @contextlib.contextmanager
@@ -173,6 +189,7 @@ def weight_version(model: torch.nn.Module) -> tuple:
 
 class VLLMEngine:
     name = "vllm"
+    own_weights = True
 
     def __init__(self, backend_factory: Callable[[Agent, str], VLLMBackend] | None = None, **llm_kwargs):
         """``backend_factory(agent, dtype)`` makes the backend for one model (default: a ``vllm.LLM``
@@ -192,6 +209,7 @@ class VLLMEngine:
         self.dtypes: dict[int, str] = {}
         self.versions: dict[int, tuple] = {}
         self.syncs = 0  # weight loads so far (all models)
+        self.asleep: set[int] = set()  # models whose backend sleeps: weights and KV freed
         self.external_launcher: bool | None = None  # decided before the first instance starts
 
     def options(self, device_type: str) -> dict:
@@ -217,12 +235,33 @@ class VLLMEngine:
                 f"{compute_dtype(device.type)}: one engine cannot change dtype; roll out in one precision"
             )
         version = weight_version(agent.model)
+        if key in self.asleep:  # level-2 sleep dropped the weights: wake them, sync, then the KV cache
+            self.backends[key].wake_up(["weights"])
+            self.versions.pop(key, None)
         if self.versions.get(key) != version:
             dtype = getattr(torch, self.dtypes[key])
             self.backends[key].load_weights(effective_weights(agent.model, dtype))
             self.versions[key] = version
             self.syncs += 1
+        if key in self.asleep:
+            self.backends[key].wake_up(["kv_cache"])
+            self.asleep.discard(key)
         return self.backends[key]
+
+    @contextlib.contextmanager
+    def rollout(self, agents):
+        """Every distinct model of ``agents`` synced first, in order (every rank reaches the same
+        syncs, whose sharded weights gather tensor by tensor), then the rollout; after it, instances
+        with sleep mode free their weights and KV cache for the update."""
+        for agent in {id(agent.model): agent for agent in agents}.values():
+            self.sync(agent)
+        try:
+            yield
+        finally:
+            for key, backend in self.backends.items():
+                if backend.sleeps and key not in self.asleep:
+                    backend.sleep()
+                    self.asleep.add(key)
 
     def generate_team(self, calls, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False, seeds=None):
         if seeds is not None:

@@ -110,6 +110,7 @@ class TeamShards:
             self.roots.append(model)
             self.params_of.append({id(p) for p in model.parameters()})
         self.depth = 0
+        self.held: list[nn.Module] = []  # the roots ``gathered()`` holds whole
         self._seen: list[int] | None = None  # inside a lockstep pass: the roots forwarded, in order
 
     def _record(self, root: nn.Module, _args) -> None:
@@ -123,18 +124,21 @@ class TeamShards:
             yield from (m for m in root.modules() if isinstance(m, FSDPModule))
 
     @contextmanager
-    def gathered(self) -> Iterator[None]:
-        """Full weights on every rank inside; re-entrant (only the outermost level communicates).
-        No backward may run inside in ``per_layer`` mode (its gradients reduce in every backward)."""
+    def gathered(self, roots: list[nn.Module] | None = None) -> Iterator[None]:
+        """Full weights of ``roots`` (default: every model) on every rank inside; re-entrant (only
+        the outermost level communicates). No backward may run inside in ``per_layer`` mode (its
+        gradients reduce in every backward)."""
         if self.depth == 0:
-            self._unshard(self.roots)
+            self.held = list(self.roots if roots is None else roots)
+            self._unshard(self.held)
         self.depth += 1
         try:
             yield
         finally:
             self.depth -= 1
             if self.depth == 0:
-                self._reshard(self.roots)
+                self._reshard(self.held)
+                self.held = []
 
     @contextmanager
     def updating(self) -> Iterator[None]:
@@ -174,10 +178,10 @@ class TeamShards:
         ``per_layer``, zero-loss 1-token passes of the same models up to the most any rank runs:
         every rank then issues the same all-gathers and reduce-scatters. Every rank must call it
         for the same loops in the same order."""
-        if self.mode != "per_layer" or self.depth > 0:  # whole weights held: passes do not communicate
-            yield from chunks
-            return
         roots = self.roots_in(models)
+        if self.mode != "per_layer" or all(any(r is h for h in self.held) for r in roots):
+            yield from chunks  # whole weights held: the passes do not communicate
+            return
         total = int(all_ranks_max(len(chunks), self.device))
         for chunk in chunks:
             self._seen = []
@@ -233,11 +237,10 @@ class TeamShards:
     def refresh(self, params: list[torch.Tensor]) -> None:
         """After an optimizer step on the shards of ``params``: gather those models' new weights
         (inside ``gathered()``)."""
-        roots = self.roots_of(params)
-        if self.depth > 0:
-            for unit in self.units(roots):
-                unit.reshard()
-            self._unshard(roots)
+        roots = [root for root in self.roots_of(params) if any(root is h for h in self.held)]
+        for unit in self.units(roots):
+            unit.reshard()
+        self._unshard(roots)
 
     def full_copy(self, model: nn.Module) -> nn.Module | None:
         """A plain (unsharded, unwrapped) copy of ``model`` on rank 0, None on the other ranks; every

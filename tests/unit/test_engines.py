@@ -224,16 +224,25 @@ class FakeBackend:
     """Answers like vLLM: per prompt, n samples; some stopped by the end token (vLLM keeps it in
     ``token_ids`` - or, as some versions do for stop ids, drops it), some cut by the length."""
 
-    def __init__(self, agent, drop_stop_token=False, dtype="float32"):
-        self.agent, self.drop, self.dtype = agent, drop_stop_token, dtype
+    def __init__(self, agent, drop_stop_token=False, dtype="float32", sleeps=False):
+        self.agent, self.drop, self.dtype, self.sleeps = agent, drop_stop_token, dtype, sleeps
         self.loads: list[dict[str, torch.Tensor]] = []
         self.calls = []
+        self.events: list[str] = []  # sleep, wake_up:<tag>, load, generate: in order
 
     def load_weights(self, weights):
         self.loads.append({name: t.clone() for name, t in weights})
+        self.events.append("load")
+
+    def sleep(self):
+        self.events.append("sleep")
+
+    def wake_up(self, tags):
+        self.events += [f"wake_up:{t}" for t in tags]
 
     def generate(self, prompts, sampling):
         self.calls.append((prompts, sampling))
+        self.events.append("generate")
         eos = sampling.stop_token_ids[0]
         out = []
         for i in range(len(prompts)):
@@ -337,6 +346,38 @@ def test_effective_weights_merge_the_active_adapter(tiny_agent):
     merged = view.merged().state_dict()
     for name, tensor in merged.items():
         assert torch.allclose(state[name], tensor, atol=1e-6), name
+
+
+def test_vllm_rollouts_sync_first_and_sleep_mode_frees_the_engine_for_the_update(prompts):
+    """A rollout syncs every model first (in team order), generates; after it a sleeping instance
+    frees weights and KV cache; the next rollout wakes the weights, syncs them in again (level 2
+    dropped them, even with no update in between), wakes the KV cache, then generates. Without
+    sleep mode nothing is freed and an unchanged model is not reloaded."""
+    team = [Agent("tiny-random"), Agent("tiny-random")]
+    for sleeps in (True, False):
+        backends = []
+        factory = lambda a, dtype, s=sleeps, b=backends: b.append(FakeBackend(a, dtype=dtype, sleeps=s)) or b[-1]  # noqa: E731
+        engine = VLLMEngine(backend_factory=factory)
+        for _ in range(2):
+            with engine.rollout(team):
+                assert [b.agent for b in backends] == team and all("load" in b.events for b in backends)
+                engine.generate(team[1], prompts, 1, 3)
+        if sleeps:
+            assert backends[1].events == [
+                "load",
+                "generate",
+                "sleep",
+                "wake_up:weights",
+                "load",
+                "wake_up:kv_cache",
+                "generate",
+                "sleep",
+            ]
+            assert backends[0].events == ["load", "sleep", "wake_up:weights", "load", "wake_up:kv_cache", "sleep"]
+        else:
+            assert backends[1].events == ["load", "generate", "generate"] and backends[0].events == ["load"]
+    assert VLLMEngine.options(engine, "cuda")["enable_sleep_mode"] is True
+    assert "enable_sleep_mode" not in engine.options("cpu")  # vLLM's CPU build has no sleep mode
 
 
 def test_vllm_engine_options_need_the_default_backend():
