@@ -5,6 +5,8 @@ GPUs: weights sharded over the ranks (FSDP2), the activation profile measured on
 of the architecture, vLLM's share of the device. Prints the plan per rank for each layout.
 
     .venv/bin/python scripts/plan_memory.py configs/scale/textworld_grpo_qwen1.5b.yaml --ranks 8 16
+    .venv/bin/python scripts/plan_memory.py configs/scale/textworld_grpo_qwen7b.yaml \
+        --model Qwen/Qwen2.5-7B-Instruct --mode per_layer --ranks 8 --summary
 
 The configs in configs/scale/ carry these figures in their headers (H100, 80 GB).
 """
@@ -51,6 +53,34 @@ ARCHITECTURES = {
         rope_theta=1000000.0,
         tie_word_embeddings=False,
     ),
+    "Qwen/Qwen2.5-14B-Instruct": dict(
+        architectures=["Qwen2ForCausalLM"],
+        model_type="qwen2",
+        hidden_size=5120,
+        intermediate_size=13824,
+        num_hidden_layers=48,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        vocab_size=152064,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-5,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+    ),
+    "Qwen/Qwen2.5-32B-Instruct": dict(
+        architectures=["Qwen2ForCausalLM"],
+        model_type="qwen2",
+        hidden_size=5120,
+        intermediate_size=27648,
+        num_hidden_layers=64,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        vocab_size=152064,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-5,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+    ),
 }
 
 
@@ -81,17 +111,23 @@ def stand_in_args(configs: list[str], model: str) -> list[str]:
     return args + ["--data.init_args.engine=torch", "--data.init_args.engine_options=null"]
 
 
-def plan_config(configs: list[str], model: str, ranks: int, capacity_gib: float, process_gib: float, extra: list[str]):
+def plan_config(
+    configs: list[str], model: str, ranks: int, capacity_gib: float, process_gib: float, extra: list[str], mode: str
+):
+    """The plan of ``configs`` with ``model``'s architecture over ``ranks`` GPUs in FSDP2 ``mode``;
+    vLLM (where the config generates with it) with the options it would run with on a GPU (its
+    ``gpu_memory_utilization``, sleep mode), and a note where it needs more than its share."""
     import yaml
 
     from lit_marl.cli import build_cli
+    from lit_marl.generation.vllm import GPU_DEFAULTS
     from lit_marl.memory import GiB, plan
 
     raw: dict = {}
     for path in configs:  # the engine options as the GPU run would use them
         raw.setdefault("data", {}).update(((yaml.safe_load(Path(path).read_text()) or {}).get("data") or {}))
-    options = (raw.get("data", {}).get("init_args") or {}).get("engine_options") or {}
-    engine = (raw.get("data", {}).get("init_args") or {}).get("engine")
+    init = raw.get("data", {}).get("init_args") or {}
+    options = {**GPU_DEFAULTS, **(init.get("engine_options") or {})}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         (folder / "config.json").write_text(json.dumps(ARCHITECTURES[model]))
@@ -101,15 +137,21 @@ def plan_config(configs: list[str], model: str, ranks: int, capacity_gib: float,
             with mock.patch("lit_marl.algorithms.critics.load_model_and_tokenizer", load):
                 cli = build_cli(args=args, run=False)
                 cli.model.configure_model()
-        share = float(options.get("gpu_memory_utilization", 0.3)) if engine == "vllm" else None
+        data = cli.datamodule
+        if init.get("engine") == "vllm":  # the stand-in decoder generates here; plan the GPU's vLLM
+            from lit_marl.generation.vllm import VLLMEngine
+
+            data.engine = VLLMEngine(backend_factory=lambda agent, dtype: None)
         return plan(
             cli.model,
-            cli.datamodule,
+            data,
             shard_over=ranks,
-            vllm_share=share,
+            vllm_share=options["gpu_memory_utilization"] if init.get("engine") == "vllm" else None,
             process=process_gib * GiB,
             capacity=capacity_gib * GiB,
             autocast=cli.trainer.precision.startswith("bf16"),
+            mode=mode,
+            vllm_options=options,
         )
 
 
@@ -118,14 +160,22 @@ def main() -> None:
     parser.add_argument("configs", nargs="+", help="a config, then overlays")
     parser.add_argument("--model", default="Qwen/Qwen2.5-1.5B-Instruct", choices=sorted(ARCHITECTURES))
     parser.add_argument("--ranks", type=int, nargs="+", default=[8, 16], help="FSDP ranks (8: one node, 16: two)")
+    parser.add_argument("--mode", nargs="+", default=["gathered", "per_layer"], choices=["gathered", "per_layer"])
     parser.add_argument("--capacity-gib", type=float, default=80.0, help="memory per GPU (H100: 80)")
     parser.add_argument("--process-gib", type=float, default=1.0, help="CUDA context and runtime per rank")
     parser.add_argument("--set", action="append", default=[], help="a further override --KEY=VALUE")
+    parser.add_argument("--summary", action="store_true", help="one line per layout: update / rollout / peak")
     args = parser.parse_args()
-    for ranks in args.ranks:
-        result = plan_config(args.configs, args.model, ranks, args.capacity_gib, args.process_gib, args.set)
-        result.device = f"{args.model}, {ranks} ranks of FSDP2, {args.capacity_gib:g} GiB each"
-        print(result.table(), flush=True)
+    for mode in args.mode:
+        for ranks in args.ranks:
+            result = plan_config(args.configs, args.model, ranks, args.capacity_gib, args.process_gib, args.set, mode)
+            result.device = f"{args.model}, {ranks} ranks of {args.capacity_gib:g} GiB"
+            if args.summary:
+                update, rollout = result.phase("update") / 2**30, result.phase("rollout") / 2**30
+                print(f"{args.model} {mode:<9} {ranks:>3} ranks: update {update:6.1f}  rollout {rollout:6.1f}  "
+                      f"peak {result.peak / 2**30:6.1f} GiB", flush=True)
+            else:
+                print(result.table(), flush=True)
 
 
 if __name__ == "__main__":

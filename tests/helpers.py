@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from lit_marl.algorithms import MAGRPO
+from lit_marl.generation.base import TrainerWeights
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TEST_SCRIPTS = REPO_ROOT / "tests" / "scripts"
@@ -80,7 +81,7 @@ def cli_fit(tmp_path, *extra, config: str = "configs/magrpo/slogan_tiny.yaml"):
     return build_cli(args=["fit", "--config", config, "--trainer.logger.init_args.save_dir", str(tmp_path), *extra])
 
 
-class RecordingEngine:
+class RecordingEngine(TrainerWeights):
     """A generation engine that records every call ``(agent, prompts, Generation)`` and passes it
     to ``inner`` (default: the ``auto`` engine)."""
 
@@ -177,7 +178,7 @@ class SGDRecordingMAGRPO(MAGRPO):
         return super().training_step(batch, batch_idx)
 
 
-class AdmissibleEngine:
+class AdmissibleEngine(TrainerWeights):
     """Plays a game's listed valid commands instead of sampling (the env must show them, e.g.
     ``admissible_commands: true``): sample k of a prompt is its (k + offset)-th listed command from the
     end (TextWorld lists them sorted, the "open ..." and "take ..." ones last), so the
@@ -213,7 +214,7 @@ class AdmissibleEngine:
         return outs
 
 
-class ScriptedEngine:
+class ScriptedEngine(TrainerWeights):
     """Replies from a script instead of sampling: at its t-th call (turn t), the b-th prompt (the
     b-th episode still live) gets ``script[t][b]`` (one agent). Token ids as a real engine returns them."""
 

@@ -223,7 +223,7 @@ class AgentTeamModule(StepLogging, L.LightningModule):
         """The forward(/backward) passes of one loop over ``rows`` (``micro_batches``), each of
         ``models`` forwarded once per pass; under per-layer FSDP padded to the most any rank runs
         (``TeamShards.lockstep``: every rank must run the same loops)."""
-        chunks = self.micro_batches(rows, shared_prompts) if rows is not None and len(rows) else []
+        chunks = self.micro_batches(rows, shared_prompts) if rows is not None else []
         return chunks if self.shards is None else self.shards.lockstep(chunks, models, backward)
 
     per_layer_fsdp = property(lambda self: self.shards is not None and self.shards.mode == "per_layer")
@@ -339,7 +339,8 @@ class AgentTeamModule(StepLogging, L.LightningModule):
         params = [p for group in optimizer.param_groups for p in group["params"]]
         models = self.shards.roots_of(params) if self.shards is not None else []
         with checkpointed_passes(self):
-            for chunk in self.passes(rows if max(totals) > 0 else None, models, True, shared_prompts):
+            mine = rows if rows is not None and len(rows) and max(totals) > 0 else None
+            for chunk in self.passes(mine, models, True, shared_prompts):
                 micro = rows.select(chunk)
                 loss = sum(term / n for term, n in zip(loss_fn(micro).reshape(-1), totals) if n > 0)
                 self.manual_backward(loss)

@@ -4,7 +4,7 @@ padding helpers, and the ``Engine`` interface the rollouts call."""
 from __future__ import annotations
 
 import hashlib
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -100,6 +100,15 @@ class Engine(Protocol):
         greedy: bool = False,
         seeds: list[list[int]] | None = None,
     ) -> list[Generation]: ...
+
+
+class TrainerWeights:
+    """For engines that generate with the trainer's own weights: no copy to sync, nothing to free."""
+
+    own_weights = False
+
+    def rollout(self, agents: list[Agent]) -> AbstractContextManager:
+        return nullcontext()
 
 
 def generate_each(engine, calls: list[GenerationCall], *args, **kwargs) -> list[Generation]:

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from transformers import GenerationConfig
 
 from lit_marl.agents import Agent
-from lit_marl.generation.base import Generation, generate_each, left_pad, mask_through_first
+from lit_marl.generation.base import Generation, TrainerWeights, generate_each, left_pad, mask_through_first
 
 
 @torch.no_grad()
@@ -49,15 +47,10 @@ def generate(
     return Generation(prompt_ids, prompt_mask, completion_ids, completion_mask, num_samples, logprobs * completion_mask)
 
 
-class HFEngine:
+class HFEngine(TrainerWeights):
     """transformers' ``generate``: any causal LM."""
 
     name = "hf"
-
-    own_weights = False
-
-    def rollout(self, agents):
-        return contextlib.nullcontext()
 
     def generate(self, agent, prompts, num_samples, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False):
         return generate(agent, prompts, num_samples, max_new_tokens, temperature, top_p, greedy)

@@ -2,25 +2,25 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
-from lit_marl.generation.base import Generation, generate_each, left_pad, mask_through_first, sample_seeds
+from lit_marl.generation.base import (
+    Generation,
+    TrainerWeights,
+    generate_each,
+    left_pad,
+    mask_through_first,
+    sample_seeds,
+)
 from lit_marl.generation.decoder import Decoder, stackable, unsupported
 from lit_marl.generation.hf import generate
 
 
-class TorchEngine:
+class TorchEngine(TrainerWeights):
     """The lean KV-cache decoder of ``generation/decoder.py`` (Llama-family models). A team's small
     same-shape models decode together, one stacked forward per token. With ``fallback`` a model
     it cannot decode goes to ``generate`` (the ``auto`` engine); without, such a model is refused
     with the reason."""
-
-    own_weights = False
-
-    def rollout(self, agents):
-        return contextlib.nullcontext()
 
     def __init__(self, fallback: bool = False):
         self.fallback = fallback

@@ -22,12 +22,11 @@ their joint candidates so they form no pair.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Literal, Protocol
 
 import torch
 
-from lit_marl.generation.base import Generation, GenerationCall, left_pad
+from lit_marl.generation.base import Generation, GenerationCall, TrainerWeights, left_pad
 
 GenerationMode = Literal["decentralized", "centralized", "centralized_sequential"]
 
@@ -82,15 +81,10 @@ class ModelWriter:
         return [texts[i * n : (i + 1) * n] for i in range(len(prompts))]
 
 
-class TextEngine:
+class TextEngine(TrainerWeights):
     """The ``Engine`` interface over a text ``writer`` in one generation mode (module docstring)."""
 
     name = "text"
-
-    own_weights = False
-
-    def rollout(self, agents):
-        return contextlib.nullcontext()
 
     def __init__(
         self, writer: Writer, mode: GenerationMode = "decentralized", adapter=None, centralized_index: int = 0

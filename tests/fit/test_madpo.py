@@ -13,6 +13,7 @@ from helpers import LENGTH_REWARD, length_reward, make_trainer, slogan_data, sna
 from lit_marl import ConfigError
 from lit_marl.agents import Agent
 from lit_marl.algorithms import MADPO
+from lit_marl.generation.base import TrainerWeights
 from lit_marl.logprobs import completion_logprobs
 from lit_marl.losses import joint_dpo, masked_sum
 from lit_marl.rollout.pairs import rollout_pairs
@@ -106,7 +107,7 @@ def test_anchored_loss_starts_at_log_2(tmp_path):
     assert metrics["train/joint_delta"] == pytest.approx(0.0, abs=1e-5)
 
 
-class ProbeEngine:
+class ProbeEngine(TrainerWeights):
     """The auto engine, and at every call the logits each calling model gives a fixed probe prompt
     (what the model that generates is, at that moment)."""
 
