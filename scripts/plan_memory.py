@@ -108,7 +108,18 @@ def stand_in_args(configs: list[str], model: str) -> list[str]:
     args = [arg for path in configs for arg in ("--config", str(path))]
     args += ["--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.num_nodes=1", "--trainer.strategy=auto"]
     args += ["--trainer.logger=false", "--trainer.callbacks=[]", f"--model.init_args.model={model}"]
-    return args + ["--data.init_args.engine=torch", "--data.init_args.engine_options=null"]
+    args += ["--data.init_args.engine=torch", "--data.init_args.engine_options=null"]
+    import yaml
+
+    for path in configs:  # named game sets: 2 games each (the plan needs the shapes, not the tasks)
+        init = ((yaml.safe_load(Path(path).read_text()) or {}).get("data") or {}).get("init_args") or {}
+        for key in ("train_path", "val_path"):
+            value = str(init.get(key) or "")
+            if value.startswith("alfworld-data:"):  # the official games: generated ones of the same shape
+                args.append(f"--data.init_args.{key}=alfworld:{'train' if key == 'train_path' else 'test'}:1")
+            elif ":" in value and value.rsplit(":", 1)[1].isdigit():
+                args.append(f"--data.init_args.{key}={value.rsplit(':', 1)[0]}:2")
+    return args
 
 
 def plan_config(
@@ -172,8 +183,11 @@ def main() -> None:
             result.device = f"{args.model}, {ranks} ranks of {args.capacity_gib:g} GiB"
             if args.summary:
                 update, rollout = result.phase("update") / 2**30, result.phase("rollout") / 2**30
-                print(f"{args.model} {mode:<9} {ranks:>3} ranks: update {update:6.1f}  rollout {rollout:6.1f}  "
-                      f"peak {result.peak / 2**30:6.1f} GiB", flush=True)
+                print(
+                    f"{args.model} {mode:<9} {ranks:>3} ranks: update {update:6.1f}  rollout {rollout:6.1f}  "
+                    f"peak {result.peak / 2**30:6.1f} GiB",
+                    flush=True,
+                )
             else:
                 print(result.table(), flush=True)
 

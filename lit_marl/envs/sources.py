@@ -12,6 +12,7 @@ into a task file, and a named set's expert play into demonstrations.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 from importlib.metadata import version
@@ -26,6 +27,7 @@ from lit_marl.envs.swe.instances import resolve_source as resolve_swe_source
 from lit_marl.envs.textworld import games as textworld_games
 from lit_marl.envs.textworld.env import TextWorldEnv
 from lit_marl.envs.textworld.games import write_atomic
+from lit_marl.models import cache_dir
 
 DEMO_FORMAT = 2
 """Raise it when what an environment renders changes (observation text, command format): cached
@@ -47,9 +49,17 @@ def family(source: str | None) -> str | None:
 
 
 def resolve_source(source: str, field: str = "data.train_path") -> str:
-    """A task file path as it is, or a named set's task file (its games generated once, cached)."""
+    """A task file path as it is, or a named set's task file (its games generated once, cached).
+    The ranks of a node take turns (a lock file in the cache): the first generates, the others
+    then find every game cached, so a set is generated once per node, not once per rank."""
     kind = family(source)
-    return FAMILIES[kind][0](source, field) if kind else source
+    if not kind:
+        return source
+    folder = cache_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / f".{kind}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        return FAMILIES[kind][0](source, field)
 
 
 def same_games(source: str, other: str) -> bool:

@@ -238,3 +238,33 @@ def test_the_state_key_is_the_world_not_the_path(games):
     twin.reset(task)
     twin.step([walkthrough[0]])
     assert twin.state_key() == env.state_key()  # another path (no looking) to the same world
+
+
+def test_ranks_of_a_node_generate_a_named_set_one_at_a_time(tmp_path, monkeypatch):
+    """Every rank resolves data.train_path; with the node's lock the first generates and the others
+    wait, then find the games cached (here: a resolver that records how many run at once)."""
+    import threading
+    import time
+
+    from lit_marl.envs import sources
+
+    monkeypatch.setenv("LIT_MARL_CACHE", str(tmp_path))
+    inside, most, lock = [0], [0], threading.Lock()
+
+    def resolver(source, field):
+        with lock:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        time.sleep(0.2)
+        with lock:
+            inside[0] -= 1
+        return str(tmp_path / "tasks.jsonl")
+
+    monkeypatch.setitem(sources.FAMILIES, "textworld", (resolver, *sources.FAMILIES["textworld"][1:]))
+    ranks = [threading.Thread(target=sources.resolve_source, args=("textworld:w2-o3-q4:train:2",)) for _ in range(4)]
+    for rank in ranks:
+        rank.start()
+    for rank in ranks:
+        rank.join()
+    assert most[0] == 1
+    assert (tmp_path / ".textworld.lock").exists()
