@@ -43,6 +43,10 @@ class StepCheckpoint(Checkpoint):  # a Checkpoint: Lightning runs it after the o
         self.path = Path(dirpath) / filename
         self.every_n_steps = every_n_steps
 
+    def setup(self, trainer: L.Trainer, pl_module, stage: str) -> None:
+        if stage == "fit" and trainer.world_size > 1:  # every rank writes shards there, a resume reads them all
+            checkpoint_files.check_shared_folder(self.path.parent, trainer.strategy, "StepCheckpoint.dirpath")
+
     def save(self, trainer: L.Trainer) -> None:
         partial = self.path.with_name(self.path.name + ".partial")
         old = self.path.with_name(self.path.name + ".old")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import secrets
 from pathlib import Path
 
 import torch
@@ -167,3 +168,23 @@ def restore_rank_state(
     for buffer, buffered in zip(rollout_buffers, state["buffers"]):
         buffer.load_state_dict(buffered)
     return state
+
+
+def check_shared_folder(folder: Path, strategy, field: str) -> None:
+    """Every rank sees the file rank 0 writes in ``folder`` (a filesystem all nodes share), or every
+    rank stops with the fix: a sharded checkpoint has each rank write its shards there."""
+    token = strategy.broadcast(secrets.token_hex(8))
+    marker = Path(folder) / f".lit_marl_shared_{token}"
+    if strategy.is_global_zero:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(token)
+    strategy.barrier("check_shared_folder")
+    missing = strategy.reduce_boolean_decision(not marker.is_file(), all=False)
+    strategy.barrier("check_shared_folder")
+    if strategy.is_global_zero:
+        marker.unlink(missing_ok=True)
+    if missing:
+        raise ConfigError(
+            f"{field}={str(folder)!r}: a rank does not see the file rank 0 wrote there; checkpoints need a folder "
+            "on a filesystem every node shares (NFS, Lustre, a cloud mount): give such a path"
+        )

@@ -133,3 +133,34 @@ def test_checksum_record_keeps_the_previous_checkpoint_valid(tmp_path):
     final.write_bytes(b"bad")
     with pytest.raises(ConfigError):
         checkpoint_files.check_recorded(final)
+
+
+class _Ranks:
+    """A strategy as ``check_shared_folder`` uses it, seen from one rank of several (``sees``: what
+    the other ranks' filesystem shows of rank 0's file)."""
+
+    def __init__(self, rank: int, others_see: bool):
+        self.is_global_zero, self.others_see = rank == 0, others_see
+
+    def broadcast(self, obj):
+        return obj
+
+    def barrier(self, name=None):
+        pass
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        return decision or not self.others_see  # any rank missing the file
+
+
+def test_checkpoints_need_a_folder_every_rank_sees(tmp_path):
+    """With several ranks, StepCheckpoint checks at the start of the fit that every rank sees what
+    rank 0 writes in its folder (nodes with their own disks would each keep a part of a sharded
+    checkpoint); a rank that does not stops every rank with the fix. The marker is removed."""
+    from lit_marl.checkpoint_files import check_shared_folder
+
+    check_shared_folder(tmp_path / "ckpt", _Ranks(0, others_see=True), "StepCheckpoint.dirpath")
+    assert list((tmp_path / "ckpt").iterdir()) == []
+    with pytest.raises(ConfigError, match="StepCheckpoint.dirpath=.*filesystem every node shares"):
+        check_shared_folder(tmp_path / "ckpt", _Ranks(0, others_see=False), "StepCheckpoint.dirpath")
+    with pytest.raises(ConfigError, match="does not see the file rank 0 wrote"):  # rank 1, a disk of its own
+        check_shared_folder(tmp_path / "elsewhere", _Ranks(1, others_see=True), "StepCheckpoint.dirpath")
