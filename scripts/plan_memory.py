@@ -123,7 +123,14 @@ def stand_in_args(configs: list[str], model: str) -> list[str]:
 
 
 def plan_config(
-    configs: list[str], model: str, ranks: int, capacity_gib: float, process_gib: float, extra: list[str], mode: str
+    configs: list[str],
+    model: str,
+    ranks: int,
+    capacity_gib: float,
+    process_gib: float,
+    extra: list[str],
+    mode: str,
+    vllm: dict | None = None,
 ):
     """The plan of ``configs`` with ``model``'s architecture over ``ranks`` GPUs in FSDP2 ``mode``;
     vLLM (where the config generates with it) with the options it would run with on a GPU (its
@@ -138,7 +145,7 @@ def plan_config(
     for path in configs:  # the engine options as the GPU run would use them
         raw.setdefault("data", {}).update(((yaml.safe_load(Path(path).read_text()) or {}).get("data") or {}))
     init = raw.get("data", {}).get("init_args") or {}
-    options = {**GPU_DEFAULTS, **(init.get("engine_options") or {})}
+    options = {**GPU_DEFAULTS, **(init.get("engine_options") or {}), **(vllm or {})}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         (folder / "config.json").write_text(json.dumps(ARCHITECTURES[model]))
@@ -176,11 +183,23 @@ def main() -> None:
     parser.add_argument("--process-gib", type=float, default=1.0, help="CUDA context and runtime per rank")
     parser.add_argument("--set", action="append", default=[], help="a further override --KEY=VALUE")
     parser.add_argument("--summary", action="store_true", help="one line per layout: update / rollout / peak")
+    parser.add_argument("--gpu-memory-utilization", type=float, help="vLLM's share (default: the config's)")
+    parser.add_argument(
+        "--vllm-tp", type=int, help="plan vLLM with this tensor_parallel_size (lit_marl's engine has none yet)"
+    )
     args = parser.parse_args()
     for mode in args.mode:
         for ranks in args.ranks:
-            result = plan_config(args.configs, args.model, ranks, args.capacity_gib, args.process_gib, args.set, mode)
+            vllm = {"gpu_memory_utilization": args.gpu_memory_utilization} if args.gpu_memory_utilization else {}
+            vllm |= {"tensor_parallel_size": args.vllm_tp} if args.vllm_tp else {}
+            result = plan_config(
+                args.configs, args.model, ranks, args.capacity_gib, args.process_gib, args.set, mode, vllm
+            )
             result.device = f"{args.model}, {ranks} ranks of {args.capacity_gib:g} GiB"
+            if args.vllm_tp:
+                result.notes.append(
+                    f"vLLM at tensor_parallel_size {args.vllm_tp}: a what-if, lit_marl's engine has no TP"
+                )
             if args.summary:
                 update, rollout = result.phase("update") / 2**30, result.phase("rollout") / 2**30
                 print(
