@@ -185,6 +185,24 @@ def test_per_layer_fsdp_pads_passes_and_issues_the_same_collectives(tmp_path, mo
     assert len(scatters) == 3 * (len(scatters) // 3) and len(scatters) >= 3
 
 
+def test_vllm_sync_streams_sharded_weights_one_tensor_at_a_time(tmp_path):
+    """Under per-layer FSDP a vLLM rollout does not gather the policy: the engine's sync (first
+    thing in the rollout, on every rank) gathers each sharded weight as it sends it, in the serving
+    dtype. Checked with a backend that records what it receives: the full weights, bf16 only, at
+    most 2 tensors alive at once (the tied embedding, made once and sent under both names, and the
+    current one: at most twice the largest weight's bytes), one all-gather per sharded weight, the
+    same on both ranks, and no collective after the sync (3 generations in the same block)."""
+    run_script(TEST_SCRIPTS / "fsdp_vllm_sync.py", str(tmp_path), str(free_port()))
+    reports = [json.loads((tmp_path / f"report_rank{r}.json").read_text()) for r in range(2)]
+    for report in reports:
+        assert report["names_match"] and report["values_match"] and report["dtypes"] == ["torch.bfloat16"]
+        assert report["tied_once"] and report["syncs"] == 1
+        assert report["most_alive"] <= 2 and report["most_bytes"] <= 2 * report["largest_bytes"]
+        assert len(report["sync_collectives"]) == report["sharded"] > 0
+        assert report["after_sync"] == []
+    assert reports[0]["sync_collectives"] == reports[1]["sync_collectives"]
+
+
 def test_per_layer_fsdp_without_padding_fails_instead_of_hanging(tmp_path):
     """The negative control: the same uneven passes without ``lockstep`` must not pass: the ranks'
     collectives no longer match and the run stops with an error (20 s collective timeout) instead

@@ -25,6 +25,16 @@ NAMES = (
     "reduce_scatter",
     "barrier",
 )
+FUNCTIONAL = (
+    "all_gather_single",
+    "all_gather_tensor",
+    "all_gather_tensor_autograd",
+    "reduce_scatter_single",
+    "reduce_scatter_tensor",
+    "all_reduce",
+    "broadcast",
+    "all_to_all_single",
+)
 
 
 def _numel(args, kwargs) -> int:
@@ -42,19 +52,22 @@ class CollectiveTrace:
         self._saved: dict = {}
 
     def __enter__(self) -> "CollectiveTrace":
-        for name in NAMES:
-            original = getattr(dist, name, None)
-            if original is None:
-                continue
-            self._saved[name] = original
+        import torch.distributed._functional_collectives as funcol  # DTensor's (full_tensor, redistribute)
 
-            def traced(*args, _name=name, _original=original, **kwargs):
-                self.calls.append((_name, _numel(args, kwargs)))
-                return _original(*args, **kwargs)
+        for module, names, prefix in ((dist, NAMES, ""), (funcol, FUNCTIONAL, "functional.")):
+            for name in names:
+                original = getattr(module, name, None)
+                if original is None:
+                    continue
+                self._saved[module, name] = original
 
-            setattr(dist, name, traced)
+                def traced(*args, _name=prefix + name, _original=original, **kwargs):
+                    self.calls.append((_name, _numel(args, kwargs)))
+                    return _original(*args, **kwargs)
+
+                setattr(module, name, traced)
         return self
 
     def __exit__(self, *exc) -> None:
-        for name, original in self._saved.items():
-            setattr(dist, name, original)
+        for (module, name), original in self._saved.items():
+            setattr(module, name, original)
