@@ -244,7 +244,8 @@ class TeamShards:
 
     def full_copy(self, model: nn.Module) -> nn.Module | None:
         """A plain (unsharded, unwrapped) copy of ``model`` on rank 0, None on the other ranks; every
-        rank must call it (it gathers the shards)."""
+        rank must call it (it gathers the shards). Rank 0 holds the model once: the gathered state
+        (in CPU memory) becomes the copy's parameters, built on the meta device and assigned."""
         from peft import get_peft_model
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
         from transformers import AutoModelForCausalLM
@@ -254,11 +255,17 @@ class TeamShards:
         if torch.distributed.get_rank() != 0:
             return None
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        plain = AutoModelForCausalLM.from_config(base.config).to(next(iter(state.values())).dtype)
-        if hasattr(model, "peft_config"):
-            plain = get_peft_model(plain, model.peft_config[model.active_adapter])
-        plain.load_state_dict(state)
-        return plain
+        with torch.device("meta"):
+            plain = AutoModelForCausalLM.from_config(base.config, dtype=next(iter(state.values())).dtype)
+            if hasattr(model, "peft_config"):
+                plain = get_peft_model(plain, model.peft_config[model.active_adapter])
+        plain.load_state_dict(state, assign=True)
+        sources = dict(model.named_modules())
+        for name, module in plain.named_modules():  # buffers outside the state (rotary frequencies)
+            for key in module._non_persistent_buffers_set:
+                module._buffers[key] = sources[name]._buffers[key].detach().cpu().clone()
+        plain.tie_weights()
+        return plain.eval()
 
     def clip_grad_norm_(self, params: list[torch.Tensor], max_norm: float) -> float:
         """``torch.nn.utils.clip_grad_norm_`` over sharded and replicated gradients: the squared

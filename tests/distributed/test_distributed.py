@@ -301,7 +301,7 @@ def fit_cli(tmp_path: Path, repo_root: Path, config: dict, *extra: str) -> subpr
 # 1.5-2 min a strategy under load (save, resume and HF export through the console script): both in
 # make test-slow; make test keeps exports (tests/fit/test_export.py) and 2-rank equivalence (above)
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "fsdp_per_layer"])
 def test_config_runs_checkpoints_resumes_and_exports(tmp_path, repo_root, strategy):
     """configs/magrpo/slogan_tiny_{ddp,fsdp}.yaml through the console script (Lightning launches rank
     1), then resumed from its checkpoint for a second epoch; the export reloads with from_pretrained.
@@ -309,7 +309,10 @@ def test_config_runs_checkpoints_resumes_and_exports(tmp_path, repo_root, strate
     import yaml
     from transformers import AutoModelForCausalLM
 
-    config = yaml.safe_load((repo_root / "configs" / "magrpo" / f"slogan_tiny_{strategy}.yaml").read_text())
+    name = strategy.removesuffix("_per_layer")
+    config = yaml.safe_load((repo_root / "configs" / "magrpo" / f"slogan_tiny_{name}.yaml").read_text())
+    if strategy == "fsdp_per_layer":  # per-layer FSDP2: the same checkpoint folder and export
+        config["trainer"]["strategy"]["init_args"] = {"mode": "per_layer"}
     config["trainer"]["limit_train_batches"] = 1
     config["trainer"]["limit_val_batches"] = 0
     config["trainer"]["logger"]["init_args"]["save_dir"] = str(tmp_path / "logs")
@@ -320,7 +323,7 @@ def test_config_runs_checkpoints_resumes_and_exports(tmp_path, repo_root, strate
     resume = ("--ckpt_path", str(tmp_path / "checkpoints" / "last.ckpt"), "--trainer.max_epochs", "2")
     resumed = fit_cli(tmp_path, repo_root, config, *resume)
     assert "Restoring states from the checkpoint" in resumed.stderr + resumed.stdout
-    if strategy == "ddp":
+    if name == "ddp":
         state = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
         assert len(state["lit_marl"]["ranks"]) == 2  # each rank's RNG and buffers
         assert state["epoch"] == 1  # written in the second epoch, the resumed one
@@ -352,10 +355,12 @@ def test_fsdp_refuses_what_it_cannot_shard():
 
 
 @pytest.mark.slow  # ~1 min an algorithm: `make test-slow` (make test keeps fsdp_matches_one_process)
+@pytest.mark.parametrize("mode", ["gathered", "per_layer"])
 @pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
-def test_episodic_algorithms_train_on_two_fsdp_ranks(tmp_path, repo_root, algorithm):
-    """PPO and GRPO on stateful corridor episodes (each rank's episodes end at their own turns),
-    sharded with FSDP2 through the console script: no hang; the gathered export is finite."""
+def test_episodic_algorithms_train_on_two_fsdp_ranks(tmp_path, repo_root, algorithm, mode):
+    """PPO and GRPO on stateful corridor episodes (each rank's episodes end at their own turns:
+    other row counts, other pass counts), sharded with FSDP2 in both modes through the console
+    script: no hang; the gathered export is finite."""
     import yaml
     from transformers import AutoModelForCausalLM
 
@@ -364,7 +369,7 @@ def test_episodic_algorithms_train_on_two_fsdp_ranks(tmp_path, repo_root, algori
     config = yaml.safe_load((repo_root / "configs" / algorithm / "corridor_tiny.yaml").read_text())
     config["trainer"].update(
         devices=2,
-        strategy={"class_path": "lit_marl.parallel.strategies.TeamFSDPStrategy"},
+        strategy={"class_path": "lit_marl.parallel.strategies.TeamFSDPStrategy", "init_args": {"mode": mode}},
         limit_val_batches=0,
         logger=False,
         default_root_dir=str(tmp_path),  # LightningCLI writes its config.yaml here, not into the checkout

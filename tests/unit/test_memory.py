@@ -174,3 +174,19 @@ def test_a_critic_model_carries_no_lm_head_and_reads_the_same_states():
     policy = sum(p.numel() for p in module.agents[0].model.parameters())
     head = full.lm_head.weight.numel() if full.lm_head.weight is not full.base_model.embed_tokens.weight else 0
     assert sum(p.numel() for p in backbone.parameters()) == policy - head
+
+
+def test_auto_mode_takes_gathered_when_it_fits_else_per_layer(monkeypatch):
+    """FSDP2's ``auto``: the gathered plan's peak against the device (here made to fall between the
+    two modes' peaks, then above both)."""
+    from lit_marl import memory
+
+    monkeypatch.setattr(memory, "process_overhead", lambda device, weights: float(GiB))  # not the live RSS
+    module = MAGRPO(model="tiny-random", num_agents=1)
+    module.configure_model()
+    gathered = plan(module, shard_over=4, mode="gathered", capacity=64 * GiB).peak
+    per_layer = plan(module, shard_over=4, mode="per_layer", capacity=64 * GiB).peak
+    assert per_layer < gathered
+    for capacity, expected in (((gathered + per_layer) / 2, "per_layer"), (2 * gathered, "gathered")):
+        monkeypatch.setattr(memory, "device_capacity", lambda device, ranks=1, c=capacity: c)
+        assert memory.choose_mode(module, None, 4, torch.device("cpu")) == expected

@@ -44,13 +44,17 @@ def test_a_team_of_two_models_fits_with_vllm_rollouts(tmp_path):
     assert all(torch.isfinite(torch.tensor(scalars["train/loss"])))
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "fsdp_per_layer"])
 def test_two_ranks_each_run_their_own_vllm(tmp_path, strategy):
     """Under DDP and FSDP2 (2 gloo ranks) every rank starts its own instances with vLLM's external
     launcher (the trainer's ranks are the launcher) and samples from the weights it synced (FSDP:
-    gathered from the shards, one tensor at a time)."""
+    gathered from the shards, one tensor at a time; per layer, the policies are not gathered for the
+    rollout: each sharded weight is gathered as it streams into vLLM)."""
     extra = ["--trainer.callbacks=[]", "--trainer.enable_checkpointing", "false"]
-    scalars = _fit(tmp_path, f"configs/magrpo/slogan_tiny_{strategy}.yaml", *extra)
+    if strategy == "fsdp_per_layer":
+        extra += ["--trainer.strategy.init_args.mode", "per_layer"]
+    config = f"configs/magrpo/slogan_tiny_{strategy.removesuffix('_per_layer')}.yaml"
+    scalars = _fit(tmp_path, config, *extra)
     assert scalars["log"].count("Using external launcher for distributed inference") == 4  # 2 ranks x 2 models
     diffs = scalars["train/rollout_logp_diff"]
     assert len(diffs) == 2 and max(diffs) < 1e-3
