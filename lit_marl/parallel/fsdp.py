@@ -153,6 +153,11 @@ class TeamShards:
         for unit in self.units(roots):
             unit.set_reshard_after_forward(False, recurse=False)
             unit.unshard()
+        # FSDP2 gathers into the same parameter objects without bumping their versions: mark them
+        # changed, so whoever compares versions (an engine that holds its own copy) sees new weights
+        for root in roots:
+            for p in root.parameters():
+                torch.autograd.graph.increment_version(p)
 
     def _reshard(self, roots: list[nn.Module]) -> None:
         for unit in self.units(roots):

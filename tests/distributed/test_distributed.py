@@ -203,6 +203,15 @@ def test_vllm_sync_streams_sharded_weights_one_tensor_at_a_time(tmp_path):
     assert reports[0]["sync_collectives"] == reports[1]["sync_collectives"]
 
 
+def test_gathered_weights_show_a_new_version_after_an_update(tmp_path):
+    """FSDP2 gathers into the same parameter objects; an engine that compares parameter versions to
+    decide whether to resync (vLLM) must see the update's new weights (it once served stale ones)."""
+    run_script(TEST_SCRIPTS / "fsdp_versions.py", str(tmp_path), str(free_port()))
+    for r in range(2):
+        report = json.loads((tmp_path / f"report_rank{r}.json").read_text())
+        assert report == {"moved": True, "same_block_same_version": True, "version_changed": True}
+
+
 def test_per_layer_fsdp_without_padding_fails_instead_of_hanging(tmp_path):
     """The negative control: the same uneven passes without ``lockstep`` must not pass: the ranks'
     collectives no longer match and the run stops with an error (20 s collective timeout) instead
