@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from lit_marl import ConfigError
+from lit_marl.agents import AdapterView
 from lit_marl.models import store_frozen, trained
 from lit_marl.parallel.collectives import all_ranks_max
 from lit_marl.parallel.fsdp import shardable_models, untied_edges
@@ -339,7 +340,9 @@ def plan(
     result.phases["activations of one update pass"] = UPDATE
     engine = getattr(getattr(data, "engine", None), "name", None)
     agents = list(module.agents) if module.agents is not None else []
-    models = list({id(agent.model): agent.model for agent in agents}.values())  # one engine per model
+    # one engine per model; a team's LoRA adapters on one base share its engine
+    served = [agent.model.shared if isinstance(agent.model, AdapterView) else agent.model for agent in agents]
+    models = list({id(model): model for model in served}.values())
     shape = generation_shape(data) if data is not None and agents else None
     if engine == "vllm":
         result.parts.pop("weights gathered for generation", None)  # vLLM holds its own copy

@@ -2,8 +2,9 @@
 on GPU machines install a vLLM build for the torch release this project pins).
 
 Colocated, as TRL's ``vllm_mode=colocate`` and verl's hybrid engine: every rank runs its own vLLM
-instance beside its trainer, one instance per distinct model of the team (an ``AdapterView`` agent
-gets its own, its adapter merged). An instance starts from the model's config alone (a temporary
+instance beside its trainer, one instance per distinct model of the team; the agents of a team of
+LoRA adapters on one base (``AdapterView``, ``model.lora_shared_base``) share the base's instance,
+which loads the base once and each agent's adapter as a LoRA request (saved anew when it changed). An instance starts from the model's config alone (a temporary
 folder, ``load_format="dummy"``, no tokenizer: prompts go in as token ids), so nothing is read from
 disk or the hub: the trainer's weights are what it serves. vLLM keeps its own copy of them, so
 before each generation the engine compares the model's parameter versions (every in-place
@@ -29,14 +30,16 @@ import contextlib
 import importlib.util
 import os
 import random
+import shutil
 import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 import torch
 
-from lit_marl.agents import Agent
+from lit_marl.agents import AdapterView, Agent
 from lit_marl.generation.base import Generation, generate_each, left_pad, mask_through_first
 from lit_marl.generation.decoder import _causal_lm, effective_weights
 
@@ -60,8 +63,12 @@ class Sample:
 
 
 class VLLMBackend(Protocol):
-    def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[Sample]]:
-        """For each prompt, in order, its ``sampling.n`` samples."""
+    def generate(self, prompts: list[list[int]], sampling: Sampling, adapter=None) -> list[list[Sample]]:
+        """For each prompt, in order, its ``sampling.n`` samples (with ``adapter``: a handle from
+        ``add_adapter``, the LoRA adapter applied to the served base)."""
+
+    def add_adapter(self, name: str, folder: str):
+        """Register the LoRA adapter saved in ``folder`` (peft's format) under a new name; its handle."""
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace the served weights (transformers' names, full tensors), and forget every cached
@@ -81,6 +88,7 @@ class VLLMBackend(Protocol):
 # included), so the KV cache gets a fixed budget; and CPU graph compilation takes minutes at every
 # start (its cache is not reused), so CPU instances run eagerly.
 # A GPU instance sleeps while the trainer updates (TRL's and verl's colocated rhythm).
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's max_lora_rank values
 GPU_DEFAULTS = dict(gpu_memory_utilization=0.3, enable_sleep_mode=True)
 CPU_DEFAULTS = dict(kv_cache_memory_bytes=1 << 30, enforce_eager=True)
 
@@ -113,12 +121,26 @@ class LLMBackend:
             ):
                 os.environ.setdefault(name, str(value))
             kwargs.update(distributed_executor_backend="external_launcher", seed=rank)
+        adapters = served_adapters(agent)
+        if adapters:  # a team of LoRA agents on one base: one instance, each agent's adapter per request
+            rank = max(config.r for config in adapters.values())
+            allowed = [r for r in LORA_RANKS if r >= rank]  # vLLM's slots come in these sizes
+            if not allowed:
+                raise ValueError(f"model.lora.r={rank}: vLLM serves LoRA ranks up to {LORA_RANKS[-1]}")
+            kwargs.update(enable_lora=True, max_lora_rank=allowed[0], max_loras=len(adapters))
         kwargs.update(llm_kwargs)
         self.sleeps = bool(kwargs.get("enable_sleep_mode", False))
+        self.adapters = 0
         with kept_random_state():  # in this process vLLM seeds the global generators: the run's own stay
             self.llm = LLM(model=self.folder.name, **kwargs)
 
-    def generate(self, prompts, sampling):
+    def add_adapter(self, name, folder):
+        from vllm.lora.request import LoRARequest
+
+        self.adapters += 1  # a new id for every version: vLLM caches adapters (and prefixes) by id
+        return LoRARequest(name, self.adapters, folder)
+
+    def generate(self, prompts, sampling, adapter=None):
         from vllm import SamplingParams
 
         params = SamplingParams(
@@ -131,7 +153,8 @@ class LLMBackend:
             detokenize=False,
             logprobs=0,  # the sampled token's own log-prob
         )
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        requests = [{"prompt_token_ids": p} for p in prompts]
+        outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=adapter)
         return [
             [
                 Sample(list(o.token_ids), o.finish_reason, [d[t].logprob for t, d in zip(o.token_ids, o.logprobs)])
@@ -178,13 +201,28 @@ def compute_dtype(device_type: str) -> str:
     return "float32"
 
 
-def weight_version(model: torch.nn.Module) -> tuple:
-    """Changes whenever any parameter is modified in place (optimizer steps) or replaced, or LoRA
-    adapters are switched off or on (``disable_adapter``: the initial policy) or another is made active."""
+def weight_version(model: torch.nn.Module, part: Callable[[str], bool] | None = None) -> tuple:
+    """Changes whenever any parameter (of those whose name ``part`` accepts) is modified in place
+    (optimizer steps, FSDP gathers) or replaced, or LoRA adapters are switched off or on
+    (``disable_adapter``: the initial policy) or another is made active."""
     adapters = tuple(
         (bool(m.disable_adapters), tuple(m.active_adapters)) for m in model.modules() if hasattr(m, "lora_A")
     )
-    return tuple((id(p), p._version) for p in model.parameters()), adapters
+    named = model.named_parameters()
+    return tuple((id(p), p._version) for n, p in named if part is None or part(n)), adapters if part is None else ()
+
+
+def served(agent: Agent) -> tuple[torch.nn.Module, str | None]:
+    """The model an instance serves for ``agent`` and the LoRA adapter its requests apply: the agents of
+    a team's adapters on one base (``AdapterView``) share the base's instance, each its own adapter."""
+    model = agent.model
+    return (model.shared, model.adapter) if isinstance(model, AdapterView) else (model, None)
+
+
+def served_adapters(agent: Agent) -> dict:
+    """The LoRA configs an instance serving ``agent``'s base applies (none: it serves merged weights)."""
+    model, adapter = served(agent)
+    return dict(model.peft_config) if adapter is not None else {}
 
 
 class VLLMEngine:
@@ -210,6 +248,9 @@ class VLLMEngine:
         self.versions: dict[int, tuple] = {}
         self.syncs = 0  # weight loads so far (all models)
         self.asleep: set[int] = set()  # models whose backend sleeps: weights and KV freed
+        self.adapters: dict[tuple[int, str], tuple] = {}  # (base, adapter) -> (version, handle, folder)
+        self.adapter_syncs = 0
+        self.folder: tempfile.TemporaryDirectory | None = None  # the adapters' saved versions
         self.external_launcher: bool | None = None  # decided before the first instance starts
 
     def options(self, device_type: str) -> dict:
@@ -222,10 +263,12 @@ class VLLMEngine:
         options = self.options(next(agent.model.parameters()).device.type)
         return LLMBackend(agent, dtype, self.external_launcher, **options)
 
-    def sync(self, agent: Agent) -> VLLMBackend:
-        """The backend of ``agent``'s model, holding its current weights in the trainer's compute dtype."""
-        key = id(agent.model)
-        device = next(agent.model.parameters()).device
+    def sync(self, agent: Agent) -> tuple[VLLMBackend, object]:
+        """The backend serving ``agent`` (holding its current weights in the trainer's compute dtype)
+        and the handle of its LoRA adapter there (None: merged weights)."""
+        model, adapter = served(agent)
+        key = id(model)
+        device = next(model.parameters()).device
         if key not in self.backends:
             self.dtypes[key] = compute_dtype(device.type)
             self.backends[key] = self.backend_factory(agent, self.dtypes[key])
@@ -234,26 +277,48 @@ class VLLMEngine:
                 f"the vllm engine of {agent.source} serves {self.dtypes[key]}, but this rollout computes in "
                 f"{compute_dtype(device.type)}: one engine cannot change dtype; roll out in one precision"
             )
-        version = weight_version(agent.model)
+        backend = self.backends[key]
         if key in self.asleep:  # level-2 sleep dropped the weights: wake them, sync, then the KV cache
-            self.backends[key].wake_up(["weights"])
+            backend.wake_up(["weights"])
             self.versions.pop(key, None)
+            self.adapters = {k: v for k, v in self.adapters.items() if k[0] != key}
+        version = weight_version(model, (lambda n: "lora_" not in n) if adapter else None)
         if self.versions.get(key) != version:
             dtype = getattr(torch, self.dtypes[key])
-            self.backends[key].load_weights(effective_weights(agent.model, dtype))
+            with model.disable_adapter() if adapter else contextlib.nullcontext():  # the base alone
+                backend.load_weights(effective_weights(model, dtype))
             self.versions[key] = version
             self.syncs += 1
+        handle = self._adapter(agent, key, adapter) if adapter else None
         if key in self.asleep:
-            self.backends[key].wake_up(["kv_cache"])
+            backend.wake_up(["kv_cache"])
             self.asleep.discard(key)
-        return self.backends[key]
+        return backend, handle
+
+    def _adapter(self, agent: Agent, key: int, adapter: str):
+        """The handle of the current version of ``agent``'s adapter in its base's instance: saved
+        (peft's format, a few MB) and registered anew when its weights changed."""
+        version = weight_version(agent.model.shared, lambda n: f".{adapter}." in n)
+        known = self.adapters.get((key, adapter))
+        if known is not None and known[0] == version:
+            return known[1]
+        if self.folder is None:
+            self.folder = tempfile.TemporaryDirectory(prefix="lit_marl_vllm_adapters_")
+        self.adapter_syncs += 1
+        folder = os.path.join(self.folder.name, f"{adapter}-{self.adapter_syncs}")
+        agent.model.save_adapter(Path(folder))
+        handle = self.backends[key].add_adapter(f"{adapter}-{self.adapter_syncs}", folder)
+        if known is not None:  # the version before: loaded by its last generation, not needed again
+            shutil.rmtree(known[2], ignore_errors=True)
+        self.adapters[key, adapter] = (version, handle, folder)
+        return handle
 
     @contextlib.contextmanager
     def rollout(self, agents):
         """Every distinct model of ``agents`` synced first, in order (every rank reaches the same
         syncs, whose sharded weights gather tensor by tensor), then the rollout; after it, instances
         with sleep mode free their weights and KV cache for the update."""
-        for agent in {id(agent.model): agent for agent in agents}.values():
+        for agent in {(id(served(a)[0]), served(a)[1]): a for a in agents}.values():
             self.sync(agent)
         try:
             yield
@@ -270,7 +335,7 @@ class VLLMEngine:
 
     @torch.no_grad()
     def generate(self, agent, prompts, num_samples, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False):
-        backend = self.sync(agent)
+        backend, adapter = self.sync(agent)
         sampling = Sampling(
             n=num_samples,
             max_tokens=max_new_tokens,
@@ -278,7 +343,7 @@ class VLLMEngine:
             top_p=1.0 if greedy else top_p,
             stop_token_ids=[agent.eos_token_id],
         )
-        outputs = backend.generate(prompts, sampling)
+        outputs = backend.generate(prompts, sampling, adapter)
         if len(outputs) != len(prompts) or any(len(o) != num_samples for o in outputs):
             raise RuntimeError(
                 f"vllm returned {[len(o) for o in outputs]} samples for {len(prompts)} prompts × {num_samples}"

@@ -240,9 +240,15 @@ class FakeBackend:
     def wake_up(self, tags):
         self.events += [f"wake_up:{t}" for t in tags]
 
-    def generate(self, prompts, sampling):
+    def add_adapter(self, name, folder):
+        from safetensors.torch import load_file
+
+        self.events.append(f"add_adapter:{name}")
+        return name, load_file(f"{folder}/adapter_model.safetensors")
+
+    def generate(self, prompts, sampling, adapter=None):
         self.calls.append((prompts, sampling))
-        self.events.append("generate")
+        self.events.append("generate" if adapter is None else f"generate:{adapter[0]}")
         eos = sampling.stop_token_ids[0]
         out = []
         for i in range(len(prompts)):
@@ -378,6 +384,34 @@ def test_vllm_rollouts_sync_first_and_sleep_mode_frees_the_engine_for_the_update
             assert backends[1].events == ["load", "generate", "generate"] and backends[0].events == ["load"]
     assert VLLMEngine.options(engine, "cuda")["enable_sleep_mode"] is True
     assert "enable_sleep_mode" not in engine.options("cpu")  # vLLM's CPU build has no sleep mode
+
+
+def test_a_lora_team_shares_one_instance_each_agent_sending_its_adapter(tiny_agent, prompts):
+    """Agents whose adapters share one base (``lora_shared_base``) are served by one instance: the
+    base is loaded once (unmerged, as the adapters switched off give it), each agent's adapter is
+    saved and registered, and its generations name it; after an update of one agent's adapter only
+    that adapter is sent again (a new name: vLLM caches by id), the base and the other stay."""
+    backends = []
+    engine = VLLMEngine(backend_factory=lambda a, dtype: backends.append(FakeBackend(a, dtype=dtype)) or backends[-1])
+    team = adapter_team(tiny_agent.tokenizer)  # two AdapterView agents on one tiny Llama base
+    shared = team[0].model.shared
+    with engine.rollout(team):
+        for agent in team:
+            engine.generate(agent, prompts, 1, 3)
+    assert len(backends) == 1 and engine.syncs == 1
+    base = backends[0].loads[0]
+    with shared.disable_adapter():
+        plain = dict(effective_weights(shared))
+    assert base.keys() == plain.keys() and all(torch.equal(base[n], plain[n]) for n in plain)
+    events = ["load", "add_adapter:agent0-1", "add_adapter:agent1-2", "generate:agent0-1", "generate:agent1-2"]
+    assert backends[0].events == events
+    sent = backends[0].events
+    optimizer = torch.optim.SGD(team[1].model.own_parameters(), lr=0.5)
+    team[1].model(input_ids=torch.tensor([prompts[1]])).logits.sum().backward()
+    optimizer.step()
+    with engine.rollout(team):
+        engine.generate(team[1], prompts, 1, 3)
+    assert sent[5:] == ["add_adapter:agent1-3", "generate:agent1-3"] and engine.syncs == 1  # no base reload
 
 
 def test_vllm_engine_options_need_the_default_backend():

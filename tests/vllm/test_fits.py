@@ -44,6 +44,17 @@ def test_a_team_of_two_models_fits_with_vllm_rollouts(tmp_path):
     assert all(torch.isfinite(torch.tensor(scalars["train/loss"])))
 
 
+def test_a_lora_team_on_one_base_fits_with_one_vllm_instance(tmp_path):
+    """Two agents as LoRA adapters on one base (``lora_shared_base``): one instance serves both, each
+    agent's requests with its adapter, re-sent after each update; step 2 samples the updated team."""
+    extra = ["--trainer.limit_train_batches", "2", "--model.init_args.lora", "{r: 8, alpha: 16}"]
+    extra += ["--model.init_args.lora_shared_base", "true"]
+    scalars = _fit(tmp_path, "configs/magrpo/slogan_tiny.yaml", *extra)
+    assert scalars["log"].count("Initializing a V1 LLM engine") == 1  # one instance for the team
+    diffs = scalars["train/rollout_logp_diff"]
+    assert len(diffs) == 2 and max(diffs) < 1e-3
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "fsdp_per_layer"])
 def test_two_ranks_each_run_their_own_vllm(tmp_path, strategy):
     """Under DDP and FSDP2 (2 gloo ranks) every rank starts its own instances with vLLM's external
