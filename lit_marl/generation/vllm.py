@@ -4,15 +4,15 @@ on GPU machines install a vLLM build for the torch release this project pins).
 Colocated, as TRL's ``vllm_mode=colocate`` and verl's hybrid engine: every rank runs its own vLLM
 instance beside its trainer, one instance per distinct model of the team; the agents of a team of
 LoRA adapters on one base (``AdapterView``, ``model.lora_shared_base``) share the base's instance,
-which loads the base once and each agent's adapter as a LoRA request (saved anew when it changed). An instance starts from the model's config alone (a temporary
-folder, ``load_format="dummy"``, no tokenizer: prompts go in as token ids), so nothing is read from
-disk or the hub: the trainer's weights are what it serves. vLLM keeps its own copy of them, so
-before each generation the engine compares the model's parameter versions (every in-place
-optimizer step bumps them) with those it last loaded and, when they changed, streams
-``effective_weights`` into vLLM (one tensor at a time in the serving dtype, each tied weight once,
-LoRA merged) and empties vLLM's prefix cache, whose keys and values were computed with the old
-weights. The first rollout after every update syncs, on every rank, inside the same ``gathered()``
-block that makes sharded (FSDP) weights whole.
+which loads the base once and each agent's adapter as a LoRA request (saved anew when it changed).
+An instance starts from the model's config alone (a temporary folder, ``load_format="dummy"``, no
+tokenizer: prompts go in as token ids), so nothing is read from disk or the hub: the trainer's
+weights are what it serves. vLLM keeps its own copy of them, so every rollout (``rollout``) first
+compares each served model's parameter versions (every in-place optimizer step bumps them, and every
+FSDP gather) with those it last loaded and, when they changed, streams ``effective_weights`` into
+vLLM (one tensor at a time in the serving dtype, each tied weight once, LoRA merged, sharded weights
+gathered as they go) and empties vLLM's prefix cache, whose keys and values were computed with the
+old weights. On a GPU an instance sleeps between rollouts (``enable_sleep_mode``).
 
 Each sample comes back with the log-prob vLLM computed for every token it sampled (the raw model
 distribution, before temperature and top-p: what the trainer's forward recomputes), so the trainer
