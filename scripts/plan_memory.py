@@ -23,64 +23,31 @@ from unittest import mock
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+
+def qwen2(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, tied: bool, vocab=152064, eps=1e-6):
+    """A Qwen2.5 config.json's fields (what the plan reads: the shapes)."""
+    return dict(
+        architectures=["Qwen2ForCausalLM"],
+        model_type="qwen2",
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=vocab,
+        max_position_embeddings=32768,
+        rms_norm_eps=eps,
+        rope_theta=1000000.0,
+        tie_word_embeddings=tied,
+    )
+
+
 # the architectures of the guide's models (their config.json, as published)
 ARCHITECTURES = {
-    "Qwen/Qwen2.5-1.5B-Instruct": dict(
-        architectures=["Qwen2ForCausalLM"],
-        model_type="qwen2",
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        vocab_size=151936,
-        max_position_embeddings=32768,
-        rms_norm_eps=1e-6,
-        rope_theta=1000000.0,
-        tie_word_embeddings=True,
-    ),
-    "Qwen/Qwen2.5-7B-Instruct": dict(
-        architectures=["Qwen2ForCausalLM"],
-        model_type="qwen2",
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        vocab_size=152064,
-        max_position_embeddings=32768,
-        rms_norm_eps=1e-6,
-        rope_theta=1000000.0,
-        tie_word_embeddings=False,
-    ),
-    "Qwen/Qwen2.5-14B-Instruct": dict(
-        architectures=["Qwen2ForCausalLM"],
-        model_type="qwen2",
-        hidden_size=5120,
-        intermediate_size=13824,
-        num_hidden_layers=48,
-        num_attention_heads=40,
-        num_key_value_heads=8,
-        vocab_size=152064,
-        max_position_embeddings=32768,
-        rms_norm_eps=1e-5,
-        rope_theta=1000000.0,
-        tie_word_embeddings=False,
-    ),
-    "Qwen/Qwen2.5-32B-Instruct": dict(
-        architectures=["Qwen2ForCausalLM"],
-        model_type="qwen2",
-        hidden_size=5120,
-        intermediate_size=27648,
-        num_hidden_layers=64,
-        num_attention_heads=40,
-        num_key_value_heads=8,
-        vocab_size=152064,
-        max_position_embeddings=32768,
-        rms_norm_eps=1e-5,
-        rope_theta=1000000.0,
-        tie_word_embeddings=False,
-    ),
+    "Qwen/Qwen2.5-1.5B-Instruct": qwen2(1536, 8960, 28, 12, 2, tied=True, vocab=151936),
+    "Qwen/Qwen2.5-7B-Instruct": qwen2(3584, 18944, 28, 28, 4, tied=False),
+    "Qwen/Qwen2.5-14B-Instruct": qwen2(5120, 13824, 48, 40, 8, tied=False, eps=1e-5),
+    "Qwen/Qwen2.5-32B-Instruct": qwen2(5120, 27648, 64, 40, 8, tied=False, eps=1e-5),
 }
 
 
