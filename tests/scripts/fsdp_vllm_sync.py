@@ -48,7 +48,7 @@ class RecordingBackend:
             del tensor
         self.sync_calls = len(self.trace.calls)
 
-    def generate(self, prompts, sampling):
+    def generate(self, prompts, sampling, adapter=None):
         from lit_marl.generation.vllm import Sample
 
         return [[Sample([5, 6], "length", [-1.0, -1.0]) for _ in range(sampling.n)] for _ in prompts]
