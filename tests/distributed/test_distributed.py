@@ -212,6 +212,20 @@ def test_gathered_weights_show_a_new_version_after_an_update(tmp_path):
         assert report == {"moved": True, "same_block_same_version": True, "version_changed": True}
 
 
+@pytest.mark.slow  # ~15 s
+def test_per_layer_fsdp_gathers_layers_in_bf16_and_reduces_in_fp32(tmp_path):
+    """``gather_dtype: bfloat16``: the decoder layers are gathered and compute in bf16, the gradients
+    are reduced into fp32 shards; they stay within bf16's rounding of one process's under bf16
+    autocast (measured: 2.5 % at most, a weight's gradient norm; the norms too compute in bf16 here),
+    the ranks' collectives alike."""
+    run_script(TEST_SCRIPTS / "fsdp_grads.py", str(tmp_path), str(free_port()), "bf16gather", "--per-layer")
+    reports = [json.loads((tmp_path / f"report_rank{r}.json").read_text()) for r in range(2)]
+    for report in reports:
+        assert report["grad_dtypes"] == ["torch.float32"] and report["dtypes"] == ["torch.float32"]
+        assert report["relative_grad_diff"] < 0.05
+    assert reports[0]["collectives"] == reports[1]["collectives"]
+
+
 def test_per_layer_fsdp_without_padding_fails_instead_of_hanging(tmp_path):
     """The negative control: the same uneven passes without ``lockstep`` must not pass: the ranks'
     collectives no longer match and the run stops with an error (20 s collective timeout) instead

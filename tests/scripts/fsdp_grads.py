@@ -14,7 +14,7 @@ generation runs inside ``gathered()``; the passes run through ``lockstep`` (rank
 passes without ``lockstep``, with a 20 s collective timeout: it must fail, not hang.
 Writes OUT/report_rank{r}.json.
 
-python fsdp_grads.py OUT PORT [checkpointing|bf16] [--per-layer] [--no-padding]
+python fsdp_grads.py OUT PORT [checkpointing|bf16|bf16gather] [--per-layer] [--no-padding]
 """
 
 from __future__ import annotations
@@ -74,7 +74,11 @@ def worker(rank: int, world: int, folder: str, port: str, mode: str, per_layer: 
     attention.register_forward_hook(lambda *_: recomputed.__setitem__(0, recomputed[0] + in_backward[0]))
     from collective_trace import CollectiveTrace
 
-    shards = TeamShards([model], init_device_mesh("cpu", (world,)), "per_layer" if per_layer else "gathered")
+    # bf16gather: decoder layers gathered and computing in bf16 (gradients reduced in fp32); the one
+    # process it is compared with runs under bf16 autocast
+    gather = "bfloat16" if mode == "bf16gather" else "float32"
+    shards = TeamShards([model], init_device_mesh("cpu", (world,)), "per_layer" if per_layer else "gathered", gather)
+    single_autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode in ("bf16", "bf16gather"))
     batches = [torch.randint(3, 500, (2, 6), generator=torch.Generator().manual_seed(100 + i)) for i in range(4)]
     mine = batches[:3] if rank == 0 else batches[3:]  # 3 passes on rank 0, 1 on rank 1
     new_tokens = 4 + 16 * rank
@@ -97,10 +101,15 @@ def worker(rank: int, world: int, folder: str, port: str, mode: str, per_layer: 
     local = {n: p.to_local().shape[0] for n, p in model.named_parameters() if isinstance(p, DTensor)}
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.requires_grad}
     for ids in batches:
-        with autocast:
+        with single_autocast:
             loss = loss_of(single, ids)
         loss.backward()
     worst = max(float((grads[n] - p.grad).abs().max()) for n, p in single.named_parameters() if p.requires_grad)
+    relative = max(
+        float((grads[n] - p.grad).norm() / p.grad.norm().clamp(min=1e-12))
+        for n, p in single.named_parameters()
+        if p.requires_grad
+    )
     if os.environ.get("FSDP_GRADS_DEBUG"):
         print(
             {
@@ -114,6 +123,8 @@ def worker(rank: int, world: int, folder: str, port: str, mode: str, per_layer: 
         "rank": rank,
         "generated": out.shape[1] - 3,
         "max_grad_diff": worst,
+        "relative_grad_diff": relative,
+        "grad_dtypes": sorted({str(g.dtype) for g in grads.values()}),
         "embed_rows": local["model.embed_tokens.weight"],
         "sharded": len(local),
         "params": len(list(model.parameters())),
