@@ -237,12 +237,15 @@ def test_per_layer_fsdp_without_padding_fails_instead_of_hanging(tmp_path):
 
 
 @pytest.mark.slow  # a 2-rank run of ~45-55 s: make test-slow
-def test_fsdp_generates_different_lengths_per_rank_and_trains_a_centralized_critic(tmp_path):
+@pytest.mark.parametrize("mode", ["gathered", "per_layer"])
+def test_fsdp_generates_different_lengths_per_rank_and_trains_a_centralized_critic(tmp_path, mode):
     """Fresh samples under FSDP, rank r decoding up to 6 + 6r tokens per response (no collective
-    inside generate, so no hang); MAAC's critic model is a sharded model of its own."""
-    run(
-        tmp_path, "--devices", "2", "--tasks-per-step", "2", "--steps", "2", "--algorithm", "maac", "--fsdp", "--sample"
-    )
+    inside generate, so no hang); MAAC's critic model is a sharded model of its own (per layer: its
+    value passes padded like the actors'; the ranks' collectives alike)."""
+    args = ("--devices", "2", "--tasks-per-step", "2", "--steps", "2", "--algorithm", "maac", "--sample")
+    run(tmp_path, *args, "--fsdp", "--fsdp-mode", mode)
+    calls = [json.loads((tmp_path / f"collectives_rank{r}.json").read_text()) for r in range(2)]
+    assert calls[0] == calls[1]
     lengths = [json.loads((tmp_path / f"lengths_rank{r}.json").read_text()) for r in range(2)]
     assert max(lengths[0]) <= 6 < max(lengths[1]) <= 12
     ranks = [params(tmp_path / f"params_rank{r}.pt") for r in range(2)]
@@ -379,7 +382,7 @@ def test_fsdp_refuses_what_it_cannot_shard():
 
 @pytest.mark.slow  # ~1 min an algorithm: `make test-slow` (make test keeps fsdp_matches_one_process)
 @pytest.mark.parametrize("mode", ["gathered", "per_layer"])
-@pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
+@pytest.mark.parametrize("algorithm", ["ppo", "ppo_critic_model", "grpo"])
 def test_episodic_algorithms_train_on_two_fsdp_ranks(tmp_path, repo_root, algorithm, mode):
     """PPO and GRPO on stateful corridor episodes (each rank's episodes end at their own turns:
     other row counts, other pass counts), sharded with FSDP2 in both modes through the console
@@ -389,7 +392,9 @@ def test_episodic_algorithms_train_on_two_fsdp_ranks(tmp_path, repo_root, algori
 
     from lit_marl.models import load_model_and_tokenizer
 
-    config = yaml.safe_load((repo_root / "configs" / algorithm / "corridor_tiny.yaml").read_text())
+    config = yaml.safe_load((repo_root / "configs" / algorithm.split("_")[0] / "corridor_tiny.yaml").read_text())
+    if algorithm == "ppo_critic_model":  # a critic model of its own: its value passes forward it alone
+        config["model"]["init_args"]["critic"] = "model"
     config["trainer"].update(
         devices=2,
         strategy={"class_path": "lit_marl.parallel.strategies.TeamFSDPStrategy", "init_args": {"mode": mode}},
@@ -405,7 +410,7 @@ def test_episodic_algorithms_train_on_two_fsdp_ranks(tmp_path, repo_root, algori
     moved = max(float((trained[n] - p).abs().max()) for n, p in initial.items())
     # the random tiny model scores 0 in every corridor episode: GRPO's group advantages are all 0 and
     # its weights stay (as in one process); PPO's value baseline still gives advantages
-    assert moved > 1e-4 if algorithm == "ppo" else moved == 0.0
+    assert moved > 1e-4 if algorithm.startswith("ppo") else moved == 0.0
 
 
 @pytest.mark.slow  # a 2-rank run of ~45-55 s: make test-slow
