@@ -29,7 +29,7 @@ from lit_marl import ConfigError
 from lit_marl.agents import AdapterView
 from lit_marl.models import store_frozen, trained
 from lit_marl.parallel.collectives import all_ranks_max
-from lit_marl.parallel.fsdp import shardable_models, untied_edges
+from lit_marl.parallel.fsdp import shardable_models, unit_modules
 from lit_marl.parallel.strategies import TeamFSDPStrategy
 
 GiB = 2**30
@@ -227,12 +227,10 @@ def _world_of(params: list[torch.Tensor], shard_over: int) -> int:
 def fsdp_units(model: nn.Module) -> list[tuple[list[torch.Tensor], bool]]:
     """The parameters of each FSDP2 unit ``per_layer`` makes of ``model`` (its decoder layers, its
     untied embedding and head, the rest: the root, flagged True)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    blocks = set(getattr(base, "_no_split_modules", None) or ())
-    modules = [m for m in model.modules() if type(m).__name__ in blocks] + untied_edges(base)
+    layers, edges = unit_modules(model)
     taken: set[int] = set()
     units = []
-    for m in modules:
+    for m in layers + edges:
         own = [p for p in m.parameters() if id(p) not in taken]
         taken.update(id(p) for p in own)
         units.append((own, False))

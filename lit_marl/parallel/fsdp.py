@@ -88,14 +88,11 @@ class TeamShards:
         self.roots: list[nn.Module] = []
         self.params_of: list[set[int]] = []  # ids of each root's sharded parameters (what optimizers hold)
         for model in models:
-            base = model.get_base_model() if hasattr(model, "get_base_model") else model
-            blocks = set(getattr(base, "_no_split_modules", None) or ())
-            for layer in [m for m in model.modules() if type(m).__name__ in blocks]:
-                # one all-gather unit per decoder layer
+            layers, edges = unit_modules(model)
+            for layer in layers:  # one all-gather unit per decoder layer
                 fully_shard(layer, mesh=mesh, mp_policy=layer_policy)
-            if per_layer:
-                for edge in untied_edges(base):  # torchtitan's embedding and output units
-                    fully_shard(edge, mesh=mesh, reshard_after_forward=True)
+            for edge in edges if per_layer else ():  # torchtitan's embedding and output units
+                fully_shard(edge, mesh=mesh, reshard_after_forward=True)
             fully_shard(model, mesh=mesh)
             if not per_layer:
                 model.set_requires_gradient_sync(False)  # gradients are reduced by ``reduce_gradients`` only
@@ -293,6 +290,15 @@ class TeamShards:
             for g in grads:
                 g.mul_(coef)
         return norm
+
+
+def unit_modules(model: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
+    """The modules below ``model`` that become FSDP2 units: its decoder layers (the model's
+    ``_no_split_modules``), and its untied embedding and head (their own units under ``per_layer``);
+    the rest stays in the root unit."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    blocks = set(getattr(base, "_no_split_modules", None) or ())
+    return [m for m in model.modules() if type(m).__name__ in blocks], untied_edges(base)
 
 
 def untied_edges(model: nn.Module) -> list[nn.Module]:
