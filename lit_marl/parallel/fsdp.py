@@ -108,6 +108,7 @@ class TeamShards:
             self.params_of.append({id(p) for p in model.parameters()})
         self.depth = 0
         self.held: list[nn.Module] = []  # the roots ``gathered()`` holds whole
+        self.stepped: set[int] = set()  # roots whose shards an optimizer stepped since their last gather
         self._seen: list[int] | None = None  # inside a lockstep pass: the roots forwarded, in order
 
     def _record(self, root: nn.Module, _args) -> None:
@@ -150,11 +151,13 @@ class TeamShards:
         for unit in self.units(roots):
             unit.set_reshard_after_forward(False, recurse=False)
             unit.unshard()
-        # FSDP2 gathers into the same parameter objects without bumping their versions: mark them
-        # changed, so whoever compares versions (an engine that holds its own copy) sees new weights
-        for root in roots:
+        # FSDP2 gathers into the same parameter objects without bumping their versions: where the
+        # shards changed since the last gather, mark the gathered weights changed, so whoever compares
+        # versions (an engine that holds its own copy) sees new weights, and only then
+        for root in (r for r in roots if id(r) in self.stepped):
             for p in root.parameters():
                 torch.autograd.graph.increment_version(p)
+        self.stepped -= {id(r) for r in roots}
 
     def _reshard(self, roots: list[nn.Module]) -> None:
         for unit in self.units(roots):
@@ -237,9 +240,11 @@ class TeamShards:
                 root.set_requires_gradient_sync(False)
 
     def refresh(self, params: list[torch.Tensor]) -> None:
-        """After an optimizer step on the shards of ``params``: gather those models' new weights
-        (inside ``gathered()``)."""
-        roots = [root for root in self.roots_of(params) if any(root is h for h in self.held)]
+        """After an optimizer step on the shards of ``params`` (every step, in both modes): those models'
+        shards changed; inside ``gathered()`` their new weights are gathered at once."""
+        stepped = self.roots_of(params)
+        self.stepped |= {id(root) for root in stepped}
+        roots = [root for root in stepped if any(root is h for h in self.held)]
         for unit in self.units(roots):
             unit.reshard()
         self._unshard(roots)

@@ -205,11 +205,17 @@ def test_vllm_sync_streams_sharded_weights_one_tensor_at_a_time(tmp_path):
 
 def test_gathered_weights_show_a_new_version_after_an_update(tmp_path):
     """FSDP2 gathers into the same parameter objects; an engine that compares parameter versions to
-    decide whether to resync (vLLM) must see the update's new weights (it once served stale ones)."""
+    decide whether to resync (vLLM) must see the update's new weights (it once served stale ones), and
+    the same version when the model is gathered again with nothing stepped (no reload for nothing)."""
     run_script(TEST_SCRIPTS / "fsdp_versions.py", str(tmp_path), str(free_port()))
     for r in range(2):
         report = json.loads((tmp_path / f"report_rank{r}.json").read_text())
-        assert report == {"moved": True, "same_block_same_version": True, "version_changed": True}
+        assert report == {
+            "moved": True,
+            "same_block_same_version": True,
+            "version_changed": True,
+            "regathered_same_version": True,
+        }
 
 
 @pytest.mark.slow  # ~15 s

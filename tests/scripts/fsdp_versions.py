@@ -1,7 +1,8 @@
 """Two ranks (gloo) shard the tiny model in the gathered mode and take an optimizer step inside
 ``gathered()`` (reduce, step, refresh), as an update does. ``weight_version`` (what an engine with its
 own copy of the weights compares before generating) must change: the next gathered block holds
-other weights. Writes OUT/report_rank{r}.json.
+other weights; gathered again without a step it must not (an engine would reload for nothing).
+Writes OUT/report_rank{r}.json.
 
 python fsdp_versions.py OUT PORT
 """
@@ -36,6 +37,8 @@ def worker(rank: int, world: int, folder: str, port: str) -> None:
     with shards.gathered():
         before, weights = weight_version(model), next(model.parameters()).clone()
         again = weight_version(model)
+    with shards.gathered():  # gathered again, nothing stepped: the same weights, the same version
+        regathered = weight_version(model)
     with shards.gathered():
         model(input_ids=torch.tensor([[3, 4, 5]])).logits.sum().backward()
         shards.reduce_gradients(params)
@@ -44,6 +47,7 @@ def worker(rank: int, world: int, folder: str, port: str) -> None:
     with shards.gathered():
         after, moved = weight_version(model), not torch.equal(next(model.parameters()), weights)
     report = {"moved": moved, "same_block_same_version": before == again, "version_changed": before != after}
+    report["regathered_same_version"] = before == regathered
     (Path(folder) / f"report_rank{rank}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
 
