@@ -312,8 +312,8 @@ def plan(
 ) -> MemoryPlan:
     """The memory plan of ``module`` (built, sharded where it will be) for a step of ``data``. The
     keywords plan ahead for other hardware (``scripts/plan_memory.py``): ``shard_over`` ranks of FSDP2
-    in ``mode`` (gathered or per_layer), vLLM's ``gpu_memory_utilization`` (None: what vLLM needs) and
-    options (``VLLMEngine.options`` of the device it will run on),
+    in ``mode`` (gathered or per_layer), vLLM's ``gpu_memory_utilization`` and options
+    (``VLLMEngine.options`` of the device it will run on),
     the runtime's bytes, the device's, bf16 autocast; by default each is read from the run."""
     device = module.device
     if autocast is None:
@@ -362,32 +362,23 @@ VLLM_OVERHEAD = 2 * GiB  # per GPU instance: CUDA graphs, sampler, activations o
 
 def _vllm_parts(result: MemoryPlan, options: dict, models: list, shape, share: float | None, dtype) -> None:
     """vLLM's instances: on CPU a fixed KV budget beside their weights; on a GPU the share they are
-    given, or (``share`` None and none configured) what they need: weights / tensor-parallel ranks +
-    the KV cache of the step's generation shape + ~2 GiB. Asleep during the update with
-    ``enable_sleep_mode`` (weights and KV freed)."""
-    bytes_per = 2 if dtype is not None else 4
-    served = sum(p.numel() for m in models for p in m.parameters()) * bytes_per
+    given (``share``, else the options'), with a note where that is less than they need (weights /
+    tensor-parallel ranks + the KV cache of the step's generation shape + ~2 GiB). Asleep during the
+    update with ``enable_sleep_mode`` (weights and KV freed)."""
+    served = sum(p.numel() for m in models for p in m.parameters()) * (2 if dtype is not None else 4)
     if share is None and "kv_cache_memory_bytes" in options:
         name = "vLLM engines (KV budget, weights)"
         result.parts[name] = len(models) * options["kv_cache_memory_bytes"] + served
     else:
-        share = share if share is not None else options.get("gpu_memory_utilization")
+        name = "vLLM engines (gpu_memory_utilization)"
+        result.parts[name] = (share or options["gpu_memory_utilization"]) * len(models) * (result.capacity or 0)
         tp = int(options.get("tensor_parallel_size", 1))
         kv = sum(kv_cache_bytes(m, shape[0], shape[1], dtype or torch.float32) for m in models) if shape else 0.0
-        need = served / tp + kv / tp + len(models) * VLLM_OVERHEAD
-        if share is None:
-            name = "vLLM engines (weights / TP, KV, overhead)"
-            result.parts[name] = need
-            if result.capacity:
-                per = need / len(models) / result.capacity
-                result.notes.append(f"vLLM: gpu_memory_utilization {per:.2f} per instance covers its need")
-        else:
-            name = "vLLM engines (gpu_memory_utilization)"
-            result.parts[name] = share * len(models) * (result.capacity or 0)
-            if result.capacity and need > result.parts[name]:
-                result.notes.append(
-                    f"vLLM needs ~{need / GiB:.1f} GiB (weights / TP, KV, overhead): raise gpu_memory_utilization"
-                )
+        need = (served + kv) / tp + len(models) * VLLM_OVERHEAD
+        if result.capacity and need > result.parts[name]:
+            result.notes.append(
+                f"vLLM needs ~{need / GiB:.1f} GiB (weights / TP, KV, overhead): raise gpu_memory_utilization"
+            )
     if options.get("enable_sleep_mode"):
         result.phases[name] = ROLLOUT
 
@@ -463,8 +454,6 @@ def check_memory(module, data=None) -> MemoryPlan:
         "generation KV cache": "lower data.tasks_per_step, data.num_generations or the context",
         "vLLM engines (gpu_memory_utilization)": "lower gpu_memory_utilization in data.engine_options",
         "vLLM engines (KV budget, weights)": "lower kv_cache_memory_bytes in data.engine_options",
-        "vLLM engines (weights / TP, KV, overhead)": "lower data.tasks_per_step or the context, or set "
-        "enable_sleep_mode: true in data.engine_options (GPU)",
         "weights gathered for a step": "use per-layer FSDP2 (trainer.strategy.init_args.mode: per_layer)",
         "layers gathered in a pass": "set trainer.strategy.init_args.gather_dtype: bfloat16",
         "weights gathered for generation": "generate with vLLM (data.engine: vllm)",
