@@ -110,14 +110,6 @@ def worker(rank: int, world: int, folder: str, port: str, mode: str, per_layer: 
         for n, p in single.named_parameters()
         if p.requires_grad
     )
-    if os.environ.get("FSDP_GRADS_DEBUG"):
-        print(
-            {
-                n: (float((grads[n] - p.grad).abs().max()), float(p.grad.abs().max()))
-                for n, p in single.named_parameters()
-                if p.requires_grad
-            }
-        )
     dtypes = sorted({str(p.dtype) for p in model.parameters()})
     report = {
         "rank": rank,
