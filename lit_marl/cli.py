@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from lit_marl import ConfigError, checkpoint_files
-from lit_marl.envs.base import RewardError  # checkpoint_files loads torch already: no start-up to save
+from lit_marl.envs.calls import RewardError  # checkpoint_files loads torch already: no start-up to save
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

@@ -19,11 +19,13 @@ from torch.utils.data import DataLoader
 from lit_marl import ConfigError
 from lit_marl.envs import make_env
 from lit_marl.envs.alfworld.games import ALIASES as ALFWORLD_ALIASES
-from lit_marl.envs.base import FunctionEnv, JointEnv, RewardError
+from lit_marl.envs.base import Env, FunctionEnv, TextEnv
+from lit_marl.envs.calls import CallSettings, RewardError
 from lit_marl.envs.centralized import CentralizedEnv
+from lit_marl.envs.game import Game
 from lit_marl.envs.learned import JointRewardModel, LearnedRewardEnv
 from lit_marl.envs.processors import RewardProcessor, check_range
-from lit_marl.envs.sources import resolve_demo_source, resolve_source
+from lit_marl.envs.sources import resolve_demo_source
 from lit_marl.fields import (
     ClosedUnitInterval,
     PositiveFloat,
@@ -35,12 +37,12 @@ from lit_marl.fields import (
 from lit_marl.generation import make_engine
 from lit_marl.generation.base import stream_seed
 from lit_marl.metrics import EvalMeans, PassAtK
-from lit_marl.returns import CrossReduce, JointMode, turn_rewards
+from lit_marl.returns import CrossReduce, JointMode, step_reward, turn_rewards
 from lit_marl.rollout.batch import RolloutBatch
 from lit_marl.rollout.demos import load_demos, render_demos
 from lit_marl.rollout.episode import EpisodeSettings, run_episodes
 from lit_marl.rollout.tree import TreeSettings, build_tree
-from lit_marl.tasks import TaskLoader, import_object, load_tasks, mixture, task_loader
+from lit_marl.tasks import TaskLoader, import_object, mixture, task_loader
 
 
 class Evaluated(NamedTuple):
@@ -176,7 +178,8 @@ class RolloutDataModule(TaskDataModule):
         train_path: str,
         agent_prompts: list[str] | None = None,
         reward_fn: str | None = None,
-        env: JointEnv | None = None,
+        env: Env | str | None = None,
+        env_kwargs: dict | None = None,
         val_path: str | None = None,
         tasks_per_step: PositiveInt = 4,
         num_generations: PositiveInt = 4,
@@ -210,6 +213,9 @@ class RolloutDataModule(TaskDataModule):
         parse_failure_reward: float | None = 0.0,
         reward_model: str | None = None,
         sampling_streams: Literal["shared", "per_task"] = "shared",
+        reward_density: Literal["sparse", "dense"] = "sparse",
+        score_weight: UnitIntervalRightOpen | None = None,
+        branch: Literal["clone", "replay"] | None = None,
     ):
         """
         Args:
@@ -220,9 +226,12 @@ class RolloutDataModule(TaskDataModule):
                 not with ``env``.
             reward_fn: Import path of the joint reward function (``module:function``), called once
                 per turn with ``agent_completions=[agent][joint action]`` and ``tasks=[joint action]``.
-            env: An environment (``class_path`` + ``init_args``, e.g. ``lit_marl.envs.code.CodeEnv``)
-                that gives the prompts, the rewards and the next turn's prompts; replaces
+            env: The environment, as in every data module: an object (``class_path`` + ``init_args``,
+                e.g. ``lit_marl.envs.code.CodeEnv``), or a registered name (``textworld-team``, ...) or
+                import path (``my_package.games:MyGame``) built with ``env_kwargs``; a game's nodes hold
+                game states. It gives the prompts, the rewards and the next turn's prompts; replaces
                 ``agent_prompts``, ``reward_fn`` and ``transition``.
+            env_kwargs: Keyword arguments of ``env`` when it is a name.
             val_path: Held-out task rows for validation, test and the before/after evaluation.
             tasks_per_step: Tasks (tree roots) per training step.
             num_generations: Responses G each agent samples at every tree node.
@@ -299,6 +308,11 @@ class RolloutDataModule(TaskDataModule):
             reward_model: A trained joint reward model's folder (``RewardModelFit``'s
                 ``reward_model_dir``): training rollouts are rewarded by its score of each joint
                 answer instead of the task reward (MARLHF); held-out evaluation keeps the task reward.
+            reward_density: How a game's outcome becomes rewards (``env`` a game), as in ``EpisodeDataModule``.
+            score_weight: Weight of a game's normalized score, as in ``EpisodeDataModule``.
+            branch: How a game's joint action gets its own game (``env`` a game): ``clone`` copies the
+                node's state, ``replay`` starts the game again and replays the branch's commands;
+                default: clone where the game can.
         """
         super().__init__()
         check_fields("data", RolloutDataModule.__init__, locals())
@@ -323,6 +337,8 @@ class RolloutDataModule(TaskDataModule):
                 f"data.sampling_streams=per_task samples with the lean decoder; data.engine={engine!r} cannot: "
                 "use data.engine: auto (or torch), or data.sampling_streams: shared"
             )
+        if isinstance(env, str):
+            env = make_env(env, env_kwargs)
         if env is None:
             env = FunctionEnv(
                 agent_prompts,
@@ -338,16 +354,29 @@ class RolloutDataModule(TaskDataModule):
                 )
             adapter = import_object(centralized_adapter, "data.centralized_adapter")
             env = CentralizedEnv(env, adapter() if isinstance(adapter, type) else adapter, parse_failure_reward)
-        if num_turns > 1 and not env.has_transition:
+        step_reward(0, 0, 1, False, True, reward_density, score_weight)  # checks the two settings
+        if branch is not None:
+            if not isinstance(env, Game):
+                raise ConfigError(f"data.branch={branch!r} applies to games; {type(env).__name__} is not one")
+            if branch == "clone" and not env.cloneable:
+                raise ConfigError(
+                    f"data.branch=clone: the {type(env).__name__} environment cannot copy its state; "
+                    "set data.branch=replay"
+                )
+            env.branching = branch
+        if num_turns > 1 and not env.multi_turn:
             raise ConfigError(f"data.num_turns={num_turns}: {type(env).__name__} has no transition (single-turn)")
         self.env = env
         # what rewards training rollouts: the task reward, or a learned one (MARLHF); evaluation: the task's
-        if reward_model is not None and env.stateful:
+        if reward_model is not None and not isinstance(env, TextEnv):
             raise ConfigError(
                 f"data.reward_model scores joint answers of a text environment; {type(env).__name__} is a game whose "
                 "reward is its own: drop data.reward_model"
             )
         self.train_env = LearnedRewardEnv(env, JointRewardModel.load(reward_model)) if reward_model else env
+        calls = CallSettings(on_reward_error, reward_timeout_s, transition_timeout_s, transition_prompt_field)
+        for text_env in {id(e): e for e in (env, self.train_env) if isinstance(e, TextEnv)}.values():
+            text_env.call_settings = calls
         processor = RewardProcessor.parse(reward_processor)
         raw_range = check_range(reward_range, "data.reward_range")
         inner = env.inner if isinstance(env, CentralizedEnv) else env
@@ -370,11 +399,9 @@ class RolloutDataModule(TaskDataModule):
             discount=discount,
             early_termination_threshold=early_termination_threshold,
             external_prompt_passthrough=external_prompt_passthrough,
-            on_reward_error=on_reward_error,
-            reward_timeout_s=reward_timeout_s,
-            transition_timeout_s=transition_timeout_s,
-            transition_prompt_field=transition_prompt_field,
             reward_processor=processor,
+            reward_density=reward_density,
+            score_weight=score_weight,
         )
         self.max_skipped_steps, self._skipped_steps = max_skipped_steps, 0
         # a user's transition reads the task prompt (an env's own, or one marked like ``plain``, may not)
@@ -398,7 +425,7 @@ class RolloutDataModule(TaskDataModule):
         return self.tree.num_generations
 
     def prompts_for(self, tasks: list[dict]) -> list[list[str]]:
-        return [self.env.prompts(task) for task in tasks]
+        return [state.observations for state in self.env.reset(tasks)]
 
     def rollout(
         self, agents, tasks: list[dict], greedy: bool, response_penalty=None, engine=None, stream: str = "policy"
@@ -481,7 +508,7 @@ class EpisodeDataModule(TaskDataModule):
     def __init__(
         self,
         train_path: str,
-        env: str = "corridor",
+        env: Env | str = "corridor",
         env_kwargs: dict | None = None,
         val_path: str | None = None,
         tasks_per_step: PositiveInt = 4,
@@ -512,8 +539,11 @@ class EpisodeDataModule(TaskDataModule):
                 game set (``envs/sources.py``): ``textworld:<complexity>:<split>:<count>``,
                 ``alfworld:<split>:<count per task type>`` (generated once, cached) or
                 ``alfworld-data:<split>[:<count>]`` (the official games under ``$ALFWORLD_DATA``).
-            env: Registered environment name (``corridor``, ``textworld``, ``alfworld``, ``swe``) or the import
-                path of an ``Env`` subclass of your own (``my_package.envs:MyGame``).
+            env: The environment, as in every data module: a registered name (``corridor``, ``textworld``,
+                ``alfworld``, ``swe``) or the import path of an ``Env`` of your own
+                (``my_package.games:MyGame``), built with ``env_kwargs``; or an object (``class_path`` +
+                ``init_args``, e.g. ``lit_marl.envs.code.CodeEnv``: a text environment plays as episodes,
+                its reward each turn's).
             env_kwargs: Keyword arguments of the environment's constructor.
             val_path: Held-out task rows (validation/test: one greedy episode each).
             tasks_per_step: Tasks per training step.
@@ -557,19 +587,19 @@ class EpisodeDataModule(TaskDataModule):
                 reply as generated in the context (exact training; a warning); ``strict`` refuses such templates.
         """
         super().__init__()
-        probe = make_env(env, env_kwargs)  # a bad name or kwargs fails here, field named
-        self.num_agents = probe.num_agents
+        self.env = make_env(env, env_kwargs) if isinstance(env, str) else env  # a bad name or kwargs fails here
+        self.num_agents = self.env.num_agents
         check_fields("data", EpisodeDataModule.__init__, locals())
+        step_reward(0, 0, 1, False, True, reward_density, score_weight)  # checks the two settings
         if max_context_tokens <= max_new_tokens:
             raise ConfigError(f"data.max_context_tokens={max_context_tokens}: must exceed max_new_tokens")
-        self.save_hyperparameters()
+        self.save_hyperparameters(ignore=[] if isinstance(env, str) else ["env"])
         self.engine = build_engine(engine, engine_options)
+        env_name = env if isinstance(env, str) else type(env).__qualname__
         others = {"data.train_path": train_path, "data.val_path": val_path}  # demonstrations never from these games
-        self.load_demos(demo_path and resolve_demo_source(demo_path, probe, env, env_kwargs, others))
-        self.train_tasks = load_tasks(resolve_source(train_path), "data.train_path", set())
-        self.val_tasks = (
-            load_tasks(resolve_source(val_path, "data.val_path"), "data.val_path", set()) if val_path else []
-        )
+        self.load_demos(demo_path and resolve_demo_source(demo_path, self.env, env_name, env_kwargs, others))
+        self.train_tasks = self.env.load_tasks(train_path, "data.train_path")
+        self.val_tasks = self.env.load_tasks(val_path, "data.val_path") if val_path else []
         if task_types:
             task_types = [ALFWORLD_ALIASES.get(kind, kind) for kind in task_types]  # ALFWorld's short names
             self.train_tasks = mixture(self.train_tasks, task_types, "data.task_types (train rows)")
@@ -596,10 +626,7 @@ class EpisodeDataModule(TaskDataModule):
             reasoning=reasoning,
             history=history,
         )
-        self.pool = ThreadPoolExecutor(max_workers=env_workers)
-
-    def make_env(self):
-        return make_env(self.hparams.env, self.hparams.env_kwargs)
+        self.env.pool = ThreadPoolExecutor(max_workers=env_workers)
 
     def rollout(self, agents, tasks: list[dict], greedy: bool, group_size: int | None = None):
         """One batch per agent; the team shares the turn rewards made from the env's score. Greedy:
@@ -608,13 +635,14 @@ class EpisodeDataModule(TaskDataModule):
         settings = replace(self.episode, group_size=1, greedy=True) if greedy else self.episode
         if group_size is not None and not greedy:
             settings = replace(settings, group_size=group_size)
-        batches = run_episodes(list(agents), tasks, self.make_env, settings, self.pool, self.engine)
+        batches = run_episodes(list(agents), tasks, self.env, settings, self.engine)
         first = batches[0]
-        rewards = turn_rewards(
-            first.scores, first.won, first.max_score, first.num_turns, hp.reward_density, hp.score_weight
-        )
-        for batch in batches:
-            batch.rewards = rewards
+        if first.rewards is None:  # a game: its outcome by the density rule, the team's
+            rewards = turn_rewards(
+                first.scores, first.won, first.max_score, first.num_turns, hp.reward_density, hp.score_weight
+            )
+            for batch in batches:
+                batch.rewards = rewards
         return batches
 
     def rollout_batch(self, module, tasks: list[dict], training: bool):

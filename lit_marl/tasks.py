@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import os
 import string
 from pathlib import Path
 
@@ -244,3 +245,11 @@ class TaskLoader:
             self.epoch, self._resume_at = state["epoch"], None
         else:
             self.epoch, self._resume_at = state["epoch"], state["consumed"]
+
+
+def write_atomic(out: Path, text: str) -> None:
+    """Write under a name of this process's own, then rename: a killed run leaves no half-written
+    file, and two processes writing the same file never mix their bytes."""
+    partial = out.with_name(f".{out.name}.{os.getpid()}")
+    partial.write_text(text)
+    partial.replace(out)

@@ -40,13 +40,14 @@ def main() -> None:
     agent.model.requires_grad_(False)
     rows = load_tasks("data/corridor/train.jsonl", "tasks", set())
     tasks = [rows[i % len(rows)] for i in range(args.episodes)]
-    pool = ThreadPoolExecutor(args.env_workers)
+    env = make_env("corridor")
+    env.pool = ThreadPoolExecutor(args.env_workers)
     results = []
     for repeat in range(args.repeats):
         torch.manual_seed(repeat)
         with torch.no_grad():
             settings = EpisodeSettings(max_turns=args.max_turns, max_new_tokens=args.max_new_tokens)
-            (batch,) = run_episodes([agent], tasks, lambda: make_env("corridor"), settings, pool=pool)
+            (batch,) = run_episodes([agent], tasks, env, settings)
         s = batch.stats
         line = {
             "repeat": repeat,

@@ -39,7 +39,7 @@ import lit_marl.data
 import lit_marl.envs
 import lit_marl.fields
 import lit_marl.parallel.strategies
-from lit_marl.envs.base import REGISTRY, FunctionEnv, JointEnv
+from lit_marl.envs.base import REGISTRY, Env, FunctionEnv
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "config.md"
 COMMAND = ".venv/bin/python scripts/make_config_reference.py"
@@ -222,19 +222,20 @@ def ours(classes, keep=lambda cls: True) -> list[type]:
 
 def generate() -> str:
     for module in pkgutil.walk_packages(lit_marl.envs.__path__, "lit_marl.envs."):
-        importlib.import_module(module.name)  # every JointEnv subclass defined
+        importlib.import_module(module.name)  # every Env subclass defined
     subclasses = lambda c: [d for s in c.__subclasses__() for d in (s, *subclasses(s))]  # noqa: E731
     named = lambda classes: [(f"`class_path: {class_path(c)}`", c) for c in classes]  # noqa: E731
     exported = lambda package: [getattr(package, name) for name in package.__all__]  # noqa: E731
     is_data_module = lambda c: issubclass(c, L.LightningDataModule) and "__init__" in vars(c)  # noqa: E731
     # FunctionEnv is what data.agent_prompts + data.reward_fn build; TaskDataModule, a base, has no arguments
-    envs = sorted(ours(subclasses(JointEnv), lambda c: c is not FunctionEnv), key=class_path)
+    as_object = lambda c: c is not FunctionEnv and c not in REGISTRY.values() and "__init__" in vars(c)  # noqa: E731
+    envs = sorted(ours(subclasses(Env), as_object), key=class_path)
     groups = [
         ("Algorithms (`model`)", named(exported(lit_marl.algorithms))),
         ("Data modules (`data`)", named(ours(vars(lit_marl.data).values(), is_data_module))),
-        ("Environments (`env` of `RolloutDataModule`)", named(envs)),
+        ("Environments (`data.env` as an object)", named(envs)),
         (
-            "Registered environments (`env` + `env_kwargs` of `EpisodeDataModule`, `name` + `kwargs` of `GameEnv`)",
+            "Registered environments (`data.env` as a name, with `data.env_kwargs`)",
             [(f"`env: {n}` (`{class_path(c)}`)", c) for n, c in sorted(REGISTRY.items()) if ours([c])],
         ),
         ("Callbacks (`trainer.callbacks`)", named(exported(lit_marl.callbacks))),

@@ -25,12 +25,12 @@ from pathlib import Path
 
 from lit_marl import ConfigError
 from lit_marl.envs import make_env
-from lit_marl.envs.base import JointEnv
-from lit_marl.tasks import import_object, load_tasks
+from lit_marl.envs.base import TextEnv
+from lit_marl.tasks import import_object
 
 
 def build_env(spec: str, kwargs: dict):
-    """A registered stateful environment's name, or ``module:Class`` of a joint environment."""
+    """A registered environment's name, or ``module:Class`` of an environment (its settings nested as in YAML)."""
     if ":" not in spec:
         return make_env(spec, kwargs, "--env")
     from jsonargparse import ArgumentParser
@@ -41,9 +41,7 @@ def build_env(spec: str, kwargs: dict):
 
 
 def task_rows(env, source: str, field: str) -> list[dict]:
-    if isinstance(env, JointEnv):
-        return env.load_tasks(source, field)
-    return load_tasks(source, field, set(), needed_by="the environment")
+    return env.load_tasks(source, field)
 
 
 def content(row: dict) -> str:
@@ -57,7 +55,7 @@ def overlapping(tasks: list[dict], excluded: list[dict]) -> list[dict]:
     return [t for t in tasks if t.get("task_id") in ids or content(t) in contents]
 
 
-def scores(env: JointEnv, tasks: list[dict], demos: list[list[list[dict]]]) -> list[float]:
+def scores(env: TextEnv, tasks: list[dict], demos: list[list[list[dict]]]) -> list[float]:
     """The environment's reward of each single-turn demonstration (one batched call)."""
     completions = [[demo[i][1]["content"] for demo in demos] for i in range(env.num_agents)]
     out = env.reward(completions, tasks)
@@ -98,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
             kept.append((task, env.demonstration(task)))
         except ValueError as err:
             rejected[str(err).split(":")[-1].strip()[:80]] += 1
-    if isinstance(env, JointEnv) and kept:
+    if isinstance(env, TextEnv) and kept:
         if any(len(chat) != 2 for _, demo in kept for chat in demo):
             sys.exit("make_demos: multi-turn demonstrations of a joint environment cannot be scored here yet")
         rewards = scores(env, [t for t, _ in kept], [d for _, d in kept])

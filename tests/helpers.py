@@ -118,7 +118,10 @@ def tree_from_functions(
 ):
     """``build_tree`` on literal first prompts (``prompts[t][i]``: agent i's for task t), a reward
     function and an optional CoMLRL transition, with the tree's settings as keyword arguments."""
+    from dataclasses import fields
+
     from lit_marl.envs.base import FunctionEnv
+    from lit_marl.envs.calls import CallSettings
     from lit_marl.rollout.tree import TreeSettings, build_tree
 
     class ListedPrompts(FunctionEnv):
@@ -126,6 +129,9 @@ def tree_from_functions(
             return prompts[next(t for t, row in enumerate(tasks) if row is task)]
 
     env = ListedPrompts(["{}"] * len(prompts[0]), reward_fn, transition, None, batched_transition)
+    calls = {f.name for f in fields(CallSettings)}
+    env.call_settings = CallSettings(**{k: v for k, v in settings.items() if k in calls})
+    settings = {k: v for k, v in settings.items() if k not in calls}
     tree = TreeSettings(num_generations=num_generations, joint_mode=joint_mode, **settings)
     return build_tree(agents, tasks, env, tree, engine=engine, response_penalty=response_penalty)
 

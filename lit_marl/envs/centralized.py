@@ -16,7 +16,8 @@ from typing import Protocol
 
 import torch
 
-from lit_marl.envs.base import JointEnv, call_reward
+from lit_marl.envs.base import TextEnv
+from lit_marl.envs.calls import call_reward
 
 
 class ParseError(ValueError):
@@ -90,10 +91,10 @@ def _section(completion: str, i: int) -> str | None:
     return match.group(1).strip() if match else None
 
 
-class CentralizedEnv(JointEnv):
+class CentralizedEnv(TextEnv):
     """``inner`` (N agents, single-turn) played by one joint actor through ``adapter``."""
 
-    def __init__(self, inner: JointEnv, adapter: CentralizedAdapter, parse_failure_reward: float | None = 0.0):
+    def __init__(self, inner: TextEnv, adapter: CentralizedAdapter, parse_failure_reward: float | None = 0.0):
         """
         Args:
             inner: The N-role environment whose prompts and reward the joint actor plays (the data

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import re
 
-from lit_marl.envs.base import Env, StepResult, register
+from lit_marl.envs.base import register
+from lit_marl.envs.game import Game, StepResult
 
 COMMANDS = ("take key", "open door", "go out", "east", "west")
 
@@ -26,7 +27,7 @@ def parse_command(text: str) -> str | None:
 
 
 @register("corridor")
-class Corridor(Env):
+class Corridor(Game):
     """A small deterministic text game: walk east, take the key, open the door, go out (one agent, score 0-3)."""
 
     num_agents = 1
@@ -39,7 +40,7 @@ class Corridor(Env):
         """
         self.instructions = instructions
 
-    def reset(self, task: dict) -> list[str]:
+    def start(self, task: dict) -> list[str]:
         self.length = int(task["length"])
         self.key_room = int(task["key_room"])
         self.pit = bool(task.get("pit", False))
@@ -78,7 +79,7 @@ class Corridor(Env):
     def expert_turns(self, task: dict) -> list[list[str]]:
         return [[action] for action in expert_actions(task)]
 
-    def step(self, actions: list[str]) -> StepResult:
+    def act(self, actions: list[str]) -> StepResult:
         self.steps += 1
         command = parse_command(actions[0])
         message = "Nothing happens."

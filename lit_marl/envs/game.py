@@ -1,122 +1,203 @@
-"""A stateful game (a registered ``Env``: TextWorld, Corridor, ...) played inside joint rollout
-trees: what no stateless environment can give MAGRPO.
+"""Games: stateful environments (TextWorld, ALFWorld, SWE, Corridor) behind the one protocol.
 
-Each tree node holds a game state. Each joint action of a node steps its own copy of that state
-(``clone()``, or ``replay``: a fresh game that replays the branch's commands), and the child node
-continues from that copy, so sibling branches never see each other's moves. The game's outcome
-(``won``, ``score``, ``max_score``) gives the rewards by the episodes' ``reward_density`` rule
-(``returns.step_reward``); a joint action that ends the game opens no child. Generation is as for
-every tree: one batched generate per agent per turn over all open nodes.
+A game class describes ONE game: ``start(task)`` gives each agent its first observation,
+``act(actions)`` (one text per agent) plays a turn. The protocol runs over states that each hold
+their own game, spawned from the configured one's constructor arguments: ``reset`` starts one per
+task, ``step`` plays every state's turn (in the data module's thread pool), ``branch`` gives a joint
+action its own copy (``clone()``, or a fresh game that replays the branch's commands), so a MAGRPO
+tree node holds a game and sibling branches never see each other's moves. Rewards are derived from
+the outcome (``won``, ``score``, ``max_score``) by ``data.reward_density`` (``returns.py``), so every
+game is scored the same way.
 
-    data:
-      class_path: lit_marl.data.RolloutDataModule
-      init_args:
-        env: {class_path: lit_marl.envs.game.GameEnv, init_args: {name: textworld, reward_density: dense}}
+A game of your own is one file: subclass ``Game``, implement ``start`` and ``act`` (and
+``load_tasks`` for named task sets of your own), then name it in YAML by its import path
+(``data.env: my_package.games:MyGame``) or register it (``@register("name")``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+import time
+from abc import abstractmethod
+from dataclasses import dataclass, field
 from typing import Literal
 
+import torch
+
 from lit_marl import ConfigError
-from lit_marl.envs import make_env
-from lit_marl.envs.base import Env, JointEnv, StepResult
-from lit_marl.envs.sources import resolve_source
-from lit_marl.returns import step_reward
+from lit_marl.envs.base import Env, Steps
+from lit_marl.envs.sources import family, named_set
 from lit_marl.tasks import load_tasks
 
 
 @dataclass
+class StepResult:
+    """One game's turn."""
+
+    observations: list[str]
+    """The next observation of each agent."""
+    terminated: bool = False
+    """The episode ended inside the environment (won or lost)."""
+    truncated: bool = False
+    """The environment cut the episode short (its own step limit)."""
+    info: dict = field(default_factory=dict)
+    """``won``, ``lost``, ``score`` (cumulative) and ``max_score`` at least."""
+
+
+@dataclass
 class GameState:
-    """A node's game: the environment instance, its commands so far and its score."""
+    """A state of the protocol: its own game, the task, the commands played so far, the latest
+    observations and outcome."""
 
-    env: Env
+    game: "Game"
     task: dict
-    played: list[list[str]]
-    score: float = 0.0
-
-
-class GameEnv(JointEnv):
-    """A registered stateful ``Env`` (TextWorld, Corridor, ...) played inside joint rollout trees, a game per node."""
-
-    stateful = True
-
-    def __init__(
-        self,
-        name: str,
-        kwargs: dict | None = None,
-        reward_density: Literal["sparse", "dense"] = "sparse",
-        score_weight: float | None = None,
-        branch: Literal["clone", "replay"] = "clone",
-    ):
-        """
-        Args:
-            name: A registered stateful environment (``textworld``, ``corridor``, ...).
-            kwargs: Its constructor's keyword arguments.
-            reward_density: ``sparse``: the outcome on the step that ends a branch; ``dense``: score
-                deltas each step plus the outcome (``returns.step_reward``).
-            score_weight: Weight of the score in the reward (default: 0 sparse, 0.5 dense; < 1).
-            branch: How a joint action gets its own game: ``clone`` copies the node's state (the
-                env's ``clone()``); ``replay`` starts the game again and replays the branch's commands.
-        """
-        self.name, self.kwargs = name, dict(kwargs or {})
-        self.reward_density, self.score_weight, self.branch = reward_density, score_weight, branch
-        step_reward(0, 0, 1, False, True, reward_density, score_weight)  # checks the two settings
-        probe = self.make()
-        if branch == "clone" and not probe.cloneable:
-            raise ConfigError(
-                f"data.env.branch=clone: the {name!r} environment cannot copy its state; set data.env.branch=replay"
-            )
-        self._num_agents = probe.num_agents
-
-    def make(self) -> Env:
-        return make_env(self.name, self.kwargs, "data.env.name")
+    observations: list[str]
+    played: list[list[str]] = field(default_factory=list)
+    info: dict = field(default_factory=dict)
 
     @property
-    def num_agents(self) -> int:
-        return self._num_agents
+    def score(self) -> float:
+        return float(self.info.get("score", 0.0))
 
-    @property
-    def has_transition(self) -> bool:
-        return True  # the game itself gives every child's observations
+
+class Game(Env):
+    """One game, and the protocol over states that each hold one."""
+
+    num_agents: int = 1
+    cloneable: bool = False
+    """Whether ``clone()`` gives an independent copy (for branching a tree mid-episode)."""
+    branching: Literal["clone", "replay"] | None = None
+    """How ``branch`` copies a state: ``clone`` (the game's ``clone()``), ``replay`` (a fresh game
+    replaying the branch's commands); None: clone where the game can, else replay."""
+
+    def __new__(cls, *args, **kwargs):
+        game = super().__new__(cls)
+        game._settings = (args, kwargs)  # what ``spawn`` builds each state's game from
+        return game
+
+    def spawn(self) -> "Game":
+        """A fresh game with this one's settings."""
+        args, kwargs = self._settings
+        return type(self)(*args, **kwargs)
+
+    # ------------------------------------------------------------------ one game
+    @abstractmethod
+    def start(self, task: dict) -> list[str]:
+        """Start ``task``; each agent's first observation."""
+
+    @abstractmethod
+    def act(self, actions: list[str]) -> StepResult:
+        """One turn: each agent's action text."""
+
+    def state_key(self) -> str | None:
+        """A canonical key of the current state: equal for equal states whatever led to them (the
+        anchor of step-level groups, ``docs/credit.md``), or None when the game has none (the anchor
+        is then the agent's observation text). Any function of the episode's history so far keeps
+        the step-level estimate unbiased; a finer key groups less, a coarser one more."""
+        return None
+
+    def finish(self) -> dict | None:
+        """The rollout ended the episode (its turn or context budget ran out): the final ``info``
+        when ending changes it (a game that scores on ``submit`` scores now), else None."""
+        return None
+
+    def close(self) -> None:
+        """Release what the game holds (a workspace, a process); called once it is over, also when
+        it raised. Nothing by default."""
+        return None
+
+    def clone(self) -> "Game":
+        if not self.cloneable:
+            raise TypeError(f"{type(self).__name__} cannot be cloned: replay the action prefix instead")
+        return copy.deepcopy(self)
+
+    def expert_turns(self, task: dict) -> list[list[str]]:
+        """The expert's play of ``task``: per turn, one action text per agent (an optimal solver, a
+        game's walkthrough, a recorded fix). Games that have an expert implement it."""
+        raise NotImplementedError(f"{type(self).__name__} has no expert: it cannot yield demonstrations")
+
+    def demonstration(self, task: dict) -> list[list[dict]]:
+        """The expert's episode, played in a fresh game, as one chat per agent: the observations as
+        user messages, the actions as assistant messages - the turns an RL episode renders. An
+        expert that does not win is an error, never a demonstration."""
+        game = self.spawn()
+        try:
+            observations, turns = game.start(task), game.expert_turns(task)
+            chats: list[list[dict]] = [[] for _ in range(game.num_agents)]
+            for t, actions in enumerate(turns):
+                for chat, observation, action in zip(chats, observations, actions):
+                    chat += [{"role": "user", "content": observation}, {"role": "assistant", "content": action}]
+                result = game.act(actions)
+                if result.terminated or result.truncated:
+                    if not result.info.get("won") or t != len(turns) - 1:
+                        raise ValueError(f"task {task!r}: the expert's play ended at turn {t + 1} without a win")
+                    return chats
+                observations = result.observations
+            raise ValueError(f"task {task!r}: the expert's {len(turns)} turns did not finish the episode")
+        finally:
+            game.close()
+
+    # ------------------------------------------------------------------ the protocol over states
+    @staticmethod
+    def resolve_set(source: str, field: str) -> str:
+        """The task file of a named set of this game (``task_sets``), generated once and cached."""
+        raise NotImplementedError("a game with task_sets resolves them")
 
     def load_tasks(self, source: str, field: str) -> list[dict]:
-        """A task file, or a named TextWorld game set ``textworld:<complexity>:<split>:<count>``
-        (generated once, cached: ``envs.textworld.games.resolve_source``)."""
-        return load_tasks(resolve_source(source, field), field, set(), needed_by=f"the {self.name!r} environment")
+        """A task file, or one of this game's named sets (``task_sets``)."""
+        if family(source, self):
+            source = named_set(source, field, self.resolve_set)
+        return load_tasks(source, field, set(), needed_by=f"the {type(self).__name__} environment")
 
-    def prompts(self, task: dict) -> list[str]:
-        return self.start(task)[1]
+    def _map(self, fn, items: list) -> list:
+        return list(self.pool.map(fn, items)) if self.pool is not None and len(items) > 1 else [fn(x) for x in items]
 
-    def start(self, task: dict) -> tuple[GameState, list[str]]:
-        """A fresh game of ``task`` and each agent's first observation."""
-        env = self.make()
-        return GameState(env, task, []), env.reset(task)
+    def reset(self, tasks: list[dict]) -> list[GameState]:
+        games = [self.spawn() for _ in tasks]
+        firsts = self._map(lambda pair: pair[0].start(pair[1]), list(zip(games, tasks)))
+        return [GameState(game, task, first) for game, task, first in zip(games, tasks, firsts)]
 
-    def step(self, state: GameState, actions: list[str]) -> tuple[GameState, StepResult]:
-        """One joint action on its own copy of ``state``: the child's state and the step's result."""
-        if self.branch == "clone":
-            env = state.env.clone()
-        else:
-            env = self.make()
-            env.reset(state.task)
-            for earlier in state.played:
-                env.step(earlier)
-        result = env.step(actions)
-        return GameState(env, state.task, state.played + [list(actions)], float(result.info.get("score", 0))), result
-
-    def reward_of(self, state: GameState, child: GameState, result: StepResult, ends: bool) -> float:
-        info = result.info
-        return step_reward(
-            state.score,
-            child.score,
-            float(info.get("max_score", 1) or 1),
-            bool(info.get("won", False)),
-            ends,
-            self.reward_density,
-            self.score_weight,
+    def step(self, states, actions, turn, last=False, keep=None) -> Steps:
+        """Every state's game plays its joint action (in parallel); ``keep`` is not needed: a game
+        observes every state anyway."""
+        start = time.perf_counter()
+        results: list[StepResult] = self._map(lambda pair: pair[0].game.act(pair[1]), list(zip(states, actions)))
+        for state, joint, result in zip(states, actions, results):
+            state.played.append(list(joint))
+            state.observations, state.info = result.observations, result.info
+        done = [bool(r.terminated or r.truncated) for r in results]
+        return Steps(
+            observations=[None if d else r.observations for r, d in zip(results, done)],
+            done=done,
+            truncated=[bool(r.truncated and not r.terminated) for r in results],
+            infos=[r.info for r in results],
+            success=torch.tensor([float(bool(r.info.get("won", False))) for r in results]),
+            seconds={"env_s": time.perf_counter() - start},
         )
 
-    def reward(self, agent_completions, tasks):
-        raise TypeError("GameEnv rewards come from the game's own outcome (build_tree steps it), not a reward call")
+    def branch(self, state: GameState) -> GameState:
+        how = self.branching or ("clone" if self.cloneable else "replay")
+        if how == "clone":
+            game = state.game.clone()
+        elif how == "replay":
+            game = self.spawn()
+            game.start(state.task)
+            for earlier in state.played:
+                game.act(earlier)
+        else:
+            raise ConfigError(f"{type(self).__name__}.branching={how!r}: choose clone or replay")
+        return GameState(game, state.task, list(state.observations), [list(p) for p in state.played], dict(state.info))
+
+    def anchor_keys(self, states: list[GameState]) -> list[str | None]:
+        return [state.game.state_key() for state in states]
+
+    def end(self, states: list[GameState]) -> list[dict | None]:
+        finals = self._map(lambda state: state.game.finish(), states)
+        for state, info in zip(states, finals):
+            if info is not None:
+                state.info = info
+        return finals
+
+    def release(self, states: list[GameState]) -> None:
+        for state in states:
+            state.game.close()

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from lit_marl import ConfigError
-from lit_marl.envs.base import JointEnv
+from lit_marl.envs.base import TextEnv
 from lit_marl.generation import left_pad
 from lit_marl.logprobs import final_hidden_states
 from lit_marl.models import load_model_and_tokenizer
@@ -79,10 +79,10 @@ class JointRewardModel(nn.Module):
         return model.eval()
 
 
-class LearnedRewardEnv(JointEnv):
+class LearnedRewardEnv(TextEnv):
     """``inner``'s prompts and transitions, its reward replaced by a reward model's score of the joint answer."""
 
-    def __init__(self, inner: JointEnv, model: JointRewardModel, batch_size: int = 16):
+    def __init__(self, inner: TextEnv, model: JointRewardModel, batch_size: int = 16):
         """
         Args:
             inner: The task's environment: its prompts and transitions are kept, its reward is not.

@@ -1,5 +1,6 @@
-"""Named task sets: one place that turns a ``data.*_path`` naming generated or installed games
-into a task file, and a named set's expert play into demonstrations.
+"""Named task sets: the cache lock every environment's named sets are generated under, and a named
+set's expert play as demonstrations. Each environment knows its own sets (``Game.task_sets`` and
+its ``load_tasks``):
 
 - ``textworld:<complexity>:<split>:<count>``: generated TextWorld games (``envs/textworld/games.py``);
 - ``alfworld:<split>:<count>``: the project's ALFWorld games, ``count`` per task type, and
@@ -7,7 +8,7 @@ into a task file, and a named set's expert play into demonstrations.
   (``envs/alfworld/games.py``);
 - ``swe:bundled:<split>``: the bundled SWE repositories, and ``swe:<file>``: a local SWE-Gym
   instance file read with ``datasets`` (``envs/swe/instances.py``);
-- anything else is a file path and comes back as it is.
+- anything else is a file path.
 """
 
 from __future__ import annotations
@@ -15,51 +16,48 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+from collections.abc import Callable
 from importlib.metadata import version
 from pathlib import Path
 
 from lit_marl import ConfigError
-from lit_marl.envs.alfworld import games as alfworld_games
-from lit_marl.envs.alfworld.env import AlfWorldEnv
-from lit_marl.envs.base import Env
-from lit_marl.envs.swe.env import SWEEnv
-from lit_marl.envs.swe.instances import resolve_source as resolve_swe_source
-from lit_marl.envs.textworld import games as textworld_games
-from lit_marl.envs.textworld.env import TextWorldEnv
-from lit_marl.envs.textworld.games import write_atomic
+from lit_marl.envs.base import REGISTRY, Env
 from lit_marl.models import cache_dir
+from lit_marl.tasks import write_atomic
 
 DEMO_FORMAT = 2
 """Raise it when what an environment renders changes (observation text, command format): cached
 walkthrough demonstrations written by an older version are then written again."""
 
-# family -> (its resolver, the env class that plays it, the packages whose versions key its demos)
-FAMILIES = {
-    "textworld": (textworld_games.resolve_source, TextWorldEnv, ("textworld",)),
-    "alfworld": (alfworld_games.resolve_source, AlfWorldEnv, ("textworld", "alfworld")),
-    "alfworld-data": (alfworld_games.resolve_source, AlfWorldEnv, ("textworld", "alfworld")),
-    "swe": (resolve_swe_source, SWEEnv, ()),
-}
 
-
-def family(source: str | None) -> str | None:
-    """The named family of ``source`` (None: a file path)."""
+def family(source: str | None, env: Env | None = None) -> str | None:
+    """The named-set head of ``source`` that ``env`` (default: any registered game) knows, or None."""
     head = (source or "").split(":", 1)[0]
-    return head if head in FAMILIES and ":" in (source or "") else None
+    if ":" not in (source or ""):
+        return None
+    games = [env] if env is not None else list(REGISTRY.values())
+    known = {head for game in games for head in game.task_sets}
+    return head if head in known else None
+
+
+def named_set(source: str, field: str, resolve: Callable[[str, str], str]) -> str:
+    """A named set's task file, made by ``resolve(source, field)`` (its games generated once, cached).
+    The ranks of a node take turns (a lock file in the cache): the first generates, the others then
+    find every game cached, so a set is generated once per node, not once per rank."""
+    folder = cache_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / f".{source.split(':', 1)[0]}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        return resolve(source, field)
 
 
 def resolve_source(source: str, field: str = "data.train_path") -> str:
-    """A task file path as it is, or a named set's task file (its games generated once, cached).
-    The ranks of a node take turns (a lock file in the cache): the first generates, the others
-    then find every game cached, so a set is generated once per node, not once per rank."""
+    """A task file path as it is, or the task file of a named set of a registered game."""
     kind = family(source)
-    if not kind:
+    if kind is None:
         return source
-    folder = cache_dir()
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / f".{kind}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        return FAMILIES[kind][0](source, field)
+    game = next(c for c in REGISTRY.values() if kind in c.task_sets)
+    return named_set(source, field, game.resolve_set)
 
 
 def same_games(source: str, other: str) -> bool:
@@ -96,15 +94,14 @@ def resolve_demo_source(
                 f"{field}={source!r} draws from the games of {other_field}={other!r}: take the "
                 "demonstrations from another split (the guide's: validation)"
             )
-    _, env_class, packages = FAMILIES[kind]
-    if not isinstance(env, env_class):
+    if kind not in env.task_sets:
         raise ConfigError(
             f"{field}={source!r} names {kind} walkthroughs, but data.env={env_name!r} does not play them: "
-            f"give a demonstrations file (scripts/make_demos.py) or an environment of {env_class.__name__}'s kind"
+            f"give a demonstrations file (scripts/make_demos.py) or an environment that plays the {kind} set"
         )
     tasks_file = Path(resolve_source(source, field))
     rows = [json.loads(line) for line in tasks_file.read_text().splitlines() if line.strip()]
-    settings = [env_name, env_kwargs or {}, DEMO_FORMAT, [version(p) for p in packages], rows]
+    settings = [env_name, env_kwargs or {}, DEMO_FORMAT, [version(p) for p in env.demo_packages], rows]
     key = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:8]
     out = tasks_file.with_name(f"{tasks_file.stem}.{env_name}-{key}.demos.jsonl")
     if out.is_file():

@@ -17,15 +17,14 @@ from __future__ import annotations
 import functools
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Literal
+from typing import Literal
 
 import torch
 
 from lit_marl import ConfigError
 from lit_marl.agents import Agent, roles_by_model
-from lit_marl.envs.base import Env, StepResult, step_all
+from lit_marl.envs.base import Env
 from lit_marl.generation import Engine, left_pad, make_engine
 from lit_marl.metrics import markdown_line
 
@@ -101,7 +100,7 @@ class EpisodeBatch:
 
 @dataclass
 class _Live:
-    env: Env
+    state: object  # the environment's state (``Env.reset``)
     ids: list[list[int]]  # per agent
     mask: list[list[int]]
     ends: list[list[int]]
@@ -110,6 +109,7 @@ class _Live:
     # per agent, per turn: (index of the reply's first token, the engine's log-probs of its tokens or None)
     logprobs: list[list[tuple[int, list[float] | None]]]
     scores: list[float] = field(default_factory=list)
+    rewards: list[list[float]] = field(default_factory=list)  # per turn, per agent: a text env's reward
     info: dict = field(default_factory=dict)
     done: bool = False
     truncated: bool = False
@@ -153,31 +153,31 @@ def action_text(reply: str, reasoning: Literal["none", "think"], opened: bool = 
 def run_episodes(
     agents: list[Agent],
     tasks: list[dict],
-    make_env: Callable[[], Env],
+    env: Env,
     settings: EpisodeSettings = EpisodeSettings(),
-    pool: ThreadPoolExecutor | None = None,
     engine: Engine | None = None,
 ) -> list[EpisodeBatch]:
     """``settings.group_size`` episodes per task from the same start; one batch per agent (agent i's
     own token sequences: its observations and its replies), sharing the outcome fields. Agents that
-    are one model (a parameter-shared team) generate in one batched call per turn; ``engine``
-    generates (default: ``auto``)."""
+    are one model (a parameter-shared team) generate in one batched call per turn, and ONE
+    ``env.step`` plays the turn of every live episode; ``engine`` generates (default: ``auto``)."""
     start = time.perf_counter()
     engine = engine or make_engine("auto")
-    envs: list[Env] = []
+    if env.num_agents != len(agents):
+        raise ValueError(f"{type(env).__name__} has {env.num_agents} agents, the team {len(agents)}")
+    _check_templates(agents, settings)
+    states: list = []
     try:
-        episodes = _start(
-            agents, [task for task in tasks for _ in range(settings.group_size)], make_env, settings, pool, envs
-        )
+        states += env.reset([task for task in tasks for _ in range(settings.group_size)])
+        episodes = _start(agents, states, env, settings)
         clock = dict.fromkeys(("generate_s", "env_s", "generated"), 0.0)
         for turn in range(settings.max_turns):
             live = [e for e in episodes if not e.done]
             if not live:
                 break
-            _play_turn(agents, live, turn, settings, engine, pool, clock)
+            _play_turn(agents, env, live, turn, settings, engine, clock)
     finally:  # also when an episode raised: no workspace or process outlives its rollout
-        for env in envs:
-            env.close()
+        env.release(states)
     steps = sum(len(e.scores) for e in episodes)
     seconds = time.perf_counter() - start
     stats = {
@@ -194,16 +194,7 @@ def run_episodes(
     return _batches(agents, episodes, len(tasks), settings.group_size, stats)
 
 
-def _start(agents, rows: list[dict], make_env, settings: EpisodeSettings, pool, envs: list[Env]) -> list[_Live]:
-    """One environment per episode (each also put in ``envs``, to be closed), reset on its task;
-    each agent's first observation encoded."""
-    n = len(agents)
-    episodes = []
-    for _ in rows:
-        envs.append(make_env())
-        episodes.append(_Live(envs[-1], *([[] for _ in agents] for _ in range(6))))
-    if episodes[0].env.num_agents != n:
-        raise ValueError(f"{type(episodes[0].env).__name__} has {episodes[0].env.num_agents} agents, the team {n}")
+def _check_templates(agents, settings: EpisodeSettings) -> None:
     for i, agent in enumerate(agents):
         if agent.rewrites_history and settings.history == "strict":
             raise ConfigError(
@@ -218,15 +209,15 @@ def _start(agents, rows: list[dict], make_env, settings: EpisodeSettings, pool, 
                 "what it was generated from, but the context is not the template's own rendering of the dialogue",
                 stacklevel=3,
             )
-    first = (
-        list(pool.map(lambda pair: pair[0].env.reset(pair[1]), zip(episodes, rows)))
-        if pool
-        else [e.env.reset(task) for e, task in zip(episodes, rows)]
-    )
-    for e, observations in zip(episodes, first):
-        _add_keys(e, observations, settings.anchor)
+
+
+def _start(agents, states: list, env: Env, settings: EpisodeSettings) -> list[_Live]:
+    """One episode per state; each agent's first observation encoded."""
+    episodes = [_Live(state, *([[] for _ in agents] for _ in range(6))) for state in states]
+    for e, keys in zip(episodes, _anchor_keys(env, episodes, settings)):
+        _add_keys(e, e.state.observations, keys, settings.anchor)
         for i, agent in enumerate(agents):
-            e.ids[i] = agent.encode_prompt(observations[i])
+            e.ids[i] = agent.encode_prompt(e.state.observations[i])
             e.mask[i] = [0] * len(e.ids[i])
             if len(e.ids[i]) + settings.max_new_tokens > settings.max_context_tokens:
                 raise ValueError(
@@ -236,11 +227,51 @@ def _start(agents, rows: list[dict], make_env, settings: EpisodeSettings, pool, 
     return episodes
 
 
-def _play_turn(agents, live: list[_Live], turn: int, settings: EpisodeSettings, engine, pool, clock: dict) -> None:
-    """ONE batched generation per model over the live episodes (the models together), then every
-    environment steps (in parallel); the next observations are appended, or the episode ends."""
-    n = len(agents)
+def _play_turn(agents, env: Env, live: list[_Live], turn: int, settings: EpisodeSettings, engine, clock: dict) -> None:
+    """ONE batched generation per model over the live episodes (the models together), then ONE
+    ``env.step`` over their states; the next observations are appended, or the episode ends."""
     t0 = time.perf_counter()
+    texts, closed = _generate_replies(agents, live, settings, engine, clock)
+    t1 = time.perf_counter()
+    last = turn == settings.max_turns - 1
+    steps = env.step([e.state for e in live], texts, turn, last=last)
+    ended, going = [], []  # ended: cut short by the rollout's budgets, the env may score them now
+    for k, (e, was_closed) in enumerate(zip(live, closed)):
+        e.info = steps.infos[k]
+        e.scores.append(float(e.info["score"]))
+        if steps.rewards is not None:
+            e.rewards.append(steps.rewards[k].tolist())
+        if steps.done[k]:
+            e.done, e.truncated = True, steps.truncated[k]
+            continue
+        if last:
+            e.done = e.truncated = True
+            ended.append(e)
+            continue
+        segments = [a.chat_continuation(o, c) for a, o, c in zip(agents, steps.observations[k], was_closed)]
+        budget = settings.max_context_tokens - settings.max_new_tokens
+        if any(len(ids) + len(seg) > budget for ids, seg in zip(e.ids, segments)):
+            e.done = e.truncated = True  # the overflow policy: end as truncated, keep its reward
+            ended.append(e)
+            continue
+        for i, seg in enumerate(segments):
+            e.ids[i] += seg
+            e.mask[i] += [0] * len(seg)
+        going.append(e)
+    for e, keys in zip(going, _anchor_keys(env, going, settings)):
+        _add_keys(e, e.state.observations, keys, settings.anchor)
+    for e, info in zip(ended, env.end([e.state for e in ended])):
+        if info is not None:
+            e.info = info
+            e.scores[-1] = float(info["score"])
+    clock["generate_s"] += t1 - t0
+    clock["env_s"] += time.perf_counter() - t1
+
+
+def _generate_replies(agents, live: list[_Live], settings: EpisodeSettings, engine, clock: dict):
+    """ONE batched generation per model over the live episodes: each episode's action texts (one per
+    agent) and whether each reply closed with the end token; the reply tokens appended."""
+    n = len(agents)
     texts: list[list[str]] = [[""] * n for _ in live]  # [episode][agent]
     closed: list[list[bool]] = [[True] * n for _ in live]
     groups = roles_by_model(agents)
@@ -262,42 +293,18 @@ def _play_turn(agents, live: list[_Live], turn: int, settings: EpisodeSettings, 
             texts[b][i] = action_text(decoded[k], settings.reasoning, agent.opens_reasoning)
             closed[b][i] = reply[-1] == agent.eos_token_id
             clock["generated"] += len(reply)
-    t1 = time.perf_counter()
-    results: list[StepResult] = step_all([e.env for e in live], texts, pool)
-    ended = []  # cut short by the rollout's budgets: the env may score them now (in parallel)
-    for e, result, was_closed in zip(live, results, closed):
-        e.info = result.info
-        e.scores.append(float(result.info["score"]))
-        if result.terminated or result.truncated:
-            e.done, e.truncated = True, not result.terminated
-            continue
-        if turn == settings.max_turns - 1:
-            e.done = e.truncated = True
-            ended.append(e)
-            continue
-        segments = [a.chat_continuation(o, c) for a, o, c in zip(agents, result.observations, was_closed)]
-        budget = settings.max_context_tokens - settings.max_new_tokens
-        if any(len(ids) + len(seg) > budget for ids, seg in zip(e.ids, segments)):
-            e.done = e.truncated = True  # the overflow policy: end as truncated, keep its reward
-            ended.append(e)
-            continue
-        for i, seg in enumerate(segments):
-            e.ids[i] += seg
-            e.mask[i] += [0] * len(seg)
-        _add_keys(e, result.observations, settings.anchor)
-    finals = list(pool.map(lambda e: e.env.finish(), ended)) if pool else [e.env.finish() for e in ended]
-    for e, info in zip(ended, finals):
-        if info is not None:
-            e.info = info
-            e.scores[-1] = float(info["score"])
-    clock["generate_s"] += t1 - t0
-    clock["env_s"] += time.perf_counter() - t1
+    return texts, closed
 
 
-def _add_keys(e: _Live, observations: list[str], anchor: str) -> None:
+def _anchor_keys(env: Env, episodes: list[_Live], settings: EpisodeSettings) -> list[str | None]:
+    states = [e.state for e in episodes]
+    return env.anchor_keys(states) if settings.anchor == "state" else [None] * len(states)
+
+
+def _add_keys(e: _Live, observations: list[str], state: str | None, anchor: str) -> None:
     """The anchor key of the state each agent acts from next: the env's canonical state (shared by
     the agents) or the agent's own observation."""
-    state = e.env.state_key() if anchor == "state" else None
+    state = state if anchor == "state" else None
     for i, observation in enumerate(observations):
         e.keys[i].append(f"state:{state}" if state is not None else f"observation:{observation}")
 
@@ -345,10 +352,25 @@ def _batches(agents, episodes: list[_Live], num_tasks: int, group_size: int, sta
                 end_positions=ends,
                 replies=[e.replies[i] for e in episodes],
                 anchors=_anchor_ids([e.keys[i][: len(e.scores)] for e in episodes], T),
+                rewards=_env_rewards(episodes, i, T, group_size),
                 **shared,
             )
         )
     return batches
+
+
+def _env_rewards(episodes: list[_Live], agent: int, T: int, group_size: int) -> torch.Tensor | None:
+    """``[B, T]``: agent ``agent``'s reward of each turn where a text environment gave them (0 after
+    an episode's end; a skipped reward gets its group's mean at that turn), None for games (scored
+    by their outcome: the data module's reward density)."""
+    if not episodes[0].rewards:
+        return None
+    out = torch.zeros(len(episodes), T)
+    for b, e in enumerate(episodes):
+        out[b, : len(e.rewards)] = torch.tensor([r[agent] for r in e.rewards])
+    groups = out.view(-1, group_size, T)
+    fill = torch.nan_to_num(groups.nanmean(dim=1, keepdim=True)).expand_as(groups)
+    return torch.where(torch.isnan(groups), fill, groups).view(len(episodes), T)
 
 
 def _rollout_logprobs(replies, width: int, lengths: list[int]) -> torch.Tensor | None:

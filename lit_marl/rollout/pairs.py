@@ -272,7 +272,7 @@ def check_candidate_rollouts(datamodule, algorithm: str) -> None:
             f"{algorithm} compares whole joint candidates of one turn: data.num_turns={tree.num_turns} and "
             f"data.joint_mode={tree.joint_mode!r}; set data.num_turns: 1 and data.joint_mode: aligned"
         )
-    if tree.on_reward_error == "skip":
+    if datamodule.hparams.on_reward_error == "skip":
         raise ConfigError(
             f"{algorithm} ranks candidates by their reward: data.on_reward_error=skip gives a failed reward its "
             "node's mean, which would rank it above every worse candidate; use data.on_reward_error: raise"

@@ -19,12 +19,12 @@ from typing import Literal
 import torch
 
 from lit_marl.agents import Agent, roles_by_model
-from lit_marl.envs.base import JointEnv, call_reward, call_with_timeout
+from lit_marl.envs.base import Env
 from lit_marl.envs.processors import RewardProcessor
 from lit_marl.generation import Engine, Generation, make_engine
 from lit_marl.generation.base import stream_seed
 from lit_marl.metrics import markdown_line
-from lit_marl.returns import CrossReduce, JointMode, neutral_fill, per_response, tree_returns
+from lit_marl.returns import CrossReduce, JointMode, neutral_fill, per_response, step_reward, tree_returns
 from lit_marl.rollout.batch import AgentSamples, RolloutBatch
 
 ResponsePenalty = Callable[[int, Generation], torch.Tensor]
@@ -47,10 +47,8 @@ class TreeSettings:
     discount: float = 1.0
     early_termination_threshold: float | None = None
     external_prompt_passthrough: bool = False
-    on_reward_error: Literal["raise", "skip"] = "raise"
-    reward_timeout_s: float | None = None
-    transition_timeout_s: float | None = None
-    transition_prompt_field: str = "prompt"
+    reward_density: Literal["sparse", "dense"] = "sparse"
+    score_weight: float | None = None
     cross_return: CrossReduce = "mean"
     reward_processor: RewardProcessor = RewardProcessor()
     # None: samples draw from torch's generator; an int: every response its own stream, seeded by it,
@@ -70,9 +68,7 @@ def joint_indices(num_agents: int, num_generations: int, joint_mode: JointMode) 
 @dataclass
 class _Node:
     task: int
-    prompt_history: list[list[str]]  # per agent; the last entry is this node's prompt
-    response_history: list[list[str]]  # per agent; responses of the turns before this node
-    state: object | None = None  # a stateful game's state at this node (``envs.game.GameEnv``)
+    state: object  # the environment's state at this node (``Env.reset`` / ``Env.step``)
     label: str = "root"  # its path from the root: joint action indices, e.g. ``root.2.0``
 
 
@@ -120,22 +116,19 @@ class _Tally:
 def build_tree(
     agents: list[Agent],
     tasks: list[dict],
-    env: JointEnv,
+    env: Env,
     settings: TreeSettings,
     engine: Engine | None = None,
     response_penalty: ResponsePenalty | None = None,
 ) -> RolloutBatch:
-    """The joint tree of every task, its first prompts ``env.prompts(task)``; ``engine``
-    generates (default: ``auto``)."""
-    if settings.num_turns > 1 and not env.has_transition:
+    """The joint tree of every task, its roots ``env.reset(tasks)``; ``engine`` generates (default:
+    ``auto``). Per turn every joint action of every open node steps its own branch of the node's
+    state, in ONE ``env.step`` call."""
+    if settings.num_turns > 1 and not env.multi_turn:
         raise ValueError(f"num_turns={settings.num_turns} needs a transition that builds the next turn's prompts")
     engine = engine or make_engine("auto")
     combos = joint_indices(len(agents), settings.num_generations, settings.joint_mode)
-    game = env.stateful  # a node holds a game state; its joint actions step copies
-    nodes = []
-    for t, task in enumerate(tasks):
-        state, first = env.start(task) if game else (None, env.prompts(task))
-        nodes.append(_Node(t, [[p] for p in first], [[] for _ in agents], state))
+    nodes = [_Node(t, state) for t, state in enumerate(env.reset(tasks))]
     tally = _Tally(completions=[[] for _ in agents], prompts=[[] for _ in agents])
     levels: list[_Level] = []
     for turn in range(settings.num_turns):
@@ -143,11 +136,7 @@ def build_tree(
         raw = turn > 0 and settings.external_prompt_passthrough
         gens, texts = _generate(agents, tasks, nodes, settings, engine, raw)
         t1 = time.perf_counter()
-        outcomes = None
-        if game:
-            rewards, outcomes = _play(env, agents, nodes, texts, combos, turn, settings, tally)
-        else:
-            rewards = _score(env, agents, tasks, nodes, texts, combos, turn, settings, tally)
+        rewards, children, next_nodes = _step(env, nodes, texts, combos, turn, settings, tally)
         t2 = time.perf_counter()
         shaped = rewards  # what returns are built from; logs and early termination use the task reward
         if settings.reward_processor:
@@ -155,29 +144,16 @@ def build_tree(
         if response_penalty is not None:
             shaped = shaped - _penalties(response_penalty, gens, len(nodes), combos, settings.num_generations, tally)
         t3 = time.perf_counter()
-        stopped = torch.zeros(len(nodes), dtype=torch.bool)
-        if settings.early_termination_threshold is not None:
-            stopped = rewards.mean(dim=(1, 2)) > settings.early_termination_threshold
-        children, next_nodes = _branch(env, tasks, nodes, texts, combos, stopped, turn, settings, outcomes)
-        if next_nodes:
-            for key, value in env.transition_metrics().items():
-                tally.turn_metrics[f"turn_{turn}/{key}"] = value
-        t4 = time.perf_counter()
         _tally_leaves(tally, nodes, children)
         tally.sample += _render(nodes, texts, combos, rewards, children, turn, settings.num_generations)
         levels.append(_Level(rewards, shaped, children, gens))
         stats = tally.stats
         stats["perf/generate_s"] += t1 - t0
-        stats["perf/reward_s"] += t2 - t1
         stats["perf/penalty_s"] += t3 - t2
-        stats["perf/transition_s"] += t4 - t3
         stats["perf/generated_tokens"] += sum(g.num_generated_tokens for g in gens)
         stats[f"turn_{turn}/nodes"] = float(len(nodes))
         stats["train/tree_nodes"] += float(len(nodes))
         stats["train/episodes"] += float((children < 0).sum())  # joint actions that end a branch: leaves
-        if turn + 1 < settings.num_turns:  # nodes that could branch on; early termination stops some
-            tally.branching += len(nodes)
-            tally.stopped += int(stopped.sum())
         # a response without its end token hit max_new_tokens
         tally.truncated += sum(int((~(g.completion_ids == a.eos_token_id).any(-1)).sum()) for a, g in zip(agents, gens))
         tally.responses += len(agents) * len(nodes) * settings.num_generations
@@ -198,7 +174,7 @@ def _generate(
     calls = []
     for roles in groups:
         agent = agents[roles[0]]
-        encoded = [agent.encode_prompt(node.prompt_history[i][-1], raw=raw) for i in roles for node in nodes]
+        encoded = [agent.encode_prompt(node.state.observations[i], raw=raw) for i in roles for node in nodes]
         calls.append((agent, encoded, G))
     seeds = None
     if settings.sampling_seed is not None and not settings.greedy:
@@ -217,67 +193,73 @@ def _generate(
     return gens, texts
 
 
-def _score(env, agents, tasks, nodes, texts, combos, turn, settings, tally: _Tally) -> torch.Tensor:
-    """ONE reward call over every joint action of the turn: ``[nodes, J, agents]`` rewards (a joint
-    reward is every agent's; a skipped one gets its node's mean), its metrics tallied."""
-    G, num_agents = settings.num_generations, len(agents)
-    agent_completions: list[list[str]] = [[] for _ in agents]
-    joint_tasks = []
-    for n, node in enumerate(nodes):
-        for combo in combos:
-            joint_tasks.append(tasks[node.task])
-            for i, k in enumerate(combo):
-                agent_completions[i].append(texts[i][n * G + k])
-    per_sample: dict[str, torch.Tensor] = {}
-    rewards, metrics = call_reward(
-        env.reward,
-        agent_completions,
-        joint_tasks,
-        turn,
-        settings.on_reward_error,
-        settings.reward_timeout_s,
-        per_sample,
-    )
-    tally.turn_success = per_sample.get("success")
-    for i in range(num_agents):
-        tally.completions[i] += agent_completions[i]
-        tally.prompts[i] += [node.prompt_history[i][-1] for node in nodes for _ in combos]
-    if rewards.dim() == 1:  # a joint reward is every agent's reward
-        rewards = rewards.unsqueeze(1).expand(-1, num_agents)
-    rewards = neutral_fill(rewards.reshape(len(nodes), len(combos), num_agents))
-    for key, value in metrics.items():
-        tally.add(key, value * rewards.shape[0] * rewards.shape[1])
-        tally.turn_metrics[f"turn_{turn}/{key}"] = value
-    tally.add(f"turn_{turn}/reward", float(rewards.mean(dim=2).sum()))
-    return rewards
-
-
-def _play(env, agents, nodes, texts, combos, turn, settings, tally: _Tally) -> tuple[torch.Tensor, list]:
-    """Every joint action of the turn stepped on its own copy of its node's game: ``[nodes, J,
-    agents]`` rewards (the game's, every agent's) and per node and joint action the child's state,
-    observations and whether the game ended."""
-    G, num_agents = settings.num_generations, len(agents)
-    rewards = torch.zeros(len(nodes), len(combos), num_agents)
-    outcomes, won = [], []
+def _step(env: Env, nodes, texts, combos, turn, settings: TreeSettings, tally: _Tally):
+    """Every joint action of the turn steps its own branch of its node's state, in ONE ``env.step``:
+    the ``[nodes, J, agents]`` rewards (a text env's reward, a skipped one its node's mean; a game's
+    by ``settings.reward_density`` from its outcome), each joint action's child (``[nodes, J]``, -1:
+    none - the branch ended, the last turn, or early termination stopped the node: its mean reward
+    exceeded ``early_termination_threshold``) and the children."""
+    G, J, N = settings.num_generations, len(combos), len(tally.completions)
     last = turn + 1 >= settings.num_turns
-    for n, node in enumerate(nodes):
-        row = []
-        for j, combo in enumerate(combos):
-            actions = [texts[i][n * G + k] for i, k in enumerate(combo)]
-            child, result = env.step(node.state, actions)
-            done = bool(result.terminated or result.truncated)
-            rewards[n, j] = env.reward_of(node.state, child, result, ends=done or last)
-            row.append((child, result.observations, done))
-            for i in range(num_agents):
-                tally.completions[i].append(actions[i])
-                tally.prompts[i].append(node.prompt_history[i][-1])
-            for key in ("won", "lost"):
-                tally.add(key, float(bool(result.info.get(key, False))))
-            won.append(float(bool(result.info.get("won", False))))
-        outcomes.append(row)
-    tally.turn_success = torch.tensor(won)
+    threshold = settings.early_termination_threshold
+
+    def stopped(raw: torch.Tensor) -> torch.Tensor:  # [nodes]
+        if threshold is None:
+            return torch.zeros(len(nodes), dtype=torch.bool)
+        return neutral_fill(raw.reshape(len(nodes), J, N)).mean(dim=(1, 2)) > threshold
+
+    states = [env.branch(node.state) for node in nodes for _ in combos]
+    actions = [[texts[i][n * G + k] for i, k in enumerate(combo)] for n in range(len(nodes)) for combo in combos]
+    parents = [node.state for node in nodes for _ in combos]
+    steps = env.step(states, actions, turn, last=last, keep=lambda raw: ~stopped(raw).repeat_interleave(J))
+    for i in range(N):
+        tally.completions[i] += [a[i] for a in actions]
+        tally.prompts[i] += [parent.observations[i] for parent in parents]
+    if steps.rewards is not None:
+        rewards = neutral_fill(steps.rewards.reshape(len(nodes), J, N))
+        for key, value in steps.metrics.items():
+            tally.add(key, value * len(nodes) * J)
+            tally.turn_metrics[f"turn_{turn}/{key}"] = value
+    else:  # a game: its outcome, by the density rule
+        ends = [d or last for d in steps.done]
+        rewards = (
+            torch.tensor(
+                [
+                    step_reward(
+                        parent.score,
+                        float(info.get("score", 0)),
+                        float(info.get("max_score", 1) or 1),
+                        bool(info.get("won", False)),
+                        end,
+                        settings.reward_density,
+                        settings.score_weight,
+                    )
+                    for parent, info, end in zip(parents, steps.infos, ends)
+                ]
+            )
+            .view(len(nodes), J, 1)
+            .expand(-1, -1, N)
+        )
+        for key in ("won", "lost"):
+            tally.add(key, float(sum(bool(info.get(key, False)) for info in steps.infos)))
+    tally.turn_success = steps.success
+    for key, seconds in steps.seconds.items():
+        tally.stats[f"perf/{key}"] = tally.stats.get(f"perf/{key}", 0.0) + seconds
     tally.add(f"turn_{turn}/reward", float(rewards.mean(dim=2).sum()))
-    return rewards, outcomes
+    halted = stopped(rewards)
+    if not last:
+        tally.branching += len(nodes)
+        tally.stopped += int(halted.sum())
+        for key, value in steps.turn_metrics.items():
+            tally.turn_metrics[f"turn_{turn}/{key}"] = value
+    children = torch.full((len(nodes), J), -1, dtype=torch.long)
+    next_nodes: list[_Node] = []
+    for s, state in enumerate(states):
+        n, j = divmod(s, J)
+        if not (last or halted[n] or steps.done[s]):
+            children[n, j] = len(next_nodes)
+            next_nodes.append(_Node(nodes[n].task, state, f"{nodes[n].label}.{j}"))
+    return rewards, children, next_nodes
 
 
 def _answer_lengths(texts, combos, num_nodes: int, settings: TreeSettings) -> torch.Tensor:
@@ -314,7 +296,7 @@ def _render(nodes, texts, combos, rewards, children, turn: int, G: int) -> list[
         node = nodes[n]
         lines.append(f"**turn {turn}, node `{node.label}`**\n")
         lines += [
-            f"- prompt of agent {i}: {markdown_line(h[-1], SAMPLE_CHARS)}" for i, h in enumerate(node.prompt_history)
+            f"- prompt of agent {i}: {markdown_line(o, SAMPLE_CHARS)}" for i, o in enumerate(node.state.observations)
         ]
         for j, combo in enumerate(combos[:SAMPLE_JOINT_ACTIONS]):
             child = int(children[n, j])
@@ -335,105 +317,6 @@ def _penalties(penalty: ResponsePenalty, gens, num_nodes: int, combos, G: int, t
     )
     tally.add("penalty", float(penalties.mean(dim=2).sum()))
     return penalties
-
-
-def _branch(
-    env, tasks, nodes, texts, combos, stopped: torch.Tensor, turn, settings, outcomes=None
-) -> tuple[torch.Tensor, list[_Node]]:
-    """The child node of each joint action (``[nodes, J]``, -1: none, after the last turn or at a
-    ``stopped`` node: its mean reward exceeded ``early_termination_threshold``) and the children,
-    their prompts from ONE transition call over every branch."""
-    G = settings.num_generations
-    children = torch.full((len(nodes), len(combos)), -1, dtype=torch.long)
-    next_nodes: list[_Node] = []
-    if turn + 1 >= settings.num_turns:
-        return children, next_nodes
-    if outcomes is not None:  # a game: each joint action's child continues from its own copy
-        for n, node in enumerate(nodes):
-            for j, combo in enumerate(combos):
-                state, observations, done = outcomes[n][j]
-                if stopped[n] or done:
-                    continue
-                children[n, j] = len(next_nodes)
-                responses = [texts[i][n * G + k] for i, k in enumerate(combo)]
-                next_nodes.append(
-                    _Node(
-                        node.task,
-                        [h + [o] for h, o in zip(node.prompt_history, observations)],
-                        [h + [c] for h, c in zip(node.response_history, responses)],
-                        state,
-                        f"{node.label}.{j}",
-                    )
-                )
-        return children, next_nodes
-    branches, parents = [], []
-    for n, node in enumerate(nodes):
-        if stopped[n]:
-            continue
-        for j, combo in enumerate(combos):
-            branches.append((node, [texts[i][n * G + k] for i, k in enumerate(combo)]))
-            parents.append((n, j))
-    child_prompts = call_transitions(
-        env, branches, tasks, turn, settings.transition_prompt_field, settings.transition_timeout_s
-    )
-    for (node, completions), (n, j), prompts in zip(branches, parents, child_prompts):
-        children[n, j] = len(next_nodes)
-        next_nodes.append(
-            _Node(
-                node.task,
-                [h + [p] for h, p in zip(node.prompt_history, prompts)],
-                [h + [c] for h, c in zip(node.response_history, completions)],
-                label=f"{node.label}.{j}",
-            )
-        )
-    return children, next_nodes
-
-
-def call_transitions(
-    env: JointEnv,
-    branches: list[tuple[_Node, list[str]]],
-    tasks: list[dict],
-    turn: int,
-    prompt_field: str = "prompt",
-    timeout_s: float | None = None,
-) -> list[list[str]]:
-    """Next prompts of every branch of a turn, in ONE call of the env's transition (every keyword
-    argument a list over branches, and so is the result), each checked. ``prompt`` is the task's
-    prompt, its row's ``prompt_field`` (CoMLRL's ``batch_item.get("prompt", "")``: the empty string
-    where the row has no such field)."""
-    if not branches:
-        return []
-    num_agents = len(branches[0][1])
-    out = call_with_timeout(
-        env.transition,
-        timeout_s,
-        f"transition {env.transition_name} (data.transition or the env's) after turn {turn}",
-        "raise data.transition_timeout_s if it is slow (an expert model's edits can be), or fix it if it hangs",
-        task=[tasks[node.task] for node, _ in branches],
-        prompt=[task_prompt(tasks[node.task], prompt_field) for node, _ in branches],
-        agent_completions=[completions for _, completions in branches],
-        num_agents=num_agents,
-        prompt_history_per_agent=[[list(h) for h in node.prompt_history] for node, _ in branches],
-        response_history_per_agent=[
-            [list(h) + [c] for h, c in zip(node.response_history, completions)] for node, completions in branches
-        ],
-    )
-    name = env.transition_name
-    if isinstance(out, str) or len(out) != len(branches):
-        raise ValueError(f"batched transition {name} returned {len(out)} results for {len(branches)} branches")
-    for (node, _), prompts in zip(branches, out):
-        if isinstance(prompts, str) or len(prompts) != num_agents or not all(isinstance(p, str) for p in prompts):
-            raise ValueError(
-                f"transition {name} must return {num_agents} strings (one prompt per agent); it returned "
-                f"{prompts!r:.200} after turn {turn} of task {tasks[node.task]!r:.200}"
-            )
-    return [list(p) for p in out]
-
-
-def task_prompt(task: dict, field: str = "prompt") -> str:
-    """The task's prompt a transition receives: the row's ``field`` as text, "" where it has none."""
-    value = task.get(field, "")
-    return value if isinstance(value, str) else str(value)
 
 
 def _assemble(agents: list[Agent], levels: list[_Level], settings: TreeSettings, tally: _Tally) -> RolloutBatch:

@@ -108,15 +108,16 @@ def _readme_code() -> dict:
 
 
 def test_readme_reward_and_transition_examples_work():
-    from lit_marl.envs.base import FunctionEnv, call_reward
-    from lit_marl.rollout.tree import _Node, call_transitions
+    from lit_marl.envs.base import FunctionEnv
+    from lit_marl.envs.calls import call_reward
 
     code = _readme_code()
     rewards, metrics = call_reward(code["joint_reward"], [["Go!", "no"], ["Yes!", "Yes!"]], [{}, {}])
     assert rewards.tolist() == [1.0, 0.0] and metrics == {"success": 0.5}
     env = FunctionEnv(["Line 1 about {topic}.", "Line 2 about {topic}."], code["joint_reward"], code["feedback"])
-    node = _Node(0, [["Line 1 about tea."], ["Line 2 about tea."]], [[], []])
-    (prompts,) = call_transitions(env, [(node, ["Tea!", "More tea!"])], [{"topic": "tea"}], turn=0)
+    (state,) = env.reset([{"topic": "tea"}])
+    env.step([state], [["Tea!", "More tea!"]], turn=0)
+    prompts = state.observations
     assert prompts == [
         "Line 1 about tea.\nYou wrote: Tea!\nImprove it.",
         "Line 2 about tea.\nYou wrote: More tea!\nImprove it.",

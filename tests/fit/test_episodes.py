@@ -15,8 +15,9 @@ from lit_marl.agents import Agent
 from lit_marl.algorithms import GRPO, PPO, RLOO
 from lit_marl.data import EpisodeDataModule
 from lit_marl.envs import make_env
-from lit_marl.envs.base import REGISTRY, Env, StepResult, register
+from lit_marl.envs.base import REGISTRY, register
 from lit_marl.envs.corridor import expert_actions, parse_command
+from lit_marl.envs.game import Game, StepResult
 from lit_marl.returns import anchor_groups
 from lit_marl.rollout.episode import EpisodeSettings, run_episodes
 
@@ -24,15 +25,15 @@ CORRIDOR = REPO_ROOT / "data" / "corridor"
 
 
 @register("letter-count")
-class LetterCount(Env):
+class LetterCount(Game):
     """A test game whose score is the number of 'e' in the replies so far (capped): random text
     gets different scores, so group baselines have something to compare."""
 
-    def reset(self, task):
+    def start(self, task):
         self.score, self.steps = 0, 0
         return [f"Say something with many e's ({task['task_id']})."]
 
-    def step(self, actions):
+    def act(self, actions):
         self.steps += 1
         self.score = min(self.score + actions[0].count("e"), 9)
         return StepResult(
@@ -42,17 +43,17 @@ class LetterCount(Env):
 
 
 @register("two-letters")
-class TwoLetters(Env):
+class TwoLetters(Game):
     """A two-agent test game: agent 0 scores the 'e' it writes, agent 1 the 'a'; the team's score is
     the sum (capped). Each agent sees its own observation."""
 
     num_agents = 2
 
-    def reset(self, task):
+    def start(self, task):
         self.score = 0
         return ["Write many e's.", "Write many a's."]
 
-    def step(self, actions):
+    def act(self, actions):
         counts = [actions[0].count("e"), actions[1].count("a")]
         self.score = min(self.score + sum(counts), 12)
         info = {"won": self.score >= 12, "lost": False, "score": self.score, "max_score": 12}
@@ -63,25 +64,25 @@ class TwoLetters(Env):
 def test_corridor_expert_wins_and_the_pit_loses():
     for task in ({"length": 4, "key_room": 2}, {"length": 5, "key_room": 3, "pit": True}):
         env = make_env("corridor")
-        env.reset(task)
+        env.start(task)
         scores = []
         for action in expert_actions(task):
-            result = env.step([f"I will {action} now."])
+            result = env.act([f"I will {action} now."])
             scores.append(result.info["score"])
         assert result.terminated and result.info["won"] and scores[-1] == 3 and sorted(scores) == scores
     env = make_env("corridor")
-    env.reset({"length": 4, "key_room": 2, "pit": True})
-    result = env.step(["west"])
+    env.start({"length": 4, "key_room": 2, "pit": True})
+    result = env.act(["west"])
     assert result.terminated and result.info["lost"] and not result.info["won"]
 
 
 def test_corridor_truncates_and_clones():
     env = make_env("corridor")
-    env.reset({"length": 3, "key_room": 1, "max_steps": 2})
-    assert not env.step(["dance"]).truncated
+    env.start({"length": 3, "key_room": 1, "max_steps": 2})
+    assert not env.act(["dance"]).truncated
     copy = env.clone()
-    assert env.step(["dance"]).truncated
-    assert copy.step(["east"]).info["score"] == 0 and copy.room == 1 and env.room == 0
+    assert env.act(["dance"]).truncated
+    assert copy.act(["east"]).info["score"] == 0 and copy.room == 1 and env.room == 0
 
 
 def test_parse_command_takes_the_first():
@@ -103,8 +104,8 @@ def test_registry_errors():
 def test_an_env_by_import_path_needs_no_registration():
     env = make_env("lit_marl.envs.corridor:Corridor", {"instructions": False})
     assert type(env).__name__ == "Corridor"
-    with pytest.raises(ConfigError, match=r"data\.env='lit_marl\.envs\.base:StepResult' is not a subclass"):
-        make_env("lit_marl.envs.base:StepResult")
+    with pytest.raises(ConfigError, match=r"data\.env='lit_marl\.envs\.base:Steps' is not a subclass"):
+        make_env("lit_marl.envs.base:Steps")
     with pytest.raises(ConfigError, match="cannot import module 'no_such_module'"):
         make_env("no_such_module:Env")
 
@@ -122,7 +123,7 @@ def test_training_ids_are_exactly_what_generation_saw_and_produced(agent):
     torch.manual_seed(0)
     tasks = [{"length": 5, "key_room": 3}, {"length": 6, "key_room": 2}]
     settings = EpisodeSettings(group_size=1, max_turns=3, max_new_tokens=6)
-    (batch,) = run_episodes([agent], tasks, lambda: make_env("corridor"), settings, engine=engine)
+    (batch,) = run_episodes([agent], tasks, make_env("corridor"), settings, engine=engine)
     calls = [(prompts, out) for _, prompts, out in engine.calls]
     assert len(calls) == 3 and batch.num_turns.tolist() == [3, 3]
     for row in range(2):
@@ -151,7 +152,7 @@ def test_training_ids_are_exactly_what_generation_saw_and_produced(agent):
 def test_reply_cut_by_the_budget_is_closed_by_the_next_segment(agent):
     torch.manual_seed(1)
     settings = EpisodeSettings(max_turns=2, max_new_tokens=3)
-    (batch,) = run_episodes([agent], [{"length": 4, "key_room": 2}], lambda: make_env("corridor"), settings)
+    (batch,) = run_episodes([agent], [{"length": 4, "key_room": 2}], make_env("corridor"), settings)
     ids = batch.input_ids[0].tolist()
     end = int(batch.end_positions[0, 0])
     if ids[end] != agent.eos_token_id:  # cut at 3 tokens: the template's closing comes first, untrained
@@ -168,7 +169,7 @@ def letter_count_data(**overrides) -> EpisodeDataModule:
 
 def test_context_budget_truncates_and_keeps_the_reward(agent):
     torch.manual_seed(0)
-    start = len(agent.encode_prompt(make_env("letter-count").reset({"task_id": "t"})[0]))
+    start = len(agent.encode_prompt(make_env("letter-count").start({"task_id": "t"})[0]))
     data = letter_count_data(max_turns=5, max_new_tokens=8, max_context_tokens=start + 30)
     (batch,) = data.rollout([agent], [{"task_id": "t"}], greedy=False)
     assert batch.truncated.all() and int(batch.num_turns[0]) < 5
@@ -177,7 +178,7 @@ def test_context_budget_truncates_and_keeps_the_reward(agent):
     assert torch.allclose(batch.rewards[0, :played].sum(), batch.scores[0, played - 1] * 0.5 / 9)
     with pytest.raises(ValueError, match="leaves no room for a reply"):
         settings = EpisodeSettings(max_new_tokens=8, max_context_tokens=start)
-        run_episodes([agent], [{"task_id": "t"}], lambda: make_env("letter-count"), settings)
+        run_episodes([agent], [{"task_id": "t"}], make_env("letter-count"), settings)
 
 
 def test_token_rewards_sit_on_each_turns_end_token(agent):
@@ -293,7 +294,7 @@ def test_each_agent_has_its_own_sequence(agent):
     torch.manual_seed(0)
     other = Agent("tiny-random")
     settings = EpisodeSettings(group_size=2, max_turns=3, max_new_tokens=5)
-    batches = run_episodes([agent, other], [{"task_id": "t"}], lambda: make_env("two-letters"), settings)
+    batches = run_episodes([agent, other], [{"task_id": "t"}], make_env("two-letters"), settings)
     assert len(batches) == 2
     texts = [agent.tokenizer.decode(b.input_ids[0][b.attention_mask[0].bool()]) for b in batches]
     assert "many e's" in texts[0] and "many a's" not in texts[0] and "e's." in texts[0]
@@ -348,7 +349,7 @@ def test_episodes_record_anchor_states(agent):
     ]
     task = {"length": 4, "key_room": 2, "pit": True, "max_steps": 12}
     settings = EpisodeSettings(group_size=4, max_turns=3, max_new_tokens=4, anchor="state")
-    play = lambda s: run_episodes([agent], [task], lambda: make_env("corridor"), s, engine=ScriptedEngine(script))[0]  # noqa: E731
+    play = lambda s: run_episodes([agent], [task], make_env("corridor"), s, engine=ScriptedEngine(script))[0]  # noqa: E731
     batch = play(settings)
     a = batch.anchors
     assert batch.num_turns.tolist() == [3, 3, 1, 3] and bool(batch.lost[2])

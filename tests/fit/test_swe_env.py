@@ -41,9 +41,9 @@ def root(tmp_path):
 
 
 def play(env: SWEEnv, row: dict, replies: list[str]):
-    env.reset(row)
+    env.start(row)
     for reply in replies:
-        result = env.step([reply])
+        result = env.act([reply])
         if result.terminated or result.truncated:
             return result
     raise AssertionError("the episode did not end")
@@ -119,13 +119,13 @@ def test_code_that_patches_the_test_run_is_refused_or_scored_zero(rows, root):
 
 def test_run_is_sandboxed_cut_and_timed(rows, root):
     env = SWEEnv(workspace_root=root, command_timeout_s=2, max_observation_chars=500)
-    env.reset(rows["lru"])
-    flood = env.step(["run python3 -c \"print('x' * 20000)\""]).observations[0]
+    env.start(rows["lru"])
+    flood = env.act(["run python3 -c \"print('x' * 20000)\""]).observations[0]
     assert "characters cut" in flood and len(flood) < 700
-    assert "[exit timed out]" in env.step(["run sleep 30"]).observations[0]
-    assert "Read-only file system" in env.step(["run touch /usr/evil"]).observations[0]
-    assert "passed   tests/test_lru.py::test_put_get" in env.step(["test"]).observations[0]
-    assert "error: no tool call" in env.step(["please fix it"]).observations[0]
+    assert "[exit timed out]" in env.act(["run sleep 30"]).observations[0]
+    assert "Read-only file system" in env.act(["run touch /usr/evil"]).observations[0]
+    assert "passed   tests/test_lru.py::test_put_get" in env.act(["test"]).observations[0]
+    assert "error: no tool call" in env.act(["please fix it"]).observations[0]
     env.close()
     assert workspaces(root) == []
 
@@ -174,9 +174,9 @@ def test_workspaces_go_after_an_episode_that_raised(rows, root, monkeypatch):
     def broken(self, actions):
         raise RuntimeError("the env broke mid-episode")
 
-    monkeypatch.setattr(SWEEnv, "step", broken)
+    monkeypatch.setattr(SWEEnv, "act", broken)
     with pytest.raises(RuntimeError, match="broke mid-episode"):
-        run_episodes([agent], [rows["lru"], rows["units"]], lambda: SWEEnv(workspace_root=root),
+        run_episodes([agent], [rows["lru"], rows["units"]], SWEEnv(workspace_root=root),
                      EpisodeSettings(group_size=2, max_turns=2, max_new_tokens=4, max_context_tokens=4096))  # fmt: skip
     assert workspaces(root) == []
 

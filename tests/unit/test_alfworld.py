@@ -31,10 +31,10 @@ def rows():
 
 
 def play(env: AlfWorldEnv, task: dict, commands: list[str]):
-    first = env.reset(task)
+    first = env.start(task)
     result = None
     for command in commands:
-        result = env.step([command])
+        result = env.act([command])
         if result.terminated:
             break
     return first, result
@@ -67,7 +67,7 @@ def test_wrong_plans_do_not_win(rows):
             wrong = plan[: plan.index(next(c for c in plan if c.startswith("move"))) + 1]
         elif kind == "pick_and_place_simple":  # the object into another receptacle of the room
             obj, target = plan[-1].removeprefix("move ").split(" to ")
-            room = env.reset(row)[0].split("you see ")[1].split("\n")[0]
+            room = env.start(row)[0].split("you see ")[1].split("\n")[0]
             elsewhere = next(r for r in re.findall(r"\ba ([a-z]+ \d+)", room) if r.split()[0] != target.split()[0])
             wrong = plan[:-2] + [f"go to {elsewhere}", f"open {elsewhere}", f"move {obj} to {elsewhere}"]
         _, result = play(env, row, wrong)
@@ -120,11 +120,12 @@ def test_walkthrough_demonstrations_are_played_in_the_runs_env(rows, tmp_path):
 
 
 def test_a_tree_branches_alfworld_games_by_replay_only():
-    from lit_marl.envs.game import GameEnv
+    from lit_marl.data import RolloutDataModule
 
-    assert GameEnv("alfworld", branch="replay").num_agents == 1
-    with pytest.raises(ConfigError, match="cannot copy its state; set data.env.branch=replay"):
-        GameEnv("alfworld", branch="clone")
+    path = resolve_source("alfworld:test:2")
+    assert RolloutDataModule(train_path=path, env="alfworld", branch="replay").env.num_agents == 1
+    with pytest.raises(ConfigError, match="cannot copy its state; set data.branch=replay"):
+        RolloutDataModule(train_path=path, env="alfworld", branch="clone")
 
 
 # ---------------------------------------------------------------------- official data
@@ -182,20 +183,20 @@ def test_a_task_type_mixture_gives_equal_shares():
 def test_bad_alfworld_input_is_named(tmp_path, rows):
     env = AlfWorldEnv()
     with pytest.raises(FileNotFoundError, match=r"task\['game'\]='/nope/game.tw-pddl': no such ALFWorld game"):
-        env.reset({"game": "/nope/game.tw-pddl"})
+        env.start({"game": "/nope/game.tw-pddl"})
     with pytest.raises(KeyError, match="needs the field 'game'"):
-        env.reset({"task_type": "pick_and_place_simple"})
+        env.start({"task_type": "pick_and_place_simple"})
     broken = tmp_path / "broken.tw-pddl"
     broken.write_text("{not json")
     with pytest.raises(ValueError, match="not a tw-pddl game .not JSON"):
-        env.reset({"game": str(broken)})
+        env.start({"game": str(broken)})
     broken.write_text(json.dumps({"pddl_domain": "x"}))
     with pytest.raises(ValueError, match="not a tw-pddl game .no grammar, pddl_problem"):
-        env.reset({"game": str(broken)})
+        env.start({"game": str(broken)})
     data = json.loads(Path(rows[0]["game"]).read_text())
     broken.write_text(json.dumps({**data, "pddl_problem": data["pddl_problem"].replace("(:init", "(:init (", 1)}))
     with pytest.raises(ValueError, match="not a playable ALFWorld game"):
-        env.reset({"game": str(broken)})
+        env.start({"game": str(broken)})
     assert g.task_type("pick_clean_then_place", "data.task_types") == "pick_clean_then_place_in_recep"
     with pytest.raises(ConfigError, match="data.task_types: unknown ALFWorld task type 'pick_and_eat'"):
         g.task_type("pick_and_eat", "data.task_types")
@@ -209,16 +210,16 @@ def test_the_state_key_is_the_world_not_the_path(rows):
     row = next(r for r in rows if r["task_type"] == "pick_and_place_simple")
     env = AlfWorldEnv()
     plan = [turn[0] for turn in env.expert_turns(row)]
-    env.reset(row)
+    env.start(row)
     start = env.state_key()
-    env.step(["inventory"])
-    env.step(["look"])
+    env.act(["inventory"])
+    env.act(["look"])
     assert env.state_key() == start  # the domain's "checked" memory is not the state
-    env.step([plan[0]])
+    env.act([plan[0]])
     there = env.state_key()
     assert there != start
-    env.step(["go to " + next(p for p in plan[1:] if p.startswith("go to ")).removeprefix("go to ")])
-    env.step([plan[0]])
+    env.act(["go to " + next(p for p in plan[1:] if p.startswith("go to ")).removeprefix("go to ")])
+    env.act([plan[0]])
     assert env.state_key() == there  # back again: the same state, whatever the detour
-    env.step([plan[1]])
+    env.act([plan[1]])
     assert env.state_key() != there

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from helpers import SLOGAN_PROMPTS
-from lit_marl.envs.base import FunctionEnv, call_reward
+from lit_marl.envs.base import FunctionEnv
+from lit_marl.envs.calls import call_reward
 from lit_marl.envs.centralized import CentralizedEnv, ParseError, TaggedAdapter
 from lit_marl.envs.slogan import reward as slogan_reward
 

@@ -100,7 +100,7 @@ def test_each_turn_trains_on_exactly_the_tokens_it_was_generated_from(base, temp
     agent = _agent(base, template)
     engine = RecordingEngine(ScriptedEngine([[reply] for reply in REPLIES]))
     settings = EpisodeSettings(max_turns=3, max_new_tokens=64)
-    env = lambda: make_env("corridor", {"instructions": False})  # noqa: E731
+    env = make_env("corridor", {"instructions": False})
     if agent.rewrites_history:
         with pytest.warns(UserWarning, match="rewrites earlier turns"):
             (batch,) = run_episodes([agent], [{"length": 6, "key_room": 4}], env, settings, engine=engine)
@@ -184,9 +184,9 @@ def test_episodes_with_reasoning_step_the_env_with_the_action_and_train_on_the_w
     seen = []
 
     class Recorded(Corridor):
-        def step(self, actions):
+        def act(self, actions):
             seen.append(list(actions))
-            return super().step(actions)
+            return super().act(actions)
 
     agent = _agent(base, QWEN3_STYLE)
     for reasoning, expected in (("think", [["search"], ["wait"], ["fly"]]), ("none", [[r] for r in REPLIES])):
@@ -194,9 +194,7 @@ def test_episodes_with_reasoning_step_the_env_with_the_action_and_train_on_the_w
         settings = EpisodeSettings(max_turns=3, max_new_tokens=64, reasoning=reasoning)
         engine = ScriptedEngine([[reply] for reply in REPLIES])
         with pytest.warns(UserWarning, match="rewrites earlier turns"):
-            (batch,) = run_episodes(
-                [agent], [{"length": 6, "key_room": 4}], lambda: Recorded(False), settings, engine=engine
-            )
+            (batch,) = run_episodes([agent], [{"length": 6, "key_room": 4}], Recorded(False), settings, engine=engine)
         assert seen == expected
         assert batch.replies[0] == REPLIES  # the row and the log keep the whole replies
         trained = batch.input_ids[0][batch.loss_mask[0].bool()]
@@ -211,7 +209,7 @@ def test_strict_history_refuses_a_template_that_rewrites_earlier_turns(base, tem
     agent = _agent(base, template)
     engine = ScriptedEngine([[reply] for reply in REPLIES])
     settings = EpisodeSettings(max_turns=3, max_new_tokens=64, history="strict")
-    env = lambda: make_env("corridor", {"instructions": False})  # noqa: E731
+    env = make_env("corridor", {"instructions": False})
     if agent.rewrites_history:
         with pytest.raises(
             ConfigError, match=r"data.history=strict: agent 0's chat template .* data.history: verbatim"

@@ -11,7 +11,7 @@ import torch
 
 from helpers import make_trainer, slogan_data, tree_from_functions
 from lit_marl.algorithms import MAGRPO
-from lit_marl.envs.base import CallTimeout, RewardError, call_reward, call_with_timeout
+from lit_marl.envs.calls import CallTimeout, RewardError, call_reward, call_with_timeout
 from lit_marl.rollout.transitions import plain
 
 TASKS = [{"topic": "tea"}, {"topic": "winter"}]

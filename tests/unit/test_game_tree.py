@@ -1,4 +1,4 @@
-"""MAGRPO trees over a stateful game (``envs.game.GameEnv``): each joint action steps its own copy
+"""MAGRPO trees over a stateful game (``envs.game.Game``): each joint action steps its own copy
 of its node's game, siblings never see each other's moves, tree sizes and generate calls are a
 stateless tree's, and the rewards follow the episodes' density rule."""
 
@@ -12,7 +12,7 @@ from helpers import AdmissibleEngine, RecordingEngine, make_trainer, snapshot, u
 from lit_marl import ConfigError
 from lit_marl.algorithms import MAGRPO
 from lit_marl.data import RolloutDataModule
-from lit_marl.envs.game import GameEnv
+from lit_marl.envs import make_env
 from lit_marl.envs.textworld.games import write_tasks
 from lit_marl.returns import step_reward, turn_rewards
 from lit_marl.rollout.tree import TreeSettings, build_tree
@@ -29,13 +29,27 @@ def rows(path):
     return load_tasks(str(path), "data.train_path", set())
 
 
+class Result:
+    """One branch's step as the assertions read it."""
+
+    def __init__(self, state):
+        self.observations = state.observations
+
+
+def step(env, state, actions):
+    """A joint action on its own branch of ``state``: the child state and the step's result."""
+    child = env.branch(state)
+    env.step([child], [actions], turn=0)
+    return child, Result(child)
+
+
 @pytest.mark.parametrize("joint_mode, per_node, turns", [("aligned", 2, 3), ("cross", 4, 2)])
 def test_a_tree_over_textworld_has_a_stateless_trees_sizes_and_calls(
     tiny_agents, team_tasks, joint_mode, per_node, turns
 ):
     """G=2, two agents, two tasks: G (aligned) or G^N (cross) children per node, none ending early
     (random play does not finish a quest)."""
-    env = GameEnv("textworld-team")
+    env = make_env("textworld-team")
     engine = RecordingEngine()
     settings = TreeSettings(num_generations=2, joint_mode=joint_mode, num_turns=turns, max_new_tokens=4)
     batch = build_tree(tiny_agents, rows(team_tasks["w2-o3-q4"]), env, settings, engine=engine)
@@ -45,30 +59,31 @@ def test_a_tree_over_textworld_has_a_stateless_trees_sizes_and_calls(
 
 
 def test_sibling_branches_step_their_own_copies(team_tasks):
-    env = GameEnv("textworld-team")
+    env = make_env("textworld-team")
     (task, _) = rows(team_tasks["w2-o3-q4"])
-    root, first = env.start(task)
-    plan, command = env.make().expert_turns(task)[0]
-    took, result_a = env.step(root, [plan, command])
-    stayed, result_b = env.step(root, ["look around", "inventory"])
+    (root,) = env.reset([task])
+    plan, command = env.spawn().expert_turns(task)[0]
+    took, result_a = step(env, root, [plan, command])
+    stayed, result_b = step(env, root, ["look around", "inventory"])
     assert result_a.observations[0] != result_b.observations[0]
     assert took.played == [[plan, command]] and stayed.played == [["look around", "inventory"]]
     # the root is untouched: stepping it again gives the first branch's result once more
-    _, again = env.step(root, [plan, command])
+    _, again = step(env, root, [plan, command])
     assert again.observations == result_a.observations
     assert "The planner's plan: look around" in result_b.observations[1]
 
 
 def test_replay_branching_gives_the_clones_games(team_tasks):
     (task, _) = rows(team_tasks["tw-simple-dense"])
-    games = [GameEnv("textworld-team", branch=b) for b in ("clone", "replay")]
-    expert = games[0].make().expert_turns(task)
+    games = [make_env("textworld-team") for _ in range(2)]
+    games[0].branching, games[1].branching = "clone", "replay"
+    expert = games[0].spawn().expert_turns(task)
     seen = []
     for env in games:
-        state, _ = env.start(task)
+        (state,) = env.reset([task])
         observations = []
         for actions in expert[:3]:
-            state, result = env.step(state, actions)
+            state, result = step(env, state, actions)
             observations.append(result.observations)
         seen.append((observations, state.score))
     assert seen[0] == seen[1]
@@ -87,19 +102,24 @@ def test_step_rewards_add_up_to_the_episode_rewards(density):
 
 
 def test_bad_game_settings_fail_clearly():
-    with pytest.raises(ConfigError, match=r"data\.env\.name='maze'"):
-        GameEnv("maze")
+    with pytest.raises(ConfigError, match=r"data\.env='maze'"):
+        RolloutDataModule(train_path="unused.jsonl", env="maze")
     with pytest.raises(ValueError, match=r"score_weight=1.0"):
-        GameEnv("corridor", reward_density="dense", score_weight=1.0)
+        RolloutDataModule(train_path="unused.jsonl", env="corridor", reward_density="dense", score_weight=1.0)
 
 
 def test_magrpo_learns_from_a_tree_over_a_game(tmp_path, team_tasks):
     """tw-simple's dense score: the listed commands the two agents pick earn different rewards,
     so advantages are not all 0 and MAGRPO moves both agents."""
     L.seed_everything(0)
-    env = GameEnv("textworld-team", {"admissible_commands": True}, reward_density="dense")
     data = RolloutDataModule(
-        train_path=str(team_tasks["tw-simple-dense"]), env=env, tasks_per_step=2, num_generations=4, num_turns=2
+        train_path=str(team_tasks["tw-simple-dense"]),
+        env="textworld-team",
+        env_kwargs={"admissible_commands": True},
+        reward_density="dense",
+        tasks_per_step=2,
+        num_generations=4,
+        num_turns=2,
     )
     data.engine = AdmissibleEngine()
     module = MAGRPO(model="tiny-random", num_agents=2, learning_rate=1e-3)

@@ -8,7 +8,7 @@ import torch
 from helpers import COMLRL_DOCS, comlrl_docs_transition, make_trainer, slogan_data, tree_from_functions
 from lit_marl import ConfigError
 from lit_marl.algorithms import MAGRPO
-from lit_marl.envs.base import RewardError
+from lit_marl.envs.calls import RewardError
 from lit_marl.returns import tree_returns
 from lit_marl.rollout.transitions import plain
 

@@ -39,7 +39,7 @@ def games(tmp_path_factory):
 def play(env: TextWorldEnv, commands: list[str]):
     result = None
     for command in commands:
-        result = env.step([command])
+        result = env.act([command])
         if result.terminated:
             break
     return result
@@ -50,7 +50,7 @@ def test_the_walkthrough_wins_with_the_full_score(games, complexity):
     _, paths = games
     env = make_env("textworld")
     task = {"game": str(paths[complexity])}
-    first = env.reset(task)[0]
+    first = env.start(task)[0]
     assert "TextWorld" not in first.splitlines()[0] or "$$" not in first  # the banner is gone
     assert "You are in the" in first and ">" not in first.splitlines()[-1]
     walkthrough = [turn[0] for turn in env.expert_turns(task)]
@@ -62,7 +62,7 @@ def test_the_walkthrough_wins_with_the_full_score(games, complexity):
 def test_wrong_play_does_not_win(games):
     _, paths = games
     env = TextWorldEnv()
-    env.reset({"game": str(paths["w2-o3-q4"])})
+    env.start({"game": str(paths["w2-o3-q4"])})
     walkthrough = [turn[0] for turn in env.expert_turns({"game": str(paths["w2-o3-q4"])})]
     result = play(env, ["dance", "go nowhere", *reversed(walkthrough[1:])])
     assert not result.info["won"] and result.info["score"] < result.info["max_score"]
@@ -73,7 +73,7 @@ def test_eating_the_food_in_tw_simple_is_lost(games, rewards):
     _, paths = games
     task = {"game": str(paths[f"tw-simple-{rewards}"])}
     env = TextWorldEnv()
-    env.reset(task)
+    env.start(task)
     walkthrough = [turn[0] for turn in env.expert_turns(task)]
     food = walkthrough[-1].split()[1]  # "put <food> on stove"
     result = play(env, [*walkthrough[:-1], f"eat {food}"])
@@ -84,20 +84,20 @@ def test_sibling_clones_diverge_and_leave_each_other_alone(games):
     _, paths = games
     task = {"game": str(paths["w2-o3-q4"])}
     env = TextWorldEnv()
-    env.reset(task)
+    env.start(task)
     walkthrough = [turn[0] for turn in env.expert_turns(task)]
-    env.step([walkthrough[0]])
+    env.act([walkthrough[0]])
     a, b = env.clone(), env.clone()
-    took = a.step([walkthrough[1]]).observations[0]
-    dropped = b.step(["drop " + walkthrough[0].split(" from ")[0].removeprefix("take ")]).observations[0]
+    took = a.act([walkthrough[1]]).observations[0]
+    dropped = b.act(["drop " + walkthrough[0].split(" from ")[0].removeprefix("take ")]).observations[0]
     assert took != dropped
-    inventories = [e.step(["inventory"]).observations[0] for e in (a, b, env)]
+    inventories = [e.act(["inventory"]).observations[0] for e in (a, b, env)]
     assert len(set(inventories)) >= 2
     # the parent is where it was: it still finishes the quest from its own state
     assert play(env, walkthrough[1:]).info["won"]
     # replaying the prefix gives the same state as copying it
     replayed = a.replay_clone()
-    assert replayed.step(["inventory"]).observations[0] == a.step(["inventory"]).observations[0]
+    assert replayed.act(["inventory"]).observations[0] == a.act(["inventory"]).observations[0]
 
 
 def test_commands_are_sanitized():
@@ -141,22 +141,22 @@ def test_a_missing_or_corrupt_game_fails_clearly(games, tmp_path):
     _, paths = games
     env = TextWorldEnv()
     with pytest.raises(FileNotFoundError, match=r"task\['game'\]=.*no such game file"):
-        env.reset({"game": str(tmp_path / "nope.z8")})
+        env.start({"game": str(tmp_path / "nope.z8")})
     corrupt = tmp_path / "corrupt.z8"
     corrupt.write_bytes(b"not a z-machine file" * 10)  # Jericho would kill the process on this
     with pytest.raises(ValueError, match=r"not a playable TextWorld game \(no Z-machine header\)"):
-        env.reset({"game": str(corrupt)})
+        env.start({"game": str(corrupt)})
     cut = tmp_path / "cut.z8"
     cut.write_bytes(paths["w2-o3-q4"].read_bytes()[:5000])  # a download or copy cut short
     with pytest.raises(ValueError, match=r"the file has 5000: cut short"):
-        env.reset({"game": str(cut)})
+        env.start({"game": str(cut)})
     damaged = bytearray(paths["w2-o3-q4"].read_bytes())
     damaged[len(damaged) // 2 : len(damaged) // 2 + 4000] = bytes(4000)  # a good header, a damaged body
     (tmp_path / "damaged.z8").write_bytes(damaged)
     with pytest.raises(ValueError, match=r"its checksum does not match its bytes: the file is damaged"):
-        env.reset({"game": str(tmp_path / "damaged.z8")})
+        env.start({"game": str(tmp_path / "damaged.z8")})
     with pytest.raises(KeyError, match=r"needs the field 'game'"):
-        env.reset({"path": "x"})
+        env.start({"path": "x"})
 
 
 def test_task_rows_are_written_per_split_and_games_are_cached(games):
@@ -226,17 +226,17 @@ def test_the_state_key_is_the_world_not_the_path(games):
     _, paths = games
     task = {"game": str(paths["w2-o3-q4"])}
     env = TextWorldEnv()
-    env.reset(task)
+    env.start(task)
     start = env.state_key()
     walkthrough = [turn[0] for turn in env.expert_turns(task)]
-    env.step(["look"])
-    env.step(["inventory"])
+    env.act(["look"])
+    env.act(["inventory"])
     assert env.state_key() == start  # looking changes nothing in the world
-    env.step([walkthrough[0]])
+    env.act([walkthrough[0]])
     assert env.state_key() != start
     twin = TextWorldEnv()
-    twin.reset(task)
-    twin.step([walkthrough[0]])
+    twin.start(task)
+    twin.act([walkthrough[0]])
     assert twin.state_key() == env.state_key()  # another path (no looking) to the same world
 
 
@@ -260,7 +260,7 @@ def test_ranks_of_a_node_generate_a_named_set_one_at_a_time(tmp_path, monkeypatc
             inside[0] -= 1
         return str(tmp_path / "tasks.jsonl")
 
-    monkeypatch.setitem(sources.FAMILIES, "textworld", (resolver, *sources.FAMILIES["textworld"][1:]))
+    monkeypatch.setattr(TextWorldEnv, "resolve_set", staticmethod(resolver))
     ranks = [threading.Thread(target=sources.resolve_source, args=("textworld:w2-o3-q4:train:2",)) for _ in range(4)]
     for rank in ranks:
         rank.start()

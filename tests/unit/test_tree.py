@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers import tree_from_functions
-from lit_marl.envs.base import call_reward
+from lit_marl.envs.calls import call_reward
 from lit_marl.rollout.tree import joint_indices
 
 TASKS = [{"topic": "tea"}, {"topic": "a rocket launch"}, {"topic": "winter"}]

@@ -18,8 +18,9 @@ import re
 import threading
 from pathlib import Path
 
-from lit_marl.envs.alfworld.games import start_game
-from lit_marl.envs.base import Env, StepResult, register
+from lit_marl.envs.alfworld.games import resolve_source, start_game
+from lit_marl.envs.base import register
+from lit_marl.envs.game import Game, StepResult
 from lit_marl.envs.textworld.env import sanitize, state_digest
 
 _BANNER = re.compile(r"^\s*-= Welcome to TextWorld, ALFRED! =-\s*")
@@ -57,8 +58,12 @@ def check_game_file(path: str) -> dict:
 
 
 @register("alfworld")
-class AlfWorldEnv(Env):
+class AlfWorldEnv(Game):
     """An ALFWorld text game (one tw-pddl game per task row), played offline by one agent; won or not."""
+
+    task_sets = ("alfworld", "alfworld-data")
+    demo_packages = ("textworld", "alfworld")
+    resolve_set = staticmethod(resolve_source)
 
     num_agents = 1
     cloneable = False
@@ -93,7 +98,7 @@ class AlfWorldEnv(Env):
             text += "\n\nValid commands: " + ", ".join(state["admissible_commands"])
         return text
 
-    def reset(self, task: dict) -> list[str]:
+    def start(self, task: dict) -> list[str]:
         if "game" not in task:
             raise KeyError(f"an ALFWorld task row needs the field 'game' (a .tw-pddl path); got {sorted(task)}")
         self._task = task
@@ -101,7 +106,7 @@ class AlfWorldEnv(Env):
         state = self._state
         return [self.observe(state, state["feedback"])]
 
-    def step(self, actions: list[str]) -> StepResult:
+    def act(self, actions: list[str]) -> StepResult:
         if self._game is None:
             raise RuntimeError("AlfWorldEnv.step before reset")
         command = to_current_syntax(sanitize(actions[0]))

@@ -33,8 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lit_marl import ConfigError
-from lit_marl.envs.textworld.games import split_seeds, write_atomic
+from lit_marl.envs.textworld.games import split_seeds
 from lit_marl.models import cache_dir
+from lit_marl.tasks import write_atomic
 
 TASK_TYPES = (
     "pick_and_place_simple",

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from lit_marl import ConfigError
-from lit_marl.envs.base import JointEnv
+from lit_marl.envs.base import TextEnv
 from lit_marl.envs.code.canonical import expert_codes
 from lit_marl.envs.code.execution import ExecReport, TestCase, TestLimits, _warn_once, run_tests, split_tests
 from lit_marl.envs.code.expert import Expert
@@ -202,7 +202,7 @@ def _syntax_error(code: str, what: str) -> str:
     return ""
 
 
-class CodeEnv(JointEnv):
+class CodeEnv(TextEnv):
     """Cooperative code generation: each role writes one function of a program that the task's tests score,
     over one or more turns (plain revision, level feedback or an expert's edits)."""
 

@@ -19,8 +19,9 @@ import threading
 from pathlib import Path
 from typing import Literal
 
-from lit_marl.envs.base import Env, StepResult, register
-from lit_marl.envs.swe.instances import normalize, parse_patch, snapshot
+from lit_marl.envs.base import register
+from lit_marl.envs.game import Game, StepResult
+from lit_marl.envs.swe.instances import normalize, parse_patch, resolve_source, snapshot
 from lit_marl.envs.swe.scoring import SITE, Score, TestSettings, run_tests, score
 from lit_marl.envs.swe.tools import FILE_TOOLS, HELP, ToolCall, ToolError, as_calls, parse
 from lit_marl.envs.swe.workspace import Workspace, default_root, sweep
@@ -39,8 +40,11 @@ def cut(text: str, limit: int) -> str:
 
 
 @register("swe")
-class SWEEnv(Env):
+class SWEEnv(Game):
     """Fix a repository (a SWE-Gym instance) with tool calls over many turns; its tests score the changes."""
+
+    task_sets = ("swe",)
+    resolve_set = staticmethod(resolve_source)
 
     num_agents = 1
     cloneable = True
@@ -102,7 +106,7 @@ class SWEEnv(Env):
         self.counts: dict[str, float] = {}
 
     # ------------------------------------------------------------------ episode
-    def reset(self, task: dict) -> list[str]:
+    def start(self, task: dict) -> list[str]:
         self.close()
         self.row = normalize(dict(task), f"instance {task.get('instance_id', '?')}")
         self.base = snapshot(self.row, self.repos_dir)
@@ -134,7 +138,7 @@ class SWEEnv(Env):
         value = (done.fraction if self.reward == "fraction" else float(resolved)) if done else 0.0
         return {"won": resolved, "lost": False, "score": value, "max_score": 1, "counts": dict(self.counts)}
 
-    def step(self, actions: list[str]) -> StepResult:
+    def act(self, actions: list[str]) -> StepResult:
         if self.ws is None or self.result is not None:
             raise RuntimeError("SWEEnv.step before reset or after the episode ended")
         self.steps += 1

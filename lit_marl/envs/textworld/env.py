@@ -20,7 +20,9 @@ import threading
 import warnings
 from pathlib import Path
 
-from lit_marl.envs.base import Env, StepResult, register
+from lit_marl.envs.base import register
+from lit_marl.envs.game import Game, StepResult
+from lit_marl.envs.textworld.games import resolve_source
 
 _PROMPT_LINE = re.compile(r"^\s*>")  # the parser's prompt (and the status line printed after it)
 _RESTART = re.compile(r"Would you like to RESTART, RESTORE a saved game, QUIT or UNDO the last command\?")
@@ -95,8 +97,12 @@ def room_of(description: str) -> str:
 
 
 @register("textworld")
-class TextWorldEnv(Env):
+class TextWorldEnv(Game):
     """A generated TextWorld game (one Z-machine story per task row), played offline by one agent."""
+
+    task_sets = ("textworld",)
+    demo_packages = ("textworld",)
+    resolve_set = staticmethod(resolve_source)
 
     num_agents = 1
     cloneable = True
@@ -150,7 +156,7 @@ class TextWorldEnv(Env):
             ) from err
         return game, state
 
-    def reset(self, task: dict) -> list[str]:
+    def start(self, task: dict) -> list[str]:
         if "game" not in task:
             raise KeyError(f"a TextWorld task row needs the field 'game' (a .z8 path); got {sorted(task)}")
         self._path, self._played = str(task["game"]), []
@@ -176,7 +182,7 @@ class TextWorldEnv(Env):
             "max_score": int(state["max_score"] or 0),
         }
 
-    def step(self, actions: list[str]) -> StepResult:
+    def act(self, actions: list[str]) -> StepResult:
         if self._game is None:
             raise RuntimeError("TextWorldEnv.step before reset")
         command = sanitize(actions[0])
@@ -240,13 +246,13 @@ class PlannerActorTextWorld(TextWorldEnv):
 
     num_agents = 2
 
-    def reset(self, task: dict) -> list[str]:
-        observation = super().reset(task)[0]
+    def start(self, task: dict) -> list[str]:
+        observation = super().start(task)[0]
         return [f"{observation}\n\n{PLANNER}", f"{observation}\n\n{ACTOR}"]
 
-    def step(self, actions: list[str]) -> StepResult:
+    def act(self, actions: list[str]) -> StepResult:
         plan, command = actions
-        result = super().step([command])
+        result = super().act([command])
         observation = result.observations[0]
         plan = " ".join(plan.split())[:300]
         result.observations = [

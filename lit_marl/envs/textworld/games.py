@@ -23,6 +23,7 @@ from pathlib import Path
 
 from lit_marl import ConfigError
 from lit_marl.models import cache_dir
+from lit_marl.tasks import write_atomic
 
 SPLITS: dict[str, tuple[int, int]] = {"train": (50001, 55000), "validation": (40001, 40100), "test": (1, 100)}
 """The guide's seed range (inclusive) of each split."""
@@ -174,14 +175,6 @@ def write_tasks(
     ]
     write_atomic(out, "".join(json.dumps(row) + "\n" for row in rows))
     return out
-
-
-def write_atomic(out: Path, text: str) -> None:
-    """Write under a name of this process's own, then rename: a killed run leaves no half-written
-    file, and two processes writing the same file never mix their bytes."""
-    partial = out.with_name(f".{out.name}.{os.getpid()}")
-    partial.write_text(text)
-    partial.replace(out)
 
 
 def default_root() -> Path:
