@@ -46,3 +46,79 @@ def test_single_agent_step_equals_plain_grpo(tmp_path):
         grad = dict(reference.named_parameters())[name].grad
         expected = grad if grad is not None else torch.zeros_like(step)
         torch.testing.assert_close(step, expected, atol=1e-5, rtol=1e-3, msg=name)
+
+
+class FixedLengthEngine:
+    """Replies of three tokens plus the end token, different per sample and prompt (so rewards differ
+    within a group), the same in a tree and in episodes: sample k of prompt p at turn t."""
+
+    name = "fixed-length"
+
+    def rollout(self, agents):
+        from contextlib import nullcontext
+
+        return nullcontext()
+
+    def generate_team(self, calls, *args, **kwargs):
+        from lit_marl.generation.base import Generation, left_pad
+
+        outs = []
+        for agent, prompts, num_samples in calls:
+            rows = [list(p) for p in prompts for _ in range(num_samples)]
+            prompt_ids, prompt_mask = left_pad(rows, agent.pad_token_id, torch.device("cpu"))
+            replies = [
+                [20 + (r * 101 + j * 53) % 500 for j in range(3)] + [agent.eos_token_id] for r in range(len(rows))
+            ]
+            ids = torch.tensor(replies)
+            outs.append(Generation(prompt_ids, prompt_mask, ids, torch.ones_like(ids), num_samples))
+        return outs
+
+
+def test_magrpo_with_one_agent_and_one_turn_is_grpo_on_one_turn_episodes(tmp_path):
+    """The same text environment as a tree (MAGRPO) and as one-turn episodes (GRPO), the same replies:
+    the same rewards, and the same update (plain SGD, lr 1). MAGRPO's loss is a mean over responses
+    (``logprob_reduction: mean``), GRPO's a mean over action tokens: with replies of one length they
+    are one number."""
+    from helpers import LENGTH_REWARD
+    from lit_marl.algorithms import GRPO
+    from lit_marl.data import EpisodeDataModule
+    from lit_marl.envs.base import FunctionEnv
+    from lit_marl.tasks import import_object
+
+    class SGDRecordingGRPO(GRPO):
+        def configure_optimizers(self):
+            return [torch.optim.SGD(a.trainable_parameters(), lr=1.0) for a in self.agents]
+
+        def training_step(self, batch, batch_idx):
+            self.seen = getattr(self, "seen", []) + [batch]
+            self.before = [{n: p.detach().clone() for n, p in a.model.named_parameters()} for a in self.agents]
+            return super().training_step(batch, batch_idx)
+
+    prompt = ["Write a slogan for {topic} with {word0}."]
+    steps, rewards = [], []
+    for family in ("tree", "episodes"):
+        L.seed_everything(5)
+        if family == "tree":
+            module = SGDRecordingMAGRPO(model="tiny-random", num_agents=1, max_grad_norm=0.0, logprob_reduction="mean")
+            data = slogan_data(agent_prompts=prompt, reward_fn=LENGTH_REWARD, tasks_per_step=2, val_path=None)
+        else:
+            module = SGDRecordingGRPO(model="tiny-random", num_agents=1, max_grad_norm=0.0)
+            env = FunctionEnv(prompt, import_object(LENGTH_REWARD, "reward"))
+            data = EpisodeDataModule(
+                train_path=slogan_data().hparams.train_path, env=env, tasks_per_step=2, num_generations=4, max_turns=1
+            )
+        data.engine = FixedLengthEngine()
+        make_trainer(tmp_path / family, limit_train_batches=1, limit_val_batches=0, logger=False).fit(
+            module, datamodule=data
+        )
+        (batch,) = module.seen
+        rewards.append(batch.rewards.view(-1) if family == "tree" else batch[0].rewards.sum(dim=1))
+        model = module.agents[0].model
+        steps.append({n: module.before[0][n] - p.detach() for n, p in model.named_parameters()})
+    torch.testing.assert_close(rewards[0], rewards[1])
+    assert rewards[0].view(2, 4).std(dim=1).min() > 0, "no learning signal: the check is void"
+    moved = 0
+    for name, step in steps[0].items():
+        torch.testing.assert_close(step, steps[1][name], atol=1e-6, rtol=1e-4, msg=name)
+        moved += int(step.abs().sum() > 0)
+    assert moved > 0
