@@ -17,6 +17,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader
 
 from lit_marl import ConfigError
+from lit_marl.agents import Team
 from lit_marl.envs import make_env
 from lit_marl.envs.alfworld.games import ALIASES as ALFWORLD_ALIASES
 from lit_marl.envs.base import Env, FunctionEnv, TextEnv
@@ -27,7 +28,6 @@ from lit_marl.envs.learned import JointRewardModel, LearnedRewardEnv
 from lit_marl.envs.processors import RewardProcessor, check_range
 from lit_marl.envs.sources import resolve_demo_source
 from lit_marl.fields import (
-    ClosedUnitInterval,
     PositiveFloat,
     PositiveInt,
     UnitIntervalLeftOpen,
@@ -41,6 +41,7 @@ from lit_marl.returns import CrossReduce, JointMode, step_reward, turn_rewards
 from lit_marl.rollout.batch import RolloutBatch
 from lit_marl.rollout.demos import load_demos, render_demos
 from lit_marl.rollout.episode import EpisodeSettings, run_episodes
+from lit_marl.rollout.settings import RolloutSettings
 from lit_marl.rollout.tree import TreeSettings, build_tree
 from lit_marl.tasks import TaskLoader, import_object, mixture, task_loader
 
@@ -84,9 +85,9 @@ class TaskDataModule(L.LightningDataModule):
 
     @property
     def phase(self) -> str:
-        """``sft`` (demonstrations) or ``rl`` (rollouts): the training module's phase."""
+        """``sft`` (demonstrations) or ``rl`` (rollouts): the phase of the team the module hands over."""
         trainer = self.trainer
-        return trainer.lightning_module.phase if trainer is not None and trainer.lightning_module else "rl"
+        return trainer.lightning_module.team().phase if trainer is not None and trainer.lightning_module else "rl"
 
     def train_dataloader(self) -> TaskLoader:
         """The current phase's loader: demonstrations or tasks. Each is made once per fit and then
@@ -111,13 +112,18 @@ class TaskDataModule(L.LightningDataModule):
     def on_after_batch_transfer(self, batch: list[dict], dataloader_idx: int):
         """Rows become what the training step consumes: rendered demonstrations in the SFT phase,
         rollouts of the current weights otherwise (greedy outside training)."""
-        module = self.trainer.lightning_module
-        if self.trainer.training and module.phase == "sft":
-            return render_demos(list(module.agents), batch, self.hparams.demo_loss_on)
-        with module.computing(rollout=self.engine), self.engine.rollout(list(module.agents)):
-            return self.rollout_batch(module, batch, training=self.trainer.training)
+        team = self.trainer.lightning_module.team()  # the one handshake of the step
+        if self.trainer.training and team.phase == "sft":
+            return render_demos(team.agents, batch, self.hparams.demo_loss_on)
+        with team.computing(self.engine), self.engine.rollout(team.agents):
+            return self.rollout_batch(team, batch, training=self.trainer.training)
 
-    def rollout_batch(self, module, tasks: list[dict], training: bool):
+    def rollout_batch(self, team: Team, tasks: list[dict], training: bool):
+        raise NotImplementedError
+
+    @property
+    def rollout_settings(self) -> RolloutSettings:
+        """What this module's rollouts are (an algorithm checks it once in ``setup``)."""
         raise NotImplementedError
 
     def episodes(self, batch) -> float:
@@ -196,7 +202,6 @@ class RolloutDataModule(TaskDataModule):
         batched_transition: bool = False,
         transition_prompt_field: str = "prompt",
         external_prompt_passthrough: bool = False,
-        discount: ClosedUnitInterval = 1.0,
         early_termination_threshold: float | None = None,
         on_reward_error: Literal["raise", "skip"] = "raise",
         reward_timeout_s: PositiveFloat | None = 600.0,
@@ -258,7 +263,6 @@ class RolloutDataModule(TaskDataModule):
                 it passes the empty string, as CoMLRL does, and a warning names the field.
             external_prompt_passthrough: Use the transition's prompts verbatim instead of rendering
                 them with the agent's chat template.
-            discount: Return of a joint action = its reward + discount * mean return of its child.
             early_termination_threshold: A node whose mean reward exceeds this gets no children;
                 None (default) never stops early - a threshold such as CoMLRL's -0.2 would end every
                 tree after one turn whenever rewards are non-negative.
@@ -396,7 +400,6 @@ class RolloutDataModule(TaskDataModule):
             max_new_tokens=max_new_tokens,
             temperature=temperature,
             top_p=top_p,
-            discount=discount,
             early_termination_threshold=early_termination_threshold,
             external_prompt_passthrough=external_prompt_passthrough,
             reward_processor=processor,
@@ -427,9 +430,7 @@ class RolloutDataModule(TaskDataModule):
     def prompts_for(self, tasks: list[dict]) -> list[list[str]]:
         return [state.observations for state in self.env.reset(tasks)]
 
-    def rollout(
-        self, agents, tasks: list[dict], greedy: bool, response_penalty=None, engine=None, stream: str = "policy"
-    ) -> RolloutBatch:
+    def rollout(self, agents, tasks: list[dict], greedy: bool, engine=None, stream: str = "policy") -> RolloutBatch:
         """``stream`` names the per-task sampling streams of the rollout (``sampling_streams: per_task``)."""
         settings = replace(self.tree, num_generations=1, greedy=True) if greedy else self.tree
         if (
@@ -438,17 +439,31 @@ class RolloutDataModule(TaskDataModule):
             seed = stream_seed(torch.initial_seed(), self.hparams.seed, self.train_loader.consumed, stream)
             settings = replace(settings, sampling_seed=seed)
         env = self.env if greedy else self.train_env
-        batch = build_tree(list(agents), tasks, env, settings, engine or self.engine, response_penalty)
+        batch = build_tree(list(agents), tasks, env, settings, engine or self.engine)
         batch.reward_range = self.reward_range if env is self.env else None
         return batch
 
-    def rollout_batch(self, module, tasks: list[dict], training: bool) -> RolloutBatch:
+    @property
+    def rollout_settings(self) -> RolloutSettings:
+        return RolloutSettings(
+            "tree",
+            self.num_agents,
+            self.hparams.tasks_per_step,
+            self.tree.num_generations,
+            self.engine,
+            tree=self.tree,
+            centralized=isinstance(self.env, CentralizedEnv),
+            on_reward_error=self.hparams.on_reward_error,
+            demos=len(self.demos),
+        )
+
+    def rollout_batch(self, team: Team, tasks: list[dict], training: bool) -> RolloutBatch:
         if not training:
-            return self.rollout(module.agents, tasks, greedy=True)
-        with module.rollout_team() as agents:
-            batch = self.rollout(agents, tasks, greedy=False, response_penalty=module.response_penalty)
+            return self.rollout(team.agents, tasks, greedy=True)
+        with team.sampling() as agents:
+            batch = self.rollout(agents, tasks, greedy=False)
         self._count_skipped(batch)
-        with module.comparator_team(tasks) as comparator:
+        with team.comparator(tasks) as comparator:
             if comparator is not None:
                 rollout = self.rollout(
                     comparator.agents, tasks, greedy=False, engine=comparator.engine, stream="comparator"
@@ -645,8 +660,20 @@ class EpisodeDataModule(TaskDataModule):
                 batch.rewards = rewards
         return batches
 
-    def rollout_batch(self, module, tasks: list[dict], training: bool):
-        return self.rollout(module.agents, tasks, greedy=not training)
+    @property
+    def rollout_settings(self) -> RolloutSettings:
+        return RolloutSettings(
+            "episodes",
+            self.num_agents,
+            self.hparams.tasks_per_step,
+            self.num_generations,
+            self.engine,
+            episode=self.episode,
+            demos=len(self.demos),
+        )
+
+    def rollout_batch(self, team: Team, tasks: list[dict], training: bool):
+        return self.rollout(team.agents, tasks, greedy=not training)
 
     def episodes(self, batches) -> float:
         return float(len(batches[0].won))

@@ -279,29 +279,9 @@ def process_overhead(device: torch.device, weights: float) -> float:
     return max(_rss() - weights, _RSS_AT_IMPORT)
 
 
-def generation_shape(data) -> tuple[int, int, str] | None:
-    """The most rows one generate call of a training step holds for one agent and their tokens, with
-    the assumption made; None for a data module that is neither episodes nor trees."""
-    if hasattr(data, "episode"):  # episodes: every task's group plays at once, contexts up to the cap
-        return (
-            data.hparams.tasks_per_step * data.episode.group_size,
-            data.episode.max_context_tokens,
-            "max_context_tokens",
-        )
-    tree = getattr(data, "tree", None)  # the last turn's call: every node's G samples (cross: all agents' nodes)
-    if tree is None:
-        return None
-    nodes = tree.num_generations ** ((tree.num_turns - 1) * (data.num_agents if tree.joint_mode == "cross" else 1))
-    return (
-        data.hparams.tasks_per_step * nodes * tree.num_generations,
-        512 + tree.max_new_tokens,
-        "prompts <= 512 tokens",
-    )
-
-
 def plan(
     module,
-    data=None,
+    rollout=None,
     shard_over: int = 1,
     vllm_share: float | None = None,
     process: float | None = None,
@@ -310,7 +290,8 @@ def plan(
     mode: str | None = None,
     vllm_options: dict | None = None,
 ) -> MemoryPlan:
-    """The memory plan of ``module`` (built, sharded where it will be) for a step of ``data``. The
+    """The memory plan of ``module`` (built, sharded where it will be) for a step of ``rollout`` (the
+    data module's ``RolloutSettings``; None: no generation planned). The
     keywords plan ahead for other hardware (``scripts/plan_memory.py``): ``shard_over`` ranks of FSDP2
     in ``mode`` (gathered or per_layer), vLLM's ``gpu_memory_utilization`` and options
     (``VLLMEngine.options`` of the device it will run on),
@@ -336,15 +317,15 @@ def plan(
     result.phases.update(phases)
     result.parts["activations of one update pass"] = _pass_bytes(module, dtype, result.notes)
     result.phases["activations of one update pass"] = UPDATE
-    engine = getattr(getattr(data, "engine", None), "name", None)
+    engine = rollout.engine.name if rollout is not None else None
     agents = list(module.agents) if module.agents is not None else []
     # one engine per model; a team's LoRA adapters on one base share its engine
     served = [agent.model.shared if isinstance(agent.model, AdapterView) else agent.model for agent in agents]
     models = list({id(model): model for model in served}.values())
-    shape = generation_shape(data) if data is not None and agents else None
+    shape = rollout.generation_shape() if rollout is not None and agents else None
     if engine == "vllm":
         result.parts.pop("weights gathered for generation", None)  # vLLM holds its own copy
-        options = vllm_options if vllm_options is not None else data.engine.options(device.type)
+        options = vllm_options if vllm_options is not None else rollout.engine.options(device.type)
         _vllm_parts(result, options, models, shape, vllm_share, dtype)
     elif shape is not None:
         rows, length, assumed = shape
@@ -390,11 +371,11 @@ def fsdp_settings(module, strategy, ranks: int) -> tuple[str, str]:
         return "gathered", "float32"
     if strategy.mode != "auto":
         return strategy.mode, strategy.gather_dtype
-    mode = choose_mode(module, module.trainer.datamodule, ranks, strategy.root_device)
+    mode = choose_mode(module, module.rollout_settings, ranks, strategy.root_device)
     return mode, strategy.gather_dtype if mode == "per_layer" else "float32"
 
 
-def choose_mode(module, data, ranks: int, device: torch.device) -> str:
+def choose_mode(module, rollout, ranks: int, device: torch.device) -> str:
     """FSDP2's mode under ``auto``: ``gathered`` (least traffic) when its plan fits the device on
     every rank, else ``per_layer``. Every rank decides alike."""
     from lightning.pytorch.utilities import rank_zero_info
@@ -402,7 +383,7 @@ def choose_mode(module, data, ranks: int, device: torch.device) -> str:
     trainer = module._trainer
     ranks_here = trainer.num_devices if trainer is not None and device.type == "cpu" else 1
     capacity = device_capacity(device, ranks_here)
-    whole = plan(module, data, shard_over=ranks, capacity=capacity, mode="gathered")
+    whole = plan(module, rollout, shard_over=ranks, capacity=capacity, mode="gathered")
     over = all_ranks_max(whole.peak - capacity if capacity is not None else -1.0, device)
     mode = "gathered" if over <= 0 else "per_layer"
     rank_zero_info(
@@ -435,12 +416,12 @@ def _pass_bytes(module, dtype: torch.dtype | None, notes: list[str]) -> float:
     return max(policy) + others
 
 
-def check_memory(module, data=None) -> MemoryPlan:
+def check_memory(module, rollout=None) -> MemoryPlan:
     """Print the plan (rank 0) and fail before the first step, naming the settings that shrink the
     largest parts, when its peak exceeds the device."""
     from lightning.pytorch.utilities import rank_zero_info
 
-    result = plan(module, data)
+    result = plan(module, rollout)
     rank_zero_info(result.table())
     # every rank decides alike (one rank stopping alone would leave the others waiting in a collective)
     over = all_ranks_max(result.peak - result.capacity if result.capacity is not None else -1.0, module.device)

@@ -81,7 +81,6 @@ def run_lit_marl(args) -> dict:
         num_turns=args.num_turns,
         transition="__main__:lit_transition" if args.num_turns > 1 else None,
         early_termination_threshold=None,
-        discount=1.0,
         engine=args.engine,
     )
     cls = {"magrpo": MAGRPO, "iac": IAC, "maac": MAAC}[args.algorithm]

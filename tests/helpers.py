@@ -113,11 +113,13 @@ def tree_from_functions(
     transition=None,
     batched_transition=False,
     engine=None,
-    response_penalty=None,
+    penalties=None,
+    discount=1.0,
     **settings,
 ):
     """``build_tree`` on literal first prompts (``prompts[t][i]``: agent i's for task t), a reward
-    function and an optional CoMLRL transition, with the tree's settings as keyword arguments."""
+    function and an optional CoMLRL transition, with the tree's settings as keyword arguments; its
+    returns built with ``discount`` and per-row ``penalties`` (``RolloutBatch.score``)."""
     from dataclasses import fields
 
     from lit_marl.envs.base import FunctionEnv
@@ -133,7 +135,9 @@ def tree_from_functions(
     env.call_settings = CallSettings(**{k: v for k, v in settings.items() if k in calls})
     settings = {k: v for k, v in settings.items() if k not in calls}
     tree = TreeSettings(num_generations=num_generations, joint_mode=joint_mode, **settings)
-    return build_tree(agents, tasks, env, tree, engine=engine, response_penalty=response_penalty)
+    batch = build_tree(agents, tasks, env, tree, engine=engine)
+    batch.score(discount, penalties)  # what the algorithm does with the rollout's facts
+    return batch
 
 
 PLAIN = "lit_marl.rollout.transitions:plain"

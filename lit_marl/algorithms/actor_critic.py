@@ -4,7 +4,7 @@ critic over the joint state).
 The rollout is the joint tree with one response per agent and node (``data.num_generations=1``):
 one joint trajectory per task, each turn's node linked to the next by ``next_group``. At an update
 every row (one agent's turn) gets the one-step TD target y = r + gamma * V(h_next), gamma being
-``data.discount``, with no bootstrap after the final or an early-terminated turn, and the advantage
+``model.discount``, with no bootstrap after the final or an early-terminated turn, and the advantage
 A = y - V(h), optionally z-scored per (agent, turn). The actor's loss is CoMLRL's ratio-free
 -log pi(a) * A, or the clipped PPO surrogate against the behaviour log-probs over several epochs,
 with an entropy bonus and a ``target_kl`` stop: with per-agent value heads that is IPPO, with the
@@ -36,7 +36,6 @@ from lit_marl.algorithms.critics import (
     load_critic_backbone,
     read_positions,
 )
-from lit_marl.data import RolloutDataModule
 from lit_marl.fields import NonNegativeFloat, OpenUnitInterval, PositiveFloat, PositiveInt, check_fields
 from lit_marl.logprobs import completion_forward
 from lit_marl.losses import (
@@ -150,7 +149,6 @@ class ActorCritic(AgentTeamModule):
         self.critic_kind, self.critic_source, self.critic_type = critic, critic_model, critic_type
         self.critic_learning_rate = critic_learning_rate or self.hparams.learning_rate
         self.value_loss_coef, self.value_clip_range = value_loss_coef, value_clip_range
-        self.discount = 1.0  # gamma between turns: the rollout's (data.discount), read in setup
         self.advantage_normalization = advantage_normalization
         self.policy_form, self.clip_range, self.ppo_epochs = policy_loss, clip_range, ppo_epochs
         self.target_kl, self.entropy_coef, self.logprob_reduction = target_kl, entropy_coef, logprob_reduction
@@ -199,15 +197,11 @@ class ActorCritic(AgentTeamModule):
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
-        data = self.trainer.datamodule
-        if data is None or stage != "fit":
+        rollout = self.rollout_settings
+        if rollout is None or stage != "fit":
             return
-        if not isinstance(data, RolloutDataModule):
-            raise ConfigError(
-                f"{type(self).__name__} learns from joint rollouts: use data: lit_marl.data.RolloutDataModule"
-            )
-        tree = data.tree
-        self.discount = tree.discount
+        rollout.require("tree", type(self).__name__)
+        tree = rollout.tree
         if tree.num_generations > 1 and tree.num_turns > 1:
             raise ConfigError(
                 f"data.num_generations={tree.num_generations} with data.num_turns={tree.num_turns}: "

@@ -4,9 +4,7 @@ over micro-batches, and logging of rollouts. Algorithms add their loss."""
 from __future__ import annotations
 
 import copy
-import math
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 
 import lightning as L
@@ -16,8 +14,16 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 
 from lit_marl import ConfigError, checkpoint_files
-from lit_marl.agents import Agent, LoraSettings, roles_by_model, team_sources
-from lit_marl.fields import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, check_fields
+from lit_marl.agents import Agent, LoraSettings, Team, roles_by_model, team_sources
+from lit_marl.algorithms.updates import OptimizerSteps
+from lit_marl.fields import (
+    ClosedUnitInterval,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    check_fields,
+)
 from lit_marl.logprobs import target_logprobs
 from lit_marl.losses import nll
 from lit_marl.memory import check_memory, fsdp_settings
@@ -25,25 +31,15 @@ from lit_marl.metrics import StepLogging, Timer
 from lit_marl.models import (
     AttentionKernel,
     WeightsDtype,
-    checkpointed_passes,
     prepare_models,
     set_attention,
 )
-from lit_marl.parallel.collectives import all_ranks_max, all_ranks_sum, gather_objects, sum_gradients, to_cpu
+from lit_marl.parallel.collectives import all_ranks_max, gather_objects, to_cpu
 from lit_marl.parallel.fsdp import TeamShards, check_shardable, shardable_models
 from lit_marl.parallel.strategies import TeamDDPStrategy
-from lit_marl.rollout.batch import AgentSamples, RolloutBatch, pass_rows, pass_tokens
+from lit_marl.rollout.batch import AgentSamples, RolloutBatch
 from lit_marl.rollout.buffer import RolloutBuffer
 from lit_marl.rollout.demos import DemoSamples
-from lit_marl.rollout.tree import ResponsePenalty
-
-
-def clipped_apart(optimizer) -> list[list[torch.Tensor]]:
-    """The parameters clipped as one, per ``role`` of the optimizer's groups (a policy, its critic)."""
-    parts: dict = {}
-    for group in optimizer.param_groups:
-        parts.setdefault(group.get("role"), []).extend(group["params"])
-    return list(parts.values())
 
 
 def sft_loss(model: nn.Module, samples: DemoSamples) -> torch.Tensor:
@@ -51,10 +47,7 @@ def sft_loss(model: nn.Module, samples: DemoSamples) -> torch.Tensor:
     return nll(*target_logprobs(model, samples.input_ids, samples.attention_mask, samples.loss_mask))
 
 
-class AgentTeamModule(StepLogging, L.LightningModule):
-    # per-response reward shaping applied inside the rollout (e.g. a KL penalty); None: none
-    response_penalty: ResponsePenalty | None = None
-
+class AgentTeamModule(OptimizerSteps, StepLogging, L.LightningModule):
     def __init__(
         self,
         model: str | list[str] = "tiny-random",
@@ -74,6 +67,7 @@ class AgentTeamModule(StepLogging, L.LightningModule):
         activation_checkpointing: bool = False,
         weights_dtype: WeightsDtype = "float32",
         memory_check: bool = True,
+        discount: ClosedUnitInterval = 1.0,
     ):
         """
         Args:
@@ -85,9 +79,8 @@ class AgentTeamModule(StepLogging, L.LightningModule):
             learning_rate: AdamW learning rate of every agent.
             max_grad_norm: Gradient norm clipping per agent, a critic's apart from its policy's (0 disables).
             weight_decay: AdamW's decoupled weight decay (CoMLRL's: torch's default 0.01); 0: none.
-            forward_batch_size: At most this many rows per forward/backward pass (None: no row cap).
-                Memory only, like ``forward_token_budget``: a mini-batch's gradients are accumulated
-                over its passes before its one optimizer step.
+            forward_batch_size: At most this many rows per forward/backward pass (None: no row cap); memory only,
+                like ``forward_token_budget``: a mini-batch's gradients accumulate over its passes.
             forward_token_budget: At most this many tokens per forward/backward pass (None: no cap): a row
                 counts its padded width, or where a node's G responses share one prompt pass (MAGRPO) its
                 response plus the prompt once per node. Fewer, larger passes are faster; memory grows with
@@ -112,6 +105,8 @@ class AgentTeamModule(StepLogging, L.LightningModule):
                 AdamW's state stay fp32 (the master copy), LM heads too (fp32 log-probs) (docs/scale.md).
             memory_check: Print the memory plan per rank before the first step and stop when its peak exceeds
                 the device (docs/scale.md); false: neither.
+            discount: Gamma between turns: tree returns (r + gamma x the child node's mean return), TD targets,
+                episode returns and GAE; 1.0 (CoMLRL's, and the practitioner guide's finding).
         """
         super().__init__()
         check_fields("model", AgentTeamModule.__init__, locals())
@@ -124,10 +119,12 @@ class AgentTeamModule(StepLogging, L.LightningModule):
         self.share_parameters, self.lora_shared_base = share_parameters, lora_shared_base
         self.attn_implementation, self.activation_checkpointing = attn_implementation, activation_checkpointing
         self.weights_dtype, self.memory_check = weights_dtype, memory_check
+        self.discount = discount
         self.automatic_optimization = False
         self.agents: nn.ModuleList | None = None
         self.references: nn.ModuleList | None = None  # frozen copies for a KL term: ``build_references``
         self.shards = None  # lit_marl.parallel.fsdp.TeamShards under FSDP (ModelParallelStrategy)
+        self.rollout_settings = None  # the data module's RolloutSettings, read once in setup
         self.rollout_buffers: list[RolloutBuffer] = []  # samples waiting for an update (algorithms that buffer)
         # mini-batch order: seeded, and apart from the sampling RNG so batching changes no rollout
         self.shuffle_generator = torch.Generator().manual_seed(torch.initial_seed() % 2**63)
@@ -140,7 +137,7 @@ class AgentTeamModule(StepLogging, L.LightningModule):
 
     def on_fit_start(self) -> None:
         if self.memory_check:
-            check_memory(self, self.trainer.datamodule)
+            check_memory(self, self.rollout_settings)
 
     def build_models(self) -> None:
         """Every model of the algorithm not built yet (agents here; critics, references in subclasses)."""
@@ -186,6 +183,11 @@ class AgentTeamModule(StepLogging, L.LightningModule):
                 team.append(agent if kept else Agent(agent.source, None, agent.system_prompt, (model, agent.tokenizer)))
             yield [team[self.learner_of(role)] for role in range(len(self.agents))]
 
+    def team(self) -> Team:
+        """What this module hands the data module for a step (the one handshake at run time)."""
+        computing = lambda engine: self.computing(rollout=engine)  # noqa: E731
+        return Team(self.phase, list(self.agents or []), self.rollout_team, self.comparator_team, computing)
+
     @contextmanager
     def rollout_team(self) -> Iterator[nn.ModuleList | list[Agent]]:
         """The agents that sample training rollouts: the current ones (an algorithm may choose others)."""
@@ -211,7 +213,7 @@ class AgentTeamModule(StepLogging, L.LightningModule):
         ``update``, what an update needs (``TeamShards.updating``)."""
         stack = ExitStack()
         if self.shards is not None:
-            own = rollout is not None and rollout.own_weights and self.per_layer_fsdp and not self.response_penalty
+            own = rollout is not None and rollout.own_weights and self.per_layer_fsdp
             served = {id(agent.model) for agent in self.agents} if own else set()  # references, rewards: gathered
             roots = [root for root in self.shards.roots if id(root) not in served]
             stack.enter_context(self.shards.updating() if update else self.shards.gathered(roots))
@@ -280,116 +282,21 @@ class AgentTeamModule(StepLogging, L.LightningModule):
                 "{class_path: lit_marl.parallel.strategies.TeamDDPStrategy}"
             )
         data = self.trainer.datamodule
-        if data is not None and data.num_agents != self.hparams.num_agents:
+        self.rollout_settings = rollout = data.rollout_settings if data is not None else None
+        if rollout is not None and rollout.num_agents != self.hparams.num_agents:
             raise ConfigError(
-                f"the data gives {data.num_agents} agents (data.agent_prompts / its environment) but "
+                f"the data gives {rollout.num_agents} agents (data.agent_prompts / its environment) but "
                 f"model.num_agents={self.hparams.num_agents}"
             )
 
     def require_groups(self, stage: str, compares: str) -> None:
         """Group baselines need at least 2 samples per group: fail before the first rollout."""
-        data = self.trainer.datamodule
-        if stage == "fit" and data is not None and data.num_generations < 2:
+        rollout = self.rollout_settings
+        if stage == "fit" and rollout is not None and rollout.num_generations < 2:
             raise ConfigError(
-                f"data.num_generations={data.num_generations}: {type(self).__name__} compares {compares} and "
+                f"data.num_generations={rollout.num_generations}: {type(self).__name__} compares {compares} and "
                 "needs at least 2; set data.num_generations >= 2"
             )
-
-    def update_agent(
-        self,
-        index: int,
-        samples: AgentSamples | None,
-        loss_fn: Callable,
-        count: float | None = None,
-        shared_prompts: bool = False,
-        skipped_zero_loss: bool = False,
-    ) -> float:
-        """One optimizer step for learner ``index`` (see ``learners``); see ``optimizer_step_on``."""
-        optimizers = self.optimizers()
-        optimizer = optimizers[index] if isinstance(optimizers, list) else optimizers
-        step = (count, shared_prompts, skipped_zero_loss, sum(p.numel() for p in self.model_of(index).parameters()))
-        return self.optimizer_step_on(optimizer, samples, loss_fn, self.learner_name(index), *step)
-
-    def optimizer_step_on(
-        self,
-        optimizer,
-        rows,
-        loss_fn: Callable,
-        name: str,
-        count: float | tuple[float, ...] | None = None,
-        shared_prompts: bool = False,
-        skipped_zero_loss: bool = False,
-        parameters: int = 0,
-    ) -> float:
-        """One step of ``optimizer`` on ``rows`` (anything with ``len``, ``select`` and ``input_ids``; None: this rank
-        has nothing for this step but joins it). ``loss_fn`` returns the summed loss of a
-        micro-batch (``micro_batches``); the step's loss is the sum over the rows of every
-        rank divided by ``count`` (default: the rows) summed over ranks, so neither micro-batching nor
-        the split over ranks changes the gradient; a tuple ``count``: ``loss_fn`` returns a vector of terms,
-        each divided by its own count (a term no rank counts is 0). ``skipped_zero_loss``: this rank left
-        out rows whose loss (and gradient) is exactly zero; parameters still without a gradient get a zero
-        one, so the optimizer steps as it would after their backward (AdamW's momentum and weight
-        decay act, as in CoMLRL). ``parameters``: the model's, for ``perf/train_flops`` (6 per
-        parameter and token the passes compute). Returns that loss."""
-        # full rows under checkpointing (a checkpointed layer drops the shared cache) and per-layer FSDP
-        shared_prompts = shared_prompts and not self.activation_checkpointing and not self.per_layer_fsdp
-        local = count if isinstance(count, tuple) else (count if count is not None else len(rows or ()),)
-        totals = [all_ranks_sum(float(c), self.device) for c in local]
-        loss_sum, tokens = 0.0, 0
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        models = self.shards.roots_of(params) if self.shards is not None else []
-        with checkpointed_passes(self):
-            mine = rows if rows is not None and len(rows) and max(totals) > 0 else None
-            for chunk in self.passes(mine, models, True, shared_prompts):
-                micro = rows.select(chunk)
-                loss = sum(term / n for term, n in zip(loss_fn(micro).reshape(-1), totals) if n > 0)
-                self.manual_backward(loss)
-                loss_sum += float(loss.detach())
-                tokens += pass_tokens(micro, shared_prompts)
-        self.record({"perf/train_tokens": float(tokens), "perf/train_flops": 6.0 * parameters * tokens}, reduce="sum")
-        if skipped_zero_loss:
-            for p in params:
-                if p.requires_grad and p.grad is None:
-                    p.grad = torch.zeros_like(p)
-        if self.shards is not None:
-            self.shards.reduce_gradients(params)  # the sharded weights' gradients, summed over ranks
-        sum_gradients(params, self.device)  # the module is not wrapped in DDP: parallel/strategies.py
-        loss_sum = all_ranks_sum(loss_sum, self.device)
-        broken = sum(int(p.grad is not None and not torch.isfinite(p.grad).all()) for p in params)
-        broken = all_ranks_sum(float(broken), self.device)  # every rank decides alike (FSDP: each its shards)
-        if not math.isfinite(loss_sum) or broken:
-            # a NaN/inf loss or gradient would write NaN into the weights: skip the step, weights untouched
-            optimizer.zero_grad(set_to_none=True)
-            what = f"non-finite loss {loss_sum}" if not math.isfinite(loss_sum) else "a non-finite gradient"
-            self.nonfinite_skips += 1
-            limit = self.hparams.get("max_nonfinite_steps", 0)
-            if self.nonfinite_skips > limit:
-                raise FloatingPointError(
-                    f"{name}: {what} at global step {self.global_step}; the optimizer step was skipped and the "
-                    f"weights are unchanged ({self.nonfinite_skips} such step(s), model.max_nonfinite_steps={limit}). "
-                    "Lower model.learning_rate or check the rewards."
-                )
-            warnings.warn(
-                f"{name}: {what} at global step {self.global_step}: optimizer step skipped, weights unchanged "
-                f"({self.nonfinite_skips} of model.max_nonfinite_steps={limit})",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            self.record({"train/nonfinite_skips": float(self.nonfinite_skips)}, reduce="max")
-            return loss_sum
-        clip = torch.nn.utils.clip_grad_norm_ if self.shards is None else self.shards.clip_grad_norm_
-        for part in clipped_apart(optimizer) if self.hparams.max_grad_norm > 0 else ():
-            clip(part, self.hparams.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if self.shards is not None:
-            self.shards.refresh(params)
-        return loss_sum
-
-    def micro_batches(self, rows, shared_prompts: bool = False) -> list[torch.Tensor]:
-        """Row indices of the forward/backward passes over ``rows`` (``rollout.batch.pass_rows``)."""
-        cap, budget = self.forward_batch_size, self.forward_token_budget
-        return [r.to(self.device) for r in pass_rows(rows, budget, cap, shared_prompts)]
 
     # ------------------------------------------------------------------ the step: fine-tuning on demonstrations or RL
     phase: str = "rl"
@@ -405,8 +312,22 @@ class AgentTeamModule(StepLogging, L.LightningModule):
         if self.phase == "sft":
             self.sft_step(batch)
         else:
-            self.rl_step(batch, batch_idx)
+            self.rl_step(self.scored(batch, training=True), batch_idx)
         self.write_step_log()
+
+    def scored(self, batch, training: bool = False):
+        """A tree rollout's returns from its facts (``RolloutBatch.score``): this algorithm's
+        ``discount``, and in training its ``response_penalties``; episodes come as they are."""
+        if isinstance(batch, RolloutBatch):
+            batch.score(self.discount, self.response_penalties(batch) if training else None)
+            if batch.comparator is not None:
+                batch.comparator.score(self.discount)
+        return batch
+
+    def response_penalties(self, batch: RolloutBatch) -> list[torch.Tensor] | None:
+        """Per agent one value per row, subtracted from the reward of every joint action the response
+        is part of before returns (MAGRPO's KL to a reference); None: none."""
+        return None
 
     def rl_step(self, batch, batch_idx: int) -> None:
         raise NotImplementedError
@@ -490,7 +411,7 @@ class AgentTeamModule(StepLogging, L.LightningModule):
         pass
 
     def validation_step(self, batch: RolloutBatch, batch_idx: int) -> None:
-        self.log_rollout(batch, "val")
+        self.log_rollout(self.scored(batch), "val")
 
     def test_step(self, batch: RolloutBatch, batch_idx: int) -> None:
-        self.log_rollout(batch, "test")
+        self.log_rollout(self.scored(batch), "test")

@@ -10,14 +10,10 @@ from typing import Literal
 import torch
 
 from lit_marl import ConfigError
-from lit_marl.agents import LoraSettings
 from lit_marl.algorithms.base import AgentTeamModule
-from lit_marl.data import EpisodeDataModule
 from lit_marl.fields import (
     AboveOne,
-    ClosedUnitInterval,
     NonNegativeFloat,
-    NonNegativeInt,
     OpenUnitInterval,
     PositiveFloat,
     PositiveInt,
@@ -26,7 +22,6 @@ from lit_marl.fields import (
 from lit_marl.logprobs import masked_logprobs
 from lit_marl.losses import clip_fraction, clipped_surrogate, k3_kl
 from lit_marl.metrics import Timer, record_stats, rollout_correction
-from lit_marl.models import AttentionKernel, WeightsDtype
 from lit_marl.parallel.collectives import padded_steps
 from lit_marl.rollout.batch import TrajectorySamples
 from lit_marl.rollout.buffer import minibatches
@@ -44,83 +39,37 @@ def check_kl_clamp(kl_clamp: float | None, kl_mode: str, kl_coef: float) -> None
 class EpisodicModule(AgentTeamModule):
     def __init__(
         self,
-        model: str = "tiny-random",
-        lora: LoraSettings | None = None,
-        system_prompt: str | None = None,
-        learning_rate: PositiveFloat = 1e-5,
-        max_grad_norm: NonNegativeFloat = 1.0,
-        forward_batch_size: PositiveInt | None = 8,
-        forward_token_budget: PositiveInt | None = None,
         clip_range: OpenUnitInterval = 0.2,
         dual_clip: AboveOne | None = None,
         ppo_epochs: PositiveInt = 1,
         train_batch_size: PositiveInt | None = None,
-        discount: ClosedUnitInterval = 1.0,
         kl_coef: NonNegativeFloat = 0.0,
         kl_mode: Literal["loss", "reward"] = "loss",
         kl_clamp: PositiveFloat | None = None,
         rollout_is_cap: PositiveFloat | None = None,
-        num_agents: PositiveInt = 1,
-        share_parameters: bool = False,
-        lora_shared_base: bool = False,
-        max_nonfinite_steps: NonNegativeInt = 0,
-        log_samples_every_n_steps: NonNegativeInt = 10,
-        weight_decay: NonNegativeFloat = 0.0,
-        attn_implementation: AttentionKernel | None = None,
-        activation_checkpointing: bool = False,
-        weights_dtype: WeightsDtype = "float32",
-        memory_check: bool = True,
+        **kwargs,
     ):
         """
         Args:
-            model: Model source of the policy.
-            system_prompt: System message (omit to keep the chat template's default).
-            lora: LoRA adapters instead of full fine-tuning (the KL reference is then the base).
-            learning_rate: AdamW learning rate of the policy.
-            max_grad_norm: Gradient norm clipping, a critic's apart from its policy's (0 disables).
-            forward_batch_size: At most this many episodes per forward/backward pass (memory only; None: no cap).
-            forward_token_budget: At most this many padded tokens per pass (memory only; None: no cap).
             clip_range: PPO's ratio clipping epsilon.
             dual_clip: Dual-clip PPO's c (veRL's ``clip_ratio_c``, the guide's 3): a token with a negative advantage
                 loses at most c times it, however far its ratio grew; None: off (Schulman, TRL).
             ppo_epochs: Passes over the step's episodes (the behaviour log-probs stay those of the rollout).
             train_batch_size: Groups (a task's G episodes) per mini-batch, one step each; None: one per epoch.
-            discount: Discount gamma between turns / tokens (1.0, the practitioner guide's finding).
             kl_coef: Weight of KL(policy || reference); 0 disables.
             kl_mode: ``loss``: a loss term (k3 per token); ``reward``: k1 subtracted from each token's reward.
             kl_clamp: With ``kl_mode: loss``, cap each token's k3 at this (its log-ratio at +-20), as veRL's
                 ``low_var_kl`` does with 10; None: the exact k3 (unbiased, unbounded).
             rollout_is_cap: Truncated importance sampling against the rollout engine's log-probs, as MAGRPO's.
-            num_agents: Agents in the environment (the CLI links it); each plays its own token sequence.
-            share_parameters, lora_shared_base: One model plays every agent; with ``lora``, each its adapter on a base.
-            max_nonfinite_steps: 0 stops at a NaN/inf loss or gradient; n > 0 skips up to n such steps first.
-            log_samples_every_n_steps: Every n steps one episode to TensorBoard's text tab (0: never).
-            weight_decay, attn_implementation, activation_checkpointing, weights_dtype, memory_check: as for every
-                team (``AgentTeamModule``; docs/scale.md).
+            **kwargs: The team's settings (model, lora, learning_rate, discount, forward_token_budget, ...): see
+                ``AgentTeamModule``; each agent plays its own token sequence.
         """
-        super().__init__(
-            model=model,
-            num_agents=num_agents,
-            lora=lora,
-            system_prompt=system_prompt,
-            learning_rate=learning_rate,
-            max_grad_norm=max_grad_norm,
-            forward_batch_size=forward_batch_size,
-            forward_token_budget=forward_token_budget,
-            share_parameters=share_parameters,
-            lora_shared_base=lora_shared_base,
-            max_nonfinite_steps=max_nonfinite_steps,
-            log_samples_every_n_steps=log_samples_every_n_steps,
-            weight_decay=weight_decay,
-            attn_implementation=attn_implementation,
-            activation_checkpointing=activation_checkpointing,
-            weights_dtype=weights_dtype,
-            memory_check=memory_check,
-        )
+        kwargs.setdefault("num_agents", 1)  # one agent unless given (the CLI links it to the environment's)
+        super().__init__(**kwargs)
         check_fields("model", EpisodicModule.__init__, locals())
         check_kl_clamp(kl_clamp, kl_mode, kl_coef)
         self.clip_range, self.dual_clip, self.ppo_epochs = clip_range, dual_clip, ppo_epochs
-        self.discount, self.kl_coef, self.kl_mode, self.kl_clamp = discount, kl_coef, kl_mode, kl_clamp
+        self.kl_coef, self.kl_mode, self.kl_clamp = kl_coef, kl_mode, kl_clamp
         self.train_batch_size, self.rollout_is_cap = train_batch_size, rollout_is_cap
 
     def build_models(self) -> None:
@@ -130,11 +79,8 @@ class EpisodicModule(AgentTeamModule):
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
-        data = self.trainer.datamodule
-        if data is not None and not isinstance(data, EpisodeDataModule):
-            raise ConfigError(
-                f"{type(self).__name__} trains on multi-turn episodes: use data: lit_marl.data.EpisodeDataModule"
-            )
+        if self.rollout_settings is not None:
+            self.rollout_settings.require("episodes", type(self).__name__)
 
     # ------------------------------------------------------------------ what subclasses provide
     def advantages(self, batch: EpisodeBatch, token_rewards: torch.Tensor, samples: dict, learner: int) -> dict:

@@ -64,8 +64,9 @@ class Comparator:
         if self.engine is None:
             return batch
         rows = sorted({row for skipped in self.engine.skipped.values() for row in skipped})
-        for samples in batch.agents:  # aligned, single turn: row r of every agent is joint candidate r
-            samples.returns[rows] = float("nan")
+        shaped = batch.levels.shaped[0].clone()  # aligned, single turn: row r of every agent is joint candidate r
+        shaped.view(-1, shaped.shape[-1])[rows] = float("nan")  # their returns: NaN, no pair
+        batch.levels.shaped[0] = shaped
         batch.metrics["comparator_skipped"] = float(len(rows))
         batch.metrics["comparator_candidates"] = float(len(batch.agents[0]))
         return batch
@@ -189,7 +190,8 @@ class IterativeMADPO(MADPO):
                 f"model.comparator_policy={self.comparator_policy} keeps a copy of the team, which FSDP shards do not "
                 "allow here: use trainer.strategy: ddp, or comparator_policy: current / model / api"
             )
-        engine = self.trainer.datamodule.engine
+        self.rollout_settings.require("tree", "IterativeMADPO", "needs the comparator's rollout")
+        engine = self.rollout_settings.engine
         if engine.name == "vllm" and self.comparator_policy not in ("current", "api"):
             raise ConfigError(
                 f"model.comparator_policy={self.comparator_policy} generates with other weights than the policy's, "
@@ -228,9 +230,7 @@ class IterativeMADPO(MADPO):
             team = self._snapshot_team()
         engine = None
         if team is None or self.generation_mode != "decentralized":  # texts, as rows of the policy
-            writer = (
-                ApiWriter(self.comparator_api) if team is None else ModelWriter(team, self.trainer.datamodule.engine)
-            )
+            writer = ApiWriter(self.comparator_api) if team is None else ModelWriter(team, self.rollout_settings.engine)
             engine = TextEngine(writer, self.generation_mode, self.adapter, self.centralized_index)
             team = [TextRole(agent, i, tasks) for i, agent in enumerate(self.agents)]
         cuda = self.device.type == "cuda"

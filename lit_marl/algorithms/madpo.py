@@ -74,7 +74,7 @@ class MADPO(AgentTeamModule):
         super().setup(stage)
         self.require_groups(stage, "joint candidates of the same task in pairs")
         if stage == "fit":
-            check_candidate_rollouts(self.trainer.datamodule, "MADPO")
+            check_candidate_rollouts(self.rollout_settings, "MADPO")
 
     @contextmanager
     def rollout_team(self):

@@ -11,9 +11,7 @@ import torch
 
 from lit_marl import ConfigError
 from lit_marl.algorithms.base import AgentTeamModule
-from lit_marl.envs.centralized import CentralizedEnv
 from lit_marl.fields import NonNegativeFloat, PositiveFloat, PositiveInt, check_fields
-from lit_marl.generation import Generation
 from lit_marl.logprobs import completion_logits, completion_logprobs, token_entropy, token_logprobs
 from lit_marl.losses import Reduction, k3_kl, masked_sum, reinforce
 from lit_marl.metrics import Timer, rollout_correction
@@ -36,7 +34,7 @@ class MAGRPO(AgentTeamModule):
         rollout_buffer_size: PositiveInt | None = None,
         train_batch_size: PositiveInt | None = None,
         update_schedule: UpdateSchedule = "joint",
-        reference_kl_coef: NonNegativeFloat = 0.0,
+        kl_coef: NonNegativeFloat = 0.0,
         rollout_is_cap: PositiveFloat | None = None,
         **kwargs,
     ):
@@ -59,9 +57,9 @@ class MAGRPO(AgentTeamModule):
                 shuffled; None: the whole buffer in one step (with ``update_schedule: joint``).
             update_schedule: ``joint``: mini-batches of every turn, shuffled; ``per_turn``: CoMLRL's
                 order, each turn its own steps in turn order (``train_batch_size: null``: one per turn).
-            reference_kl_coef: Weight of the KL to the reference policy (the initial weights; with
-                LoRA the base model with adapters disabled, no copy), estimated per response as the
-                summed k3 estimate and subtracted from the agent's reward before returns.
+            kl_coef: Weight of KL(policy || reference) (the initial weights; with LoRA the base model
+                with adapters disabled, no copy), estimated per response as the summed k3 estimate and
+                subtracted from the agent's reward before returns (the episodes' ``kl_mode: reward``).
             rollout_is_cap: Truncated importance sampling against the rollout engine's log-probs (veRL's
                 TIS, TRL's ``vllm_importance_sampling_cap``): each token's term weighted by
                 min(pi / pi_rollout, cap); None: off (the mismatch is logged either way: docs/generation.md).
@@ -79,32 +77,41 @@ class MAGRPO(AgentTeamModule):
         self.train_batch_size = train_batch_size
         self.advantage_normalization_form = advantage_normalization_form
         self.update_schedule = update_schedule
-        self.reference_kl_coef = reference_kl_coef
+        self.kl_coef = kl_coef
         self.rollout_is_cap = rollout_is_cap
-        if reference_kl_coef > 0:
-            self.response_penalty = self.reference_kl
         self.rollout_buffers = [RolloutBuffer() for _ in range(self.hparams.num_agents)]
 
     def build_models(self) -> None:
         super().build_models()
-        if self.reference_kl_coef > 0:
+        if self.kl_coef > 0:
             self.build_references()
 
+    def response_penalties(self, batch: RolloutBatch) -> list[torch.Tensor] | None:
+        """kl_coef x KL(policy || reference) of every agent's responses (None without a KL term)."""
+        if self.kl_coef == 0:
+            return None
+        with Timer() as timer:
+            penalties = [self.reference_kl(i, samples) for i, samples in enumerate(batch.agents)]
+        self.record({"perf/penalty_s": timer.seconds})
+        return penalties
+
     @torch.no_grad()
-    def reference_kl(self, index: int, gen: Generation) -> torch.Tensor:
-        """reference_kl_coef x KL(policy || reference) of each response: the k3 estimate
-        exp(d) - d - 1 with d = log p_ref - log p, summed over the response's tokens."""
-        model = self.agents[index].model
-        input_ids = torch.cat([gen.prompt_ids, gen.completion_ids], dim=1)
-        attention_mask = torch.cat([gen.prompt_mask, gen.completion_mask], dim=1)
-        groups = torch.arange(len(input_ids), device=input_ids.device) // gen.num_samples
-        args = (input_ids, attention_mask, gen.completion_ids.shape[1], groups)
-        logprobs = completion_logprobs(model, *args)
-        with self.reference_model(self.learner_of(index)) as reference:
-            ref_logprobs = completion_logprobs(reference, *args)
-        k3 = k3_kl(ref_logprobs - logprobs) * gen.completion_mask
-        self.record({f"agent{index}/kl_ref": float(k3.sum(-1).mean())}, weight=len(k3))
-        return self.reference_kl_coef * k3.sum(-1)
+    def reference_kl(self, index: int, samples: AgentSamples) -> torch.Tensor:
+        """kl_coef x KL(policy || reference) of each response (row): the k3 estimate exp(d) - d - 1
+        with d = log p_ref - log p, summed over the response's tokens. The weights are whole for it
+        (``computing``: gathered under FSDP), so its passes need no lockstep."""
+        model, learner = self.agents[index].model, self.learner_of(index)
+        out = torch.zeros(len(samples), device=samples.input_ids.device)
+        with self.computing():
+            for rows in self.micro_batches(samples, shared_prompts=True):
+                part = samples.select(rows)
+                args = (part.input_ids, part.attention_mask, part.num_completion, self.prompt_groups(part))
+                logprobs = completion_logprobs(model, *args)
+                with self.reference_model(learner) as reference:  # LoRA: the same model, adapters off
+                    d = completion_logprobs(reference, *args) - logprobs
+                out[rows] = (k3_kl(d) * part.completion_mask).sum(-1).float()
+        self.record({f"agent{index}/kl_ref": float(out.mean())}, weight=len(out))
+        return self.kl_coef * out
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
@@ -222,8 +229,7 @@ class CentralizedMAGRPO(MAGRPO):
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
-        data = self.trainer.datamodule
-        if not isinstance(getattr(data, "env", None), CentralizedEnv):
+        if self.rollout_settings is None or not self.rollout_settings.centralized:
             raise ConfigError(
                 "CentralizedMAGRPO needs a joint actor: set data.centralized_adapter (e.g. "
                 "lit_marl.envs.centralized:TaggedAdapter) with data.agent_prompts (one per role) and data.reward_fn"

@@ -103,7 +103,7 @@ class RewardModelFit(AgentTeamModule):
         super().setup(stage)
         self.require_groups(stage, "joint candidates of the same task in pairs")
         if stage == "fit":
-            check_candidate_rollouts(self.trainer.datamodule, "RewardModelFit")
+            check_candidate_rollouts(self.rollout_settings, "RewardModelFit")
 
     def rl_step(self, batch: RolloutBatch, batch_idx: int) -> None:
         with Timer() as train_time:

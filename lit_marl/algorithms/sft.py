@@ -22,8 +22,8 @@ class SFT(AgentTeamModule):
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
-        data = self.trainer.datamodule
-        if stage == "fit" and data is not None and not data.demos:
+        rollout = self.rollout_settings
+        if stage == "fit" and rollout is not None and not rollout.demos:
             raise ConfigError("model: SFT trains on demonstrations: set data.demo_path (scripts/make_demos.py)")
 
     def validation_step(self, batch, batch_idx: int) -> None:

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from lit_marl.returns import CrossReduce, JointMode, per_response, tree_returns
+
 
 @dataclass
 class AgentSamples:
@@ -22,11 +24,11 @@ class AgentSamples:
     input_ids: torch.Tensor  # [B, P + C]
     attention_mask: torch.Tensor  # [B, P + C]
     completion_mask: torch.Tensor  # [B, C]
-    returns: torch.Tensor  # [B]
+    returns: torch.Tensor | None  # [B], set by the algorithm (``RolloutBatch.score``)
     group_ids: torch.Tensor  # [B] tree node of each row
     turn_ids: torch.Tensor  # [B] turn of that node
     advantages: torch.Tensor | None = None  # [B], set by the algorithm
-    rewards: torch.Tensor | None = None  # [B] immediate (shaped) reward, before returns
+    rewards: torch.Tensor | None = None  # [B] immediate (shaped) reward, before returns (``RolloutBatch.score``)
     # [B] the tree node (a group id) the row's joint action opened; -1: none (the branch ended, or
     # ambiguous: in cross mode with G > 1 a response takes part in several joint actions)
     next_group: torch.Tensor | None = None
@@ -109,6 +111,26 @@ _COMPLETION_FIELDS = ("completion_mask", "rollout_logprobs", "old_logprobs")
 
 
 @dataclass
+class TreeLevels:
+    """A tree's facts per turn, what returns are built from: ``shaped[t]`` ``[nodes, J, agents]`` each
+    joint action's reward (the reward processor applied), ``children[t]`` ``[nodes, J]`` the index in
+    turn t+1 of the node it opened (-1: none)."""
+
+    shaped: list[torch.Tensor]
+    children: list[torch.Tensor]
+    joint_mode: JointMode
+    num_generations: int
+    cross_return: CrossReduce
+
+    def combos(self, num_agents: int) -> torch.Tensor:
+        """``[J, agents]``: each agent's response index in joint action j of a node."""
+        G = self.num_generations
+        if self.joint_mode == "aligned":
+            return torch.arange(G).unsqueeze(1).expand(G, num_agents)
+        return torch.cartesian_prod(*[torch.arange(G)] * num_agents).view(-1, num_agents)
+
+
+@dataclass
 class RolloutBatch:
     agents: list[AgentSamples]
     rewards: torch.Tensor  # [joint actions] immediate reward (mean over agents) of every joint action, turn by turn
@@ -122,6 +144,45 @@ class RolloutBatch:
     leaf_success: torch.Tensor | None = None  # [leaves] its ``success`` (or a game's ``won``); None: unreported
     reward_range: tuple[float, float] | None = None  # the task reward's known [min, max] (``data.reward_range``)
     comparator: "RolloutBatch | None" = None  # the same tasks rolled out by a comparator (iterative preference)
+    levels: TreeLevels | None = None  # the tree's facts per turn, for ``score``
+
+    def score(self, discount: float, penalties: list[torch.Tensor] | None = None) -> None:
+        """Each response's return and immediate reward (the algorithm's: its ``discount`` between
+        turns; ``penalties``: per agent one value per row, e.g. the KL to a reference, subtracted from
+        the reward of every joint action the response is part of), and each turn's mean return."""
+        if self.levels is None:  # rows built elsewhere (a replay) carry their returns
+            if any(samples.returns is None for samples in self.agents):
+                raise ValueError("RolloutBatch.score: a batch without tree levels must carry its returns")
+            return
+        levels, num_agents = self.levels, len(self.agents)
+        combos, G = levels.combos(num_agents), levels.num_generations
+        shaped, offset = [], 0
+        for rewards in levels.shaped:
+            if penalties is not None:
+                rows = slice(offset, offset + rewards.shape[0] * G)
+                cut = [p[rows].float().cpu().view(-1, G)[:, combos[:, i]] for i, p in enumerate(penalties)]
+                penalty = torch.stack(cut, dim=2)
+                self.metrics["penalty"] = self.metrics.get("penalty", 0.0) + float(penalty.mean(dim=2).sum())
+                rewards = rewards - penalty
+            offset += rewards.shape[0] * G
+            shaped.append(rewards)
+        if penalties is not None:
+            self.metrics["penalty"] /= self.rewards.numel()
+        returns = tree_returns(shaped, levels.children, discount)
+        per_agent: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(num_agents)]
+        for turn, (level_returns, rewards) in enumerate(zip(returns, shaped)):
+            self.metrics[f"turn_{turn}/return"] = float(level_returns.mean(dim=2).mean())
+            response_returns = per_response(level_returns, levels.joint_mode, G, levels.cross_return)
+            response_rewards = per_response(rewards, levels.joint_mode, G)  # immediate: always the mean
+            for i in range(num_agents):
+                per_agent[i].append((response_returns[i].reshape(-1), response_rewards[i].reshape(-1)))
+        for i, samples in enumerate(self.agents):
+            device = samples.input_ids.device
+            self.agents[i] = replace(
+                samples,
+                returns=torch.cat([r for r, _ in per_agent[i]]).to(device),
+                rewards=torch.cat([r for _, r in per_agent[i]]).to(device),
+            )
 
 
 @dataclass

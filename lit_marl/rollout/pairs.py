@@ -260,19 +260,19 @@ def _prompts(samples: AgentSamples, K: int) -> list[list[int]]:
     return [row[m].tolist() for row, m in zip(ids, mask)]
 
 
-def check_candidate_rollouts(datamodule, algorithm: str) -> None:
-    """A preference algorithm needs single-turn aligned trees whose rewards were all computed."""
-    tree = getattr(datamodule, "tree", None)  # episodes have none
-    if tree is None:
-        raise ConfigError(
-            f"{algorithm} compares joint candidates of one turn: use data: lit_marl.data.RolloutDataModule"
-        )
+def check_candidate_rollouts(rollout, algorithm: str) -> None:
+    """A preference algorithm needs single-turn aligned trees whose rewards were all computed
+    (``rollout``: the data module's ``RolloutSettings``; None: nothing to check)."""
+    if rollout is None:
+        return
+    rollout.require("tree", algorithm, "compares joint candidates of one turn")
+    tree = rollout.tree
     if tree.num_turns != 1 or tree.joint_mode != "aligned":
         raise ConfigError(
             f"{algorithm} compares whole joint candidates of one turn: data.num_turns={tree.num_turns} and "
             f"data.joint_mode={tree.joint_mode!r}; set data.num_turns: 1 and data.joint_mode: aligned"
         )
-    if datamodule.hparams.on_reward_error == "skip":
+    if rollout.on_reward_error == "skip":
         raise ConfigError(
             f"{algorithm} ranks candidates by their reward: data.on_reward_error=skip gives a failed reward its "
             "node's mean, which would rank it above every worse candidate; use data.on_reward_error: raise"

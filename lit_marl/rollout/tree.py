@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import json
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -24,12 +23,8 @@ from lit_marl.envs.processors import RewardProcessor
 from lit_marl.generation import Engine, Generation, make_engine
 from lit_marl.generation.base import stream_seed
 from lit_marl.metrics import markdown_line
-from lit_marl.returns import CrossReduce, JointMode, neutral_fill, per_response, step_reward, tree_returns
-from lit_marl.rollout.batch import AgentSamples, RolloutBatch
-
-ResponsePenalty = Callable[[int, Generation], torch.Tensor]
-"""``(agent index, generation) -> one value per response`` (e.g. the KL to a reference model),
-subtracted from that agent's immediate reward of every joint action the response is part of."""
+from lit_marl.returns import CrossReduce, JointMode, neutral_fill, step_reward
+from lit_marl.rollout.batch import AgentSamples, RolloutBatch, TreeLevels
 
 
 @dataclass(frozen=True)
@@ -44,7 +39,6 @@ class TreeSettings:
     temperature: float = 1.0
     top_p: float = 1.0
     greedy: bool = False
-    discount: float = 1.0
     early_termination_threshold: float | None = None
     external_prompt_passthrough: bool = False
     reward_density: Literal["sparse", "dense"] = "sparse"
@@ -74,9 +68,9 @@ class _Node:
 
 @dataclass
 class _Level:
-    """One turn of the tree: ``[nodes, J, agents]`` rewards (the task's; ``shaped`` minus any
-    response penalty, what returns are built from), each joint action's child node (-1: none),
-    and each agent's generation."""
+    """One turn of the tree: ``[nodes, J, agents]`` rewards (the task's; ``shaped``: the reward
+    processor's, what returns are built from), each joint action's child node (-1: none), and each
+    agent's generation."""
 
     rewards: torch.Tensor
     shaped: torch.Tensor
@@ -92,7 +86,7 @@ class _Tally:
     turn_metrics: dict[str, float] = field(default_factory=dict)
     stats: dict[str, float] = field(
         default_factory=lambda: {
-            **dict.fromkeys(("perf/generate_s", "perf/reward_s", "perf/penalty_s", "perf/transition_s"), 0.0),
+            **dict.fromkeys(("perf/generate_s", "perf/reward_s", "perf/transition_s"), 0.0),
             "perf/generated_tokens": 0.0,
             "train/episodes": 0.0,
             "train/tree_nodes": 0.0,
@@ -119,7 +113,6 @@ def build_tree(
     env: Env,
     settings: TreeSettings,
     engine: Engine | None = None,
-    response_penalty: ResponsePenalty | None = None,
 ) -> RolloutBatch:
     """The joint tree of every task, its roots ``env.reset(tasks)``; ``engine`` generates (default:
     ``auto``). Per turn every joint action of every open node steps its own branch of the node's
@@ -137,19 +130,14 @@ def build_tree(
         gens, texts = _generate(agents, tasks, nodes, settings, engine, raw)
         t1 = time.perf_counter()
         rewards, children, next_nodes = _step(env, nodes, texts, combos, turn, settings, tally)
-        t2 = time.perf_counter()
         shaped = rewards  # what returns are built from; logs and early termination use the task reward
         if settings.reward_processor:
             shaped = settings.reward_processor(rewards, _answer_lengths(texts, combos, len(nodes), settings))
-        if response_penalty is not None:
-            shaped = shaped - _penalties(response_penalty, gens, len(nodes), combos, settings.num_generations, tally)
-        t3 = time.perf_counter()
         _tally_leaves(tally, nodes, children)
         tally.sample += _render(nodes, texts, combos, rewards, children, turn, settings.num_generations)
         levels.append(_Level(rewards, shaped, children, gens))
         stats = tally.stats
         stats["perf/generate_s"] += t1 - t0
-        stats["perf/penalty_s"] += t3 - t2
         stats["perf/generated_tokens"] += sum(g.num_generated_tokens for g in gens)
         stats[f"turn_{turn}/nodes"] = float(len(nodes))
         stats["train/tree_nodes"] += float(len(nodes))
@@ -309,29 +297,16 @@ def _render(nodes, texts, combos, rewards, children, turn: int, G: int) -> list[
     return lines
 
 
-def _penalties(penalty: ResponsePenalty, gens, num_nodes: int, combos, G: int, tally: _Tally) -> torch.Tensor:
-    """``[nodes, J, agents]``: each agent's response penalty on every joint action holding the response."""
-    combo_index = torch.tensor(combos)  # [J, agents]: each agent's response index in joint action j
-    penalties = torch.stack(
-        [penalty(i, g).float().cpu().view(num_nodes, G)[:, combo_index[:, i]] for i, g in enumerate(gens)], dim=2
-    )
-    tally.add("penalty", float(penalties.mean(dim=2).sum()))
-    return penalties
-
-
 def _assemble(agents: list[Agent], levels: list[_Level], settings: TreeSettings, tally: _Tally) -> RolloutBatch:
-    """Returns flow up the tree; every agent's rows of every turn, with their returns, node and
-    turn ids, immediate rewards and the node each row's joint action led to; the rollout's metrics."""
+    """Every agent's rows of every turn with their node and turn ids and the node each row's joint
+    action led to; the tree's facts per turn (``TreeLevels``: the algorithm builds returns from
+    them, ``RolloutBatch.score``); the rollout's metrics."""
     G = settings.num_generations
-    returns = tree_returns([lv.shaped for lv in levels], [lv.children for lv in levels], settings.discount)
     samples_per_agent: list[list[AgentSamples]] = [[] for _ in agents]
     node_offset = 0
-    for turn, (level, level_returns) in enumerate(zip(levels, returns)):
-        num_nodes = level_returns.shape[0]  # level_returns: [nodes, J, agents]
-        tally.sums[f"turn_{turn}/return"] = float(level_returns.mean(dim=2).sum())
-        tally.sums[f"turn_{turn}/joint_actions"] = float(num_nodes * level_returns.shape[1])
-        response_returns = per_response(level_returns, settings.joint_mode, G, settings.cross_return)
-        response_rewards = per_response(level.shaped, settings.joint_mode, G)  # immediate: always the mean
+    for turn, level in enumerate(levels):
+        num_nodes = level.children.shape[0]
+        tally.sums[f"turn_{turn}/joint_actions"] = float(level.children.numel())
         if settings.joint_mode == "aligned" or G == 1:  # joint action k holds response k of every agent
             next_group = torch.where(level.children >= 0, level.children + node_offset + num_nodes, -1).reshape(-1)
         else:
@@ -343,10 +318,9 @@ def _assemble(agents: list[Agent], levels: list[_Level], settings: TreeSettings,
                     input_ids=torch.cat([g.prompt_ids, g.completion_ids], dim=1),
                     attention_mask=torch.cat([g.prompt_mask, g.completion_mask], dim=1),
                     completion_mask=g.completion_mask,
-                    returns=response_returns[i].reshape(-1).to(device),
+                    returns=None,
                     group_ids=node_offset + torch.arange(num_nodes, device=device).repeat_interleave(G),
                     turn_ids=torch.full((num_nodes * G,), turn, device=device),
-                    rewards=response_rewards[i].reshape(-1).to(device),
                     next_group=next_group.to(device),
                     rollout_logprobs=g.logprobs,
                 )
@@ -354,6 +328,9 @@ def _assemble(agents: list[Agent], levels: list[_Level], settings: TreeSettings,
         node_offset += num_nodes
     turn_rewards = [lv.rewards.mean(dim=2).reshape(-1) for lv in levels]  # team mean per joint action
     all_rewards = torch.cat(turn_rewards)
+    facts = TreeLevels(
+        [lv.shaped for lv in levels], [lv.children for lv in levels], settings.joint_mode, G, settings.cross_return
+    )
     return RolloutBatch(
         agents=[AgentSamples.cat(parts, agent.pad_token_id) for parts, agent in zip(samples_per_agent, agents)],
         rewards=all_rewards,
@@ -365,11 +342,12 @@ def _assemble(agents: list[Agent], levels: list[_Level], settings: TreeSettings,
         sample="\n".join(tally.sample),
         leaf_tasks=torch.tensor(tally.leaf_tasks, dtype=torch.long),
         leaf_success=torch.tensor(tally.leaf_success) if len(tally.leaf_success) == len(tally.leaf_tasks) else None,
+        levels=facts,
     )
 
 
 def _metrics(tally: _Tally, num_levels: int, num_joint_actions: int) -> dict[str, float]:
-    """Means over joint actions: the reward's own metrics per turn and overall, each turn's reward and return."""
+    """Means over joint actions: the reward's own metrics per turn and overall, each turn's reward."""
     metrics = dict(tally.turn_metrics)
     for key, total in tally.sums.items():
         if not key.startswith("turn_"):
@@ -377,7 +355,6 @@ def _metrics(tally: _Tally, num_levels: int, num_joint_actions: int) -> dict[str
     for turn in range(num_levels):
         count = tally.sums[f"turn_{turn}/joint_actions"]
         metrics[f"turn_{turn}/reward"] = tally.sums[f"turn_{turn}/reward"] / count
-        metrics[f"turn_{turn}/return"] = tally.sums[f"turn_{turn}/return"] / count
     return metrics
 
 

@@ -90,7 +90,7 @@ def test_config_instantiates_without_loading_models(config, in_repo_root, monkey
     elif "agent_prompts" in data:
         agents = len(data["agent_prompts"])
     else:
-        agents = cli.datamodule.env.num_agents if isinstance(cli.datamodule, RolloutDataModule) else 1
+        agents = cli.datamodule.env.num_agents  # data.env: the environment, in every data module
     assert cli.model.hparams.num_agents == cli.datamodule.num_agents == agents
     assert cli.model.sources == [source["model"]["init_args"]["model"]] * cli.datamodule.num_agents
     assert len(cli.datamodule.train_tasks) > 0

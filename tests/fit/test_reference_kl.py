@@ -11,13 +11,14 @@ from lit_marl.agents import LoraSettings
 from lit_marl.algorithms import MAGRPO
 from lit_marl.generation import generate
 from lit_marl.logprobs import completion_logprobs
+from lit_marl.rollout.batch import AgentSamples
 
 TASKS = [{"topic": "tea"}, {"topic": "winter"}]
 PROMPTS = [[f"agent {i}: write about {t['topic']}" for i in range(2)] for t in TASKS]
 
 
 def _module(lora=None) -> MAGRPO:
-    module = MAGRPO(model="tiny-random", num_agents=2, reference_kl_coef=0.5, lora=lora)
+    module = MAGRPO(model="tiny-random", num_agents=2, kl_coef=0.5, lora=lora)
     module.configure_model()
     return module
 
@@ -28,12 +29,24 @@ def _gen(module, index=0):
     return generate(agent, [agent.encode_prompt(p[index]) for p in PROMPTS], 3, 6)
 
 
+def _rows(gen):
+    """The generation as the training rows the KL is computed on."""
+    return AgentSamples(
+        input_ids=torch.cat([gen.prompt_ids, gen.completion_ids], 1),
+        attention_mask=torch.cat([gen.prompt_mask, gen.completion_mask], 1),
+        completion_mask=gen.completion_mask,
+        returns=None,
+        group_ids=torch.arange(len(gen.prompt_ids)) // gen.num_samples,
+        turn_ids=torch.zeros(len(gen.prompt_ids), dtype=torch.long),
+    )
+
+
 @pytest.mark.parametrize("lora", [None, LoraSettings(r=4)])
 def test_kl_is_zero_before_training(lora):
     module = _module(lora)
-    assert module.response_penalty is not None
+    assert module.kl_coef > 0
     assert (module.references is None) == (lora is not None)  # LoRA: the base is the reference, no copy
-    torch.testing.assert_close(module.reference_kl(0, _gen(module)), torch.zeros(6), atol=1e-6, rtol=0)
+    torch.testing.assert_close(module.reference_kl(0, _rows(_gen(module))), torch.zeros(6), atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("lora", [None, LoraSettings(r=4)])
@@ -43,7 +56,7 @@ def test_kl_matches_the_k3_estimate(lora):
         for p in module.agents[0].trainable_parameters():
             p.add_(torch.randn_like(p) * 0.05)
     gen = _gen(module)
-    kl = module.reference_kl(0, gen)
+    kl = module.reference_kl(0, _rows(gen))
     ids = torch.cat([gen.prompt_ids, gen.completion_ids], 1)
     mask = torch.cat([gen.prompt_mask, gen.completion_mask], 1)
     C = gen.completion_ids.shape[1]
@@ -65,10 +78,8 @@ def test_penalty_is_subtracted_from_each_agents_reward(tiny_agents):
     def reward(agent_completions, tasks):
         return [1.0] * len(tasks)
 
-    def penalty(index, gen):  # row r of agent i costs 0.1 * r + i
-        return 0.1 * torch.arange(len(gen.completion_ids)) + index
-
-    batch = tree_from_functions(tiny_agents, TASKS, PROMPTS, reward, 2, max_new_tokens=2, response_penalty=penalty)
+    penalties = [0.1 * torch.arange(4.0) + index for index in range(2)]  # row r of agent i costs 0.1 * r + i
+    batch = tree_from_functions(tiny_agents, TASKS, PROMPTS, reward, 2, max_new_tokens=2, penalties=penalties)
     torch.testing.assert_close(batch.agents[0].returns, 1.0 - 0.1 * torch.arange(4.0))
     torch.testing.assert_close(batch.agents[1].returns, 1.0 - 0.1 * torch.arange(4.0) - 1.0)
     assert batch.rewards.tolist() == [1.0] * 4  # logged rewards are the task's
@@ -77,9 +88,7 @@ def test_penalty_is_subtracted_from_each_agents_reward(tiny_agents):
 
 def test_fit_with_reference_kl(tmp_path):
     L.seed_everything(0)
-    module = MAGRPO(
-        model="tiny-random", num_agents=2, learning_rate=1e-2, reference_kl_coef=0.1, lora=LoraSettings(r=4)
-    )
+    module = MAGRPO(model="tiny-random", num_agents=2, learning_rate=1e-2, kl_coef=0.1, lora=LoraSettings(r=4))
     trainer = make_trainer(tmp_path, limit_train_batches=2, limit_val_batches=0)
     trainer.fit(module, datamodule=slogan_data(max_new_tokens=16))
     metrics = trainer.callback_metrics

@@ -128,7 +128,7 @@ def test_value_loss_coef_weighs_a_mean_over_value_positions_in_both_gae_modes(tm
 def test_a_critic_is_clipped_apart_from_its_policy():
     """veRL clips the actor's and the critic's gradient norms each on its own: a large value error
     does not shrink the policy's step (one optimizer holds both here, as param groups)."""
-    from lit_marl.algorithms.base import clipped_apart
+    from lit_marl.algorithms.updates import clipped_apart
 
     module = PPO(model="tiny-random", critic="head")
     module.configure_model()

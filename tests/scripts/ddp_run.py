@@ -82,6 +82,7 @@ def build(out: Path, algorithm: str, tasks_per_step: int, steps: int) -> None:
     for i in order[: steps * tasks_per_step]:
         task = data.train_tasks[i]
         batch = build_tree(agents, [task], env, data.tree)
+        batch.score(discount=1.0)  # the algorithm's (MAGRPO's default); replayed batches carry their returns
         rollouts[key(task)] = {"agents": [vars(s) for s in batch.agents], "rewards": batch.rewards}
     torch.save(rollouts, out / "rollouts.pt")
 
@@ -89,7 +90,7 @@ def build(out: Path, algorithm: str, tasks_per_step: int, steps: int) -> None:
 class Replay(RolloutDataModule):
     """Training batches replay the built rollouts of their tasks (node ids offset per task)."""
 
-    def rollout(self, agents, tasks, greedy, response_penalty=None):
+    def rollout(self, agents, tasks, greedy):
         if greedy:
             return super().rollout(agents, tasks, greedy)
         saved = [self.rollouts[key(t)] for t in tasks]

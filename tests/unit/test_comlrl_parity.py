@@ -117,7 +117,7 @@ def test_magrpo_preset_reproduces_comlrl(case, monkeypatch):
     monkeypatch.setattr("lit_marl.algorithms.magrpo.completion_logits", fixed_logits)
     for task, nodes in enumerate(case["tasks"]):
         rewards, children, levels = tree_of(nodes, case["joint_mode"])
-        returns = tree_returns(rewards, children, data["discount"])
+        returns = tree_returns(rewards, children, settings["model"]["init_args"]["discount"])
         per_level = [per_response(r, case["joint_mode"], G, data["cross_return"]) for r in returns]
         paths = [path for level in levels for path in level]
         counts = [len(level) for level in levels]

@@ -139,7 +139,7 @@ def test_vllm_engines_are_planned_by_their_share_or_their_kv_budget():
     module = MAGRPO(model="tiny-random", num_agents=2)
     module.configure_model()
     engine = VLLMEngine(backend_factory=lambda agent, dtype: None)
-    data = SimpleNamespace(engine=engine)
+    data = SimpleNamespace(engine=engine, generation_shape=lambda: None)  # rollout settings: an engine only
     numel = sum(p.numel() for p in module.parameters())  # two models, each served whole
     cpu = plan(module, data, capacity=64 * GiB)
     assert cpu.parts["vLLM engines (KV budget, weights)"] == 2 * 2**30 + numel * 4

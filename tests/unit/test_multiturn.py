@@ -220,8 +220,8 @@ def test_data_config_errors():
         slogan_data(num_turns=2, transition="lit_marl.rollout.transitions:plain", transition_kwargs={"nope": 1})
     with pytest.raises(ConfigError, match=r"data\.transition="):
         slogan_data(num_turns=2, transition="lit_marl.rollout.transitions:missing")
-    with pytest.raises(ConfigError, match=r"data\.discount"):
-        slogan_data(discount=1.5)
+    with pytest.raises(ConfigError, match=r"model\.discount"):
+        MAGRPO(discount=1.5)
 
 
 @pytest.mark.parametrize("joint_mode", ["aligned", "cross"])

@@ -1,0 +1,50 @@
+"""What a data module's rollouts are: the one typed object an algorithm (and the memory plan)
+reads from the data module, checked once in ``setup``. The data module builds it from its settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from lit_marl import ConfigError
+from lit_marl.generation import Engine
+from lit_marl.rollout.episode import EpisodeSettings
+from lit_marl.rollout.tree import TreeSettings
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    family: Literal["tree", "episodes"]
+    """Joint rollout trees (``RolloutDataModule``) or episodes (``EpisodeDataModule``)."""
+    num_agents: int
+    tasks_per_step: int
+    num_generations: int
+    """Samples per group: a tree node's responses per agent, or a task's episodes."""
+    engine: Engine
+    tree: TreeSettings | None = None
+    episode: EpisodeSettings | None = None
+    centralized: bool = False
+    """One joint actor writes every role (``data.centralized_adapter``)."""
+    on_reward_error: Literal["raise", "skip"] = "raise"
+    demos: int = 0
+    """Demonstrations loaded for an SFT phase."""
+
+    def require(self, family: Literal["tree", "episodes"], algorithm: str, what: str | None = None) -> None:
+        """Fail, naming the data module to use, when the rollouts are of the other family."""
+        if self.family != family:
+            use = "RolloutDataModule" if family == "tree" else "EpisodeDataModule"
+            what = what or ("learns from joint rollouts" if family == "tree" else "trains on multi-turn episodes")
+            raise ConfigError(f"{algorithm} {what}: use data: lit_marl.data.{use}")
+
+    def generation_shape(self) -> tuple[int, int, str]:
+        """The most rows one generate call of a training step holds for one agent and their tokens,
+        with the assumption made."""
+        if self.episode is not None:  # every task's group plays at once, contexts up to the cap
+            return (
+                self.tasks_per_step * self.episode.group_size,
+                self.episode.max_context_tokens,
+                "max_context_tokens",
+            )
+        tree = self.tree  # the last turn's call: every node's G samples (cross: all agents' nodes)
+        nodes = tree.num_generations ** ((tree.num_turns - 1) * (self.num_agents if tree.joint_mode == "cross" else 1))
+        return self.tasks_per_step * nodes * tree.num_generations, 512 + tree.max_new_tokens, "prompts <= 512 tokens"
