@@ -333,16 +333,13 @@ class Decoder:
         A, B, P = prompt_ids.shape
         if A != self.num_agents:
             raise ValueError(f"{A} prompt blocks for {self.num_agents} stacked models")
-        device = prompt_ids.device
-        rows = A * B
+        device, rows = prompt_ids.device, A * B
         eos = torch.as_tensor(eos_token_id, device=device).expand(A).repeat_interleave(B)
         pad = torch.as_tensor(pad_token_id, device=device).expand(A).repeat_interleave(B)
-        total = P + max_new_tokens
-        dtype = self.embed.dtype
+        total, dtype = P + max_new_tokens, self.embed.dtype
         cos_all, sin_all = self._rope(total, dtype)
         shape = (len(self.layers), rows, self.num_kv_heads, total, self.head_dim)
-        cache_k = torch.empty(shape, dtype=dtype, device=device)
-        cache_v = torch.empty(shape, dtype=dtype, device=device)
+        cache_k, cache_v = (torch.empty(shape, dtype=dtype, device=device) for _ in range(2))
         mask = prompt_mask.reshape(rows, P)
         keys = torch.zeros(rows, total, dtype=torch.bool, device=device)  # which cache slots hold real tokens
         keys[:, :P] = mask.bool()

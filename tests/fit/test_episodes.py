@@ -272,9 +272,11 @@ def test_group_algorithms_need_groups(tmp_path):
 
 def test_episode_data_errors():
     with pytest.raises(ConfigError, match=r"data\.max_context_tokens=8"):
-        EpisodeDataModule(train_path=str(CORRIDOR / "train.jsonl"), max_new_tokens=8, max_context_tokens=8)
+        EpisodeDataModule(
+            train_path=str(CORRIDOR / "train.jsonl"), env="corridor", max_new_tokens=8, max_context_tokens=8
+        )
     with pytest.raises(ConfigError, match=r"data\.score_weight=1\.0"):
-        EpisodeDataModule(train_path=str(CORRIDOR / "train.jsonl"), score_weight=1.0)
+        EpisodeDataModule(train_path=str(CORRIDOR / "train.jsonl"), env="corridor", score_weight=1.0)
     with pytest.raises(ConfigError, match=r"data\.env='nope'"):
         EpisodeDataModule(train_path=str(CORRIDOR / "train.jsonl"), env="nope")
 
@@ -326,6 +328,7 @@ def test_two_agent_fits(tmp_path, share):
 def test_episode_held_out_evaluation(agent):
     data = EpisodeDataModule(
         train_path=str(CORRIDOR / "train.jsonl"),
+        env="corridor",
         val_path=str(CORRIDOR / "heldout.jsonl"),
         max_turns=2,
         max_new_tokens=4,

@@ -282,7 +282,10 @@ def test_sft_module_learns_the_demonstrations(tmp_path):
 
     module = SFT(model="tiny-random", num_agents=1, learning_rate=3e-3)
     data = EpisodeDataModule(
-        train_path=str(CORRIDOR / "train.jsonl"), demo_path=str(CORRIDOR / "demos.jsonl"), demo_batch_size=8
+        train_path=str(CORRIDOR / "train.jsonl"),
+        env="corridor",
+        demo_path=str(CORRIDOR / "demos.jsonl"),
+        demo_batch_size=8,
     )
     trainer = make_trainer(tmp_path, limit_train_batches=3, max_epochs=2, limit_val_batches=0, callbacks=[Losses()])
     trainer.fit(module, datamodule=data)
@@ -293,13 +296,15 @@ def test_sft_needs_demonstrations(tmp_path):
     from lit_marl.algorithms import PPO, SFT
     from lit_marl.data import EpisodeDataModule
 
-    data = EpisodeDataModule(train_path=str(CORRIDOR / "train.jsonl"))
+    data = EpisodeDataModule(train_path=str(CORRIDOR / "train.jsonl"), env="corridor")
     with pytest.raises(ConfigError, match="data.demo_path"):
         make_trainer(tmp_path).fit(SFT(model="tiny-random", num_agents=1), datamodule=data)
     trainer = make_trainer(tmp_path, callbacks=[PhaseSwitch(budget=10)])
     with pytest.raises(ConfigError, match="data.demo_path"):
         trainer.fit(PPO(model="tiny-random"), datamodule=data)
-    demos = EpisodeDataModule(train_path=str(CORRIDOR / "train.jsonl"), demo_path=str(CORRIDOR / "demos.jsonl"))
+    demos = EpisodeDataModule(
+        train_path=str(CORRIDOR / "train.jsonl"), env="corridor", demo_path=str(CORRIDOR / "demos.jsonl")
+    )
     trainer = make_trainer(tmp_path, callbacks=[PhaseSwitch(budget=10)])
     with pytest.raises(ConfigError, match="set model to an RL algorithm"):
         trainer.fit(SFT(model="tiny-random", num_agents=1), datamodule=demos)

@@ -80,6 +80,7 @@ def main() -> None:
     module = PPO(model="tiny-random", learning_rate=1e-3, gae="turn")
     data = RecordingData(
         train_path=str(corridor / "train.jsonl"),
+        env="corridor",
         demo_path=demo_file(corridor / "demos.jsonl", args),
         demo_batch_size=4,
         tasks_per_step=4,

@@ -25,15 +25,16 @@ from __future__ import annotations
 import ast
 import re
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 from lit_marl import ConfigError
 from lit_marl.envs.base import TextEnv
 from lit_marl.envs.code.canonical import expert_codes
-from lit_marl.envs.code.execution import ExecReport, TestCase, TestLimits, _warn_once, run_tests, split_tests
+from lit_marl.envs.code.execution import ExecReport, TestCase, TestLimits, run_tests, split_tests
 from lit_marl.envs.code.expert import Expert
 from lit_marl.envs.code.problems import load_problems
+from lit_marl.envs.code.program import Analysis, extract_code, function_def, prelude, provided, syntax_error
 from lit_marl.fields import PositiveInt, check_fields
 
 
@@ -89,117 +90,6 @@ class RewardWeights:
     """Added when the entry point calls a helper and does more than return its result (as ``calls_helper``)."""
     ignored_result: float = -0.1
     """Added (a penalty) when the entry point calls a helper as a statement, dropping its result."""
-
-
-_FENCE = re.compile(r"```[\w+-]*[ \t]*\n(.*?)(?:\n[ \t]*```|\Z)", re.S)
-_KEEP = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Assign, ast.AnnAssign)
-
-
-def extract_code(text: str, drop: set[str] = frozenset()) -> str:
-    """The code of a reply: its (first function-bearing) fenced block, else the whole text, keeping
-    only imports, definitions and assignments (no demo prints or tests at the top level) and no
-    definition of a name in ``drop`` (another role's function). Unparseable code is kept as is so
-    that the syntax level sees it."""
-    blocks = _FENCE.findall(text)
-    code = next((b for b in blocks if "def " in b), blocks[0] if blocks else text)
-    try:
-        tree = ast.parse(code)
-    except SyntaxError:
-        return code.strip("\n")
-    keep = [
-        s
-        for s in tree.body
-        if isinstance(s, _KEEP) and not (isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef)) and s.name in drop)
-    ]
-    return ast.unparse(ast.Module(body=keep, type_ignores=[]))
-
-
-def prelude(task_prompt: str, skip: set[str]) -> str:
-    """What the task gives every program: the prompt's imports and its complete helper functions
-    (e.g. HumanEval's ``poly``), without the stub of the functions the roles write."""
-    try:
-        tree = ast.parse(task_prompt)
-    except SyntaxError:  # a prose prompt (MBPP): no code to give
-        return ""
-    keep = [
-        s
-        for s in tree.body
-        if isinstance(s, (ast.Import, ast.ImportFrom))
-        or (isinstance(s, (ast.FunctionDef, ast.ClassDef)) and s.name not in skip)
-    ]
-    return ast.unparse(ast.Module(body=keep, type_ignores=[]))
-
-
-def _check_names(test_source: str, name: str) -> bool:
-    """Whether a HumanEval-style ``check`` uses ``name`` itself (not through its parameter)."""
-    try:
-        tree = ast.parse(test_source)
-    except SyntaxError:
-        return False
-    check = next((s for s in tree.body if isinstance(s, ast.FunctionDef) and s.name == "check"), None)
-    return check is not None and any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(check))
-
-
-def provided(task: dict, names: list[str]) -> str:
-    """The task's own code the tests may call besides the program's entry point (``run_tests``
-    runs it in the tests' namespace, which sees nothing else of the program): the prompt's imports
-    and helpers (HumanEval/32's ``poly``, 38's ``encode_cyclic``), as the task defines them. Where a
-    HumanEval-style ``check`` names the entry point itself (HumanEval/33 compares
-    ``candidate(x)`` with ``sort_third(x)``), that name is the task's reference solution, so that
-    such an assert compares the candidate with the reference instead of with itself."""
-    entry, reference = task["entry_point"], task.get("canonical_solution") or ""
-    if _check_names(task["test"], entry):
-        try:
-            with_reference = prelude(task["prompt"] + reference, set(names) - {entry})
-            if reference and any(
-                isinstance(s, ast.FunctionDef) and s.name == entry for s in ast.parse(with_reference).body
-            ):
-                return with_reference
-        except SyntaxError:
-            pass
-        _warn_once(
-            f"task {task.get('task_id', '')!r}: its check names {entry} itself but the task has no reference "
-            "solution (canonical_solution): those asserts compare the program with itself"
-        )
-    return prelude(task["prompt"], set(names))
-
-
-def _function(code: str, name: str) -> ast.FunctionDef | None:
-    try:
-        tree = ast.parse(code)
-    except SyntaxError:
-        return None
-    return next(
-        (s for s in tree.body if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef)) and s.name == name), None
-    )
-
-
-@dataclass
-class Analysis:
-    """Everything known about one joint action's program; the reward and the feedback read it."""
-
-    codes: list[str]
-    names: list[str]
-    program: str
-    defined: list[bool]
-    syntax_errors: list[str]  # per role ("" when it parses), then the combined program's
-    calls_helper: bool = False
-    thin_wrapper: bool = False
-    ignored_result: bool = False
-    report: ExecReport | None = None
-    redefined: list[list[str]] = field(default_factory=list)  # per role: other roles' functions it wrote
-
-    @property
-    def syntax_ok(self) -> bool:
-        return not any(self.syntax_errors)
-
-
-def _syntax_error(code: str, what: str) -> str:
-    try:
-        ast.parse(code)
-    except SyntaxError as err:
-        return f"SyntaxError in {what} at line {err.lineno}, column {err.offset}: {err.msg}"
-    return ""
 
 
 class CodeEnv(TextEnv):
@@ -339,12 +229,12 @@ class CodeEnv(TextEnv):
             codes.append(extract_code(text, drop=others))
             redefined.append(sorted(others & {n for n in re.findall(r"def\s+(\w+)", text)}))
         program = "\n\n".join(p for p in [prelude(task["prompt"], set(names)), *codes] if p)
-        errors = [_syntax_error(code, f"the code of {names[i]}") for i, code in enumerate(codes)]
-        errors.append("" if any(errors) else _syntax_error(program, "the combined program"))
+        errors = [syntax_error(code, f"the code of {names[i]}") for i, code in enumerate(codes)]
+        errors.append("" if any(errors) else syntax_error(program, "the combined program"))
         # textual, so that a definition with a syntax error still counts for the first level
         defined = [bool(re.search(rf"^(async\s+)?def\s+{re.escape(n)}\s*\(", c, re.M)) for c, n in zip(codes, names)]
         out = Analysis(codes, names, program, defined, errors, redefined=redefined)
-        main = _function(codes[-1], names[-1])
+        main = function_def(codes[-1], names[-1])
         helpers = set(names[:-1])
         if main is not None and helpers:
             calls = [n for n in ast.walk(main) if isinstance(n, ast.Call) and getattr(n.func, "id", None) in helpers]

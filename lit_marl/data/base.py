@@ -1,0 +1,300 @@
+"""The data modules' common part: task rows in batches, the environment and the engine, the one
+handshake with the training module each step, the held-out evaluation. ``trees.py`` and
+``episodes.py`` turn each batch into rollouts right before the training step: Lightning calls
+``on_after_batch_transfer`` after the previous update, so every rollout comes from the current
+weights (the loader's prefetch only touches task rows)."""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from lit_marl import ConfigError
+from lit_marl.agents import Team
+from lit_marl.envs import make_env
+from lit_marl.envs.base import Env, FunctionEnv, TextEnv
+from lit_marl.envs.calls import CallSettings
+from lit_marl.envs.sources import resolve_demo_source
+from lit_marl.fields import PositiveFloat, PositiveInt, UnitIntervalLeftOpen, UnitIntervalRightOpen, check_fields
+from lit_marl.generation import make_engine
+from lit_marl.metrics import EvalMeans, PassAtK
+from lit_marl.returns import step_reward
+from lit_marl.rollout.demos import load_demos, render_demos
+from lit_marl.rollout.settings import RolloutSettings
+from lit_marl.tasks import TaskLoader, import_object, task_loader
+
+
+class Evaluated(NamedTuple):
+    """What evaluating one batch of held-out tasks gives."""
+
+    metrics: dict[str, float | tuple[float, int]]
+    """metric -> mean (or (mean, tasks) of a subset, e.g. one task type)"""
+    successes: tuple[torch.Tensor, torch.Tensor] | None
+    """per task its samples and how many of them succeeded, ([tasks], [tasks]); None: nothing says"""
+    examples: list[dict] | tuple = ()
+    """per task (greedy only) its final joint answer: ``{"task", "lines" (one per agent), "reward"}``"""
+
+
+def build_engine(name: str, options: dict | None):
+    """The generation engine named by ``data.engine`` (a bad name or a missing vLLM fails here)."""
+    try:
+        return make_engine(name, options)
+    except (ValueError, ImportError) as error:
+        raise ConfigError(str(error)) from error
+
+
+class TaskDataModule(L.LightningDataModule):
+    """Task rows in batches; subclasses turn each batch into rollouts (trees or episodes) right
+    before the training step. Configs name the subclass: ``data: {class_path: ..., init_args: ...}``.
+    These settings are every data module's:
+
+    Args:
+        train_path: Task rows for training (JSONL/JSON/CSV/Parquet), read with ``datasets``, or a source the
+            environment knows (``humaneval[:130]`` for the code environment; a named game set such as
+            ``textworld:<complexity>:<split>:<count>``, ``alfworld:<split>:<count per task type>``,
+            ``alfworld-data:<split>[:<count>]``, ``swe:bundled:<split>``: generated once, cached).
+        env: The environment: an object (``class_path`` + ``init_args``, e.g. ``lit_marl.envs.code.CodeEnv``),
+            or a registered name (``corridor``, ``textworld``, ``textworld-team``, ``alfworld``, ``swe``) or the
+            import path of an ``Env`` of your own (``my_package.games:MyGame``), built with ``env_kwargs``. It
+            gives the prompts, the rewards and the next turn's; replaces ``agent_prompts``, ``reward_fn`` and
+            ``transition`` (which build a text environment).
+        env_kwargs: Keyword arguments of ``env`` when it is a name.
+        agent_prompts: One format string per agent, filled from a task row's fields (``{topic}``); the
+            number of entries is the number of agents. With ``reward_fn``; not with ``env``.
+        reward_fn: Import path of the joint reward function (``module:function``), called once per turn with
+            ``agent_completions=[agent][joint action]`` and ``tasks=[joint action]``.
+        transition: Import path of the external transition that builds each branch's next prompts from its
+            histories (needed for more than one turn), e.g. ``lit_marl.rollout.transitions:plain``.
+        transition_kwargs: Extra keyword arguments bound to the transition.
+        batched_transition: Call the transition once per turn with every keyword argument a list over all
+            branches (it returns one prompt list per branch); otherwise once per branch (CoMLRL's interface).
+        val_path: Held-out task rows for validation, test and the before/after evaluation.
+        tasks_per_step: Tasks per training step (tree roots, or episode starts).
+        num_generations: Samples G per group: the responses each agent samples at every tree node, or the
+            episodes per task from the same start (GRPO/RLOO groups; 1 for PPO).
+        max_new_tokens: Generation budget per response.
+        temperature: Sampling temperature for training rollouts (evaluation is greedy).
+        top_p: Nucleus sampling for training rollouts.
+        eval_tasks_per_step: Tasks per batch in validation/test (greedy, one response each).
+        seed: Seed of the task order.
+        engine: What generates: ``auto`` (default: the lean ``torch`` decoder for Llama/Qwen2 models,
+            transformers' ``generate`` for the rest), ``torch``, ``hf`` or ``vllm`` (GPU, installed separately;
+            weights synced from the trainer before each rollout).
+        engine_options: Settings of the vllm engine (e.g. ``gpu_memory_utilization``).
+        demo_path: Demonstrations for SFT (the ``SFT`` module, or the first phase of
+            ``callbacks.PhaseSwitch``): JSONL rows with one chat per agent (``lit_marl/rollout/demos.py``;
+            ``scripts/make_demos.py`` writes them from an environment's expert), or the walkthroughs of a
+            named game set played in this environment (written once, cached; a split other than train's and val's).
+        demo_batch_size: Demonstrations per SFT step.
+        demo_loss_on: ``all``: the loss on every assistant turn of a demonstration; ``last``: on its last
+            assistant turn only (the earlier ones are context).
+        reward_density: How a game's outcome becomes rewards: ``sparse``: the outcome (won) on the step that
+            ends the episode; ``dense``: each turn's score delta (normalized by max_score), plus the outcome.
+        score_weight: Weight of the normalized score (sparse: the final score; dense: the deltas), in [0, 1)
+            so no lost episode outscores a won one; default 0 (sparse), 0.5 (dense).
+        on_reward_error: ``raise`` (default) stops on a reward function that raises or returns NaN/inf,
+            naming the task and turn; ``skip`` gives such samples a neutral reward (no advantage) and reports
+            their fraction as the metric ``skipped_reward_frac`` (``reward_batch_failures``: batch calls that
+            failed and were retried per joint action; ``reward_timeouts``: batch calls skipped for their time).
+        reward_timeout_s: Time limit of one batched reward call (None: none). Past it the run stops naming
+            the reward, or under ``on_reward_error: skip`` the batch is skipped.
+        transition_timeout_s: Time limit of one batched transition call (None: none); past it the run
+            stops naming the transition.
+        transition_prompt_field: The task row's field the transition receives as ``prompt`` (the task's
+            prompt text, as CoMLRL passes ``batch_item["prompt"]``); a row without it passes the empty
+            string, as CoMLRL does, and a warning names the field.
+        max_skipped_steps: Under ``on_reward_error: skip``, stop after this many training steps in a row
+            whose every reward was skipped (nothing is being learned).
+    """
+
+    train_tasks: list[dict]
+    val_tasks: list[dict]
+    demos: list[dict] = []
+    examples: list[dict] = []
+    """The final joint answer of each held-out task of this rank's latest ``evaluate`` (greedy)."""
+    demo_rows: int | None = None
+    """How many demonstrations the coming SFT epoch may serve, counted from its start (``PhaseSwitch``
+    sets it from the budget); None: whole passes."""
+
+    def __init__(
+        self,
+        train_path: str,
+        env: Env | str | None = None,
+        env_kwargs: dict | None = None,
+        agent_prompts: list[str] | None = None,
+        reward_fn: str | None = None,
+        transition: str | None = None,
+        transition_kwargs: dict | None = None,
+        batched_transition: bool = False,
+        val_path: str | None = None,
+        tasks_per_step: PositiveInt = 4,
+        num_generations: PositiveInt = 4,
+        max_new_tokens: PositiveInt = 64,
+        temperature: PositiveFloat = 1.0,
+        top_p: UnitIntervalLeftOpen = 1.0,
+        eval_tasks_per_step: PositiveInt = 16,
+        seed: int = 0,
+        engine: str = "auto",
+        engine_options: dict | None = None,
+        demo_path: str | None = None,
+        demo_batch_size: PositiveInt = 8,
+        demo_loss_on: Literal["all", "last"] = "all",
+        reward_density: Literal["sparse", "dense"] = "sparse",
+        score_weight: UnitIntervalRightOpen | None = None,
+        on_reward_error: Literal["raise", "skip"] = "raise",
+        reward_timeout_s: PositiveFloat | None = 600.0,
+        transition_timeout_s: PositiveFloat | None = 600.0,
+        transition_prompt_field: str = "prompt",
+        max_skipped_steps: PositiveInt = 3,
+    ):
+        super().__init__()
+        check_fields("data", TaskDataModule.__init__, locals())
+        step_reward(0, 0, 1, False, True, reward_density, score_weight)  # checks the two settings
+        self.save_hyperparameters(ignore=[] if env is None or isinstance(env, str) else ["env"])
+        self.engine = build_engine(engine, engine_options)
+        text = (agent_prompts, reward_fn, transition, transition_kwargs, batched_transition)
+        self.env = self.train_env = build_env(env, env_kwargs, *text)
+        limits = (reward_timeout_s, transition_timeout_s)
+        self.call_settings = CallSettings(on_reward_error, *limits, transition_prompt_field)
+        self.use_call_settings(self.env)
+        self.max_skipped_steps, self._skipped_steps = max_skipped_steps, 0
+        env_name = env if isinstance(env, str) else type(self.env).__qualname__
+        others = {"data.train_path": train_path, "data.val_path": val_path}  # demonstrations never from these games
+        self.load_demos(demo_path and resolve_demo_source(demo_path, self.env, env_name, env_kwargs, others))
+        self.train_tasks = self.env.load_tasks(train_path, "data.train_path")
+        self.val_tasks = self.env.load_tasks(val_path, "data.val_path") if val_path else []
+
+    @property
+    def num_agents(self) -> int:
+        return self.env.num_agents
+
+    def use_call_settings(self, *envs: Env) -> None:
+        """The reward-call settings on each text environment of ``envs``."""
+        for env in envs:
+            if isinstance(env, TextEnv):
+                env.call_settings = self.call_settings
+
+    def load_demos(self, demo_path: str | None) -> None:
+        """The demonstrations of SFT (``SFT``, or the first phase of ``callbacks.PhaseSwitch``)."""
+        self.demos = load_demos(demo_path, self.num_agents) if demo_path else []
+        self._loaders: dict[str, tuple[object, TaskLoader]] = {}
+
+    @property
+    def phase(self) -> str:
+        """``sft`` (demonstrations) or ``rl`` (rollouts): the phase of the team the module hands over."""
+        trainer = self.trainer
+        return trainer.lightning_module.team().phase if trainer is not None and trainer.lightning_module else "rl"
+
+    def train_dataloader(self) -> TaskLoader:
+        """The current phase's loader: demonstrations or tasks. Each is made once per fit and then
+        handed back (Lightning asks again each epoch when phases can switch), so its epoch count and
+        position carry on."""
+        trainer, phase = self.trainer, self.phase
+        cached = self._loaders.get(phase)
+        if cached is None or cached[0] is not trainer:
+            rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+            if phase == "sft":
+                rows, size, name = self.demos, self.hparams.demo_batch_size, "demos"
+                if not rows:
+                    raise ConfigError("the SFT phase needs demonstrations: set data.demo_path (scripts/make_demos.py)")
+            else:
+                rows, size, name = self.train_tasks, self.hparams.tasks_per_step, "tasks"
+            loader = TaskLoader(rows, size, self.hparams.seed, rank, world, name)
+            self._loaders[phase] = cached = (trainer, loader)
+        self.train_loader = cached[1]
+        self.train_loader.end_after(self.demo_rows if phase == "sft" else None)
+        return self.train_loader
+
+    def on_after_batch_transfer(self, batch: list[dict], dataloader_idx: int):
+        """Rows become what the training step consumes: rendered demonstrations in the SFT phase,
+        rollouts of the current weights otherwise (greedy outside training)."""
+        team = self.trainer.lightning_module.team()  # the one handshake of the step
+        if self.trainer.training and team.phase == "sft":
+            return render_demos(team.agents, batch, self.hparams.demo_loss_on)
+        with team.computing(self.engine), self.engine.rollout(team.agents):
+            return self.rollout_batch(team, batch, training=self.trainer.training)
+
+    def rollout_batch(self, team: Team, tasks: list[dict], training: bool):
+        raise NotImplementedError
+
+    @property
+    def rollout_settings(self) -> RolloutSettings:
+        """What this module's rollouts are (an algorithm checks it once in ``setup``)."""
+        raise NotImplementedError
+
+    def episodes(self, batch) -> float:
+        """RL episodes in this rank's training batch (the unit of an RL budget)."""
+        raise NotImplementedError
+
+    def on_before_batch_transfer(self, batch: list[dict], dataloader_idx: int) -> list[dict]:
+        if self.trainer is not None and self.trainer.training:
+            self.train_loader.consumed += 1  # this batch now reaches the training step
+            self.train_loader.epoch_length = int(min(self.trainer.num_training_batches, len(self.train_loader)))
+        return batch
+
+    def val_dataloader(self) -> DataLoader:
+        return task_loader(self.val_tasks, self.hparams.eval_tasks_per_step, False, self.hparams.seed)
+
+    def test_dataloader(self) -> DataLoader:
+        return self.val_dataloader()
+
+    def evaluation_metrics(self, agents, tasks: list[dict], num_samples: int = 1) -> Evaluated:
+        """Means over one batch of held-out tasks, greedy (``num_samples`` 1) or ``num_samples``
+        sampled per task; a metric of a subset of them (e.g. one task type) is ``(its mean, the
+        subset's size)``; and per task its samples and those that succeeded (None where nothing says)."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def evaluate(self, agents, num_samples: int = 1, pass_at_k: list[int] | tuple = ()) -> dict[str, float]:
+        """Rollouts on all held-out tasks, greedy, or ``num_samples`` sampled per task (at the
+        training temperature) with the unbiased ``pass@k`` of each k in ``pass_at_k``; each metric's
+        mean over its tasks. With several ranks each rank plays every world-th task and the
+        metrics (torchmetrics) sync: every rank returns the same values, having played its share.
+        ``self.examples`` then holds this rank's tasks' final joint answers (``Evaluated.examples``)."""
+        if not self.val_tasks:
+            raise ConfigError("data.val_path: the held-out evaluation needs held-out tasks")
+        trainer = self.trainer
+        rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        device = trainer.strategy.root_device if trainer is not None else "cpu"
+        means, passes = EvalMeans(device), {k: PassAtK(k).to(device) for k in pass_at_k}
+        mine = self.val_tasks[rank::world]
+        self.examples = []
+        for batch in task_loader(mine, self.hparams.eval_tasks_per_step, False, self.hparams.seed) if mine else []:
+            metrics, successes, examples = Evaluated(*self.evaluation_metrics(agents, batch, num_samples))
+            self.examples += examples
+            for key, value in metrics.items():
+                mean, count = value if isinstance(value, tuple) else (value, len(batch))
+                means.update(key, mean, count)
+            if passes and successes is None:
+                raise ConfigError("HeldOutEvaluation.pass_at_k: this environment reports no success per sample")
+            for metric in passes.values():
+                metric.update(*successes)
+        results = means.compute()
+        results.update({f"pass@{k}": float(metric.compute()) for k, metric in passes.items()})
+        return results
+
+
+def build_env(env, env_kwargs, agent_prompts, reward_fn, transition, transition_kwargs, batched: bool) -> Env:
+    """``data.env`` (an object, or a name / import path with ``env_kwargs``), or the text environment
+    ``agent_prompts`` + ``reward_fn`` (+ ``transition``) describe."""
+    if env is not None and (agent_prompts or reward_fn or transition):
+        raise ConfigError(
+            "data.env gives the prompts, rewards and transitions: drop data.agent_prompts, data.reward_fn and "
+            "data.transition, or drop data.env"
+        )
+    if isinstance(env, str):
+        return make_env(env, env_kwargs)
+    if env is not None:
+        return env
+    if not agent_prompts:
+        raise ConfigError(
+            "data.env: give an environment (a registered name such as corridor, or an object), or "
+            "data.agent_prompts (one prompt template per agent) with data.reward_fn"
+        )
+    if not reward_fn:
+        raise ConfigError("data.reward_fn: give the import path of a reward function (or give data.env)")
+    step = import_object(transition, "data.transition") if transition else None
+    return FunctionEnv(agent_prompts, import_object(reward_fn, "data.reward_fn"), step, transition_kwargs, batched)
