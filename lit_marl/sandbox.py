@@ -31,6 +31,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from lit_marl.fields import PositiveFloat, PositiveInt, check_fields
+
 log = logging.getLogger(__name__)
 _warned_no_bwrap = False
 _warned_no_setpriv = False
@@ -46,29 +48,27 @@ _uids_in_use: set[int] = set()
 
 @dataclass(frozen=True)
 class Limits:
-    wall_s: float = 10.0
+    wall_s: PositiveFloat = 10.0
     """Wall-clock timeout; the whole process group is killed when it passes."""
-    cpu_s: int = 10
+    cpu_s: PositiveInt = 10
     """CPU seconds (RLIMIT_CPU)."""
-    memory_mb: int = 1024
+    memory_mb: PositiveInt = 1024
     """Address space (RLIMIT_AS)."""
-    processes: int = 64
+    processes: PositiveInt = 64
     """Processes and threads of the sandbox user (RLIMIT_NPROC)."""
-    file_mb: int = 16
+    file_mb: PositiveInt = 16
     """Largest file the program may write (RLIMIT_FSIZE)."""
-    disk_mb: int = 64
+    disk_mb: PositiveInt = 64
     """Everything the program may write, in total (with bubblewrap: the size of its one writable
     folder, a tmpfs, which is host memory that ``memory_mb`` does not count)."""
-    output_chars: int = 20_000
+    output_chars: PositiveInt = 20_000
     """Characters of stdout/stderr kept (each)."""
-    output_mb: float = 8.0
+    output_mb: PositiveFloat = 8.0
     """Hard cap on what the program writes to stdout and stderr together: past it the program is
     stopped (``Result.output_overflow``); the trainer never buffers more than ``output_chars``."""
 
     def __post_init__(self):
-        for name in ("wall_s", "cpu_s", "memory_mb", "processes", "file_mb", "disk_mb", "output_chars", "output_mb"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"sandbox Limits.{name}={getattr(self, name)!r}: must be > 0")
+        check_fields("sandbox Limits", Limits, {name: getattr(self, name) for name in self.__dataclass_fields__})
 
 
 @dataclass(frozen=True)

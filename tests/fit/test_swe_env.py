@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from helpers import make_trainer
+from lit_marl import ConfigError
 from lit_marl.agents import Agent
 from lit_marl.algorithms import GRPO, PPO, RLOO
 from lit_marl.data import EpisodeDataModule
@@ -221,3 +222,18 @@ def test_tiny_fits_on_the_bundled_repositories(tmp_path, root, algorithm, genera
     metrics = trainer.callback_metrics
     assert torch.isfinite(metrics["train/loss"]) and float(metrics["train/reward"]) > 0  # the baselines: 1/3..2/3
     assert workspaces(root) == []
+
+
+def test_swe_settings_are_checked_by_their_types_and_the_sandbox_limits_configurable(tmp_path):
+    root = str(tmp_path / "ws")
+    env = SWEEnv(workspace_root=root, command_limits={"memory_mb": 512, "processes": 16}, tests={"disk_mb": 128})
+    assert (env.command_limits.memory_mb, env.command_limits.processes, env.command_limits.file_mb) == (512, 16, 16)
+    assert env.tests.limits().disk_mb == 128 and env.tests.limits().processes == 64
+    with pytest.raises(ConfigError, match=r"data\.env_kwargs\.max_steps=0: must be > 0"):
+        SWEEnv(workspace_root=root, max_steps=0)
+    with pytest.raises(ConfigError, match=r"data\.env_kwargs\.tests\.processes=0: must be > 0"):
+        SWEEnv(workspace_root=root, tests={"processes": 0})
+    with pytest.raises(ConfigError, match=r"data\.env_kwargs\.command_limits=\{'swap_mb': 1\}"):
+        SWEEnv(workspace_root=root, command_limits={"swap_mb": 1})
+    with pytest.raises(ConfigError, match=r"sandbox Limits\.memory_mb=0: must be > 0"):
+        SWEEnv(workspace_root=root, command_limits={"memory_mb": 0})

@@ -16,7 +16,7 @@ import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lit_marl import ConfigError
+from lit_marl.fields import PositiveFloat, PositiveInt, check_fields
 from lit_marl.sandbox import Limits, run_many
 
 HARNESS = (Path(__file__).parent / "harness.py").read_text()
@@ -71,24 +71,24 @@ class TestLimits:
 
     __test__ = False  # not a pytest class
 
-    load_timeout_s: float = 5.0
+    load_timeout_s: PositiveFloat = 5.0
     """Time to start the program's process and run its top level (also after a restart)."""
-    test_timeout_s: float = 3.0
+    test_timeout_s: PositiveFloat = 3.0
     """Time for one test's calls into the program (a hung program is restarted for the next test)."""
-    budget_s: float = 10.0
+    budget_s: PositiveFloat = 10.0
     """Time for all tests of one program; tests after it are recorded as not run."""
-    memory_mb: int = 1024
+    memory_mb: PositiveInt = 1024
     """Address space of the harness and of the program, each."""
-    processes: int = 32
+    processes: PositiveInt = 32
     """Processes and threads of the run's sandbox user (RLIMIT_NPROC): the harness and the program together."""
-    max_response_bytes: int = 1_000_000
+    max_response_bytes: PositiveInt = 1_000_000
     """Bytes of one reply of the program's process to the harness (a call's result, or its load); past it
     the test fails (the program dies) and the next test gets a fresh process."""
 
     def __post_init__(self):
-        for name in ("load_timeout_s", "test_timeout_s", "budget_s", "memory_mb", "processes", "max_response_bytes"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"data.env.test_limits.{name}={getattr(self, name)!r}: must be > 0")
+        check_fields(
+            "data.env.test_limits", TestLimits, {name: getattr(self, name) for name in self.__dataclass_fields__}
+        )
 
     @property
     def wall_s(self) -> float:

@@ -16,15 +16,18 @@ the known fix (``patch``) as tool calls, then ``submit``.
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Literal
 
+from lit_marl import ConfigError
 from lit_marl.envs.base import register
 from lit_marl.envs.game import Game, StepResult
 from lit_marl.envs.swe.instances import normalize, parse_patch, resolve_source, snapshot
 from lit_marl.envs.swe.scoring import SITE, Score, TestSettings, run_tests, score
 from lit_marl.envs.swe.tools import FILE_TOOLS, HELP, ToolCall, ToolError, as_calls, parse
 from lit_marl.envs.swe.workspace import Workspace, default_root, sweep
+from lit_marl.fields import PositiveFloat, PositiveInt, check_fields
 from lit_marl.sandbox import Limits, run_in
 
 _swept: set[str] = set()
@@ -53,14 +56,15 @@ class SWEEnv(Game):
         self,
         repos_dir: str | None = None,
         reward: Literal["fraction", "resolved"] = "fraction",
-        max_steps: int = 12,
-        max_observation_chars: int = 2000,
-        max_output_chars: int = 20_000,
-        command_timeout_s: float = 20.0,
-        workspace_mb: int = 64,
+        max_steps: PositiveInt = 12,
+        max_observation_chars: PositiveInt = 2000,
+        max_output_chars: PositiveInt = 20_000,
+        command_timeout_s: PositiveFloat = 20.0,
+        workspace_mb: PositiveInt = 64,
         list_tests: bool = True,
         workspace_root: str | None = None,
         tests: TestSettings | dict | None = None,
+        command_limits: dict | None = None,
     ):
         """
         Args:
@@ -77,18 +81,19 @@ class SWEEnv(Game):
             list_tests: Name FAIL_TO_PASS and PASS_TO_PASS in the first observation.
             workspace_root: Where workspaces are made (default ``$TMPDIR/lit_marl_swe``).
             tests: How tests run (``scoring.TestSettings``: seconds per test and per run, memory,
-                retries of a run that gives no report).
+                processes, file and disk sizes, retries of a run that gives no report).
+            command_limits: The sandbox of a ``run`` command (``sandbox.Limits`` fields: ``memory_mb``
+                1024, ``processes`` 64, ``file_mb`` 16, ``disk_mb`` 64); its time is ``command_timeout_s``.
         """
-        if max_steps < 1:
-            raise ValueError(f"data.env_kwargs.max_steps={max_steps}: must be >= 1")
-        for name, value in (("max_observation_chars", max_observation_chars), ("max_output_chars", max_output_chars),
-                            ("command_timeout_s", command_timeout_s), ("workspace_mb", workspace_mb)):  # fmt: skip
-            if not value > 0:
-                raise ValueError(f"data.env_kwargs.{name}={value!r}: must be > 0")
+        check_fields("data.env_kwargs", SWEEnv.__init__, locals())
         if not SITE:
             raise ValueError("the swe environment runs the repositories' tests with pytest: pip install pytest")
-        if reward not in ("fraction", "resolved"):
-            raise ValueError(f"data.env_kwargs.reward={reward!r}: choose fraction or resolved")
+        base = Limits(wall_s=command_timeout_s, cpu_s=int(command_timeout_s) + 1, memory_mb=1024, processes=64,
+                      file_mb=16, disk_mb=64, output_chars=4 * max_observation_chars)  # fmt: skip
+        try:
+            self.command_limits = replace(base, **(command_limits or {}))
+        except TypeError as err:
+            raise ConfigError(f"data.env_kwargs.command_limits={command_limits!r}: {err}") from err
         self.repos_dir, self.reward, self.max_steps = repos_dir, reward, max_steps
         self.max_observation_chars, self.max_output_chars = max_observation_chars, max_output_chars
         self.command_timeout_s, self.workspace_mb, self.list_tests = command_timeout_s, workspace_mb, list_tests
@@ -169,10 +174,7 @@ class SWEEnv(Game):
         if call.name == "run":
             if not call.rest:
                 raise ToolError("run: give the shell command on the same line, e.g. 'run ls tests'")
-            seconds = self.command_timeout_s
-            limits = Limits(wall_s=seconds, cpu_s=int(seconds) + 1, memory_mb=1024, processes=64, file_mb=16,
-                            disk_mb=64, output_chars=4 * self.max_observation_chars)  # fmt: skip
-            result = run_in(["/bin/bash", "-c", call.rest], str(self.ws.path), limits, read_only=(SITE,),
+            result = run_in(["/bin/bash", "-c", call.rest], str(self.ws.path), self.command_limits, read_only=(SITE,),
                             env={"PYTHONPATH": SITE, "PYTHONDONTWRITEBYTECODE": "1"})  # fmt: skip
             status = (
                 "timed out" if result.timed_out else "output limit" if result.output_overflow else result.returncode

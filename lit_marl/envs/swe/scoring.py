@@ -28,6 +28,7 @@ from pathlib import Path
 
 from lit_marl.envs.swe.instances import apply_patch, is_test_path
 from lit_marl.envs.swe.workspace import Workspace
+from lit_marl.fields import NonNegativeInt, PositiveFloat, PositiveInt, check_fields
 from lit_marl.sandbox import Limits, Result, run_in
 
 RUNNER = str(Path(__file__).with_name("runner.py"))
@@ -52,27 +53,30 @@ class TestSettings:
 
     __test__ = False  # not a pytest class
 
-    test_timeout_s: float = 30.0
+    test_timeout_s: PositiveFloat = 30.0
     """Seconds per test; a longer test fails."""
-    run_timeout_s: float = 300.0
+    run_timeout_s: PositiveFloat = 300.0
     """Wall seconds of a whole test run (pytest's start and collection included)."""
-    memory_mb: int = 2048
+    memory_mb: PositiveInt = 2048
     """Address space (RLIMIT_AS) of each process of a test run."""
-    retries: int = 2
+    processes: PositiveInt = 64
+    """Processes and threads of a test run's sandbox user (RLIMIT_NPROC)."""
+    file_mb: PositiveInt = 64
+    """Largest file a test run may write."""
+    disk_mb: PositiveInt = 256
+    """Everything a test run may write, in total."""
+    retries: NonNegativeInt = 2
     """Further tries of a run that gave no report (the harness timed out or crashed)."""
-    log_chars: int = 3000
+    log_chars: PositiveInt = 3000
     """Characters of pytest's output kept (the end of it)."""
 
     def __post_init__(self):
-        for name in ("test_timeout_s", "run_timeout_s", "memory_mb", "log_chars"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"data.env_kwargs.tests.{name}={getattr(self, name)!r}: must be > 0")
-        if self.retries < 0:
-            raise ValueError(f"data.env_kwargs.tests.retries={self.retries}: must be >= 0")
+        check_fields("data.env_kwargs.tests", TestSettings, {n: getattr(self, n) for n in self.__dataclass_fields__})
 
     def limits(self) -> Limits:
         return Limits(wall_s=self.run_timeout_s, cpu_s=int(self.run_timeout_s) + 1, memory_mb=self.memory_mb,
-                      processes=64, file_mb=64, disk_mb=256, output_chars=self.log_chars + 200_000)  # fmt: skip
+                      processes=self.processes, file_mb=self.file_mb, disk_mb=self.disk_mb,
+                      output_chars=self.log_chars + 200_000)  # fmt: skip
 
 
 @dataclass
