@@ -60,7 +60,7 @@ Forward = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
 
 @dataclass
-class _Rows:
+class _UpdateSamples:
     """The rows of one update: each learner's (its roles' rows, one block per role) and each
     critic model's inputs (IAC: its learner's roles; MAAC: the joint state of every node)."""
 
@@ -248,7 +248,7 @@ class ActorCritic(AgentTeamModule):
         values = self.critics[learner].read(hidden, read_positions(samples, self.critic_type)) if head else None
         return logprobs, entropies, values
 
-    def update_rows(self, per_agent: list[AgentSamples]) -> _Rows:
+    def update_rows(self, per_agent: list[AgentSamples]) -> _UpdateSamples:
         """Each learner's rows (its roles' blocks, trimmed) and each critic model's inputs."""
         pad = self.agents[0].pad_token_id
         actors = []
@@ -256,17 +256,19 @@ class ActorCritic(AgentTeamModule):
             rows = AgentSamples.cat([per_agent[r] for r in roles], self.agents[roles[0]].pad_token_id)
             actors.append(rows.select(torch.arange(len(rows), device=rows.input_ids.device)))
         if self.critic_kind == "head":
-            return _Rows(actors, [])
+            return _UpdateSamples(actors, [])
         if self.centralized:  # the joint rows once per role whose targets a critic step learns
             joint = joint_critic_inputs(per_agent, self.critic_type, pad)
-            return _Rows(actors, [CriticInputs.cat([joint] * len(roles), pad) for roles in self.critic_roles()])
+            return _UpdateSamples(
+                actors, [CriticInputs.cat([joint] * len(roles), pad) for roles in self.critic_roles()]
+            )
         critics = [
             CriticInputs.cat([critic_inputs(per_agent[r], self.critic_type) for r in roles], pad)
             for roles in self.learners
         ]
-        return _Rows(actors, critics)
+        return _UpdateSamples(actors, critics)
 
-    def forwards(self, rows: _Rows) -> tuple[list[Forward], list[torch.Tensor]]:
+    def forwards(self, rows: _UpdateSamples) -> tuple[list[Forward], list[torch.Tensor]]:
         """Every actor's and critic model's outputs on the update's rows, in the passes of
         ``micro_batches`` (one pass each when the graph is kept)."""
         entropy = torch.is_grad_enabled() and self.entropy_coef > 0
@@ -287,11 +289,11 @@ class ActorCritic(AgentTeamModule):
         return actors, [computed[id(inputs)] for inputs in rows.critics]
 
     @torch.no_grad()
-    def prepare(self, rows: _Rows) -> tuple[list[Forward], list[torch.Tensor]]:
+    def prepare(self, rows: _UpdateSamples) -> tuple[list[Forward], list[torch.Tensor]]:
         """The behaviour pass of an update of several steps: ``forwards`` without gradients."""
         return self.forwards(rows)
 
-    def fits_one_pass(self, rows: _Rows) -> bool:
+    def fits_one_pass(self, rows: _UpdateSamples) -> bool:
         """One optimizer step per model (``ppo_epochs`` 1, one mini-batch) on rows that fit one
         forward/backward pass, on every rank."""
         if self.ppo_epochs != 1 or self.train_batch_size is not None or self.update_schedule != "joint":
@@ -302,7 +304,9 @@ class ActorCritic(AgentTeamModule):
         return all_ranks_max(0.0 if fits else 1.0, self.device) == 0
 
     # ------------------------------------------------------------------ values, targets, advantages
-    def with_targets(self, per_agent: list[AgentSamples], rows: _Rows, forwards) -> tuple[_Rows, list[AgentSamples]]:
+    def with_targets(
+        self, per_agent: list[AgentSamples], rows: _UpdateSamples, forwards
+    ) -> tuple[_UpdateSamples, list[AgentSamples]]:
         """The rows with their behaviour log-probs, values, TD targets and advantages (all detached);
         and each role's rows with its values, targets and advantages (for the logs)."""
         actor_out, critic_values = forwards
@@ -346,7 +350,7 @@ class ActorCritic(AgentTeamModule):
             )
             for inputs, v, roles in zip(rows.critics, critic_values, self.critic_roles())
         ]
-        return _Rows(actors, critics), per_role
+        return _UpdateSamples(actors, critics), per_role
 
     def advantages(self, targets: torch.Tensor, values: torch.Tensor, turns: torch.Tensor) -> torch.Tensor:
         """A = y - V(h), z-scored within each turn over every rank's rows if set (a turn of one row

@@ -26,7 +26,7 @@ from lit_marl.rollout.pairs import PairSelection, PairSettings, check_candidate_
 
 
 @dataclass
-class PairRows:
+class PairSamples:
     """Chosen and rejected joint answers, tokenized for the reward model: one row per pair (its
     width and tokens are both answers', which is what a pass over it computes)."""
 
@@ -36,8 +36,8 @@ class PairRows:
     def __len__(self) -> int:
         return self.chosen[0].shape[0]
 
-    def select(self, rows: torch.Tensor) -> "PairRows":
-        return PairRows(tuple(t[rows] for t in self.chosen), tuple(t[rows] for t in self.rejected))
+    def select(self, rows: torch.Tensor) -> "PairSamples":
+        return PairSamples(tuple(t[rows] for t in self.chosen), tuple(t[rows] for t in self.rejected))
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -126,7 +126,7 @@ class RewardModelFit(AgentTeamModule):
         self.record({"perf/train_s": train_time.seconds})
         self.log_rollout(batch, "train")
 
-    def pair_rows(self, batch: RolloutBatch) -> PairRows | None:
+    def pair_rows(self, batch: RolloutBatch) -> PairSamples | None:
         """Every task's selected pairs of joint answers, as the reward model's token rows (None: no pair)."""
         pairs = rollout_pairs(batch, self.pair_settings, self.shuffle_generator)
         if not len(pairs.chosen):
@@ -135,9 +135,9 @@ class RewardModelFit(AgentTeamModule):
         def texts(rows: torch.Tensor) -> list[str]:  # candidate row j: every agent's prompt and answer j
             return [joint_text([p[j] for p in batch.prompts], [c[j] for c in batch.completions]) for j in rows.tolist()]
 
-        return PairRows(self.reward_net.encode(texts(pairs.chosen)), self.reward_net.encode(texts(pairs.rejected)))
+        return PairSamples(self.reward_net.encode(texts(pairs.chosen)), self.reward_net.encode(texts(pairs.rejected)))
 
-    def pair_loss(self, rows: PairRows, stats: dict) -> torch.Tensor:
+    def pair_loss(self, rows: PairSamples, stats: dict) -> torch.Tensor:
         """Summed over pairs: -log sigmoid(s_w - s_l)."""
         chosen, rejected = self.reward_net(*rows.chosen), self.reward_net(*rows.rejected)
         with torch.no_grad():

@@ -120,7 +120,7 @@ class PPO(EpisodicModule):
     @torch.no_grad()
     def advantages(self, batch, token_rewards, samples, learner):
         scorer = self.model_of(learner) if self.critic_backbones is None else self.critic_backbones[learner]
-        values = self.chunked(lambda ids, mask, _: self.forward(_Rows(ids, mask), learner)[1], batch, scorer)
+        values = self.chunked(lambda ids, mask, _: self.forward(_ValueSamples(ids, mask), learner)[1], batch, scorer)
         mask = batch.loss_mask.float()
         if self.gae_mode == "token":
             advantages, returns = token_gae(token_rewards, values * mask, mask, self.discount, self.gae_lambda)
@@ -179,7 +179,7 @@ class PPO(EpisodicModule):
         )
 
 
-class _Rows:
+class _ValueSamples:
     """The fields ``PPO.forward`` reads, for the value pass over a raw episode batch: no token is
     masked, so the LM head does not run (nor the policy at all when the critic has its own model)."""
 

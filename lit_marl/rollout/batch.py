@@ -1,13 +1,36 @@
-"""The padded tensors that training steps consume, one block per agent."""
+"""The row containers, in one vocabulary:
+
+- a ``...Batch`` is what a rollout returns, its facts (``RolloutBatch``: a step's trees, each
+  agent's rows and the trees' per-turn rewards and structure; ``rollout.episode.EpisodeBatch``:
+  episodes, one token sequence per agent each);
+- ``...Samples`` are training rows, what one loop of passes consumes: anything with ``input_ids``,
+  ``attention_mask``, ``len`` and ``select(rows)`` (``Samples``): ``AgentSamples`` (an agent's
+  responses in a tree), ``TrajectorySamples`` (whole episodes), ``rollout.demos.DemoSamples``,
+  ``rollout.pairs.PreferenceSamples``, and the algorithms' own.
+
+``pass_rows`` cuts any ``Samples`` into forward/backward passes.
+"""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import torch
 
 from lit_marl.returns import CrossReduce, JointMode, per_response, tree_returns
+
+
+class Samples(Protocol):
+    """Training rows: what ``pass_rows`` and an optimizer step's passes take."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+
+    def __len__(self) -> int: ...
+
+    def select(self, rows: torch.Tensor) -> "Samples": ...
 
 
 @dataclass

@@ -136,7 +136,7 @@ def rollout_pairs(batch: RolloutBatch, settings: PairSettings, generator: torch.
 
 
 @dataclass
-class PreferenceRows:
+class PreferenceSamples:
     """Pairs as training rows, per agent: row 2p holds pair p's chosen response, row 2p + 1 its
     rejected one (with its prompt), so pairs from different steps and iterations stack (replay)."""
 
@@ -160,9 +160,9 @@ class PreferenceRows:
     def gaps(self) -> torch.Tensor:
         return self.chosen_rewards - self.rejected_rewards
 
-    def select(self, pairs: torch.Tensor) -> "PreferenceRows":
+    def select(self, pairs: torch.Tensor) -> "PreferenceSamples":
         rows = torch.stack([2 * pairs, 2 * pairs + 1], 1).flatten()
-        return PreferenceRows(
+        return PreferenceSamples(
             [a.select(rows) for a in self.agents],
             self.chosen_rewards[pairs],
             self.rejected_rewards[pairs],
@@ -170,7 +170,7 @@ class PreferenceRows:
         )
 
     @staticmethod
-    def cat(parts: list["PreferenceRows"], pad_ids: list[int]) -> "PreferenceRows":
+    def cat(parts: list["PreferenceSamples"], pad_ids: list[int]) -> "PreferenceSamples":
         """Pairs of several parts in order; each part's prompt groups stay its own."""
         parts = [p for p in parts if len(p)]
         if len(parts) == 1:
@@ -184,7 +184,7 @@ class PreferenceRows:
                 offset = int(shifted[-1].group_ids.max()) + 1
             agents.append(AgentSamples.cat(shifted, pad_id))
         fields = ("chosen_rewards", "rejected_rewards", "target_wins")
-        return PreferenceRows(agents, *(torch.cat([getattr(p, f) for p in parts]) for f in fields))
+        return PreferenceSamples(agents, *(torch.cat([getattr(p, f) for p in parts]) for f in fields))
 
     def state_dict(self) -> dict:
         """Plain tensors only (a replay shard loads with ``weights_only``)."""
@@ -196,9 +196,9 @@ class PreferenceRows:
         }
 
     @staticmethod
-    def from_state_dict(state: dict) -> "PreferenceRows":
+    def from_state_dict(state: dict) -> "PreferenceSamples":
         agents = [AgentSamples(**a) for a in state["agents"]]
-        return PreferenceRows(agents, state["chosen_rewards"], state["rejected_rewards"], state["target_wins"])
+        return PreferenceSamples(agents, state["chosen_rewards"], state["rejected_rewards"], state["target_wins"])
 
 
 def candidate_rewards(batch: RolloutBatch) -> torch.Tensor:
@@ -214,7 +214,7 @@ def comparison_rows(
     settings: PairSettings,
     generator: torch.Generator,
     pad_ids: list[int],
-) -> tuple[PreferenceRows, int]:
+) -> tuple[PreferenceSamples, int]:
     """The pairs of the policy's candidates (``batch``) against the comparator's (``comparator``,
     the same tasks and K) by ``comparison_pairs``, as rows; and the number of tasks without a pair.
     Both rollouts must have rendered every prompt to the same tokens (one tokenizer and template):
@@ -247,7 +247,7 @@ def comparison_rows(
         for a, b, pad in zip(batch.agents, comparator.agents, pad_ids)
     ]
     flat = torch.cat([mine.view(-1), theirs.view(-1)])
-    out = PreferenceRows(
+    out = PreferenceSamples(
         [a.select(rows) for a in agents], flat[rows[0::2]], flat[rows[1::2]], torch.tensor(wins, dtype=torch.bool)
     )
     return out, without

@@ -27,7 +27,7 @@ from typing import Literal
 import torch
 
 from lit_marl import ConfigError
-from lit_marl.rollout.pairs import PreferenceRows
+from lit_marl.rollout.pairs import PreferenceSamples
 
 ReplayMode = Literal["current", "nearest_k", "all_history", "lambda_decay"]
 
@@ -98,9 +98,9 @@ class PreferenceReplay:
         self.settings = settings
         self.pad_ids = pad_ids
         self.shards: list[Shard] = []
-        self._loaded: dict[str, PreferenceRows] = {}
+        self._loaded: dict[str, PreferenceSamples] = {}
 
-    def write(self, iteration: int, step: int, rows: PreferenceRows) -> None:
+    def write(self, iteration: int, step: int, rows: PreferenceSamples) -> None:
         """Save a step's pairs (atomically: a killed run leaves the old file or the new one, never half)."""
         if not len(rows):
             return
@@ -112,7 +112,7 @@ class PreferenceReplay:
         self.shards = [s for s in self.shards if s.step != step] + [Shard(iteration, step, str(path), len(rows))]
         self._loaded[str(path)] = rows
 
-    def draw(self, iteration: int, fresh: PreferenceRows, generator: torch.Generator) -> PreferenceRows:
+    def draw(self, iteration: int, fresh: PreferenceSamples, generator: torch.Generator) -> PreferenceSamples:
         """The pairs a step trains on: ``fresh`` (written already) with mode ``current``, else a sample."""
         settings = self.settings
         if settings.mode == "current":
@@ -133,13 +133,15 @@ class PreferenceReplay:
         parts = []
         for it, count in zip(iterations, counts):
             if count:
-                pool = PreferenceRows.cat([self._rows(s) for s in by_iteration[it]], self.pad_ids)
+                pool = PreferenceSamples.cat([self._rows(s) for s in by_iteration[it]], self.pad_ids)
                 parts.append(pool.select(_without_replacement(len(pool), count, generator)))
-        return PreferenceRows.cat(parts, self.pad_ids)
+        return PreferenceSamples.cat(parts, self.pad_ids)
 
-    def _rows(self, shard: Shard) -> PreferenceRows:
+    def _rows(self, shard: Shard) -> PreferenceSamples:
         if shard.path not in self._loaded:
-            self._loaded[shard.path] = PreferenceRows.from_state_dict(torch.load(shard.path, weights_only=True)["rows"])
+            self._loaded[shard.path] = PreferenceSamples.from_state_dict(
+                torch.load(shard.path, weights_only=True)["rows"]
+            )
         return self._loaded[shard.path]
 
     def state_dict(self) -> dict:

@@ -13,7 +13,7 @@ from lit_marl.envs.centralized import TaggedAdapter
 from lit_marl.generation.api import ApiError, ApiSettings, ApiWriter
 from lit_marl.generation.text import TextEngine, TextRole, _tokens
 from lit_marl.rollout.batch import AgentSamples
-from lit_marl.rollout.pairs import PreferenceRows, comparison_pairs
+from lit_marl.rollout.pairs import PreferenceSamples, comparison_pairs
 from lit_marl.rollout.replay import PreferenceReplay, ReplaySettings, replay_weights
 
 
@@ -33,7 +33,7 @@ def test_comparison_pairs_by_index_with_ties_and_nan_dropped():
         comparison_pairs(target, comparator, "all", 4)
 
 
-def _rows(rewards: list[float], width: int = 3) -> PreferenceRows:
+def _rows(rewards: list[float], width: int = 3) -> PreferenceSamples:
     """Pairs whose chosen reward is ``rewards[p]`` (and whose first completion token is p)."""
     n = len(rewards)
     ids = torch.arange(2 * n).repeat_interleave(1).view(-1, 1).repeat(1, width)
@@ -46,7 +46,7 @@ def _rows(rewards: list[float], width: int = 3) -> PreferenceRows:
         turn_ids=torch.zeros(2 * n, dtype=torch.long),
     )
     r = torch.tensor(rewards)
-    return PreferenceRows([samples], r, r - 1, torch.ones(n, dtype=torch.bool))
+    return PreferenceSamples([samples], r, r - 1, torch.ones(n, dtype=torch.bool))
 
 
 # --------------------------------------------------------------------------- replay
