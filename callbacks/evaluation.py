@@ -57,7 +57,7 @@ class HeldOutEvaluation(L.Callback):
         return "greedy" if self.num_samples == 1 else f"{self.num_samples} samples per task"
 
     def setup(self, trainer: L.Trainer, pl_module, stage: str) -> None:
-        if not getattr(trainer.datamodule, "val_tasks", None):  # checked before any model loads
+        if trainer.datamodule is None or not trainer.datamodule.val_tasks:  # checked before any model loads
             raise ConfigError("HeldOutEvaluation needs held-out tasks: set data.val_path")
 
     def evaluate(self, trainer: L.Trainer, pl_module, tag: str) -> dict[str, float]:
@@ -85,7 +85,7 @@ class HeldOutEvaluation(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module) -> None:
         self.before = self.evaluate(trainer, pl_module, "before training")
-        self.before_examples = list(getattr(trainer.datamodule, "examples", []))
+        self.before_examples = list(trainer.datamodule.examples)
         self.train_start = time.perf_counter()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
@@ -106,7 +106,7 @@ class HeldOutEvaluation(L.Callback):
         self.after = self.evaluate(trainer, pl_module, "after training")
         if not trainer.is_global_zero:
             return
-        after_examples = list(getattr(trainer.datamodule, "examples", []))
+        after_examples = list(trainer.datamodule.examples)
         print(
             "\n" + report(self.before, self.after, self.before_examples, after_examples, self.examples, self.how),
             flush=True,

@@ -103,7 +103,7 @@ class PhaseSwitch(L.Callback):
                 "algorithm (PPO, GRPO, MAGRPO, IAC, ...); it takes the SFT steps itself"
             )
         data = trainer.datamodule
-        if self.demos > 0 and not getattr(data, "demos", None):
+        if self.demos > 0 and not data.demos:
             raise ConfigError("PhaseSwitch starts with SFT: set data.demo_path (scripts/make_demos.py writes one)")
         if self.demos > 0 and self.sft_epochs > 1 and len(data.demos) != self.demos:
             raise ConfigError(

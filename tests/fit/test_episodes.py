@@ -3,6 +3,7 @@ and tiny-model fits of PPO (value head and separate critic), GRPO and RLOO."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import lightning as L
@@ -13,11 +14,12 @@ from helpers import REPO_ROOT, make_trainer
 from lit_marl import ConfigError
 from lit_marl.agents import Agent
 from lit_marl.algorithms import GRPO, PPO, RLOO
-from lit_marl.data import EpisodeDataModule
+from lit_marl.data import EpisodeDataModule, RolloutDataModule
 from lit_marl.envs import make_env
 from lit_marl.envs.base import REGISTRY, register
 from lit_marl.envs.corridor import expert_actions, parse_command
 from lit_marl.envs.game import Game, StepResult
+from lit_marl.models import cache_dir
 from lit_marl.returns import anchor_groups
 from lit_marl.rollout.episode import EpisodeSettings, run_episodes
 
@@ -376,3 +378,41 @@ def test_critic_warmup_trains_the_critic_only(tmp_path, critic):
     assert not any(n.startswith("agents.") for n in moved)
     assert any(n.startswith("value_heads.0.") for n in moved)
     assert float(metrics["train/critic_warmup"]) == 1.0 and module.rl_steps == 1
+
+
+class CountingGame(Game):
+    """A new game with its own named task set, all in one class: ``counting:<n>`` is n tasks whose
+    target is the number of words to write (generated into a task file on first use, then cached)."""
+
+    task_sets = ("counting",)
+    cloneable = True
+
+    @staticmethod
+    def resolve_set(source: str, field: str) -> str:
+        count = int(source.split(":")[1])
+        out = cache_dir() / f"counting-{count}.jsonl"
+        out.write_text("".join(json.dumps({"task_id": f"c{i}", "target": 2 + i % 3}) + "\n" for i in range(count)))
+        return str(out)
+
+    def start(self, task):
+        self.target, self.score = task["target"], 0
+        return [f"Write exactly {self.target} words."]
+
+    def act(self, actions):
+        self.score = float(len(actions[0].split()) == self.target)
+        info = {"won": bool(self.score), "lost": False, "score": self.score, "max_score": 1.0}
+        return StepResult(["Again."], terminated=bool(self.score), info=info)
+
+
+def test_a_new_game_with_its_own_task_sets_is_one_class(tmp_path, monkeypatch):
+    """The game above plays as episodes and in a joint tree, its named set loaded by the game itself:
+    nothing else (no registry, no second table of sets) knows about it."""
+    monkeypatch.setenv("LIT_MARL_CACHE", str(tmp_path))
+    episodes = EpisodeDataModule(train_path="counting:5", env=CountingGame(), num_generations=2, max_turns=2)
+    assert [row["task_id"] for row in episodes.train_tasks] == [f"c{i}" for i in range(5)]
+    agent = Agent("tiny-random")
+    (batch,) = episodes.rollout([agent], episodes.train_tasks[:2], greedy=False)
+    assert batch.rewards.shape[0] == 4 and torch.isfinite(batch.rewards).all()
+    trees = RolloutDataModule(train_path="counting:3", env=CountingGame(), num_generations=2, num_turns=2)
+    tree = trees.rollout([agent], trees.train_tasks[:2], greedy=False)
+    assert tree.stats["turn_0/nodes"] == 2.0 and torch.isfinite(tree.rewards).all()
