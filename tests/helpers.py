@@ -176,16 +176,23 @@ def unchanged(module: torch.nn.Module, before: dict[str, torch.Tensor]) -> list[
     return [n for n, p in module.named_parameters() if n in before and torch.equal(p.detach(), before[n])]
 
 
-class SGDRecordingMAGRPO(MAGRPO):
-    """Plain SGD with lr=1 so that an update is exactly minus the gradient; keeps each batch."""
+def sgd_recording(algorithm: type) -> type:
+    """``algorithm`` with plain SGD at lr=1, so that an update is exactly minus the gradient; it keeps
+    each batch (``seen``) and the weights before its update (``before``)."""
 
-    def configure_optimizers(self):
-        return [torch.optim.SGD(a.trainable_parameters(), lr=1.0) for a in self.agents]
+    class SGDRecording(algorithm):
+        def configure_optimizers(self):
+            return [torch.optim.SGD(a.trainable_parameters(), lr=1.0) for a in self.agents]
 
-    def training_step(self, batch, batch_idx):
-        self.seen = getattr(self, "seen", []) + [batch]
-        self.before = [{n: p.detach().clone() for n, p in a.model.named_parameters()} for a in self.agents]
-        return super().training_step(batch, batch_idx)
+        def training_step(self, batch, batch_idx):
+            self.seen = getattr(self, "seen", []) + [batch]
+            self.before = [{n: p.detach().clone() for n, p in a.model.named_parameters()} for a in self.agents]
+            return super().training_step(batch, batch_idx)
+
+    return SGDRecording
+
+
+SGDRecordingMAGRPO = sgd_recording(MAGRPO)
 
 
 class AdmissibleEngine(TrainerWeights):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import lightning as L
 import torch
 
-from helpers import SGDRecordingMAGRPO, make_trainer, slogan_data
+from helpers import SGDRecordingMAGRPO, make_trainer, sgd_recording, slogan_data
 
 
 def test_single_agent_step_equals_plain_grpo(tmp_path):
@@ -85,15 +85,7 @@ def test_magrpo_with_one_agent_and_one_turn_is_grpo_on_one_turn_episodes(tmp_pat
     from lit_marl.envs.base import FunctionEnv
     from lit_marl.tasks import import_object
 
-    class SGDRecordingGRPO(GRPO):
-        def configure_optimizers(self):
-            return [torch.optim.SGD(a.trainable_parameters(), lr=1.0) for a in self.agents]
-
-        def training_step(self, batch, batch_idx):
-            self.seen = getattr(self, "seen", []) + [batch]
-            self.before = [{n: p.detach().clone() for n, p in a.model.named_parameters()} for a in self.agents]
-            return super().training_step(batch, batch_idx)
-
+    SGDRecordingGRPO = sgd_recording(GRPO)
     prompt = ["Write a slogan for {topic} with {word0}."]
     steps, rewards = [], []
     for family in ("tree", "episodes"):
