@@ -111,7 +111,7 @@ def ppo_step(out: Path, model: str, device: str) -> dict:
 
     def record_plan():
         original()
-        planned["peak"] = plan(module, data).peak
+        planned["peak"] = plan(module, data.rollout_settings).peak
 
     module.on_fit_start = record_plan
     cuda = device == "cuda"

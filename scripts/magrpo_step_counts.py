@@ -85,7 +85,7 @@ def main() -> None:
                         max_new_tokens=args.max_new_tokens,
                         num_turns=num_turns,
                     )
-                    batch = tree.build_tree(list(module.agents), tasks, env, settings, engine)
+                    batch = module.scored(tree.build_tree(list(module.agents), tasks, env, settings, engine))
                     for buffer, samples in zip(module.rollout_buffers, batch.agents):
                         buffer.add(samples.with_advantages(module.advantages(samples)))
                     module.flush_buffers()

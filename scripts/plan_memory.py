@@ -129,7 +129,7 @@ def plan_config(
             data.engine = VLLMEngine(backend_factory=lambda agent, dtype: None)
         return plan(
             cli.model,
-            data,
+            data.rollout_settings,
             shard_over=ranks,
             vllm_share=options["gpu_memory_utilization"] if init.get("engine") == "vllm" else None,
             process=process_gib * GiB,
