@@ -5,7 +5,7 @@ code environment's canonical solutions split into helper and main) turns task ro
 demonstrations. The demonstration tasks must be disjoint from the RL and evaluation tasks: every
 file given with ``--exclude`` is compared by task id and by content (the row without its id), and
 an overlap is an error (``--drop-overlap`` leaves those tasks out instead). Single-turn
-demonstrations of a joint environment are scored with its own reward in one batched call and kept
+demonstrations of a text environment are scored with its own reward in one batched call and kept
 only at ``--min-reward`` or above; a stateful environment's expert must win the episode it plays.
 
     python scripts/make_demos.py --env corridor --tasks data/corridor/demo_tasks.jsonl \\
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tasks", required=True, help="task rows to demonstrate (a file or a source the env knows)")
     parser.add_argument("--exclude", nargs="*", default=[], help="task files of RL and evaluation: must not overlap")
     parser.add_argument("--drop-overlap", action="store_true", help="leave overlapping tasks out instead of failing")
-    parser.add_argument("--min-reward", type=float, default=1.0, help="joint envs: keep demonstrations scoring this")
+    parser.add_argument("--min-reward", type=float, default=1.0, help="text environments: keep demonstrations scoring this")
     parser.add_argument("--limit", type=int, default=None, help="at most this many demonstrations")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
             rejected[str(err).split(":")[-1].strip()[:80]] += 1
     if isinstance(env, TextEnv) and kept:
         if any(len(chat) != 2 for _, demo in kept for chat in demo):
-            sys.exit("make_demos: multi-turn demonstrations of a joint environment cannot be scored here yet")
+            sys.exit("make_demos: multi-turn demonstrations of a text environment cannot be scored here yet")
         rewards = scores(env, [t for t, _ in kept], [d for _, d in kept])
         low = sum(r < args.min_reward for r in rewards)
         if low:
