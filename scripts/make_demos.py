@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tasks", required=True, help="task rows to demonstrate (a file or a source the env knows)")
     parser.add_argument("--exclude", nargs="*", default=[], help="task files of RL and evaluation: must not overlap")
     parser.add_argument("--drop-overlap", action="store_true", help="leave overlapping tasks out instead of failing")
-    parser.add_argument("--min-reward", type=float, default=1.0, help="text environments: keep demonstrations scoring this")
+    parser.add_argument("--min-reward", type=float, default=1.0, help="text envs: keep demos scoring this")
     parser.add_argument("--limit", type=int, default=None, help="at most this many demonstrations")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
