@@ -91,6 +91,23 @@ def test_editing_deleting_or_plugging_the_tests_and_writing_outside_earn_nothing
     assert result.info["counts"]["tool_errors"] == 1  # the create through the link: outside the repository
 
 
+@pytest.mark.parametrize(
+    "attack",
+    [
+        "run rm -rf tests && echo x > tests",  # a file where the tests' folder is
+        "create .pytest.ini\n<<<<<<< CONTENT\n[pytest]\naddopts = -p no:python\n>>>>>>> END",
+        'create pytest.toml\n<<<<<<< CONTENT\n[pytest]\naddopts = ["-p", "no:python"]\n>>>>>>> END',
+        'create .pytest.toml\n<<<<<<< CONTENT\n[pytest]\naddopts = ["-p", "no:python"]\n>>>>>>> END',
+    ],
+)
+def test_a_file_in_the_tests_place_or_another_pytest_config_earns_nothing(rows, root, attack):
+    """Probes through the env's own parser: scoring restores the tests and every pytest config name
+    and never crashes; the episode earns the do-nothing baseline, not resolved."""
+    env = SWEEnv(workspace_root=root)
+    result = play(env, rows["textkit"], [attack, "submit"])
+    assert result.info["score"] == pytest.approx(BASELINE["textkit"]) and not result.info["won"]
+
+
 def test_code_that_patches_the_test_run_is_refused_or_scored_zero(rows, root):
     """Direct reaches into the test machinery are refused before running; code that escapes the
     check and kills the run (here: it prints a fake report and exits) gives no report: scored 0,

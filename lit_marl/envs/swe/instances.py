@@ -30,7 +30,17 @@ from lit_marl.envs.swe.bundled import write as write_bundled
 from lit_marl.models import cache_dir
 
 REQUIRED = ("instance_id", "repo", "base_commit", "problem_statement", "FAIL_TO_PASS", "PASS_TO_PASS")
-TEST_CONFIG = {"conftest.py", "pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml", "noxfile.py"}
+TEST_CONFIG = {
+    "conftest.py",
+    "pytest.ini",
+    ".pytest.ini",
+    "pytest.toml",
+    ".pytest.toml",
+    "tox.ini",
+    "setup.cfg",
+    "pyproject.toml",
+    "noxfile.py",
+}
 """Files that configure pytest (plugins, options): test infrastructure, restored before scoring."""
 
 

@@ -142,7 +142,21 @@ def scoring_files(
     if test_patch:
         patched = apply_patch({p: d for p, (d, _) in files.items()}, test_patch, "test_patch")
         files = {p: (d, files[p][1] if p in files else 0o644) for p, d in patched.items()}
+    for path in clashing(files, changes):  # e.g. a file written where the tests' folder is: the tests stay
+        files.pop(path)
+        changes.pop(path)
     return files, changes
+
+
+def clashing(files: dict, changes: dict) -> list[str]:
+    """The agent's changed paths that cannot coexist with the other files of the copy: a file where
+    a folder of other files is, or a file under a path that is a file."""
+    folders = {str(parent) for path in files for parent in Path(path).parents if str(parent) != "."}
+    return [
+        path
+        for path in changes
+        if path in folders or any(str(parent) in files for parent in Path(path).parents if str(parent) != ".")
+    ]
 
 
 def tampering(base: dict[str, tuple[bytes, int]], changes: dict[str, bytes]) -> str:
