@@ -254,3 +254,28 @@ def test_swe_settings_are_checked_by_their_types_and_the_sandbox_limits_configur
         SWEEnv(workspace_root=root, command_limits={"swap_mb": 1})
     with pytest.raises(ConfigError, match=r"sandbox Limits\.memory_mb=0: must be > 0"):
         SWEEnv(workspace_root=root, command_limits={"memory_mb": 0})
+
+
+def test_the_first_observation_keeps_the_tests_and_the_tool_help_whole(rows, root):
+    """A long problem and a tight limit: the file list, then the problem statement are cut (marked);
+    every listed test and the whole tool help stay, within ``max_observation_chars``."""
+    from lit_marl.envs.swe.tools import HELP
+
+    row = dict(rows["textkit"], problem_statement="The slug is wrong. " * 600)
+    listed = row["FAIL_TO_PASS"] + row["PASS_TO_PASS"]
+    for limit in (2000, len(HELP) + sum(len(t) + 2 for t in listed) + 400):
+        env = SWEEnv(workspace_root=root, max_observation_chars=limit)
+        (first,) = env.start(row)
+        assert len(first) <= limit and HELP in first and all(test in first for test in listed)
+        assert "characters cut" in first
+        env.close()
+    limit = len(HELP) + sum(len(t) + 2 for t in listed) + 200
+    env = SWEEnv(workspace_root=root, max_observation_chars=limit)
+    (first,) = env.start(dict(rows["textkit"], problem_statement="Fix the slug."))
+    assert (
+        len(first) <= limit
+        and "more files: `run ls -R` lists them" in first
+        and "Fix the slug." in first
+        and HELP in first
+    )
+    env.close()

@@ -42,6 +42,19 @@ def cut(text: str, limit: int) -> str:
     return f"{text[:head]}\n[... {len(text) - head - tail} characters cut ...]\n{text[-tail:]}"
 
 
+def file_list(names: list[str], limit: int) -> str:
+    """The file names, comma-separated, as many as fit in ``limit`` characters (at most 80), then a
+    marker saying how many more there are."""
+    shown, size = [], 0
+    for name in names[:80]:
+        if size + len(name) + 2 > limit - 40:
+            break
+        shown.append(name)
+        size += len(name) + 2
+    rest = len(names) - len(shown)
+    return ", ".join(shown) + (f" [... and {rest} more files: `run ls -R` lists them]" if rest else "")
+
+
 @register("swe")
 class SWEEnv(Game):
     """Fix a repository (a SWE-Gym instance) with tool calls over many turns; its tests score the changes."""
@@ -118,18 +131,23 @@ class SWEEnv(Game):
         self.ws = Workspace(self.root, self.base)
         self.result, self.steps, self.output = None, 0, 0
         self.counts = dict.fromkeys(("tool_errors", "harness_retries", "agent_crashes", "tampered", "submitted"), 0.0)
+        return [self._first_observation()]
+
+    def _first_observation(self) -> str:
+        """The task, within ``max_observation_chars``: the listed tests (when ``list_tests``) and the
+        tool help always whole; the file list is cut first, then the problem statement, each with a
+        marker. Only when the tests and the help alone pass the limit does the observation pass it."""
         listed = self.row["FAIL_TO_PASS"] + self.row["PASS_TO_PASS"]
-        files = sorted(self.base)
-        shown = ", ".join(files[:80]) + (f" and {len(files) - 80} more" if len(files) > 80 else "")
-        parts = [
-            f"Fix the repository {self.row['repo']} so that its tests pass.",
-            f"Problem:\n{self.row['problem_statement'].strip()}",
-            f"Files: {shown}",
-        ]
-        if self.list_tests:
-            parts.append("Tests that must pass: " + ", ".join(listed))
-        parts += [HELP, f"You have {self.max_steps} tool calls."]
-        return [self._observe("\n\n".join(parts), count=False)]
+        head = f"Fix the repository {self.row['repo']} so that its tests pass."
+        kept = ["Tests that must pass: " + ", ".join(listed)] if self.list_tests else []
+        kept += [HELP, f"You have {self.max_steps} tool calls."]
+        problem = self.row["problem_statement"].strip()
+        room = self.max_observation_chars - sum(len(p) + 2 for p in [head, *kept]) - len("Problem:\n\n\nFiles: ")
+        reserve = min(len(problem), 300) + 40  # the problem's first lines outrank the rest of the file list
+        shown = file_list(sorted(self.base), max(room - len(problem), room - reserve, 0))
+        if len(problem) > room - len(shown):
+            problem = cut(problem, max(room - len(shown) - 40, 30))  # the marker takes up to 40
+        return "\n\n".join([head, f"Problem:\n{problem}", f"Files: {shown}", *kept])
 
     def _observe(self, text: str, count: bool = True) -> str:
         text = cut(text, self.max_observation_chars)
