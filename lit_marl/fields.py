@@ -61,6 +61,11 @@ def check_fields(prefix: str, function, arguments: dict) -> None:
                 raise ConfigError(f"{prefix}.{name}={value!r}: {problem}")
 
 
+def check_dataclass(prefix: str, instance) -> None:
+    """``check_fields`` on every field of a settings dataclass (call it in ``__post_init__``)."""
+    check_fields(prefix, type(instance), {name: getattr(instance, name) for name in instance.__dataclass_fields__})
+
+
 def _violation(hint, value) -> str | None:
     """What is wrong with ``value`` for ``hint``, or None (also for types it does not judge)."""
     origin = typing.get_origin(hint)

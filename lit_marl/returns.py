@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Literal
 
 import torch
@@ -109,6 +110,15 @@ def tree_returns(
             returns[level] = r + discount * bootstrap
         below = returns[level].mean(dim=1)
     return returns
+
+
+def joint_indices(num_agents: int, num_generations: int, joint_mode: JointMode) -> list[tuple[int, ...]]:
+    """Response index of each agent for every joint action of one node."""
+    if joint_mode == "aligned":
+        return [(k,) * num_agents for k in range(num_generations)]
+    if joint_mode == "cross":
+        return list(itertools.product(range(num_generations), repeat=num_agents))
+    raise ValueError(f"joint_mode={joint_mode!r}: choose aligned or cross")
 
 
 def neutral_fill(rewards: torch.Tensor) -> torch.Tensor:

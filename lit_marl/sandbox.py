@@ -31,7 +31,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from lit_marl.fields import PositiveFloat, PositiveInt, check_fields
+from lit_marl.fields import PositiveFloat, PositiveInt, check_dataclass
 
 log = logging.getLogger(__name__)
 _warned_no_bwrap = False
@@ -68,7 +68,7 @@ class Limits:
     stopped (``Result.output_overflow``); the trainer never buffers more than ``output_chars``."""
 
     def __post_init__(self):
-        check_fields("sandbox Limits", Limits, {name: getattr(self, name) for name in self.__dataclass_fields__})
+        check_dataclass("sandbox Limits", self)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from lit_marl.returns import CrossReduce, JointMode, per_response, tree_returns
+from lit_marl.returns import CrossReduce, JointMode, joint_indices, per_response, tree_returns
 
 
 class Samples(Protocol):
@@ -145,13 +145,6 @@ class TreeLevels:
     num_generations: int
     cross_return: CrossReduce
 
-    def combos(self, num_agents: int) -> torch.Tensor:
-        """``[J, agents]``: each agent's response index in joint action j of a node."""
-        G = self.num_generations
-        if self.joint_mode == "aligned":
-            return torch.arange(G).unsqueeze(1).expand(G, num_agents)
-        return torch.cartesian_prod(*[torch.arange(G)] * num_agents).view(-1, num_agents)
-
 
 @dataclass
 class RolloutBatch:
@@ -178,7 +171,8 @@ class RolloutBatch:
                 raise ValueError("RolloutBatch.score: a batch without tree levels must carry its returns")
             return
         levels, num_agents = self.levels, len(self.agents)
-        combos, G = levels.combos(num_agents), levels.num_generations
+        G = levels.num_generations
+        combos = torch.tensor(joint_indices(num_agents, G, levels.joint_mode))  # [J, agents]
         shaped, offset = [], 0
         for rewards in levels.shaped:
             if penalties is not None:

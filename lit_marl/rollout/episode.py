@@ -27,6 +27,7 @@ from lit_marl.agents import Agent, roles_by_model
 from lit_marl.envs.base import Env
 from lit_marl.generation import Engine, left_pad, make_engine
 from lit_marl.metrics import markdown_line
+from lit_marl.returns import neutral_fill
 
 
 @dataclass
@@ -368,9 +369,7 @@ def _env_rewards(episodes: list[_Live], agent: int, T: int, group_size: int) -> 
     out = torch.zeros(len(episodes), T)
     for b, e in enumerate(episodes):
         out[b, : len(e.rewards)] = torch.tensor([r[agent] for r in e.rewards])
-    groups = out.view(-1, group_size, T)
-    fill = torch.nan_to_num(groups.nanmean(dim=1, keepdim=True)).expand_as(groups)
-    return torch.where(torch.isnan(groups), fill, groups).view(len(episodes), T)
+    return neutral_fill(out.view(-1, group_size, T)).view(len(episodes), T)
 
 
 def _rollout_logprobs(replies, width: int, lengths: list[int]) -> torch.Tensor | None:

@@ -9,7 +9,6 @@ node whose prompts the environment's transition builds from that branch's own hi
 
 from __future__ import annotations
 
-import itertools
 import json
 import time
 from dataclasses import dataclass, field
@@ -23,7 +22,7 @@ from lit_marl.envs.processors import RewardProcessor
 from lit_marl.generation import Engine, Generation, make_engine
 from lit_marl.generation.base import stream_seed
 from lit_marl.metrics import markdown_line
-from lit_marl.returns import CrossReduce, JointMode, neutral_fill, step_reward
+from lit_marl.returns import CrossReduce, JointMode, joint_indices, neutral_fill, step_reward
 from lit_marl.rollout.batch import AgentSamples, RolloutBatch, TreeLevels
 
 
@@ -48,15 +47,6 @@ class TreeSettings:
     # None: samples draw from torch's generator; an int: every response its own stream, seeded by it,
     # the task, the tree node, the role and the sample index (``data.sampling_streams: per_task``)
     sampling_seed: int | None = None
-
-
-def joint_indices(num_agents: int, num_generations: int, joint_mode: JointMode) -> list[tuple[int, ...]]:
-    """Response index of each agent for every joint action of one node."""
-    if joint_mode == "aligned":
-        return [(k,) * num_agents for k in range(num_generations)]
-    if joint_mode == "cross":
-        return list(itertools.product(range(num_generations), repeat=num_agents))
-    raise ValueError(f"joint_mode={joint_mode!r}: choose aligned or cross")
 
 
 @dataclass

@@ -16,7 +16,7 @@ import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lit_marl.fields import PositiveFloat, PositiveInt, check_fields
+from lit_marl.fields import PositiveFloat, PositiveInt, check_dataclass
 from lit_marl.sandbox import Limits, run_many
 
 HARNESS = (Path(__file__).parent / "harness.py").read_text()
@@ -86,9 +86,7 @@ class TestLimits:
     the test fails (the program dies) and the next test gets a fresh process."""
 
     def __post_init__(self):
-        check_fields(
-            "data.env.test_limits", TestLimits, {name: getattr(self, name) for name in self.__dataclass_fields__}
-        )
+        check_dataclass("data.env.test_limits", self)
 
     @property
     def wall_s(self) -> float:

@@ -29,7 +29,7 @@ import torch
 
 from lit_marl import ConfigError
 from lit_marl.agents import Agent
-from lit_marl.fields import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, check_fields
+from lit_marl.fields import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, check_dataclass
 from lit_marl.generation import generate
 from lit_marl.tasks import template_fields
 
@@ -137,7 +137,7 @@ class Expert:
     """Re-asks made because a reply was malformed, since construction."""
 
     def __post_init__(self):
-        check_fields("data.env.expert", Expert, {k: getattr(self, k) for k in Expert.__dataclass_fields__})
+        check_dataclass("data.env.expert", self)
         fields_used = template_fields(self.prompt)
         if "format" not in fields_used:
             raise ConfigError(

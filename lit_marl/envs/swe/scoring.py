@@ -28,7 +28,7 @@ from pathlib import Path
 
 from lit_marl.envs.swe.instances import apply_patch, is_test_path
 from lit_marl.envs.swe.workspace import Workspace
-from lit_marl.fields import NonNegativeInt, PositiveFloat, PositiveInt, check_fields
+from lit_marl.fields import NonNegativeInt, PositiveFloat, PositiveInt, check_dataclass
 from lit_marl.sandbox import Limits, Result, run_in
 
 RUNNER = str(Path(__file__).with_name("runner.py"))
@@ -71,7 +71,7 @@ class TestSettings:
     """Characters of pytest's output kept (the end of it)."""
 
     def __post_init__(self):
-        check_fields("data.env_kwargs.tests", TestSettings, {n: getattr(self, n) for n in self.__dataclass_fields__})
+        check_dataclass("data.env_kwargs.tests", self)
 
     def limits(self) -> Limits:
         return Limits(wall_s=self.run_timeout_s, cpu_s=int(self.run_timeout_s) + 1, memory_mb=self.memory_mb,
