@@ -64,7 +64,9 @@ def test_the_expert_gives_a_demonstration_of_tool_calls(rows, root):
     chats = SWEEnv(workspace_root=root).demonstration(rows["shop"])
     replies = [m["content"] for m in chats[0] if m["role"] == "assistant"]
     assert [r.split()[0] for r in replies] == ["replace", "replace", "submit"]
-    assert "Tests that must pass: tests/test_shop.py::test_half_up" in chats[0][0]["content"]
+    first = chats[0][0]["content"]
+    assert "Tests that must keep passing: tests/test_shop.py::test_no_discount" in first and "2 more, hidden" in first
+    assert "test_half_up" not in first  # FAIL_TO_PASS arrives with the test_patch, at scoring
 
 
 def test_editing_deleting_or_plugging_the_tests_and_writing_outside_earn_nothing(rows, root, tmp_path):
@@ -77,7 +79,6 @@ def test_editing_deleting_or_plugging_the_tests_and_writing_outside_earn_nothing
         ">>>>>>> END",
         "create tests/test_slug.py\n<<<<<<< CONTENT\ndef test_collapses_runs():\n    pass\n>>>>>>> END",
         "create pytest.ini\n<<<<<<< CONTENT\n[pytest]\naddopts = -p no:python\n>>>>>>> END",
-        "create pytest.py\n<<<<<<< CONTENT\ndef main(*a, **k):\n    return 0\n>>>>>>> END",
         "run ln -s / escape && echo linked",
         "create escape/tmp/lit_marl_pwned\n<<<<<<< CONTENT\nx\n>>>>>>> END",
         "submit",
@@ -108,16 +109,23 @@ def test_a_file_in_the_tests_place_or_another_pytest_config_earns_nothing(rows, 
     assert result.info["score"] == pytest.approx(BASELINE["textkit"]) and not result.info["won"]
 
 
-def test_code_that_patches_the_test_run_is_refused_or_scored_zero(rows, root):
-    """Direct reaches into the test machinery are refused before running; code that escapes the
-    check and kills the run (here: it prints a fake report and exits) gives no report: scored 0,
-    counted as the agent's crash (the base commit still reports)."""
+def test_code_that_reaches_into_the_test_run_is_tampering_or_its_crash(rows, root):
+    """Code that reads the runner's frames trips the harness (0, counted as tampered; the whole attack
+    suite is test_swe_attacks.py); code that kills the run (here: it prints a fake report and exits)
+    gives no signed report: scored 0, counted as the agent's crash (the base commit still reports);
+    mentioning pytest is no offence."""
     patch = (
         "replace textkit/slug.py\n<<<<<<< SEARCH\ndef slugify(text):\n=======\n{line}\ndef slugify(text):\n"
         ">>>>>>> REPLACE"
     )
-    refused = play(SWEEnv(workspace_root=root), rows["textkit"], [patch.format(line="import _pytest.runner"), "submit"])
+    refused = play(
+        SWEEnv(workspace_root=root), rows["textkit"], [patch.format(line="import sys; sys._getframe(1)"), "submit"]
+    )
     assert refused.info["score"] == 0.0 and refused.info["counts"]["tampered"] == 1
+    harmless = play(
+        SWEEnv(workspace_root=root), rows["textkit"], [patch.format(line="import _pytest.runner"), "submit"]
+    )
+    assert harmless.info["score"] == pytest.approx(BASELINE["textkit"]) and harmless.info["counts"]["tampered"] == 0
     exits = 'print("fake report"); raise SystemExit(0)'
     crashed = play(
         SWEEnv(workspace_root=root, tests={"retries": 0}), rows["textkit"], [patch.format(line=exits), "submit"]
@@ -262,14 +270,15 @@ def test_the_first_observation_keeps_the_tests_and_the_tool_help_whole(rows, roo
     from lit_marl.envs.swe.tools import HELP
 
     row = dict(rows["textkit"], problem_statement="The slug is wrong. " * 600)
-    listed = row["FAIL_TO_PASS"] + row["PASS_TO_PASS"]
-    for limit in (2000, len(HELP) + sum(len(t) + 2 for t in listed) + 400):
+    listed = row["PASS_TO_PASS"]
+    for limit in (2000, len(HELP) + sum(len(t) + 2 for t in listed) + 520):
         env = SWEEnv(workspace_root=root, max_observation_chars=limit)
         (first,) = env.start(row)
         assert len(first) <= limit and HELP in first and all(test in first for test in listed)
+        assert not any(test in first for test in row["FAIL_TO_PASS"]) and "2 more, hidden" in first
         assert "characters cut" in first
         env.close()
-    limit = len(HELP) + sum(len(t) + 2 for t in listed) + 200
+    limit = len(HELP) + sum(len(t) + 2 for t in listed) + 320
     env = SWEEnv(workspace_root=root, max_observation_chars=limit)
     (first,) = env.start(dict(rows["textkit"], problem_statement="Fix the slug."))
     assert (
@@ -279,3 +288,18 @@ def test_the_first_observation_keeps_the_tests_and_the_tool_help_whole(rows, roo
         and HELP in first
     )
     env.close()
+
+
+def test_the_tests_run_under_the_venvs_own_pytest_with_no_autoloaded_plugins(rows, tmp_path):
+    """The runner drops the base interpreter's site-packages: the pytest that runs is the one beside
+    the trainer (its version and folder), and a report is signed: a line with another key is nothing."""
+    from lit_marl.envs.swe.instances import normalize, snapshot
+    from lit_marl.envs.swe.workspace import Workspace
+
+    row = normalize(dict(rows["units"]), "units")
+    ws = Workspace(tmp_path / "ws", snapshot(row, None))
+    report, result = scoring.run_tests(ws, row["PASS_TO_PASS"], [], scoring.TestSettings())
+    ws.remove()
+    assert report is not None and set(report.outcomes.values()) == {"passed"} and not report.tampered
+    assert report.notes[0] == f"pytest {pytest.__version__} {os.path.dirname(pytest.__file__)}"
+    assert scoring.signed_report(result.stdout, b"another key") is None

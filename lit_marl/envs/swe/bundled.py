@@ -3,13 +3,17 @@ failing and passing tests and the known fix, written as git repositories by ``wr
 authors and dates, so every machine gets the same commits) and listed in SWE-Gym's schema.
 
 Two need more than one hunk (``intervals``: two in one file; ``shop``: two files). ``train`` holds
-four repositories, ``test`` the other two (held out).
+four repositories, ``test`` the other two (held out). As in SWE-Gym, the FAIL_TO_PASS tests are not
+in the repository: they arrive with the instance's ``test_patch`` when the changes are scored, so an
+episode sees only the problem statement and the PASS_TO_PASS tests.
 """
 
 from __future__ import annotations
 
+import ast
 import difflib
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -283,26 +287,57 @@ def unified_diff(before: dict[str, str], after: dict[str, str]) -> str:
     return "".join(out)
 
 
+def drop_tests(text: str, names: set[str]) -> str:
+    """``text`` (a test module) without its top-level test functions named in ``names`` (decorators
+    and the blank lines after each included)."""
+    lines = text.splitlines(keepends=True)
+    doomed: set[int] = set()
+    for node in ast.parse(text).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in names:
+            start = min([node.lineno, *(d.lineno for d in node.decorator_list)]) - 1
+            end = node.end_lineno
+            while end < len(lines) and not lines[end].strip():
+                end += 1
+            doomed.update(range(start, end))
+    kept = "".join(line for i, line in enumerate(lines) if i not in doomed)
+    return kept.rstrip("\n") + "\n"
+
+
+def split_tests(spec: dict) -> tuple[dict[str, str], str]:
+    """The repository's files without the FAIL_TO_PASS tests, and the ``test_patch`` adding them."""
+    hidden: dict[str, set[str]] = {}
+    for test in spec["fail"]:
+        path, name = test.split("::", 1)
+        hidden.setdefault(path, set()).add(name)
+    files = {path: drop_tests(text, hidden[path]) if path in hidden else text for path, text in spec["files"].items()}
+    return files, unified_diff({p: files[p] for p in hidden}, {p: spec["files"][p] for p in hidden})
+
+
 def _git(repo: Path, *args: str) -> str:
     env = {**os.environ, **_GIT_ENV}
     return subprocess.run(["git", "-C", str(repo), *args], env=env, check=True, capture_output=True, text=True).stdout
 
 
 def write_repo(name: str, folder: Path) -> str:
-    """``folder`` as a git repository holding repository ``name``'s buggy version; its commit."""
-    spec = REPOS[name]
+    """``folder`` as a git repository holding repository ``name``'s buggy version; its commit. A folder
+    written from other files (an older version of this module, a write killed half-way) is rewritten."""
+    files = split_tests(REPOS[name])[0]
+    digest = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:12]
+    subject = f"{name}: the version with the bug ({digest})"
     if (folder / ".git").is_dir():
         try:
-            return _git(folder, "rev-parse", "HEAD").strip()
-        except subprocess.CalledProcessError:  # a write that was killed half-way: start again
-            shutil.rmtree(folder)
+            if _git(folder, "log", "-1", "--format=%s").strip() == subject:
+                return _git(folder, "rev-parse", "HEAD").strip()
+        except subprocess.CalledProcessError:
+            pass
+        shutil.rmtree(folder)
     folder.mkdir(parents=True, exist_ok=True)
     _git(folder, "init", "-q", "-b", "main")
-    for path, text in spec["files"].items():
+    for path, text in files.items():
         (folder / path).parent.mkdir(parents=True, exist_ok=True)
         (folder / path).write_text(text)
     _git(folder, "add", "-A")
-    _git(folder, "commit", "-q", "-m", f"{name}: the version with the bug")
+    _git(folder, "commit", "-q", "-m", subject)
     return _git(folder, "rev-parse", "HEAD").strip()
 
 
@@ -318,7 +353,7 @@ def instance(name: str, folder: Path, commit: str) -> dict:
         "FAIL_TO_PASS": spec["fail"],
         "PASS_TO_PASS": spec["pass"],
         "patch": unified_diff(before, spec["fixed"]),
-        "test_patch": "",
+        "test_patch": split_tests(spec)[1],
         "test_cmd": "pytest",
         "task_type": next(split for split, names in SPLITS.items() if name in names),  # evaluation: won/<split>
     }

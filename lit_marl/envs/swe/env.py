@@ -91,7 +91,8 @@ class SWEEnv(Game):
                 (scored).
             command_timeout_s: Wall seconds of one ``run`` command.
             workspace_mb: Size of the workspace past which a ``run`` ends the episode (scored).
-            list_tests: Name FAIL_TO_PASS and PASS_TO_PASS in the first observation.
+            list_tests: Name the PASS_TO_PASS tests, and how many FAIL_TO_PASS tests are hidden, in
+                the first observation.
             workspace_root: Where workspaces are made (default ``$TMPDIR/lit_marl_swe``).
             tests: How tests run (``scoring.TestSettings``: seconds per test and per run, memory,
                 processes, file and disk sizes, retries of a run that gives no report).
@@ -137,9 +138,10 @@ class SWEEnv(Game):
         """The task, within ``max_observation_chars``: the listed tests (when ``list_tests``) and the
         tool help always whole; the file list is cut first, then the problem statement, each with a
         marker. Only when the tests and the help alone pass the limit does the observation pass it."""
-        listed = self.row["FAIL_TO_PASS"] + self.row["PASS_TO_PASS"]
+        visible, hidden = self.row["PASS_TO_PASS"], len(self.row["FAIL_TO_PASS"])
         head = f"Fix the repository {self.row['repo']} so that its tests pass."
-        kept = ["Tests that must pass: " + ", ".join(listed)] if self.list_tests else []
+        kept = [f"Tests that must keep passing: {', '.join(visible) or 'none'}. {hidden} more, hidden until your "
+                "changes are scored, check the fix the problem describes."] if self.list_tests else []  # fmt: skip
         kept += [HELP, f"You have {self.max_steps} tool calls."]
         problem = self.row["problem_statement"].strip()
         room = self.max_observation_chars - sum(len(p) + 2 for p in [head, *kept]) - len("Problem:\n\n\nFiles: ")
@@ -198,13 +200,17 @@ class SWEEnv(Game):
                 "timed out" if result.timed_out else "output limit" if result.output_overflow else result.returncode
             )
             return f"$ {call.rest}\n{result.stdout}{result.stderr}[exit {status}]"
-        # test: the listed tests on the workspace as it is (the agent's own view; scoring uses a fresh copy)
-        listed = list(dict.fromkeys(self.row["FAIL_TO_PASS"] + self.row["PASS_TO_PASS"]))
-        report, result = run_tests(self.ws, listed, self.row["test_args"], self.tests)
+        # test: the visible listed tests (PASS_TO_PASS) on the workspace as it is; scoring uses a fresh copy
+        listed = list(dict.fromkeys(self.row["PASS_TO_PASS"]))
+        if not listed:
+            return "no visible tests: write your own and run them (run python -m pytest FILE)"
+        changed = [path for path, data in self.ws.files().items() if self.base.get(path, (None,))[0] != data]
+        report, result = run_tests(self.ws, listed, self.row["test_args"], self.tests, changed)
         if report is None:
             return f"the tests gave no report (timed out: {result.timed_out}):\n{result.stderr[-800:]}"
         lines = [f"{report.outcomes.get(test, 'missing'):8s} {test}" for test in listed]
-        return "\n".join(lines) + "\n\n" + report.log[-self.max_observation_chars // 2 :]
+        refused = f"refused by the harness: {'; '.join(report.tampered)}\n" if report.tampered else ""
+        return refused + "\n".join(lines) + "\n\n" + report.log[-self.max_observation_chars // 2 :]
 
     def _end(self, why: str, terminated: bool, last: str = "") -> StepResult:
         self._score()

@@ -1,15 +1,34 @@
 """Runs listed pytest tests and reports each one's outcome (this file runs INSIDE the sandbox).
 
 Usage: ``python -I -B runner.py <pytest's site folder> <workspace> <report chars> <seconds per test>
-[pytest args...]``,
-the test ids (pytest node ids) one per line on stdin after a first line holding a nonce. Before any
-code of the workspace is imported, the real stdout is kept and file descriptors 1 and 2 point to a
-log file, so whatever the tests or the code print never reaches the report; the report is one line
-on the kept stdout, ``<nonce> <json>``: ``{"outcomes": {test id: "passed" | "failed" | ...},
-"exit": pytest's exit code, "log": the log's tail}``. Only the listed tests run (the others are
-deselected); a listed test that pytest does not collect is absent from the outcomes; a test that
-runs longer than its seconds fails (SIGALRM). pytest and its plugins are imported before the
-workspace joins ``sys.path``, so no file of the workspace can stand in for them.
+[pytest args...]``; stdin holds a first line with a key (hex) and a second with JSON
+``{"tests": [node ids], "changed": [workspace paths the agent wrote]}``.
+
+The code under test runs in this process, so nothing it can reach decides the score:
+
+- **The verdict is kept where Python objects cannot reach it.** An audit hook (``sys.addaudithook``:
+  it cannot be removed for the life of the process) holds the key, the outcomes and the report's
+  descriptor in its closure, which no object refers to (the garbage collector's and the frames'
+  routes to it are the hook's own tripwires). Each test's outcome is what the runner's own
+  ``pytest_runtest_call`` wrapper sees the test function do (return, or raise), handed to the hook
+  by that wrapper's code only (the hook checks the calling code object, that no untrusted code is on
+  the stack, and that each test is reported once). At the end the hook writes one line,
+  ``<hmac> <json>``, signed with the key: anything else on the descriptor counts for nothing.
+- **Tripwires.** Untrusted code (the files the agent changed or added, anything compiled at run
+  time, any file outside the standard library, the venv's site-packages and the unchanged
+  repository) that reads frames (``sys._getframe``, ``inspect.stack``, ``traceback.walk_*``,
+  ``tb_frame``, ``gi_frame``, ...), walks the garbage collector, traces, builds code or function
+  objects, loads ``ctypes``, starts processes, sends signals, installs signal handlers or audit
+  hooks, opens the test files or ``/proc``, swaps a function's code, or reads the code of a test
+  function, is refused (the call raises) and the run is *tampered*: every listed test fails.
+- **Integrity.** pytest's, pluggy's and unittest's module and class attributes, pytest's plugins and
+  hook implementations, and the signal handlers are compared with a snapshot taken before any code
+  of the workspace ran, at the end of every test; every module loaded before the workspace joined
+  ``sys.path`` (the standard library included) at the end of the run. A value returned from
+  untrusted code into a test that equals a fresh ``object()`` (an always-equal object) is tampering.
+- File descriptors 1 and 2 go to a log before anything runs; pytest's entry-point plugins are not
+  autoloaded; the base interpreter's own site-packages are dropped from ``sys.path`` (the venv's
+  pytest runs); a test that runs longer than its seconds fails (SIGALRM).
 """
 
 import json
@@ -18,13 +37,25 @@ import signal
 import sys
 
 
+def _load_harness():
+    """``harness.py`` beside this file (``-I`` keeps the script's folder off ``sys.path``)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("harness", os.path.join(os.path.dirname(__file__), "harness.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["harness"] = module
+    spec.loader.exec_module(module)
+    return module.Harness
+
+
+Harness = _load_harness()
+
+
 def main():
     site, workspace, keep, seconds = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
-    lines = sys.stdin.read().splitlines()
-    nonce, wanted = lines[0], [line for line in lines[1:] if line.strip()]
-    report, errors = os.fdopen(os.dup(1), "w"), os.fdopen(os.dup(2), "w")
+    errors = os.fdopen(os.dup(2), "w")
     try:
-        run(nonce, wanted, site, workspace, keep, seconds, report)
+        run(*read_input(), site, workspace, keep, seconds)
     except BaseException:  # the harness's own failure, before any report: its traceback on stderr
         import traceback
 
@@ -33,60 +64,151 @@ def main():
         os._exit(3)
 
 
-def run(nonce, wanted, site, workspace, keep, seconds, report):
+def read_input() -> tuple[bytes, dict]:
+    """The key and the spec, read from descriptor 0 to its end (nothing stays in a buffer), which is
+    then closed."""
+    chunks = []
+    while True:
+        chunk = os.read(0, 1 << 16)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(0)
+    head, _, rest = b"".join(chunks).partition(b"\n")
+    return bytes.fromhex(head.decode()), json.loads(rest)
+
+
+def prepare(site: str) -> None:
+    """sys.path: the standard library, then the venv's site-packages (never the base interpreter's);
+    pytest and everything the verdict depends on imported before any code of the workspace."""
+    sys.path[:] = [p for p in sys.path if "-packages" not in p]
+    sys.path.insert(0, site)
+    os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    os.environ.pop("PYTEST_ADDOPTS", None)
+    os.environ.pop("PYTEST_PLUGINS", None)
+    import inspect  # noqa: F401
+    import logging  # noqa: F401
+    import traceback  # noqa: F401
+    import unittest  # noqa: F401
+    import unittest.mock  # noqa: F401
+
+    import _pytest.main  # noqa: F401
+    import _pytest.python  # noqa: F401
+    import _pytest.reports  # noqa: F401
+    import _pytest.runner  # noqa: F401
+    import pytest  # noqa: F401
+
+
+def run(key: bytes, spec: dict, site: str, workspace: str, keep: int, seconds: float) -> None:
+    report = os.dup(1)
     log_path = os.path.join("/tmp", f"lit_marl_pytest-{os.getpid()}.log")
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.dup2(log, 1)
     os.dup2(log, 2)
-    sys.path.append(site)
-    import _pytest.main  # noqa: F401
-    import _pytest.reports  # noqa: F401
-    import _pytest.runner  # noqa: F401
+    prepare(site)
     import pytest
 
+    wanted = list(spec["tests"])
+    plugin = make_plugin(wanted, seconds)
+    workspace = os.path.realpath(workspace)
+    base = {os.path.join(workspace, p) for p in _walk(workspace)} - {
+        os.path.join(workspace, p) for p in spec["changed"]
+    }
+    install(key, report, plugin, workspace, frozenset(base), [os.path.realpath(site)], spec)
+    del key, spec
+    sys.audit("lit_marl.note", f"pytest {pytest.__version__} {os.path.dirname(pytest.__file__)}")
     sys.path.insert(0, workspace)
     os.chdir(workspace)
-
-    def too_long(signum, frame):
-        raise TimeoutError(f"the test ran longer than {seconds:g} s")
-
-    outcomes = {}
-
-    class Record:
-        @pytest.hookimpl(tryfirst=True)
-        def pytest_collection_modifyitems(self, session, config, items):
-            keep_items = [item for item in items if item.nodeid in set(wanted)]
-            config.hook.pytest_deselected(items=[item for item in items if item.nodeid not in set(wanted)])
-            items[:] = keep_items
-
-        @pytest.hookimpl(wrapper=True)
-        def pytest_runtest_call(self, item):
-            signal.signal(signal.SIGALRM, too_long)
-            signal.setitimer(signal.ITIMER_REAL, seconds)
-            try:
-                return (yield)
-            finally:
-                signal.setitimer(signal.ITIMER_REAL, 0)
-
-        def pytest_runtest_logreport(self, report):
-            if report.when == "call" or report.outcome != "passed":
-                previous = outcomes.get(report.nodeid, "passed")
-                outcomes[report.nodeid] = report.outcome if previous == "passed" else previous
-
     files = sorted({test.split("::", 1)[0] for test in wanted})
     args = ["-q", "-p", "no:cacheprovider", "-o", "addopts=", "--rootdir", workspace, *sys.argv[5:], *files]
     try:
-        code = int(pytest.main(args, plugins=[Record()]))
+        code = int(pytest.main(args, plugins=[plugin]))
     except BaseException as err:  # a test that exits the process
         code = -1
-        outcomes.setdefault("<runner>", f"{type(err).__name__}")
+        sys.audit("lit_marl.note", f"pytest raised {type(err).__name__}")
     sys.stdout.flush()
     sys.stderr.flush()
     with open(log_path, errors="replace") as handle:
         text = handle.read()
-    report.write(nonce + " " + json.dumps({"outcomes": outcomes, "exit": code, "log": text[-keep:]}) + "\n")
-    report.flush()
+    sys.audit("lit_marl.finish", code, text[-keep:])
     os._exit(0)  # no atexit handler of the tests' code runs after the report
+
+
+def _walk(root: str) -> list[str]:
+    out = []
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d != ".git"]
+        out += [os.path.relpath(os.path.join(folder, name), root) for name in names]
+    return out
+
+
+def make_plugin(wanted: list[str], seconds: float):
+    """The runner's pytest plugin: keeps the listed tests, times each one, and hands each test's own
+    outcome (what the test function did: return, or raise) to the audit hook."""
+    import pytest
+
+    wanted = set(wanted)
+
+    def too_long(signum, frame):
+        raise TimeoutError(f"the test ran longer than {seconds:g} s")
+
+    class Record:
+        def pytest_collection_modifyitems(self, session, config, items):
+            keep_items = [item for item in items if item.nodeid in wanted]
+            config.hook.pytest_deselected(items=[item for item in items if item.nodeid not in wanted])
+            items[:] = keep_items
+
+        def pytest_collection_finish(self, session):
+            sys.audit("lit_marl.collected", session)
+
+        @pytest.hookimpl(wrapper=True, tryfirst=True)
+        def pytest_runtest_call(self, item):
+            sys.audit("lit_marl.enter", item)
+            signal.signal(signal.SIGALRM, too_long)
+            signal.setitimer(signal.ITIMER_REAL, seconds)
+            raised = True
+            try:
+                yield
+                raised = False
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, signal.SIG_DFL)
+                sys.audit("lit_marl.outcome", item, "failed" if raised else "passed")
+
+        @pytest.hookimpl(wrapper=True)
+        def pytest_runtest_teardown(self, item):
+            yield
+            sys.audit("lit_marl.check", item)
+
+    return Record()
+
+
+def install(key, report_fd, plugin, workspace, base, roots, spec) -> None:
+    """The audit hook (see the module's docstring): a bound method of a Harness no object refers to."""
+    import _signal
+
+    real_signal = _signal.signal
+
+    def guarded_signal(signalnum, handler):  # holds nothing but the real function
+        sys.audit("lit_marl.signal")
+        return real_signal(signalnum, handler)
+
+    _signal.signal = guarded_signal  # signal.signal calls it too
+    record = type(plugin)
+    codes = {
+        "outcome": record.pytest_runtest_call.__code__, "enter": record.pytest_runtest_call.__code__,
+        "check": record.pytest_runtest_teardown.__code__, "collected": record.pytest_collection_finish.__code__,
+        "finish": run.__code__, "note": run.__code__, "returned": watch.__code__,
+    }  # fmt: skip
+    harness = Harness(key, report_fd, codes, watch, workspace, base, roots, spec)
+    sys.addaudithook(harness.hook)
+
+
+def watch(frame, event, value):
+    """The profiler during a test (it holds nothing): a value returned into test code, by code that is
+    not the test's, that claims to equal a fresh object is an always-equal forgery."""
+    if event == "return" and frame.f_back is not None:
+        sys.audit("lit_marl.returned", frame.f_code.co_filename, frame.f_back.f_code.co_filename, value)
 
 
 if __name__ == "__main__":

@@ -2,12 +2,17 @@
 
 The copy is the base commit, plus the agent's changes to files that are not tests (``is_test_path``:
 test files and pytest's configuration come from the base commit; test files the agent added are
-left out), plus the instance's ``test_patch``. Only FAIL_TO_PASS and PASS_TO_PASS run (``runner.py``,
-each test under its own time limit); a listed test that does not pass, or is not collected, counts
-as failed. Added lines of non-test files that reach for the test machinery or the interpreter's
-internals (``TAMPER``) are refused before anything runs: the tests and the code under test share
-one process, so such code could rewrite the report (a heuristic layer on top of the restoring,
-documented in docs/swe.md).
+left out), plus the instance's ``test_patch`` (where SWE-Gym's instances keep the FAIL_TO_PASS
+tests). Files that change what gets imported without being source are never carried into the copy
+(``carried``: bytecode, ``__pycache__``, packaging metadata, ``.pth`` files, native extensions), and
+a new module that shadows an existing one (a package beside a module of the same name, a top-level
+module named like the standard library's or an installed one) is refused as tampering before
+anything runs (``shadowing``).
+
+Only FAIL_TO_PASS and PASS_TO_PASS run, under ``runner.py`` (read its docstring: the verdict is kept
+in an audit hook the code under test cannot reach, the report is signed with a per-run key, and the
+routes by which code could reach the test machinery are tripwires); a listed test that does not pass,
+or is not collected, counts as failed; a run with tampering scores every listed test failed.
 
 A run that gives no report is retried (``retries``). When every try fails, the base commit is run
 once: if it reports, the agent's code broke the run (scored, counted as ``agent_crashes``); if it
@@ -16,10 +21,11 @@ does not, the harness itself is broken and ``HarnessError`` stops the run (never
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import importlib.util
 import json
 import os
-import re
 import secrets
 import sys
 import threading
@@ -32,15 +38,17 @@ from lit_marl.fields import NonNegativeInt, PositiveFloat, PositiveInt, check_da
 from lit_marl.sandbox import Limits, Result, run_in
 
 RUNNER = str(Path(__file__).with_name("runner.py"))
+HARNESS = str(Path(__file__).with_name("harness.py"))
 _PYTEST = importlib.util.find_spec("pytest")  # found, not imported: the trainer never runs it
 SITE = str(Path(_PYTEST.origin).resolve().parent.parent) if _PYTEST else ""
 """The folder holding pytest (the trainer's site-packages), visible read-only in the sandbox."""
-TAMPER = re.compile(
-    r"\b(_?pytest|pluggy|unittest|conftest|sys\s*\.\s*(modules|exit|_getframe)"
-    r"|os\s*\.\s*(_exit|kill|dup2?|fork)|atexit|builtins|__builtins__|__import__|importlib|settrace|setprofile"
-    r"|f_back|f_globals|f_locals|gc\s*\.|signal|ctypes|faulthandler|inspect|exec|eval)\b"
-)
-"""What added lines of non-test code may not mention (they could reach into the test run)."""
+SKIPPED_SUFFIXES = (".pyc", ".pyo", ".pth", ".so", ".pyd", ".dylib", ".egg-link")
+SKIPPED_FOLDERS = ("__pycache__",)
+SKIPPED_FOLDER_SUFFIXES = (".dist-info", ".egg-info")
+INSTALLED = frozenset(
+    name.split(".")[0].split("-")[0] for name in (os.listdir(SITE) if SITE else []) if not name.startswith(("_", "."))
+) | frozenset(sys.stdlib_module_names)
+"""Top-level module names a workspace file may not take (the standard library's, the installed ones')."""
 
 
 class HarnessError(RuntimeError):
@@ -84,6 +92,9 @@ class Report:
     outcomes: dict[str, str]
     exit: int
     log: str
+    tampered: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    """What the runner noted (the pytest that ran, with its folder; how a run ended early)."""
 
 
 @dataclass
@@ -91,7 +102,8 @@ class Score:
     outcomes: dict[str, str] = field(default_factory=dict)
     """Each listed test: ``passed``, ``failed``, ``skipped``, ``missing`` (not collected)."""
     tampered: str = ""
-    """Why the changes were refused without running (empty: they were not)."""
+    """Why the run counts as tampered (empty: it does not): a shadowing module refused before running,
+    or the first tripwire the run hit."""
     retries: int = 0
     agent_crash: bool = False
     log: str = ""
@@ -109,21 +121,62 @@ class Score:
         return bool(self.outcomes) and self.passed == len(self.outcomes)
 
 
-def run_tests(ws: Workspace, tests: list[str], args: list[str], settings: TestSettings) -> tuple[Report | None, Result]:
-    """Run ``tests`` in the workspace (sandboxed); the report, or None when none came back."""
-    nonce = secrets.token_hex(16)
+def run_tests(
+    ws: Workspace, tests: list[str], args: list[str], settings: TestSettings, changed: list[str] = ()
+) -> tuple[Report | None, Result]:
+    """Run ``tests`` in the workspace (sandboxed), ``changed`` naming the files the agent wrote (the
+    untrusted code); the report, or None when no report signed with this run's key came back."""
+    key = secrets.token_bytes(32)
     interpreter = os.path.realpath(sys.executable)
     argv = [interpreter, "-I", "-B", RUNNER, SITE, str(ws.path.resolve()), str(settings.log_chars),
             str(settings.test_timeout_s), *args]  # fmt: skip
-    result = run_in(argv, str(ws.path), settings.limits(), read_only=(RUNNER, SITE), stdin="\n".join([nonce, *tests]))
-    for line in reversed(result.stdout.splitlines()):
-        if line.startswith(nonce + " "):
-            try:
-                data = json.loads(line[len(nonce) + 1 :])
-                return Report(dict(data["outcomes"]), int(data["exit"]), str(data["log"])), result
-            except (ValueError, KeyError, TypeError):
-                break
-    return None, result
+    stdin = key.hex() + "\n" + json.dumps({"tests": list(tests), "changed": sorted(changed)})
+    result = run_in(argv, str(ws.path), settings.limits(), read_only=(RUNNER, HARNESS, SITE), stdin=stdin)
+    return signed_report(result.stdout, key), result
+
+
+def signed_report(stdout: str, key: bytes) -> Report | None:
+    """The one line of ``stdout`` signed with ``key`` as a Report (None: none, or more than one)."""
+    found = []
+    for line in stdout.splitlines():
+        mac, _, body = line.partition(" ")
+        if len(mac) == 64 and hmac.compare_digest(mac, hmac.new(key, body.encode(), hashlib.sha256).hexdigest()):
+            found.append(body)
+    if len(found) != 1:
+        return None
+    try:
+        data = json.loads(found[0])
+        return Report(
+            dict(data["outcomes"]), int(data["exit"]), str(data["log"]), list(data["tampered"]), list(data["notes"])
+        )
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def carried(path: str) -> bool:
+    """Whether an agent's file goes into the scoring copy: never bytecode, packaging metadata, path
+    files or native extensions (they change what gets imported without being source)."""
+    parts = Path(path).parts
+    return not (
+        path.endswith(SKIPPED_SUFFIXES)
+        or any(p in SKIPPED_FOLDERS or p.endswith(SKIPPED_FOLDER_SUFFIXES) for p in parts[:-1])
+    )
+
+
+def shadowing(base: dict, changes: dict[str, bytes]) -> str:
+    """The first new module of ``changes`` that shadows an existing one (empty: none): a package
+    ``a/b/__init__.py`` beside a module ``a/b.py``, or a top-level module named like one of the
+    standard library or of the installed packages."""
+    for path in sorted(changes):
+        if path in base or not path.endswith(".py"):
+            continue
+        parts = Path(path).parts
+        if parts[-1] == "__init__.py" and str(Path(*parts[:-1])) + ".py" in base:
+            return f"{path}: a package that shadows the module {str(Path(*parts[:-1]))}.py"
+        top = parts[0][:-3] if len(parts) == 1 else parts[0] if parts[-1] == "__init__.py" and len(parts) == 2 else ""
+        if top in INSTALLED and not any(p.split("/")[0] in (top, top + ".py") for p in base):
+            return f"{path}: a module that shadows the installed module {top!r}"
+    return ""
 
 
 def scoring_files(
@@ -133,10 +186,10 @@ def scoring_files(
     changes = {
         path: data
         for path, data in current.items()
-        if not is_test_path(path, tests) and (path not in base or base[path][0] != data)
+        if not is_test_path(path, tests) and carried(path) and (path not in base or base[path][0] != data)
     }
     deleted = {path for path in base if path not in current and not is_test_path(path, tests)}
-    files = {path: value for path, value in base.items() if path not in deleted}
+    files = {path: value for path, value in base.items() if path not in deleted and carried(path)}
     for path, data in changes.items():
         files[path] = (data, base[path][1] if path in base else 0o644)
     if test_patch:
@@ -159,26 +212,16 @@ def clashing(files: dict, changes: dict) -> list[str]:
     ]
 
 
-def tampering(base: dict[str, tuple[bytes, int]], changes: dict[str, bytes]) -> str:
-    """The first added line of a non-test file that mentions the test machinery (empty: none)."""
-    for path in sorted(changes):
-        before = set(base[path][0].decode(errors="replace").splitlines()) if path in base else set()
-        for line in changes[path].decode(errors="replace").splitlines():
-            if line not in before and TAMPER.search(line):
-                return f"{path}: {line.strip()[:120]}"
-    return ""
-
-
 _baseline: dict[str, bool] = {}
 _baseline_lock = threading.Lock()
 
 
-def _reports(files, root: Path, tests, args, settings: TestSettings) -> tuple[Report | None, int, Result]:
+def _reports(files, root: Path, tests, args, settings: TestSettings, changed=()) -> tuple[Report | None, int, Result]:
     """Up to 1 + retries runs on a fresh copy of ``files``; the report (None: none came), retries used."""
     ws = Workspace(root, files)
     try:
         for attempt in range(settings.retries + 1):
-            report, result = run_tests(ws, tests, args, settings)
+            report, result = run_tests(ws, tests, args, settings, list(changed))
             if report is not None:
                 return report, attempt, result
         return None, settings.retries, result
@@ -190,10 +233,10 @@ def score(row: dict, base, current: dict[str, bytes], root: Path, settings: Test
     """Score the workspace files ``current`` of instance ``row`` whose base files are ``base``."""
     tests = list(dict.fromkeys(row["FAIL_TO_PASS"] + row["PASS_TO_PASS"]))
     files, changes = scoring_files(base, current, tests, row["test_patch"])
-    reason = tampering(base, changes)
+    reason = shadowing(base, changes)
     if reason:
         return Score({test: "failed" for test in tests}, tampered=reason)
-    report, retries, result = _reports(files, root, tests, row["test_args"], settings)
+    report, retries, result = _reports(files, root, tests, row["test_args"], settings, changes)
     if report is None:
         key = f"{row['instance_id']}@{row['base_commit']}"
         with _baseline_lock:
@@ -208,5 +251,7 @@ def score(row: dict, base, current: dict[str, bytes], root: Path, settings: Test
                 "(run its tests by hand) or raise data.env_kwargs.tests.run_timeout_s"
             )
         return Score({test: "failed" for test in tests}, retries=retries, agent_crash=True, log=result.stderr[-500:])
+    if report.tampered:
+        return Score({test: "failed" for test in tests}, tampered="; ".join(report.tampered)[:500], log=report.log)
     outcomes = {test: report.outcomes.get(test, "missing") for test in tests}
     return Score(outcomes, retries=retries, log=report.log)

@@ -23,7 +23,7 @@ the new lines
 insert FILE LINE          insert the lines of a <<<<<<< INSERT ... >>>>>>> END block after line LINE (0: at the top)
 create FILE               a new file with the lines of a <<<<<<< CONTENT ... >>>>>>> END block
 run COMMAND               run a shell command in the repository
-test                      run the tests that must pass
+test                      run the visible tests that must keep passing
 submit                    finish: your changes are scored by the tests"""
 
 VIEW_LINES = 60

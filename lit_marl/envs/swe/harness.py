@@ -1,0 +1,360 @@
+"""The test harness's verdict (imported by ``runner.py``, INSIDE the sandbox; read runner.py's
+docstring for the design): an audit hook that keeps the outcomes, the tampering and the key where no
+Python object refers to them, the tripwires, and the integrity checks."""
+
+import json
+import linecache
+import os
+import signal
+import sys
+import threading
+import types
+
+FRAME_APIS = {
+    ("inspect", "currentframe"), ("inspect", "stack"), ("inspect", "trace"), ("inspect", "getouterframes"),
+    ("inspect", "getinnerframes"), ("inspect", "getframeinfo"), ("traceback", "walk_stack"),
+    ("traceback", "walk_tb"), ("traceback", "extract_stack"), ("traceback", "format_stack"),
+    ("traceback", "print_stack"), ("traceback", "extract"), ("logging", "currentframe"),
+}  # fmt: skip
+"""Standard-library functions that hand frames (or the source lines of the callers) to their caller."""
+FRAME_ATTRS = {"tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_code"}
+CODE_ATTRS = {"__code__", "__defaults__", "__kwdefaults__", "gi_code", "cr_code", "ag_code"}
+ANYWHERE = {
+    "sys._current_frames", "sys.settrace", "sys.setprofile", "sys.addaudithook", "gc.get_objects",
+    "gc.get_referrers", "gc.get_referents", "function.__new__", "code.__new__", "marshal.loads", "marshal.load",
+    "os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "subprocess.Popen", "os.kill",
+    "os.killpg", "cpython.run_command", "cpython.run_file",
+}  # fmt: skip
+"""Events that are tampering whenever untrusted code is on the stack."""
+MACHINERY = ("pytest", "_pytest", "pluggy", "unittest", "runner", "harness", "__main__", "_signal", "signal")
+GUARDED_MODULES = {"_signal", "signal", "_ctypes", "ctypes", "gc", "_testcapi", "_testinternalcapi"}
+"""Modules whose fresh import (after a ``del sys.modules[...]``) would hand out unguarded functions."""
+
+
+class Harness:
+    """The verdict: outcomes, tampering, the key and the report's descriptor; reached only through the
+    audit hook. Everything it calls later is captured now (C functions, snapshots)."""
+
+    def __init__(self, key, report_fd, codes, profiler, workspace, base, roots, spec):
+        import _hashlib
+        import _signal
+
+        import _pytest.python
+
+        self.key, self.report_fd, self.workspace, self.base = key, report_fd, workspace, base
+        self.getframe, self.get_ident, self.hmac_digest = sys._getframe, threading.get_ident, _hashlib.hmac_digest
+        self.write, self.getsignal, self.dumps, self.setprofile = (
+            os.write,
+            _signal.getsignal,
+            json.dumps,
+            sys.setprofile,
+        )
+        self.clear_lines, self.Function = linecache.clearcache, _pytest.python.Function
+        self.trusted_roots = tuple(root.rstrip("/") + "/" for root in [os.path.dirname(os.__file__), *roots])
+        self.runner_file = os.path.realpath(codes["finish"].co_filename)
+        self.own_files = (self.runner_file, os.path.realpath(__file__))
+        self.test_files = frozenset(os.path.join(workspace, t.split("::", 1)[0]) for t in spec["tests"]) | frozenset(
+            f for f in base if "/tests/" in f or "/test/" in f or os.path.basename(f).startswith(("test_", "conftest"))
+        )
+        self.stat = os.stat
+        self.guarded = {(f.st_dev, f.st_ino) for f in map(_stat, [*self.test_files, self.runner_file]) if f}
+        self.proc_dev = os.stat("/proc/self").st_dev
+        self.codes, self.profiler = codes, profiler
+        self.busy, self.cache, self.tampered, self.outcomes, self.notes, self.accepted = set(), {}, [], {}, [], {}
+        self.handlers, self.items, self.state = {}, {}, {"inside": False}
+        self.signals = [s for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP)]
+        self.snapshot = _snapshot(sys.modules)
+        self.machinery = [name for name in self.snapshot[0] if name.split(".")[0] in MACHINERY]
+
+    # ------------------------------------------------------------------ who is calling
+    def untrusted(self, filename) -> bool:
+        value = self.cache.get(filename) if type(filename) is str else True
+        if value is None:
+            if filename.startswith("<frozen "):
+                value = False
+            elif filename.startswith("<") or "/../" in filename or "/./" in filename or "//" in filename:
+                value = True
+            elif filename.startswith(self.workspace + "/"):
+                value = filename not in self.base
+            else:
+                value = filename not in self.own_files and not filename.startswith(self.trusted_roots)
+            self.cache[filename] = value
+        return value
+
+    def stack(self, depth: int) -> list:
+        """The calling frames from ``depth`` (0: this one), innermost first, as (module name, function
+        name, untrusted, code). Runs no code of anyone else."""
+        tid = self.get_ident()
+        self.busy.add(tid)
+        try:
+            frame, out = self.getframe(depth), []
+            while frame is not None:
+                code, globals_ = frame.f_code, frame.f_globals
+                name = globals_.get("__name__") if type(globals_) is dict else None
+                out.append((name if type(name) is str else "", code.co_name, self.untrusted(code.co_filename), code))
+                frame = frame.f_back
+            return out
+        finally:
+            self.busy.discard(tid)
+
+    def anywhere(self, depth: int = 3) -> bool:
+        """Untrusted code anywhere on the stack (``depth``: 3 from the hook, 4 from ``own``)."""
+        return any(frame[2] for frame in self.stack(depth))
+
+    def reached_frames(self) -> bool:
+        """Untrusted code reached for frames: directly, or through a frame-handing library function."""
+        frames = self.stack(3)  # stack, reached_frames, hook, then the code that read
+        for i, (module, _function, bad, _) in enumerate(frames):
+            if bad:
+                return i == 0 or (frames[i - 1][0].split(".")[0], frames[i - 1][1]) in FRAME_APIS
+            if module.split(".")[0] not in ("inspect", "traceback", "logging", "linecache"):
+                return False
+        return False
+
+    def code_file(self, obj) -> str:
+        """The file of a function's (or generator's) code; empty for anything else."""
+        tid = self.get_ident()
+        self.busy.add(tid)
+        try:
+            obj = obj.__func__ if type(obj) is types.MethodType else obj
+            code = obj.__code__ if type(obj) is types.FunctionType else getattr(obj, "gi_code", None)
+            return code.co_filename if type(code) is types.CodeType else ""
+        except Exception:
+            return ""
+        finally:
+            self.busy.discard(tid)
+
+    def guarded_file(self, path) -> bool:
+        """A test file, this runner, or anything of /proc (by the file itself: links and relative
+        paths lead to the same inode)."""
+        if type(path) is bytes:
+            path = path.decode("utf-8", "surrogateescape")
+        if type(path) is not str:
+            return False
+        try:
+            found = self.stat(path)
+        except (OSError, ValueError):
+            return False
+        return (found.st_dev, found.st_ino) in self.guarded or found.st_dev == self.proc_dev
+
+    def refuse(self, reason: str):
+        self.note(reason)
+        raise RuntimeError("refused by the test harness: " + reason)
+
+    def note(self, reason: str) -> None:
+        if reason not in self.tampered and len(self.tampered) < 20:
+            self.tampered.append(reason)
+
+    # ------------------------------------------------------------------ the hook
+    def hook(self, event, args):
+        if self.get_ident() in self.busy:
+            return
+        if event.startswith("lit_marl."):
+            return self.own(event[9:], args)
+        if event in ("sys._getframe", "sys._getframemodulename"):
+            if self.reached_frames():
+                self.refuse("untrusted code read the stack's frames")
+        elif event == "object.__getattr__":
+            name = args[1] if len(args) > 1 else ""
+            if name in FRAME_ATTRS and self.reached_frames():
+                self.refuse(f"untrusted code read {name}")
+            elif name in CODE_ATTRS and self.code_file(args[0]) in self.test_files and self.anywhere():
+                self.refuse(f"untrusted code read {name} of a test")
+        elif event in ("object.__setattr__", "object.__delattr__"):
+            name = args[1] if len(args) > 1 else ""
+            if name == "__bases__" or name in CODE_ATTRS and not self.untrusted(self.code_file(args[0]) or "<x>"):
+                if self.anywhere():
+                    self.refuse(f"untrusted code set {name}")
+        elif event in ANYWHERE or event.startswith(("ctypes.", "os.exec", "os.spawn", "os.posix_spawn")):
+            if self.anywhere():
+                self.refuse(f"untrusted code called {event}")
+        elif event == "import" and args and args[0] in GUARDED_MODULES and self.anywhere():
+            self.refuse(f"untrusted code imported {args[0]} afresh")
+        elif event == "open" and args and self.guarded_file(args[0]) and self.anywhere():
+            self.refuse(f"untrusted code opened {args[0]!r}")
+        elif event == "compile" and len(args) > 1 and type(args[1]) is str and not args[1].startswith("<"):
+            if self.anywhere():
+                self.refuse(f"untrusted code compiled code named {args[1]}")
+
+    def own(self, kind: str, args) -> None:
+        if kind == "signal":
+            if self.anywhere(4):
+                self.refuse("untrusted code installed a signal handler")
+        elif kind == "module":  # the first caller outside the standard library reads a test module
+            caller = next((f for f in self.stack(4) if not f[3].co_filename.startswith(self.trusted_roots[0])), None)
+            if caller is not None and caller[2]:
+                self.refuse(f"untrusted code read {args[0]} of a test module")
+        elif kind == "returned":
+            if self.state["inside"] and args[1] in self.test_files and args[0] not in self.test_files:
+                if self.genuine("returned") and _always_equal(args[2]):
+                    self.note("a value returned into a test claims to equal anything")
+        elif kind in self.codes and self.genuine(kind, args[0] if kind in ("outcome", "enter", "check") else None):
+            getattr(self, "on_" + kind)(*args)
+
+    def genuine(self, kind: str, item=None) -> bool:
+        """The event comes from the runner's own code (the code object that raises it), with no
+        untrusted code on the stack, about a real test item."""
+        frames = self.stack(4)  # stack, genuine, own, hook, then the code that raised the event
+        if not frames or frames[0][3] is not self.codes[kind] or (kind != "returned" and any(f[2] for f in frames)):
+            self.note(f"{kind} reported by other code")
+            return False
+        if item is not None and type(item) is not self.Function:
+            self.note(f"{kind} for an object that is not a test")
+            return False
+        return True
+
+    # ------------------------------------------------------------------ the runner's events
+    def on_collected(self, session) -> None:
+        problem = self.integrity(self.machinery, accept=True)
+        if problem:
+            self.note(problem + " before the tests ran")
+        config = session.config
+        self.handlers.update({s: self.getsignal(s) for s in self.signals})
+        self.state["plugins"] = set(config.pluginmanager.get_plugins())
+        self.state["impls"] = {h: list(getattr(config.hook, h).get_hookimpls()) for h in HOOKS}
+        problem = self.plugin_origins(config)
+        if problem:
+            self.note(problem)
+        self.items = {item.nodeid: (item, item.obj) for item in session.items}
+        for module in list(sys.modules.values()):
+            if type(module) is types.ModuleType and getattr(module, "__file__", None) in self.test_files:
+                module.__class__ = TestModule
+
+    def on_enter(self, item) -> None:
+        kept = self.items.get(item.nodeid)
+        if kept is None or kept[0] is not item or item.obj is not kept[1] or "runtest" in vars(item):
+            self.note(f"the test item {item.nodeid} was changed")
+        self.clear_lines()
+        self.state["inside"] = True
+        self.setprofile(self.profiler)
+
+    def on_outcome(self, item, outcome) -> None:
+        self.setprofile(None)
+        self.state["inside"] = False
+        problem = self.integrity(self.machinery) or self.machinery_state(item.config)
+        if problem:
+            self.note(problem)
+        if item.nodeid in self.outcomes:
+            self.note(f"{item.nodeid} reported twice")
+        self.outcomes[item.nodeid] = outcome if not problem else "failed"
+
+    def on_check(self, item) -> None:
+        problem = self.integrity(self.machinery) or self.machinery_state(item.config) or self.module_files()
+        if problem:
+            self.note(problem)
+
+    def on_note(self, text) -> None:
+        self.notes.append(str(text)[:200])
+
+    def on_finish(self, code, log) -> None:
+        problem = self.integrity(list(self.snapshot[0])) or self.module_files()
+        if problem:
+            self.note(problem)
+        body = self.dumps(
+            {"outcomes": self.outcomes, "exit": code, "log": log, "tampered": self.tampered, "notes": self.notes}
+        )
+        mac = self.hmac_digest(self.key, body.encode(), "sha256").hex()
+        data = (mac + " " + body + "\n").encode()
+        while data:
+            data = data[self.write(self.report_fd, data) :]
+
+    # ------------------------------------------------------------------ integrity
+    def integrity(self, names, accept: bool = False) -> str:
+        """The first attribute of the modules ``names`` (or of their classes) changed since the
+        snapshot (empty: none). A None that got a value is lazy initialization; with ``accept`` (once,
+        when collection ends) a function of trusted code that pytest's own plugins set becomes the
+        attribute's value to hold."""
+        modules, classes = self.snapshot
+        for name in names:
+            module, before = modules[name]
+            if sys.modules.get(name) is not module:
+                return f"sys.modules[{name!r}] was replaced"
+            containers = [(name, module.__dict__, before)]
+            containers += [(f"{name}.{cls.__name__}", cls.__dict__, attrs) for cls, attrs in classes.get(name, ())]
+            for where, now, attrs in containers:
+                for attr, value in attrs.items():
+                    current = now.get(attr, _MISSING)
+                    if current is value or value is None or self.accepted.get((id(attrs), attr), _MISSING) is current:
+                        continue
+                    if accept and type(current) is types.FunctionType and not self.untrusted(self.code_file(current)):
+                        self.accepted[(id(attrs), attr)] = current
+                        continue
+                    return f"{where}.{attr} was changed"
+        return ""
+
+    def machinery_state(self, config) -> str:
+        if set(config.pluginmanager.get_plugins()) != self.state.get("plugins"):
+            return "pytest's plugins changed"
+        for hook_name, impls in self.state.get("impls", {}).items():
+            if list(getattr(config.hook, hook_name).get_hookimpls()) != impls:
+                return f"pytest's {hook_name} implementations changed"
+        for s, handler in self.handlers.items():
+            if self.getsignal(s) is not handler:
+                return f"the handler of signal {s} changed"
+        return ""
+
+    def plugin_origins(self, config) -> str:
+        """A hook implementation of untrusted code (a plugin the code under test registered)."""
+        for hook_name in HOOKS:
+            for impl in getattr(config.hook, hook_name).get_hookimpls():
+                if self.untrusted(self.code_file(impl.function) or "<x>"):
+                    return f"a {hook_name} implementation of untrusted code ({impl.plugin_name})"
+        return ""
+
+    def module_files(self) -> str:
+        """A module of the repository registered under another module's name (a package that swaps
+        the tested module in sys.modules)."""
+        for name, module in list(sys.modules.items()):
+            expected = [os.path.join(self.workspace, *name.split(".")) + tail for tail in (".py", "/__init__.py")]
+            if not any(path in self.base for path in expected):
+                continue
+            if type(module) not in (types.ModuleType, TestModule) or getattr(module, "__file__", None) not in expected:
+                return f"sys.modules[{name!r}] is not the repository's {name}"
+        return ""
+
+
+class TestModule(types.ModuleType):
+    """A test module once collected: untrusted code reading its attributes (the tests, their marks and
+    parameters, the module's data) is refused."""
+
+    def __getattribute__(self, name):
+        sys.audit("lit_marl.module", name)
+        return super().__getattribute__(name)
+
+
+HOOKS = ("pytest_runtest_call", "pytest_runtest_protocol", "pytest_runtest_makereport", "pytest_pyfunc_call",
+         "pytest_runtest_setup", "pytest_runtest_teardown", "pytest_runtest_logreport")  # fmt: skip
+_MISSING = object()
+
+
+def _snapshot(modules) -> tuple[dict, dict]:
+    """Every loaded module's attributes, and the attributes of the classes each defines."""
+    out, classes = {}, {}
+    for name, module in list(modules.items()):
+        if type(module) is not types.ModuleType:
+            continue
+        out[name] = (module, dict(module.__dict__))
+        own = [v for v in module.__dict__.values() if isinstance(v, type) and getattr(v, "__module__", None) == name]
+        classes[name] = [(cls, dict(cls.__dict__)) for cls in own]
+    return out, classes
+
+
+def _stat(path: str):
+    try:
+        return os.stat(path)
+    except OSError:
+        return None
+
+
+def _always_equal(value, depth: int = 0) -> bool:
+    """True when ``value`` (or an item of it) claims to equal a fresh object."""
+    if type(value) in (int, float, str, bytes, bool, type(None), complex):
+        return False
+    if type(value) in (list, tuple, set, frozenset) and depth < 3:
+        return any(_always_equal(v, depth + 1) for v in list(value)[:50])
+    if type(value) is dict and depth < 3:
+        return any(_always_equal(v, depth + 1) for v in list(value.values())[:50])
+    try:
+        return bool(value == object()) or not bool(value != object())
+    except Exception:
+        return False
