@@ -180,10 +180,10 @@ class Harness:
         if kind == "signal":
             if self.anywhere(4):
                 self.refuse("untrusted code installed a signal handler")
-        elif kind == "module":  # the first caller outside the standard library reads a test module
+        elif kind == "module":  # the first caller outside the standard library reads a guarded object
             caller = next((f for f in self.stack(4) if not f[3].co_filename.startswith(self.trusted_roots[0])), None)
             if caller is not None and caller[2]:
-                self.refuse(f"untrusted code read {args[0]} of a test module")
+                self.refuse(f"untrusted code read {args[0]} of a guarded object")
         elif kind == "returned":
             if self.state["inside"] and args[1] in self.test_files and args[0] not in self.test_files:
                 if self.genuine("returned") and _always_equal(args[2]):
@@ -206,24 +206,50 @@ class Harness:
     # ------------------------------------------------------------------ the runner's events
     def on_collected(self, session) -> None:
         problem = self.integrity(self.machinery, accept=True)
-        if problem:
-            self.note(problem + " before the tests ran")
         config = session.config
         self.handlers.update({s: self.getsignal(s) for s in self.signals})
         self.state["plugins"] = set(config.pluginmanager.get_plugins())
         self.state["impls"] = {h: list(getattr(config.hook, h).get_hookimpls()) for h in HOOKS}
-        problem = self.plugin_origins(config)
+        problem = problem or self.plugin_origins(config) or self.importers() or self.item_origins(session.items)
         if problem:
-            self.note(problem)
-        self.items = {item.nodeid: (item, item.obj) for item in session.items}
-        for module in list(sys.modules.values()):
-            if type(module) is types.ModuleType and getattr(module, "__file__", None) in self.test_files:
-                module.__class__ = TestModule
+            self.note(problem + " before the tests ran")
+        self.items = {item.nodeid: (item, item.obj, _params(item)) for item in session.items}
+        import _pytest.assertion.util
+
+        for module in [*sys.modules.values(), _pytest.assertion.util]:  # the tests; pytest's current config and item
+            if type(module) is types.ModuleType and (
+                getattr(module, "__file__", None) in self.test_files or module is _pytest.assertion.util
+            ):
+                module.__class__ = Guarded
+        for finder in sys.meta_path:  # pytest's assertion rewriter holds the session (and with it every item)
+            cls = type(finder)
+            if hasattr(finder, "session") and "__getattribute__" not in vars(cls):
+                finder.__class__ = type("Guarded" + cls.__name__, (cls,), {"__getattribute__": _guarded})
+
+    def item_origins(self, items) -> str:
+        """A collected test whose function is not the code of a test file (a module the code under
+        test planted in sys.modules, or a finder of its own, stood in for the test module)."""
+        for item in items:
+            if self.code_file(getattr(item, "obj", None)) not in self.test_files:
+                return f"the test {item.nodeid} is not code of a test file"
+        return ""
+
+    def importers(self) -> str:
+        """An import finder or path hook of untrusted code."""
+        for finder in [*sys.meta_path, *sys.path_hooks]:
+            method = finder if callable(finder) and not isinstance(finder, type) else None
+            method = getattr(finder, "find_spec", None) or getattr(finder, "find_module", None) or method
+            filename = self.code_file(method)
+            if filename and self.untrusted(filename):
+                return f"an import finder of untrusted code ({type(finder).__name__})"
+        return ""
 
     def on_enter(self, item) -> None:
         kept = self.items.get(item.nodeid)
         if kept is None or kept[0] is not item or item.obj is not kept[1] or "runtest" in vars(item):
             self.note(f"the test item {item.nodeid} was changed")
+        elif _params(item) != kept[2]:
+            self.note(f"the parameters of {item.nodeid} were changed")
         self.clear_lines()
         self.state["inside"] = True
         self.setprofile(self.profiler)
@@ -308,18 +334,31 @@ class Harness:
             expected = [os.path.join(self.workspace, *name.split(".")) + tail for tail in (".py", "/__init__.py")]
             if not any(path in self.base for path in expected):
                 continue
-            if type(module) not in (types.ModuleType, TestModule) or getattr(module, "__file__", None) not in expected:
+            if type(module) not in (types.ModuleType, Guarded) or getattr(module, "__file__", None) not in expected:
                 return f"sys.modules[{name!r}] is not the repository's {name}"
         return ""
 
 
-class TestModule(types.ModuleType):
-    """A test module once collected: untrusted code reading its attributes (the tests, their marks and
-    parameters, the module's data) is refused."""
+def _guarded(self, name):
+    """``__getattribute__`` of a guarded object: untrusted code reading its attributes is refused."""
+    sys.audit("lit_marl.module", name)
+    return object.__getattribute__(self, name)
+
+
+class Guarded(types.ModuleType):
+    """A test module once collected (and pytest's assertion helpers, which hold the current config
+    and item): untrusted code reading its attributes (the tests, their marks and parameters, the
+    module's data) is refused."""
 
     def __getattribute__(self, name):
         sys.audit("lit_marl.module", name)
         return super().__getattribute__(name)
+
+
+def _params(item) -> str:
+    """A parametrized test's parameters, as text (changed in place or replaced, they differ)."""
+    callspec = getattr(item, "callspec", None)
+    return repr(sorted(callspec.params.items(), key=lambda kv: kv[0])) if callspec is not None else ""
 
 
 HOOKS = ("pytest_runtest_call", "pytest_runtest_protocol", "pytest_runtest_makereport", "pytest_pyfunc_call",
