@@ -20,9 +20,9 @@ from lit_marl.sandbox import bubblewrap_available
 
 def expert_episode(row: dict) -> float:
     env = SWEEnv()
-    env.reset(row)
+    env.start(row)
     for turn in env.expert_turns(row):
-        result = env.step(turn)
+        result = env.act(turn)
     return result.info["score"]
 
 

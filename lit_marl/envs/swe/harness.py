@@ -162,9 +162,10 @@ class Harness:
                 self.refuse(f"untrusted code read {name} of a test")
         elif event in ("object.__setattr__", "object.__delattr__"):
             name = args[1] if len(args) > 1 else ""
-            if name == "__bases__" or name in CODE_ATTRS and not self.untrusted(self.code_file(args[0]) or "<x>"):
-                if self.anywhere():
-                    self.refuse(f"untrusted code set {name}")
+            if name == "__bases__" and self.stack(2)[0][2]:  # (stack, hook, then the setter) typing sets bases
+                self.refuse("untrusted code set __bases__")
+            elif name in CODE_ATTRS and not self.untrusted(self.code_file(args[0]) or "<x>") and self.anywhere():
+                self.refuse(f"untrusted code set {name}")
         elif event in ANYWHERE or event.startswith(("ctypes.", "os.exec", "os.spawn", "os.posix_spawn")):
             if self.anywhere():
                 self.refuse(f"untrusted code called {event}")
