@@ -57,7 +57,8 @@ class Harness:
             f for f in base if "/tests/" in f or "/test/" in f or os.path.basename(f).startswith(("test_", "conftest"))
         )
         self.stat = os.stat
-        self.guarded = {(f.st_dev, f.st_ino) for f in map(_stat, [*self.test_files, self.runner_file]) if f}
+        sources = [f for f in self.test_files if f.endswith(".py")]  # the tests' data files stay readable
+        self.guarded = {(f.st_dev, f.st_ino) for f in map(_stat, [*sources, *self.own_files]) if f}
         self.proc_dev = os.stat("/proc/self").st_dev
         self.codes, self.profiler = codes, profiler
         self.busy, self.cache, self.tampered, self.outcomes, self.notes, self.accepted = set(), {}, [], {}, [], {}
@@ -125,7 +126,7 @@ class Harness:
             self.busy.discard(tid)
 
     def guarded_file(self, path) -> bool:
-        """A test file, this runner, or anything of /proc (by the file itself: links and relative
+        """A test's source, the harness, or anything of /proc (by the file itself: links and relative
         paths lead to the same inode)."""
         if type(path) is bytes:
             path = path.decode("utf-8", "surrogateescape")
