@@ -73,6 +73,10 @@ PROBES = {
         ),
         "submit",
     ],
+    "frames_logging_currentframe": [
+        inject("import logging\n" + ORIGINAL + CONSTS.format(frame="logging.currentframe().f_back")),
+        "submit",
+    ],
     "frames_fullwidth_identifier": [
         inject("import sys as ｓ\n" + ORIGINAL + CONSTS.format(frame="ｓ._getframe(1)")),
         "submit",

@@ -14,7 +14,7 @@ FRAME_APIS = {
     ("inspect", "currentframe"), ("inspect", "stack"), ("inspect", "trace"), ("inspect", "getouterframes"),
     ("inspect", "getinnerframes"), ("inspect", "getframeinfo"), ("traceback", "walk_stack"),
     ("traceback", "walk_tb"), ("traceback", "extract_stack"), ("traceback", "format_stack"),
-    ("traceback", "print_stack"), ("traceback", "extract"), ("logging", "currentframe"),
+    ("traceback", "print_stack"), ("traceback", "extract"), ("logging", "currentframe"), ("logging", "<lambda>"),
 }  # fmt: skip
 """Standard-library functions that hand frames (or the source lines of the callers) to their caller."""
 FRAME_ATTRS = {"tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_code"}
@@ -51,6 +51,13 @@ class Harness:
         )
         self.clear_lines, self.Function = linecache.clearcache, _pytest.python.Function
         self.trusted_roots = tuple(root.rstrip("/") + "/" for root in [os.path.dirname(os.__file__), *roots])
+        import inspect
+        import logging
+        import traceback
+
+        modules = {"inspect": inspect, "traceback": traceback, "logging": logging, "linecache": linecache}
+        self.wrapper_files = {module.__file__ for module in modules.values()}
+        self.frame_apis = {(modules[module].__file__, name) for module, name in FRAME_APIS}
         self.runner_file = os.path.realpath(codes["finish"].co_filename)
         self.own_files = (self.runner_file, os.path.realpath(__file__))
         self.test_files = frozenset(os.path.join(workspace, t.split("::", 1)[0]) for t in spec["tests"]) | frozenset(
@@ -82,17 +89,18 @@ class Harness:
             self.cache[filename] = value
         return value
 
-    def stack(self, depth: int) -> list:
-        """The calling frames from ``depth`` (0: this one), innermost first, as (module name, function
-        name, untrusted, code). Runs no code of anyone else."""
+    def stack(self, depth: int, limit: int = 1 << 30) -> list:
+        """Up to ``limit`` calling frames from ``depth`` (0: this one), innermost first, as (file,
+        function name, untrusted, code). Reads only the frames' and codes' own fields: no code of
+        anyone else runs while the thread's tripwires are paused (``busy``)."""
         tid = self.get_ident()
         self.busy.add(tid)
         try:
             frame, out = self.getframe(depth), []
-            while frame is not None:
-                code, globals_ = frame.f_code, frame.f_globals
-                name = globals_.get("__name__") if type(globals_) is dict else None
-                out.append((name if type(name) is str else "", code.co_name, self.untrusted(code.co_filename), code))
+            while frame is not None and len(out) < limit:
+                code = frame.f_code
+                filename = code.co_filename if type(code.co_filename) is str else "<?>"
+                out.append((filename, code.co_name, self.untrusted(filename), code))
                 frame = frame.f_back
             return out
         finally:
@@ -104,24 +112,25 @@ class Harness:
 
     def reached_frames(self) -> bool:
         """Untrusted code reached for frames: directly, or through a frame-handing library function."""
-        frames = self.stack(3)  # stack, reached_frames, hook, then the code that read
-        for i, (module, _function, bad, _) in enumerate(frames):
+        frames = self.stack(3, limit=16)  # stack, reached_frames, hook, then the code that read
+        for i, (filename, _function, bad, _) in enumerate(frames):
             if bad:
-                return i == 0 or (frames[i - 1][0].split(".")[0], frames[i - 1][1]) in FRAME_APIS
-            if module.split(".")[0] not in ("inspect", "traceback", "logging", "linecache"):
+                return i == 0 or (frames[i - 1][0], frames[i - 1][1]) in self.frame_apis
+            if filename not in self.wrapper_files:
                 return False
         return False
 
     def code_file(self, obj) -> str:
-        """The file of a function's (or generator's) code; empty for anything else."""
+        """The file of a function's, method's, generator's or coroutine's code; empty for anything
+        else (no attribute of any other object is read: its code could run here)."""
         tid = self.get_ident()
         self.busy.add(tid)
         try:
-            obj = obj.__func__ if type(obj) is types.MethodType else obj
-            code = obj.__code__ if type(obj) is types.FunctionType else getattr(obj, "gi_code", None)
-            return code.co_filename if type(code) is types.CodeType else ""
-        except Exception:
-            return ""
+            kind = type(obj)
+            if kind is types.MethodType:
+                obj, kind = obj.__func__, type(obj.__func__)
+            code = CODE_OF[kind](obj) if kind in CODE_OF else None
+            return code.co_filename if type(code) is types.CodeType and type(code.co_filename) is str else ""
         finally:
             self.busy.discard(tid)
 
@@ -183,7 +192,7 @@ class Harness:
             if self.anywhere(4):
                 self.refuse("untrusted code installed a signal handler")
         elif kind == "module":  # the first caller outside the standard library reads a guarded object
-            caller = next((f for f in self.stack(4) if not f[3].co_filename.startswith(self.trusted_roots[0])), None)
+            caller = next((f for f in self.stack(4) if not f[0].startswith(self.trusted_roots[0])), None)
             if caller is not None and caller[2]:
                 self.refuse(f"untrusted code read {args[0]} of a guarded object")
         elif kind == "returned":
@@ -339,6 +348,14 @@ class Harness:
             if type(module) not in (types.ModuleType, Guarded) or getattr(module, "__file__", None) not in expected:
                 return f"sys.modules[{name!r}] is not the repository's {name}"
         return ""
+
+
+CODE_OF = {
+    types.FunctionType: lambda f: f.__code__,
+    types.GeneratorType: lambda g: g.gi_code,
+    types.CoroutineType: lambda c: c.cr_code,
+    types.AsyncGeneratorType: lambda a: a.ag_code,
+}
 
 
 def _guarded(self, name):
