@@ -22,7 +22,7 @@ from lit_marl.envs.swe.instances import (
     parse_patch,
     resolve_source,
 )
-from lit_marl.envs.swe.scoring import scoring_files, tampering
+from lit_marl.envs.swe.scoring import carried, scoring_files, shadowing, signed_report
 from lit_marl.envs.swe.tools import ToolError, as_calls, create, insert, parse, replace, search, view
 from lit_marl.envs.swe.workspace import Workspace, sweep
 
@@ -226,23 +226,38 @@ def test_scoring_takes_test_files_and_pytest_config_from_the_base_commit():
     assert is_test_path("src/testing/util.py", []) and not is_test_path("src/contest.py", [])
 
 
-@pytest.mark.parametrize(
-    "line",
-    [
-        "import _pytest.reports",
-        "sys.modules['x'] = y",
-        "import atexit; atexit.register(f)",
-        "os._exit(0)",
-        "__builtins__['len'] = f",
-        "frame.f_back.f_locals['ok'] = 1",
-        "import unittest.mock",
-        "exec(open('x').read())",
-    ],
-)
-def test_added_lines_reaching_for_the_test_machinery_are_refused(line):
-    base = {"pkg/a.py": (b"import os\nos._exit\n", 0o644)}
-    assert tampering(base, {"pkg/a.py": f"import os\n{line}\n".encode()})
-    assert not tampering(base, {"pkg/a.py": b"import os\nos._exit\nvalue = evaluate(x)\n"})  # unchanged lines pass
+def test_files_that_change_imports_without_being_source_are_never_carried():
+    never = ["pkg/__pycache__/a.cpython-311.pyc", "a.pyc", "evil-1.0.dist-info/entry_points.txt", "x.egg-link"]
+    never += ["x.egg-info/PKG-INFO", "zz.pth", "pkg/_speed.cpython-311-x86_64-linux-gnu.so"]
+    for path in never:
+        assert not carried(path), path
+    assert carried("pkg/a.py") and carried("README.md") and carried("pkg/data/table.csv")
+    base = {"pkg/a.py": (b"bug\n", 0o644)}
+    files, changes = scoring_files(base, {"pkg/a.py": b"bug\n", "pkg/__pycache__/a.cpython-311.pyc": b"fix"}, [], "")
+    assert files == base and changes == {}
+
+
+def test_new_modules_that_shadow_others_are_refused():
+    base = {"pkg/__init__.py": (b"", 0o644), "pkg/mod.py": (b"", 0o644), "six.py": (b"", 0o644)}
+    assert "shadows the module pkg/mod.py" in shadowing(base, {"pkg/mod/__init__.py": b"x = 1"})
+    assert "shadows the installed module 're'" in shadowing(base, {"re.py": b""})
+    assert "shadows the installed module 'json'" in shadowing(base, {"json/__init__.py": b""})
+    assert "'pytest'" in shadowing(base, {"pytest.py": b""})
+    assert not shadowing(base, {"pkg/mod.py": b"changed", "pkg/helpers.py": b"", "six.py": b"the repository's own"})
+    assert not shadowing(base, {"pkg/json.py": b""})  # inside a package: pkg.json, no shadow
+
+
+def test_only_a_line_signed_with_the_runs_key_is_a_report():
+    import hashlib
+    import hmac
+    import json
+
+    body = json.dumps({"outcomes": {"t::a": "passed"}, "exit": 0, "log": "", "tampered": [], "notes": []})
+    line = hmac.new(b"key", body.encode(), hashlib.sha256).hexdigest() + " " + body
+    assert signed_report("noise\n" + line + "\n", b"key").outcomes == {"t::a": "passed"}
+    assert signed_report(line, b"other key") is None
+    assert signed_report("0" * 64 + " " + body, b"key") is None
+    assert signed_report(line + "\n" + line, b"key") is None  # two reports: the key leaked, nothing counts
 
 
 # --------------------------------------------------------------------------- workspace clean-up
