@@ -303,3 +303,24 @@ def test_the_tests_run_under_the_venvs_own_pytest_with_no_autoloaded_plugins(row
     assert report is not None and set(report.outcomes.values()) == {"passed"} and not report.tampered
     assert report.notes[0] == f"pytest {pytest.__version__} {os.path.dirname(pytest.__file__)}"
     assert scoring.signed_report(result.stdout, b"another key") is None
+
+
+def test_unittest_tests_fail_by_their_reports_not_only_by_raising(tmp_path):
+    """unittest reports a failing test to its result (pytest's item) instead of raising: the runner's
+    outcome reads that report; passing, failing, erroring and skipped TestCase tests keep their
+    outcomes, and an untouched repository is not tampering."""
+    from lit_marl.envs.swe.workspace import Workspace
+
+    test = (
+        "import unittest\n\n\nclass T(unittest.TestCase):\n"
+        "    def test_ok(self):\n        self.assertEqual(1, 1)\n\n"
+        "    def test_bad(self):\n        self.assertEqual(1, 2)\n\n"
+        "    def test_error(self):\n        raise KeyError('x')\n\n"
+        "    @unittest.skip('no')\n    def test_skipped(self):\n        pass\n"
+    )
+    ws = Workspace(tmp_path / "ws", {"tests/test_u.py": (test.encode(), 0o644)})
+    names = [f"tests/test_u.py::T::test_{n}" for n in ("ok", "bad", "error", "skipped")]
+    report, _ = scoring.run_tests(ws, names, [], scoring.TestSettings())
+    ws.remove()
+    assert report is not None and not report.tampered
+    assert [report.outcomes.get(n) for n in names] == ["passed", "failed", "failed", "failed"]

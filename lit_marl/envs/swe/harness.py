@@ -49,7 +49,12 @@ class Harness:
             json.dumps,
             sys.setprofile,
         )
-        self.clear_lines, self.Function = linecache.clearcache, _pytest.python.Function
+        import _pytest.unittest
+
+        self.clear_lines, self.items_types = (
+            linecache.clearcache,
+            (_pytest.python.Function, _pytest.unittest.TestCaseFunction),
+        )
         self.trusted_roots = tuple(root.rstrip("/") + "/" for root in [os.path.dirname(os.__file__), *roots])
         import inspect
         import logging
@@ -209,7 +214,7 @@ class Harness:
         if not frames or frames[0][3] is not self.codes[kind] or (kind != "returned" and any(f[2] for f in frames)):
             self.note(f"{kind} reported by other code")
             return False
-        if item is not None and type(item) is not self.Function:
+        if item is not None and type(item) not in self.items_types:
             self.note(f"{kind} for an object that is not a test")
             return False
         return True
@@ -224,7 +229,7 @@ class Harness:
         problem = problem or self.plugin_origins(config) or self.importers() or self.item_origins(session.items)
         if problem:
             self.note(problem + " before the tests ran")
-        self.items = {item.nodeid: (item, item.obj, _params(item)) for item in session.items}
+        self.items = {item.nodeid: (item, _function(item.obj), _params(item)) for item in session.items}
         import _pytest.assertion.util
 
         for module in [*sys.modules.values(), _pytest.assertion.util]:  # the tests; pytest's current config and item
@@ -238,11 +243,12 @@ class Harness:
                 finder.__class__ = type("Guarded" + cls.__name__, (cls,), {"__getattribute__": _guarded})
 
     def item_origins(self, items) -> str:
-        """A collected test whose function is not the code of a test file (a module the code under
-        test planted in sys.modules, or a finder of its own, stood in for the test module)."""
+        """A collected test whose function is code of untrusted code (a module the code under test
+        planted in sys.modules, or a finder of its own, stood in for a test module). Decorated tests
+        (``unittest.skip``, ``mock.patch``) are the decorator's trusted code."""
         for item in items:
-            if self.code_file(getattr(item, "obj", None)) not in self.test_files:
-                return f"the test {item.nodeid} is not code of a test file"
+            if self.untrusted(self.code_file(getattr(item, "obj", None)) or "<x>"):
+                return f"the test {item.nodeid} is untrusted code"
         return ""
 
     def importers(self) -> str:
@@ -257,7 +263,7 @@ class Harness:
 
     def on_enter(self, item) -> None:
         kept = self.items.get(item.nodeid)
-        if kept is None or kept[0] is not item or item.obj is not kept[1] or "runtest" in vars(item):
+        if kept is None or kept[0] is not item or _function(item.obj) is not kept[1] or "runtest" in vars(item):
             self.note(f"the test item {item.nodeid} was changed")
         elif _params(item) != kept[2]:
             self.note(f"the parameters of {item.nodeid} were changed")
@@ -372,6 +378,11 @@ class Guarded(types.ModuleType):
     def __getattribute__(self, name):
         sys.audit("lit_marl.module", name)
         return super().__getattribute__(name)
+
+
+def _function(obj):
+    """A bound method's function (a unittest test's method is bound anew to each test's instance)."""
+    return obj.__func__ if type(obj) is types.MethodType else obj
 
 
 def _params(item) -> str:

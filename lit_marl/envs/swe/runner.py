@@ -169,7 +169,7 @@ def make_plugin(wanted: list[str], seconds: float):
             raised = True
             try:
                 yield
-                raised = False
+                raised = bool(item.__dict__.get("_excinfo"))  # a unittest test reports its failure, not raises
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
                 signal.signal(signal.SIGALRM, signal.SIG_DFL)
