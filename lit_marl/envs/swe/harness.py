@@ -72,6 +72,9 @@ class Harness:
         sources = [f for f in self.test_files if f.endswith(".py")]  # the tests' data files stay readable
         self.guarded = {(f.st_dev, f.st_ino) for f in map(_stat, [*sources, *self.own_files]) if f}
         self.proc_dev = os.stat("/proc/self").st_dev
+        folders = {f.rpartition("/")[0] for f in self.test_files} - {workspace}
+        folders |= {p[:i] for p in folders for i in range(len(workspace) + 1, len(p)) if p[i] == "/"}
+        self.protected = {(f.st_dev, f.st_ino) for f in map(_stat, [*self.test_files, *folders]) if f}
         self.codes, self.profiler = codes, profiler
         self.busy, self.cache, self.tampered, self.outcomes, self.notes, self.accepted = set(), {}, [], {}, [], {}
         self.handlers, self.items, self.state = {}, {}, {"inside": False}
@@ -152,6 +155,34 @@ class Harness:
             return False
         return (found.st_dev, found.st_ino) in self.guarded or found.st_dev == self.proc_dev
 
+    def mutates_tests(self, event: str, args) -> bool:
+        """The event writes, removes, renames, truncates or re-modes a test file (its data included)
+        or creates something in the tests' folders."""
+        if event == "open":
+            mode, flags = (args[1], args[2]) if len(args) > 2 else ("", 0)
+            writing = (type(mode) is str and any(c in mode for c in "wax+")) or (type(flags) is int and flags & WRITES)
+            if not writing:
+                return False
+        paths, dir_fd = (
+            ([args[0], args[1]], None) if event in ("os.rename", "os.link", "os.symlink") else ([args[0]], None)
+        )
+        if event in ("os.remove", "os.rmdir", "os.mkdir") and type(args[-1]) is int and args[-1] >= 0:
+            dir_fd = args[-1]
+        for path in paths[1:] if event in ("os.link", "os.symlink") else paths:
+            if type(path) is bytes:
+                path = path.decode("utf-8", "surrogateescape")
+            if type(path) is not str:
+                continue
+            for candidate in (path, path.rpartition("/")[0] or "."):
+                try:
+                    found = self.stat(candidate, dir_fd=dir_fd) if dir_fd is not None else self.stat(candidate)
+                except (OSError, ValueError, TypeError):
+                    continue
+                if (found.st_dev, found.st_ino) in self.protected:
+                    return True
+                break  # the path itself exists: its folder is not what changes
+        return False
+
     def refuse(self, reason: str):
         self.note(reason)
         raise RuntimeError("refused by the test harness: " + reason)
@@ -188,6 +219,8 @@ class Harness:
             self.refuse(f"untrusted code imported {args[0]} afresh")
         elif event == "open" and args and self.guarded_file(args[0]) and self.anywhere():
             self.refuse(f"untrusted code opened {args[0]!r}")
+        elif event in MUTATIONS and self.mutates_tests(event, args) and self.anywhere():
+            self.refuse(f"untrusted code changed the tests' files ({event} {args[0]!r})")
         elif event == "compile" and len(args) > 1 and type(args[1]) is str and not args[1].startswith("<"):
             if self.anywhere():
                 self.refuse(f"untrusted code compiled code named {args[1]}")
@@ -356,6 +389,9 @@ class Harness:
         return ""
 
 
+MUTATIONS = {"open", "os.remove", "os.rename", "os.truncate", "os.chmod", "os.chown", "os.utime", "os.link",
+             "os.symlink", "os.rmdir", "os.mkdir", "shutil.rmtree"}  # fmt: skip
+WRITES = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
 CODE_OF = {
     types.FunctionType: lambda f: f.__code__,
     types.GeneratorType: lambda g: g.gi_code,
