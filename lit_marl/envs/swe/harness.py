@@ -2,6 +2,7 @@
 docstring for the design): an audit hook that keeps the outcomes, the tampering and the key where no
 Python object refers to them, the tripwires, and the integrity checks."""
 
+import functools
 import json
 import linecache
 import os
@@ -21,11 +22,13 @@ FRAME_ATTRS = {"tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_code"}
 CODE_ATTRS = {"__code__", "__defaults__", "__kwdefaults__", "gi_code", "cr_code", "ag_code"}
 ANYWHERE = {
     "sys._current_frames", "sys.settrace", "sys.setprofile", "sys.addaudithook", "gc.get_objects",
-    "gc.get_referrers", "gc.get_referents", "function.__new__", "code.__new__", "marshal.loads", "marshal.load",
-    "os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "subprocess.Popen", "os.kill",
-    "os.killpg", "cpython.run_command", "cpython.run_file",
+    "gc.get_referrers", "gc.get_referents", "os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_spawn",
+    "os.spawn", "subprocess.Popen", "os.kill", "os.killpg", "cpython.run_command", "cpython.run_file",
 }  # fmt: skip
 """Events that are tampering whenever untrusted code is on the stack."""
+DIRECT = {"function.__new__", "code.__new__", "marshal.loads", "marshal.load"}
+"""Events that are tampering when untrusted code raises them itself (the import system loads the
+standard library's bytecode and compiles sources while untrusted modules import)."""
 MACHINERY = ("pytest", "_pytest", "pluggy", "unittest", "runner", "harness", "__main__", "_signal", "signal")
 GUARDED_MODULES = {"_signal", "signal", "_ctypes", "ctypes", "gc", "_testcapi", "_testinternalcapi"}
 """Modules whose fresh import (after a ``del sys.modules[...]``) would hand out unguarded functions."""
@@ -212,6 +215,8 @@ class Harness:
                 self.refuse("untrusted code set __bases__")
             elif name in CODE_ATTRS and not self.untrusted(self.code_file(args[0]) or "<x>") and self.anywhere():
                 self.refuse(f"untrusted code set {name}")
+        elif event in DIRECT and self.stack(2, limit=1)[0][2]:  # (stack, hook, then the caller)
+            self.refuse(f"untrusted code called {event}")
         elif event in ANYWHERE or event.startswith(("ctypes.", "os.exec", "os.spawn", "os.posix_spawn")):
             if self.anywhere():
                 self.refuse(f"untrusted code called {event}")
@@ -222,7 +227,7 @@ class Harness:
         elif event in MUTATIONS and self.mutates_tests(event, args) and self.anywhere():
             self.refuse(f"untrusted code changed the tests' files ({event} {args[0]!r})")
         elif event == "compile" and len(args) > 1 and type(args[1]) is str and not args[1].startswith("<"):
-            if self.anywhere():
+            if self.stack(2, limit=1)[0][2]:  # the import system compiles sources; untrusted code may not name its own
                 self.refuse(f"untrusted code compiled code named {args[1]}")
 
     def own(self, kind: str, args) -> None:
@@ -323,7 +328,8 @@ class Harness:
         self.notes.append(str(text)[:200])
 
     def on_finish(self, code, log) -> None:
-        problem = self.integrity(list(self.snapshot[0])) or self.module_files()
+        problem = self.integrity(self.machinery) or self.integrity(list(self.snapshot[0]), strict=False)
+        problem = problem or self.module_files()
         if problem:
             self.note(problem)
         body = self.dumps(
@@ -335,11 +341,12 @@ class Harness:
             data = data[self.write(self.report_fd, data) :]
 
     # ------------------------------------------------------------------ integrity
-    def integrity(self, names, accept: bool = False) -> str:
+    def integrity(self, names, accept: bool = False, strict: bool = True) -> str:
         """The first attribute of the modules ``names`` (or of their classes) changed since the
         snapshot (empty: none). A None that got a value is lazy initialization; with ``accept`` (once,
         when collection ends) a function of trusted code that pytest's own plugins set becomes the
-        attribute's value to hold."""
+        attribute's value to hold; not ``strict`` (the standard library at the end: tests change
+        ``time.tzname``, ``locale`` state), only a value of untrusted code counts."""
         modules, classes = self.snapshot
         for name in names:
             module, before = modules[name]
@@ -355,8 +362,24 @@ class Harness:
                     if accept and type(current) is types.FunctionType and not self.untrusted(self.code_file(current)):
                         self.accepted[(id(attrs), attr)] = current
                         continue
-                    return f"{where}.{attr} was changed"
+                    if strict or self.untrusted_value(current):
+                        return f"{where}.{attr} was changed"
         return ""
+
+    def untrusted_value(self, value, depth: int = 0) -> bool:
+        """Code of untrusted code: a function or method, a partial of one, a class defining one, or an
+        instance of such a class."""
+        kind = type(value)
+        if kind in CODE_OF or kind is types.MethodType:
+            filename = self.code_file(value)
+            return bool(filename) and self.untrusted(filename)
+        if kind is functools.partial and depth < 3:
+            return self.untrusted_value(value.func, depth + 1)
+        cls = value if isinstance(value, type) else kind
+        return depth < 3 and any(
+            type(member) is types.FunctionType and self.untrusted(self.code_file(member))
+            for member in list(type.__dict__["__dict__"].__get__(cls).values())
+        )
 
     def machinery_state(self, config) -> str:
         if set(config.pluginmanager.get_plugins()) != self.state.get("plugins"):
