@@ -324,3 +324,30 @@ def test_unittest_tests_fail_by_their_reports_not_only_by_raising(tmp_path):
     ws.remove()
     assert report is not None and not report.tampered
     assert [report.outcomes.get(n) for n in names] == ["passed", "failed", "failed", "failed"]
+
+
+def test_only_the_changed_functions_of_a_changed_file_are_untrusted(tmp_path):
+    """A library function that reads its caller's frame (as deprecation helpers do) stays the
+    repository's when the fix changes another function of its file; a changed function that reads
+    frames is tampering."""
+    from lit_marl.envs.swe.workspace import Workspace
+
+    base_source = (
+        "import sys\n\n\ndef caller_name():\n    return sys._getframe(1).f_code.co_name\n\n\n"
+        "def double(x):\n    return x + 1\n"
+    )
+    test = (
+        "from mod import caller_name, double\n\n\ndef test_double():\n    assert double(3) == 6\n\n\n"
+        "def test_caller():\n    assert caller_name() == 'test_caller'\n"
+    )
+    base = {"mod.py": (base_source.encode(), 0o644), "tests/test_mod.py": (test.encode(), 0o644)}
+    names = ["tests/test_mod.py::test_double", "tests/test_mod.py::test_caller"]
+    for body, tampered in (("return x * 2", False), ("return sys._getframe(0).f_lineno and x * 2", True)):
+        fixed = base_source.replace("return x + 1", body).encode()
+        ws = Workspace(tmp_path / "ws", {**base, "mod.py": (fixed, 0o644)})
+        changed = scoring.changed_lines(base, {"mod.py": fixed})
+        report, _ = scoring.run_tests(ws, names, [], scoring.TestSettings(), changed)
+        ws.remove()
+        assert changed == {"mod.py": [9]} and bool(report.tampered) == tampered, report
+        if not tampered:
+            assert set(report.outcomes.values()) == {"passed"}

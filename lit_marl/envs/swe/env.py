@@ -24,7 +24,7 @@ from lit_marl import ConfigError
 from lit_marl.envs.base import register
 from lit_marl.envs.game import Game, StepResult
 from lit_marl.envs.swe.instances import normalize, parse_patch, resolve_source, snapshot
-from lit_marl.envs.swe.scoring import SITE, Score, TestSettings, run_tests, score
+from lit_marl.envs.swe.scoring import SITE, Score, TestSettings, changed_lines, run_tests, score
 from lit_marl.envs.swe.tools import FILE_TOOLS, HELP, ToolCall, ToolError, as_calls, parse
 from lit_marl.envs.swe.workspace import Workspace, default_root, sweep
 from lit_marl.fields import PositiveFloat, PositiveInt, check_fields
@@ -204,8 +204,11 @@ class SWEEnv(Game):
         listed = list(dict.fromkeys(self.row["PASS_TO_PASS"]))
         if not listed:
             return "no visible tests: write your own and run them (run python -m pytest FILE)"
-        changed = [path for path, data in self.ws.files().items() if self.base.get(path, (None,))[0] != data]
-        report, result = run_tests(self.ws, listed, self.row["test_args"], self.tests, changed)
+        current = self.ws.files()
+        changed = {path: data for path, data in current.items() if self.base.get(path, (None,))[0] != data}
+        report, result = run_tests(
+            self.ws, listed, self.row["test_args"], self.tests, changed_lines(self.base, changed)
+        )
         if report is None:
             return f"the tests gave no report (timed out: {result.timed_out}):\n{result.stderr[-800:]}"
         lines = [f"{report.outcomes.get(test, 'missing'):8s} {test}" for test in listed]

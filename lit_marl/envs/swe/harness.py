@@ -1,6 +1,7 @@
-"""The test harness's verdict (imported by ``runner.py``, INSIDE the sandbox; read runner.py's
-docstring for the design): an audit hook that keeps the outcomes, the tampering and the key where no
-Python object refers to them, the tripwires, and the integrity checks."""
+"""The test harness's verdict (run by ``runner.py`` INSIDE the sandbox, in a namespace of its own
+with its own copy of the builtins: not a module, so no object the code under test can reach leads
+to its functions, their globals or its class; read runner.py's docstring for the design): an audit
+hook that keeps the outcomes, the tampering and the key, the tripwires, and the integrity checks."""
 
 import functools
 import json
@@ -11,6 +12,8 @@ import sys
 import threading
 import types
 
+FunctionType, MethodType, CodeType = types.FunctionType, types.MethodType, types.CodeType  # captured: later
+ModuleType, Partial = types.ModuleType, functools.partial  # patches of types or functools change nothing here
 FRAME_APIS = {
     ("inspect", "currentframe"), ("inspect", "stack"), ("inspect", "trace"), ("inspect", "getouterframes"),
     ("inspect", "getinnerframes"), ("inspect", "getframeinfo"), ("traceback", "walk_stack"),
@@ -29,7 +32,7 @@ ANYWHERE = {
 DIRECT = {"function.__new__", "code.__new__", "marshal.loads", "marshal.load"}
 """Events that are tampering when untrusted code raises them itself (the import system loads the
 standard library's bytecode and compiles sources while untrusted modules import)."""
-MACHINERY = ("pytest", "_pytest", "pluggy", "unittest", "runner", "harness", "__main__", "_signal", "signal")
+MACHINERY = ("pytest", "_pytest", "pluggy", "unittest", "runner", "__main__", "_signal", "signal")
 GUARDED_MODULES = {"_signal", "signal", "_ctypes", "ctypes", "gc", "_testcapi", "_testinternalcapi"}
 """Modules whose fresh import (after a ``del sys.modules[...]``) would hand out unguarded functions."""
 
@@ -38,7 +41,7 @@ class Harness:
     """The verdict: outcomes, tampering, the key and the report's descriptor; reached only through the
     audit hook. Everything it calls later is captured now (C functions, snapshots)."""
 
-    def __init__(self, key, report_fd, codes, profiler, workspace, base, roots, spec):
+    def __init__(self, key, report_fd, codes, profiler, guards, workspace, base, roots, spec):
         import _hashlib
         import _signal
 
@@ -78,8 +81,11 @@ class Harness:
         folders = {f.rpartition("/")[0] for f in self.test_files} - {workspace}
         folders |= {p[:i] for p in folders for i in range(len(workspace) + 1, len(p)) if p[i] == "/"}
         self.protected = {(f.st_dev, f.st_ino) for f in map(_stat, [*self.test_files, *folders]) if f}
-        self.codes, self.profiler = codes, profiler
+        self.codes, self.profiler, (self.Guarded, self.guarded_getattribute) = codes, profiler, guards
+        self.modules = sys.modules
         self.busy, self.cache, self.tampered, self.outcomes, self.notes, self.accepted = set(), {}, [], {}, [], {}
+        self.code_cache = {}
+        self.changed_lines = {os.path.join(workspace, p): frozenset(n) for p, n in spec.get("lines", {}).items()}
         self.handlers, self.items, self.state = {}, {}, {"inside": False}
         self.signals = [s for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP)]
         self.snapshot = _snapshot(sys.modules)
@@ -111,7 +117,7 @@ class Harness:
             while frame is not None and len(out) < limit:
                 code = frame.f_code
                 filename = code.co_filename if type(code.co_filename) is str else "<?>"
-                out.append((filename, code.co_name, self.untrusted(filename), code))
+                out.append((filename, code.co_name, self.untrusted_code(code), code))
                 frame = frame.f_back
             return out
         finally:
@@ -131,19 +137,39 @@ class Harness:
                 return False
         return False
 
-    def code_file(self, obj) -> str:
-        """The file of a function's, method's, generator's or coroutine's code; empty for anything
-        else (no attribute of any other object is read: its code could run here)."""
+    def code_of(self, obj):
+        """The code of a function, method, generator or coroutine; None for anything else (no
+        attribute of any other object is read: its code could run here)."""
         tid = self.get_ident()
         self.busy.add(tid)
         try:
             kind = type(obj)
-            if kind is types.MethodType:
+            if kind is MethodType:
                 obj, kind = obj.__func__, type(obj.__func__)
             code = CODE_OF[kind](obj) if kind in CODE_OF else None
-            return code.co_filename if type(code) is types.CodeType and type(code.co_filename) is str else ""
+            return code if type(code) is CodeType and type(code.co_filename) is str else None
         finally:
             self.busy.discard(tid)
+
+    def untrusted_obj(self, obj) -> bool:
+        """An object whose code is untrusted, or that has no code of its own (a callable object)."""
+        code = self.code_of(obj)
+        return code is None or self.untrusted_code(code)
+
+    def untrusted_code(self, code) -> bool:
+        """Untrusted code: of an untrusted file; in a file the agent changed, only the module's own
+        code and the functions (and classes) whose lines take in a changed line: an unchanged
+        function of a changed file is the repository's."""
+        value = self.code_cache.get(code)
+        if value is None:
+            lines = self.changed_lines.get(code.co_filename)
+            value = self.untrusted(code.co_filename)
+            if value and lines is not None and code.co_name != "<module>":
+                span = [line for _, _, line in code.co_lines() if line is not None] or [code.co_firstlineno]
+                low, high = min(code.co_firstlineno, *span), max(span)
+                value = any(low <= line <= high for line in lines)
+            self.code_cache[code] = value
+        return value
 
     def guarded_file(self, path) -> bool:
         """A test's source, the harness, or anything of /proc (by the file itself: links and relative
@@ -207,13 +233,17 @@ class Harness:
             name = args[1] if len(args) > 1 else ""
             if name in FRAME_ATTRS and self.reached_frames():
                 self.refuse(f"untrusted code read {name}")
-            elif name in CODE_ATTRS and self.code_file(args[0]) in self.test_files and self.anywhere():
+            elif (
+                name in CODE_ATTRS
+                and getattr(self.code_of(args[0]), "co_filename", "") in self.test_files
+                and self.anywhere()
+            ):
                 self.refuse(f"untrusted code read {name} of a test")
         elif event in ("object.__setattr__", "object.__delattr__"):
             name = args[1] if len(args) > 1 else ""
             if name == "__bases__" and self.stack(2)[0][2]:  # (stack, hook, then the setter) typing sets bases
                 self.refuse("untrusted code set __bases__")
-            elif name in CODE_ATTRS and not self.untrusted(self.code_file(args[0]) or "<x>") and self.anywhere():
+            elif name in CODE_ATTRS and not self.untrusted_obj(args[0]) and self.anywhere():
                 self.refuse(f"untrusted code set {name}")
         elif event in DIRECT and self.stack(2, limit=1)[0][2]:  # (stack, hook, then the caller)
             self.refuse(f"untrusted code called {event}")
@@ -270,22 +300,24 @@ class Harness:
         self.items = {item.nodeid: (item, _function(item.obj), _params(item)) for item in session.items}
         import _pytest.assertion.util
 
-        for module in [*sys.modules.values(), _pytest.assertion.util]:  # the tests; pytest's current config and item
-            if type(module) is types.ModuleType and (
+        for module in [*self.modules.values(), _pytest.assertion.util]:  # the tests; pytest's current config and item
+            if type(module) is ModuleType and (
                 getattr(module, "__file__", None) in self.test_files or module is _pytest.assertion.util
             ):
-                module.__class__ = Guarded
+                module.__class__ = self.Guarded
         for finder in sys.meta_path:  # pytest's assertion rewriter holds the session (and with it every item)
             cls = type(finder)
             if hasattr(finder, "session") and "__getattribute__" not in vars(cls):
-                finder.__class__ = type("Guarded" + cls.__name__, (cls,), {"__getattribute__": _guarded})
+                finder.__class__ = type(
+                    "Guarded" + cls.__name__, (cls,), {"__getattribute__": self.guarded_getattribute}
+                )
 
     def item_origins(self, items) -> str:
         """A collected test whose function is code of untrusted code (a module the code under test
         planted in sys.modules, or a finder of its own, stood in for a test module). Decorated tests
         (``unittest.skip``, ``mock.patch``) are the decorator's trusted code."""
         for item in items:
-            if self.untrusted(self.code_file(getattr(item, "obj", None)) or "<x>"):
+            if self.untrusted_obj(getattr(item, "obj", None)):
                 return f"the test {item.nodeid} is untrusted code"
         return ""
 
@@ -294,8 +326,7 @@ class Harness:
         for finder in [*sys.meta_path, *sys.path_hooks]:
             method = finder if callable(finder) and not isinstance(finder, type) else None
             method = getattr(finder, "find_spec", None) or getattr(finder, "find_module", None) or method
-            filename = self.code_file(method)
-            if filename and self.untrusted(filename):
+            if self.code_of(method) is not None and self.untrusted_obj(method):
                 return f"an import finder of untrusted code ({type(finder).__name__})"
         return ""
 
@@ -342,15 +373,13 @@ class Harness:
 
     # ------------------------------------------------------------------ integrity
     def integrity(self, names, accept: bool = False, strict: bool = True) -> str:
-        """The first attribute of the modules ``names`` (or of their classes) changed since the
-        snapshot (empty: none). A None that got a value is lazy initialization; with ``accept`` (once,
-        when collection ends) a function of trusted code that pytest's own plugins set becomes the
-        attribute's value to hold; not ``strict`` (the standard library at the end: tests change
-        ``time.tzname``, ``locale`` state), only a value of untrusted code counts."""
+        """The first attribute of the modules ``names`` (or their classes) changed since the snapshot.
+        None -> a value is lazy initialization; ``accept`` (when collection ends) holds functions of
+        trusted code pytest's plugins set; not ``strict``, only a value of untrusted code counts."""
         modules, classes = self.snapshot
         for name in names:
             module, before = modules[name]
-            if sys.modules.get(name) is not module:
+            if self.modules.get(name) is not module:
                 return f"sys.modules[{name!r}] was replaced"
             containers = [(name, module.__dict__, before)]
             containers += [(f"{name}.{cls.__name__}", cls.__dict__, attrs) for cls, attrs in classes.get(name, ())]
@@ -359,7 +388,7 @@ class Harness:
                     current = now.get(attr, _MISSING)
                     if current is value or value is None or self.accepted.get((id(attrs), attr), _MISSING) is current:
                         continue
-                    if accept and type(current) is types.FunctionType and not self.untrusted(self.code_file(current)):
+                    if accept and type(current) is FunctionType and not self.untrusted_obj(current):
                         self.accepted[(id(attrs), attr)] = current
                         continue
                     if strict or self.untrusted_value(current):
@@ -370,14 +399,13 @@ class Harness:
         """Code of untrusted code: a function or method, a partial of one, a class defining one, or an
         instance of such a class."""
         kind = type(value)
-        if kind in CODE_OF or kind is types.MethodType:
-            filename = self.code_file(value)
-            return bool(filename) and self.untrusted(filename)
-        if kind is functools.partial and depth < 3:
+        if kind in CODE_OF or kind is MethodType:
+            return self.code_of(value) is not None and self.untrusted_obj(value)
+        if kind is Partial and depth < 3:
             return self.untrusted_value(value.func, depth + 1)
         cls = value if isinstance(value, type) else kind
         return depth < 3 and any(
-            type(member) is types.FunctionType and self.untrusted(self.code_file(member))
+            type(member) is FunctionType and self.untrusted_obj(member)
             for member in list(type.__dict__["__dict__"].__get__(cls).values())
         )
 
@@ -396,18 +424,18 @@ class Harness:
         """A hook implementation of untrusted code (a plugin the code under test registered)."""
         for hook_name in HOOKS:
             for impl in getattr(config.hook, hook_name).get_hookimpls():
-                if self.untrusted(self.code_file(impl.function) or "<x>"):
+                if self.untrusted_obj(impl.function):
                     return f"a {hook_name} implementation of untrusted code ({impl.plugin_name})"
         return ""
 
     def module_files(self) -> str:
         """A module of the repository registered under another module's name (a package that swaps
         the tested module in sys.modules)."""
-        for name, module in list(sys.modules.items()):
-            expected = [os.path.join(self.workspace, *name.split(".")) + tail for tail in (".py", "/__init__.py")]
+        for name, module in list(self.modules.items()):
+            expected = [self.workspace + "/" + name.replace(".", "/") + tail for tail in (".py", "/__init__.py")]
             if not any(path in self.base for path in expected):
                 continue
-            if type(module) not in (types.ModuleType, Guarded) or getattr(module, "__file__", None) not in expected:
+            if type(module) not in (ModuleType, self.Guarded) or getattr(module, "__file__", None) not in expected:
                 return f"sys.modules[{name!r}] is not the repository's {name}"
         return ""
 
@@ -416,32 +444,16 @@ MUTATIONS = {"open", "os.remove", "os.rename", "os.truncate", "os.chmod", "os.ch
              "os.symlink", "os.rmdir", "os.mkdir", "shutil.rmtree"}  # fmt: skip
 WRITES = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
 CODE_OF = {
-    types.FunctionType: lambda f: f.__code__,
+    FunctionType: lambda f: f.__code__,
     types.GeneratorType: lambda g: g.gi_code,
     types.CoroutineType: lambda c: c.cr_code,
     types.AsyncGeneratorType: lambda a: a.ag_code,
 }
 
 
-def _guarded(self, name):
-    """``__getattribute__`` of a guarded object: untrusted code reading its attributes is refused."""
-    sys.audit("lit_marl.module", name)
-    return object.__getattribute__(self, name)
-
-
-class Guarded(types.ModuleType):
-    """A test module once collected (and pytest's assertion helpers, which hold the current config
-    and item): untrusted code reading its attributes (the tests, their marks and parameters, the
-    module's data) is refused."""
-
-    def __getattribute__(self, name):
-        sys.audit("lit_marl.module", name)
-        return super().__getattribute__(name)
-
-
 def _function(obj):
     """A bound method's function (a unittest test's method is bound anew to each test's instance)."""
-    return obj.__func__ if type(obj) is types.MethodType else obj
+    return obj.__func__ if type(obj) is MethodType else obj
 
 
 def _params(item) -> str:
@@ -459,7 +471,7 @@ def _snapshot(modules) -> tuple[dict, dict]:
     """Every loaded module's attributes, and the attributes of the classes each defines."""
     out, classes = {}, {}
     for name, module in list(modules.items()):
-        if type(module) is not types.ModuleType:
+        if type(module) is not ModuleType:
             continue
         out[name] = (module, dict(module.__dict__))
         own = [v for v in module.__dict__.values() if isinstance(v, type) and getattr(v, "__module__", None) == name]

@@ -35,20 +35,40 @@ import json
 import os
 import signal
 import sys
+import types
 
 
 def _load_harness():
-    """``harness.py`` beside this file (``-I`` keeps the script's folder off ``sys.path``)."""
-    import importlib.util
+    """The Harness class of ``harness.py`` beside this file, run in a namespace of its own with a
+    private copy of the builtins (not a module: nothing the code under test reaches leads to it)."""
+    import builtins
 
-    spec = importlib.util.spec_from_file_location("harness", os.path.join(os.path.dirname(__file__), "harness.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["harness"] = module
-    spec.loader.exec_module(module)
-    return module.Harness
+    path = os.path.join(os.path.dirname(os.path.realpath(__file__)), "harness.py")
+    with open(path) as handle:
+        source = handle.read()
+    namespace = {"__name__": "lit_marl_harness", "__file__": path, "__builtins__": dict(builtins.__dict__)}
+    exec(compile(source, path, "exec"), namespace)
+    return namespace["Harness"]
 
 
-Harness = _load_harness()
+def _guarded(self, name, audit=sys.audit, get=object.__getattribute__):
+    """``__getattribute__`` of a guarded object: untrusted code reading its attributes is refused
+    (what it calls is bound as defaults: setting ``__defaults__`` is itself refused)."""
+    audit("lit_marl.module", name)
+    return get(self, name)
+
+
+def _guarded_module(self, name, audit=sys.audit, get=types.ModuleType.__getattribute__):
+    audit("lit_marl.module", name)
+    return get(self, name)
+
+
+class Guarded(types.ModuleType):
+    """A test module once collected (and pytest's assertion helpers, which hold the current config
+    and item): untrusted code reading its attributes (the tests, their marks and parameters, the
+    module's data) is refused."""
+
+    __getattribute__ = _guarded_module
 
 
 def main():
@@ -200,15 +220,15 @@ def install(key, report_fd, plugin, workspace, base, roots, spec) -> None:
         "check": record.pytest_runtest_teardown.__code__, "collected": record.pytest_collection_finish.__code__,
         "finish": run.__code__, "note": run.__code__, "returned": watch.__code__,
     }  # fmt: skip
-    harness = Harness(key, report_fd, codes, watch, workspace, base, roots, spec)
+    harness = _load_harness()(key, report_fd, codes, watch, (Guarded, _guarded), workspace, base, roots, spec)
     sys.addaudithook(harness.hook)
 
 
-def watch(frame, event, value):
+def watch(frame, event, value, audit=sys.audit):
     """The profiler during a test (it holds nothing): a value returned into test code, by code that is
     not the test's, that claims to equal a fresh object is an always-equal forgery."""
     if event == "return" and frame.f_back is not None:
-        sys.audit("lit_marl.returned", frame.f_code.co_filename, frame.f_back.f_code.co_filename, value)
+        audit("lit_marl.returned", frame.f_code.co_filename, frame.f_back.f_code.co_filename, value)
 
 
 if __name__ == "__main__":

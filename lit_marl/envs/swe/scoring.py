@@ -21,6 +21,7 @@ does not, the harness itself is broken and ``HarnessError`` stops the run (never
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import hmac
 import importlib.util
@@ -122,15 +123,18 @@ class Score:
 
 
 def run_tests(
-    ws: Workspace, tests: list[str], args: list[str], settings: TestSettings, changed: list[str] = ()
+    ws: Workspace, tests: list[str], args: list[str], settings: TestSettings, changed: dict | None = None
 ) -> tuple[Report | None, Result]:
-    """Run ``tests`` in the workspace (sandboxed), ``changed`` naming the files the agent wrote (the
-    untrusted code); the report, or None when no report signed with this run's key came back."""
+    """Run ``tests`` in the workspace (sandboxed); ``changed`` maps each file the agent wrote (the
+    untrusted code) to its changed lines (None: a new file, all of it). The report, or None when no
+    report signed with this run's key came back."""
+    changed = changed or {}
     key = secrets.token_bytes(32)
     interpreter = os.path.realpath(sys.executable)
     argv = [interpreter, "-I", "-B", RUNNER, SITE, str(ws.path.resolve()), str(settings.log_chars),
             str(settings.test_timeout_s), *args]  # fmt: skip
-    stdin = key.hex() + "\n" + json.dumps({"tests": list(tests), "changed": sorted(changed)})
+    lines = {path: lines for path, lines in changed.items() if lines is not None}
+    stdin = key.hex() + "\n" + json.dumps({"tests": list(tests), "changed": sorted(changed), "lines": lines})
     result = run_in(argv, str(ws.path), settings.limits(), read_only=(RUNNER, HARNESS, SITE), stdin=stdin)
     return signed_report(result.stdout, key), result
 
@@ -151,6 +155,23 @@ def signed_report(stdout: str, key: bytes) -> Report | None:
         )
     except (ValueError, KeyError, TypeError):
         return None
+
+
+def changed_lines(base: dict, changes: dict[str, bytes]) -> dict[str, list[int] | None]:
+    """Each changed file's changed lines (numbers in the new file: replaced and inserted lines, and
+    the two lines around a deletion); None for a new file."""
+    out: dict[str, list[int] | None] = {}
+    for path, data in changes.items():
+        if path not in base:
+            out[path] = None
+            continue
+        old, new = base[path][0].decode(errors="replace").splitlines(), data.decode(errors="replace").splitlines()
+        lines: set[int] = set()
+        for tag, _, _, j1, j2 in difflib.SequenceMatcher(None, old, new, autojunk=False).get_opcodes():
+            if tag != "equal":
+                lines.update(range(j1 + 1, j2 + 1) if j2 > j1 else (j1, j1 + 1))
+        out[path] = sorted(lines)
+    return out
 
 
 def carried(path: str) -> bool:
@@ -216,12 +237,12 @@ _baseline: dict[str, bool] = {}
 _baseline_lock = threading.Lock()
 
 
-def _reports(files, root: Path, tests, args, settings: TestSettings, changed=()) -> tuple[Report | None, int, Result]:
+def _reports(files, root: Path, tests, args, settings: TestSettings, changed=None) -> tuple[Report | None, int, Result]:
     """Up to 1 + retries runs on a fresh copy of ``files``; the report (None: none came), retries used."""
     ws = Workspace(root, files)
     try:
         for attempt in range(settings.retries + 1):
-            report, result = run_tests(ws, tests, args, settings, list(changed))
+            report, result = run_tests(ws, tests, args, settings, changed)
             if report is not None:
                 return report, attempt, result
         return None, settings.retries, result
@@ -236,7 +257,7 @@ def score(row: dict, base, current: dict[str, bytes], root: Path, settings: Test
     reason = shadowing(base, changes)
     if reason:
         return Score({test: "failed" for test in tests}, tampered=reason)
-    report, retries, result = _reports(files, root, tests, row["test_args"], settings, changes)
+    report, retries, result = _reports(files, root, tests, row["test_args"], settings, changed_lines(base, changes))
     if report is None:
         key = f"{row['instance_id']}@{row['base_commit']}"
         with _baseline_lock:
