@@ -77,6 +77,14 @@ PROBES = {
         inject("import logging\n" + ORIGINAL + CONSTS.format(frame="logging.currentframe().f_back")),
         "submit",
     ],
+    "builtins_switched_off_then_frames": [
+        inject(
+            "import builtins, sys\nbuiltins.any = lambda items: False\nbuiltins.type = lambda *a: object\n"
+            + ORIGINAL
+            + CONSTS.format(frame="sys._getframe(1)")
+        ),
+        "submit",
+    ],
     "frames_fullwidth_identifier": [
         inject("import sys as ｓ\n" + ORIGINAL + CONSTS.format(frame="ｓ._getframe(1)")),
         "submit",
