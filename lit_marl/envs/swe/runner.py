@@ -24,8 +24,8 @@ The code under test runs in this process, so nothing it can reach decides the sc
 - **Integrity.** pytest's, pluggy's and unittest's module and class attributes, pytest's plugins and
   hook implementations, and the signal handlers are compared with a snapshot taken before any code
   of the workspace ran, at the end of every test; every module loaded before the workspace joined
-  ``sys.path`` (the standard library included) at the end of the run. A value returned from
-  untrusted code into a test that equals a fresh ``object()`` (an always-equal object) is tampering.
+  ``sys.path`` (the standard library included) at the end of the run. A class of the changed code
+  whose instances equal a fresh ``object()`` (an always-equal object) is tampering.
 - File descriptors 1 and 2 go to a log before anything runs; pytest's entry-point plugins are not
   autoloaded; the base interpreter's own site-packages are dropped from ``sys.path`` (the venv's
   pytest runs); a test that runs longer than its seconds fails (SIGALRM).
@@ -218,17 +218,10 @@ def install(key, report_fd, plugin, workspace, base, roots, spec) -> None:
     codes = {
         "outcome": record.pytest_runtest_call.__code__, "enter": record.pytest_runtest_call.__code__,
         "check": record.pytest_runtest_teardown.__code__, "collected": record.pytest_collection_finish.__code__,
-        "finish": run.__code__, "note": run.__code__, "returned": watch.__code__,
+        "finish": run.__code__, "note": run.__code__,
     }  # fmt: skip
-    harness = _load_harness()(key, report_fd, codes, watch, (Guarded, _guarded), workspace, base, roots, spec)
+    harness = _load_harness()(key, report_fd, codes, (Guarded, _guarded), workspace, base, roots, spec)
     sys.addaudithook(harness.hook)
-
-
-def watch(frame, event, value, audit=sys.audit):
-    """The profiler during a test (it holds nothing): a value returned into test code, by code that is
-    not the test's, that claims to equal a fresh object is an always-equal forgery."""
-    if event == "return" and frame.f_back is not None:
-        audit("lit_marl.returned", frame.f_code.co_filename, frame.f_back.f_code.co_filename, value)
 
 
 if __name__ == "__main__":
