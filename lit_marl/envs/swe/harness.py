@@ -49,12 +49,7 @@ class Harness:
 
         self.key, self.report_fd, self.workspace, self.base = key, report_fd, workspace, base
         self.getframe, self.get_ident, self.hmac_digest = sys._getframe, threading.get_ident, _hashlib.hmac_digest
-        self.write, self.getsignal, self.dumps, self.setprofile = (
-            os.write,
-            _signal.getsignal,
-            json.dumps,
-            sys.setprofile,
-        )
+        self.write, self.getsignal, self.dumps = os.write, _signal.getsignal, json.dumps
         import _pytest.unittest
 
         self.clear_lines, self.items_types = (
