@@ -14,9 +14,9 @@ The code under test runs in this process, so nothing it can reach decides the sc
   by that wrapper's code only (the hook checks the calling code object, that no untrusted code is on
   the stack, and that each test is reported once). At the end the hook writes one line,
   ``<hmac> <json>``, signed with the key: anything else on the descriptor counts for nothing.
-- **Tripwires.** Untrusted code (the files the agent changed or added, anything compiled at run
-  time, any file outside the standard library, the venv's site-packages and the unchanged
-  repository) that reads frames (``sys._getframe``, ``inspect.stack``, ``traceback.walk_*``,
+- **Tripwires.** Untrusted code (in a changed file the module's code and the functions whose lines
+  take in a changed line, the files the agent added, anything compiled at run time, any file outside
+  the standard library, the venv's site-packages and the repository) that reads frames (``sys._getframe``, ``inspect.stack``, ``traceback.walk_*``,
   ``tb_frame``, ``gi_frame``, ...), walks the garbage collector, traces, builds code or function
   objects, loads ``ctypes``, starts processes, sends signals, installs signal handlers or audit
   hooks, opens the test files or ``/proc``, swaps a function's code, or reads the code of a test
