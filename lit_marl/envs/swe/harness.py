@@ -147,6 +147,10 @@ class Harness:
         finally:
             self.busy.discard(tid)
 
+    def is_test(self, code) -> bool:
+        """Code of a test function (a test's own code, not a helper a test hands to the library)."""
+        return code is not None and code.co_filename in self.test_files and code.co_name.startswith("test")
+
     def untrusted_obj(self, obj) -> bool:
         """An object whose code is untrusted, or that has no code of its own (a callable object)."""
         code = self.code_of(obj)
@@ -229,11 +233,7 @@ class Harness:
             name = args[1] if len(args) > 1 else ""
             if name in FRAME_ATTRS and self.reached_frames():
                 self.refuse(f"untrusted code read {name}")
-            elif (
-                name in CODE_ATTRS
-                and getattr(self.code_of(args[0]), "co_filename", "") in self.test_files
-                and self.anywhere()
-            ):
+            elif name in CODE_ATTRS and self.is_test(self.code_of(args[0])) and self.anywhere():
                 self.refuse(f"untrusted code read {name} of a test")
         elif event in ("object.__setattr__", "object.__delattr__"):
             name = args[1] if len(args) > 1 else ""
@@ -262,7 +262,7 @@ class Harness:
                 self.refuse("untrusted code installed a signal handler")
         elif kind == "module":  # the first caller outside the standard library reads a guarded object
             caller = next((f for f in self.stack(4) if not f[0].startswith(self.trusted_roots[0])), None)
-            if caller is not None and caller[2]:
+            if caller is not None and caller[2] and args[0] not in PLAIN_NAMES:
                 self.refuse(f"untrusted code read {args[0]} of a guarded object")
         elif kind in self.codes and self.genuine(kind, args[0] if kind in ("outcome", "enter", "check") else None):
             getattr(self, "on_" + kind)(*args)
@@ -437,11 +437,14 @@ class Harness:
             expected = [self.workspace + "/" + name.replace(".", "/") + tail for tail in (".py", "/__init__.py")]
             if not any(path in self.base for path in expected):
                 continue
-            if type(module) not in (ModuleType, self.Guarded) or getattr(module, "__file__", None) not in expected:
+            found = getattr(module, "__file__", None) if type(module) in (ModuleType, self.Guarded) else None
+            if found not in expected and (type(found) is not str or self.untrusted(found)):  # (tlz aliases toolz)
                 return f"sys.modules[{name!r}] is not the repository's {name}"
         return ""
 
 
+PLAIN_NAMES = {"__class__", "__name__", "__qualname__", "__module__", "__spec__", "__file__", "__package__", "__path__"}
+"""Attributes of a guarded object anyone may read (``isinstance``, ``inspect.getmodule`` read them)."""
 MUTATIONS = {"open", "os.remove", "os.rename", "os.truncate", "os.chmod", "os.chown", "os.utime", "os.link",
              "os.symlink", "os.rmdir", "os.mkdir", "shutil.rmtree"}  # fmt: skip
 WRITES = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
