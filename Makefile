@@ -52,5 +52,11 @@ vllm: $(VLLM_STAMP)
 test-vllm: $(VLLM_STAMP)
 	OMP_NUM_THREADS=2 $(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/vllm
 
+# the PyPI SWE set (docs/swe-pypi.md): pinned sdists downloaded once, regressions synthesized and each
+# instance checked by the scorer, under $LIT_MARL_CACHE/swe/pypi; runs name it swe:pypi:<train|test|all>
+.PHONY: swe-pypi
+swe-pypi: $(STAMP)
+	nice $(BIN)/python scripts/make_swe_pypi.py
+
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) lightning_logs .pytest_cache

@@ -75,14 +75,27 @@ def load_instances(path: str, field: str = "data.train_path") -> list[dict]:
 
 def resolve_source(source: str, field: str = "data.train_path") -> str:
     """``swe:bundled:<train|test|all>``: the bundled instances (their repositories written once under
-    ``$LIT_MARL_CACHE/swe``); ``swe:<file>``: a local SWE-Gym file (JSONL, JSON, Parquet, CSV) read
-    with ``datasets`` and written as checked JSONL rows beside the cache; the task file's path."""
+    ``$LIT_MARL_CACHE/swe``); ``swe:pypi:<train|test|all>``: the PyPI set (``pypi_set.py``), built
+    once by ``scripts/make_swe_pypi.py`` under ``$LIT_MARL_CACHE/swe/pypi``; ``swe:<file>``: a local
+    SWE-Gym file (JSONL, JSON, Parquet, CSV) read with ``datasets`` and written as checked JSONL rows
+    beside the cache; the task file's path."""
     rest = source.split(":", 1)[1]
     if rest.startswith("bundled"):
         split = rest.split(":", 1)[1] if ":" in rest else "all"
         if split not in (*SPLITS, "all"):
             raise ConfigError(f"{field}={source!r}: the bundled splits are {', '.join([*SPLITS, 'all'])}")
         return str(write_bundled(cache_dir() / "swe")[split])
+    if rest == "pypi" or rest.startswith("pypi:"):
+        split = rest.split(":", 1)[1] if ":" in rest else "all"
+        if split not in ("train", "test", "all"):
+            raise ConfigError(f"{field}={source!r}: the PyPI set's splits are train, test, all")
+        path = cache_dir() / "swe" / "pypi" / f"{split}.jsonl"
+        if not path.is_file():
+            raise ConfigError(
+                f"{field}={source!r}: the PyPI set is not built ({path} is missing); build it once with "
+                "`python scripts/make_swe_pypi.py` (or `make swe-pypi`; it downloads the pinned sdists)"
+            )
+        return str(path)
     rows = load_instances(rest, field)
     text = "".join(json.dumps(row, default=str) + "\n" for row in rows)
     out = cache_dir() / "swe" / f"{Path(rest).stem}-{hashlib.sha256(text.encode()).hexdigest()[:8]}.jsonl"
