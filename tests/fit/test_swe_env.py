@@ -316,14 +316,16 @@ def test_unittest_tests_fail_by_their_reports_not_only_by_raising(tmp_path):
         "    def test_ok(self):\n        self.assertEqual(1, 1)\n\n"
         "    def test_bad(self):\n        self.assertEqual(1, 2)\n\n"
         "    def test_error(self):\n        raise KeyError('x')\n\n"
-        "    @unittest.skip('no')\n    def test_skipped(self):\n        pass\n"
+        "    @unittest.skip('no')\n    def test_skipped(self):\n        pass\n\n"
+        "    def test_subtests(self):\n        for i in range(2):\n            with self.subTest(i=i):\n"
+        "                self.assertEqual(i, 0)\n"
     )
     ws = Workspace(tmp_path / "ws", {"tests/test_u.py": (test.encode(), 0o644)})
-    names = [f"tests/test_u.py::T::test_{n}" for n in ("ok", "bad", "error", "skipped")]
+    names = [f"tests/test_u.py::T::test_{n}" for n in ("ok", "bad", "error", "skipped", "subtests")]
     report, _ = scoring.run_tests(ws, names, [], scoring.TestSettings())
     ws.remove()
     assert report is not None and not report.tampered
-    assert [report.outcomes.get(n) for n in names] == ["passed", "failed", "failed", "failed"]
+    assert [report.outcomes.get(n) for n in names] == ["passed", "failed", "failed", "failed", "failed"]
 
 
 def test_only_the_changed_functions_of_a_changed_file_are_untrusted(tmp_path):

@@ -80,7 +80,7 @@ class Harness:
         self.checked_classes = set()
         self.modules = sys.modules
         self.busy, self.cache, self.tampered, self.outcomes, self.notes, self.accepted = set(), {}, [], {}, [], {}
-        self.code_cache = {}
+        self.code_cache, self.failed = {}, set()
         self.changed_lines = {os.path.join(workspace, p): frozenset(n) for p, n in spec.get("lines", {}).items()}
         self.handlers, self.items, self.state = {}, {}, {"inside": False}
         self.signals = [s for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP)]
@@ -147,8 +147,7 @@ class Harness:
         finally:
             self.busy.discard(tid)
 
-    def is_test(self, code) -> bool:
-        """Code of a test function (a test's own code, not a helper a test hands to the library)."""
+    def is_test(self, code) -> bool:  # a test's own code, not a helper a test hands to the library
         return code is not None and code.co_filename in self.test_files and code.co_name.startswith("test")
 
     def untrusted_obj(self, obj) -> bool:
@@ -338,6 +337,9 @@ class Harness:
             self.note(f"{item.nodeid} reported twice")
         self.outcomes[item.nodeid] = outcome if not problem else "failed"
 
+    def on_failed(self, nodeid) -> None:
+        self.failed.add(nodeid)
+
     def on_check(self, item) -> None:
         problem = self.integrity(self.machinery) or self.machinery_state(item.config) or self.module_files()
         if problem:
@@ -351,6 +353,7 @@ class Harness:
         problem = problem or self.module_files()
         if problem:
             self.note(problem)
+        self.outcomes.update({nodeid: "failed" for nodeid in self.failed if nodeid in self.outcomes})
         body = self.dumps(
             {"outcomes": self.outcomes, "exit": code, "log": log, "tampered": self.tampered, "notes": self.notes}
         )

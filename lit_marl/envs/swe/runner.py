@@ -16,7 +16,8 @@ The code under test runs in this process, so nothing it can reach decides the sc
   ``<hmac> <json>``, signed with the key: anything else on the descriptor counts for nothing.
 - **Tripwires.** Untrusted code (in a changed file the module's code and the functions whose lines
   take in a changed line, the files the agent added, anything compiled at run time, any file outside
-  the standard library, the venv's site-packages and the repository) that reads frames (``sys._getframe``, ``inspect.stack``, ``traceback.walk_*``,
+  the standard library, the venv's site-packages and the repository) that reads frames
+  (``sys._getframe``, ``inspect.stack``, ``traceback.walk_*``,
   ``tb_frame``, ``gi_frame``, ...), walks the garbage collector, traces, builds code or function
   objects, loads ``ctypes``, starts processes, sends signals, installs signal handlers or audit
   hooks, opens the test files or ``/proc``, swaps a function's code, or reads the code of a test
@@ -195,6 +196,10 @@ def make_plugin(wanted: list[str], seconds: float):
                 signal.signal(signal.SIGALRM, signal.SIG_DFL)
                 sys.audit("lit_marl.outcome", item, "failed" if raised else "passed")
 
+        def pytest_runtest_logreport(self, report):  # a failing subtest fails its test (it only can fail one)
+            if report.failed:
+                sys.audit("lit_marl.failed", report.nodeid)
+
         @pytest.hookimpl(wrapper=True)
         def pytest_runtest_teardown(self, item):
             yield
@@ -217,7 +222,8 @@ def install(key, report_fd, plugin, workspace, base, roots, spec) -> None:
     record = type(plugin)
     codes = {
         "outcome": record.pytest_runtest_call.__code__, "enter": record.pytest_runtest_call.__code__,
-        "check": record.pytest_runtest_teardown.__code__, "collected": record.pytest_collection_finish.__code__,
+        "check": record.pytest_runtest_teardown.__code__, "failed": record.pytest_runtest_logreport.__code__,
+        "collected": record.pytest_collection_finish.__code__,
         "finish": run.__code__, "note": run.__code__,
     }  # fmt: skip
     harness = _load_harness()(key, report_fd, codes, (Guarded, _guarded), workspace, base, roots, spec)
