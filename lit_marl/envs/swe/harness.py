@@ -1,7 +1,5 @@
-"""The test harness's verdict (run by ``runner.py`` INSIDE the sandbox, in a namespace of its own
-with its own copy of the builtins: not a module, so no object the code under test can reach leads
-to its functions, their globals or its class; read runner.py's docstring for the design): an audit
-hook that keeps the outcomes, the tampering and the key, the tripwires, and the integrity checks."""
+"""The test harness's verdict, run by ``runner.py`` (its docstring: the design) in a namespace of its
+own with private builtins, so nothing the code under test reaches leads to it."""
 
 import functools
 import json
@@ -29,9 +27,7 @@ ANYWHERE = {
     "os.spawn", "subprocess.Popen", "os.kill", "os.killpg", "cpython.run_command", "cpython.run_file",
 }  # fmt: skip
 """Events that are tampering whenever untrusted code is on the stack."""
-DIRECT = {"function.__new__", "code.__new__", "marshal.loads", "marshal.load"}
-"""Events that are tampering when untrusted code raises them itself (the import system loads the
-standard library's bytecode and compiles sources while untrusted modules import)."""
+DIRECT = {"function.__new__", "code.__new__", "marshal.loads", "marshal.load"}  # by untrusted code itself
 MACHINERY = ("pytest", "_pytest", "pluggy", "unittest", "runner", "__main__", "_signal", "signal")
 GUARDED_MODULES = {"_signal", "signal", "_ctypes", "ctypes", "gc", "_testcapi", "_testinternalcapi"}
 """Modules whose fresh import (after a ``del sys.modules[...]``) would hand out unguarded functions."""
