@@ -78,7 +78,7 @@ class Harness:
         self.busy, self.cache, self.tampered, self.outcomes, self.notes, self.accepted = set(), {}, [], {}, [], {}
         self.code_cache, self.failed = {}, set()
         self.changed_lines = {os.path.join(workspace, p): frozenset(n) for p, n in spec.get("lines", {}).items()}
-        self.handlers, self.items, self.state = {}, {}, {"inside": False}
+        self.handlers, self.items, self.state = {}, {}, {}
         self.signals = [s for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP)]
         self.snapshot = _snapshot(sys.modules)
         self.machinery = [name for name in self.snapshot[0] if name.split(".")[0] in MACHINERY]
