@@ -69,6 +69,20 @@ def test_the_expert_gives_a_demonstration_of_tool_calls(rows, root):
     assert "test_half_up" not in first  # FAIL_TO_PASS arrives with the test_patch, at scoring
 
 
+def test_the_expert_can_look_before_it_edits(rows, root):
+    env = SWEEnv(workspace_root=root, expert_view_context=3)
+    calls = [turn[0] for turn in env.expert_turns(rows["shop"])]
+    assert [c.split()[0] for c in calls] == ["view", "replace", "view", "replace", "submit"]
+    env.start(rows["shop"])
+    seen = [env.act([call]) for call in calls]
+    assert seen[-1].terminated and seen[-1].info["won"] and seen[-1].info["counts"]["tool_errors"] == 0
+    for at in (0, 2):  # each view shows the lines its replace changes, numbered
+        old = calls[at + 1].split("<<<<<<< SEARCH\n", 1)[1].split("=======\n", 1)[0]
+        assert all(line in seen[at].observations[0] for line in old.splitlines())
+    with pytest.raises(ConfigError, match="expert_view_context"):
+        SWEEnv(workspace_root=root, expert_view_context=-1)
+
+
 def test_editing_deleting_or_plugging_the_tests_and_writing_outside_earn_nothing(rows, root, tmp_path):
     outside = tmp_path / "outside.txt"
     attacks = [

@@ -250,6 +250,11 @@ def test_a_local_sdist_becomes_validated_instances_and_a_source(tmp_path, monkey
             row, base, instances.apply_patch(files, row["patch"], "patch"), root, scoring.TestSettings()
         )
         assert after.resolved
+    first = [json.loads(line) for line in open(instances.resolve_source("swe:pypi:train:1"))]
+    assert [r["instance_id"] for r in first] == [min(r["instance_id"] for r in rows)]  # one per project
+    for bad in ("swe:pypi:train:x", "swe:pypi:dev", "swe:pypi:train:1:2", "swe:pypi:train:"):
+        with pytest.raises(ConfigError, match="instances per project"):
+            instances.resolve_source(bad)
     written = Path(path).read_text()
     again = build_set(out, {"minicalc": "0.1"}, {"train": ["minicalc"], "test": []}, settings, {"minicalc": sdist})
     assert again["projects"] == manifest["projects"] and Path(path).read_text() == written  # reused

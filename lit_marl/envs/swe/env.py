@@ -27,7 +27,7 @@ from lit_marl.envs.swe.instances import normalize, parse_patch, resolve_source, 
 from lit_marl.envs.swe.scoring import SITE, Score, TestSettings, changed_lines, run_tests, score
 from lit_marl.envs.swe.tools import FILE_TOOLS, HELP, ToolCall, ToolError, as_calls, parse
 from lit_marl.envs.swe.workspace import Workspace, default_root, sweep
-from lit_marl.fields import PositiveFloat, PositiveInt, check_fields
+from lit_marl.fields import NonNegativeInt, PositiveFloat, PositiveInt, check_fields
 from lit_marl.sandbox import Limits, run_in
 
 _swept: set[str] = set()
@@ -75,6 +75,7 @@ class SWEEnv(Game):
         command_timeout_s: PositiveFloat = 20.0,
         workspace_mb: PositiveInt = 64,
         list_tests: bool = True,
+        expert_view_context: NonNegativeInt | None = None,
         workspace_root: str | None = None,
         tests: TestSettings | dict | None = None,
         command_limits: dict | None = None,
@@ -93,6 +94,9 @@ class SWEEnv(Game):
             workspace_mb: Size of the workspace past which a ``run`` ends the episode (scored).
             list_tests: Name the PASS_TO_PASS tests, and how many FAIL_TO_PASS tests are hidden, in
                 the first observation.
+            expert_view_context: The known fix as demonstrations (``expert_turns``) first views each hunk's
+                lines with this many around them, then replaces them (look, then edit); None: it edits
+                straight away (the fewest calls).
             workspace_root: Where workspaces are made (default ``$TMPDIR/lit_marl_swe``).
             tests: How tests run (``scoring.TestSettings``: seconds per test and per run, memory,
                 processes, file and disk sizes, retries of a run that gives no report).
@@ -111,6 +115,7 @@ class SWEEnv(Game):
         self.repos_dir, self.reward, self.max_steps = repos_dir, reward, max_steps
         self.max_observation_chars, self.max_output_chars = max_observation_chars, max_output_chars
         self.command_timeout_s, self.workspace_mb, self.list_tests = command_timeout_s, workspace_mb, list_tests
+        self.expert_view_context = expert_view_context
         self.root = Path(workspace_root) if workspace_root else default_root()
         self.tests = tests if isinstance(tests, TestSettings) else TestSettings(**(tests or {}))
         with _sweep_lock:  # workspaces of killed runs go before this process makes its own
@@ -244,12 +249,13 @@ class SWEEnv(Game):
             self.ws.remove()
 
     def expert_turns(self, task: dict) -> list[list[str]]:
-        """The known fix (the row's ``patch``) as tool calls, one per hunk, then ``submit``."""
+        """The known fix (the row's ``patch``) as tool calls, one per hunk (after a ``view`` of its lines
+        with ``expert_view_context``), then ``submit``."""
         row = normalize(dict(task), f"instance {task.get('instance_id', '?')}")
         if not row["patch"]:
             raise ValueError(f"instance {row['instance_id']}: no patch, so no expert")
         base = {path: data for path, (data, _) in snapshot(row, self.repos_dir).items()}
-        return [[call] for call in as_calls(parse_patch(row["patch"]), base)]
+        return [[call] for call in as_calls(parse_patch(row["patch"]), base, self.expert_view_context)]
 
     def clone(self) -> "SWEEnv":
         twin = object.__new__(SWEEnv)

@@ -75,8 +75,9 @@ def load_instances(path: str, field: str = "data.train_path") -> list[dict]:
 
 def resolve_source(source: str, field: str = "data.train_path") -> str:
     """``swe:bundled:<train|test|all>``: the bundled instances (their repositories written once under
-    ``$LIT_MARL_CACHE/swe``); ``swe:pypi:<train|test|all>``: the PyPI set (``pypi_set.py``), built
-    once by ``scripts/make_swe_pypi.py`` under ``$LIT_MARL_CACHE/swe/pypi``; ``swe:<file>``: a local
+    ``$LIT_MARL_CACHE/swe``); ``swe:pypi:<train|test|all>[:<k>]``: the PyPI set (``pypi_set.py``), built
+    once by ``scripts/make_swe_pypi.py`` under ``$LIT_MARL_CACHE/swe/pypi`` (``k``: the first k instances
+    of each project); ``swe:<file>``: a local
     SWE-Gym file (JSONL, JSON, Parquet, CSV) read with ``datasets`` and written as checked JSONL rows
     beside the cache; the task file's path."""
     rest = source.split(":", 1)[1]
@@ -86,19 +87,38 @@ def resolve_source(source: str, field: str = "data.train_path") -> str:
             raise ConfigError(f"{field}={source!r}: the bundled splits are {', '.join([*SPLITS, 'all'])}")
         return str(write_bundled(cache_dir() / "swe")[split])
     if rest == "pypi" or rest.startswith("pypi:"):
-        split = rest.split(":", 1)[1] if ":" in rest else "all"
-        if split not in ("train", "test", "all"):
-            raise ConfigError(f"{field}={source!r}: the PyPI set's splits are train, test, all")
-        path = cache_dir() / "swe" / "pypi" / f"{split}.jsonl"
-        if not path.is_file():
-            raise ConfigError(
-                f"{field}={source!r}: the PyPI set is not built ({path} is missing); build it once with "
-                "`python scripts/make_swe_pypi.py` (or `make swe-pypi`; it downloads the pinned sdists)"
-            )
+        return pypi_split(source, rest.split(":")[1:], field)
+    return write_rows(Path(rest).stem, load_instances(rest, field))
+
+
+def pypi_split(source: str, parts: list[str], field: str) -> str:
+    """``swe:pypi[:<split>[:<k>]]``: the PyPI set's split file; with ``k``, the first ``k`` instances
+    of each project (by id), written beside the cache (a small evaluation set that still covers
+    every project)."""
+    split = parts[0] if parts else "all"
+    per_project = parts[1] if len(parts) > 1 else None
+    if split not in ("train", "test", "all") or len(parts) > 2 or not (per_project is None or per_project.isdigit()):
+        raise ConfigError(f"{field}={source!r}: give swe:pypi:<train|test|all>[:<instances per project>]")
+    path = cache_dir() / "swe" / "pypi" / f"{split}.jsonl"
+    if not path.is_file():
+        raise ConfigError(
+            f"{field}={source!r}: the PyPI set is not built ({path} is missing); build it once with "
+            "`python scripts/make_swe_pypi.py` (or `make swe-pypi`; it downloads the pinned sdists)"
+        )
+    if per_project is None:
         return str(path)
-    rows = load_instances(rest, field)
+    kept: dict[str, list[dict]] = {}
+    for row in sorted(load_instances(str(path), field), key=lambda row: row["instance_id"]):
+        group = kept.setdefault(row["repo"], [])
+        if len(group) < int(per_project):
+            group.append(row)
+    return write_rows(f"pypi-{split}-{per_project}", [row for group in kept.values() for row in group])
+
+
+def write_rows(stem: str, rows: list[dict]) -> str:
+    """``rows`` as JSONL under the cache, named by their content (written once, atomically)."""
     text = "".join(json.dumps(row, default=str) + "\n" for row in rows)
-    out = cache_dir() / "swe" / f"{Path(rest).stem}-{hashlib.sha256(text.encode()).hexdigest()[:8]}.jsonl"
+    out = cache_dir() / "swe" / f"{stem}-{hashlib.sha256(text.encode()).hexdigest()[:8]}.jsonl"
     if not out.is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(f".{os.getpid()}.tmp")

@@ -202,15 +202,25 @@ def trim(hunk, text: str):
     return type(hunk)(hunk.path, "".join(old), "".join(new), hunk.created, hunk.deleted)
 
 
-def as_calls(hunks, files: dict[str, bytes] | None = None) -> list[str]:
+def view_call(path: str, text: str, old: str, context: int) -> str:
+    """``view`` of the lines ``old`` spans in ``text`` with ``context`` lines around them."""
+    first = text[: text.index(old)].count("\n") + 1
+    last = first + max(old.count("\n"), 1) - 1
+    return f"view {path} {max(1, first - context)} {last + context}"
+
+
+def as_calls(hunks, files: dict[str, bytes] | None = None, view_context: int | None = None) -> list[str]:
     """The known fix (a patch's hunks) as tool calls, one per hunk, then ``submit``; with the base
-    ``files`` each replace is trimmed to the lines that change (``trim``)."""
+    ``files`` each replace is trimmed to the lines that change (``trim``) and, with ``view_context``,
+    preceded by a ``view`` of its lines and that many around them (look, then edit)."""
     calls = []
     files = dict(files or {})
     for hunk in hunks:
         if files and not hunk.created and not hunk.deleted and hunk.path in files:
             text = files[hunk.path].decode(errors="replace")
             hunk = trim(hunk, text)
+            if view_context is not None:
+                calls.append(view_call(hunk.path, text, hunk.old, view_context))
             files[hunk.path] = text.replace(hunk.old, hunk.new, 1).encode()
         if hunk.created:
             calls.append(f"create {hunk.path}\n<<<<<<< CONTENT\n{hunk.new}>>>>>>> END")
