@@ -39,7 +39,7 @@ class TreeSettings:
     top_p: float = 1.0
     greedy: bool = False
     early_termination_threshold: float | None = None
-    external_prompt_passthrough: bool = False
+    chat_template: bool = True
     reward_density: Literal["sparse", "dense"] = "sparse"
     score_weight: float | None = None
     cross_return: CrossReduce = "mean"
@@ -116,8 +116,7 @@ def build_tree(
     levels: list[_Level] = []
     for turn in range(settings.num_turns):
         t0 = time.perf_counter()
-        raw = turn > 0 and settings.external_prompt_passthrough
-        gens, texts = _generate(agents, tasks, nodes, settings, engine, raw)
+        gens, texts = _generate(agents, tasks, nodes, settings, engine, not settings.chat_template)
         t1 = time.perf_counter()
         rewards, children, next_nodes = _step(env, nodes, texts, combos, turn, settings, tally)
         shaped = rewards  # what returns are built from; logs and early termination use the task reward
