@@ -120,6 +120,7 @@ class RolloutDataModule(TaskDataModule):
             max_new_tokens=hp.max_new_tokens,
             temperature=hp.temperature,
             top_p=hp.top_p,
+            top_k=hp.top_k,
             early_termination_threshold=early_termination_threshold,
             external_prompt_passthrough=external_prompt_passthrough,
             reward_processor=RewardProcessor.parse(reward_processor),

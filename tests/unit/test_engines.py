@@ -703,6 +703,21 @@ def test_per_task_streams_make_a_task_sample_the_same_tree_in_any_batch(tiny_age
     assert other.completions != alone.completions
 
 
+def test_data_top_k_reaches_the_tree_rollouts(tiny_agents):
+    """``data.top_k`` through the tree settings to the engine: with top-k 1 every sampled response
+    is the greedy one (the tiny models' distributions are near uniform: without it none would be)."""
+    from helpers import LENGTH_REWARD, slogan_data
+
+    data = slogan_data(reward_fn=LENGTH_REWARD, num_generations=2, max_new_tokens=6, top_k=1)
+    assert data.tree.top_k == 1
+    tasks = data.train_tasks[:2]
+    sampled, greedy = data.rollout(tiny_agents, tasks, greedy=False), data.rollout(tiny_agents, tasks, greedy=True)
+    for agent_sampled, agent_greedy in zip(sampled.completions, greedy.completions):
+        assert agent_sampled == [text for text in agent_greedy for _ in range(2)]
+    assert slogan_data(reward_fn=LENGTH_REWARD).tree.top_k is None  # off by default, or with 0
+    assert slogan_data(reward_fn=LENGTH_REWARD, top_k=0).tree.top_k == 0
+
+
 @pytest.mark.parametrize("name", ["torch", "hf"])
 def test_engines_return_the_raw_log_probs_of_their_samples(tiny_agents, prompts, name):
     """Each sampled token's log-prob as the engine computed it: the raw model distribution (before
