@@ -76,7 +76,7 @@ class ApiWriter:
         self.settings = settings
         self.calls = 0
 
-    def complete(self, prompts, role, tasks, n, max_new_tokens, temperature, top_p, top_k):
+    def complete(self, prompts, role, tasks, n, max_new_tokens, temperature, top_p, top_k) -> list[list[str] | None]:
         """Per prompt (of task ``tasks[i]``) ``n`` texts, or None where the endpoint timed out."""
         sampling = (temperature, top_p, top_k)
         return [self.texts_for(p, role, task, n, max_new_tokens, *sampling) for p, task in zip(prompts, tasks)]
