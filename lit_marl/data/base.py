@@ -18,7 +18,14 @@ from lit_marl.envs import make_env
 from lit_marl.envs.base import Env, FunctionEnv, TextEnv
 from lit_marl.envs.calls import CallSettings
 from lit_marl.envs.sources import resolve_demo_source
-from lit_marl.fields import PositiveFloat, PositiveInt, UnitIntervalLeftOpen, UnitIntervalRightOpen, check_fields
+from lit_marl.fields import (
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    UnitIntervalLeftOpen,
+    UnitIntervalRightOpen,
+    check_fields,
+)
 from lit_marl.generation import make_engine
 from lit_marl.metrics import EvalMeans, PassAtK
 from lit_marl.returns import step_reward
@@ -83,6 +90,8 @@ class TaskDataModule(L.LightningDataModule):
         max_new_tokens: Generation budget per response.
         temperature: Sampling temperature for training rollouts (evaluation is greedy).
         top_p: Nucleus sampling for training rollouts.
+        top_k: Top-k sampling for training rollouts: only the k most likely tokens are sampled (applied
+            before ``top_p``, as transformers does); null or 0: off.
         eval_tasks_per_step: Tasks per batch in validation/test (greedy, one response each).
         seed: Seed of the task order.
         engine: What generates: ``auto`` (default: the lean ``torch`` decoder for Llama/Qwen2 models,
@@ -140,6 +149,7 @@ class TaskDataModule(L.LightningDataModule):
         max_new_tokens: PositiveInt = 64,
         temperature: PositiveFloat = 1.0,
         top_p: UnitIntervalLeftOpen = 1.0,
+        top_k: NonNegativeInt | None = None,
         eval_tasks_per_step: PositiveInt = 16,
         seed: int = 0,
         engine: str = "auto",
@@ -156,6 +166,8 @@ class TaskDataModule(L.LightningDataModule):
         max_skipped_steps: PositiveInt = 3,
     ):
         super().__init__()
+        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
+            raise ConfigError(f"data.top_k={top_k!r}: must be a positive integer k (0 or null: off)")
         check_fields("data", TaskDataModule.__init__, locals())
         step_reward(0, 0, 1, False, True, reward_density, score_weight)  # checks the two settings
         given = {"env": env, "reward_fn": reward_fn, "transition": transition}  # objects (Python API): not saved

@@ -130,6 +130,7 @@ class RolloutDataModule(TaskDataModule):
             max_new_tokens=hp.max_new_tokens,
             temperature=hp.temperature,
             top_p=hp.top_p,
+            top_k=hp.top_k,
             early_termination_threshold=early_termination_threshold,
             chat_template=chat_template,
             reward_processor=RewardProcessor.parse(reward_processor),

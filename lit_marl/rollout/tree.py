@@ -37,6 +37,7 @@ class TreeSettings:
     max_new_tokens: int = 64
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int | None = None
     greedy: bool = False
     early_termination_threshold: float | None = None
     chat_template: bool = True
@@ -161,7 +162,7 @@ def _generate(
             for roles in groups
         ]
     outputs = engine.generate_team(
-        calls, settings.max_new_tokens, settings.temperature, settings.top_p, settings.greedy, seeds=seeds
+        calls, settings.max_new_tokens, settings.temperature, settings.top_p, settings.top_k, settings.greedy, seeds
     )
     for roles, generated in zip(groups, outputs):
         for r, i in enumerate(roles):  # a parameter-shared model played several roles at once
