@@ -182,6 +182,13 @@ def record_stats(log: StepLog, stats: dict[str, float], weight: float) -> None:
     log.add({k: v for k, v in stats.items() if not COUNTS.match(k)}, weight=weight)
 
 
+# ``self.log`` of a value every rank already holds reduced (the same on all ranks): Lightning warns on
+# each epoch-level key logged without sync_dist under DDP, and sync_dist alone would all-reduce it
+# again; with rank_zero_only its sync is a no-op (result.py ``_Sync``), so nothing is reduced twice
+# and the epoch's weighted mean stays the one each rank computes
+REDUCED = {"sync_dist": True, "rank_zero_only": True}
+
+
 class StepLogging:
     """What a LightningModule of the team logs, and how: a training step ``record``s into
     ``self.step_log`` (a ``StepLog``) and ``write_step_log`` writes it at the step's end; evaluation batches
@@ -227,9 +234,9 @@ class StepLogging:
         means, _ = batch.reduce()
         count = means.pop("_weight")
         for key, value in means.items():
-            self.log(key, value, batch_size=max(int(count), 1))
+            self.log(key, value, batch_size=max(int(count), 1), **REDUCED)
         if self.trainer.state.fn == "fit":  # Lightning's x for these (its ``step`` key): the steps done, as ours
-            self.log("step", float(self.training_steps), batch_size=1)
+            self.log("step", float(self.training_steps), batch_size=1, **REDUCED)
 
     def record(self, values: dict[str, float], weight: float = 1.0, reduce: str = "mean") -> None:
         """Record diagnostics of this training step (``StepLog``): written once, at the step's end."""
