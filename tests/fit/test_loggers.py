@@ -1,6 +1,8 @@
 """The text samples and histograms of a fit reach every logger that can take them, read back from
 what each logger wrote: a W&B offline run (its ``.wandb`` file, read record by record, and its media
-files) and an MLflow file store; a logger that cannot take them gets the scalars and one notice."""
+files) and an MLflow file store; a logger that cannot take them gets the scalars and one notice.
+And TensorBoard's ``hp_metric`` placeholder is off in every logger the CLI builds, unless a config
+asks for it."""
 
 from __future__ import annotations
 
@@ -11,10 +13,13 @@ from pathlib import Path
 
 import lightning as L
 import torch
+import yaml
 from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, WandbLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from helpers import make_trainer, slogan_data
 from lit_marl.algorithms import MAGRPO
+from lit_marl.cli import build_cli
 from lit_marl.logger_media import HISTOGRAM_BINS, QUANTILES, StepMedia
 
 NOTICE = "CSVLogger receives the scalars only"
@@ -121,3 +126,39 @@ def test_media_skip_empty_distributions_and_a_step_with_nothing_says_nothing():
         media.write(csv, 2, {}, {}, {"t": "text"})
     assert [NOTICE in str(w.message) for w in caught] == [True]
 
+
+def _tensorboard_scalars(root: Path) -> set[str]:
+    (events,) = root.rglob("events.out.tfevents.*")
+    accumulator = EventAccumulator(str(events.parent))
+    accumulator.Reload()
+    return set(accumulator.Tags()["scalars"])
+
+
+def test_cli_loggers_write_no_hp_metric_unless_a_config_asks(in_repo_root, tmp_path):
+    """A config's TensorBoardLogger (alone or in a list) and the default logger (a config without
+    one; it writes under trainer.default_root_dir, as Lightning's own) log hyperparameters without
+    TensorBoard's ``hp_metric = -1``; a config that sets ``default_hp_metric: true`` gets it."""
+    config = "configs/magrpo/slogan_tiny.yaml"
+    source = yaml.safe_load(Path(config).read_text())
+    logger = source["trainer"].pop("logger")
+    (tmp_path / "no_logger.yaml").write_text(yaml.safe_dump(source))
+    logger["init_args"]["save_dir"] = str(tmp_path / "listed")
+    csv = {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(tmp_path / "csv")}}
+    (tmp_path / "listed.yaml").write_text(yaml.safe_dump({"trainer": {"logger": [csv, logger]}}))
+    runs = {
+        "config": ["--config", config, "--trainer.logger.init_args.save_dir", str(tmp_path / "config")],
+        "asked": [
+            *("--config", config, "--trainer.logger.init_args.save_dir", str(tmp_path / "asked")),
+            *("--trainer.logger.init_args.default_hp_metric", "true"),
+        ],
+        "default": ["--config", str(tmp_path / "no_logger.yaml"), "--trainer.default_root_dir", str(tmp_path / "root")],
+        "listed": ["--config", config, "--config", str(tmp_path / "listed.yaml")],  # second in a list
+    }
+    scalars = {}
+    for name, args in runs.items():
+        logger = build_cli(args=args, run=False).trainer.loggers[-1]
+        assert Path(logger.log_dir).is_relative_to(tmp_path / ("root" if name == "default" else name))
+        logger.log_hyperparams({"learning_rate": 1e-3})
+        logger.finalize("success")
+        scalars[name] = _tensorboard_scalars(Path(logger.log_dir))
+    assert {name for name, tags in scalars.items() if "hp_metric" in tags} == {"asked"}
