@@ -9,6 +9,14 @@ from lit_marl.envs.calls import RewardError  # checkpoint_files loads torch alre
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# Lightning's default logger without TensorBoard's hp_metric (-1 at every start: no metric of ours).
+# A config's own TensorBoardLogger gets default_hp_metric: false too unless it sets it (jsonargparse
+# merges a config's init_args into the default's when the class_path is the same).
+DEFAULT_LOGGER = {
+    "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+    "init_args": {"save_dir": ".", "default_hp_metric": False},
+}
+
 
 def build_cli(args: list[str] | None = None, run: bool = True):
     import warnings
@@ -52,6 +60,14 @@ def build_cli(args: list[str] | None = None, run: bool = True):
         def instantiate_trainer(self, **kwargs):
             return use_run_progress_bar(super().instantiate_trainer(**kwargs))
 
+        def before_instantiate_classes(self) -> None:
+            # the default logger writes under trainer.default_root_dir, as Lightning's own does
+            trainer = (self.config[self.subcommand] if self.subcommand else self.config).trainer
+            logger = trainer.logger
+            if trainer.default_root_dir and getattr(logger, "class_path", None) == DEFAULT_LOGGER["class_path"]:
+                if logger.init_args.get("save_dir") == ".":  # no save_dir named: the default's
+                    logger.init_args.save_dir = trainer.default_root_dir
+
         def add_arguments_to_parser(self, parser) -> None:
             # the number of agents is the number of prompt templates: said once, in the data
             parser.link_arguments("data.num_agents", "model.init_args.num_agents", apply_on="instantiate")
@@ -66,7 +82,7 @@ def build_cli(args: list[str] | None = None, run: bool = True):
         args=args,
         run=run,
         save_config_kwargs={"overwrite": True},
-        trainer_defaults={"log_every_n_steps": 1, "num_sanity_val_steps": 0},
+        trainer_defaults={"log_every_n_steps": 1, "num_sanity_val_steps": 0, "logger": DEFAULT_LOGGER},
     )
 
 

@@ -127,7 +127,8 @@ def test_unknown_option_is_rejected(in_repo_root, capsys):
 
 
 def test_console_script(repo_root):
-    """`lit-marl`, the command the README and Makefile use, is installed and reads the configs."""
+    """`lit-marl`, the command the README and Makefile use, is installed and reads the configs; its
+    start-up imports no logger's package (wandb, mlflow: only when that logger is used)."""
     script = Path(sys.executable).parent / "lit-marl"
     if not script.exists():
         pytest.skip("the package is not installed in this environment (pip install -e .)")
@@ -137,10 +138,13 @@ def test_console_script(repo_root):
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPROFILEIMPORTTIME": "1"},
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert yaml.safe_load(result.stdout)["model"]["init_args"]["model"] == "smollm2-135m-instruct"
+    lines = [line for line in result.stderr.splitlines() if line.startswith("import time:")]
+    imported = {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in lines}
+    assert "lit_marl" in imported and not imported & {"wandb", "mlflow", "markdown"}
 
 
 def test_cli_validate(in_repo_root, tmp_path):
