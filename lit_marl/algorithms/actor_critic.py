@@ -53,7 +53,7 @@ from lit_marl.models import checkpointed_passes, set_attention
 from lit_marl.parallel.collectives import all_ranks_max, all_ranks_sum, padded_steps, z_score_per_group
 from lit_marl.returns import next_turn_rows, td_advantages, td_targets, team_reward
 from lit_marl.rollout.batch import AgentSamples, RolloutBatch
-from lit_marl.rollout.buffer import RolloutBuffer, UpdateSchedule, batch_turns, minibatches
+from lit_marl.rollout.buffer import UpdateSchedule, batch_turns, minibatches
 
 Forward = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 """An actor's completion log-probs, entropies (or None) and value-head values (or None)."""
@@ -70,6 +70,8 @@ class _UpdateSamples:
 
 class ActorCritic(AgentTeamModule):
     """What IAC and MAAC share; ``centralized`` says which critic they learn."""
+
+    buffered = True
 
     centralized = False
     critic_reward: Literal["team", "per_agent"] = "team"
@@ -155,7 +157,6 @@ class ActorCritic(AgentTeamModule):
         self.rollout_buffer_size, self.train_batch_size = rollout_buffer_size, train_batch_size
         self.update_schedule, self.rollout_is_cap = update_schedule, rollout_is_cap
         self.critics: nn.ModuleList | None = None
-        self.rollout_buffers = [RolloutBuffer() for _ in range(self.hparams.num_agents)]
 
     # ------------------------------------------------------------------ models and optimizers
     def build_models(self) -> None:

@@ -54,7 +54,7 @@ class AgentTeamModule(OptimizerSteps, StepLogging, L.LightningModule):
     def __init__(
         self,
         model: str | list[str] = "tiny-random",
-        num_agents: PositiveInt = 2,
+        num_agents: PositiveInt | None = None,
         lora: LoraSettings | None = None,
         system_prompt: str | None = None,
         learning_rate: PositiveFloat = 1e-5,
@@ -76,7 +76,8 @@ class AgentTeamModule(OptimizerSteps, StepLogging, L.LightningModule):
         Args:
             model: Model source of every agent (each gets its own copy of the weights), or one source
                 per agent: ``tiny-random``, ``smollm2-135m-instruct``, an HF id or a local folder.
-            num_agents: Number of agents; the CLI links it to the number of ``data.agent_prompts``.
+            num_agents: Number of agents (the CLI links it to the data's); None: one per source of a list
+                ``model``, else the data's, taken when the run starts (a script need not give it).
             lora: LoRA adapters per agent instead of full fine-tuning (omit for full fine-tuning).
             system_prompt: System message for every agent (omit to keep the chat template's default).
             learning_rate: AdamW learning rate of every agent.
@@ -114,21 +115,20 @@ class AgentTeamModule(OptimizerSteps, StepLogging, L.LightningModule):
         super().__init__()
         check_fields("model", AgentTeamModule.__init__, locals())
         self.nonfinite_skips = 0
-        sources = team_sources(model, num_agents, share_parameters, lora is not None, lora_shared_base)
+        num_agents = num_agents or (None if isinstance(model, str) else len(model))
+        team_sources(model, num_agents or 1, share_parameters, lora is not None, lora_shared_base)  # fail first
         self.save_hyperparameters()
-        self.weight_decay, self.sources = weight_decay, sources
+        self.sources, self.rollout_buffers = None, []  # per agent, once the team's size is known: size_team
+        if num_agents is not None:
+            AgentTeamModule.size_team(self, num_agents)
         self.forward_batch_size, self.forward_token_budget = forward_batch_size, forward_token_budget
         self.lora, self.system_prompt = LoraSettings(**lora) if isinstance(lora, dict) else lora, system_prompt
         self.share_parameters, self.lora_shared_base = share_parameters, lora_shared_base
         self.attn_implementation, self.activation_checkpointing = attn_implementation, activation_checkpointing
-        self.weights_dtype, self.memory_check = weights_dtype, memory_check
-        self.discount = discount
-        self.automatic_optimization = False
-        self.agents: nn.ModuleList | None = None
-        self.references: nn.ModuleList | None = None  # frozen copies for a KL term: ``build_references``
-        self.shards = None  # lit_marl.parallel.fsdp.TeamShards under FSDP (ModelParallelStrategy)
-        self.rollout_settings = None  # the data module's RolloutSettings, read once in setup
-        self.rollout_buffers: list[RolloutBuffer] = []  # samples waiting for an update (algorithms that buffer)
+        self.weights_dtype, self.memory_check, self.discount = weights_dtype, memory_check, discount
+        self.weight_decay, self.automatic_optimization = weight_decay, False
+        # the team; frozen copies for a KL term (``build_references``); FSDP's TeamShards; the data's settings
+        self.agents = self.references = self.shards = self.rollout_settings = None
         # mini-batch order: seeded, and apart from the sampling RNG so batching changes no rollout
         self.shuffle_generator = torch.Generator().manual_seed(torch.initial_seed() % 2**63)
 
@@ -137,6 +137,16 @@ class AgentTeamModule(OptimizerSteps, StepLogging, L.LightningModule):
         prepare_models(self, self.activation_checkpointing, self.weights_dtype)
         if self.device_mesh is not None and self.shards is None:  # ModelParallelStrategy: FSDP2
             self.shard(self.device_mesh)
+
+    buffered = False
+    """Whether the algorithm keeps one rollout buffer per agent (``rollout_buffers``)."""
+
+    def size_team(self, num_agents: int) -> None:
+        """The team's size, given or taken from the data: every agent's source, its buffer."""
+        hp = self.hparams
+        self.hparams.num_agents = num_agents
+        self.sources = team_sources(hp.model, num_agents, hp.share_parameters, hp.lora is not None, hp.lora_shared_base)
+        self.rollout_buffers = [RolloutBuffer() for _ in range(num_agents)] if self.buffered else []
 
     def configure_callbacks(self):
         """Lightning's default bar (a plain rich bar, never one a user configured) becomes the run's
@@ -155,6 +165,11 @@ class AgentTeamModule(OptimizerSteps, StepLogging, L.LightningModule):
         """Every model of the algorithm not built yet (agents here; critics, references in subclasses)."""
         if self.agents is not None:
             return
+        if self.sources is None:
+            raise ConfigError(
+                "model.num_agents: the team's size comes from the data when a run starts; give num_agents to build "
+                "the models before that"
+            )
         if self.share_parameters:
             shared = Agent(self.sources[0], self.lora, self.system_prompt)
             self.agents = nn.ModuleList([shared] * len(self.sources))
@@ -295,6 +310,10 @@ class AgentTeamModule(OptimizerSteps, StepLogging, L.LightningModule):
             )
         data = self.trainer.datamodule
         self.rollout_settings = rollout = data.rollout_settings if data is not None else None
+        if self.sources is None:
+            if rollout is None:
+                raise ConfigError("model.num_agents: give it, or a data module to take it from")
+            self.size_team(rollout.num_agents)
         if rollout is not None and rollout.num_agents != self.hparams.num_agents:
             raise ConfigError(
                 f"the data gives {rollout.num_agents} agents (data.agent_prompts / its environment) but "

@@ -72,8 +72,9 @@ class Comparator:
         return batch
 
 
-def check_comparator(settings: dict, num_agents: int) -> None:
-    """The comparator settings (``IterativeMADPO``'s arguments) that belong together."""
+def check_comparator(settings: dict, num_agents: int | None) -> None:
+    """The comparator settings (``IterativeMADPO``'s arguments) that belong together (with the team's
+    size once it is known)."""
     policy, history_k = settings["comparator_policy"], settings["comparator_history_k"]
     model, api = settings["comparator_model"], settings["comparator_api"]
     mode, centralized_index = settings["comparator_generation_mode"], settings["comparator_centralized_agent_index"]
@@ -85,6 +86,8 @@ def check_comparator(settings: dict, num_agents: int) -> None:
         raise ConfigError("model.comparator_model is needed by, and only by, model.comparator_policy: model")
     if (api is not None) != (policy == "api"):
         raise ConfigError("model.comparator_api is needed by, and only by, model.comparator_policy: api")
+    if num_agents is None:
+        return
     if centralized_index >= num_agents:
         raise ConfigError(
             f"model.comparator_centralized_agent_index={centralized_index}: there are {num_agents} agents (0-based)"
@@ -157,13 +160,12 @@ class IterativeMADPO(MADPO):
         self.replay_settings = ReplaySettings(
             preference_replay_mode, preference_replay_k, preference_replay_lambda, preference_replay_sample_size
         )
-        check_comparator(locals(), len(self.sources))
+        self.comparator_settings = {k: v for k, v in locals().items() if k.startswith("comparator_")}
+        check_comparator(self.comparator_settings, len(self.sources) if self.sources else None)
         self.num_iterations, self.steps_per_iteration = num_iterations, steps_per_iteration
         self.comparator_policy = comparator_policy
         self.history_k = 1 if comparator_policy == "current_copy" else comparator_history_k
-        self.comparator_sources = (
-            [comparator_model] * len(self.sources) if isinstance(comparator_model, str) else comparator_model
-        )
+        self.comparator_model = comparator_model
         self.comparator_api = ApiSettings(**comparator_api) if isinstance(comparator_api, dict) else comparator_api
         self.generation_mode, self.centralized_index = comparator_generation_mode, comparator_centralized_agent_index
         adapter = import_object(comparator_adapter, "model.comparator_adapter")
@@ -176,6 +178,16 @@ class IterativeMADPO(MADPO):
         self.snapshots: list[str] = []  # snapshot n: the trainable weights after n iterations
         self._frozen: dict[str, object] = {}  # the comparator's models, kept out of the module's state
         self.replay: PreferenceReplay | None = None
+
+    def size_team(self, num_agents: int) -> None:
+        super().size_team(num_agents)
+        check_comparator(self.comparator_settings, num_agents)
+
+    @property
+    def comparator_sources(self) -> list[str] | None:
+        """Each role's comparator model (``comparator_policy: model``)."""
+        model = self.comparator_model
+        return [model] * len(self.sources) if isinstance(model, str) else model
 
     @property
     def iteration(self) -> int:

@@ -24,6 +24,8 @@ from lit_marl.rollout.buffer import RolloutBuffer, UpdateSchedule, batch_turns, 
 class MAGRPO(AgentTeamModule):
     """Multi-agent GRPO on joint rollout trees: each response baselined by its G siblings at the same node."""
 
+    buffered = True
+
     def __init__(
         self,
         advantage_mode: AdvantageMode = "mean",
@@ -79,7 +81,6 @@ class MAGRPO(AgentTeamModule):
         self.update_schedule = update_schedule
         self.kl_coef = kl_coef
         self.rollout_is_cap = rollout_is_cap
-        self.rollout_buffers = [RolloutBuffer() for _ in range(self.hparams.num_agents)]
 
     def build_models(self) -> None:
         super().build_models()

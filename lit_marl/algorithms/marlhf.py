@@ -79,7 +79,8 @@ class RewardModelFit(AgentTeamModule):
         super().__init__(**kwargs)
         check_fields("model", RewardModelFit.__init__, locals())
         self.pair_settings = PairSettings(pair_selection, preference_pairs_per_sample)
-        self.reward_source = reward_model_name or self.sources[0]  # the team's source is checked already
+        team = self.hparams.model  # its sources are checked already
+        self.reward_source = reward_model_name or (team if isinstance(team, str) else team[0])
         if reward_model_name is not None:
             check_source(reward_model_name, "model.reward_model_name")
         self.reward_model_dir = reward_model_dir

@@ -115,6 +115,7 @@ def test_readme_reward_and_transition_examples_work():
     rewards, metrics = call_reward(code["joint_reward"], [["Go!", "no"], ["Yes!", "Yes!"]], [{}, {}])
     assert rewards.tolist() == [1.0, 0.0] and metrics == {"success": 0.5}
     env = FunctionEnv(["Line 1 about {topic}.", "Line 2 about {topic}."], code["joint_reward"], code["feedback"])
+    env.passthrough = True  # as the README says: it writes whole prompts
     (state,) = env.reset([{"topic": "tea"}])
     env.step([state], [["Tea!", "More tea!"]], turn=0)
     prompts = state.observations

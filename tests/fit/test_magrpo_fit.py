@@ -354,7 +354,7 @@ def test_a_step_of_zero_advantages_still_steps_the_optimizer(tmp_path):
     """Every sibling ties, so the loss is exactly 0 and its rows are skipped; the optimizer still
     steps on zero gradients, as after the backward: weight decay shrinks the weights."""
     L.seed_everything(0)
-    module = MAGRPO(model="tiny-random", learning_rate=1e-3, weight_decay=0.1)
+    module = MAGRPO(model="tiny-random", num_agents=2, learning_rate=1e-3, weight_decay=0.1)
     module.configure_model()
     before = [snapshot(a.model) for a in module.agents]
     trainer = make_trainer(tmp_path, limit_train_batches=1, limit_val_batches=0)

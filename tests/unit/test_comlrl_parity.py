@@ -89,6 +89,7 @@ def test_magrpo_preset_reproduces_comlrl(case, monkeypatch):
     module = MAGRPO(
         **{
             **settings["model"]["init_args"],
+            "num_agents": N,
             "advantage_mode": case["advantage_mode"],
             "advantage_normalization": case["advantage_normalization"],
             # CoMLRL's null is the buffer size (here a whole tree): one step per turn
@@ -212,7 +213,8 @@ def test_actor_critic_preset_reproduces_comlrl(case, monkeypatch):
     values gives CoMLRL's advantages, targets and losses, step by step, per update."""
     settings = preset(case["algorithm"])
     algorithm = IAC if case["algorithm"] == "iac" else MAAC
-    module = algorithm(**{**settings["model"]["init_args"], "train_batch_size": case["train_batch_size"]})
+    overrides = {"train_batch_size": case["train_batch_size"], "num_agents": 2}
+    module = algorithm(**{**settings["model"]["init_args"], **overrides})
     module.agents, module.discount = fake_team(N), case["discount"]
     module.log = lambda *args, **kwargs: None
     inputs = {(row["task"], row["turn"]): row for row in case["inputs"]}
