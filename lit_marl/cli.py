@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
 import os
+import sys
+from contextlib import contextmanager
 
 from lit_marl import ConfigError, checkpoint_files
 from lit_marl.envs.calls import RewardError  # checkpoint_files loads torch already: no start-up to save
@@ -27,6 +30,13 @@ def build_cli(args: list[str] | None = None, run: bool = True):
     transformers.utils.logging.set_verbosity_error()
 
     class LitMarlCLI(LightningCLI):
+        def parse_arguments(self, parser, args) -> None:
+            switches: list[tuple[str, str, dict]] = []
+            with _class_switches(switches):
+                super().parse_arguments(parser, args)
+            subcommand = self.config.get("subcommand")
+            _say_carried_over(switches, self.config[subcommand]["model"] if subcommand else self.config["model"])
+
         def instantiate_classes(self) -> None:
             # jsonargparse wraps errors raised in __init__ in a long union report; surface ours
             try:
@@ -44,10 +54,8 @@ def build_cli(args: list[str] | None = None, run: bool = True):
             # setting changed for the resumed run was silently dropped; here the config is kept, and
             # the checkpoint is checked before any model loads
             subcommand = self.config.get("subcommand")
-            path = self.config[subcommand].get("ckpt_path") if subcommand else None
-            if path and path not in ("last", "best", "hpc", "registry"):
-                saved = checkpoint_files.verify(path)
-                _check_resumed_settings(saved, self.config[subcommand]["model"])
+            if subcommand:
+                _check_checkpoint_settings(subcommand, self.config[subcommand])
 
         def instantiate_trainer(self, **kwargs):
             return use_run_progress_bar(super().instantiate_trainer(**kwargs))
@@ -70,47 +78,70 @@ def build_cli(args: list[str] | None = None, run: bool = True):
     )
 
 
-# settings that shape the weights or the optimizers' parameters: a checkpoint cannot resume without them
-STRUCTURAL = ("model", "num_agents", "lora", "share_parameters", "lora_shared_base", "critic", "critic_model")
+def _check_checkpoint_settings(subcommand: str, config) -> None:
+    """The checkpoint of ``--ckpt_path`` (checked first: ``checkpoint_files.load``) against the
+    config's model and data sections: resuming (fit) or evaluating (validate, test) with them."""
+    path = config.get("ckpt_path")
+    if path and path not in ("last", "best", "hpc", "registry"):
+        saved, verb = checkpoint_files.load(path), "resuming" if subcommand == "fit" else "evaluating"
+        checkpoint_files.check_model_settings(saved.get("hyper_parameters") or {}, config["model"], verb)
+        checkpoint_files.check_data_settings(saved.get("datamodule_hyper_parameters") or {}, config["data"], verb)
 
 
-def _plain(value):
-    if hasattr(value, "as_dict"):  # a jsonargparse Namespace
-        value = value.as_dict()
-    if hasattr(value, "__dataclass_fields__"):
-        value = {k: getattr(value, k) for k in value.__dataclass_fields__}
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
+@contextmanager
+def _class_switches(found: list):
+    """Record, while the block parses, each class_path switch jsonargparse makes and the init_args it
+    carries over from the old class to the new one (every one the new class accepts: a config's
+    setting for GRPO stays when ``--model RLOO`` follows it). jsonargparse decides this in one
+    private function, wrapped here for the block; without it nothing is recorded."""
+    from jsonargparse import _typehints  # deferred: CLI start-up cost
+
+    name = "discard_init_args_on_class_path_change"
+    original = getattr(_typehints, name, None)
+    if original is None:
+        yield
+        return
+
+    def recording(parser_or_action, prev_val, value):
+        original(parser_or_action, prev_val, value)
+        if prev_val and prev_val.get("init_args") and prev_val["class_path"] != value["class_path"]:
+            found.append((prev_val["class_path"], value["class_path"], checkpoint_files.plain(prev_val["init_args"])))
+
+    setattr(_typehints, name, recording)
+    try:
+        yield
+    finally:
+        setattr(_typehints, name, original)
 
 
-def _check_resumed_settings(saved: dict, model) -> None:
-    """Compare a checkpoint's hyperparameters with the config's ``model`` section: another algorithm
-    or a setting that shapes the weights is refused (naming the keys); other changes are kept and
-    listed on stderr."""
-    import sys
+def _default(cls: type, key: str):
+    """The default of ``cls``'s init argument ``key`` (the first class in its MRO that declares it)."""
+    for klass in cls.__mro__:
+        parameter = inspect.signature(klass.__init__).parameters.get(key) if "__init__" in vars(klass) else None
+        if parameter is not None and parameter.default is not inspect.Parameter.empty:
+            return parameter.default
+    return None
 
-    saved = {k: v for k, v in saved.items() if k != "_instantiator"}
-    saved_class = saved.pop("_class_path", None)
-    config = _plain(model)
-    class_path, now = config.get("class_path"), config.get("init_args") or {}
-    if saved_class and class_path and saved_class != class_path:
-        raise ConfigError(
-            f"ckpt_path: the checkpoint was written by {saved_class}, but model.class_path is {class_path}. Resume "
-            f"with the checkpoint's algorithm (the run's config.yaml beside its logs has it), or start a new run"
-        )
-    changed = {k: (_plain(saved[k]), now[k]) for k in sorted(saved.keys() & now.keys()) if _plain(saved[k]) != now[k]}
-    shaped = [k for k in changed if k in STRUCTURAL]
-    if shaped:
-        detail = "; ".join(f"model.{k}: {changed[k][0]!r} in the checkpoint, {changed[k][1]!r} now" for k in shaped)
-        raise ConfigError(
-            f"ckpt_path: {detail}. These shape the weights the checkpoint holds: resume with the checkpoint's "
-            "values, or start a new run without --ckpt_path"
-        )
-    for key, (before, after) in changed.items():
-        sys.stderr.write(f"lit-marl: resuming with model.{key}={after!r} (the checkpoint had {before!r})\n")
+
+def _say_carried_over(switches: list[tuple[str, str, dict]], model) -> None:
+    """A model setting the config gave for another class and jsonargparse kept for the class the
+    command line named is said on stderr when the two classes' defaults for it differ."""
+    from lit_marl.tasks import import_object  # deferred: CLI start-up cost
+
+    config = checkpoint_files.plain(model) or {}
+    now, said = config.get("init_args") or {}, set()
+    for old_path, new_path, carried in switches:
+        if new_path != config.get("class_path"):
+            continue
+        old, new = import_object(old_path, "model.class_path"), import_object(new_path, "model.class_path")
+        for key, value in carried.items():
+            default = _default(new, key)
+            if now.get(key) == value != default and _default(old, key) != default and key not in said:
+                said.add(key)
+                sys.stderr.write(
+                    f"lit-marl: model.{key}={value!r} carried over from the config's {old.__name__} ({new.__name__}'s "
+                    f"own default: {default!r}; set --model.{key} to choose)\n"
+                )
 
 
 def _where(err: BaseException) -> str:
@@ -128,8 +159,6 @@ def _where(err: BaseException) -> str:
 def main() -> None:
     """``lit-marl``: a configuration error, or a fault of the user's reward or transition, is one
     line (and the line of the user's code it came from); LIT_MARL_TRACEBACK=1 shows the traceback."""
-    import sys
-
     if sys.argv[1:2] == ["plot"]:  # `lit-marl plot RUN_DIR ...`: TensorBoard curves to a PNG, no LightningCLI
         from lit_marl.plots import main as plot_main  # deferred: matplotlib start-up cost
 
