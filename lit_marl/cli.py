@@ -1,7 +1,9 @@
-"""`lit-marl fit|validate|test --config configs/...yaml` through LightningCLI."""
+"""`lit-marl fit|validate|test --config configs/...yaml` through LightningCLI; `lit-marl
+plot|export|chat` are commands of their own (``COMMANDS``), run before LightningCLI starts."""
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import os
 import sys
@@ -12,24 +14,43 @@ from lit_marl.envs.calls import RewardError  # checkpoint_files loads torch alre
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# the commands that are not a Trainer method: module (with ``main(argv)``) and the line `--help` shows
+COMMANDS = {
+    "plot": ("lit_marl.plots", "Draw runs' TensorBoard curves to a PNG."),
+    "export": ("lit_marl.export", "Write a checkpoint's agents as Hugging Face folders."),
+    "chat": ("lit_marl.chat", "Talk to trained agents (a checkpoint or an export), turn by turn."),
+}
+NOT_PREDICT = (
+    "lit-marl: there is no `predict` (agents generate inside rollouts, not in a forward pass): use `lit-marl "
+    "chat` to talk to trained agents, `lit-marl validate` or `lit-marl test` for their held-out metrics"
+)
+
 
 def build_cli(args: list[str] | None = None, run: bool = True):
-    import warnings
-
-    import transformers
     from lightning.pytorch.cli import LightningCLI
 
     from lit_marl.algorithms.base import AgentTeamModule  # deferred: CLI start-up cost
     from lit_marl.callbacks.progress import use_run_progress_bar  # deferred: CLI start-up cost
     from lit_marl.data import TaskDataModule  # deferred: CLI start-up cost
+    from lit_marl.trained import config_error_in, quiet_libraries  # deferred: CLI start-up cost
 
-    # HF models load in eval mode and we keep it: no dropout, so training scores the very policy
-    # that sampled (the warning assumes supervised training)
-    warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode.*")
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
+    quiet_libraries()
 
     class LitMarlCLI(LightningCLI):
+        @staticmethod
+        def subcommands() -> dict[str, set[str]]:
+            # no predict: the algorithms have no forward pass to predict with (main() says what to use)
+            return {k: v for k, v in LightningCLI.subcommands().items() if k != "predict"}
+
+        def _add_subcommands(self, parser, **kwargs) -> None:
+            super()._add_subcommands(parser, **kwargs)
+            from jsonargparse import ArgumentParser  # deferred: CLI start-up cost
+
+            for name, (_, description) in COMMANDS.items():  # listed in --help; main() runs them
+                parser._subcommands_action.add_subcommand(
+                    name, ArgumentParser(description=description), help=description
+                )
+
         def parse_arguments(self, parser, args) -> None:
             switches: list[tuple[str, str, dict]] = []
             with _class_switches(switches):
@@ -38,13 +59,10 @@ def build_cli(args: list[str] | None = None, run: bool = True):
             _say_carried_over(switches, self.config[subcommand]["model"] if subcommand else self.config["model"])
 
         def instantiate_classes(self) -> None:
-            # jsonargparse wraps errors raised in __init__ in a long union report; surface ours
             try:
                 super().instantiate_classes()
             except ValueError as err:
-                cause = err
-                while cause is not None and not isinstance(cause, ConfigError):
-                    cause = cause.__cause__
+                cause = config_error_in(err)  # jsonargparse's long report around an error of ours
                 if cause is None:
                     raise
                 raise cause from None
@@ -74,6 +92,7 @@ def build_cli(args: list[str] | None = None, run: bool = True):
         args=args,
         run=run,
         save_config_kwargs={"overwrite": True},
+        parser_kwargs={"description": "Multi-agent, multi-turn reinforcement learning of LLM agents."},
         trainer_defaults={"log_every_n_steps": 1, "num_sanity_val_steps": 0},
     )
 
@@ -159,11 +178,12 @@ def _where(err: BaseException) -> str:
 def main() -> None:
     """``lit-marl``: a configuration error, or a fault of the user's reward or transition, is one
     line (and the line of the user's code it came from); LIT_MARL_TRACEBACK=1 shows the traceback."""
-    if sys.argv[1:2] == ["plot"]:  # `lit-marl plot RUN_DIR ...`: TensorBoard curves to a PNG, no LightningCLI
-        from lit_marl.plots import main as plot_main  # deferred: matplotlib start-up cost
-
-        return plot_main(sys.argv[2:])
+    command = sys.argv[1] if len(sys.argv) > 1 else None
+    if command == "predict":
+        sys.exit(NOT_PREDICT)
     try:
+        if command in COMMANDS:  # not a Trainer method: no LightningCLI
+            return importlib.import_module(COMMANDS[command][0]).main(sys.argv[2:])
         build_cli()
     except ConfigError as err:
         if os.environ.get("LIT_MARL_TRACEBACK"):

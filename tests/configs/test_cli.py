@@ -189,6 +189,23 @@ def test_comlrl_presets_go_after_a_config(base, preset, in_repo_root, monkeypatc
     assert tree.num_turns == source["data"]["init_args"]["num_turns"]
 
 
+def test_help_lists_every_command_and_predict_is_refused_by_name(in_repo_root, monkeypatch, capsys):
+    """`predict` crashed (the algorithms have no forward pass) and `plot` was missing from --help."""
+    from lit_marl.cli import COMMANDS, main
+
+    with pytest.raises(SystemExit):
+        build_cli(args=["--help"])
+    listed = capsys.readouterr().out
+    for name, (_, description) in COMMANDS.items():
+        assert f"    {name} " in listed and description.split(" (")[0] in listed
+    assert "predict" not in listed
+    monkeypatch.setattr(sys, "argv", ["lit-marl", "predict", "--config", "configs/magrpo/slogan_tiny.yaml"])
+    with pytest.raises(SystemExit) as refused:
+        main()
+    assert "no `predict`" in str(refused.value.code) and "lit-marl chat" in str(refused.value.code)
+    assert "\n" not in str(refused.value.code)
+
+
 def test_another_algorithm_on_the_command_line_gets_its_own_defaults(in_repo_root, tmp_path, capsys, no_model_loads):
     """`--model RLOO` on a GRPO config: a setting the config does not give takes RLOO's default; one
     the config gives for GRPO is kept by jsonargparse, and said where the two classes' defaults differ."""
