@@ -44,12 +44,7 @@ def build_cli(args: list[str] | None = None, run: bool = True):
 
         def _add_subcommands(self, parser, **kwargs) -> None:
             super()._add_subcommands(parser, **kwargs)
-            from jsonargparse import ArgumentParser  # deferred: CLI start-up cost
-
-            for name, (_, description) in COMMANDS.items():  # listed in --help; main() runs them
-                parser._subcommands_action.add_subcommand(
-                    name, ArgumentParser(description=description), help=description
-                )
+            _list_commands(parser._subcommands_action)
 
         def parse_arguments(self, parser, args) -> None:
             switches: list[tuple[str, str, dict]] = []
@@ -95,6 +90,14 @@ def build_cli(args: list[str] | None = None, run: bool = True):
         parser_kwargs={"description": "Multi-agent, multi-turn reinforcement learning of LLM agents."},
         trainer_defaults={"log_every_n_steps": 1, "num_sanity_val_steps": 0},
     )
+
+
+def _list_commands(subcommands) -> None:
+    """``COMMANDS`` in ``lit-marl --help`` beside fit, validate and test (``main`` runs them)."""
+    from jsonargparse import ArgumentParser  # deferred: CLI start-up cost
+
+    for name, (_, description) in COMMANDS.items():
+        subcommands.add_subcommand(name, ArgumentParser(description=description), help=description)
 
 
 def _check_checkpoint_settings(subcommand: str, config) -> None:

@@ -20,7 +20,6 @@ from typing import Literal
 from transformers import AutoTokenizer
 
 from lit_marl.agents import AdapterView, Agent
-from lit_marl.trained import load_team, quiet_libraries
 
 MANIFEST = "team.json"
 LoraExport = Literal["merged", "adapter"]
@@ -100,6 +99,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     """``lit-marl export``: a checkpoint's agents as Hugging Face folders."""
+    from lit_marl.trained import load_team, quiet_libraries  # deferred: a cycle (algorithms import callbacks)
+
     args = parser().parse_args(argv)
     quiet_libraries()
     module, _ = load_team(args.ckpt_path)
