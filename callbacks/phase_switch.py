@@ -28,6 +28,7 @@ import lightning as L
 from lit_marl import ConfigError
 from lit_marl.callbacks.evaluation import HeldOutEvaluation
 from lit_marl.fields import PositiveFloat, PositiveInt, check_fields
+from lit_marl.metrics import REDUCED
 from lit_marl.parallel.collectives import all_ranks_sum
 
 
@@ -149,7 +150,7 @@ class PhaseSwitch(L.Callback):
             trainer.strategy.setup_optimizers(trainer)
         elif self.sft_learning_rate is not None:
             self._set_learning_rate(pl_module, pl_module.hparams.learning_rate)
-        pl_module.log("phase/switch_epoch", float(trainer.current_epoch))
+        pl_module.log("phase/switch_epoch", float(trainer.current_epoch), **REDUCED)  # the same on every rank
         if trainer.is_global_zero:
             print(f"[phase] {self.describe()}", flush=True)
         for callback in trainer.callbacks:

@@ -138,9 +138,10 @@ class Agent(nn.Module):
 
     def encode_prompt(self, text: str, raw: bool = False) -> list[int]:
         """Render one user message with the model's chat template, ready for the assistant's reply;
-        ``raw`` tokenizes the text verbatim instead (a transition that formats prompts itself)."""
+        ``raw`` tokenizes the text as it is instead, with the tokenizer's own special tokens (a BOS
+        where the tokenizer adds one), as CoMLRL tokenizes a formatter's text."""
         if raw:
-            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            return self.tokenizer(text)["input_ids"]
         messages = [{"role": "user", "content": text}]
         if self.system_prompt is not None:
             messages.insert(0, {"role": "system", "content": self.system_prompt})

@@ -25,6 +25,14 @@ NOT_PREDICT = (
     "chat` to talk to trained agents, `lit-marl validate` or `lit-marl test` for their held-out metrics"
 )
 
+# Lightning's default logger without TensorBoard's hp_metric (-1 at every start: no metric of ours).
+# A config's own TensorBoardLogger gets default_hp_metric: false too unless it sets it (jsonargparse
+# merges a config's init_args into the default's when the class_path is the same).
+DEFAULT_LOGGER = {
+    "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+    "init_args": {"save_dir": ".", "default_hp_metric": False},
+}
+
 
 def build_cli(args: list[str] | None = None, run: bool = True):
     from lightning.pytorch.cli import LightningCLI
@@ -73,6 +81,14 @@ def build_cli(args: list[str] | None = None, run: bool = True):
         def instantiate_trainer(self, **kwargs):
             return use_run_progress_bar(super().instantiate_trainer(**kwargs))
 
+        def before_instantiate_classes(self) -> None:
+            # the default logger writes under trainer.default_root_dir, as Lightning's own does
+            trainer = (self.config[self.subcommand] if self.subcommand else self.config).trainer
+            logger = trainer.logger
+            if trainer.default_root_dir and getattr(logger, "class_path", None) == DEFAULT_LOGGER["class_path"]:
+                if logger.init_args.get("save_dir") == ".":  # no save_dir named: the default's
+                    logger.init_args.save_dir = trainer.default_root_dir
+
         def add_arguments_to_parser(self, parser) -> None:
             # the number of agents is the number of prompt templates: said once, in the data
             parser.link_arguments("data.num_agents", "model.init_args.num_agents", apply_on="instantiate")
@@ -88,7 +104,7 @@ def build_cli(args: list[str] | None = None, run: bool = True):
         run=run,
         save_config_kwargs={"overwrite": True},
         parser_kwargs={"description": "Multi-agent, multi-turn reinforcement learning of LLM agents."},
-        trainer_defaults={"log_every_n_steps": 1, "num_sanity_val_steps": 0},
+        trainer_defaults={"log_every_n_steps": 1, "num_sanity_val_steps": 0, "logger": DEFAULT_LOGGER},
     )
 
 

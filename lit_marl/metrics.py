@@ -7,14 +7,11 @@ import re
 import time
 
 import torch
-from lightning.pytorch.loggers import TensorBoardLogger
 from torchmetrics import MeanMetric, Metric
 
+from lit_marl.logger_media import StepMedia
 from lit_marl.losses import truncated_is_weights
 from lit_marl.parallel.collectives import gather_objects
-
-HISTOGRAM_BINS = 16
-"""Bins of a histogram whose range is known (``StepLog.distribution(bounds=...)``), as CoMLRL's reward histograms."""
 
 
 class Timer:
@@ -40,6 +37,7 @@ class StepLog:
     (the whole step's distribution); text samples are rank 0's."""
 
     def __init__(self) -> None:
+        self.media = StepMedia()  # histograms and texts, in the form each logger takes
         self.clear()
 
     def clear(self) -> None:
@@ -66,7 +64,7 @@ class StepLog:
         """Record the values of one quantity (e.g. every joint action's reward): ``reduce`` gives
         their mean, ``_std``, ``_min`` and ``_max`` over every rank's values, and the values for a
         histogram; ``bounds`` (its known range, e.g. ``data.reward_range``) fixes the histogram's
-        ``HISTOGRAM_BINS`` bins, so steps compare bin for bin."""
+        ``logger_media.HISTOGRAM_BINS`` bins, so steps compare bin for bin."""
         self.distributions.setdefault(key, []).append(values.detach().float().flatten().cpu())
         if bounds is not None:
             self.bounds[key] = bounds
@@ -103,8 +101,8 @@ class StepLog:
         tokens over the mean seconds) and, on a GPU in ``PEAK_FLOPS``, the MFU (``perf/train_flops``
         over the training seconds and every rank's peak); write the scalars straight to every logger
         at ``step`` (rank 0) and into ``trainer.callback_metrics`` (callbacks, the progress bar);
-        with ``samples`` the histograms and texts too (TensorBoard). Returns the scalars; the log is
-        empty after."""
+        with ``samples`` the histograms and texts too, in the form each logger takes
+        (``logger_media``). Returns the scalars; the log is empty after."""
         scalars, distributions = self.reduce()
         if scalars.get("perf/generate_s") and "perf/generated_tokens" in scalars:
             scalars["perf/tokens_per_s"] = scalars["perf/generated_tokens"] / scalars["perf/generate_s"]
@@ -118,17 +116,8 @@ class StepLog:
         trainer.callback_metrics.update({key: torch.tensor(value) for key, value in scalars.items()})
         if trainer.is_global_zero:
             for logger in trainer.loggers:
-                logger.log_metrics(scalars, step=step)
-                if isinstance(logger, TensorBoardLogger) and samples:
-                    for key, values in distributions.items():
-                        if values.numel():  # TensorBoard refuses an empty histogram
-                            bins, lo_hi = "tensorflow", self.bounds.get(key)
-                            if lo_hi is not None:  # fixed bins over the known range; values outside go to the edge bins
-                                values = values.clamp(*lo_hi)
-                                bins = torch.linspace(*lo_hi, HISTOGRAM_BINS + 1).numpy()
-                            logger.experiment.add_histogram(key, values, global_step=step, bins=bins)
-                    for key, text in self.texts.items():
-                        logger.experiment.add_text(key, text, global_step=step)
+                media = self.media.write(logger, step, distributions, self.bounds, self.texts) if samples else {}
+                logger.log_metrics({**scalars, **media}, step=step)
         self.clear()
         return scalars
 
@@ -193,6 +182,13 @@ def record_stats(log: StepLog, stats: dict[str, float], weight: float) -> None:
     log.add({k: v for k, v in stats.items() if not COUNTS.match(k)}, weight=weight)
 
 
+# ``self.log`` of a value every rank already holds reduced (the same on all ranks): Lightning warns on
+# each epoch-level key logged without sync_dist under DDP, and sync_dist alone would all-reduce it
+# again; with rank_zero_only its sync is a no-op (result.py ``_Sync``), so nothing is reduced twice
+# and the epoch's weighted mean stays the one each rank computes
+REDUCED = {"sync_dist": True, "rank_zero_only": True}
+
+
 class StepLogging:
     """What a LightningModule of the team logs, and how: a training step ``record``s into
     ``self.step_log`` (a ``StepLog``) and ``write_step_log`` writes it at the step's end; evaluation batches
@@ -238,9 +234,9 @@ class StepLogging:
         means, _ = batch.reduce()
         count = means.pop("_weight")
         for key, value in means.items():
-            self.log(key, value, batch_size=max(int(count), 1))
+            self.log(key, value, batch_size=max(int(count), 1), **REDUCED)
         if self.trainer.state.fn == "fit":  # Lightning's x for these (its ``step`` key): the steps done, as ours
-            self.log("step", float(self.training_steps), batch_size=1)
+            self.log("step", float(self.training_steps), batch_size=1, **REDUCED)
 
     def record(self, values: dict[str, float], weight: float = 1.0, reduce: str = "mean") -> None:
         """Record diagnostics of this training step (``StepLog``): written once, at the step's end."""

@@ -115,7 +115,11 @@ def load_runs(run_dirs: list[str], labels: list[str] | None = None) -> list[Run]
     paths = [p for d in run_dirs for p in find_runs(d)]
     if labels is not None and len(labels) != len(paths):
         listed = ", ".join(str(p) for p in paths)
-        raise ConfigError(f"--labels: {len(labels)} given for {len(paths)} run(s) ({listed})")
+        raise ConfigError(
+            f"--labels: {len(labels)} given for {len(paths)} run(s) ({listed}): give one label per run, in this "
+            "order, or name only the runs to draw as RUN_DIRs (their version folders); without --labels each run "
+            "is labelled by its folder"
+        )
     if labels is None:
         labels = _default_labels(paths)
     runs = []

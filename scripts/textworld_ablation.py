@@ -14,6 +14,9 @@ where it has an SFT phase, and at the end) to ``<out>/results.jsonl``; a cell al
 the same settings is not run again, so a killed grid resumes at the cell it was in. Then the
 table ``<out>/results.md`` (held-out success per cell and eval complexity, mean +- std over seeds,
 with the number of episodes behind each figure) and the plot ``<out>/success.svg`` are rewritten.
+Cells that differ only in their seed share a line; cells whose shared settings differ (another
+``--set`` value or option, e.g. a sweep written into one ``--out``) get lines of their own, each
+labelled with its options.
 ``--set key=value`` overrides any config entry (dotted path, YAML value), e.g. a tiny model for a
 smoke run: ``--set model.init_args.model=tiny-random``.
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import functools
 import hashlib
+import html
 import itertools
 import json
 import os
@@ -38,11 +42,36 @@ REPO = Path(__file__).resolve().parent.parent
 ALGORITHMS = ("ppo", "grpo", "rloo")
 
 
+def shared_settings(args) -> dict:
+    """The settings every cell of one invocation shares, beside the cell's own (algorithm, density,
+    split, budget, train complexity, seed); each result row records them."""
+    return {"demo_cost": args.demo_cost, "sft_epochs": args.sft_epochs, "sft_learning_rate": args.sft_learning_rate,
+            "train_games": args.train_games, "eval_games": args.eval_games, "eval": sorted(args.eval),
+            "config_suffix": args.config_suffix, "set": list(args.set)}  # fmt: skip
+
+
 def settings_key(args) -> str:
-    """A short hash of the settings every cell shares (a rerun with others is other cells)."""
-    shared = [args.demo_cost, args.sft_epochs, args.sft_learning_rate, args.train_games, args.eval_games,
-              sorted(args.eval), args.config_suffix, args.set]  # fmt: skip
+    """A short hash of the shared settings (a rerun with others is other cells): the last part of a
+    cell's name."""
+    shared = list(shared_settings(args).values())
     return hashlib.sha256(json.dumps(shared, default=str).encode()).hexdigest()[:6]
+
+
+def settings_label(settings: dict | None, key: str) -> str:
+    """What sets a cell's shared settings apart, as its command-line options: those that differ from
+    the defaults and every ``--set`` override (``-``: none). ``--eval`` is left out (the table has a
+    column per eval complexity); rows written without their settings are named by the hash."""
+    if settings is None:
+        return f"settings {key}" if key else "-"
+    defaults = shared_settings(parse_args([]))
+    flags = [
+        f"--{name.replace('_', '-')} {value:g}" if isinstance(value, float) else f"--{name.replace('_', '-')} {value}"
+        for name, value in settings.items()
+        if name not in ("eval", "set") and value != defaults.get(name)
+    ]
+    if settings.get("set"):
+        flags.append("--set " + " ".join(settings["set"]))
+    return " ".join(flags) or "-"
 
 
 def cell_id(algorithm: str, density: str, split: str, budget: float, train: str, seed: int, settings: str) -> str:
@@ -181,18 +210,22 @@ def run_baseline(args, out: Path) -> list[dict]:
 
 # ---------------------------------------------------------------------------- the table and the plot
 def summarize(rows: list[dict]) -> list[dict]:
-    """One line per (algorithm, density, split, budget, train, stage, eval): success mean and std
-    over seeds."""
+    """One line per cell but its seed (algorithm, density, split, budget, train, shared settings)
+    and per stage and eval complexity: success mean and std over the seeds. Cells whose shared
+    settings differ (a ``--set`` sweep, another ``--sft-epochs``) are separate lines, labelled by
+    ``settings_label``."""
     fields = ("algorithm", "density", "split", "budget", "train", "stage", "eval")
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
-        groups.setdefault(tuple(row[f] for f in fields), []).append(row)
+        key = row["cell"].rpartition("-")[2] if "cell" in row else ""  # the shared settings' hash
+        groups.setdefault((*(row[f] for f in fields), key), []).append(row)
     lines = []
-    for values, members in groups.items():
+    for (*values, key), members in groups.items():
         won = [m["won"] for m in members]
         lines.append(
             {
                 **dict(zip(fields, values)),
+                "settings": settings_label(members[0].get("settings"), key),
                 "seeds": len(members),
                 "won_mean": statistics.fmean(won),
                 "won_std": statistics.stdev(won) if len(won) > 1 else 0.0,
@@ -207,12 +240,13 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 def table(lines: list[dict]) -> str:
     head = (
-        "| algorithm | rewards | SFT:RL | budget | train | stage | eval | held-out success | seeds | eval episodes "
-        "| demos | RL episodes (all seeds) | train s (mean) |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| algorithm | rewards | SFT:RL | budget | train | settings | stage | eval | held-out success | seeds "
+        "| eval episodes | demos | RL episodes (all seeds) | train s (mean) |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     body = "".join(
-        f"| {x['algorithm']} | {x['density']} | {x['split']} | {x['budget']:g} | {x['train']} | {x['stage']} | "
-        f"{x['eval']} | "
+        f"| {x['algorithm']} | {x['density']} | {x['split']} | {x['budget']:g} | {x['train']} | "
+        f"{x['settings'].replace('|', chr(92) + '|')} | {x['stage']} | {x['eval']} | "
         f"{x['won_mean']:.3f} ± {x['won_std']:.3f} | {x['seeds']} | {x['eval_episodes']} | {x['demos']} | "
         f"{x['train_episodes']} | {x['train_s']:.0f} |\n"
         for x in lines
@@ -236,7 +270,9 @@ def svg(lines: list[dict]) -> str:
         parts.append(f'<line x1="{left}" y1="{y:.0f}" x2="{width - 20}" y2="{y:.0f}" stroke="#ddd"/>')
     palette = {"base": "#888888", "ppo": "#1f77b4", "grpo": "#ff7f0e", "rloo": "#2ca02c"}
     order = {"base": 0, "after SFT": 1, "end": 2}
-    ranked = sorted(lines, key=lambda x: (x["eval"], x["algorithm"], x["density"], x["split"], order[x["stage"]]))
+    ranked = sorted(
+        lines, key=lambda x: (x["eval"], x["algorithm"], x["density"], x["split"], x["settings"], order[x["stage"]])
+    )
     for i, x in enumerate(ranked):
         cx = left + 20 + i * 34
         h = x["won_mean"] * 220
@@ -246,7 +282,8 @@ def svg(lines: list[dict]) -> str:
             lo, hi = bottom - max(x["won_mean"] - x["won_std"], 0) * 220, bottom - (x["won_mean"] + x["won_std"]) * 220
             mid = cx + bar / 2
             parts.append(f'<line x1="{mid}" y1="{lo:.1f}" x2="{mid}" y2="{hi:.1f}" stroke="black"/>')
-        label = f"{x['algorithm']} {x['density']} {x['split']} {x['stage']} {x['train']}&#8594;{x['eval']}"
+        settings = "" if x["settings"] == "-" else f" {html.escape(x['settings'])}"
+        label = f"{x['algorithm']} {x['density']} {x['split']}{settings} {x['stage']} {x['train']}&#8594;{x['eval']}"
         parts.append(
             f'<text x="{cx + bar / 2}" y="{bottom + 10}" transform="rotate(60 {cx + bar / 2} {bottom + 10})">'
             f"{label}</text>"
@@ -332,7 +369,7 @@ def main(argv: list[str] | None = None) -> None:
         rows = run_baseline(args, cell_out) if key is None else run_cell(args, key, cell_out)
         with open(results, "a") as f:
             for row in rows:
-                f.write(json.dumps({"cell": name, **row}) + "\n")
+                f.write(json.dumps({"cell": name, **row, "settings": shared_settings(args)}) + "\n")
         for row in rows:
             print(f"[ablation] {name} -> {row['eval']}: won {row['won']:.3f} of {row['eval_episodes']}", flush=True)
         write_reports(args.out, load_rows(results))

@@ -48,6 +48,8 @@ def slogan_data(**overrides):
         eval_tasks_per_step=16,
     )
     kwargs.update(overrides)
+    if kwargs.get("num_turns", 1) > 1:  # the slogan prompts never read {prompt}: later turns read the transition's
+        kwargs.setdefault("external_prompt_passthrough", True)
     return RolloutDataModule(**kwargs)
 
 
@@ -148,6 +150,7 @@ def tree_from_functions(
             return prompts[next(t for t, row in enumerate(tasks) if row is task)]
 
     env = ListedPrompts(["{}"] * len(prompts[0]), reward_fn, transition, None, batched_transition)
+    env.passthrough = True  # literal prompts: the transition's are read as they are
     calls = {f.name for f in fields(CallSettings)}
     env.call_settings = CallSettings(**{k: v for k, v in settings.items() if k in calls})
     settings = {k: v for k, v in settings.items() if k not in calls}

@@ -4,11 +4,13 @@ over micro-batches, and logging of rollouts. Algorithms add their loss."""
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
@@ -16,6 +18,7 @@ from torch import nn
 from lit_marl import ConfigError, checkpoint_files
 from lit_marl.agents import Agent, LoraSettings, Team, roles_by_model, team_sources
 from lit_marl.algorithms.updates import OptimizerSteps
+from lit_marl.callbacks.progress import RunProgressBar
 from lit_marl.fields import (
     ClosedUnitInterval,
     NonNegativeFloat,
@@ -135,7 +138,16 @@ class AgentTeamModule(OptimizerSteps, StepLogging, L.LightningModule):
         if self.device_mesh is not None and self.shards is None:  # ModelParallelStrategy: FSDP2
             self.shard(self.device_mesh)
 
+    def configure_callbacks(self):
+        """Lightning's default bar (a plain rich bar, never one a user configured) becomes the run's
+        bar (``RunProgressBar``: steps, phase and budget) in Python scripts too; the CLI swaps it first."""
+        default = [c for c in self.trainer.callbacks if type(c) is RichProgressBar]
+        return [RunProgressBar()] if default else []
+
     def on_fit_start(self) -> None:
+        # the agents stay in eval mode on purpose (no dropout: training scores the very policy that
+        # sampled); Lightning's warning about it assumes supervised training
+        warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode.*")
         if self.memory_check:
             check_memory(self, self.rollout_settings)
 

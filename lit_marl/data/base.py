@@ -18,7 +18,14 @@ from lit_marl.envs import make_env
 from lit_marl.envs.base import Env, FunctionEnv, TextEnv
 from lit_marl.envs.calls import CallSettings
 from lit_marl.envs.sources import resolve_demo_source
-from lit_marl.fields import PositiveFloat, PositiveInt, UnitIntervalLeftOpen, UnitIntervalRightOpen, check_fields
+from lit_marl.fields import (
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    UnitIntervalLeftOpen,
+    UnitIntervalRightOpen,
+    check_fields,
+)
 from lit_marl.generation import make_engine
 from lit_marl.metrics import EvalMeans, PassAtK
 from lit_marl.returns import step_reward
@@ -62,12 +69,17 @@ class TaskDataModule(L.LightningDataModule):
             gives the prompts, the rewards and the next turn's; replaces ``agent_prompts``, ``reward_fn`` and
             ``transition`` (which build a text environment).
         env_kwargs: Keyword arguments of ``env`` when it is a name.
-        agent_prompts: One format string per agent, filled from a task row's fields (``{topic}``); the
-            number of entries is the number of agents. With ``reward_fn``; not with ``env``.
-        reward_fn: Import path of the joint reward function (``module:function``), called once per turn with
-            ``agent_completions=[agent][joint action]`` and ``tasks=[joint action]``.
-        transition: Import path of the external transition that builds each branch's next prompts from its
-            histories (needed for more than one turn), e.g. ``lit_marl.rollout.transitions:plain``.
+        agent_prompts: One formatter per agent (CoMLRL's formatters): a format string filled from a task row's
+            fields (``{topic}``), a function of the row returning the prompt text (Python), or
+            ``{formatter: package.module:function}``; the number of entries is the number of agents. With
+            ``reward_fn``; not with ``env``.
+        reward_fn: The joint reward function (an import path ``module:function``, or the function), called once
+            per turn over every joint action: with ``agent_completions=[agent][joint action]`` and
+            ``tasks=[joint action]`` when it takes ``agent_completions``, otherwise as CoMLRL calls it (one list
+            of completions per agent as positional arguments, ``batch_items`` the task rows if it takes them).
+        transition: The external transition (an import path, or the function) that builds each branch's next
+            prompts from its histories (needed for more than one turn), e.g.
+            ``lit_marl.rollout.transitions:plain``.
         transition_kwargs: Extra keyword arguments bound to the transition.
         batched_transition: Call the transition once per turn with every keyword argument a list over all
             branches (it returns one prompt list per branch); otherwise once per branch (CoMLRL's interface).
@@ -78,6 +90,8 @@ class TaskDataModule(L.LightningDataModule):
         max_new_tokens: Generation budget per response.
         temperature: Sampling temperature for training rollouts (evaluation is greedy).
         top_p: Nucleus sampling for training rollouts.
+        top_k: Top-k sampling for training rollouts: only the k most likely tokens are sampled (applied
+            before ``top_p``, as transformers does); null or 0: off.
         eval_tasks_per_step: Tasks per batch in validation/test (greedy, one response each).
         seed: Seed of the task order.
         engine: What generates: ``auto`` (default: the lean ``torch`` decoder for Llama/Qwen2 models,
@@ -124,7 +138,7 @@ class TaskDataModule(L.LightningDataModule):
         train_path: str,
         env: Env | str | None = None,
         env_kwargs: dict | None = None,
-        agent_prompts: list[str] | None = None,
+        agent_prompts: list[str | dict] | None = None,
         reward_fn: str | None = None,
         transition: str | None = None,
         transition_kwargs: dict | None = None,
@@ -135,6 +149,7 @@ class TaskDataModule(L.LightningDataModule):
         max_new_tokens: PositiveInt = 64,
         temperature: PositiveFloat = 1.0,
         top_p: UnitIntervalLeftOpen = 1.0,
+        top_k: NonNegativeInt | None = None,
         eval_tasks_per_step: PositiveInt = 16,
         seed: int = 0,
         engine: str = "auto",
@@ -151,9 +166,14 @@ class TaskDataModule(L.LightningDataModule):
         max_skipped_steps: PositiveInt = 3,
     ):
         super().__init__()
+        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
+            raise ConfigError(f"data.top_k={top_k!r}: must be a positive integer k (0 or null: off)")
         check_fields("data", TaskDataModule.__init__, locals())
         step_reward(0, 0, 1, False, True, reward_density, score_weight)  # checks the two settings
-        self.save_hyperparameters(ignore=[] if env is None or isinstance(env, str) else ["env"])
+        given = {"env": env, "reward_fn": reward_fn, "transition": transition}  # objects (Python API): not saved
+        objects = [k for k, v in given.items() if not isinstance(v, (str, type(None)))]
+        objects += ["agent_prompts"] if any(callable(p) for p in agent_prompts or []) else []
+        self.save_hyperparameters(ignore=objects)
         self.engine = build_engine(engine, engine_options)
         text = (agent_prompts, reward_fn, transition, transition_kwargs, batched_transition)
         self.env = self.train_env = build_env(env, env_kwargs, *text)
@@ -296,5 +316,14 @@ def build_env(env, env_kwargs, agent_prompts, reward_fn, transition, transition_
         )
     if not reward_fn:
         raise ConfigError("data.reward_fn: give the import path of a reward function (or give data.env)")
-    step = import_object(transition, "data.transition") if transition else None
-    return FunctionEnv(agent_prompts, import_object(reward_fn, "data.reward_fn"), step, transition_kwargs, batched)
+    step = _function(transition, "data.transition") if transition else None
+    return FunctionEnv(agent_prompts, _function(reward_fn, "data.reward_fn"), step, transition_kwargs, batched)
+
+
+def _function(value, field: str):
+    """An import path's object, or the function itself (the Python API)."""
+    if isinstance(value, str):
+        return import_object(value, field)
+    if not callable(value):
+        raise ConfigError(f"{field}={value!r}: give an import path ('package.module:function') or a function")
+    return value

@@ -71,6 +71,7 @@ class EpisodeDataModule(TaskDataModule):
             max_context_tokens=max_context_tokens,
             temperature=hp.temperature,
             top_p=hp.top_p,
+            top_k=hp.top_k,
             anchor=anchor,
             reasoning=reasoning,
             history=history,

@@ -39,8 +39,12 @@ class RolloutDataModule(TaskDataModule):
             contain it, or their ``sum`` (CoMLRL's: G^(N-1) times larger, which only a normalized advantage
             does not see).
         num_turns: Turns T of the joint tree (G^T leaves per task when aligned).
-        external_prompt_passthrough: Use the transition's prompts verbatim instead of rendering them with the
-            agent's chat template.
+        external_prompt_passthrough: After the first turn each agent reads the transition's prompt as it is;
+            otherwise (default, CoMLRL's) the prompt becomes the task row's ``transition_prompt_field`` and goes
+            through the agent's formatter (``agent_prompts``) again.
+        chat_template: Render each prompt as a user message in the model's chat template (with the model's
+            ``system_prompt``); false tokenizes the prompt text as it is (CoMLRL's way: the formatter writes the
+            whole prompt).
         early_termination_threshold: A node whose mean reward exceeds this gets no children; None (default)
             never stops early - a threshold such as CoMLRL's -0.2 would end every tree after one turn whenever
             rewards are non-negative.
@@ -77,6 +81,7 @@ class RolloutDataModule(TaskDataModule):
         cross_return: CrossReduce = "mean",
         num_turns: PositiveInt = 1,
         external_prompt_passthrough: bool = False,
+        chat_template: bool = True,
         early_termination_threshold: float | None = None,
         reward_processor: list[dict] | None = None,
         reward_range: list[float] | None = None,
@@ -100,6 +105,11 @@ class RolloutDataModule(TaskDataModule):
                 f"data.sampling_streams=per_task samples with the lean decoder; data.engine={hp.engine!r} cannot: "
                 "use data.engine: auto (or torch), or data.sampling_streams: shared"
             )
+        if isinstance(self.env, FunctionEnv):
+            self.env.passthrough = external_prompt_passthrough
+            self.env.prompt_field = self.call_settings.transition_prompt_field
+            if num_turns > 1:
+                self.env.check_formatters()
         self.env = self._wrapped(centralized_adapter, parse_failure_reward, num_turns, branch)
         # what rewards training rollouts: the task reward, or a learned one (MARLHF); evaluation: the task's
         if reward_model is not None and not isinstance(self.env, TextEnv):
@@ -120,8 +130,9 @@ class RolloutDataModule(TaskDataModule):
             max_new_tokens=hp.max_new_tokens,
             temperature=hp.temperature,
             top_p=hp.top_p,
+            top_k=hp.top_k,
             early_termination_threshold=early_termination_threshold,
-            external_prompt_passthrough=external_prompt_passthrough,
+            chat_template=chat_template,
             reward_processor=RewardProcessor.parse(reward_processor),
             reward_density=hp.reward_density,
             score_weight=hp.score_weight,
@@ -155,8 +166,7 @@ class RolloutDataModule(TaskDataModule):
         raw_range = check_range(reward_range, "data.reward_range")
         inner = self.env.inner if isinstance(self.env, CentralizedEnv) else self.env
         if raw_range is None and isinstance(inner, FunctionEnv):
-            name = self.hparams.get("reward_fn")
-            raw_range = check_range(getattr(inner.reward_fn, "reward_range", None), f"{name}.reward_range")
+            raw_range = check_range(getattr(inner.reward_fn, "reward_range", None), f"{inner.reward_name}.reward_range")
         return raw_range
 
     def _warn_missing_prompt_field(self, num_turns: int) -> None:

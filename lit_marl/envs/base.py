@@ -27,7 +27,8 @@ import torch
 
 from lit_marl import ConfigError
 from lit_marl.envs.calls import CallSettings, call_reward, call_transitions
-from lit_marl.tasks import load_tasks, template_fields
+from lit_marl.envs.formatters import Formatter, RewardCall
+from lit_marl.tasks import load_tasks
 
 
 @dataclass
@@ -126,15 +127,14 @@ class TextState:
 
     task: dict
     prompts: list[list[str]]
-    """Per agent, each turn's prompt; the last one is the agent's current observation."""
+    """Per agent, each turn's prompt: the first formatted, then what the transition returned
+    (CoMLRL's ``prompt_history_per_agent``)."""
     responses: list[list[str]]
     """Per agent, its responses of the turns played."""
+    observations: list[str]
+    """Per agent, the text it reads this turn (its latest prompt, formatted unless passed through)."""
     score: float = 0.0
     """The running sum of the team's mean reward."""
-
-    @property
-    def observations(self) -> list[str]:
-        return [h[-1] for h in self.prompts]
 
 
 class TextEnv(Env):
@@ -198,10 +198,20 @@ class TextEnv(Env):
     # ------------------------------------------------------------------ the protocol over text states
     def reset(self, tasks: list[dict]) -> list[TextState]:
         n = self.num_agents
-        return [TextState(task, [[p] for p in self.prompts(task)], [[] for _ in range(n)]) for task in tasks]
+        states = []
+        for task in tasks:
+            first = self.prompts(task)
+            states.append(TextState(task, [[p] for p in first], [[] for _ in range(n)], list(first)))
+        return states
 
     def branch(self, state: TextState) -> TextState:
-        return TextState(state.task, [list(h) for h in state.prompts], [list(h) for h in state.responses], state.score)
+        prompts, responses = [list(h) for h in state.prompts], [list(h) for h in state.responses]
+        return TextState(state.task, prompts, responses, list(state.observations), state.score)
+
+    def observe(self, task: dict, prompts: list[str]) -> list[str]:
+        """What each agent reads after a transition returned ``prompts`` for ``task``: the prompts as
+        they are (an environment with formatters formats them: ``FunctionEnv``)."""
+        return list(prompts)
 
     def step(self, states, actions, turn, last=False, keep=None) -> Steps:
         """ONE reward call over every joint action, then ONE transition call over the states that go on."""
@@ -232,6 +242,7 @@ class TextEnv(Env):
         for state, next_prompts in zip(moving, prompts):
             for history, prompt in zip(state.prompts, next_prompts):
                 history.append(prompt)
+            state.observations = self.observe(state.task, next_prompts)
         success = samples.get("success")
         won = [False] * len(states) if success is None else (success == 1).tolist()
         done = (~going).tolist()
@@ -249,21 +260,27 @@ class TextEnv(Env):
 
 
 class FunctionEnv(TextEnv):
-    """Prompt templates + an importable reward function (+ an external transition)."""
+    """Formatters (one per agent: format strings or functions of the task row) + a reward function
+    (+ an external transition): ``envs/formatters.py``. ``passthrough``: a transition's prompts are
+    read as they are; otherwise each becomes the row's ``prompt_field`` and is formatted again."""
+
+    passthrough: bool = False
+    prompt_field: str = "prompt"
 
     def __init__(
         self,
-        agent_prompts: list[str],
+        agent_prompts: list,
         reward_fn,
         transition=None,
         transition_kwargs: dict | None = None,
         batched_transition: bool = False,
     ):
-        self.agent_prompts = list(agent_prompts)
+        self.formatters = [Formatter(p, f"data.agent_prompts[{i}]") for i, p in enumerate(agent_prompts)]
         self.reward_fn = reward_fn
+        self.reward_call = RewardCall(reward_fn, len(self.formatters))
         self.batched_transition = batched_transition
         self.transition_fn = None
-        self._fields = set().union(*(template_fields(t) for t in self.agent_prompts))
+        self._fields = set().union(*(f.fields for f in self.formatters))
         if transition is not None:
             try:
                 inspect.signature(transition).bind_partial(**(transition_kwargs or {}))
@@ -274,16 +291,32 @@ class FunctionEnv(TextEnv):
 
     @property
     def num_agents(self) -> int:
-        return len(self.agent_prompts)
+        return len(self.formatters)
 
     def required_fields(self) -> set[str]:
         return self._fields
 
     def prompts(self, task: dict) -> list[str]:
-        return [t.format(**task) for t in self.agent_prompts]
+        return [f(task) for f in self.formatters]
+
+    def observe(self, task: dict, prompts: list[str]) -> list[str]:
+        if self.passthrough:
+            return list(prompts)
+        return [f({**task, self.prompt_field: p}, external=p) for f, p in zip(self.formatters, prompts)]
+
+    def check_formatters(self) -> None:
+        """A format string that never reads the prompt field would drop the transition's prompts."""
+        for i, f in enumerate(self.formatters):
+            if not self.passthrough and not f.uses(self.prompt_field):
+                raise ConfigError(
+                    f"data.agent_prompts[{i}]={f.template!r} does not use {{{self.prompt_field}}}: after the first "
+                    f"turn the transition's prompt becomes the row's {self.prompt_field!r} field and goes through the "
+                    f"formatter, which would drop it. Put {{{self.prompt_field}}} where it goes, or set "
+                    "data.external_prompt_passthrough: true to read the transition's prompts as they are"
+                )
 
     def reward(self, agent_completions, tasks):
-        return self.reward_fn(agent_completions=agent_completions, tasks=tasks)
+        return self.reward_call(agent_completions, tasks)
 
     @property
     def has_transition(self) -> bool:

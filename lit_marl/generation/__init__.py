@@ -4,7 +4,7 @@ One call generates for every prompt of every open node at once (prompts left-pad
 costs one ``generate`` per agent, never one per node.
 
 Generation sits behind one small interface, ``Engine.generate(agent, prompts, num_samples,
-max_new_tokens, temperature, top_p, greedy) -> Generation``:
+max_new_tokens, temperature, top_p, top_k, greedy) -> Generation``:
 
 - ``hf``: transformers' ``generate`` (any model);
 - ``torch``: ``generation/decoder.py``'s lean KV-cache decoder for Llama-family models (Llama, Qwen2),

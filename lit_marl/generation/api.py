@@ -4,12 +4,17 @@ A prompt (the user message, not the rendered chat) goes to the endpoint in one o
 ``generation/text.py`` turns the texts into rows of the policy (its tokenizer, its end token).
 
 - ``generic`` (CoMLRL's): POST ``{prompt, agent_idx, num_return_sequences, max_new_tokens,
-  temperature, top_p, batch_item, model?}``; the reply's ``response_field`` (dotted path, default
-  ``completions``) holds the list of texts (strings, or objects with ``text``/``content``).
+  temperature, top_p, top_k, batch_item, model?}`` (``top_k`` null when off); the reply's
+  ``response_field`` (dotted path, default ``completions``) holds the list of texts (strings, or
+  objects with ``text``/``content``).
 - ``openai_chat``: POST ``{model, messages: [{role: user, content}], n, max_tokens, temperature,
-  top_p}``; texts from ``choices[].message.content``.
-- ``anthropic``: POST ``{model, max_tokens, messages, temperature, top_p}`` with ``anthropic-version:
-  2023-06-01``, one request per candidate (the API has no ``n``); text from ``content[].text``.
+  top_p, top_k?}``; texts from ``choices[].message.content``.
+- ``anthropic``: POST ``{model, max_tokens, messages, temperature, top_p, top_k?}`` with
+  ``anthropic-version: 2023-06-01``, one request per candidate (the API has no ``n``); text from
+  ``content[].text``.
+
+``top_k?``: sent only when top-k is on (OpenAI's own API refuses the field; OpenAI-compatible servers
+such as vLLM's take it).
 
 A timeout or a refused connection skips that prompt's candidates (counted; their joint candidates
 get no pairs); every other failure (an HTTP error status, a reply that is not JSON or
@@ -71,17 +76,19 @@ class ApiWriter:
         self.settings = settings
         self.calls = 0
 
-    def complete(self, prompts, role, tasks, n, max_new_tokens, temperature, top_p) -> list[list[str] | None]:
+    def complete(self, prompts, role, tasks, n, max_new_tokens, temperature, top_p, top_k) -> list[list[str] | None]:
         """Per prompt (of task ``tasks[i]``) ``n`` texts, or None where the endpoint timed out."""
-        return [self.texts_for(p, role, task, n, max_new_tokens, temperature, top_p) for p, task in zip(prompts, tasks)]
+        sampling = (temperature, top_p, top_k)
+        return [self.texts_for(p, role, task, n, max_new_tokens, *sampling) for p, task in zip(prompts, tasks)]
 
     # ------------------------------------------------------------------ one request
-    def texts_for(self, prompt: str, role: int, task: dict, n: int, max_new_tokens: int, temperature, top_p):
+    def texts_for(self, prompt: str, role: int, task: dict, n: int, max_new_tokens: int, temperature, top_p, top_k):
         """``n`` texts for one prompt, or None when the endpoint timed out / could not be reached."""
         s = self.settings
+        sampling = dict(temperature=temperature, top_p=top_p, **({"top_k": top_k} if top_k else {}))
         if s.format == "anthropic":
             body = {"model": s.model, "max_tokens": max_new_tokens, "messages": [{"role": "user", "content": prompt}]}
-            body.update(temperature=temperature, top_p=top_p, **s.extra_body)
+            body.update(**sampling, **s.extra_body)
             out = []
             for _ in range(n):
                 reply = self._post(body)
@@ -91,10 +98,10 @@ class ApiWriter:
             return out
         if s.format == "openai_chat":
             body = {"model": s.model, "messages": [{"role": "user", "content": prompt}], "n": n}
-            body.update(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, **s.extra_body)
+            body.update(max_tokens=max_new_tokens, **sampling, **s.extra_body)
         else:
             body = {"prompt": prompt, "agent_idx": role, "num_return_sequences": n, "max_new_tokens": max_new_tokens}
-            body.update(temperature=temperature, top_p=top_p, batch_item=_jsonable(task))
+            body.update(temperature=temperature, top_p=top_p, top_k=top_k or None, batch_item=_jsonable(task))
             if s.model:
                 body["model"] = s.model
             body.update(s.extra_body)

@@ -23,7 +23,7 @@ class Generation:
     completion_mask: torch.Tensor  # [B, C] 1 on generated tokens up to and including the end token
     num_samples: int = 1  # rows per prompt
     # [B, C] the engine's log-prob of each sampled token under the raw model distribution (before
-    # temperature and top-p, as the trainer's forward computes it), 0 after the end; None: not given
+    # temperature, top-k and top-p, as the trainer's forward computes it), 0 after the end; None: not given
     logprobs: torch.Tensor | None = None
 
     def rows(self, index: slice) -> "Generation":
@@ -71,7 +71,10 @@ class Engine(Protocol):
     calls for every model of the team at once (one ``Generation`` per call, in order), so an
     engine may decode the agents together; ``generate_each`` is the plain loop. Its ``seeds`` (per
     call, one int per prompt; ``data.sampling_streams: per_task``) give every sample its own random
-    stream: the lean decoder takes them, the others refuse them."""
+    stream: the lean decoder takes them, the others refuse them. The engines sample alike: the
+    logits divided by ``temperature``, then ``top_k`` keeps the k most likely tokens (None or 0: all),
+    then ``top_p`` the smallest set whose probability reaches it, in transformers' order of its warpers;
+    ``greedy`` takes the most likely token and ignores all three (an HTTP endpoint gets them in its request)."""
 
     name: str
     own_weights: bool  # the engine serves its own copy of the weights (vLLM), synced from the trainer's
@@ -88,6 +91,7 @@ class Engine(Protocol):
         max_new_tokens: int,
         temperature: float = 1.0,
         top_p: float = 1.0,
+        top_k: int | None = None,
         greedy: bool = False,
     ) -> Generation: ...
 
@@ -97,6 +101,7 @@ class Engine(Protocol):
         max_new_tokens: int,
         temperature: float = 1.0,
         top_p: float = 1.0,
+        top_k: int | None = None,
         greedy: bool = False,
         seeds: list[list[int]] | None = None,
     ) -> list[Generation]: ...

@@ -309,22 +309,22 @@ class Decoder:
         pad_token_id: int | torch.Tensor,
         temperature: float = 1.0,
         top_p: float = 1.0,
+        top_k: int | None = None,
         greedy: bool = False,
         active: torch.Tensor | None = None,
         num_samples: int = 1,
         seeds: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Completion ids and the log-prob of each sampled token under the raw model distribution
-        (fp32 logits before temperature and top-p, as the training forward computes them), each
-        ``[B, C]`` (C ≤ max_new_tokens), for left-padded prompts, as ``generate``:
-        for ``[B, P]`` prompts of one model, ``[A, B, C]`` for ``[A, B, P]`` prompts of A stacked
-        models (row block a through model a). ``eos_token_id`` / ``pad_token_id``: one id, or one
-        per agent ``[A]``. ``active`` ``[A, B]``: rows to decode (others are filler, finished at once).
-        ``num_samples`` n: each prompt is sampled n times (rows i·n .. i·n+n-1 of the result, B·n
-        rows; ``active`` then covers those): its prompt runs once and the n rows share the cache
-        it leaves, as ``num_return_sequences`` does without running the prompt n times. ``seeds``
-        ``[A, B·n]`` (int64, one per result row: ``generation/base.py: sample_seeds``): each row
-        samples from its own counter-based stream (``counter_uniforms``) instead of torch's generator."""
+        """Completion ids and the log-prob of each sampled token under the raw model distribution (fp32 logits before
+        temperature, top-k and top-p, as the training forward computes them), each ``[B, C]`` (C ≤ max_new_tokens), for
+        left-padded prompts, as ``generate``: for ``[B, P]`` prompts of one model, ``[A, B, C]`` for ``[A, B, P]``
+        prompts of A stacked models (row block a through model a). ``eos_token_id`` / ``pad_token_id``: one id, or one
+        per agent ``[A]``. ``active`` ``[A, B]``: rows to decode (others are filler, finished at once). ``num_samples``
+        n: each prompt is sampled n times (rows i·n .. i·n+n-1 of the result, B·n rows; ``active`` then covers those):
+        its prompt runs once and the n rows share the cache it leaves, as ``num_return_sequences`` does without running
+        the prompt n times. ``seeds`` ``[A, B·n]`` (int64, one per result row: ``generation/base.py: sample_seeds``):
+        each row samples from its own counter-based stream (``counter_uniforms``) instead of torch's generator;
+        ``_sample`` draws each token."""
         single = prompt_ids.dim() == 2
         if single:
             prompt_ids, prompt_mask = prompt_ids[None], prompt_mask[None]
@@ -364,7 +364,7 @@ class Decoder:
         for t in range(max_new_tokens):
             logits = _linear3(hidden.to(self.lm_head[0].dtype), *self.lm_head).float().view(rows, -1)
             uniforms = None if row_seeds is None or greedy else counter_uniforms(row_seeds, t)
-            token = self._sample(logits, temperature, top_p, greedy, uniforms)
+            token = self._sample(logits, temperature, top_p, top_k, greedy, uniforms)
             token = torch.where(unfinished, token, pad)
             out.append(token)
             logprobs.append(logits.log_softmax(-1).gather(1, token[:, None]).squeeze(1))
@@ -383,23 +383,37 @@ class Decoder:
 
     @staticmethod
     def _sample(
-        logits: torch.Tensor, temperature: float, top_p: float, greedy: bool, uniforms: torch.Tensor | None = None
+        logits: torch.Tensor,
+        temperature: float,
+        top_p: float,
+        top_k: int | None,
+        greedy: bool,
+        uniforms: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """One token per row: the most likely (greedy), or drawn from the ``_warp``ed logits."""
         if greedy:
             return logits.argmax(dim=-1)
-        if temperature != 1.0:
-            logits = logits / temperature
-        if top_p < 1.0:  # the smallest set whose probability reaches top_p, as transformers' TopPLogitsWarper
-            sorted_logits, order = torch.sort(logits, descending=False)
-            remove = sorted_logits.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_p)
-            remove[..., -1:] = False
-            logits = logits.masked_fill(remove.scatter(1, order, remove), -float("inf"))
         # inverse-CDF sampling: the distribution of torch.multinomial at a fraction of its cost here
-        cdf = logits.softmax(dim=-1).cumsum(dim=-1)
+        cdf = Decoder._warp(logits, temperature, top_p, top_k).softmax(dim=-1).cumsum(dim=-1)
         if uniforms is None:
             uniforms = torch.rand(cdf.shape[0], device=cdf.device)
         u = uniforms.to(cdf.dtype)[:, None] * cdf[:, -1:]
         return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp(max=cdf.shape[1] - 1)
+
+    @staticmethod
+    def _warp(logits: torch.Tensor, temperature: float, top_p: float, top_k: int | None) -> torch.Tensor:
+        """The logits transformers' warpers leave, in transformers' order: temperature, then top-k (the
+        k most likely, ties with the k-th kept; None or 0: off), then top-p; -inf where never sampled."""
+        if temperature != 1.0:
+            logits = logits / temperature
+        if top_k and top_k < logits.shape[-1]:  # as TopKLogitsWarper
+            logits = logits.masked_fill(logits < torch.topk(logits, top_k, dim=-1).values[..., -1:], -float("inf"))
+        if top_p < 1.0:  # the smallest set whose probability reaches top_p, as TopPLogitsWarper
+            sorted_logits, order = torch.sort(logits, descending=False)
+            remove = sorted_logits.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_p)
+            remove[..., -1:] = False
+            logits = logits.masked_fill(remove.scatter(1, order, remove), -float("inf"))
+        return logits
 
 
 def effective_weights(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:

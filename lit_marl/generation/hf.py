@@ -17,6 +17,7 @@ def generate(
     max_new_tokens: int,
     temperature: float = 1.0,
     top_p: float = 1.0,
+    top_k: int | None = None,
     greedy: bool = False,
 ) -> Generation:
     model = agent.model
@@ -28,10 +29,10 @@ def generate(
         do_sample=not greedy,
         temperature=None if greedy else temperature,
         top_p=None if greedy else top_p,
-        top_k=0,  # None would mean transformers' default of 50: samples must come from the policy
+        top_k=0 if greedy else top_k or 0,  # 0: off (None would mean transformers' default of 50)
         eos_token_id=agent.eos_token_id,
         pad_token_id=agent.pad_token_id,
-        output_logits=True,  # the raw logits, before temperature and top-p: the samples' log-probs
+        output_logits=True,  # the raw logits, before temperature, top-k and top-p: the samples' log-probs
         return_dict_in_generate=True,
     )
     was_training = model.training
@@ -52,10 +53,12 @@ class HFEngine(TrainerWeights):
 
     name = "hf"
 
-    def generate(self, agent, prompts, num_samples, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False):
-        return generate(agent, prompts, num_samples, max_new_tokens, temperature, top_p, greedy)
+    def generate(
+        self, agent, prompts, num_samples, max_new_tokens, temperature=1.0, top_p=1.0, top_k=None, greedy=False
+    ):
+        return generate(agent, prompts, num_samples, max_new_tokens, temperature, top_p, top_k, greedy)
 
-    def generate_team(self, calls, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False, seeds=None):
+    def generate_team(self, calls, max_new_tokens, temperature=1.0, top_p=1.0, top_k=None, greedy=False, seeds=None):
         if seeds is not None:
             raise ValueError(f"data.sampling_streams=per_task needs the lean decoder, not the {self.name} engine")
-        return generate_each(self, calls, max_new_tokens, temperature, top_p, greedy)
+        return generate_each(self, calls, max_new_tokens, temperature, top_p, top_k, greedy)

@@ -26,17 +26,21 @@ class TorchEngine(TrainerWeights):
         self.fallback = fallback
         self.name = "auto" if fallback else "torch"
 
-    def generate(self, agent, prompts, num_samples, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False):
+    def generate(
+        self, agent, prompts, num_samples, max_new_tokens, temperature=1.0, top_p=1.0, top_k=None, greedy=False
+    ):
+        sampling = (temperature, top_p, top_k, greedy)
         if self.fallback and unsupported(agent.model) is not None:
-            return generate(agent, prompts, num_samples, max_new_tokens, temperature, top_p, greedy)
-        return self._decode([(agent, prompts, num_samples)], max_new_tokens, temperature, top_p, greedy)[0]
+            return generate(agent, prompts, num_samples, max_new_tokens, *sampling)
+        return self._decode([(agent, prompts, num_samples)], max_new_tokens, sampling)[0]
 
-    def generate_team(self, calls, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False, seeds=None):
+    def generate_team(self, calls, max_new_tokens, temperature=1.0, top_p=1.0, top_k=None, greedy=False, seeds=None):
         """``seeds``: per call, one int seed per prompt (per-task sampling streams); None: torch's generator."""
+        sampling = (temperature, top_p, top_k, greedy)
         if len(calls) > 1 and stackable([agent.model for agent, _, _ in calls]):
-            return self._decode(calls, max_new_tokens, temperature, top_p, greedy, seeds)
+            return self._decode(calls, max_new_tokens, sampling, seeds)
         if seeds is None:
-            return generate_each(self, calls, max_new_tokens, temperature, top_p, greedy)
+            return generate_each(self, calls, max_new_tokens, *sampling)
         for agent, _, _ in calls:
             reason = unsupported(agent.model)
             if reason is not None:
@@ -44,13 +48,14 @@ class TorchEngine(TrainerWeights):
                     f"data.sampling_streams=per_task samples with the lean decoder, which cannot decode "
                     f"{agent.source}: {reason}; use data.sampling_streams: shared"
                 )
-        return [self._decode([c], max_new_tokens, temperature, top_p, greedy, [s])[0] for c, s in zip(calls, seeds)]
+        return [self._decode([c], max_new_tokens, sampling, [s])[0] for c, s in zip(calls, seeds)]
 
     @torch.no_grad()
-    def _decode(self, calls, max_new_tokens, temperature, top_p, greedy, seeds=None) -> list[Generation]:
+    def _decode(self, calls, max_new_tokens, sampling, seeds=None) -> list[Generation]:
         """The calls' models stacked in one ``Decoder`` (the weights as they are now, LoRA merged):
         every call's rows padded to the same count and prompt width, filler rows inactive. When the
-        calls sample the same number n per prompt, each prompt runs once for its n samples."""
+        calls sample the same number n per prompt, each prompt runs once for its n samples.
+        ``sampling``: ``(temperature, top_p, top_k, greedy)``."""
         decoder = Decoder([agent.model for agent, _, _ in calls])
         device = decoder.embed.device
         shared = len({n for _, _, n in calls}) == 1
@@ -68,9 +73,7 @@ class TorchEngine(TrainerWeights):
                 row_seeds[a, : len(prompts) * n] = sample_seeds(torch.tensor(seeds[a], dtype=torch.long), k)
         eos = torch.tensor([agent.eos_token_id for agent, _, _ in calls], device=device)
         pad = torch.tensor([agent.pad_token_id for agent, _, _ in calls], device=device)
-        completion, logprobs = decoder.generate(
-            ids, mask, max_new_tokens, eos, pad, temperature, top_p, greedy, active, n, row_seeds
-        )
+        completion, logprobs = decoder.generate(ids, mask, max_new_tokens, eos, pad, *sampling, active, n, row_seeds)
         ids, mask = ids.repeat_interleave(n, 1), mask.repeat_interleave(n, 1)  # row i·n+k: prompt i
         out = []
         for a, ((agent, _, k), prompts) in enumerate(zip(calls, rows)):

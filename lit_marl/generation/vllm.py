@@ -15,7 +15,7 @@ gathered as they go) and empties vLLM's prefix cache, whose keys and values were
 old weights. On a GPU an instance sleeps between rollouts (``enable_sleep_mode``).
 
 Each sample comes back with the log-prob vLLM computed for every token it sampled (the raw model
-distribution, before temperature and top-p: what the trainer's forward recomputes), so the trainer
+distribution, before temperature, top-k and top-p: what the trainer's forward recomputes), so the trainer
 can measure and correct the mismatch (``losses.truncated_is_weights``).
 
 ``VLLMEngine`` owns the bookkeeping, tested with a fake backend (``tests/unit/test_engines.py``):
@@ -33,7 +33,7 @@ import random
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -52,7 +52,12 @@ class Sampling:
     max_tokens: int
     temperature: float  # 0 = greedy
     top_p: float
+    top_k: int  # 0 = off (vLLM: all tokens)
     stop_token_ids: list[int]
+
+    def params(self) -> dict:
+        """vLLM's ``SamplingParams`` arguments: these settings, token ids out, each sampled token's own log-prob."""
+        return {**asdict(self), "detokenize": False, "logprobs": 0}
 
 
 @dataclass
@@ -143,16 +148,7 @@ class LLMBackend:
     def generate(self, prompts, sampling, adapter=None):
         from vllm import SamplingParams
 
-        params = SamplingParams(
-            n=sampling.n,
-            max_tokens=sampling.max_tokens,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=0,
-            stop_token_ids=sampling.stop_token_ids,
-            detokenize=False,
-            logprobs=0,  # the sampled token's own log-prob
-        )
+        params = SamplingParams(**sampling.params())
         requests = [{"prompt_token_ids": p} for p in prompts]
         outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=adapter)
         return [
@@ -328,19 +324,22 @@ class VLLMEngine:
                     backend.sleep()
                     self.asleep.add(key)
 
-    def generate_team(self, calls, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False, seeds=None):
+    def generate_team(self, calls, max_new_tokens, temperature=1.0, top_p=1.0, top_k=None, greedy=False, seeds=None):
         if seeds is not None:
             raise ValueError(f"data.sampling_streams=per_task needs the lean decoder, not the {self.name} engine")
-        return generate_each(self, calls, max_new_tokens, temperature, top_p, greedy)
+        return generate_each(self, calls, max_new_tokens, temperature, top_p, top_k, greedy)
 
     @torch.no_grad()
-    def generate(self, agent, prompts, num_samples, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False):
+    def generate(
+        self, agent, prompts, num_samples, max_new_tokens, temperature=1.0, top_p=1.0, top_k=None, greedy=False
+    ):
         backend, adapter = self.sync(agent)
         sampling = Sampling(
             n=num_samples,
             max_tokens=max_new_tokens,
             temperature=0.0 if greedy else temperature,
             top_p=1.0 if greedy else top_p,
+            top_k=0 if greedy else top_k or 0,
             stop_token_ids=[agent.eos_token_id],
         )
         outputs = backend.generate(prompts, sampling, adapter)

@@ -127,6 +127,7 @@ class EpisodeSettings:
     max_context_tokens: int = 2048
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int | None = None
     greedy: bool = False
     anchor: Literal["state", "observation"] = "state"
     """What identifies a turn's state for step-level groups: ``state``, the env's canonical
@@ -278,7 +279,7 @@ def _generate_replies(agents, live: list[_Live], settings: EpisodeSettings, engi
     groups = roles_by_model(agents)
     calls = [(agents[roles[0]], [e.ids[i] for i in roles for e in live], 1) for roles in groups]
     outputs = engine.generate_team(
-        calls, settings.max_new_tokens, settings.temperature, settings.top_p, settings.greedy
+        calls, settings.max_new_tokens, settings.temperature, settings.top_p, settings.top_k, settings.greedy
     )
     for roles, out in zip(groups, outputs):
         agent = agents[roles[0]]

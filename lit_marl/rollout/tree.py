@@ -37,9 +37,10 @@ class TreeSettings:
     max_new_tokens: int = 64
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int | None = None
     greedy: bool = False
     early_termination_threshold: float | None = None
-    external_prompt_passthrough: bool = False
+    chat_template: bool = True
     reward_density: Literal["sparse", "dense"] = "sparse"
     score_weight: float | None = None
     cross_return: CrossReduce = "mean"
@@ -116,8 +117,7 @@ def build_tree(
     levels: list[_Level] = []
     for turn in range(settings.num_turns):
         t0 = time.perf_counter()
-        raw = turn > 0 and settings.external_prompt_passthrough
-        gens, texts = _generate(agents, tasks, nodes, settings, engine, raw)
+        gens, texts = _generate(agents, tasks, nodes, settings, engine, not settings.chat_template)
         t1 = time.perf_counter()
         rewards, children, next_nodes = _step(env, nodes, texts, combos, turn, settings, tally)
         shaped = rewards  # what returns are built from; logs and early termination use the task reward
@@ -162,7 +162,7 @@ def _generate(
             for roles in groups
         ]
     outputs = engine.generate_team(
-        calls, settings.max_new_tokens, settings.temperature, settings.top_p, settings.greedy, seeds=seeds
+        calls, settings.max_new_tokens, settings.temperature, settings.top_p, settings.top_k, settings.greedy, seeds
     )
     for roles, generated in zip(groups, outputs):
         for r, i in enumerate(roles):  # a parameter-shared model played several roles at once

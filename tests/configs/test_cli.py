@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import pytest
 import yaml
 
 from helpers import REPO_ROOT
+from lit_marl import ConfigError
 from lit_marl.algorithms import base as base_module
 from lit_marl.algorithms.base import AgentTeamModule
 from lit_marl.cli import build_cli
@@ -54,14 +56,25 @@ def test_config_prints(config, in_repo_root, capsys):
 def small_game_sets(config: str) -> list[str]:
     """Overrides that shrink a config's named game sets to one game (per task type): resolving
     them is what is tested; generating 64 TextWorld games and their walkthroughs is the cost of a
-    run, not of this check (it took 100-170 s a config)."""
+    run, not of this check (it took 100-170 s a config). The PyPI SWE set is built once by a script
+    (an hour, with downloads): its configs resolve the bundled SWE instances in its place."""
     data = yaml.safe_load((REPO_ROOT / config).read_text())["data"]["init_args"]
     out = []
     for key in ("train_path", "val_path", "demo_path"):
         source = data.get(key) or ""
         if source.startswith(("textworld:", "alfworld:")) and source.rsplit(":", 1)[-1].isdigit():
             out += [f"--data.{key}", source.rsplit(":", 1)[0] + ":1"]
+        if source.startswith("swe:pypi:"):
+            out += [f"--data.{key}", "swe:bundled:" + source.split(":")[2]]
+    if "--data.demo_path" in out and data.get("env") == "swe":  # bundled fixes have 2 hunks: 2 views, 2 edits
+        out += ["--data.env_kwargs", json.dumps({**data["env_kwargs"], "max_steps": 6})]
     return out
+
+
+def test_a_pypi_swe_config_without_the_built_set_names_the_script(in_repo_root, monkeypatch, tmp_path):
+    monkeypatch.setenv("LIT_MARL_CACHE", str(tmp_path))
+    with pytest.raises(ConfigError, match="make_swe_pypi.py"):
+        build_cli(args=["--config", "configs/swe/sft_grpo_pypi.yaml"], run=False)
 
 
 def test_small_game_sets_keep_the_set_and_shrink_the_count():
@@ -114,7 +127,8 @@ def test_unknown_option_is_rejected(in_repo_root, capsys):
 
 
 def test_console_script(repo_root):
-    """`lit-marl`, the command the README and Makefile use, is installed and reads the configs."""
+    """`lit-marl`, the command the README and Makefile use, is installed and reads the configs; its
+    start-up imports no logger's package (wandb, mlflow: only when that logger is used)."""
     script = Path(sys.executable).parent / "lit-marl"
     if not script.exists():
         pytest.skip("the package is not installed in this environment (pip install -e .)")
@@ -124,10 +138,13 @@ def test_console_script(repo_root):
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPROFILEIMPORTTIME": "1"},
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert yaml.safe_load(result.stdout)["model"]["init_args"]["model"] == "smollm2-135m-instruct"
+    lines = [line for line in result.stderr.splitlines() if line.startswith("import time:")]
+    imported = {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in lines}
+    assert "lit_marl" in imported and not imported & {"wandb", "mlflow", "markdown"}
 
 
 def test_cli_validate(in_repo_root, tmp_path):

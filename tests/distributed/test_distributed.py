@@ -21,16 +21,17 @@ from lit_marl import ConfigError
 SCRIPT = TEST_SCRIPTS / "ddp_run.py"
 
 
-def run_script(script: Path, *args: str, timeout: int = 180) -> None:
+def run_script(script: Path, *args: str, timeout: int = 180) -> subprocess.CompletedProcess:
     """A test script in its own processes (it spawns its ranks); its stderr's tail on failure."""
     done = subprocess.run(
         [sys.executable, str(script), *args], capture_output=True, text=True, timeout=timeout, env=os.environ
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    return done
 
 
-def run(out: Path, *args: str) -> None:
-    run_script(SCRIPT, str(out), *args)
+def run(out: Path, *args: str) -> subprocess.CompletedProcess:
+    return run_script(SCRIPT, str(out), *args)
 
 
 def params(path: Path) -> dict[str, torch.Tensor]:
@@ -50,7 +51,11 @@ def built(request, tmp_path_factory):
 def test_two_ranks_match_one_process(built):
     root, algorithm = built
     run(root / "one", "--tasks-per-step", "4", "--steps", "2", "--algorithm", algorithm, "--evaluate")
-    run(root / "two", "--devices", "2", "--tasks-per-step", "2", "--steps", "2", "--algorithm", algorithm, "--evaluate")
+    two = ("--devices", "2", "--tasks-per-step", "2", "--steps", "2", "--algorithm", algorithm, "--evaluate")
+    done = run(root / "two", *two, "--validate")
+    # the validation metrics are reduced over the ranks already: Lightning is not asked to sync
+    # them again, nor warns that they are not synced (once per key, 24 here)
+    assert "sync_dist" not in done.stderr + done.stdout
     one = params(root / "one" / "params_rank0.pt")
     ranks = [params(root / "two" / f"params_rank{r}.pt") for r in range(2)]
     for name in one:
@@ -63,6 +68,9 @@ def test_two_ranks_match_one_process(built):
     metrics = [json.loads((root / d / "metrics_rank0.json").read_text()) for d in ("one", "two")]
     for key in ("train/reward", "train/reward_std"):
         assert metrics[1][key] == pytest.approx(metrics[0][key], abs=1e-6), key
+    ranks = [json.loads((root / "two" / f"metrics_rank{r}.json").read_text()) for r in range(2)]
+    validation = {k: v for k, v in ranks[0].items() if k.startswith("val/")}
+    assert "val/reward" in validation and validation == {k: ranks[1][k] for k in validation}  # every rank's
     assert_same_heldout(root / "one", root / "two")
 
 

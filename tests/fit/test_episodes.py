@@ -169,6 +169,18 @@ def letter_count_data(**overrides) -> EpisodeDataModule:
     return EpisodeDataModule(**{**kwargs, **overrides})
 
 
+def test_data_top_k_reaches_the_episodes(agent):
+    """``data.top_k`` through the episode settings to the engine: with top-k 1 every sampled episode
+    plays the greedy one (the tiny model's distribution is near uniform: without it none would)."""
+    data = letter_count_data(max_turns=2, max_new_tokens=5, num_generations=2, top_k=1)
+    assert data.episode.top_k == 1
+    (sampled,) = data.rollout([agent], [{"task_id": "t"}], greedy=False)
+    (greedy,) = data.rollout([agent], [{"task_id": "t"}], greedy=True)
+    width = greedy.input_ids.shape[1]
+    for row in sampled.input_ids:
+        assert torch.equal(row[:width], greedy.input_ids[0])
+
+
 def test_context_budget_truncates_and_keeps_the_reward(agent):
     torch.manual_seed(0)
     start = len(agent.encode_prompt(make_env("letter-count").start({"task_id": "t"})[0]))

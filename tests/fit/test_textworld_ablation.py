@@ -80,6 +80,52 @@ def test_summary_spreads_over_seeds():
     assert line["eval_episodes"] == 48 and line["seeds"] == 3
 
 
+def test_a_set_sweep_is_separate_lines_and_seeds_average_within_each(tmp_path, monkeypatch, capsys):
+    """Two invocations into one --out that differ by a --set value: the table and the plot keep
+    the values apart (each line labelled with its --set) and average the seeds of each."""
+
+    def fake_cell(args, key, out):  # the rows a cell writes, without training: won by learning rate and seed
+        won = {"1e-3": 0.0, "1e-2": 0.5}[args.set[0].partition("=")[2]] + 0.25 * key["seed"]
+        trained = {"demos": 0, "train_episodes": 4, "train_s": 1.0, "stage": "end", "eval_episodes": 2}
+        return [{**key, **trained, "eval": c, "won": won} for c in args.eval]
+
+    monkeypatch.setattr(ablation, "run_cell", fake_cell)
+    out = tmp_path / "sweep"
+    for lr in ("1e-3", "1e-2"):
+        ablation.main(["--splits", "0:1", "--budget", "4", "--seeds", "0", "1", "--out", str(out),
+                       "--set", f"model.init_args.learning_rate={lr}"])  # fmt: skip
+    capsys.readouterr()
+    rows = ablation.load_rows(out / "results.jsonl")
+    assert len(rows) == 4 and rows[0]["settings"]["set"] == ["model.init_args.learning_rate=1e-3"]
+    lines = ablation.summarize(rows)
+    assert [(x["settings"], x["seeds"], x["won_mean"]) for x in lines] == [
+        ("--set model.init_args.learning_rate=1e-3", 2, 0.125),
+        ("--set model.init_args.learning_rate=1e-2", 2, 0.625),
+    ]
+    assert all(x["won_std"] == pytest.approx(0.25 / 2**0.5) for x in lines)  # two seeds, 0.25 apart
+    table = (out / "results.md").read_text()
+    assert "| ppo | dense | 0:1 | 4 | w2-o3-q4 | --set model.init_args.learning_rate=1e-3 | end |" in table
+    assert "| --set model.init_args.learning_rate=1e-2 | end | w2-o3-q4 | 0.625 ± 0.177 | 2 |" in table
+    plot = ET.fromstring((out / "success.svg").read_text())
+    assert len([e for e in plot.iter() if e.tag.endswith("rect")]) == 2
+    assert sum("learning_rate=1e-2" in (e.text or "") for e in plot.iter()) == 1
+
+
+def test_rows_without_their_settings_are_kept_apart_by_the_cell_hash():
+    row = {"algorithm": "ppo", "density": "dense", "split": "0:1", "budget": 4, "train": "w", "stage": "end",
+           "eval": "w", "won": 0.5, "eval_episodes": 2, "train_episodes": 4, "demos": 0, "train_s": 1.0}  # fmt: skip
+    rows = [{**row, "cell": f"ppo-dense-sft0rl1-b4-w-s{seed}-{key}", "seed": seed} for key in ("aaaaaa", "bbbbbb")
+            for seed in (0, 1)]  # fmt: skip
+    assert [(x["settings"], x["seeds"]) for x in ablation.summarize(rows)] == [
+        ("settings aaaaaa", 2),
+        ("settings bbbbbb", 2),
+    ]
+    defaults = ablation.shared_settings(ablation.parse_args([]))
+    assert ablation.settings_label(defaults, "aaaaaa") == "-"
+    other = ablation.shared_settings(ablation.parse_args(["--sft-epochs", "4", "--demo-cost", "2", "--set", "a=1"]))
+    assert ablation.settings_label(other, "x") == "--demo-cost 2 --sft-epochs 4 --set a=1"
+
+
 def test_bad_grid_settings_are_named():
     with pytest.raises(SystemExit, match=r"PhaseSwitch.split='60-200'"):
         ablation.main(["--splits", "60-200"])

@@ -2,6 +2,7 @@
 
 python ddp_run.py OUT --build --tasks-per-step B --steps S      # sampled rollouts of every task, once
 python ddp_run.py OUT --devices N --tasks-per-step B --steps S [--train-batch-size K] [--algorithm ...] [--fsdp]
+    [--evaluate] [--validate]
 
 Training steps replay the built rollouts of their tasks, so runs with different numbers of ranks
 train on identical samples (sampling in one process and in two draws different random numbers). The
@@ -132,6 +133,7 @@ def main() -> None:
     parser.add_argument("--fsdp-mode", default="gathered", help="TeamFSDPStrategy's mode; per_layer also traces")
     parser.add_argument("--sample", action="store_true")
     parser.add_argument("--evaluate", action="store_true", help="held-out before/after: OUT/heldout_rank{r}.json")
+    parser.add_argument("--validate", action="store_true", help="Lightning's validation loop: one batch after the fit")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.build:
@@ -166,7 +168,7 @@ def main() -> None:
         devices=args.devices,
         strategy=strategy,
         limit_train_batches=args.steps,
-        limit_val_batches=0,
+        limit_val_batches=1 if args.validate else 0,
     )
     with CollectiveTrace() as trace:  # every collective of the fit, in order: the same on every rank
         trainer.fit(module, datamodule=data)

@@ -8,6 +8,7 @@ import lightning as L
 import pytest
 
 from helpers import SLOGAN_HELDOUT, SLOGAN_PROMPTS, SLOGAN_TRAIN, cli_fit, make_trainer
+from lit_marl import ConfigError
 from lit_marl.algorithms import MAGRPO
 from lit_marl.data import RolloutDataModule
 
@@ -207,13 +208,16 @@ def test_bad_data_settings(overrides, field):
         ({"temperature": -1.0}, "data.temperature"),
         ({"max_new_tokens": 0}, "data.max_new_tokens"),
         ({"top_p": 1.5}, "data.top_p"),
+        ({"top_k": -1}, "data.top_k=-1: must be a positive integer k (0 or null: off)"),
+        ({"top_k": 2.5}, "data.top_k=2.5: must be a positive integer"),
+        ({"top_k": True}, "data.top_k=True: must be a positive integer"),
     ],
-    ids=["temperature=0", "temperature<0", "max_new_tokens=0", "top_p>1"],
+    ids=["temperature=0", "temperature<0", "max_new_tokens=0", "top_p>1", "top_k<0", "top_k=2.5", "top_k=True"],
 )
 def test_bad_sampling_settings_fail_at_config_time(overrides, field):
     """Sampling settings that generation rejects must fail here, naming the field, not at the
     first training step after the models have loaded (with a message that names no field)."""
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(ConfigError) as err:
         datamodule(**overrides)
     assert field in str(err.value)
 

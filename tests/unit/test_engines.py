@@ -7,14 +7,15 @@ import math
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 from transformers.generation.logits_process import TopPLogitsWarper
 
 from lit_marl import ConfigError
 from lit_marl.agents import AdapterView, Agent, LoraSettings, lora_config
 from lit_marl.generation import HFEngine, TorchEngine, left_pad, make_engine, mask_through_first
+from lit_marl.generation.base import counter_uniforms
 from lit_marl.generation.decoder import Decoder, effective_weights, unsupported
-from lit_marl.generation.vllm import Sample, VLLMEngine
+from lit_marl.generation.vllm import Sample, Sampling, VLLMEngine
 from lit_marl.logprobs import completion_logprobs
 
 
@@ -134,20 +135,62 @@ def test_torch_sampling_follows_softmax_and_top_p():
     torch.manual_seed(0)
     logits = torch.randn(4, 12) * 2
     draws = 20000
-    samples = torch.stack([Decoder._sample(logits, 1.0, 1.0, False) for _ in range(draws)], 1)
+    samples = torch.stack([Decoder._sample(logits, 1.0, 1.0, None, False) for _ in range(draws)], 1)
     freq = torch.stack([torch.bincount(row, minlength=12) for row in samples]).float() / draws
     probs = logits.softmax(-1)
     assert (freq - probs).abs().max() < 4 * math.sqrt(0.25 / draws) + 1e-3
     # temperature scales the logits; top-p keeps exactly transformers' nucleus
-    hot = torch.stack([Decoder._sample(logits, 2.0, 1.0, False) for _ in range(draws)], 1)
+    hot = torch.stack([Decoder._sample(logits, 2.0, 1.0, None, False) for _ in range(draws)], 1)
     freq = torch.stack([torch.bincount(row, minlength=12) for row in hot]).float() / draws
     assert (freq - (logits / 2).softmax(-1)).abs().max() < 0.02
     nucleus = TopPLogitsWarper(0.7)(None, logits.clone()) > -float("inf")
     drawn = torch.zeros_like(nucleus)
     for _ in range(3000):
-        drawn[torch.arange(4), Decoder._sample(logits, 1.0, 0.7, False)] = True
+        drawn[torch.arange(4), Decoder._sample(logits, 1.0, 0.7, None, False)] = True
     assert torch.equal(drawn, nucleus)  # every nucleus token drawn, nothing outside it
-    assert torch.equal(Decoder._sample(logits, 1.0, 1.0, True), logits.argmax(-1))
+    assert torch.equal(Decoder._sample(logits, 1.0, 1.0, None, True), logits.argmax(-1))
+    assert torch.equal(Decoder._sample(logits, 0.5, 0.7, 3, True), logits.argmax(-1))  # greedy ignores them
+
+
+def test_torch_top_k_of_one_is_greedy():
+    torch.manual_seed(0)
+    logits = torch.randn(8, 50) * 3
+    streams = counter_uniforms(torch.arange(8), 0)
+    for temperature, top_p, uniforms in ((1.0, 1.0, None), (0.5, 0.9, None), (2.0, 1.0, streams)):
+        assert torch.equal(Decoder._sample(logits, temperature, top_p, 1, False, uniforms), logits.argmax(-1))
+
+
+def test_torch_top_k_samples_only_the_k_most_likely():
+    """One fixed logits row drawn 4000 times (torch's generator, and per-task streams): each of the
+    k most likely tokens comes up, no other ever does; with top-k off (None or 0) every token does."""
+    torch.manual_seed(0)
+    logits = torch.linspace(2.0, -2.0, 20)[torch.randperm(20)]  # the most likely tokens scattered
+    rows = logits.expand(4000, 20)
+    top = set(torch.topk(logits, 5).indices.tolist())
+    assert set(Decoder._sample(rows, 1.0, 1.0, 5, False).tolist()) == top
+    assert set(Decoder._sample(rows, 1.0, 1.0, 5, False, counter_uniforms(torch.arange(4000), 3)).tolist()) == top
+    for off in (None, 0):
+        assert len(set(Decoder._sample(rows, 1.0, 1.0, off, False).tolist())) == 20
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 5, 1.0), (0.7, 10, 0.8), (1.5, 5, 0.6), (1.0, 100, 0.5)])
+def test_torch_top_k_and_top_p_are_transformers_warpers_in_its_order(tiny_agent, temperature, top_k, top_p):
+    """The logits the sampler draws from are those transformers' own sampling pipeline leaves (its
+    temperature, top-k and top-p warpers, in its order; ties with the k-th token kept), and a grid of
+    uniforms through the sampler gives each token that distribution's share."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50) * 2
+    logits[0, :12] = torch.tensor([3.0, 3, 3, 2, 2, 2, 1, 1, 1, 0, 0, 0])  # ties across the k-th token
+    config = GenerationConfig(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p)
+    expected = tiny_agent.model._get_logits_processor(config)(None, logits.clone())
+    ours = Decoder._warp(logits, temperature, top_p, top_k)
+    assert torch.equal(torch.isfinite(ours), torch.isfinite(expected))  # the same tokens kept
+    torch.testing.assert_close(ours.softmax(-1), expected.softmax(-1))  # renormalized alike
+    grid = (torch.arange(2000, dtype=torch.float64) + 0.5) / 2000  # inverse CDF: shares to one grid step
+    drawn = Decoder._sample(logits.repeat_interleave(2000, 0), temperature, top_p, top_k, False, grid.repeat(6))
+    shares = torch.stack([torch.bincount(row, minlength=50) for row in drawn.view(6, 2000)]) / 2000
+    assert (shares - expected.softmax(-1)).abs().max() <= 1 / 2000 + 1e-4
+    assert not (shares[~torch.isfinite(expected)] > 0).any()
 
 
 def test_torch_decoder_uses_lora_adapters_merged(tiny_agent, prompts):
@@ -219,6 +262,27 @@ def test_rollouts_through_both_engines_agree_when_greedy(tiny_agents):
     assert a.completions == b.completions and torch.equal(a.rewards, b.rewards)
 
 
+def test_every_engine_takes_top_k(tiny_agents, prompts):
+    """Sampling with top-k 1 is greedy in each engine (the lean decoder alone and stacked, transformers'
+    generate, and the auto engine's fallback for a model the decoder cannot run): top_k reaches the
+    sampler. The tiny models' distributions are near uniform: without it no row would be greedy."""
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tiny_agents[0].tokenizer), n_embd=32, n_layer=1, n_head=2))
+    gpt2 = Agent("gpt2-tiny", loaded=(gpt2.eval(), tiny_agents[0].tokenizer))
+    torch.manual_seed(0)
+    for name in ("torch", "hf"):
+        calls = [(agent, prompts, 2) for agent in tiny_agents]
+        sampled = make_engine(name).generate_team(calls, 6, temperature=1.5, top_k=1)
+        for (agent, _, _), gen in zip(calls, sampled):
+            assert torch.equal(gen.completion_ids, hf_greedy(agent, prompts, 2, 6)), name
+    assert torch.equal(
+        make_engine("auto").generate(gpt2, prompts, 2, 6, top_k=1).completion_ids, hf_greedy(gpt2, prompts, 2, 6)
+    )
+    assert not torch.equal(
+        make_engine("torch").generate(tiny_agents[0], prompts, 2, 6, top_k=0).completion_ids,
+        hf_greedy(tiny_agents[0], prompts, 2, 6),
+    )
+
+
 # --------------------------------------------------------------------------- vLLM bookkeeping
 class FakeBackend:
     """Answers like vLLM: per prompt, n samples; some stopped by the end token (vLLM keeps it in
@@ -270,10 +334,16 @@ def test_vllm_rows_masks_and_padding(tiny_agent, prompts, drop_stop_token):
         backend_factory=lambda a, dtype: backends.append(FakeBackend(a, drop_stop_token)) or backends[-1]
     )
     n, new = 3, 4
-    gen = engine.generate(tiny_agent, prompts, n, new, temperature=0.7, top_p=0.9)
+    gen = engine.generate(tiny_agent, prompts, n, new, temperature=0.7, top_p=0.9, top_k=20)
     eos, pad = tiny_agent.eos_token_id, tiny_agent.pad_token_id
     sampling = backends[0].calls[0][1]
-    assert (sampling.n, sampling.max_tokens, sampling.temperature, sampling.top_p) == (n, new, 0.7, 0.9)
+    assert (sampling.n, sampling.max_tokens, sampling.temperature, sampling.top_p, sampling.top_k) == (
+        n,
+        new,
+        0.7,
+        0.9,
+        20,
+    )
     assert sampling.stop_token_ids == [eos]
     assert backends[0].calls[0][0] == prompts
     ids_ref, mask_ref = left_pad([p for p in prompts for _ in range(n)], pad, torch.device("cpu"))
@@ -295,8 +365,19 @@ def test_vllm_rows_masks_and_padding(tiny_agent, prompts, drop_stop_token):
     else:  # each sampled token's log-prob in its column, 0 after the end
         expected = torch.tensor([-0.5 - 0.1 * j for j in range(new)]) * gen.completion_mask
         assert torch.allclose(gen.logprobs, expected)
-    greedy = engine.generate(tiny_agent, prompts, 1, new, greedy=True)
+    greedy = engine.generate(tiny_agent, prompts, 1, new, top_k=20, greedy=True)
     assert backends[0].calls[-1][1].temperature == 0.0 and greedy.completion_ids.shape[0] == len(prompts)
+    assert backends[0].calls[-1][1].top_k == 0  # greedy: no top-k
+    engine.generate(tiny_agent, prompts, 1, new)
+    assert backends[0].calls[-1][1].top_k == 0  # off: vLLM's 0 (every token)
+
+
+def test_vllm_sampling_params_carry_every_setting():
+    """What ``SamplingParams`` gets (vLLM itself is tested in tests/vllm)."""
+    sampling = Sampling(n=2, max_tokens=5, temperature=0.7, top_p=0.9, top_k=20, stop_token_ids=[3])
+    assert sampling.params() == dict(
+        n=2, max_tokens=5, temperature=0.7, top_p=0.9, top_k=20, stop_token_ids=[3], detokenize=False, logprobs=0
+    )
 
 
 def test_vllm_weights_sync_once_per_update(tiny_agents, prompts):
@@ -622,16 +703,31 @@ def test_per_task_streams_make_a_task_sample_the_same_tree_in_any_batch(tiny_age
     assert other.completions != alone.completions
 
 
+def test_data_top_k_reaches_the_tree_rollouts(tiny_agents):
+    """``data.top_k`` through the tree settings to the engine: with top-k 1 every sampled response
+    is the greedy one (the tiny models' distributions are near uniform: without it none would be)."""
+    from helpers import LENGTH_REWARD, slogan_data
+
+    data = slogan_data(reward_fn=LENGTH_REWARD, num_generations=2, max_new_tokens=6, top_k=1)
+    assert data.tree.top_k == 1
+    tasks = data.train_tasks[:2]
+    sampled, greedy = data.rollout(tiny_agents, tasks, greedy=False), data.rollout(tiny_agents, tasks, greedy=True)
+    for agent_sampled, agent_greedy in zip(sampled.completions, greedy.completions):
+        assert agent_sampled == [text for text in agent_greedy for _ in range(2)]
+    assert slogan_data(reward_fn=LENGTH_REWARD).tree.top_k is None  # off by default, or with 0
+    assert slogan_data(reward_fn=LENGTH_REWARD, top_k=0).tree.top_k == 0
+
+
 @pytest.mark.parametrize("name", ["torch", "hf"])
 def test_engines_return_the_raw_log_probs_of_their_samples(tiny_agents, prompts, name):
     """Each sampled token's log-prob as the engine computed it: the raw model distribution (before
-    temperature and top-p), the quantity the training forward recomputes; 0 after the end. A stacked
+    temperature, top-k and top-p), the quantity the training forward recomputes; 0 after the end. A stacked
     team gives each agent its own model's."""
     from lit_marl.logprobs import completion_logprobs
 
     torch.manual_seed(0)
     calls = [(agent, prompts, 2) for agent in tiny_agents]
-    for agent, gen in zip(tiny_agents, make_engine(name).generate_team(calls, 8, temperature=0.7, top_p=0.9)):
+    for agent, gen in zip(tiny_agents, make_engine(name).generate_team(calls, 8, temperature=0.7, top_p=0.9, top_k=20)):
         ids = torch.cat([gen.prompt_ids, gen.completion_ids], 1)
         mask = torch.cat([gen.prompt_mask, gen.completion_mask], 1)
         with torch.no_grad():

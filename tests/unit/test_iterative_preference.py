@@ -114,13 +114,14 @@ def agent():
     return Agent("tiny-random")
 
 
-def _generate(server, agent, path, **settings):
+def _generate(server, agent, path, top_k=None, **settings):
     url = f"http://127.0.0.1:{server.server_address[1]}{path}"
     engine = TextEngine(ApiWriter(ApiSettings(url=url, **settings)))
     tasks = [{"topic": "tea"}, {"topic": "snow"}]
     role = TextRole(agent, 1, tasks)
     prompts = [role.encode_prompt(f"slogan for {t['topic']}") for t in tasks]
-    return engine, engine.generate_team([(role, prompts, 3)], max_new_tokens=16, temperature=0.7, top_p=0.9)[0]
+    sampling = dict(temperature=0.7, top_p=0.9, top_k=top_k)
+    return engine, engine.generate_team([(role, prompts, 3)], max_new_tokens=16, **sampling)[0]
 
 
 def test_generic_format(server, agent, monkeypatch):
@@ -130,6 +131,7 @@ def test_generic_format(server, agent, monkeypatch):
     path, headers, body = server.seen[0]
     assert body["prompt"] == "slogan for tea" and body["agent_idx"] == 1 and body["num_return_sequences"] == 3
     assert body["batch_item"] == {"topic": "tea"} and body["temperature"] == 0.7 and body["max_new_tokens"] == 16
+    assert body["top_p"] == 0.9 and body["top_k"] is None  # CoMLRL's payload: top_k null when off
     assert headers["authorization"] == "Bearer sekret"
     texts = agent.decode(gen.completion_ids, gen.completion_mask)
     assert texts == ["1:0", "1:1", "1:2"] * 2 and gen.completion_ids.shape[0] == 6
@@ -143,7 +145,7 @@ def test_openai_and_anthropic_formats(server, agent, monkeypatch):
     _, gen = _generate(server, agent, "/openai", format="openai_chat", model="gpt-x")
     body = server.seen[0][2]
     assert body["messages"] == [{"role": "user", "content": "slogan for tea"}] and body["n"] == 3
-    assert body["model"] == "gpt-x" and body["max_tokens"] == 16
+    assert body["model"] == "gpt-x" and body["max_tokens"] == 16 and "top_k" not in body
     assert agent.decode(gen.completion_ids, gen.completion_mask)[:3] == ["chat 0", "chat 1", "chat 2"]
     monkeypatch.setenv("TEST_KEY", "k2")
     server.seen.clear()
@@ -151,7 +153,22 @@ def test_openai_and_anthropic_formats(server, agent, monkeypatch):
     assert engine.writer.calls == 6  # no n: one request per candidate
     path, headers, body = server.seen[0]
     assert headers["anthropic-version"] == "2023-06-01" and headers["x-api-key"] == "k2"
-    assert body["model"] == "claude-x" and body["max_tokens"] == 16 and "n" not in body
+    assert body["model"] == "claude-x" and body["max_tokens"] == 16 and "n" not in body and "top_k" not in body
+
+
+@pytest.mark.parametrize(
+    "path, settings",
+    [
+        ("/generic", {"response_field": "out.texts"}),
+        ("/openai", {"format": "openai_chat", "model": "gpt-x"}),
+        ("/anthropic", {"format": "anthropic", "model": "claude-x"}),
+    ],
+)
+def test_every_format_sends_top_k_when_on(server, agent, path, settings):
+    server.seen.clear()
+    _generate(server, agent, path, top_k=7, **settings)
+    body = server.seen[0][2]
+    assert (body["top_k"], body["top_p"], body["temperature"]) == (7, 0.9, 0.7)
 
 
 def test_timeouts_are_counted_skips_and_garbage_is_an_error(server, agent):
@@ -184,7 +201,7 @@ class ScriptedWriter:
     def __init__(self, answer):
         self.answer, self.asks = answer, []
 
-    def complete(self, prompts, role, tasks, n, max_new_tokens, temperature, top_p):
+    def complete(self, prompts, role, tasks, n, max_new_tokens, temperature, top_p, top_k):
         self.asks.append((list(prompts), role, n, max_new_tokens))
         return [[self.answer(p, role, k) for k in range(n)] for p in prompts]
 

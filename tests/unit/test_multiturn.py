@@ -193,7 +193,7 @@ def test_multi_turn_without_transition_is_rejected(tiny_agents):
         tree_from_functions(tiny_agents, TASKS, _prompts(2), _len_reward, 2, max_new_tokens=2, num_turns=2)
 
 
-def test_passthrough_uses_transition_prompts_verbatim(tiny_agents, monkeypatch):
+def test_raw_prompts_skip_the_chat_template(tiny_agents, monkeypatch):
     raw_flags = []
     original = type(tiny_agents[0]).encode_prompt
 
@@ -203,12 +203,11 @@ def test_passthrough_uses_transition_prompts_verbatim(tiny_agents, monkeypatch):
 
     monkeypatch.setattr(type(tiny_agents[0]), "encode_prompt", spy)
     kwargs = dict(max_new_tokens=2, num_turns=2, transition=plain)
-    tree_from_functions(tiny_agents, TASKS, _prompts(2), _len_reward, 2, external_prompt_passthrough=True, **kwargs)
-    n_first = 2 * len(TASKS)
-    assert raw_flags[:n_first] == [False] * n_first and all(raw_flags[n_first:]) and len(raw_flags) > n_first
+    tree_from_functions(tiny_agents, TASKS, _prompts(2), _len_reward, 2, chat_template=False, **kwargs)
+    assert all(raw_flags) and len(raw_flags) > 2 * len(TASKS)  # every turn's prompts
     agent = tiny_agents[0]
     text = "plain text, no template"
-    assert original(agent, text, raw=True) == agent.tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert original(agent, text, raw=True) == agent.tokenizer(text)["input_ids"]  # as CoMLRL tokenizes
     assert original(agent, text) != original(agent, text, raw=True)
 
 

@@ -141,7 +141,7 @@ def test_errors_name_the_argument(tmp_path, two_runs):
         plot([str(tmp_path / "empty")])
     with pytest.raises(ConfigError, match=r"--tags nothing/\*: no tag matches .*train/reward"):
         plot([str(two_runs)], out=tmp_path / "x.png", tags=["nothing/*"])
-    with pytest.raises(ConfigError, match=r"--labels: 1 given for 2 run"):
+    with pytest.raises(ConfigError, match=r"--labels: 1 given for 2 run.*version_1\): give one label per run.*RUN_DIR"):
         plot([str(two_runs)], out=tmp_path / "x.png", labels=["one"])
     with pytest.raises(SystemExit, match=r"lit-marl plot: RUN_DIR '.*nowhere'"):
         main([str(tmp_path / "nowhere")])
