@@ -76,26 +76,30 @@ def load_team(ckpt_path: str) -> tuple[AgentTeamModule, dict]:
     return module.eval(), checkpoint
 
 
-def load_data(config: str | None, checkpoint: dict | None) -> TaskDataModule:
-    """The data module of ``config``'s ``data`` section (each setting that differs from the
-    checkpoint's said on stderr), or else the one the checkpoint saved."""
-    if config is not None:
-        path = Path(config)
-        if not path.is_file():
-            raise ConfigError(f"--config={config!r}: no such file (the run's config.yaml is saved beside its logs)")
-        sections = yaml.safe_load(path.read_text())
-        data = sections.get("data") if isinstance(sections, dict) else None
-        if not isinstance(data, dict) or "class_path" not in data:
-            raise ConfigError(f"--config={config!r}: no data section with a class_path (give the run's config.yaml)")
-        if checkpoint is not None:  # what differs from the run's own settings is said
-            checkpoint_files.check_data_settings(checkpoint.get("datamodule_hyper_parameters") or {}, data, "chatting")
-        return build(TaskDataModule, {"_class_path": data["class_path"], **(data.get("init_args") or {})}, "--config")
-    if checkpoint is None:
-        raise ConfigError("the task's prompts come from the run's data settings: give --config with its config.yaml")
-    settings = dict(checkpoint.get("datamodule_hyper_parameters") or {})
-    if "_class_path" not in settings or "env" not in settings:  # an environment object is not saved
+def data_settings(config: str | None, checkpoint: dict | None) -> dict:
+    """The run's data settings (``_class_path`` and the init arguments): ``config``'s ``data`` section,
+    each setting that differs from the checkpoint's said on stderr; or else those the checkpoint
+    saved (without an environment given as an object: it is not saved); ``{}`` when neither is given."""
+    saved = dict((checkpoint or {}).get("datamodule_hyper_parameters") or {})
+    if config is None:
+        return saved
+    path = Path(config)
+    if not path.is_file():
+        raise ConfigError(f"--config={config!r}: no such file (the run's config.yaml is saved beside its logs)")
+    sections = yaml.safe_load(path.read_text())
+    data = sections.get("data") if isinstance(sections, dict) else None
+    if not isinstance(data, dict) or "class_path" not in data:
+        raise ConfigError(f"--config={config!r}: no data section with a class_path (give the run's config.yaml)")
+    if checkpoint is not None:
+        checkpoint_files.check_data_settings(saved, data, "chatting")
+    return {"_class_path": data["class_path"], **(data.get("init_args") or {})}
+
+
+def load_data(settings: dict, saved: bool) -> TaskDataModule:
+    """The data module of ``settings`` (``data_settings``; ``saved``: the checkpoint's)."""
+    if not settings or (saved and "env" not in settings):  # an environment given as an object is not saved
         raise ConfigError(
-            "the checkpoint does not hold the run's data settings (an environment object is not saved with it): "
-            "give --config with the run's config.yaml for the task's prompts"
+            "the task's prompts come from the run's data settings, which the checkpoint does not hold (or there is "
+            "no checkpoint): give --config with the run's config.yaml (saved beside its logs)"
         )
-    return build(TaskDataModule, settings, "the checkpoint's data settings")
+    return build(TaskDataModule, settings, "--config" if not saved else "the checkpoint's data settings")

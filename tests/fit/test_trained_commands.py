@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 from helpers import SLOGAN_HELDOUT
 from lit_marl import ConfigError, chat, export
 from lit_marl.agents import Agent
+from lit_marl.export import exported_team
 from lit_marl.generation import generate
 from lit_marl.trained import load_team
 
@@ -45,16 +46,17 @@ def test_export_writes_each_agent_with_the_checkpoints_weights(magrpo_checkpoint
         assert torch.equal(model(ids).logits, agent.model(ids).logits)
 
 
-def _chat(monkeypatch, capsys, *argv: str) -> str:
+def _chat(monkeypatch, capsys, *argv: str):
+    """``lit-marl chat ARGV`` on the held-out task 1 and TYPED, 6 tokens a reply: its stdout and stderr."""
     monkeypatch.setattr(sys, "stdin", io.StringIO(TYPED))
     chat.main(["--task_file", str(SLOGAN_HELDOUT), "--index", "1", "--max_new_tokens", "6", *argv])
-    return capsys.readouterr().out
+    return capsys.readouterr()
 
 
 def test_chat_replies_are_each_agents_own_greedy_generate(
     magrpo_checkpoint, exported, in_repo_root, monkeypatch, capsys
 ):
-    out = _chat(monkeypatch, capsys, "--ckpt_path", str(magrpo_checkpoint), "--jsonl")
+    out = _chat(monkeypatch, capsys, "--ckpt_path", str(magrpo_checkpoint), "--jsonl").out
     rows = [json.loads(line) for line in out.splitlines()]
     assert [(r["turn"], r["agent"]) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]
 
@@ -75,7 +77,7 @@ def test_chat_replies_are_each_agents_own_greedy_generate(
 
     # the export chats as the checkpoint does; the run's config gives the prompts
     run_config = magrpo_checkpoint.parent.parent / "magrpo_slogan_tiny" / "version_0" / "config.yaml"
-    out = _chat(monkeypatch, capsys, "--model", str(exported), "--config", str(run_config), "--agents", "1")
+    out = _chat(monkeypatch, capsys, "--model", str(exported), "--config", str(run_config), "--agents", "1").out
     assert out == f"[agent1 is asked] {rows[1]['message']}\n[agent1] {rows[1]['reply']}\n[agent1] {rows[3]['reply']}\n"
 
 
@@ -84,3 +86,23 @@ def test_chat_refuses_what_it_cannot_do(exported, monkeypatch, capsys):
         _chat(monkeypatch, capsys, "--model", str(exported))
     with pytest.raises(ConfigError, match=r"--agents=\[2\]: the team has 2 agents"):
         _chat(monkeypatch, capsys, "--model", str(exported), "--agents", "2")
+
+
+def test_a_run_without_the_chat_template_is_talked_to_without_it(
+    magrpo_checkpoint, exported, tmp_path, in_repo_root, monkeypatch, capsys
+):
+    """data.chat_template: false (CoMLRL's prompts, tokenized as they are): each message is a whole
+    prompt, as each turn's prompt was in training; the run's other settings are said where they differ."""
+    run_config = magrpo_checkpoint.parent.parent / "magrpo_slogan_tiny" / "version_0" / "config.yaml"
+    config = yaml.safe_load(run_config.read_text())
+    config["data"]["init_args"]["chat_template"] = False
+    (tmp_path / "raw.yaml").write_text(yaml.safe_dump(config))
+    argv = ("--ckpt_path", str(magrpo_checkpoint), "--config", str(tmp_path / "raw.yaml"), "--agents", "0", "--jsonl")
+    said = _chat(monkeypatch, capsys, *argv)
+    assert "lit-marl: chatting with data.chat_template=False (the checkpoint had True)\n" == said.err
+    rows = [json.loads(line) for line in said.out.splitlines()]
+    (agent,) = exported_team(str(exported / "agent0"))
+    for row in rows:
+        reply = generate(agent, [agent.encode_prompt(row["message"], raw=True)], 1, 6, greedy=True)
+        assert row["reply"] == agent.decode(reply.completion_ids, reply.completion_mask)[0]
+    assert len(rows) == 2
