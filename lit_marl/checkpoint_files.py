@@ -6,6 +6,10 @@ renames it over the old one; before the rename it records the new file's SHA-256
 a pair that still matches). ``verify`` checks a checkpoint before anything loads it: it exists, is
 not empty, matches its recorded checksum when it has one, and is a checkpoint torch can read
 without running code. Every failure is one ``ConfigError`` line naming ``ckpt_path``.
+
+``check_model_settings`` and ``check_data_settings`` compare the settings a checkpoint saved with
+a run's config (fit, validate or test with ``--ckpt_path``): another algorithm or a setting that
+shapes the weights is refused, every other change is used and said on stderr.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import os
 import secrets
+import sys
 from pathlib import Path
 
 import torch
@@ -86,6 +91,12 @@ def verify(path: str | os.PathLike, field: str = "ckpt_path") -> dict:
     """Check the checkpoint at ``path`` and return its ``hyper_parameters`` (empty when it has none);
     raise ``ConfigError`` with the reason and the fix. A folder (a sharded FSDP checkpoint) is only
     checked to exist."""
+    return dict(load(path, field).get("hyper_parameters") or {})
+
+
+def load(path: str | os.PathLike, field: str = "ckpt_path") -> dict:
+    """The checkpoint at ``path``, checked as ``verify`` says (tensors memory-mapped, nothing run);
+    a folder (a sharded FSDP checkpoint) gives ``{}``."""
     path = Path(path)
     if path.is_dir():
         return {}
@@ -109,7 +120,7 @@ def verify(path: str | os.PathLike, field: str = "ckpt_path") -> dict:
         ) from None
     if not isinstance(saved, dict) or "state_dict" not in saved:
         raise ConfigError(f"{field}={str(path)!r}: a torch file but not a Lightning checkpoint (no state_dict)")
-    return dict(saved.get("hyper_parameters") or {})
+    return saved
 
 
 def configured_settings_win(
@@ -188,3 +199,67 @@ def check_shared_folder(folder: Path, strategy, field: str) -> None:
             f"{field}={str(folder)!r}: a rank does not see the file rank 0 wrote there; checkpoints need a folder "
             "on a filesystem every node shares (NFS, Lustre, a cloud mount): give such a path"
         )
+
+
+# ---------------------------------------------------------------------- saved settings against a config
+# settings that shape the weights or the optimizers' parameters: a checkpoint cannot resume without them
+STRUCTURAL = ("model", "num_agents", "lora", "share_parameters", "lora_shared_base", "critic", "critic_model")
+
+
+def plain(value):
+    """A config value as plain data (jsonargparse namespaces, dataclasses and tuples undone)."""
+    if hasattr(value, "as_dict"):  # a jsonargparse Namespace
+        value = value.as_dict()
+    if hasattr(value, "__dataclass_fields__"):
+        value = {k: getattr(value, k) for k in value.__dataclass_fields__}
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value
+
+
+def _changes(saved: dict, section) -> tuple[str | None, str | None, dict]:
+    """(the checkpoint's class path, the config's, {key: (checkpoint's value, config's)} of the
+    settings both give and that differ)."""
+    saved = {k: v for k, v in saved.items() if k != "_instantiator"}
+    saved_class = saved.pop("_class_path", None)
+    config = plain(section) or {}
+    now = config.get("init_args") or {}
+    changed = {k: (plain(saved[k]), now[k]) for k in sorted(saved.keys() & now.keys()) if plain(saved[k]) != now[k]}
+    return saved_class, config.get("class_path"), changed
+
+
+def _say(verb: str, key: str, before, after) -> None:
+    sys.stderr.write(f"lit-marl: {verb} with {key}={after!r} (the checkpoint had {before!r})\n")
+
+
+def check_model_settings(saved: dict, model, verb: str = "resuming") -> None:
+    """Compare a checkpoint's hyperparameters with the config's ``model`` section: another algorithm
+    or a setting that shapes the weights is refused (naming the keys); other changes are kept and
+    said on stderr (``verb``: ``resuming`` for fit, ``evaluating`` for validate and test)."""
+    saved_class, class_path, changed = _changes(saved, model)
+    if saved_class and class_path and saved_class != class_path:
+        raise ConfigError(
+            f"ckpt_path: the checkpoint was written by {saved_class}, but model.class_path is {class_path}. Resume "
+            f"with the checkpoint's algorithm (the run's config.yaml beside its logs has it), or start a new run"
+        )
+    shaped = [k for k in changed if k in STRUCTURAL]
+    if shaped:
+        detail = "; ".join(f"model.{k}: {changed[k][0]!r} in the checkpoint, {changed[k][1]!r} now" for k in shaped)
+        raise ConfigError(
+            f"ckpt_path: {detail}. These shape the weights the checkpoint holds: resume with the checkpoint's "
+            "values, or start a new run without --ckpt_path"
+        )
+    for key, (before, after) in changed.items():
+        _say(verb, f"model.{key}", before, after)
+
+
+def check_data_settings(saved: dict, data, verb: str = "resuming") -> None:
+    """Compare the data module settings a checkpoint saved with the config's ``data`` section: the
+    data shapes no weights, so every change is kept, and each one is said on stderr."""
+    saved_class, class_path, changed = _changes(saved, data)
+    if saved_class and class_path and saved_class != class_path:
+        _say(verb, "data.class_path", saved_class, class_path)
+    for key, (before, after) in changed.items():
+        _say(verb, f"data.{key}", before, after)

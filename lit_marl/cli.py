@@ -1,13 +1,29 @@
-"""`lit-marl fit|validate|test --config configs/...yaml` through LightningCLI."""
+"""`lit-marl fit|validate|test --config configs/...yaml` through LightningCLI; `lit-marl
+plot|export|chat` are commands of their own (``COMMANDS``), run before LightningCLI starts."""
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import os
+import sys
+from contextlib import contextmanager
 
 from lit_marl import ConfigError, checkpoint_files
 from lit_marl.envs.calls import RewardError  # checkpoint_files loads torch already: no start-up to save
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# the commands that are not a Trainer method: module (with ``main(argv)``) and the line `--help` shows
+COMMANDS = {
+    "plot": ("lit_marl.plots", "Draw runs' TensorBoard curves to a PNG."),
+    "export": ("lit_marl.export", "Write a checkpoint's agents as Hugging Face folders."),
+    "chat": ("lit_marl.chat", "Talk to trained agents (a checkpoint or an export), turn by turn."),
+}
+NOT_PREDICT = (
+    "lit-marl: there is no `predict` (agents generate inside rollouts, not in a forward pass): use `lit-marl "
+    "chat` to talk to trained agents, `lit-marl validate` or `lit-marl test` for their held-out metrics"
+)
 
 # Lightning's default logger without TensorBoard's hp_metric (-1 at every start: no metric of ours).
 # A config's own TensorBoardLogger gets default_hp_metric: false too unless it sets it (jsonargparse
@@ -19,30 +35,37 @@ DEFAULT_LOGGER = {
 
 
 def build_cli(args: list[str] | None = None, run: bool = True):
-    import warnings
-
-    import transformers
     from lightning.pytorch.cli import LightningCLI
 
     from lit_marl.algorithms.base import AgentTeamModule  # deferred: CLI start-up cost
     from lit_marl.callbacks.progress import use_run_progress_bar  # deferred: CLI start-up cost
     from lit_marl.data import TaskDataModule  # deferred: CLI start-up cost
+    from lit_marl.trained import config_error_in, quiet_libraries  # deferred: CLI start-up cost
 
-    # HF models load in eval mode and we keep it: no dropout, so training scores the very policy
-    # that sampled (the warning assumes supervised training)
-    warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode.*")
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
+    quiet_libraries()
 
     class LitMarlCLI(LightningCLI):
+        @staticmethod
+        def subcommands() -> dict[str, set[str]]:
+            # no predict: the algorithms have no forward pass to predict with (main() says what to use)
+            return {k: v for k, v in LightningCLI.subcommands().items() if k != "predict"}
+
+        def _add_subcommands(self, parser, **kwargs) -> None:
+            super()._add_subcommands(parser, **kwargs)
+            _list_commands(parser._subcommands_action)
+
+        def parse_arguments(self, parser, args) -> None:
+            switches: list[tuple[str, str, dict]] = []
+            with _class_switches(switches):
+                super().parse_arguments(parser, args)
+            subcommand = self.config.get("subcommand")
+            _say_carried_over(switches, self.config[subcommand]["model"] if subcommand else self.config["model"])
+
         def instantiate_classes(self) -> None:
-            # jsonargparse wraps errors raised in __init__ in a long union report; surface ours
             try:
                 super().instantiate_classes()
             except ValueError as err:
-                cause = err
-                while cause is not None and not isinstance(cause, ConfigError):
-                    cause = cause.__cause__
+                cause = config_error_in(err)  # jsonargparse's long report around an error of ours
                 if cause is None:
                     raise
                 raise cause from None
@@ -52,10 +75,8 @@ def build_cli(args: list[str] | None = None, run: bool = True):
             # setting changed for the resumed run was silently dropped; here the config is kept, and
             # the checkpoint is checked before any model loads
             subcommand = self.config.get("subcommand")
-            path = self.config[subcommand].get("ckpt_path") if subcommand else None
-            if path and path not in ("last", "best", "hpc", "registry"):
-                saved = checkpoint_files.verify(path)
-                _check_resumed_settings(saved, self.config[subcommand]["model"])
+            if subcommand:
+                _check_checkpoint_settings(subcommand, self.config[subcommand])
 
         def instantiate_trainer(self, **kwargs):
             return use_run_progress_bar(super().instantiate_trainer(**kwargs))
@@ -82,51 +103,83 @@ def build_cli(args: list[str] | None = None, run: bool = True):
         args=args,
         run=run,
         save_config_kwargs={"overwrite": True},
+        parser_kwargs={"description": "Multi-agent, multi-turn reinforcement learning of LLM agents."},
         trainer_defaults={"log_every_n_steps": 1, "num_sanity_val_steps": 0, "logger": DEFAULT_LOGGER},
     )
 
 
-# settings that shape the weights or the optimizers' parameters: a checkpoint cannot resume without them
-STRUCTURAL = ("model", "num_agents", "lora", "share_parameters", "lora_shared_base", "critic", "critic_model")
+def _list_commands(subcommands) -> None:
+    """``COMMANDS`` in ``lit-marl --help`` beside fit, validate and test (``main`` runs them)."""
+    from jsonargparse import ArgumentParser  # deferred: CLI start-up cost
+
+    for name, (_, description) in COMMANDS.items():
+        subcommands.add_subcommand(name, ArgumentParser(description=description), help=description)
 
 
-def _plain(value):
-    if hasattr(value, "as_dict"):  # a jsonargparse Namespace
-        value = value.as_dict()
-    if hasattr(value, "__dataclass_fields__"):
-        value = {k: getattr(value, k) for k in value.__dataclass_fields__}
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
+def _check_checkpoint_settings(subcommand: str, config) -> None:
+    """The checkpoint of ``--ckpt_path`` (checked first: ``checkpoint_files.load``) against the
+    config's model and data sections: resuming (fit) or evaluating (validate, test) with them."""
+    path = config.get("ckpt_path")
+    if path and path not in ("last", "best", "hpc", "registry"):
+        saved, verb = checkpoint_files.load(path), "resuming" if subcommand == "fit" else "evaluating"
+        checkpoint_files.check_model_settings(saved.get("hyper_parameters") or {}, config["model"], verb)
+        checkpoint_files.check_data_settings(saved.get("datamodule_hyper_parameters") or {}, config["data"], verb)
 
 
-def _check_resumed_settings(saved: dict, model) -> None:
-    """Compare a checkpoint's hyperparameters with the config's ``model`` section: another algorithm
-    or a setting that shapes the weights is refused (naming the keys); other changes are kept and
-    listed on stderr."""
-    import sys
+@contextmanager
+def _class_switches(found: list):
+    """Record, while the block parses, each class_path switch jsonargparse makes and the init_args it
+    carries over from the old class to the new one (every one the new class accepts: a config's
+    setting for GRPO stays when ``--model RLOO`` follows it). jsonargparse decides this in one
+    private function, wrapped here for the block; without it nothing is recorded."""
+    from jsonargparse import _typehints  # deferred: CLI start-up cost
 
-    saved = {k: v for k, v in saved.items() if k != "_instantiator"}
-    saved_class = saved.pop("_class_path", None)
-    config = _plain(model)
-    class_path, now = config.get("class_path"), config.get("init_args") or {}
-    if saved_class and class_path and saved_class != class_path:
-        raise ConfigError(
-            f"ckpt_path: the checkpoint was written by {saved_class}, but model.class_path is {class_path}. Resume "
-            f"with the checkpoint's algorithm (the run's config.yaml beside its logs has it), or start a new run"
-        )
-    changed = {k: (_plain(saved[k]), now[k]) for k in sorted(saved.keys() & now.keys()) if _plain(saved[k]) != now[k]}
-    shaped = [k for k in changed if k in STRUCTURAL]
-    if shaped:
-        detail = "; ".join(f"model.{k}: {changed[k][0]!r} in the checkpoint, {changed[k][1]!r} now" for k in shaped)
-        raise ConfigError(
-            f"ckpt_path: {detail}. These shape the weights the checkpoint holds: resume with the checkpoint's "
-            "values, or start a new run without --ckpt_path"
-        )
-    for key, (before, after) in changed.items():
-        sys.stderr.write(f"lit-marl: resuming with model.{key}={after!r} (the checkpoint had {before!r})\n")
+    name = "discard_init_args_on_class_path_change"
+    original = getattr(_typehints, name, None)
+    if original is None:
+        yield
+        return
+
+    def recording(parser_or_action, prev_val, value):
+        original(parser_or_action, prev_val, value)
+        if prev_val and prev_val.get("init_args") and prev_val["class_path"] != value["class_path"]:
+            found.append((prev_val["class_path"], value["class_path"], checkpoint_files.plain(prev_val["init_args"])))
+
+    setattr(_typehints, name, recording)
+    try:
+        yield
+    finally:
+        setattr(_typehints, name, original)
+
+
+def _default(cls: type, key: str):
+    """The default of ``cls``'s init argument ``key`` (the first class in its MRO that declares it)."""
+    for klass in cls.__mro__:
+        parameter = inspect.signature(klass.__init__).parameters.get(key) if "__init__" in vars(klass) else None
+        if parameter is not None and parameter.default is not inspect.Parameter.empty:
+            return parameter.default
+    return None
+
+
+def _say_carried_over(switches: list[tuple[str, str, dict]], model) -> None:
+    """A model setting the config gave for another class and jsonargparse kept for the class the
+    command line named is said on stderr when the two classes' defaults for it differ."""
+    from lit_marl.tasks import import_object  # deferred: CLI start-up cost
+
+    config = checkpoint_files.plain(model) or {}
+    now, said = config.get("init_args") or {}, set()
+    for old_path, new_path, carried in switches:
+        if new_path != config.get("class_path"):
+            continue
+        old, new = import_object(old_path, "model.class_path"), import_object(new_path, "model.class_path")
+        for key, value in carried.items():
+            default = _default(new, key)
+            if now.get(key) == value != default and _default(old, key) != default and key not in said:
+                said.add(key)
+                sys.stderr.write(
+                    f"lit-marl: model.{key}={value!r} carried over from the config's {old.__name__} ({new.__name__}'s "
+                    f"own default: {default!r}; set --model.{key} to choose)\n"
+                )
 
 
 def _where(err: BaseException) -> str:
@@ -144,13 +197,12 @@ def _where(err: BaseException) -> str:
 def main() -> None:
     """``lit-marl``: a configuration error, or a fault of the user's reward or transition, is one
     line (and the line of the user's code it came from); LIT_MARL_TRACEBACK=1 shows the traceback."""
-    import sys
-
-    if sys.argv[1:2] == ["plot"]:  # `lit-marl plot RUN_DIR ...`: TensorBoard curves to a PNG, no LightningCLI
-        from lit_marl.plots import main as plot_main  # deferred: matplotlib start-up cost
-
-        return plot_main(sys.argv[2:])
+    command = sys.argv[1] if len(sys.argv) > 1 else None
+    if command == "predict":
+        sys.exit(NOT_PREDICT)
     try:
+        if command in COMMANDS:  # not a Trainer method: no LightningCLI
+            return importlib.import_module(COMMANDS[command][0]).main(sys.argv[2:])
         build_cli()
     except ConfigError as err:
         if os.environ.get("LIT_MARL_TRACEBACK"):

@@ -97,3 +97,24 @@ def no_model_loads(monkeypatch):
     monkeypatch.setattr(base, "Agent", refuse)
     monkeypatch.setattr(critics, "load_model_and_tokenizer", refuse)
     return calls
+
+
+@pytest.fixture(scope="session")
+def magrpo_checkpoint(tmp_path_factory):
+    """One step of MAGRPO on the slogan task through ``lit-marl fit``, checkpointed by StepCheckpoint
+    (with its checksum): ``<dir>/ckpt/last.ckpt``; the run's config.yaml is saved beside its logs,
+    ``<dir>/magrpo_slogan_tiny/version_0/config.yaml``."""
+    from helpers import checkpointed_config, cli_fit
+    from lit_marl import checkpoint_files
+
+    tmp_path = tmp_path_factory.mktemp("magrpo_checkpoint")
+    argv, sys.argv, cwd = sys.argv, ["lit-marl"], os.getcwd()
+    try:
+        os.chdir(REPO_ROOT)
+        cli_fit(tmp_path, config=checkpointed_config(tmp_path, "first.yaml"))
+    finally:
+        os.chdir(cwd)
+        sys.argv = argv
+    path = tmp_path / "ckpt" / "last.ckpt"
+    assert path.is_file() and checkpoint_files.sidecar(path).is_file()
+    return path

@@ -83,6 +83,23 @@ def cli_fit(tmp_path, *extra, config: str = "configs/magrpo/slogan_tiny.yaml"):
     return build_cli(args=["fit", "--config", config, "--trainer.logger.init_args.save_dir", str(tmp_path), *extra])
 
 
+def checkpointed_config(tmp_path, name: str, model: dict | None = None, data: dict | None = None) -> str:
+    """``configs/magrpo/slogan_tiny.yaml`` for one training step, checkpointed by StepCheckpoint into
+    ``tmp_path/ckpt``, with ``model`` and ``data`` settings changed; written to ``tmp_path/name``."""
+    import yaml
+
+    config = yaml.safe_load((REPO_ROOT / "configs/magrpo/slogan_tiny.yaml").read_text())
+    config["trainer"].update(limit_train_batches=1, limit_val_batches=0, enable_checkpointing=True, max_epochs=1)
+    config["trainer"]["callbacks"] = [
+        {"class_path": "lit_marl.callbacks.StepCheckpoint", "init_args": {"dirpath": str(tmp_path / "ckpt")}}
+    ]
+    config["model"]["init_args"].update(model or {})
+    config["data"]["init_args"].update(data or {})
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
 class RecordingEngine(TrainerWeights):
     """A generation engine that records every call ``(agent, prompts, Generation)`` and passes it
     to ``inner`` (default: the ``auto`` engine)."""

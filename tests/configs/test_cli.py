@@ -204,3 +204,43 @@ def test_comlrl_presets_go_after_a_config(base, preset, in_repo_root, monkeypatc
     source = yaml.safe_load((REPO_ROOT / base).read_text())
     assert cli.model.sources[0] == source["model"]["init_args"]["model"]
     assert tree.num_turns == source["data"]["init_args"]["num_turns"]
+
+
+def test_help_lists_every_command_and_predict_is_refused_by_name(in_repo_root, monkeypatch, capsys):
+    """`predict` crashed (the algorithms have no forward pass) and `plot` was missing from --help."""
+    from lit_marl.cli import COMMANDS, main
+
+    with pytest.raises(SystemExit):
+        build_cli(args=["--help"])
+    listed = capsys.readouterr().out
+    for name, (_, description) in COMMANDS.items():
+        assert f"    {name} " in listed and description.split(" (")[0] in listed
+    assert "predict" not in listed
+    monkeypatch.setattr(sys, "argv", ["lit-marl", "predict", "--config", "configs/magrpo/slogan_tiny.yaml"])
+    with pytest.raises(SystemExit) as refused:
+        main()
+    assert "no `predict`" in str(refused.value.code) and "lit-marl chat" in str(refused.value.code)
+    assert "\n" not in str(refused.value.code)
+
+
+def test_another_algorithm_on_the_command_line_gets_its_own_defaults(in_repo_root, tmp_path, capsys, no_model_loads):
+    """`--model RLOO` on a GRPO config: a setting the config does not give takes RLOO's default; one
+    the config gives for GRPO is kept by jsonargparse, and said where the two classes' defaults differ."""
+    base = ["--config", "configs/grpo/corridor_tiny.yaml", "--trainer.logger", "false"]
+    cli = build_cli(args=[*base, "--model", "lit_marl.algorithms.RLOO"], run=False)
+    assert type(cli.model).__name__ == "RLOO" and cli.model.advantage_normalization is False
+    assert cli.model.hparams.learning_rate == 1.0e-3  # the config's, the same setting for both
+    assert "carried over" not in capsys.readouterr().err
+
+    config = yaml.safe_load((REPO_ROOT / "configs/grpo/corridor_tiny.yaml").read_text())
+    config["model"]["init_args"]["advantage_normalization"] = True
+    path = tmp_path / "grpo.yaml"
+    path.write_text(yaml.safe_dump(config))
+    base[1] = str(path)
+    cli = build_cli(args=[*base, "--model", "RLOO"], run=False)
+    assert cli.model.advantage_normalization is True
+    said = capsys.readouterr().err
+    assert said.count("carried over") == 1  # not learning_rate, whose default both classes share
+    assert "lit-marl: model.advantage_normalization=True carried over from the config's GRPO (RLOO's own " in said
+    cli = build_cli(args=[*base, "--model", "RLOO", "--model.advantage_normalization", "false"], run=False)
+    assert cli.model.advantage_normalization is False and "carried over" not in capsys.readouterr().err

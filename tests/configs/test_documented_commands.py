@@ -6,6 +6,7 @@ command that can run here (tiny models, one process)."""
 
 from __future__ import annotations
 
+import importlib
 import re
 import shlex
 from pathlib import Path
@@ -41,6 +42,15 @@ FITS = [(where, argv) for where, argv in COMMANDS if argv[0] in ("fit", "validat
 
 def test_the_docs_document_commands():
     assert len(FITS) >= 30 and any(argv[0] == "plot" for _, argv in COMMANDS)
+
+
+@pytest.mark.parametrize("name", ["export", "chat"])
+def test_documented_export_and_chat_commands_parse(name):
+    """Their options are real (the checkpoints they name come from a run)."""
+    commands = [argv for _, argv in COMMANDS if argv[0] == name]
+    assert commands, f"no `lit-marl {name}` in the docs"
+    for argv in commands:
+        importlib.import_module(f"lit_marl.{name}").parser().parse_args(argv[1:])
 
 
 @pytest.mark.parametrize("where, argv", FITS, ids=[f"{w}:{' '.join(a)[:80]}" for w, a in FITS])

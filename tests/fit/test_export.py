@@ -11,6 +11,7 @@ from lit_marl import ConfigError
 from lit_marl.agents import Agent
 from lit_marl.algorithms import MAGRPO
 from lit_marl.callbacks import HFExport
+from lit_marl.export import exported_team
 from lit_marl.generation import generate
 
 PROMPTS = ["Write a slogan for a library.", "Write a slogan for a bakery with the word fresh."]
@@ -46,6 +47,9 @@ def test_exported_agents_reload_and_generate_the_same(tmp_path, lora):
             exported = reloaded.model.state_dict()
             assert exported.keys() == initial.keys()
             assert any(not torch.equal(exported[k], initial[k]) for k in initial), f"agent {i} did not train"
+    # what `lit-marl chat --model` loads: team.json names each role's folder
+    team = exported_team(str(tmp_path / "export"))
+    assert [torch.equal(greedy(a), greedy(b)) for a, b in zip(team, module.agents)] == [True, True]
 
 
 def test_bad_lora_mode():

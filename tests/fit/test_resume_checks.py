@@ -3,56 +3,48 @@ empty, not a checkpoint or damaged is one clear line before any model loads."""
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 import yaml
 
-from helpers import REPO_ROOT, cli_fit
+from helpers import REPO_ROOT, checkpointed_config, cli_fit
 from lit_marl import ConfigError, checkpoint_files
+from lit_marl.cli import build_cli
 
 BASE = REPO_ROOT / "configs/magrpo/slogan_tiny.yaml"
 
 
-def _config(tmp_path, name: str, **model_args) -> str:
-    config = yaml.safe_load(BASE.read_text())
-    config["trainer"].update(limit_train_batches=1, limit_val_batches=0, enable_checkpointing=True, max_epochs=1)
-    config["trainer"]["callbacks"] = [
-        {"class_path": "lit_marl.callbacks.StepCheckpoint", "init_args": {"dirpath": str(tmp_path / "ckpt")}}
-    ]
-    config["model"]["init_args"].update(model_args)
-    path = tmp_path / name
-    path.write_text(yaml.safe_dump(config))
-    return str(path)
+def _config(tmp_path, name: str, data: dict | None = None, **model_args) -> str:
+    return checkpointed_config(tmp_path, name, model_args, data)
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """One step of MAGRPO through the CLI, checkpointed by StepCheckpoint (with its checksum)."""
-    tmp_path = tmp_path_factory.mktemp("resume")
-    argv, sys.argv, cwd = sys.argv, ["lit-marl"], os.getcwd()
-    try:
-        os.chdir(REPO_ROOT)
-        cli_fit(tmp_path, config=_config(tmp_path, "first.yaml"))
-    finally:
-        os.chdir(cwd)
-        sys.argv = argv
-    path = tmp_path / "ckpt" / "last.ckpt"
-    assert path.is_file() and checkpoint_files.sidecar(path).is_file()
-    return path
+@pytest.fixture
+def checkpoint(magrpo_checkpoint):
+    return magrpo_checkpoint
 
 
 def test_a_changed_learning_rate_is_used_and_said(checkpoint, tmp_path, in_repo_root, capsys):
     """Lightning replaced the whole model section with the checkpoint's and the optimizer state
-    carried the old rate: a new learning_rate on resume was ignored twice over."""
-    config = _config(tmp_path, "resume.yaml", learning_rate=5.0e-4)
+    carried the old rate: a new learning_rate on resume was ignored twice over. A changed data
+    setting was used silently."""
+    config = _config(tmp_path, "resume.yaml", data={"max_new_tokens": 8}, learning_rate=5.0e-4)
     cli = cli_fit(tmp_path, "--ckpt_path", str(checkpoint), "--trainer.max_epochs", "2", config=config)
-    assert "resuming with model.learning_rate=0.0005 (the checkpoint had 0.001)" in capsys.readouterr().err
-    assert cli.model.hparams.learning_rate == 5.0e-4
+    said = capsys.readouterr().err
+    assert "lit-marl: resuming with model.learning_rate=0.0005 (the checkpoint had 0.001)\n" in said
+    assert "lit-marl: resuming with data.max_new_tokens=8 (the checkpoint had 16)\n" in said
+    assert cli.model.hparams.learning_rate == 5.0e-4 and cli.datamodule.hparams.max_new_tokens == 8
     rates = {group["lr"] for optimizer in cli.trainer.optimizers for group in optimizer.param_groups}
     assert rates == {5.0e-4}
+
+
+def test_validate_with_a_checkpoint_evaluates_it(checkpoint, tmp_path, in_repo_root, capsys):
+    """validate and test with --ckpt_path evaluate the checkpoint: they do not resume it. Unchanged
+    settings are not mentioned."""
+    config = _config(tmp_path, "evaluate.yaml", learning_rate=5.0e-4)
+    build_cli(["validate", "--config", config, "--ckpt_path", str(checkpoint), "--trainer.logger", "false"])
+    said = capsys.readouterr().err
+    assert "lit-marl: evaluating with model.learning_rate=0.0005 (the checkpoint had 0.001)\n" in said
+    assert "resuming" not in said and "data." not in said
 
 
 def test_another_algorithm_is_refused_by_name(checkpoint, tmp_path, in_repo_root, no_model_loads):

@@ -1,0 +1,105 @@
+"""A trained team from its checkpoint (``lit-marl export``, ``lit-marl chat``).
+
+``load_team``: the algorithm that wrote a checkpoint, built from the settings the checkpoint saved
+(what it was trained with: no config needed), every model's weights loaded. ``load_data``: the
+run's data module, whose environment renders the agents' prompts from a task row as training did,
+built from a config or from the data settings the checkpoint saved. Both build through the
+instantiation Lightning's ``load_from_checkpoint`` uses (jsonargparse, nested classes included).
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import transformers
+import yaml
+from lightning.pytorch.cli import instantiate_module
+
+from lit_marl import ConfigError, checkpoint_files
+from lit_marl.algorithms.base import AgentTeamModule
+from lit_marl.data import TaskDataModule
+
+
+def quiet_libraries() -> None:
+    """What the ``lit-marl`` commands keep off the terminal: transformers' progress bars and notes, and
+    Lightning's warning about modules in eval mode (HF models load in eval mode and stay there: no
+    dropout, so training scores the very policy that sampled; the warning assumes supervised training)."""
+    warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode.*")
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+
+
+def config_error_in(err: BaseException) -> ConfigError | None:
+    """The ``ConfigError`` behind ``err``: jsonargparse wraps an error raised in an ``__init__`` in
+    its own long report, and the user's fix is in ours."""
+    while err is not None and not isinstance(err, ConfigError):
+        err = err.__cause__
+    return err
+
+
+def build(base: type, settings: dict, field: str):
+    """The subclass of ``base`` that ``settings["_class_path"]`` names, built from the other settings."""
+    settings = {k: v for k, v in settings.items() if k != "_instantiator"}
+    if "_class_path" not in settings:
+        raise ConfigError(f"{field}: no class_path: give the run's config.yaml (saved beside its logs)")
+    try:
+        return instantiate_module(base, settings)
+    except Exception as err:
+        cause = config_error_in(err)
+        if cause is None:
+            why = (str(err).splitlines() or [type(err).__name__])[0]
+            raise ConfigError(f"{field}: cannot build {settings['_class_path']}: {why}") from err
+        raise cause from None
+
+
+def load_team(ckpt_path: str) -> tuple[AgentTeamModule, dict]:
+    """The algorithm that wrote the checkpoint at ``ckpt_path`` with every model's weights loaded
+    (on the CPU, in eval mode), and the checkpoint (tensors memory-mapped)."""
+    checkpoint = checkpoint_files.load(ckpt_path)
+    if not checkpoint:
+        raise ConfigError(
+            f"ckpt_path={ckpt_path!r} is a folder (a sharded checkpoint, one file of shards per rank): give a "
+            "single-file checkpoint (the strategy's save_distributed_checkpoint: false), or export during "
+            "training with the HFExport callback, which gathers the shards"
+        )
+    settings = dict(checkpoint.get("hyper_parameters") or {})
+    if "_class_path" not in settings:
+        raise ConfigError(
+            f"ckpt_path={ckpt_path!r}: the checkpoint does not name its algorithm (written by Trainer.fit outside "
+            "lit-marl's command line): load it with <Algorithm>.load_from_checkpoint in Python, or export with "
+            "the HFExport callback"
+        )
+    module = build(AgentTeamModule, settings, "ckpt_path")
+    module.build_models()
+    module.load_state_dict(checkpoint["state_dict"])
+    return module.eval(), checkpoint
+
+
+def data_settings(config: str | None, checkpoint: dict | None) -> dict:
+    """The run's data settings (``_class_path`` and the init arguments): ``config``'s ``data`` section,
+    each setting that differs from the checkpoint's said on stderr; or else those the checkpoint
+    saved (without an environment given as an object: it is not saved); ``{}`` when neither is given."""
+    saved = dict((checkpoint or {}).get("datamodule_hyper_parameters") or {})
+    if config is None:
+        return saved
+    path = Path(config)
+    if not path.is_file():
+        raise ConfigError(f"--config={config!r}: no such file (the run's config.yaml is saved beside its logs)")
+    sections = yaml.safe_load(path.read_text())
+    data = sections.get("data") if isinstance(sections, dict) else None
+    if not isinstance(data, dict) or "class_path" not in data:
+        raise ConfigError(f"--config={config!r}: no data section with a class_path (give the run's config.yaml)")
+    if checkpoint is not None:
+        checkpoint_files.check_data_settings(saved, data, "chatting")
+    return {"_class_path": data["class_path"], **(data.get("init_args") or {})}
+
+
+def load_data(settings: dict, saved: bool) -> TaskDataModule:
+    """The data module of ``settings`` (``data_settings``; ``saved``: the checkpoint's)."""
+    if not settings or (saved and "env" not in settings):  # an environment given as an object is not saved
+        raise ConfigError(
+            "the task's prompts come from the run's data settings, which the checkpoint does not hold (or there is "
+            "no checkpoint): give --config with the run's config.yaml (saved beside its logs)"
+        )
+    return build(TaskDataModule, settings, "--config" if not saved else "the checkpoint's data settings")
