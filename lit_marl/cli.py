@@ -55,6 +55,7 @@ def build_cli(args: list[str] | None = None, run: bool = True):
             _list_commands(parser._subcommands_action)
 
         def parse_arguments(self, parser, args) -> None:
+            _say_overridden(args)
             switches: list[tuple[str, str, dict]] = []
             with _class_switches(switches):
                 super().parse_arguments(parser, args)
@@ -180,6 +181,36 @@ def _say_carried_over(switches: list[tuple[str, str, dict]], model) -> None:
                     f"lit-marl: model.{key}={value!r} carried over from the config's {old.__name__} ({new.__name__}'s "
                     f"own default: {default!r}; set --model.{key} to choose)\n"
                 )
+
+
+def _leaves(tree, prefix: str = "") -> dict:
+    """A YAML mapping as ``{dotted.key: value}`` (lists are values)."""
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out = {}
+    for key, value in tree.items():
+        out.update(_leaves(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def _say_overridden(args: list[str] | None) -> None:
+    """A later ``--config`` that replaces a value an earlier one set (a parity preset over a ported
+    script's own setting) is said on stderr, naming both files: nothing is replaced silently."""
+    import sys
+
+    import yaml
+
+    argv = list(sys.argv[1:] if args is None else args)
+    files = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config" and os.path.isfile(argv[i + 1])]
+    seen: dict[str, tuple[object, str]] = {}
+    for path in files:
+        with open(path) as f:
+            leaves = _leaves(yaml.safe_load(f) or {})
+        for key, value in leaves.items():
+            if key in seen and seen[key][0] != value:
+                before, where = seen[key]
+                sys.stderr.write(f"lit-marl: {key}={value!r} from {path} replaces {before!r} from {where}\n")
+            seen[key] = (value, path)
 
 
 def _where(err: BaseException) -> str:

@@ -244,3 +244,21 @@ def test_another_algorithm_on_the_command_line_gets_its_own_defaults(in_repo_roo
     assert "lit-marl: model.advantage_normalization=True carried over from the config's GRPO (RLOO's own " in said
     cli = build_cli(args=[*base, "--model", "RLOO", "--model.advantage_normalization", "false"], run=False)
     assert cli.model.advantage_normalization is False and "carried over" not in capsys.readouterr().err
+
+
+def test_a_later_config_that_replaces_a_setting_says_so(in_repo_root, tmp_path, monkeypatch, capsys):
+    """A parity preset after a ported script's config replaces its explicit early-termination setting:
+    lit-marl names the key, both values and both files; in the other order the script's value wins."""
+    monkeypatch.setattr(base_module, "Agent", lambda *a, **k: (_ for _ in ()).throw(AssertionError("no loads")))
+    mine = tmp_path / "port.yaml"
+    base = yaml.safe_load((REPO_ROOT / "configs/iac/slogan_tiny_2turn.yaml").read_text())
+    base["data"]["init_args"]["early_termination_threshold"] = None
+    mine.write_text(yaml.safe_dump(base))
+    cli = build_cli(args=["--config", str(mine), "--config", "configs/comlrl/iac.yaml"], run=False)
+    err = capsys.readouterr().err
+    assert cli.datamodule.tree.early_termination_threshold == -0.2
+    said = f"data.init_args.early_termination_threshold=-0.2 from configs/comlrl/iac.yaml replaces None from {mine}"
+    assert said in err
+    cli = build_cli(args=["--config", "configs/comlrl/iac.yaml", "--config", str(mine)], run=False)
+    assert cli.datamodule.tree.early_termination_threshold is None and cli.datamodule.tree.chat_template is False
+    assert f"early_termination_threshold=None from {mine} replaces -0.2" in capsys.readouterr().err
