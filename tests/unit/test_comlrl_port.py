@@ -109,3 +109,40 @@ def test_the_cli_with_the_parity_preset_builds_comlrl_s_prompts(task_file, tmp_p
     assert cli.datamodule.tree.chat_template is False and cli.datamodule.tree.early_termination_threshold == -0.2
     expected = [[[agent["text"] for agent in turn] for turn in task] for task in FIXTURE["formatted"]]
     assert two_turns(cli.datamodule.env) == expected
+
+
+def test_the_port_trains_through_the_cli_with_the_preset(task_file, tmp_path, monkeypatch):
+    """One training step of the ported script (tiny model): every branch's turn-2 prompts are the
+    CoMLRL formatters applied to custom_external's prompts, tokenized without a chat template."""
+    import comlrl_port
+
+    from lit_marl.agents import Agent
+    from lit_marl.cli import build_cli
+    from lit_marl.envs.base import FunctionEnv
+
+    monkeypatch.chdir(Path(__file__).parents[2])
+    seen, encoded = [], []
+    observe, encode = FunctionEnv.observe, Agent.encode_prompt
+    monkeypatch.setattr(FunctionEnv, "observe", lambda self, task, p: seen.append((task, p)) or observe(self, task, p))
+    monkeypatch.setattr(Agent, "encode_prompt", lambda self, t, raw=False: encoded.append(raw) or encode(self, t, raw))
+    config = tmp_path / "port.yaml"
+    config.write_text(
+        "trainer: {max_steps: 1, logger: false, enable_checkpointing: false, accelerator: cpu}\n"
+        "model:\n  class_path: lit_marl.algorithms.MAGRPO\n  init_args: {model: tiny-random, memory_check: false}\n"
+        "data:\n  class_path: lit_marl.data.RolloutDataModule\n  init_args:\n"
+        f"    train_path: {task_file}\n"
+        "    agent_prompts: [{formatter: comlrl_port:writer}, {formatter: comlrl_port:critic}]\n"
+        "    reward_fn: comlrl_port:length_reward\n"
+        "    transition: comlrl_port:custom_external\n"
+        "    num_turns: 2\n    num_generations: 2\n    tasks_per_step: 2\n    max_new_tokens: 8\n"
+        "    early_termination_threshold: null\n"
+    )
+    args = ["fit", "--config", "configs/comlrl/magrpo.yaml", "--config", str(config)]
+    cli = build_cli(args=args)
+    assert cli.trainer.global_step >= 1 and encoded and all(encoded)  # raw: no chat template
+    assert len(seen) == 2 * 2  # 2 tasks x G=2 aligned joint actions go on to turn 2
+    for task, prompts in seen:
+        for p in prompts:
+            assert p.startswith(task["prompt"] + "\nPrevious attempt: ") and p.endswith("\nPlease revise.")
+        formatted = observe(cli.datamodule.env, task, prompts)
+        assert formatted == [comlrl_port.writer({**task, "prompt": prompts[0]}), comlrl_port.critic(task, prompts[1])]
