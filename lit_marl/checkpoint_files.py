@@ -226,7 +226,8 @@ def _changes(saved: dict, section) -> tuple[str | None, str | None, dict]:
     saved_class = saved.pop("_class_path", None)
     config = plain(section) or {}
     now = config.get("init_args") or {}
-    changed = {k: (plain(saved[k]), now[k]) for k in sorted(saved.keys() & now.keys()) if plain(saved[k]) != now[k]}
+    given = {k for k in now if not (k == "num_agents" and now[k] is None)}  # None: the data's, linked at instantiation
+    changed = {k: (plain(saved[k]), now[k]) for k in sorted(saved.keys() & given) if plain(saved[k]) != now[k]}
     return saved_class, config.get("class_path"), changed
 
 

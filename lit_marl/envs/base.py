@@ -277,7 +277,6 @@ class FunctionEnv(TextEnv):
     ):
         self.formatters = [Formatter(p, f"data.agent_prompts[{i}]") for i, p in enumerate(agent_prompts)]
         self.reward_fn = reward_fn
-        self.reward_call = RewardCall(reward_fn, len(self.formatters))
         self.batched_transition = batched_transition
         self.transition_fn = None
         self._fields = set().union(*(f.fields for f in self.formatters))
@@ -292,6 +291,15 @@ class FunctionEnv(TextEnv):
     @property
     def num_agents(self) -> int:
         return len(self.formatters)
+
+    @property
+    def reward_fn(self):
+        """The user's reward function (setting it sets how it is called: ``RewardCall``)."""
+        return self.reward_call.function
+
+    @reward_fn.setter
+    def reward_fn(self, function) -> None:
+        self.reward_call = RewardCall(function, self.num_agents)
 
     def required_fields(self) -> set[str]:
         return self._fields

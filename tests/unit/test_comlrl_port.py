@@ -146,3 +146,10 @@ def test_the_port_trains_through_the_cli_with_the_preset(task_file, tmp_path, mo
             assert p.startswith(task["prompt"] + "\nPrevious attempt: ") and p.endswith("\nPlease revise.")
         formatted = observe(cli.datamodule.env, task, prompts)
         assert formatted == [comlrl_port.writer({**task, "prompt": prompts[0]}), comlrl_port.critic(task, prompts[1])]
+
+
+def test_a_reward_set_on_the_env_is_the_one_called(task_file):
+    data = RolloutDataModule(train_path=task_file, agent_prompts=FORMATTERS, reward_fn=length_reward)
+    data.env.reward_fn = lambda agent_completions, tasks: [7.0] * len(tasks)  # lit_marl's shape now
+    steps = data.env.step(data.env.reset(TASKS), COMPLETIONS, turn=0, last=True)
+    assert steps.rewards[:, 0].tolist() == [7.0, 7.0]
