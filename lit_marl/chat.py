@@ -25,7 +25,8 @@ from lit_marl import ConfigError
 from lit_marl.agents import Agent
 from lit_marl.export import exported_team
 from lit_marl.generation import ENGINES, make_engine
-from lit_marl.trained import data_settings, load_data, load_team, quiet_libraries
+from lit_marl.models import quiet_libraries
+from lit_marl.trained import data_settings, load_data, load_team
 
 
 @dataclass

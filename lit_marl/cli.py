@@ -9,16 +9,19 @@ import os
 import sys
 from contextlib import contextmanager
 
-from lit_marl import ConfigError, checkpoint_files
+import yaml
+
+from lit_marl import ConfigError, checkpoint_files, config_error_in
 from lit_marl.envs.calls import RewardError  # checkpoint_files loads torch already: no start-up to save
+from lit_marl.tasks import import_object
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# the commands that are not a Trainer method: module (with ``main(argv)``) and the line `--help` shows
+# the commands that are not a Trainer method: module, its ``f(argv)``, and the line `--help` shows
 COMMANDS = {
-    "plot": ("lit_marl.plots", "Draw runs' TensorBoard curves to a PNG."),
-    "export": ("lit_marl.export", "Write a checkpoint's agents as Hugging Face folders."),
-    "chat": ("lit_marl.chat", "Talk to trained agents (a checkpoint or an export), turn by turn."),
+    "plot": ("lit_marl.plots", "main", "Draw runs' TensorBoard curves to a PNG."),
+    "export": ("lit_marl.trained", "export_main", "Write a checkpoint's agents as Hugging Face folders."),
+    "chat": ("lit_marl.chat", "main", "Talk to trained agents (a checkpoint or an export), turn by turn."),
 }
 NOT_PREDICT = (
     "lit-marl: there is no `predict` (agents generate inside rollouts, not in a forward pass): use `lit-marl "
@@ -40,7 +43,7 @@ def build_cli(args: list[str] | None = None, run: bool = True):
     from lit_marl.algorithms.base import AgentTeamModule  # deferred: CLI start-up cost
     from lit_marl.callbacks.progress import use_run_progress_bar  # deferred: CLI start-up cost
     from lit_marl.data import TaskDataModule  # deferred: CLI start-up cost
-    from lit_marl.trained import config_error_in, quiet_libraries  # deferred: CLI start-up cost
+    from lit_marl.models import quiet_libraries  # deferred: CLI start-up cost (transformers)
 
     quiet_libraries()
 
@@ -113,7 +116,7 @@ def _list_commands(subcommands) -> None:
     """``COMMANDS`` in ``lit-marl --help`` beside fit, validate and test (``main`` runs them)."""
     from jsonargparse import ArgumentParser  # deferred: CLI start-up cost
 
-    for name, (_, description) in COMMANDS.items():
+    for name, (_, _, description) in COMMANDS.items():
         subcommands.add_subcommand(name, ArgumentParser(description=description), help=description)
 
 
@@ -165,8 +168,6 @@ def _default(cls: type, key: str):
 def _say_carried_over(switches: list[tuple[str, str, dict]], model) -> None:
     """A model setting the config gave for another class and jsonargparse kept for the class the
     command line named is said on stderr when the two classes' defaults for it differ."""
-    from lit_marl.tasks import import_object  # deferred: CLI start-up cost
-
     config = checkpoint_files.plain(model) or {}
     now, said = config.get("init_args") or {}, set()
     for old_path, new_path, carried in switches:
@@ -196,10 +197,6 @@ def _leaves(tree, prefix: str = "") -> dict:
 def _say_overridden(args: list[str] | None) -> None:
     """A later ``--config`` that replaces a value an earlier one set (a parity preset over a ported
     script's own setting) is said on stderr, naming both files: nothing is replaced silently."""
-    import sys
-
-    import yaml
-
     argv = list(sys.argv[1:] if args is None else args)
     files = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config" and os.path.isfile(argv[i + 1])]
     seen: dict[str, tuple[object, str]] = {}
@@ -233,7 +230,8 @@ def main() -> None:
         sys.exit(NOT_PREDICT)
     try:
         if command in COMMANDS:  # not a Trainer method: no LightningCLI
-            return importlib.import_module(COMMANDS[command][0]).main(sys.argv[2:])
+            module, function, _ = COMMANDS[command]
+            return getattr(importlib.import_module(module), function)(sys.argv[2:])
         build_cli()
     except ConfigError as err:
         if os.environ.get("LIT_MARL_TRACEBACK"):

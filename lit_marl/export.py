@@ -11,7 +11,6 @@ checkpoint's team) both write through it; ``exported_team`` reads such a folder 
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 from pathlib import Path
@@ -77,32 +76,3 @@ def _agent(source: str, system_prompt: str | None) -> Agent:
 
     model = AutoPeftModelForCausalLM.from_pretrained(str(folder))  # the base its adapter_config.json names
     return Agent(source, None, system_prompt, (model.eval(), AutoTokenizer.from_pretrained(str(folder))))
-
-
-def parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="lit-marl export",
-        description="Write each agent of a checkpoint's team as a Hugging Face folder (model, tokenizer, chat "
-        "template), loadable with from_pretrained: OUT/agent<i> (OUT/shared for a parameter-shared team) and "
-        "OUT/team.json. The checkpoint holds the settings it was trained with: no config is needed.",
-    )
-    parser.add_argument("--ckpt_path", required=True, help="a checkpoint written by lit-marl fit (e.g. last.ckpt)")
-    parser.add_argument("--out", required=True, help="folder that receives the agents' folders")
-    parser.add_argument(
-        "--lora",
-        choices=["merged", "adapter"],
-        default="merged",
-        help="LoRA agents: merged into their base (default), or the adapter alone",
-    )
-    return parser
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``lit-marl export``: a checkpoint's agents as Hugging Face folders."""
-    from lit_marl.trained import load_team, quiet_libraries  # deferred: a cycle (algorithms import callbacks)
-
-    args = parser().parse_args(argv)
-    quiet_libraries()
-    module, _ = load_team(args.ckpt_path)
-    for folder in export_team(module, args.out, args.lora):
-        print(f"lit-marl: wrote {folder}")

@@ -23,6 +23,7 @@ from typing import Literal
 from urllib.parse import urlparse
 
 import torch
+import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.modeling_layers import GradientCheckpointingLayer
 
@@ -31,6 +32,13 @@ from lit_marl import ConfigError
 TINY_RANDOM = "tiny-random"
 SMOLLM2 = "smollm2-135m-instruct"
 BUILTIN_SOURCES = (TINY_RANDOM, SMOLLM2)
+
+
+def quiet_libraries() -> None:
+    """What the ``lit-marl`` commands keep off the terminal: transformers' progress bars and notes."""
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+
 
 # Bump when the tiny model's recipe changes so stale caches are not reused.
 _TINY_VERSION = "v1"

@@ -1,4 +1,4 @@
-"""A trained team from its checkpoint (``lit-marl export``, ``lit-marl chat``).
+"""A trained team from its checkpoint (``lit-marl export``, whose command is here, and ``lit-marl chat``).
 
 ``load_team``: the algorithm that wrote a checkpoint, built from the settings the checkpoint saved
 (what it was trained with: no config needed), every model's weights loaded. ``load_data``: the
@@ -9,33 +9,17 @@ instantiation Lightning's ``load_from_checkpoint`` uses (jsonargparse, nested cl
 
 from __future__ import annotations
 
-import warnings
+import argparse
 from pathlib import Path
 
-import transformers
 import yaml
 from lightning.pytorch.cli import instantiate_module
 
-from lit_marl import ConfigError, checkpoint_files
+from lit_marl import ConfigError, checkpoint_files, config_error_in
 from lit_marl.algorithms.base import AgentTeamModule
 from lit_marl.data import TaskDataModule
-
-
-def quiet_libraries() -> None:
-    """What the ``lit-marl`` commands keep off the terminal: transformers' progress bars and notes, and
-    Lightning's warning about modules in eval mode (HF models load in eval mode and stay there: no
-    dropout, so training scores the very policy that sampled; the warning assumes supervised training)."""
-    warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode.*")
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
-
-
-def config_error_in(err: BaseException) -> ConfigError | None:
-    """The ``ConfigError`` behind ``err``: jsonargparse wraps an error raised in an ``__init__`` in
-    its own long report, and the user's fix is in ours."""
-    while err is not None and not isinstance(err, ConfigError):
-        err = err.__cause__
-    return err
+from lit_marl.export import export_team
+from lit_marl.models import quiet_libraries
 
 
 def build(base: type, settings: dict, field: str):
@@ -103,3 +87,30 @@ def load_data(settings: dict, saved: bool) -> TaskDataModule:
             "no checkpoint): give --config with the run's config.yaml (saved beside its logs)"
         )
     return build(TaskDataModule, settings, "--config" if not saved else "the checkpoint's data settings")
+
+
+def export_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lit-marl export",
+        description="Write each agent of a checkpoint's team as a Hugging Face folder (model, tokenizer, chat "
+        "template), loadable with from_pretrained: OUT/agent<i> (OUT/shared for a parameter-shared team) and "
+        "OUT/team.json. The checkpoint holds the settings it was trained with: no config is needed.",
+    )
+    parser.add_argument("--ckpt_path", required=True, help="a checkpoint written by lit-marl fit (e.g. last.ckpt)")
+    parser.add_argument("--out", required=True, help="folder that receives the agents' folders")
+    parser.add_argument(
+        "--lora",
+        choices=["merged", "adapter"],
+        default="merged",
+        help="LoRA agents: merged into their base (default), or the adapter alone",
+    )
+    return parser
+
+
+def export_main(argv: list[str] | None = None) -> None:
+    """``lit-marl export``: a checkpoint's agents as Hugging Face folders."""
+    args = export_parser().parse_args(argv)
+    quiet_libraries()
+    module, _ = load_team(args.ckpt_path)
+    for folder in export_team(module, args.out, args.lora):
+        print(f"lit-marl: wrote {folder}")

@@ -120,7 +120,7 @@ class AgentTeamModule(OptimizerSteps, StepLogging, L.LightningModule):
         self.save_hyperparameters()
         self.sources, self.rollout_buffers = None, []  # per agent, once the team's size is known: size_team
         if num_agents is not None:
-            AgentTeamModule.size_team(self, num_agents)
+            AgentTeamModule.size_team(self, num_agents)  # the base part: subclasses are not set up yet
         self.forward_batch_size, self.forward_token_budget = forward_batch_size, forward_token_budget
         self.lora, self.system_prompt = LoraSettings(**lora) if isinstance(lora, dict) else lora, system_prompt
         self.share_parameters, self.lora_shared_base = share_parameters, lora_shared_base

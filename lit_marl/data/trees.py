@@ -106,8 +106,7 @@ class RolloutDataModule(TaskDataModule):
                 "use data.engine: auto (or torch), or data.sampling_streams: shared"
             )
         if isinstance(self.env, FunctionEnv):
-            self.env.passthrough = external_prompt_passthrough
-            self.env.prompt_field = self.call_settings.transition_prompt_field
+            self.env.passthrough = external_prompt_passthrough  # its call_settings name the prompt field
             if num_turns > 1:
                 self.env.check_formatters()
         self.env = self._wrapped(centralized_adapter, parse_failure_reward, num_turns, branch)

@@ -262,10 +262,10 @@ class TextEnv(Env):
 class FunctionEnv(TextEnv):
     """Formatters (one per agent: format strings or functions of the task row) + a reward function
     (+ an external transition): ``envs/formatters.py``. ``passthrough``: a transition's prompts are
-    read as they are; otherwise each becomes the row's ``prompt_field`` and is formatted again."""
+    read as they are; otherwise each becomes the row's ``call_settings.transition_prompt_field`` (the
+    field the transition receives as ``prompt``) and is formatted again."""
 
     passthrough: bool = False
-    prompt_field: str = "prompt"
 
     def __init__(
         self,
@@ -310,16 +310,18 @@ class FunctionEnv(TextEnv):
     def observe(self, task: dict, prompts: list[str]) -> list[str]:
         if self.passthrough:
             return list(prompts)
-        return [f({**task, self.prompt_field: p}, external=p) for f, p in zip(self.formatters, prompts)]
+        field = self.call_settings.transition_prompt_field
+        return [f({**task, field: p}, external=p) for f, p in zip(self.formatters, prompts)]
 
     def check_formatters(self) -> None:
         """A format string that never reads the prompt field would drop the transition's prompts."""
+        field = self.call_settings.transition_prompt_field
         for i, f in enumerate(self.formatters):
-            if not self.passthrough and not f.uses(self.prompt_field):
+            if not self.passthrough and not f.uses(field):
                 raise ConfigError(
-                    f"data.agent_prompts[{i}]={f.template!r} does not use {{{self.prompt_field}}}: after the first "
-                    f"turn the transition's prompt becomes the row's {self.prompt_field!r} field and goes through the "
-                    f"formatter, which would drop it. Put {{{self.prompt_field}}} where it goes, or set "
+                    f"data.agent_prompts[{i}]={f.template!r} does not use {{{field}}}: after the first "
+                    f"turn the transition's prompt becomes the row's {field!r} field and goes through the "
+                    f"formatter, which would drop it. Put {{{field}}} where it goes, or set "
                     "data.external_prompt_passthrough: true to read the transition's prompts as they are"
                 )
 

@@ -213,7 +213,7 @@ def test_help_lists_every_command_and_predict_is_refused_by_name(in_repo_root, m
     with pytest.raises(SystemExit):
         build_cli(args=["--help"])
     listed = capsys.readouterr().out
-    for name, (_, description) in COMMANDS.items():
+    for name, (*_, description) in COMMANDS.items():
         assert f"    {name} " in listed and description.split(" (")[0] in listed
     assert "predict" not in listed
     monkeypatch.setattr(sys, "argv", ["lit-marl", "predict", "--config", "configs/magrpo/slogan_tiny.yaml"])

@@ -15,11 +15,11 @@ import yaml
 from transformers import AutoModelForCausalLM
 
 from helpers import SLOGAN_HELDOUT
-from lit_marl import ConfigError, chat, export
+from lit_marl import ConfigError, chat
 from lit_marl.agents import Agent
 from lit_marl.export import exported_team
 from lit_marl.generation import generate
-from lit_marl.trained import load_team
+from lit_marl.trained import export_main, load_team
 
 TYPED = "Now shorter.\n\n"  # one line, then an empty one (skipped)
 
@@ -27,7 +27,7 @@ TYPED = "Now shorter.\n\n"  # one line, then an empty one (skipped)
 @pytest.fixture(scope="module")
 def exported(magrpo_checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("export") / "team"
-    export.main(["--ckpt_path", str(magrpo_checkpoint), "--out", str(out)])
+    export_main(["--ckpt_path", str(magrpo_checkpoint), "--out", str(out)])
     return out
 
 
