@@ -50,7 +50,8 @@ def test_documented_export_and_chat_commands_parse(name):
     commands = [argv for _, argv in COMMANDS if argv[0] == name]
     assert commands, f"no `lit-marl {name}` in the docs"
     for argv in commands:
-        importlib.import_module(f"lit_marl.{name}").parser().parse_args(argv[1:])
+        parser = {"export": ("lit_marl.trained", "export_parser"), "chat": ("lit_marl.chat", "parser")}[name]
+        getattr(importlib.import_module(parser[0]), parser[1])().parse_args(argv[1:])
 
 
 @pytest.mark.parametrize("where, argv", FITS, ids=[f"{w}:{' '.join(a)[:80]}" for w, a in FITS])
