@@ -24,7 +24,7 @@ install: $(STAMP)
 
 # the fit prints the before -> after table and three example pairs; then its curves become a PNG
 quickstart: $(STAMP)
-	OMP_NUM_THREADS=2 $(BIN)/lit-marl fit --config configs/quickstart.yaml
+	$(BIN)/lit-marl fit --config configs/quickstart.yaml
 	$(BIN)/lit-marl plot $$(ls -td lightning_logs/quickstart/version_* | head -1)
 
 # three pytest workers, one thread each, on the two cores: with two, the cores were busy 1.4 of 2 on

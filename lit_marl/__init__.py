@@ -1,5 +1,10 @@
 """lit_marl: multi-agent, multi-turn RL for LLM agents on PyTorch Lightning."""
 
+from lit_marl.cpu import thread_env
+
+# before anything loads torch and its OpenMP, which reads its wait policy once (lit_marl/cpu.py)
+thread_env()
+
 
 class ConfigError(ValueError):
     """A bad setting, named by its config field, found before any model is loaded."""

@@ -9,9 +9,10 @@ import os
 import sys
 from contextlib import contextmanager
 
+import torch
 import yaml
 
-from lit_marl import ConfigError, checkpoint_files, config_error_in
+from lit_marl import ConfigError, checkpoint_files, config_error_in, cpu
 from lit_marl.envs.calls import RewardError  # checkpoint_files loads torch already: no start-up to save
 from lit_marl.tasks import import_object
 
@@ -92,6 +93,9 @@ def build_cli(args: list[str] | None = None, run: bool = True):
             if trainer.default_root_dir and getattr(logger, "class_path", None) == DEFAULT_LOGGER["class_path"]:
                 if logger.init_args.get("save_dir") == ".":  # no save_dir named: the default's
                     logger.init_args.save_dir = trainer.default_root_dir
+            if trainer.precision is None:  # unset: what this hardware computes fast (lit_marl/cpu.py)
+                model = (self.config[self.subcommand] if self.subcommand else self.config).model
+                trainer.precision = _unset_precision(trainer.accelerator, model)
 
         def add_arguments_to_parser(self, parser) -> None:
             # the number of agents is the number of prompt templates: said once, in the data
@@ -110,6 +114,20 @@ def build_cli(args: list[str] | None = None, run: bool = True):
         parser_kwargs={"description": "Multi-agent, multi-turn reinforcement learning of LLM agents."},
         trainer_defaults={"log_every_n_steps": 1, "num_sanity_val_steps": 0, "logger": DEFAULT_LOGGER},
     )
+
+
+def _unset_precision(accelerator, model) -> str | None:
+    """``trainer.precision`` when a config leaves it unset: bf16 weights need bf16 autocast; else a CPU
+    run's is the CPU's (``cpu.auto_precision``) and other accelerators keep Lightning's default."""
+    init_args = getattr(model, "init_args", None) or {}
+    if init_args.get("weights_dtype", "float32") != "float32":
+        return "bf16-mixed"
+    name = (accelerator if isinstance(accelerator, str) else getattr(accelerator, "class_path", "")) or "auto"
+    if name == "auto":  # Lightning's own order: a GPU, Apple's MPS, else the CPU
+        on_cpu = not (torch.cuda.is_available() or torch.backends.mps.is_available())
+    else:
+        on_cpu = name.lower() == "cpu" or name.lower().endswith(".cpuaccelerator")
+    return cpu.auto_precision("cpu" if on_cpu else name)
 
 
 def _list_commands(subcommands) -> None:

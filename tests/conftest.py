@@ -1,4 +1,5 @@
-"""Shared test setup: offline, single-threaded, and a throwaway model cache.
+"""Shared test setup: offline, single-threaded, fp32 where a config leaves the precision to the CPU,
+and a throwaway model cache.
 
 The model cache (``LIT_MARL_CACHE``) points at a fresh temporary folder for the run (shared by its
 pytest-xdist workers), so the tests also cover building the tiny random model from scratch and
@@ -20,6 +21,9 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["OMP_NUM_THREADS"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+# a config without trainer.precision gets its CPU's (bf16 where the CPU has bf16 units): the tests'
+# numbers must not hang on the machine, so they compute in fp32 unless a test sets a precision
+os.environ["LIT_MARL_PRECISION"] = "32-true"
 
 if os.environ.get("LIT_MARL_TEST_CACHE"):
     os.environ["LIT_MARL_CACHE"] = os.environ["LIT_MARL_TEST_CACHE"]

@@ -15,7 +15,7 @@ from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 
-from lit_marl import ConfigError, checkpoint_files
+from lit_marl import ConfigError, checkpoint_files, cpu
 from lit_marl.agents import Agent, LoraSettings, Team, roles_by_model, team_sources
 from lit_marl.algorithms.updates import OptimizerSteps
 from lit_marl.callbacks.progress import RunProgressBar
@@ -287,6 +287,7 @@ class AgentTeamModule(OptimizerSteps, StepLogging, L.LightningModule):
         ]
 
     def setup(self, stage: str) -> None:
+        self.cpu_choices = cpu.configure(self.trainer)  # threads per rank; what a CPU run computes with
         if stage == "fit":
             trainer = self.trainer
             for name in ("limit_train_batches", "max_epochs", "max_steps"):
