@@ -2,16 +2,17 @@
 
     .venv/bin/python scripts/bench_cpu.py                       # the table in docs/quickstart.md
     .venv/bin/python scripts/bench_cpu.py --emulate-no-bf16     # as a CPU without bf16 units would
-    .venv/bin/python scripts/bench_cpu.py --loads 0 --precisions auto --threads new --repeats 1
+    .venv/bin/python scripts/bench_cpu.py --loads 0 --precisions auto --threads lit-marl --repeats 1
 
 Each cell is one `lit-marl fit --config configs/quickstart.yaml` of ``--steps`` training steps (SmolLM2,
 2 agents, 4 tasks x 8 samples a step, LoRA; the held-out evaluation callback removed), read back from
 its TensorBoard scalars (``perf/step_s`` = generation + update, per step). Cells alternate (the order
 flips every repeat) so a change in the machine's own load falls on every setting alike.
 
-- ``--threads old``: what ``make quickstart`` ran before lit-marl chose threads: ``OMP_NUM_THREADS`` =
-  the CPUs, OpenMP's own wait (libgomp spins ~300,000 rounds before it sleeps: ``GOMP_SPINCOUNT``).
-  ``new``: nothing set, the package's choice (``lit_marl/cpu.py``).
+- ``--threads default``: torch's and OpenMP's defaults, as a process gets them with nothing set:
+  ``OMP_NUM_THREADS`` = the CPUs, OpenMP's own wait (libgomp spins ~300,000 rounds before it sleeps:
+  ``GOMP_SPINCOUNT``). ``lit-marl``: nothing set, the package's choice (``lit_marl/cpu.py``).
+  ``NAME=VALUE[,...]``: the package's choice with these variables set (``GOMP_SPINCOUNT=20000``).
 - ``--loads``: busy processes started beside the run (a pure-Python spin loop each); ``cpus`` = one per
   usable CPU.
 - ``--emulate-no-bf16``: oneDNN held to AVX2 (``ONEDNN_MAX_CPU_ISA=AVX2``): bf16 is emulated as on a CPU
@@ -37,14 +38,16 @@ from lit_marl.cpu import cpu_flags, usable_cpus  # noqa: E402
 
 FLAGS_SHOWN = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_fp16")
 THREAD_ENV = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME", "LIT_MARL_USER_OMP_NUM_THREADS")
-CHOICE = re.compile(r"lit-marl: CPU run: precision (\S+)")
+CHOICE = re.compile(r"lit-marl: CPU run: precision ([^\s;]+)")
 
 
 def cell_env(threads: str, emulate_no_bf16: bool) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in THREAD_ENV and k != "LIT_MARL_PRECISION"}
     env["HF_HUB_OFFLINE"] = "1"
-    if threads == "old":
+    if threads == "default":
         env.update(OMP_NUM_THREADS=str(usable_cpus()), GOMP_SPINCOUNT="300000")
+    elif threads != "lit-marl":  # NAME=VALUE[,NAME=VALUE...]: the package's choice with these set
+        env.update(item.split("=", 1) for item in threads.split(","))
     if emulate_no_bf16:
         env["ONEDNN_MAX_CPU_ISA"] = "AVX2"
     return env
@@ -99,7 +102,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--precisions", nargs="+", default=["32-true", "bf16-mixed"], help="or auto (unset)")
-    parser.add_argument("--threads", nargs="+", default=["old", "new"], choices=["old", "new"])
+    parser.add_argument("--threads", nargs="+", default=["default", "lit-marl"], help="default, lit-marl, NAME=VALUE")
     parser.add_argument("--loads", nargs="+", default=["0", "cpus"], help="busy processes: a number or cpus")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per cell (its steps so far are kept)")
     parser.add_argument("--emulate-no-bf16", action="store_true")
