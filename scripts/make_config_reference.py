@@ -251,6 +251,9 @@ def generate() -> str:
         "A config names a class by `class_path` and sets its arguments under `init_args`; a settings class is"
         " given as a mapping of its fields (`lora: {r: 16}`). Types such as `PositiveInt` or `OpenUnitInterval`"
         " carry bounds (`lit_marl/fields.py`) that are checked when the class is built.\n",
+        "`trainer` takes Lightning's `Trainer` arguments. One differs in `lit-marl`: a CPU run that leaves"
+        " `trainer.precision` unset gets `bf16-mixed` where the CPU has bf16 units and `32-true` where bf16 would be"
+        " emulated ([quickstart.md](quickstart.md#on-the-cpu-you-have)).\n",
     ]
     for title, group in groups:
         out.append(f"## {title}\n")
