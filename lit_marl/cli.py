@@ -84,6 +84,10 @@ def build_cli(args: list[str] | None = None, run: bool = True):
                 _check_checkpoint_settings(subcommand, self.config[subcommand])
 
         def instantiate_trainer(self, **kwargs):
+            config = self.config[self.subcommand] if self.subcommand else self.config
+            if config.trainer.precision is None:  # unset: what this hardware computes fast (lit_marl/cpu.py);
+                # given here, not written into the config: the saved config.yaml keeps it unset for the next CPU
+                kwargs.setdefault("precision", _unset_precision(config.trainer.accelerator, config.model))
             return use_run_progress_bar(super().instantiate_trainer(**kwargs))
 
         def before_instantiate_classes(self) -> None:
@@ -93,9 +97,6 @@ def build_cli(args: list[str] | None = None, run: bool = True):
             if trainer.default_root_dir and getattr(logger, "class_path", None) == DEFAULT_LOGGER["class_path"]:
                 if logger.init_args.get("save_dir") == ".":  # no save_dir named: the default's
                     logger.init_args.save_dir = trainer.default_root_dir
-            if trainer.precision is None:  # unset: what this hardware computes fast (lit_marl/cpu.py)
-                model = (self.config[self.subcommand] if self.subcommand else self.config).model
-                trainer.precision = _unset_precision(trainer.accelerator, model)
 
         def add_arguments_to_parser(self, parser) -> None:
             # the number of agents is the number of prompt templates: said once, in the data

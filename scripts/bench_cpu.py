@@ -36,8 +36,8 @@ sys.path.insert(0, str(ROOT))
 
 from lit_marl.cpu import cpu_flags, usable_cpus  # noqa: E402
 
-FLAGS_SHOWN = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_fp16")
-THREAD_ENV = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME", "LIT_MARL_USER_OMP_NUM_THREADS")
+FLAGS_SHOWN = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_fp16", "bf16")
+THREAD_ENV = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME", "LIT_MARL_OMP_NUM_THREADS")
 CHOICE = re.compile(r"lit-marl: CPU run: precision ([^\s;]+)")
 
 
@@ -109,9 +109,9 @@ def main() -> None:
     args = parser.parse_args()
 
     flags = cpu_flags()
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), "unknown")  # fmt: skip
-    print(f"CPU: {model}; {usable_cpus()} usable CPUs; flags: {' '.join(f for f in FLAGS_SHOWN if f in flags) or '-'}")
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")), "?")
+    print(f"CPU: {model}; {usable_cpus()} usable cores; flags: {' '.join(f for f in FLAGS_SHOWN if f in flags) or '-'}")
     if args.emulate_no_bf16:
         print("emulating a CPU without bf16 units: ONEDNN_MAX_CPU_ISA=AVX2")
     cells = [(load, p, t) for load in args.loads for p in args.precisions for t in args.threads]

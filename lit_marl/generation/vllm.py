@@ -105,9 +105,9 @@ class LLMBackend:
 
     def __init__(self, agent: Agent, dtype: str, external_launcher: bool, **llm_kwargs):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        # vLLM's CPU workers pin their OpenMP threads to fixed cores when they run in processes of their
-        # own (V1 multiprocessing on): the ranks' engines would share cores, and a thread on a core another
-        # process keeps busy could not move. The trainer's threads stay as lit_marl set them (cpu.py)
+        # vLLM's CPU backend can pin OpenMP threads to fixed cores (its default, ``auto``): the ranks'
+        # engines would pin to the same cores, and a pinned thread on a core another process keeps busy
+        # cannot move. The trainer's threads stay as lit_marl set them (cpu.py); the user's value wins
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         from vllm import LLM
 

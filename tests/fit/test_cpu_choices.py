@@ -10,10 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
 from lit_marl import cpu
 
 ROOT = Path(__file__).resolve().parents[2]
-CLEARED = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME", cpu.USER_THREADS, cpu.PRECISION_ENV)
+CLEARED = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME", cpu.OURS, cpu.PRECISION_ENV)
 
 
 def fit(tmp_path: Path, extra_env: dict, *args: str) -> tuple[dict, str]:
@@ -22,6 +24,7 @@ def fit(tmp_path: Path, extra_env: dict, *args: str) -> tuple[dict, str]:
     done = subprocess.run(
         [sys.executable, "-m", "lit_marl.cli", "fit", "--config", "configs/grpo/corridor_tiny.yaml",
          "--trainer.limit_train_batches", "1", "--trainer.limit_val_batches", "0", "--trainer.logger", "false",
+         "--trainer.default_root_dir", str(tmp_path),
          "--trainer.callbacks+=cpu_choices.RecordChoices", *args],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
@@ -40,6 +43,8 @@ def test_nothing_set_gets_the_cpus_precision_and_sleeping_threads(tmp_path):
     line = next(line for line in stderr.splitlines() if line.startswith("lit-marl: CPU run:"))
     assert f"precision {expected}" in line and "OMP_WAIT_POLICY=PASSIVE" in line
     assert "emulated" not in stderr
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert saved["trainer"]["precision"] is None  # the saved config leaves it to the CPU it is run on next
 
 
 def test_a_cpu_without_bf16_units_gets_fp32(tmp_path):
