@@ -287,7 +287,6 @@ class AgentTeamModule(OptimizerSteps, StepLogging, L.LightningModule):
         ]
 
     def setup(self, stage: str) -> None:
-        self.cpu_choices = cpu.configure(self.trainer)  # threads per rank; what a CPU run computes with
         if stage == "fit":
             trainer = self.trainer
             for name in ("limit_train_batches", "max_epochs", "max_steps"):
@@ -309,6 +308,7 @@ class AgentTeamModule(OptimizerSteps, StepLogging, L.LightningModule):
                 "updates (several backward passes per step, different on each rank); use trainer.strategy: "
                 "{class_path: lit_marl.parallel.strategies.TeamDDPStrategy}"
             )
+        self.cpu_choices = cpu.configure(self.trainer)  # threads per rank; what a CPU run computes with
         data = self.trainer.datamodule
         self.rollout_settings = rollout = data.rollout_settings if data is not None else None
         if self.sources is None:
