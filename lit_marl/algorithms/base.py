@@ -308,7 +308,7 @@ class AgentTeamModule(OptimizerSteps, StepLogging, L.LightningModule):
                 "updates (several backward passes per step, different on each rank); use trainer.strategy: "
                 "{class_path: lit_marl.parallel.strategies.TeamDDPStrategy}"
             )
-        self.cpu_choices = cpu.configure(self.trainer)  # threads per rank; what a CPU run computes with
+        cpu.configure(self.trainer)  # threads per rank; what a CPU run computes with, said once
         data = self.trainer.datamodule
         self.rollout_settings = rollout = data.rollout_settings if data is not None else None
         if self.sources is None:

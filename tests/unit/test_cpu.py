@@ -30,7 +30,7 @@ def test_flags_are_read_from_cpuinfo(tmp_path):
 @pytest.mark.parametrize(
     "flags, environ, expected",
     [
-        (AVX2_ONLY, {}, "32-true"),  # bf16 emulated: ~10x slower than fp32
+        (AVX2_ONLY, {}, "32-true"),  # bf16 emulated: a quickstart step 12x slower than fp32
         (ZEN4, {}, "bf16-mixed"),  # AVX-512 BF16
         (SAPPHIRE_RAPIDS, {}, "bf16-mixed"),  # AMX
         (ZEN4, {"ONEDNN_MAX_CPU_ISA": "AVX2"}, "32-true"),  # oneDNN held below bf16: emulated
