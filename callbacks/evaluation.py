@@ -66,8 +66,12 @@ class HeldOutEvaluation(L.Callback):
             print(f"[held-out, {tag}] evaluating {len(data.val_tasks)} tasks ({how}) ...", flush=True)
         start = time.perf_counter()
         device = pl_module.device
+        # through the rollout engine, as a rollout (vLLM serves the weights: no whole-model gather);
         # sampled rollouts draw random numbers: training's stream goes on as if none had been drawn
-        with pl_module.computing(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        with (
+            data.generating(pl_module.team()),
+            torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
+        ):
             results = data.evaluate(pl_module.agents, self.num_samples, self.pass_at_k)
         pl_module.exclude_from_step_time(time.perf_counter() - start)  # perf/step_s: the steps' own time
         if self.metric not in results:

@@ -1,24 +1,24 @@
-"""The memory plan of a run: what each rank needs before the first step, and an early, named
-failure when that cannot fit the device.
+"""The memory plan of a run: what each rank holds in every phase it goes through, and an early,
+named failure when that cannot fit the device.
+
+The phases: **setup** (the models loaded and sharded: rank 0 loads every weight, the others build
+on the meta device and receive their shards), **rollout** (generation: vLLM awake, or the KV cache
+of the torch/HF decoders and, under per-layer FSDP, the models they generate with gathered whole),
+**evaluation** (the held-out rollouts, through the same engine, at the evaluation's shape) and
+**update** (gradients, one pass's activations and, per layer, the units gathered while they
+compute; references, critics and old log-probs are scored in the same lockstep passes). A part is
+held in the phases it names; the peak is the fullest phase.
 
 Weights, gradients and AdamW's state are counted from the built models (exact bytes per dtype;
-FSDP shards counted as the local shard, plus the full weights a step gathers). Activations are
-measured, not guessed: ``activation_profile`` runs one forward of a 1- and a 2-layer copy of each
-trainable model's architecture (same widths, LoRA adapters and autocast dtype, a 256-token
-vocabulary) and counts the tensors autograd saves for the backward; the difference is one
-layer's bytes per token, the rest the embedding and norms. The LM head's logits are analytic
-(fp32: the logits, their log-softmax, and its gradient: 12 bytes per scored position and vocabulary
-entry). A pass of ``forward_token_budget`` tokens then needs ``tokens x (layers x per_layer +
-other)`` plus the scored positions' logits; with activation checkpointing, only each layer's input
-(the residual stream) and one layer's recompute at a time. Generation needs the KV cache of its
-rows (the torch decoder and HF), or the share of the device vLLM is given.
+FSDP shards counted as the local shard, plus the full weights a phase gathers). Activations are
+measured (``lit_marl.activations``). On a GPU the plan adds what torch's allocator does not count
+(the CUDA context and NCCL's buffers, fragmentation of its cache, what a sleeping vLLM keeps).
 
 docs/scale.md compares the plan with measured peaks (the tiny model and SmolLM2 on CPU).
 """
 
 from __future__ import annotations
 
-import copy
 import os
 from dataclasses import dataclass, field
 
@@ -26,154 +26,83 @@ import torch
 from torch import nn
 
 from lit_marl import ConfigError
+from lit_marl.activations import _causal_lm, activation_profile
 from lit_marl.agents import AdapterView
-from lit_marl.models import store_frozen, trained
+from lit_marl.models import trained
 from lit_marl.parallel.collectives import all_ranks_max
 from lit_marl.parallel.fsdp import shardable_models, unit_modules
 from lit_marl.parallel.strategies import TeamFSDPStrategy
 
 GiB = 2**30
-LOGIT_BYTES = 12  # per scored position and vocabulary entry: fp32 logits, log-softmax, its gradient
-PROFILE_TOKENS = 64
-PROFILE_VOCAB = 256
 
+SETUP, ROLLOUT, EVALUATION, UPDATE = "setup", "rollout", "evaluation", "update"
+PHASES = (SETUP, ROLLOUT, EVALUATION, UPDATE)
+STEPS = (ROLLOUT, EVALUATION, UPDATE)  # from the first step on (the first evaluation included)
+GENERATION = (ROLLOUT, EVALUATION)
 
-@dataclass(frozen=True)
-class ActivationProfile:
-    """Bytes autograd keeps for a training pass: per token and per decoder layer, per token for the
-    rest (embedding, final norm), per layer whatever the tokens (autocast's bf16 copies of the
-    weights), a constant, and per token and layer under checkpointing (the layer's input only)."""
-
-    per_layer_token: float
-    other_token: float
-    per_layer: float
-    other: float
-    layer_input: float
-    layers: int
-    vocab: int
-
-    def pass_bytes(self, tokens: int, scored: int, checkpointing: bool) -> float:
-        if checkpointing:  # every layer's input, one layer recomputed at a time
-            kept = tokens * (self.layers * self.layer_input + self.per_layer_token) + self.per_layer
-        else:
-            kept = self.layers * (tokens * self.per_layer_token + self.per_layer)
-        return kept + tokens * self.other_token + self.other + scored * self.vocab * LOGIT_BYTES
-
-
-def _causal_lm(model: nn.Module) -> nn.Module:
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
-def _saved_bytes(model: nn.Module, autocast: torch.dtype | None, tokens: int) -> int:
-    """Bytes of the tensors autograd saves in one forward of ``tokens`` tokens (parameters excluded)."""
-    sizes: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        sizes[storage.data_ptr()] = max(sizes.get(storage.data_ptr(), 0), storage.nbytes())
-        return t
-
-    ids = torch.randint(0, PROFILE_VOCAB, (1, tokens), generator=torch.Generator().manual_seed(0))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
-            model(input_ids=ids, logits_to_keep=1)
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    return sum(size for ptr, size in sizes.items() if ptr not in weights)
-
-
-_PROFILES: dict[tuple, ActivationProfile] = {}  # one measurement per architecture, adapters and dtypes
-
-
-def activation_profile(model: nn.Module, autocast: torch.dtype | None = None) -> ActivationProfile:
-    """Measure ``model``'s activation bytes per token on small CPU copies of its architecture."""
-    lm = _causal_lm(model)
-    config = lm.config
-    peft = getattr(model, "peft_config", None)
-    frozen = sorted({str(p.dtype) for p in model.parameters() if not p.requires_grad})
-    key = (config.to_json_string(), repr(peft), autocast, tuple(frozen))
-    if key not in _PROFILES:
-        _PROFILES[key] = _measure(model, lm, config, peft, autocast)
-    return _PROFILES[key]
-
-
-def _measure(model: nn.Module, lm: nn.Module, config, peft, autocast: torch.dtype | None) -> ActivationProfile:
-    from transformers import AutoModelForCausalLM
-
-    counts = {}
-    for layers in (1, 2):
-        small = copy.deepcopy(config)
-        small.num_hidden_layers, small.vocab_size = layers, PROFILE_VOCAB
-        if getattr(small, "layer_types", None) is not None:
-            small.layer_types = small.layer_types[:layers]
-        with torch.random.fork_rng(devices=[]):  # sdpa: the run's kernel may not run on a CPU (flash)
-            copy_ = AutoModelForCausalLM.from_config(small, dtype=torch.float32, attn_implementation="sdpa")
-            copy_ = copy_.eval()
-            if peft:
-                from peft import get_peft_model
-
-                copy_ = get_peft_model(copy_, copy.deepcopy(next(iter(peft.values())))).eval()
-        _match_dtypes(copy_, model)
-        for tokens in (PROFILE_TOKENS // 2, PROFILE_TOKENS):
-            counts[layers, tokens] = _saved_bytes(copy_, autocast, tokens)
-    t1, t2 = PROFILE_TOKENS // 2, PROFILE_TOKENS
-    layer_at = {t: counts[2, t] - counts[1, t] for t in (t1, t2)}
-    per_layer_token = (layer_at[t2] - layer_at[t1]) / (t2 - t1)
-    per_layer = layer_at[t2] - t2 * per_layer_token
-    other_token = (counts[1, t2] - counts[1, t1]) / (t2 - t1) - per_layer_token
-    embed = lm.get_input_embeddings().weight
-    return ActivationProfile(
-        per_layer_token=per_layer_token,
-        other_token=other_token,
-        per_layer=per_layer,
-        other=counts[1, t2] - t2 * (per_layer_token + other_token) - per_layer,
-        layer_input=config.hidden_size * embed.element_size(),  # the residual stream, as embedded
-        layers=config.num_hidden_layers,
-        vocab=config.vocab_size,
-    )
-
-
-def _match_dtypes(small: nn.Module, model: nn.Module) -> None:
-    """The small copy stores its frozen weights as ``model`` does (``model.weights_dtype``)."""
-    if any(p.dtype == torch.bfloat16 for p in model.parameters() if not p.requires_grad):
-        store_frozen(small, "bfloat16")
-
-
-UPDATE, ROLLOUT = "update", "rollout"
+# What a GPU holds beyond torch's allocated bytes (estimates from the peers' reports;
+# scripts/gpu_check_scale.py measures the context and the allocator's reserve on a GPU)
+CUDA_CONTEXT = 0.6 * GiB  # the CUDA context and its kernels' modules, per process
+NCCL_BUFFERS = 0.5 * GiB  # NCCL's channel buffers of the data-parallel communicator
+FRAGMENTATION = 0.10  # the caching allocator's reserve over its allocated bytes (reserved / allocated - 1)
+VLLM_ASLEEP = 1.0 * GiB  # per sleeping vLLM engine: CUDA graphs, its allocator's pools, sampler buffers
+VLLM_OVERHEAD = 2 * GiB  # per awake GPU instance: CUDA graphs, sampler, activations of the largest batch
+OUTSIDE_ALLOCATOR = ("process (runtime, data)", "CUDA context, NCCL buffers")  # vLLM's parts too
 
 
 @dataclass
 class MemoryPlan:
-    """Bytes per rank, by component; each part is held through the whole step or only in its
-    phase (``phases``: the update, or the rollout); ``peak`` is the fuller of the two phases."""
+    """Bytes per rank, by part; each part is held in the phases ``phases`` names (absent: every
+    phase); a phase holds the sum of its parts (on a GPU plus ``fragmentation`` of what torch's
+    allocator holds); ``peak`` is the fullest phase. ``gathered``: per phase, the models the plan
+    holds whole (their names in the module); ``host``: host memory at setup, rank 0 and the others."""
 
     parts: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     device: str = "cpu"
     capacity: float | None = None  # bytes the device has for this rank (None: unknown)
-    phases: dict[str, str] = field(default_factory=dict)  # part -> UPDATE or ROLLOUT (absent: both)
+    phases: dict[str, tuple[str, ...]] = field(default_factory=dict)
     mode: str | None = None  # FSDP2's mode (None: not sharded)
+    fragmentation: float = 0.0
+    gathered: dict[str, list[str]] = field(default_factory=dict)
+    host: dict[str, float] = field(default_factory=dict)
+    short: list[str] = field(default_factory=list)  # what cannot work whatever the peak (vLLM's share)
+
+    def held(self, name: str) -> list[str]:
+        """The parts held in phase ``name``."""
+        return [k for k in self.parts if name in self.phases.get(k, PHASES)]
+
+    def reserve(self, name: str) -> float:
+        """The allocator's fragmentation in phase ``name``: a share of the bytes torch allocates."""
+        inside = [k for k in self.held(name) if k not in OUTSIDE_ALLOCATOR and not k.startswith("vLLM")]
+        return self.fragmentation * sum(self.parts[k] for k in inside)
 
     def phase(self, name: str) -> float:
-        """What the step holds in phase ``name`` (update or rollout)."""
-        return sum(v for k, v in self.parts.items() if self.phases.get(k, name) == name)
+        """What phase ``name`` holds (setup, rollout, evaluation or update)."""
+        return sum(self.parts[k] for k in self.held(name)) + self.reserve(name)
+
+    @property
+    def fullest(self) -> str:
+        return max(PHASES, key=self.phase)
 
     @property
     def peak(self) -> float:
-        return max(self.phase(UPDATE), self.phase(ROLLOUT))
+        return self.phase(self.fullest)
 
     def table(self) -> str:
         mode = f", FSDP2 {self.mode}" if self.mode else ""
         lines = [f"memory plan per rank ({self.device}{mode}):"]
         for name, size in self.parts.items():
-            lines.append(
-                f"  {name:<40} {size / GiB:8.2f} GiB" + (f"  ({self.phases[name]})" if name in self.phases else "")
-            )
+            held = self.phases.get(name, PHASES)
+            lines.append(f"  {name:<40} {size / GiB:8.2f} GiB" + (f"  ({', '.join(held)})" if held != PHASES else ""))
+        if self.fragmentation:
+            lines.append(f"  {f'allocator fragmentation ({self.fragmentation:.0%})':<40} (in each phase below)")
         have = f" of {self.capacity / GiB:.2f} GiB" if self.capacity else ""
-        lines.append(
-            f"  {'update / rollout':<40} {self.phase(UPDATE) / GiB:8.2f} / {self.phase(ROLLOUT) / GiB:.2f} GiB"
-        )
-        lines.append(f"  {'peak':<40} {self.peak / GiB:8.2f} GiB{have}")
-        lines += [f"  note: {n}" for n in self.notes]
+        lines.append(f"  {' / '.join(PHASES):<40} " + " / ".join(f"{self.phase(p) / GiB:.2f}" for p in PHASES) + " GiB")
+        lines.append(f"  {'peak':<40} {self.peak / GiB:8.2f} GiB{have}  ({self.fullest})")
+        if self.host:
+            lines.append("  host memory at setup: " + ", ".join(f"{k} {v / GiB:.2f} GiB" for k, v in self.host.items()))
+        lines += [f"  note: {n}" for n in self.notes + self.short]
         return "\n".join(lines)
 
 
@@ -181,30 +110,42 @@ def _local_numel(p: torch.Tensor) -> int:
     return p.to_local().numel() if hasattr(p, "to_local") else p.numel()
 
 
-def weight_parts(module: nn.Module, shard_over: int = 1, mode: str = "gathered") -> tuple[dict, dict]:
+def _bytes(params) -> float:
+    return float(sum(p.numel() * p.element_size() for p in params))
+
+
+def _unique(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return list({id(p): (n, p) for n, p in module.named_parameters()}.values())
+
+
+def weight_parts(
+    module: nn.Module, shard_over: int = 1, mode: str = "gathered", generation: list[nn.Module] | None = None
+) -> tuple[dict, dict]:
     """The weight-sized parts and their phases: resident weights (local shards), AdamW's two
-    moments (sharded like the weights), gradients (fp32) and the full weights FSDP gathers.
-    ``gathered``: every model whole through the step, gradients unsharded while they accumulate.
-    ``per_layer``: two units (the computing layer and the prefetched next) and each root's own
-    parameters whole in a pass, their gradients unsharded until reduced, the rest of the
-    gradients sharded; the rollout gathers the whole models (generation with torch/hf).
-    ``shard_over``: plan unsharded models as FSDP2 over that many ranks will shard them."""
-    named = list({id(p): (n, p) for n, p in module.named_parameters()}.values())
+    moments (sharded like the weights, from the first step on), gradients (fp32) and the full
+    weights FSDP gathers. ``gathered``: every model whole from the first step on, gradients
+    unsharded while they accumulate. ``per_layer``: two units (the computing layer and the
+    prefetched next) and each root's own parameters whole in an update pass, their gradients
+    unsharded until reduced, the rest of the gradients sharded; the ``generation`` models (those
+    the torch/HF decoders generate with; none when vLLM serves them) whole in rollouts and
+    evaluations. ``shard_over``: plan unsharded models as FSDP2 over that many ranks will shard them."""
+    named = _unique(module)
     params = [p for _, p in named]
     resident = sum(_local_numel(p) * p.element_size() / shard_over for p in params)
-    full = sum(p.numel() * p.element_size() for p in params)
+    full = _bytes(params)
     learned = [p for n, p in named if trained(n, p)]
     parts = {"weights": resident, "AdamW state": sum(_local_numel(p) * 8 / shard_over for p in learned)}
+    phases = {"AdamW state": STEPS, "gradients": (UPDATE,)}
     if mode != "per_layer":
         parts["weights gathered for a step"] = full - resident
         parts["gradients"] = sum(p.numel() * 4 for p in learned)
-        return parts, {"gradients": UPDATE}
+        return parts, phases | {"weights gathered for a step": STEPS}
     sharded = 1 - 1 / _world_of(params, shard_over)
     units = [unit for model in shardable_models(module) for unit in fsdp_units(model)]
     learned_ids = {id(p) for p in learned}
 
     def size(unit):
-        return sum(p.numel() * p.element_size() for p in unit), sum(p.numel() * 4 for p in unit if id(p) in learned_ids)
+        return _bytes(unit), sum(p.numel() * 4 for p in unit if id(p) in learned_ids)
 
     roots = [size(unit) for unit, is_root in units if is_root]
     others = sorted((size(unit) for unit, is_root in units if not is_root), reverse=True)[:2]
@@ -212,8 +153,9 @@ def weight_parts(module: nn.Module, shard_over: int = 1, mode: str = "gathered")
     parts["gradients"] = sum(_local_numel(p) * 4 / shard_over for p in learned) + sharded * (
         sum(g for _, g in roots) + sum(g for _, g in others)
     )
-    parts["weights gathered for generation"] = full - resident
-    return parts, {"layers gathered in a pass": UPDATE, "gradients": UPDATE, "weights gathered for generation": ROLLOUT}
+    generated = {id(p): p for model in generation or [] for p in model.parameters()}.values()
+    parts["weights gathered for generation"] = sharded * _bytes(generated)
+    return parts, phases | {"layers gathered in a pass": (UPDATE,), "weights gathered for generation": GENERATION}
 
 
 def _world_of(params: list[torch.Tensor], shard_over: int) -> int:
@@ -236,6 +178,16 @@ def fsdp_units(model: nn.Module) -> list[tuple[list[torch.Tensor], bool]]:
         units.append((own, False))
     units.append(([p for p in model.parameters() if id(p) not in taken], True))
     return units
+
+
+def model_names(module: nn.Module) -> dict[int, str]:
+    """Each shardable model of ``module`` by its name in it (``agents.0.model``, ``references.0``)."""
+    ids = {id(m) for m in shardable_models(module)}
+    names: dict[int, str] = {}
+    for name, m in module.named_modules(remove_duplicate=False):
+        if id(m) in ids:
+            names.setdefault(id(m), name)
+    return names
 
 
 def kv_cache_bytes(model: nn.Module, rows: int, tokens: int, dtype: torch.dtype) -> float:
@@ -289,14 +241,16 @@ def plan(
     autocast: bool | None = None,
     mode: str | None = None,
     vllm_options: dict | None = None,
+    gpu: bool | None = None,
 ) -> MemoryPlan:
     """The memory plan of ``module`` (built, sharded where it will be) for a step of ``rollout`` (the
-    data module's ``RolloutSettings``; None: no generation planned). The
-    keywords plan ahead for other hardware (``scripts/plan_memory.py``): ``shard_over`` ranks of FSDP2
-    in ``mode`` (gathered or per_layer), vLLM's ``gpu_memory_utilization`` and options
-    (``VLLMEngine.options`` of the device it will run on),
-    the runtime's bytes, the device's, bf16 autocast; by default each is read from the run."""
+    data module's ``RolloutSettings``; None: no generation planned). The keywords plan ahead for
+    other hardware (``scripts/plan_memory.py``): ``shard_over`` ranks of FSDP2 in ``mode`` (gathered
+    or per_layer), vLLM's ``gpu_memory_utilization`` and options (``VLLMEngine.options`` of the
+    device it will run on), the runtime's bytes, the device's, bf16 autocast, a ``gpu`` (its margins);
+    by default each is read from the run."""
     device = module.device
+    gpu = device.type == "cuda" if gpu is None else gpu
     if autocast is None:
         precision = str(module._trainer.precision) if module._trainer is not None else "32-true"
         autocast = precision.startswith("bf16") or getattr(module, "weights_dtype", "float32") == "bfloat16"
@@ -309,44 +263,81 @@ def plan(
         mode = module.shards.mode if module.shards is not None else None
     sharded = mode is not None or shard_over > 1
     result = MemoryPlan(device=str(device), capacity=capacity, mode=(mode or "gathered") if sharded else None)
-    parts, phases = weight_parts(module, shard_over, mode or "gathered")
+    engine = rollout.engine if rollout is not None else None
+    served = engine is not None and engine.own_weights
+    generation = [] if served else module.generation_models()
+    parts, phases = weight_parts(module, shard_over, mode or "gathered", generation)
     result.parts["process (runtime, data)"] = (
         process if process is not None else process_overhead(device, parts["weights"])
     )
+    if gpu:
+        result.parts["CUDA context, NCCL buffers"] = CUDA_CONTEXT + (NCCL_BUFFERS if sharded else 0.0)
+        result.fragmentation = FRAGMENTATION
     result.parts.update(parts)
     result.phases.update(phases)
+    _setup_parts(result, module, sharded, gpu, parts["weights"])
+    _gathered_models(result, module, mode if sharded else None, generation)
     result.parts["activations of one update pass"] = _pass_bytes(module, dtype, result.notes)
-    result.phases["activations of one update pass"] = UPDATE
-    engine = rollout.engine.name if rollout is not None else None
+    result.phases["activations of one update pass"] = (UPDATE,)
     agents = list(module.agents) if module.agents is not None else []
     # one engine per model; a team's LoRA adapters on one base share its engine
-    served = [agent.model.shared if isinstance(agent.model, AdapterView) else agent.model for agent in agents]
-    models = list({id(model): model for model in served}.values())
-    shape = rollout.generation_shape() if rollout is not None and agents else None
-    if engine == "vllm":
-        result.parts.pop("weights gathered for generation", None)  # vLLM holds its own copy
-        options = vllm_options if vllm_options is not None else rollout.engine.options(device.type)
-        _vllm_parts(result, options, models, shape, vllm_share, dtype)
-    elif shape is not None:
-        rows, length, assumed = shape
-        # the lean decoder stacks every agent's call of a turn into one: all roles' rows at once
-        result.parts["generation KV cache"] = kv_cache_bytes(
-            agents[0].model, rows * len(agents), length, dtype or torch.float32
-        )
-        result.phases["generation KV cache"] = ROLLOUT
-        result.notes.append(f"generation: {len(agents)} agents x {rows} rows x {length} tokens ({assumed})")
+    models = list(
+        {id(m): m for m in (a.model.shared if isinstance(a.model, AdapterView) else a.model for a in agents)}.values()
+    )
+    if engine is not None and engine.name == "vllm":
+        options = vllm_options if vllm_options is not None else engine.options(device.type)
+        _vllm_parts(result, options, models, rollout, vllm_share, dtype, gpu, sharded and mode == "per_layer")
+    elif rollout is not None and agents:
+        for phase, evaluation in ((ROLLOUT, False), (EVALUATION, True)):
+            rows, length, assumed = rollout.generation_shape(evaluation)
+            name = "evaluation KV cache" if evaluation else "generation KV cache"
+            # the lean decoder stacks every agent's call of a turn into one: all roles' rows at once
+            result.parts[name] = kv_cache_bytes(agents[0].model, rows * len(agents), length, dtype or torch.float32)
+            result.phases[name] = (phase,)
+            result.notes.append(f"{phase}: {len(agents)} agents x {rows} rows x {length} tokens ({assumed})")
     return result
 
 
-VLLM_OVERHEAD = 2 * GiB  # per GPU instance: CUDA graphs, sampler, activations of the largest batch
+def _setup_parts(result: MemoryPlan, module, sharded: bool, gpu: bool, resident: float) -> None:
+    """Loading: rank 0 loads every model whole on the host, the other ranks build on the meta device;
+    each weight is then broadcast and sharded (one whole weight in flight on the device). On a
+    CPU the device is the host: rank 0's setup holds the whole models."""
+    if not sharded:
+        return
+    params = [p for _, p in _unique(module)]
+    full, largest = _bytes(params), max((p.numel() * p.element_size() for p in params), default=0)
+    process = result.parts["process (runtime, data)"]
+    result.parts["a weight in flight (setup)"] = float(largest)
+    result.phases["a weight in flight (setup)"] = (SETUP,)
+    if not gpu:
+        result.parts["whole models on rank 0 (setup)"] = full - resident
+        result.phases["whole models on rank 0 (setup)"] = (SETUP,)
+    host_others = process + (0.0 if gpu else resident + largest)
+    result.host = {"rank 0": process + full, "other ranks": host_others}
 
 
-def _vllm_parts(result: MemoryPlan, options: dict, models: list, shape, share: float | None, dtype) -> None:
+def _gathered_models(result: MemoryPlan, module, mode: str | None, generation: list[nn.Module]) -> None:
+    """The models each phase holds whole, by name (what ``AgentTeamModule.computing`` gathers)."""
+    names = model_names(module)
+    every = [names[id(m)] for m in shardable_models(module)]
+    if mode is None:  # nothing sharded: every model is whole all along
+        result.gathered = {phase: every for phase in PHASES}
+        return
+    if mode != "per_layer":
+        result.gathered = {SETUP: [], **{phase: every for phase in STEPS}}
+        return
+    roots = {names[id(r)] for m in generation for r in shardable_models(module) if any(x is m for x in r.modules())}
+    result.gathered = {SETUP: [], ROLLOUT: sorted(roots), EVALUATION: sorted(roots), UPDATE: []}
+
+
+def _vllm_parts(result: MemoryPlan, options: dict, models: list, rollout, share, dtype, gpu: bool, streamed: bool):
     """vLLM's instances: on CPU a fixed KV budget beside their weights; on a GPU the share they are
-    given (``share``, else the options'), with a note where that is less than they need (weights /
-    tensor-parallel ranks + the KV cache of the step's generation shape + ~2 GiB). Asleep during the
-    update with ``enable_sleep_mode`` (weights and KV freed)."""
+    given (``share``, else the options'), short where that is less than they need (weights /
+    tensor-parallel ranks + the KV cache of the step's generation shape + ~2 GiB). Awake in the
+    rollouts and evaluations; with ``enable_sleep_mode`` asleep in the update (what a sleeping
+    engine keeps stays). ``streamed``: per-layer FSDP sends each weight gathered as it goes."""
     served = sum(p.numel() for m in models for p in m.parameters()) * (2 if dtype is not None else 4)
+    shape = rollout.generation_shape() if models else None
     if share is None and "kv_cache_memory_bytes" in options:
         name = "vLLM engines (KV budget, weights)"
         result.parts[name] = len(models) * options["kv_cache_memory_bytes"] + served
@@ -357,11 +348,19 @@ def _vllm_parts(result: MemoryPlan, options: dict, models: list, shape, share: f
         kv = sum(kv_cache_bytes(m, shape[0], shape[1], dtype or torch.float32) for m in models) if shape else 0.0
         need = (served + kv) / tp + len(models) * VLLM_OVERHEAD
         if result.capacity and need > result.parts[name]:
-            result.notes.append(
-                f"vLLM needs ~{need / GiB:.1f} GiB (weights / TP, KV, overhead): raise gpu_memory_utilization"
+            result.short.append(
+                f"vLLM needs ~{need / GiB:.1f} GiB (weights / TP, the step's KV cache, ~2 GiB each) but its share is "
+                f"{result.parts[name] / GiB:.1f} GiB: raise gpu_memory_utilization in data.engine_options"
             )
-    if options.get("enable_sleep_mode"):
-        result.phases[name] = ROLLOUT
+    sleeps = bool(options.get("enable_sleep_mode"))
+    result.phases[name] = GENERATION if sleeps else STEPS
+    if sleeps and gpu:
+        result.parts["vLLM asleep (graphs, pools)"] = VLLM_ASLEEP * len(models)
+        result.phases["vLLM asleep (graphs, pools)"] = (UPDATE,)
+    if streamed and models:  # the tied embedding made once and the current weight: two whole weights
+        largest = max(p.numel() for m in models for p in m.parameters()) * (2 if dtype is not None else 4)
+        result.parts["weights in flight (vLLM sync)"] = 2.0 * largest
+        result.phases["weights in flight (vLLM sync)"] = GENERATION
 
 
 def fsdp_settings(module, strategy, ranks: int) -> tuple[str, str]:
@@ -423,6 +422,8 @@ def check_memory(module, rollout=None) -> MemoryPlan:
 
     result = plan(module, rollout)
     rank_zero_info(result.table())
+    if result.short:  # the same on every rank (the options and models are)
+        raise ConfigError("; ".join(result.short) + " (model.memory_check: false skips this check)")
     # every rank decides alike (one rank stopping alone would leave the others waiting in a collective)
     over = all_ranks_max(result.peak - result.capacity if result.capacity is not None else -1.0, module.device)
     if over <= 0:
@@ -433,14 +434,16 @@ def check_memory(module, rollout=None) -> MemoryPlan:
         "AdamW state": "train LoRA adapters (model.lora) or shard over more ranks (TeamFSDPStrategy)",
         "weights": "set model.weights_dtype: bfloat16, model.lora_shared_base: true, or shard over more ranks",
         "generation KV cache": "lower data.tasks_per_step, data.num_generations or the context",
+        "evaluation KV cache": "lower data.eval_tasks_per_step or the context",
+        "whole models on rank 0 (setup)": "more memory for rank 0, or set model.weights_dtype: bfloat16",
         "vLLM engines (gpu_memory_utilization)": "lower gpu_memory_utilization in data.engine_options",
         "vLLM engines (KV budget, weights)": "lower kv_cache_memory_bytes in data.engine_options",
         "weights gathered for a step": "use per-layer FSDP2 (trainer.strategy.init_args.mode: per_layer)",
         "layers gathered in a pass": "set trainer.strategy.init_args.gather_dtype: bfloat16",
         "weights gathered for generation": "generate with vLLM (data.engine: vllm)",
     }
-    fuller = UPDATE if result.phase(UPDATE) >= result.phase(ROLLOUT) else ROLLOUT
-    held = [name for name in result.parts if name in fixes and result.phases.get(name, fuller) == fuller]
+    fuller = result.fullest
+    held = [name for name in result.held(fuller) if name in fixes]
     largest = sorted(held, key=lambda n: -result.parts[n])[:2]
     advice = "; ".join(f"{name} ({result.parts[name] / GiB:.2f} GiB): {fixes[name]}" for name in largest)
     raise ConfigError(

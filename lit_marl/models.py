@@ -11,6 +11,7 @@ The cache lives outside the repo: ``$LIT_MARL_CACHE`` or ``~/.cache/lit_marl``.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import os
 import shutil
@@ -244,6 +245,21 @@ def recomputes_activations(model: torch.nn.Module) -> bool:
     )
 
 
+_EMPTY = {"on": False}  # inside ``built_empty``: models from their config on the meta device
+
+
+@contextmanager
+def built_empty() -> Iterator[None]:
+    """Inside, ``load_model_and_tokenizer`` builds each model from its config on the meta device
+    (shapes and dtypes, no weights read): the ranks of a sharded run other than rank 0, which
+    receive their shards of rank 0's weights (``parallel.fsdp.load_from_rank0``)."""
+    before, _EMPTY["on"] = _EMPTY["on"], True
+    try:
+        yield
+    finally:
+        _EMPTY["on"] = before
+
+
 def load_model_and_tokenizer(source: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     check_source(source)
     if source == TINY_RANDOM:
@@ -255,10 +271,44 @@ def load_model_and_tokenizer(source: str) -> tuple[PreTrainedModel, PreTrainedTo
     else:
         folder = Path(source).expanduser() if os.path.exists(os.path.expanduser(source)) else source
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    if _EMPTY["on"]:
+        model = _empty_model(str(folder))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
+
+
+def _empty_model(folder: str) -> PreTrainedModel:
+    """``folder``'s architecture on the meta device, as ``from_pretrained`` would build it (fp32, eval
+    mode, its generation config)."""
+    from transformers import AutoConfig, GenerationConfig
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.float32)
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(folder)
+    except OSError:  # the folder has none: the config's defaults, as from_pretrained keeps them
+        pass
+    return model.eval()
+
+
+def frozen_copy(model: torch.nn.Module, dtype: WeightsDtype = "float32") -> torch.nn.Module:
+    """A frozen copy of ``model`` whose weights are stored in ``dtype`` from the start (LM heads and
+    the embeddings tied to them stay fp32, as ``store_frozen`` keeps them): a bf16 reference of a 7B
+    policy never exists as a second fp32 copy. Tied weights stay tied (one copy per tensor)."""
+    keep = {
+        id(m.get_output_embeddings().weight)
+        for m in model.modules()
+        if isinstance(m, PreTrainedModel) and m.get_output_embeddings() is not None
+    }
+    low = getattr(torch, dtype)
+    memo: dict[int, object] = {}
+    for p in {id(p): p for p in model.parameters()}.values():
+        target = low if p.dtype == torch.float32 and id(p) not in keep else p.dtype
+        memo[id(p)] = torch.nn.Parameter(p.detach().to(target, copy=True), requires_grad=False)
+    return copy.deepcopy(model, memo).requires_grad_(False)
 
 
 def _atomic_save(folder: Path, save) -> None:

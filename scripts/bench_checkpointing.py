@@ -25,9 +25,10 @@ import time
 def one(model: str, rows: int, tokens: int, lora: bool, checkpointing: bool, repeats: int) -> dict:
     import torch
 
+    from lit_marl.activations import activation_profile
     from lit_marl.agents import Agent, LoraSettings
     from lit_marl.logprobs import completion_logprobs
-    from lit_marl.memory import GiB, activation_profile
+    from lit_marl.memory import GiB
     from lit_marl.models import checkpoint_layers, checkpointed_passes
 
     torch.manual_seed(0)

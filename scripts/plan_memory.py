@@ -5,10 +5,12 @@ GPUs: weights sharded over the ranks (FSDP2), the activation profile measured on
 of the architecture, vLLM's share of the device. Prints the plan per rank for each layout.
 
     .venv/bin/python scripts/plan_memory.py configs/scale/textworld_grpo_qwen1.5b.yaml --ranks 8 16
-    .venv/bin/python scripts/plan_memory.py configs/scale/textworld_grpo_qwen7b.yaml \
-        --model Qwen/Qwen2.5-7B-Instruct --mode per_layer --ranks 8 --summary
+    .venv/bin/python scripts/plan_memory.py configs/scale/textworld_grpo_qwen7b.yaml --mode per_layer --summary
 
-The configs in configs/scale/ carry these figures in their headers (H100, 80 GB).
+The model is the config's own (``model.init_args.model``, the last config that sets it), unless
+``--model`` plans another. Every phase is planned (setup, rollout, evaluation, update) with a GPU's
+margins (CUDA context, NCCL buffers, the allocator's fragmentation, a sleeping vLLM's remainder).
+The configs in configs/scale/ carry these figures in their headers (H100: 79.65 GiB as it reports).
 """
 
 from __future__ import annotations
@@ -113,6 +115,8 @@ def plan_config(
         raw.setdefault("data", {}).update(((yaml.safe_load(Path(path).read_text()) or {}).get("data") or {}))
     init = raw.get("data", {}).get("init_args") or {}
     options = {**GPU_DEFAULTS, **(init.get("engine_options") or {}), **(vllm or {})}
+    if "gpu_memory_utilization" in (vllm or {}):
+        options.pop("kv_cache_memory_bytes", None)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         (folder / "config.json").write_text(json.dumps(ARCHITECTURES[model]))
@@ -137,17 +141,33 @@ def plan_config(
             autocast=cli.trainer.precision.startswith("bf16"),
             mode=mode,
             vllm_options=options,
+            gpu=True,
         )
+
+
+def config_model(configs: list[str]) -> str:
+    """The model a config trains (the last of ``configs`` that names one)."""
+    import yaml
+
+    named = None
+    for path in configs:
+        init = ((yaml.safe_load(Path(path).read_text()) or {}).get("model") or {}).get("init_args") or {}
+        named = init.get("model", named)
+    if named not in ARCHITECTURES:
+        raise SystemExit(
+            f"{configs}: model {named!r} has no architecture here; give --model, one of {sorted(ARCHITECTURES)}"
+        )
+    return named
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("configs", nargs="+", help="a config, then overlays")
-    parser.add_argument("--model", default="Qwen/Qwen2.5-1.5B-Instruct", choices=sorted(ARCHITECTURES))
+    parser.add_argument("--model", choices=sorted(ARCHITECTURES), help="plan another model (default: the config's)")
     parser.add_argument("--ranks", type=int, nargs="+", default=[8, 16], help="FSDP ranks (8: one node, 16: two)")
     parser.add_argument("--mode", nargs="+", default=["gathered", "per_layer"], choices=["gathered", "per_layer"])
-    parser.add_argument("--capacity-gib", type=float, default=80.0, help="memory per GPU (H100: 80)")
-    parser.add_argument("--process-gib", type=float, default=1.0, help="CUDA context and runtime per rank")
+    parser.add_argument("--capacity-gib", type=float, default=79.65, help="memory per GPU (an H100 reports 79.65)")
+    parser.add_argument("--process-gib", type=float, default=0.5, help="runtime and data per rank (beside the context)")
     parser.add_argument("--set", action="append", default=[], help="a further override --KEY=VALUE")
     parser.add_argument("--summary", action="store_true", help="one line per layout: update / rollout / peak")
     parser.add_argument("--gpu-memory-utilization", type=float, help="vLLM's share (default: the config's)")
@@ -155,6 +175,9 @@ def main() -> None:
         "--vllm-tp", type=int, help="plan vLLM with this tensor_parallel_size (lit_marl's engine has none yet)"
     )
     args = parser.parse_args()
+    from lit_marl.memory import PHASES
+
+    args.model = args.model or config_model(args.configs)
     for mode in args.mode:
         for ranks in args.ranks:
             vllm = {"gpu_memory_utilization": args.gpu_memory_utilization} if args.gpu_memory_utilization else {}
@@ -168,10 +191,10 @@ def main() -> None:
                     f"vLLM at tensor_parallel_size {args.vllm_tp}: a what-if, lit_marl's engine has no TP"
                 )
             if args.summary:
-                update, rollout = result.phase("update") / 2**30, result.phase("rollout") / 2**30
+                phases = "  ".join(f"{p} {result.phase(p) / 2**30:5.1f}" for p in PHASES)
                 print(
-                    f"{args.model} {mode:<9} {ranks:>3} ranks: update {update:6.1f}  rollout {rollout:6.1f}  "
-                    f"peak {result.peak / 2**30:6.1f} GiB",
+                    f"{args.model} {mode:<9} {ranks:>3} ranks: {phases}  peak {result.peak / 2**30:5.1f} GiB "
+                    f"({result.fullest}){'  SHORT: ' + '; '.join(result.short) if result.short else ''}",
                     flush=True,
                 )
             else:

@@ -3,15 +3,13 @@ over micro-batches, and logging of rollouts. Algorithms add their loss."""
 
 from __future__ import annotations
 
-import copy
 import warnings
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import RichProgressBar
-from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 
@@ -34,11 +32,13 @@ from lit_marl.metrics import StepLogging, Timer
 from lit_marl.models import (
     AttentionKernel,
     WeightsDtype,
+    built_empty,
+    frozen_copy,
     prepare_models,
     set_attention,
 )
 from lit_marl.parallel.collectives import all_ranks_max, gather_objects, to_cpu
-from lit_marl.parallel.fsdp import TeamShards, check_shardable, shardable_models
+from lit_marl.parallel.fsdp import TeamShards, check_shardable, load_from_rank0, shardable_models
 from lit_marl.parallel.strategies import TeamDDPStrategy
 from lit_marl.rollout.batch import AgentSamples, RolloutBatch
 from lit_marl.rollout.buffer import RolloutBuffer
@@ -133,7 +133,11 @@ class AgentTeamModule(OptimizerSteps, StepLogging, L.LightningModule):
         self.shuffle_generator = torch.Generator().manual_seed(torch.initial_seed() % 2**63)
 
     def configure_model(self) -> None:
-        self.build_models()  # loads weights: kept out of __init__ so bad configs fail first
+        # loads weights: kept out of __init__ so bad configs fail first. Sharded over several ranks,
+        # only rank 0 reads them; the others build empty models and receive their shards (``shard``)
+        empty = self.device_mesh is not None and self.shards is None and self.global_rank != 0
+        with built_empty() if empty else nullcontext():
+            self.build_models()
         prepare_models(self, self.activation_checkpointing, self.weights_dtype)
         if self.device_mesh is not None and self.shards is None:  # ModelParallelStrategy: FSDP2
             self.shard(self.device_mesh)
@@ -183,9 +187,9 @@ class AgentTeamModule(OptimizerSteps, StepLogging, L.LightningModule):
     def build_references(self) -> None:
         """The KL reference of each learner: a frozen copy of its initial weights; with LoRA none is
         copied, the base model with the adapters disabled is the reference (``reference_model``)."""
-        if self.lora is None and self.references is None:
+        if self.lora is None and self.references is None:  # stored in weights_dtype from the start
             self.references = nn.ModuleList(
-                copy.deepcopy(self.model_of(i)).requires_grad_(False) for i in range(len(self.learners))
+                frozen_copy(self.model_of(i), self.weights_dtype) for i in range(len(self.learners))
             )
 
     @contextmanager
@@ -226,27 +230,41 @@ class AgentTeamModule(OptimizerSteps, StepLogging, L.LightningModule):
         yield None
 
     def shard(self, mesh) -> None:
+        """FSDP2 over ``mesh``: every model sharded where it was built (rank 0: the loaded weights on the
+        host; the others: empty on the meta device), then rank 0's weights broadcast tensor by tensor,
+        each rank keeping its shard (``load_from_rank0``): no rank holds a whole model on the device."""
         check_shardable(self, mesh)
-        self.to(self.trainer.strategy.root_device)
-        if self.world_size > 1:
-            _sync_module_states(self)  # every rank shards rank 0's weights
+        models = shardable_models(self)
+        loaded = [model.state_dict() for model in models] if self.global_rank == 0 else [{} for _ in models]
         mode, gather_dtype = fsdp_settings(self, self.trainer.strategy, mesh["data_parallel"].size())
-        self.shards = TeamShards(shardable_models(self), mesh["data_parallel"], mode, gather_dtype)
+        self.shards = TeamShards(models, mesh["data_parallel"], mode, gather_dtype)
+        load_from_rank0(self, models, loaded, self.trainer.strategy.root_device)
 
     def computing(self, update: bool = False, rollout=None) -> ExitStack:
-        """Passes outside Lightning's steps as inside them: the trainer's precision, and under FSDP the
-        full weights (generation needs them; under per-layer FSDP not the policies a ``rollout``
-        engine serves from its own copy: vLLM gathers them tensor by tensor as it syncs); with
-        ``update``, what an update needs (``TeamShards.updating``)."""
+        """Passes outside Lightning's steps as inside them: the trainer's precision, and under FSDP what
+        the block's passes need whole. The gathered mode: every model (``TeamShards.gathered``). Per
+        layer: nothing for an ``update`` (its passes gather layer by layer, in lockstep); for a rollout
+        by the ``rollout`` engine, the models it generates with (``generation_models``), or none when
+        the engine serves its own copy (vLLM gathers each weight as it syncs). References and critics
+        are never gathered whole per layer: they are scored in the update's lockstep passes."""
         stack = ExitStack()
         if self.shards is not None:
-            own = rollout is not None and rollout.own_weights and self.per_layer_fsdp
-            served = {id(agent.model) for agent in self.agents} if own else set()  # references, rewards: gathered
-            roots = [root for root in self.shards.roots if id(root) not in served]
-            stack.enter_context(self.shards.updating() if update else self.shards.gathered(roots))
+            if update:
+                stack.enter_context(self.shards.updating())
+            elif not self.per_layer_fsdp:
+                stack.enter_context(self.shards.gathered())
+            else:
+                own = rollout is not None and rollout.own_weights
+                stack.enter_context(self.shards.gathered([] if own else self.shards.roots_in(self.generation_models())))
         if self._trainer is not None:
             stack.enter_context(self.trainer.precision_plugin.forward_context())
         return stack
+
+    def generation_models(self) -> list[nn.Module]:
+        """The models a rollout generates with: the agents' (an algorithm that samples from others,
+        e.g. the initial weights, adds them). Under per-layer FSDP only these are gathered whole for
+        a rollout, and only when no engine serves them from its own copy."""
+        return [agent.model for agent in self.agents or []]
 
     def passes(self, rows, models: list[nn.Module], backward: bool = False, shared_prompts: bool = False):
         """The forward(/backward) passes of one loop over ``rows`` (``micro_batches``), each of

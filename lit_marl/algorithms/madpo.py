@@ -76,6 +76,11 @@ class MADPO(AgentTeamModule):
         if stage == "fit":
             check_candidate_rollouts(self.rollout_settings, "MADPO")
 
+    def generation_models(self) -> list[torch.nn.Module]:
+        """The initial weights sample the candidates (``candidate_policy: initial``): the references too."""
+        initial = list(self.references or []) if self.candidate_policy == "initial" else []
+        return super().generation_models() + initial
+
     @contextmanager
     def rollout_team(self):
         """Candidates come from the initial weights (``candidate_policy: initial``) or the current ones."""

@@ -99,16 +99,18 @@ class MAGRPO(AgentTeamModule):
     @torch.no_grad()
     def reference_kl(self, index: int, samples: AgentSamples) -> torch.Tensor:
         """kl_coef x KL(policy || reference) of each response (row): the k3 estimate exp(d) - d - 1
-        with d = log p_ref - log p, summed over the response's tokens. The weights are whole for it
-        (``computing``: gathered under FSDP), so its passes need no lockstep."""
+        with d = log p_ref - log p, summed over the response's tokens. Scored as the update scores
+        (``computing(update=True)``): per-layer FSDP gathers layer by layer in lockstep passes, neither
+        model whole."""
         model, learner = self.agents[index].model, self.learner_of(index)
         out = torch.zeros(len(samples), device=samples.input_ids.device)
-        with self.computing():
-            for rows in self.micro_batches(samples, shared_prompts=True):
+        frozen = self.references[learner] if self.references is not None else model  # LoRA: adapters off
+        with self.computing(update=True):
+            for rows in self.passes(samples, [model, frozen], shared_prompts=True):
                 part = samples.select(rows)
                 args = (part.input_ids, part.attention_mask, part.num_completion, self.prompt_groups(part))
                 logprobs = completion_logprobs(model, *args)
-                with self.reference_model(learner) as reference:  # LoRA: the same model, adapters off
+                with self.reference_model(learner) as reference:
                     d = completion_logprobs(reference, *args) - logprobs
                 out[rows] = (k3_kl(d) * part.completion_mask).sum(-1).float()
         self.record({f"agent{index}/kl_ref": float(out.mean())}, weight=len(out))

@@ -6,6 +6,8 @@ weights (the loader's prefetch only touches task rows)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Literal, NamedTuple
 
 import lightning as L
@@ -234,8 +236,16 @@ class TaskDataModule(L.LightningDataModule):
         team = self.trainer.lightning_module.team()  # the one handshake of the step
         if self.trainer.training and team.phase == "sft":
             return render_demos(team.agents, batch, self.hparams.demo_loss_on)
-        with team.computing(self.engine), self.engine.rollout(team.agents):
+        with self.generating(team):
             return self.rollout_batch(team, batch, training=self.trainer.training)
+
+    @contextmanager
+    def generating(self, team: Team) -> Iterator[None]:
+        """The block of a rollout or an evaluation by ``team``: its passes' context for this module's
+        engine (precision; under FSDP only what the engine needs whole) and the engine's own (vLLM
+        syncs every model first and sleeps after)."""
+        with team.computing(self.engine), self.engine.rollout(team.agents):
+            yield
 
     def rollout_batch(self, team: Team, tasks: list[dict], training: bool):
         raise NotImplementedError

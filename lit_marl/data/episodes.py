@@ -118,6 +118,7 @@ class EpisodeDataModule(TaskDataModule):
             self.engine,
             episode=self.episode,
             demos=len(self.demos),
+            eval_tasks_per_step=self.hparams.eval_tasks_per_step,
         )
 
     def rollout_batch(self, team: Team, tasks: list[dict], training: bool):

@@ -214,6 +214,7 @@ class RolloutDataModule(TaskDataModule):
             centralized=isinstance(self.env, CentralizedEnv),
             on_reward_error=self.hparams.on_reward_error,
             demos=len(self.demos),
+            eval_tasks_per_step=self.hparams.eval_tasks_per_step,
         )
 
     def rollout_batch(self, team: Team, tasks: list[dict], training: bool) -> RolloutBatch:

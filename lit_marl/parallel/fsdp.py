@@ -297,6 +297,26 @@ class TeamShards:
         return norm
 
 
+def load_from_rank0(module: nn.Module, models: list[nn.Module], loaded: list[dict], device: torch.device) -> None:
+    """After ``TeamShards`` sharded ``models`` (rank 0: its loaded weights; the other ranks: empty, on
+    the meta device), fill every rank's shards from rank 0's ``loaded`` state dicts (empty elsewhere),
+    one tensor broadcast at a time, as verl's ``fsdp2_load_full_state_dict``; then every other
+    parameter and buffer of ``module`` (value heads, rotary frequencies) from rank 0."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.tensor import DTensor
+
+    if torch.distributed.get_rank() == 0:
+        module.to(device)  # the local shards, the replicated weights, the buffers
+    else:
+        module.to_empty(device=device)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    for model, state in zip(models, loaded):
+        set_model_state_dict(model, state, options=options)
+    for tensor in [*module.parameters(), *module.buffers()]:
+        if not isinstance(tensor, DTensor):
+            torch.distributed.broadcast(tensor.data, src=0)
+
+
 def unit_modules(model: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
     """The modules below ``model`` that become FSDP2 units: its decoder layers (the model's
     ``_no_split_modules``), and its untied embedding and head (their own units under ``per_layer``);

@@ -28,6 +28,8 @@ class RolloutSettings:
     on_reward_error: Literal["raise", "skip"] = "raise"
     demos: int = 0
     """Demonstrations loaded for an SFT phase."""
+    eval_tasks_per_step: int = 16
+    """Held-out tasks per evaluation batch (greedy, one response each)."""
 
     def require(self, family: Literal["tree", "episodes"], algorithm: str, what: str | None = None) -> None:
         """Fail, naming the data module to use, when the rollouts are of the other family."""
@@ -36,15 +38,14 @@ class RolloutSettings:
             what = what or ("learns from joint rollouts" if family == "tree" else "trains on multi-turn episodes")
             raise ConfigError(f"{algorithm} {what}: use data: lit_marl.data.{use}")
 
-    def generation_shape(self) -> tuple[int, int, str]:
-        """The most rows one generate call of a training step holds for one agent and their tokens,
-        with the assumption made."""
+    def generation_shape(self, evaluation: bool = False) -> tuple[int, int, str]:
+        """The most rows one generate call of a training step (or with ``evaluation`` of a greedy
+        held-out batch) holds for one agent and their tokens, with the assumption made."""
+        tasks = self.eval_tasks_per_step if evaluation else self.tasks_per_step
         if self.episode is not None:  # every task's group plays at once, contexts up to the cap
-            return (
-                self.tasks_per_step * self.episode.group_size,
-                self.episode.max_context_tokens,
-                "max_context_tokens",
-            )
+            rows = tasks * (1 if evaluation else self.episode.group_size)
+            return rows, self.episode.max_context_tokens, "max_context_tokens"
         tree = self.tree  # the last turn's call: every node's G samples (cross: all agents' nodes)
-        nodes = tree.num_generations ** ((tree.num_turns - 1) * (self.num_agents if tree.joint_mode == "cross" else 1))
-        return self.tasks_per_step * nodes * tree.num_generations, 512 + tree.max_new_tokens, "prompts <= 512 tokens"
+        width = 1 if evaluation else tree.num_generations  # evaluation: one greedy response per node
+        nodes = width ** ((tree.num_turns - 1) * (self.num_agents if tree.joint_mode == "cross" else 1))
+        return tasks * nodes * width, 512 + tree.max_new_tokens, "prompts <= 512 tokens"

@@ -211,6 +211,29 @@ def test_vllm_sync_streams_sharded_weights_one_tensor_at_a_time(tmp_path):
     assert reports[0]["sync_collectives"] == reports[1]["sync_collectives"]
 
 
+@pytest.mark.parametrize("engine", ["vllm", pytest.param("torch", marks=pytest.mark.slow)])
+def test_each_phase_gathers_what_the_plan_says_and_rank_1_never_reads_the_weights(tmp_path, engine):
+    """Per-layer FSDP2 on 2 ranks, MAGRPO with KL references, held-out evaluations before and after:
+    every whole-model gather of the fit is recorded with its phase and equals the memory plan's list
+    (with vLLM: none at all, its sync streams each weight; with the torch decoder: the agents in the
+    rollouts and evaluations, never the references; the reference KL and the update per layer).
+    Rank 1 reads no weight file (built on the meta device) and holds, as rank 0 does, exactly the
+    weights one process loads."""
+    out = tmp_path / engine
+    run_script(TEST_SCRIPTS / "fsdp_phases.py", str(out), "--engine", engine)
+    reports = [json.loads((out / f"phases_rank{r}.json").read_text()) for r in range(2)]
+    alone = json.loads((out / "loaded_alone.json").read_text())
+    assert [r["reads"] for r in reports] == [2, 0]  # rank 0 loads the two agents; the references are copies
+    for report in reports:
+        assert report["sums"] == alone  # every weight, references included, as one process loads them
+        phases = {phase for phase, _ in report["gathers"]}
+        assert phases <= {"rollout", "evaluation"} and (phases == set()) == (engine == "vllm")
+        for phase, names in report["gathers"]:
+            assert names == report["plan"][phase], (phase, names)
+        assert report["plan"]["update"] == [] and not any("references" in n for n in report["plan"]["rollout"])
+    assert reports[0]["gathers"] == reports[1]["gathers"]
+
+
 def test_gathered_weights_show_a_new_version_after_an_update(tmp_path):
     """FSDP2 gathers into the same parameter objects; an engine that compares parameter versions to
     decide whether to resync (vLLM) must see the update's new weights (it once served stale ones), and

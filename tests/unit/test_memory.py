@@ -9,8 +9,9 @@ import torch
 
 from helpers import make_trainer, slogan_data
 from lit_marl import ConfigError
+from lit_marl.activations import _saved_bytes, activation_profile
 from lit_marl.algorithms import MAGRPO
-from lit_marl.memory import GiB, _saved_bytes, activation_profile, kv_cache_bytes, plan, weight_parts
+from lit_marl.memory import GiB, kv_cache_bytes, plan, weight_parts
 from lit_marl.models import load_model_and_tokenizer
 
 LORA = {"r": 4, "alpha": 8}
@@ -18,14 +19,14 @@ LORA = {"r": 4, "alpha": 8}
 
 def _saved_whole(model, tokens: int, autocast=None) -> int:
     """What the whole model saves for a forward of ``tokens`` tokens (1 scored)."""
-    import lit_marl.memory as memory
+    import lit_marl.activations as activations
 
-    old = memory.PROFILE_VOCAB
-    memory.PROFILE_VOCAB = 200
+    old = activations.PROFILE_VOCAB
+    activations.PROFILE_VOCAB = 200
     try:
         return _saved_bytes(model, autocast, tokens)
     finally:
-        memory.PROFILE_VOCAB = old
+        activations.PROFILE_VOCAB = old
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
@@ -51,7 +52,8 @@ def test_parts_are_the_models_bytes_and_a_plan_is_printed(tmp_path, capsys):
     module = MAGRPO(model="tiny-random", num_agents=2, lora=LORA, weights_dtype="bfloat16")
     module.configure_model()
     parts, phases = weight_parts(module)
-    assert phases == {"gradients": "update"}
+    steps = ("rollout", "evaluation", "update")  # AdamW's state exists from the first step on, not at setup
+    assert phases == {"gradients": ("update",), "AdamW state": steps, "weights gathered for a step": steps}
     trained = [p for p in module.parameters() if p.requires_grad]
     assert parts["gradients"] == sum(p.numel() * 4 for p in trained)
     assert parts["AdamW state"] == 2 * parts["gradients"]
@@ -83,12 +85,17 @@ def test_per_layer_parts_hold_two_units_and_sharded_gradients():
     assert len(layers) == model.config.num_hidden_layers  # tied embedding: it stays in the root
     assert per_layer["layers gathered in a pass"] == (root + 2 * max(layers)) * 3 / 4
     assert per_layer["gradients"] == full / 4 + (root + 2 * max(layers)) * 3 / 4
-    assert per_layer["weights gathered for generation"] == full * 3 / 4
-    assert phases["weights gathered for generation"] == "rollout" and phases["gradients"] == "update"
+    assert per_layer["weights gathered for generation"] == 0  # no model named to generate with
+    _, phases = weight_parts(module, shard_over=4, mode="per_layer", generation=[model])
+    assert phases["weights gathered for generation"] == ("rollout", "evaluation") and phases["gradients"] == ("update",)
     result = plan(module, shard_over=4, mode="per_layer", capacity=64 * GiB)
-    update = sum(v for k, v in result.parts.items() if result.phases.get(k, "update") == "update")
-    rollout = sum(v for k, v in result.parts.items() if result.phases.get(k, "rollout") == "rollout")
-    assert result.peak == max(update, rollout) and "FSDP2 per_layer" in result.table()
+    assert result.parts["weights gathered for generation"] == full * 3 / 4  # the agent generates: gathered
+    held = {
+        p: sum(v for k, v in result.parts.items() if p in result.phases.get(k, (p,))) for p in ("update", "rollout")
+    }
+    assert result.phase("update") == held["update"] and result.phase("rollout") == held["rollout"]
+    assert result.peak == max(result.phase(p) for p in ("setup", "rollout", "evaluation", "update"))
+    assert "FSDP2 per_layer" in result.table()
 
 
 def test_kv_cache_counts_keys_and_values_of_every_layer():
@@ -139,7 +146,7 @@ def test_vllm_engines_are_planned_by_their_share_or_their_kv_budget():
     module = MAGRPO(model="tiny-random", num_agents=2)
     module.configure_model()
     engine = VLLMEngine(backend_factory=lambda agent, dtype: None)
-    data = SimpleNamespace(engine=engine, generation_shape=lambda: None)  # rollout settings: an engine only
+    data = SimpleNamespace(engine=engine, generation_shape=lambda evaluation=False: None)  # an engine only
     numel = sum(p.numel() for p in module.parameters())  # two models, each served whole
     cpu = plan(module, data, capacity=64 * GiB)
     assert cpu.parts["vLLM engines (KV budget, weights)"] == 2 * 2**30 + numel * 4
