@@ -162,6 +162,8 @@ class AgentTeamModule(OptimizerSteps, StepLogging, L.LightningModule):
         # the agents stay in eval mode on purpose (no dropout: training scores the very policy that
         # sampled); Lightning's warning about it assumes supervised training
         warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode.*")
+        if self.rollout_settings is not None:  # what the engine would refuse at the first rollout
+            self.rollout_settings.engine.check_team(list(self.agents), self.device.type)
         if self.memory_check:
             check_memory(self, self.rollout_settings)
 

@@ -83,6 +83,11 @@ class Engine(Protocol):
         """The block of one rollout by ``agents`` (every rank enters it for every batch): vLLM syncs
         every model first, in order, and sleeps after it (``enable_sleep_mode``); nothing for the others."""
 
+    def check_team(self, agents: list[Agent], device_type: str) -> None:
+        """Checks before step 1 (once, the team built and on its device); raises ConfigError. vLLM's:
+        the settings its instances would be refused only when they start, at the first rollout;
+        nothing for engines that serve no copy of their own (``TrainerWeights``)."""
+
     def generate(
         self,
         agent: Agent,
@@ -114,6 +119,9 @@ class TrainerWeights:
 
     def rollout(self, agents: list[Agent]) -> AbstractContextManager:
         return nullcontext()
+
+    def check_team(self, agents: list[Agent], device_type: str) -> None:
+        return None
 
 
 def generate_each(engine, calls: list[GenerationCall], *args, **kwargs) -> list[Generation]:

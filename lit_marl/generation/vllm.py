@@ -12,7 +12,9 @@ compares each served model's parameter versions (every in-place optimizer step b
 FSDP gather) with those it last loaded and, when they changed, streams ``effective_weights`` into
 vLLM (one tensor at a time in the serving dtype, each tied weight once, LoRA merged, sharded weights
 gathered as they go) and empties vLLM's prefix cache, whose keys and values were computed with the
-old weights. On a GPU an instance sleeps between rollouts (``enable_sleep_mode``).
+old weights. On a GPU an instance sleeps between rollouts (``enable_sleep_mode``), the trainer's cached
+memory emptied before each wake; ``check_team`` refuses before step 1 what sleep mode cannot start
+(``vllm_checks.py``: one sleeping instance per process).
 
 Each sample comes back with the log-prob vLLM computed for every token it sampled (the raw model
 distribution, before temperature, top-k and top-p: what the trainer's forward recomputes), so the trainer
@@ -27,6 +29,7 @@ samples, right padding after it and the completion mask, left-padded prompts, th
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib.util
 import os
 import random
@@ -42,6 +45,7 @@ import torch
 from lit_marl.agents import AdapterView, Agent
 from lit_marl.generation.base import Generation, generate_each, left_pad, mask_through_first
 from lit_marl.generation.decoder import _causal_lm, effective_weights
+from lit_marl.generation.vllm_checks import check_sleep_mode
 
 
 @dataclass
@@ -93,8 +97,13 @@ class VLLMBackend(Protocol):
 # included), so the KV cache gets a fixed budget; and CPU graph compilation takes minutes at every
 # start (its cache is not reused), so CPU instances run eagerly.
 # A GPU instance sleeps while the trainer updates (TRL's and verl's colocated rhythm).
+# max_num_batched_tokens, the tokens of one engine step, is also the size of the dummy step vLLM's
+# memory profiler runs at start beside the trainer's memory; its default for the LLM class (8192, 16384
+# on the largest cards) sizes that peak for serving, not for a rollout's batch (TRL pins 4096 too). It
+# does not cap prompts: vLLM V1 prefills longer ones in chunks (chunked prefill, on by default); only
+# with enable_chunked_prefill: false does vLLM refuse a budget under max_model_len (raise it then).
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's max_lora_rank values
-GPU_DEFAULTS = dict(gpu_memory_utilization=0.3, enable_sleep_mode=True)
+GPU_DEFAULTS = dict(gpu_memory_utilization=0.3, enable_sleep_mode=True, max_num_batched_tokens=4096)
 CPU_DEFAULTS = dict(kv_cache_memory_bytes=1 << 30, enforce_eager=True)
 
 
@@ -125,7 +134,7 @@ class LLMBackend:
             rank = torch.distributed.get_rank()  # the launcher's variables, where it did not set them
             for name, value in (
                 ("RANK", rank),
-                ("LOCAL_RANK", rank),
+                ("LOCAL_RANK", local_rank()),  # vLLM's device: cuda:{LOCAL_RANK}
                 ("WORLD_SIZE", torch.distributed.get_world_size()),
             ):
                 os.environ.setdefault(name, str(value))
@@ -174,6 +183,41 @@ class LLMBackend:
 
     def wake_up(self, tags):
         self.llm.wake_up(tags=tags)
+
+
+def local_rank() -> int:
+    """This process's index on its node (vLLM serves on ``cuda:{LOCAL_RANK}``): ``LOCAL_RANK`` (torchrun,
+    Lightning's launcher), else ``SLURM_LOCALID`` (srun), else the GPU the trainer already uses (CUDA
+    initialised), else Open MPI's or MPICH's local rank, else the global rank, which is the local one
+    only while the world fits one node's GPUs (an error otherwise: the global rank would name a GPU
+    that is not there)."""
+    for name in ("LOCAL_RANK", "SLURM_LOCALID"):
+        if os.environ.get(name, "").strip():
+            return int(os.environ[name])
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.current_device()
+    for name in ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"):
+        if os.environ.get(name, "").strip():
+            return int(os.environ[name])
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if distributed else (0, 1)
+    devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if devices and world > devices:
+        raise RuntimeError(
+            f"data.engine=vllm: rank {rank} of {world} has no local index from its launcher (LOCAL_RANK, "
+            f"SLURM_LOCALID) and the world spans more than this node's {devices} GPUs; set LOCAL_RANK"
+        )
+    return rank
+
+
+def free_cached_memory(device_type: str) -> None:
+    """Return the trainer's cached, unused blocks to the device before an instance maps its weights or
+    KV cache in again (TRL empties the cache before every wake_up too): vLLM's sleep-mode pool allocates
+    beside torch's cache, so what the cache keeps after the update (and the weights' streaming) is
+    memory the wake cannot have. Nothing to do on CPU."""
+    if device_type == "cuda":
+        gc.collect()  # tensors only the garbage collector frees give their blocks back first
+        torch.cuda.empty_cache()
 
 
 @contextlib.contextmanager
@@ -257,6 +301,15 @@ class VLLMEngine:
         """The ``vllm.LLM`` memory and compilation settings on this device: the defaults, then the user's."""
         return {**(CPU_DEFAULTS if device_type == "cpu" else GPU_DEFAULTS), **self.llm_kwargs}
 
+    def check_team(self, agents: list[Agent], device_type: str) -> None:
+        """Before step 1, on GPU: the settings the instances will start with (``options``), against the
+        team's served models (one instance each: a LoRA team on a shared base is one) and the
+        environment; ``ConfigError`` for what vLLM would refuse at the first rollout. On CPU vLLM has no
+        sleep mode, and several instances share a process."""
+        if device_type != "cpu":
+            models = {id(served(agent)[0]): agent.source for agent in agents}
+            check_sleep_mode(self.options(device_type), list(models.values()))
+
     def _llm(self, agent: Agent, dtype: str) -> LLMBackend:
         if self.external_launcher is None:  # a first instance sets up a process group of its own
             self.external_launcher = torch.distributed.is_available() and torch.distributed.is_initialized()
@@ -279,6 +332,7 @@ class VLLMEngine:
             )
         backend = self.backends[key]
         if key in self.asleep:  # level-2 sleep dropped the weights: wake them, sync, then the KV cache
+            free_cached_memory(device.type)
             backend.wake_up(["weights"])
             self.versions.pop(key, None)
             self.adapters = {k: v for k, v in self.adapters.items() if k[0] != key}
@@ -291,6 +345,7 @@ class VLLMEngine:
             self.syncs += 1
         handle = self._adapter(agent, key, adapter) if adapter else None
         if key in self.asleep:
+            free_cached_memory(device.type)  # the gathered and merged tensors of the sync, cached
             backend.wake_up(["kv_cache"])
             self.asleep.discard(key)
         return backend, handle

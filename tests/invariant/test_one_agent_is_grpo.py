@@ -6,6 +6,7 @@ import lightning as L
 import torch
 
 from helpers import SGDRecordingMAGRPO, make_trainer, sgd_recording, slogan_data
+from lit_marl.generation.base import TrainerWeights
 
 
 def test_single_agent_step_equals_plain_grpo(tmp_path):
@@ -48,16 +49,11 @@ def test_single_agent_step_equals_plain_grpo(tmp_path):
         torch.testing.assert_close(step, expected, atol=1e-5, rtol=1e-3, msg=name)
 
 
-class FixedLengthEngine:
+class FixedLengthEngine(TrainerWeights):
     """Replies of three tokens plus the end token, different per sample and prompt (so rewards differ
     within a group), the same in a tree and in episodes: sample k of prompt p at turn t."""
 
     name = "fixed-length"
-
-    def rollout(self, agents):
-        from contextlib import nullcontext
-
-        return nullcontext()
 
     def generate_team(self, calls, *args, **kwargs):
         from lit_marl.generation.base import Generation, left_pad
