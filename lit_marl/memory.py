@@ -119,16 +119,21 @@ def _unique(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 def weight_parts(
-    module: nn.Module, shard_over: int = 1, mode: str = "gathered", generation: list[nn.Module] | None = None
+    module: nn.Module,
+    shard_over: int = 1,
+    mode: str = "gathered",
+    generation: list[nn.Module] | None = None,
+    gather_dtype: str = "float32",
 ) -> tuple[dict, dict]:
     """The weight-sized parts and their phases: resident weights (local shards), AdamW's two
     moments (sharded like the weights, from the first step on), gradients (fp32) and the full
     weights FSDP gathers. ``gathered``: every model whole from the first step on, gradients
-    unsharded while they accumulate. ``per_layer``: two units (the computing layer and the
-    prefetched next) and each root's own parameters whole in an update pass, their gradients
-    unsharded until reduced, the rest of the gradients sharded; the ``generation`` models (those
-    the torch/HF decoders generate with; none when vLLM serves them) whole in rollouts and
-    evaluations. ``shard_over``: plan unsharded models as FSDP2 over that many ranks will shard them."""
+    unsharded while they accumulate. ``per_layer``: each root's own parameters and the two adjacent
+    units that are whole together in a pass (the one computing and the one prefetched, in forward
+    order: embedding, layers, head; decoder layers in ``gather_dtype``) whole in an update pass,
+    their gradients unsharded until reduced, the rest of the gradients sharded; the ``generation``
+    models (those the torch/HF decoders generate with; none when vLLM serves them) whole in rollouts
+    and evaluations. ``shard_over``: plan unsharded models as FSDP2 over that many ranks will shard them."""
     named = _unique(module)
     params = [p for _, p in named]
     resident = sum(_local_numel(p) * p.element_size() / shard_over for p in params)
@@ -141,18 +146,25 @@ def weight_parts(
         parts["gradients"] = sum(p.numel() * 4 for p in learned)
         return parts, phases | {"weights gathered for a step": STEPS}
     sharded = 1 - 1 / _world_of(params, shard_over)
-    units = [unit for model in shardable_models(module) for unit in fsdp_units(model)]
     learned_ids = {id(p) for p in learned}
+    low = torch.finfo(getattr(torch, gather_dtype)).bits // 8
 
-    def size(unit):
-        return _bytes(unit), sum(p.numel() * 4 for p in unit if id(p) in learned_ids)
+    def size(unit, layer: bool):  # gathered bytes, unsharded gradient bytes (the gather dtype's)
+        width = [min(p.element_size(), low) if layer else p.element_size() for p in unit]
+        return sum(p.numel() * w for p, w in zip(unit, width)), sum(
+            p.numel() * (min(4, low) if layer else 4) for p in unit if id(p) in learned_ids
+        )
 
-    roots = [size(unit) for unit, is_root in units if is_root]
-    others = sorted((size(unit) for unit, is_root in units if not is_root), reverse=True)[:2]
-    parts["layers gathered in a pass"] = sharded * (sum(w for w, _ in roots) + sum(w for w, _ in others))
-    parts["gradients"] = sum(_local_numel(p) * 4 / shard_over for p in learned) + sharded * (
-        sum(g for _, g in roots) + sum(g for _, g in others)
-    )
+    whole, grads = 0.0, 0.0
+    for model in shardable_models(module):
+        root, units = fsdp_units(model)
+        sizes = [size(unit, is_layer) for unit, is_layer in units]
+        pairs = [(a[0] + b[0], a[1] + b[1]) for a, b in zip(sizes, sizes[1:])] or sizes or [(0, 0)]
+        weights, unit_grads = max(pairs)  # the two adjacent units whole together
+        whole += _bytes(root) + weights
+        grads += sum(p.numel() * 4 for p in root if id(p) in learned_ids) + unit_grads
+    parts["layers gathered in a pass"] = sharded * whole
+    parts["gradients"] = sum(_local_numel(p) * 4 / shard_over for p in learned) + sharded * grads
     generated = {id(p): p for model in generation or [] for p in model.parameters()}.values()
     parts["weights gathered for generation"] = sharded * _bytes(generated)
     return parts, phases | {"layers gathered in a pass": (UPDATE,), "weights gathered for generation": GENERATION}
@@ -166,18 +178,19 @@ def _world_of(params: list[torch.Tensor], shard_over: int) -> int:
     return shard_over
 
 
-def fsdp_units(model: nn.Module) -> list[tuple[list[torch.Tensor], bool]]:
-    """The parameters of each FSDP2 unit ``per_layer`` makes of ``model`` (its decoder layers, its
-    untied embedding and head, the rest: the root, flagged True)."""
+def fsdp_units(model: nn.Module) -> tuple[list[torch.Tensor], list[tuple[list[torch.Tensor], bool]]]:
+    """The parameters of the FSDP2 units ``per_layer`` makes of ``model``: the root's own (a tied
+    embedding, the final norm), then the other units in forward order (an untied embedding, the
+    decoder layers, an untied head), each flagged True where it is a decoder layer."""
     layers, edges = unit_modules(model)
+    ordered = [(m, False) for m in edges[:1]] + [(m, True) for m in layers] + [(m, False) for m in edges[1:]]
     taken: set[int] = set()
     units = []
-    for m in layers + edges:
+    for m, is_layer in ordered:
         own = [p for p in m.parameters() if id(p) not in taken]
         taken.update(id(p) for p in own)
-        units.append((own, False))
-    units.append(([p for p in model.parameters() if id(p) not in taken], True))
-    return units
+        units.append((own, is_layer))
+    return [p for p in model.parameters() if id(p) not in taken], units
 
 
 def model_names(module: nn.Module) -> dict[int, str]:
@@ -242,13 +255,14 @@ def plan(
     mode: str | None = None,
     vllm_options: dict | None = None,
     gpu: bool | None = None,
+    gather_dtype: str | None = None,
 ) -> MemoryPlan:
     """The memory plan of ``module`` (built, sharded where it will be) for a step of ``rollout`` (the
     data module's ``RolloutSettings``; None: no generation planned). The keywords plan ahead for
     other hardware (``scripts/plan_memory.py``): ``shard_over`` ranks of FSDP2 in ``mode`` (gathered
     or per_layer), vLLM's ``gpu_memory_utilization`` and options (``VLLMEngine.options`` of the
-    device it will run on), the runtime's bytes, the device's, bf16 autocast, a ``gpu`` (its margins);
-    by default each is read from the run."""
+    device it will run on), the runtime's bytes, the device's, bf16 autocast, a ``gpu`` (its margins),
+    the per-layer ``gather_dtype``; by default each is read from the run."""
     device = module.device
     gpu = device.type == "cuda" if gpu is None else gpu
     if autocast is None:
@@ -261,12 +275,14 @@ def plan(
         capacity = device_capacity(device, ranks_here)
     if mode is None:
         mode = module.shards.mode if module.shards is not None else None
+    if gather_dtype is None:
+        gather_dtype = module.shards.gather_dtype if module.shards is not None else "float32"
     sharded = mode is not None or shard_over > 1
     result = MemoryPlan(device=str(device), capacity=capacity, mode=(mode or "gathered") if sharded else None)
     engine = rollout.engine if rollout is not None else None
     served = engine is not None and engine.own_weights
     generation = [] if served else module.generation_models()
-    parts, phases = weight_parts(module, shard_over, mode or "gathered", generation)
+    parts, phases = weight_parts(module, shard_over, mode or "gathered", generation, gather_dtype)
     result.parts["process (runtime, data)"] = (
         process if process is not None else process_overhead(device, parts["weights"])
     )
@@ -288,6 +304,12 @@ def plan(
         options = vllm_options if vllm_options is not None else engine.options(device.type)
         _vllm_parts(result, options, models, rollout, vllm_share, dtype, gpu, sharded and mode == "per_layer")
     elif rollout is not None and agents:
+        if engine.name in ("torch", "auto") and (dtype is not None or len(models) > 1):
+            # the lean decoder reads each model once per call into its own layout: cast to the autocast
+            # dtype, or stacked over the agents (the fp32 head stays the model's)
+            copy = sum(p.numel() for m in models for p in m.parameters()) * (2 if dtype is not None else 4)
+            result.parts["decoder's working weights"] = float(copy)
+            result.phases["decoder's working weights"] = GENERATION
         for phase, evaluation in ((ROLLOUT, False), (EVALUATION, True)):
             rows, length, assumed = rollout.generation_shape(evaluation)
             name = "evaluation KV cache" if evaluation else "generation KV cache"
@@ -309,7 +331,7 @@ def _setup_parts(result: MemoryPlan, module, sharded: bool, gpu: bool, resident:
     process = result.parts["process (runtime, data)"]
     result.parts["a weight in flight (setup)"] = float(largest)
     result.phases["a weight in flight (setup)"] = (SETUP,)
-    if not gpu:
+    if not gpu and getattr(module, "global_rank", 0) == 0:  # the other ranks never hold them
         result.parts["whole models on rank 0 (setup)"] = full - resident
         result.phases["whole models on rank 0 (setup)"] = (SETUP,)
     host_others = process + (0.0 if gpu else resident + largest)

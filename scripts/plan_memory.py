@@ -114,6 +114,11 @@ def plan_config(
     for path in configs:  # the engine options as the GPU run would use them
         raw.setdefault("data", {}).update(((yaml.safe_load(Path(path).read_text()) or {}).get("data") or {}))
     init = raw.get("data", {}).get("init_args") or {}
+    strategy = {}
+    for path in configs:  # TeamFSDPStrategy's settings (the stand-in run is one process)
+        found = ((yaml.safe_load(Path(path).read_text()) or {}).get("trainer") or {}).get("strategy")
+        strategy.update((found.get("init_args") or {}) if isinstance(found, dict) else {})
+    gather_dtype = strategy.get("gather_dtype", "float32") if mode == "per_layer" else "float32"
     options = {**GPU_DEFAULTS, **(init.get("engine_options") or {}), **(vllm or {})}
     if "gpu_memory_utilization" in (vllm or {}):
         options.pop("kv_cache_memory_bytes", None)
@@ -142,6 +147,7 @@ def plan_config(
             mode=mode,
             vllm_options=options,
             gpu=True,
+            gather_dtype=gather_dtype,
         )
 
 

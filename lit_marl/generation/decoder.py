@@ -460,6 +460,7 @@ def _state(lm: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _served(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    if type(tensor).__name__ == "DTensor":
-        tensor = tensor.full_tensor()
-    return tensor.detach() if dtype is None else tensor.detach().to(dtype)
+    """``tensor`` whole in ``dtype``; a shard is cast before it is gathered (the same values: the cast
+    is elementwise), so the gather moves the serving dtype's bytes and the whole tensor exists once."""
+    tensor = tensor.detach() if dtype is None else tensor.detach().to(dtype)
+    return tensor.full_tensor() if type(tensor).__name__ == "DTensor" else tensor

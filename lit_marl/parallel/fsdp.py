@@ -70,7 +70,7 @@ class TeamShards:
 
         if mode not in ("gathered", "per_layer"):
             raise ValueError(f"TeamShards: mode must be gathered or per_layer, got {mode!r}")
-        self.mesh, self.mode = mesh, mode
+        self.mesh, self.mode, self.gather_dtype = mesh, mode, gather_dtype
         cuda = mesh.device_type == "cuda"
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device(mesh.device_type)
         per_layer = mode == "per_layer"
@@ -323,7 +323,9 @@ def unit_modules(model: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
     the rest stays in the root unit."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     blocks = set(getattr(base, "_no_split_modules", None) or ())
-    return [m for m in model.modules() if type(m).__name__ in blocks], untied_edges(base)
+    # by class name, also once sharded (fully_shard makes each unit an ``FSDP<Layer>`` subclass)
+    layers = [m for m in model.modules() if any(c.__name__ in blocks for c in type(m).__mro__)]
+    return layers, untied_edges(base)
 
 
 def untied_edges(model: nn.Module) -> list[nn.Module]:

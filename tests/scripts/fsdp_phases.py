@@ -34,6 +34,7 @@ from lit_marl.parallel.fsdp import TeamShards  # noqa: E402
 from lit_marl.parallel.strategies import TeamFSDPStrategy  # noqa: E402
 
 STATE = {"phase": "setup", "gathers": [], "reads": 0, "names": {}}
+SHARDED_PARTS = ("weights", "layers gathered in a pass", "gradients", "AdamW state")
 
 
 def recording(fn, phase: str):
@@ -101,7 +102,9 @@ class Checksums(L.Callback):
             full = p.full_tensor() if isinstance(p, DTensor) else p
             sums[name] = float(full.detach().double().sum())
         STATE["sums"] = sums
-        STATE["plan"] = plan(pl_module, pl_module.rollout_settings).gathered
+        result = plan(pl_module, pl_module.rollout_settings)
+        STATE["plan"] = result.gathered
+        STATE["parts"] = {k: result.parts[k] for k in SHARDED_PARTS}
 
 
 def main() -> None:
@@ -128,7 +131,7 @@ def main() -> None:
         limit_val_batches=0,
     )
     trainer.fit(module, datamodule=data)
-    report = {k: STATE[k] for k in ("gathers", "reads", "sums", "plan")}
+    report = {k: STATE[k] for k in ("gathers", "reads", "sums", "plan", "parts")}
     (args.out / f"phases_rank{trainer.global_rank}.json").write_text(json.dumps(report))
     if trainer.global_rank == 0:  # the weights as one process loads them (the same seed)
         L.seed_everything(0)
@@ -136,6 +139,10 @@ def main() -> None:
         alone.configure_model()
         sums = {n: float(p.detach().double().sum()) for n, p in alone.named_parameters()}
         (args.out / "loaded_alone.json").write_text(json.dumps(sums))
+        from lit_marl.memory import plan
+
+        ahead = plan(alone, shard_over=2, mode="per_layer").parts  # planned before sharding, as plan_memory does
+        (args.out / "planned_ahead.json").write_text(json.dumps({k: ahead[k] for k in SHARDED_PARTS}))
 
 
 if __name__ == "__main__":

@@ -79,10 +79,10 @@ def test_per_layer_parts_hold_two_units_and_sharded_gradients():
     per_layer, phases = weight_parts(module, shard_over=4, mode="per_layer")
     full = sum(p.numel() * 4 for p in model.parameters())
     assert gathered["weights gathered for a step"] == full * 3 / 4
-    units = fsdp_units(model)
-    layers = [sum(p.numel() * 4 for p in params) for params, root in units if not root]
-    root = sum(p.numel() * 4 for params, is_root in units if is_root for p in params)
-    assert len(layers) == model.config.num_hidden_layers  # tied embedding: it stays in the root
+    own, units = fsdp_units(model)
+    layers = [sum(p.numel() * 4 for p in params) for params, is_layer in units if is_layer]
+    root = sum(p.numel() * 4 for p in own)
+    assert len(layers) == len(units) == model.config.num_hidden_layers  # tied embedding: it stays in the root
     assert per_layer["layers gathered in a pass"] == (root + 2 * max(layers)) * 3 / 4
     assert per_layer["gradients"] == full / 4 + (root + 2 * max(layers)) * 3 / 4
     assert per_layer["weights gathered for generation"] == 0  # no model named to generate with
@@ -96,6 +96,38 @@ def test_per_layer_parts_hold_two_units_and_sharded_gradients():
     assert result.phase("update") == held["update"] and result.phase("rollout") == held["rollout"]
     assert result.peak == max(result.phase(p) for p in ("setup", "rollout", "evaluation", "update"))
     assert "FSDP2 per_layer" in result.table()
+    low, _ = weight_parts(module, shard_over=4, mode="per_layer", gather_dtype="bfloat16")  # layers gathered in bf16
+    assert low["layers gathered in a pass"] == (root + max(layers)) * 3 / 4
+
+
+def test_per_layer_pass_holds_the_two_adjacent_units_in_forward_order():
+    """An untied embedding and head are units of their own: a pass holds the embedding and the first
+    layer, or the last layer and the head, whichever is larger (not the two largest units: they are
+    never whole together); in bf16 the layers are gathered at half their fp32 bytes, the edges not."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from lit_marl.memory import fsdp_units
+
+    config = Qwen2Config(
+        vocab_size=4096,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
+    module = MAGRPO(model="tiny-random", num_agents=1)
+    module.configure_model()
+    module.agents[0].model = model = Qwen2ForCausalLM(config).eval()
+    own, units = fsdp_units(model)
+    sizes = [sum(p.numel() * 4 for p in params) for params, _ in units]
+    assert [is_layer for _, is_layer in units] == [False, True, True, True, False] and sizes[0] > 2 * sizes[1]
+    per_layer, _ = weight_parts(module, shard_over=2, mode="per_layer")
+    root = sum(p.numel() * 4 for p in own)
+    assert per_layer["layers gathered in a pass"] == (root + max(sizes[0] + sizes[1], sizes[3] + sizes[4])) / 2
+    low, _ = weight_parts(module, shard_over=2, mode="per_layer", gather_dtype="bfloat16")
+    assert low["layers gathered in a pass"] == (root + max(sizes[0] + sizes[1] / 2, sizes[3] / 2 + sizes[4])) / 2
 
 
 def test_kv_cache_counts_keys_and_values_of_every_layer():

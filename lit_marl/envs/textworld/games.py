@@ -182,14 +182,15 @@ def default_root() -> Path:
     return cache_dir() / "textworld"
 
 
-def resolve_source(source: str, field: str = "data.train_path") -> str:
+def resolve_source(source: str, field: str = "data.train_path", workers: int | None = None) -> str:
     """A task file path as it is, or a named game set ``textworld:<complexity>:<split>:<count>``
-    generated (once, cached) under ``default_root()``: its task file's path."""
+    generated (once, cached) under ``default_root()``: its task file's path. Made ahead of a run by
+    ``scripts/make_textworld_games.py --config``."""
     if not source.startswith("textworld:"):
         return source
     complexity, split, count = game_set(source, field)
     # a file per count: runs naming other counts of the same split never overwrite each other's rows
-    workers = min(os.cpu_count() or 1, 4)
+    workers = workers or min(os.cpu_count() or 1, 4)
     return str(write_tasks(complexity, split, count, default_root(), workers, name=f"{split}-{count}"))
 
 
