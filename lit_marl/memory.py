@@ -126,27 +126,24 @@ def weight_parts(
     gather_dtype: str = "float32",
 ) -> tuple[dict, dict]:
     """The weight-sized parts and their phases: resident weights (local shards), AdamW's two
-    moments (sharded like the weights, from the first step on), gradients (fp32) and the full
-    weights FSDP gathers. ``gathered``: every model whole from the first step on, gradients
-    unsharded while they accumulate. ``per_layer``: each root's own parameters and the two adjacent
-    units that are whole together in a pass (the one computing and the one prefetched, in forward
-    order: embedding, layers, head; decoder layers in ``gather_dtype``) whole in an update pass,
+    moments (sharded like the weights, from the first step on), gradients (fp32) and what FSDP2
+    gathers. A gathered unit is a whole copy beside the shards (measured: holding a 496 MiB model whole
+    on 2 ranks adds 497 MiB), and gathering it passes through an all-gather buffer of its size.
+    ``gathered``: every model whole from the first step on, gradients unsharded while they
+    accumulate. ``per_layer``: each root's own parameters and the two adjacent units that are whole
+    together in a pass (the one computing and the one prefetched, in forward order: embedding, layers,
+    head; decoder layers in ``gather_dtype``; one model's units at a time) whole in an update pass,
     their gradients unsharded until reduced, the rest of the gradients sharded; the ``generation``
     models (those the torch/HF decoders generate with; none when vLLM serves them) whole in rollouts
     and evaluations. ``shard_over``: plan unsharded models as FSDP2 over that many ranks will shard them."""
     named = _unique(module)
     params = [p for _, p in named]
     resident = sum(_local_numel(p) * p.element_size() / shard_over for p in params)
-    full = _bytes(params)
     learned = [p for n, p in named if trained(n, p)]
+    learned_ids = {id(p) for p in learned}
     parts = {"weights": resident, "AdamW state": sum(_local_numel(p) * 8 / shard_over for p in learned)}
     phases = {"AdamW state": STEPS, "gradients": (UPDATE,)}
-    if mode != "per_layer":
-        parts["weights gathered for a step"] = full - resident
-        parts["gradients"] = sum(p.numel() * 4 for p in learned)
-        return parts, phases | {"weights gathered for a step": STEPS}
-    sharded = 1 - 1 / _world_of(params, shard_over)
-    learned_ids = {id(p) for p in learned}
+    sharded = _world_of(params, shard_over) > 1  # else nothing is gathered: the weights are whole
     low = torch.finfo(getattr(torch, gather_dtype)).bits // 8
 
     def size(unit, layer: bool):  # gathered bytes, unsharded gradient bytes (the gather dtype's)
@@ -155,18 +152,28 @@ def weight_parts(
             p.numel() * (min(4, low) if layer else 4) for p in unit if id(p) in learned_ids
         )
 
-    whole, grads = 0.0, 0.0
+    def whole(models) -> float:  # every unit of ``models`` whole, and the largest's all-gather buffer
+        units = []
+        for model in models:
+            own, rest = fsdp_units(model)
+            units += [own] + [unit for unit, _ in rest]
+        return sum(_bytes(u) for u in units) + max((_bytes(u) for u in units), default=0)
+
+    if mode != "per_layer":
+        parts["weights gathered for a step"] = whole(shardable_models(module)) if sharded else 0.0
+        parts["gradients"] = sum(p.numel() * 4 for p in learned)
+        return parts, phases | {"weights gathered for a step": STEPS}
+    roots, pairs = [0.0, 0.0], [(0, 0, 0)]  # roots stay whole after their forward; one model's units at a time
     for model in shardable_models(module):
         root, units = fsdp_units(model)
         sizes = [size(unit, is_layer) for unit, is_layer in units]
-        pairs = [(a[0] + b[0], a[1] + b[1]) for a, b in zip(sizes, sizes[1:])] or sizes or [(0, 0)]
-        weights, unit_grads = max(pairs)  # the two adjacent units whole together
-        whole += _bytes(root) + weights
-        grads += sum(p.numel() * 4 for p in root if id(p) in learned_ids) + unit_grads
-    parts["layers gathered in a pass"] = sharded * whole
-    parts["gradients"] = sum(_local_numel(p) * 4 / shard_over for p in learned) + sharded * grads
-    generated = {id(p): p for model in generation or [] for p in model.parameters()}.values()
-    parts["weights gathered for generation"] = sharded * _bytes(generated)
+        pairs += [(a[0] + b[0], a[1] + b[1], max(a[0], b[0])) for a, b in zip(sizes, sizes[1:])]
+        pairs += [(w, g, w) for w, g in sizes[:1]] if len(sizes) == 1 else []
+        roots = [roots[0] + _bytes(root), roots[1] + sum(p.numel() * 4 for p in root if id(p) in learned_ids)]
+    weights, unit_grads, buffer = max(pairs)  # the two adjacent units whole together, the next one's buffer
+    parts["layers gathered in a pass"] = (roots[0] + weights + buffer) if sharded else 0.0
+    parts["gradients"] = sum(_local_numel(p) * 4 / shard_over for p in learned) + sharded * (roots[1] + unit_grads)
+    parts["weights gathered for generation"] = whole(generation or []) if sharded else 0.0
     return parts, phases | {"layers gathered in a pass": (UPDATE,), "weights gathered for generation": GENERATION}
 
 

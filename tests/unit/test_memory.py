@@ -68,8 +68,9 @@ def test_parts_are_the_models_bytes_and_a_plan_is_printed(tmp_path, capsys):
 
 def test_per_layer_parts_hold_two_units_and_sharded_gradients():
     """Per-layer FSDP2 over 4 ranks: a pass holds the root's own parameters and two decoder layers
-    whole (not the model), the gradients are a quarter of the fp32 ones plus those units' unsharded
-    ones, the whole model is gathered in the rollout only; the peak is the fuller phase."""
+    whole (not the model) beside the shards, and the next unit's all-gather buffer; the gradients are a
+    quarter of the fp32 ones plus those units' unsharded ones; the whole model is gathered (a copy beside
+    the shards) in the rollout only; the peak is the fullest phase."""
     from lit_marl.memory import fsdp_units
 
     module = MAGRPO(model="tiny-random", num_agents=1)
@@ -78,18 +79,18 @@ def test_per_layer_parts_hold_two_units_and_sharded_gradients():
     gathered, _ = weight_parts(module, shard_over=4, mode="gathered")
     per_layer, phases = weight_parts(module, shard_over=4, mode="per_layer")
     full = sum(p.numel() * 4 for p in model.parameters())
-    assert gathered["weights gathered for a step"] == full * 3 / 4
     own, units = fsdp_units(model)
     layers = [sum(p.numel() * 4 for p in params) for params, is_layer in units if is_layer]
     root = sum(p.numel() * 4 for p in own)
+    assert gathered["weights gathered for a step"] == full + max(root, *layers)  # + the largest unit's buffer
     assert len(layers) == len(units) == model.config.num_hidden_layers  # tied embedding: it stays in the root
-    assert per_layer["layers gathered in a pass"] == (root + 2 * max(layers)) * 3 / 4
-    assert per_layer["gradients"] == full / 4 + (root + 2 * max(layers)) * 3 / 4
+    assert per_layer["layers gathered in a pass"] == root + 2 * max(layers) + max(layers)
+    assert per_layer["gradients"] == full / 4 + root + 2 * max(layers)
     assert per_layer["weights gathered for generation"] == 0  # no model named to generate with
     _, phases = weight_parts(module, shard_over=4, mode="per_layer", generation=[model])
     assert phases["weights gathered for generation"] == ("rollout", "evaluation") and phases["gradients"] == ("update",)
     result = plan(module, shard_over=4, mode="per_layer", capacity=64 * GiB)
-    assert result.parts["weights gathered for generation"] == full * 3 / 4  # the agent generates: gathered
+    assert result.parts["weights gathered for generation"] == full + max(root, *layers)  # the agent generates
     held = {
         p: sum(v for k, v in result.parts.items() if p in result.phases.get(k, (p,))) for p in ("update", "rollout")
     }
@@ -97,7 +98,7 @@ def test_per_layer_parts_hold_two_units_and_sharded_gradients():
     assert result.peak == max(result.phase(p) for p in ("setup", "rollout", "evaluation", "update"))
     assert "FSDP2 per_layer" in result.table()
     low, _ = weight_parts(module, shard_over=4, mode="per_layer", gather_dtype="bfloat16")  # layers gathered in bf16
-    assert low["layers gathered in a pass"] == (root + max(layers)) * 3 / 4
+    assert low["layers gathered in a pass"] == root + max(layers) + max(layers) / 2
 
 
 def test_per_layer_pass_holds_the_two_adjacent_units_in_forward_order():
@@ -125,9 +126,10 @@ def test_per_layer_pass_holds_the_two_adjacent_units_in_forward_order():
     assert [is_layer for _, is_layer in units] == [False, True, True, True, False] and sizes[0] > 2 * sizes[1]
     per_layer, _ = weight_parts(module, shard_over=2, mode="per_layer")
     root = sum(p.numel() * 4 for p in own)
-    assert per_layer["layers gathered in a pass"] == (root + max(sizes[0] + sizes[1], sizes[3] + sizes[4])) / 2
+    assert sizes[0] == sizes[4] and sizes[1] == sizes[3]  # embedding + first layer = last layer + head
+    assert per_layer["layers gathered in a pass"] == root + sizes[0] + sizes[1] + sizes[0]  # + the edge's buffer
     low, _ = weight_parts(module, shard_over=2, mode="per_layer", gather_dtype="bfloat16")
-    assert low["layers gathered in a pass"] == (root + max(sizes[0] + sizes[1] / 2, sizes[3] / 2 + sizes[4])) / 2
+    assert low["layers gathered in a pass"] == root + sizes[0] + sizes[1] / 2 + sizes[0]
 
 
 def test_kv_cache_counts_keys_and_values_of_every_layer():
