@@ -411,7 +411,10 @@ def choose_mode(module, rollout, ranks: int, device: torch.device) -> str:
     trainer = module._trainer
     ranks_here = trainer.num_devices if trainer is not None and device.type == "cpu" else 1
     capacity = device_capacity(device, ranks_here)
-    whole = plan(module, rollout, shard_over=ranks, capacity=capacity, mode="gathered")
+    # the module is still where it was built (rank 0's host, the others' meta device): plan for the
+    # device it is sharded onto (a GPU's runtime beyond its context is not known yet: none)
+    gpu = device.type == "cuda"
+    whole = plan(module, rollout, ranks, capacity=capacity, mode="gathered", gpu=gpu, process=0.0 if gpu else None)
     over = all_ranks_max(whole.peak - capacity if capacity is not None else -1.0, device)
     mode = "gathered" if over <= 0 else "per_layer"
     rank_zero_info(

@@ -2,8 +2,8 @@
 phase (setup, rollout, evaluation, update) beside the plan's figure for it.
 
 A GRPO fit on the Corridor game in per-layer FSDP2 over 2 gloo ranks (one agent, a KL reference
-stored in bf16, bf16-mixed, the torch decoder generating), one training step with a held-out
-evaluation before and after. Each phase resets the process's peak RSS as it starts
+stored in bf16, bf16-mixed, the torch decoder generating), two training steps (the second's rollout
+and update hold AdamW's state, as every later step does) with a held-out evaluation before and after. Each phase resets the process's peak RSS as it starts
 (``/proc/self/clear_refs``) and reads it as it ends: ``setup`` is the module's ``configure_model``
 (loading and sharding), ``rollout`` the data module's rollout of the training batch, ``evaluation``
 the held-out evaluations, ``update`` the training step. Also the weights each rank holds after
@@ -106,6 +106,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "lit_marl_bench_phases")
     parser.add_argument("--token-budget", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=2, help="training steps (from the second, AdamW's state is held)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     L.seed_everything(0)
@@ -128,7 +129,7 @@ def main() -> None:
         strategy=TeamFSDPStrategy(mode="per_layer", save_distributed_checkpoint=False),
         precision="bf16-mixed",
         max_epochs=1,
-        limit_train_batches=1,
+        limit_train_batches=args.steps,
         limit_val_batches=0,
         num_sanity_val_steps=0,
         logger=False,

@@ -305,10 +305,9 @@ def load_from_rank0(module: nn.Module, models: list[nn.Module], loaded: list[dic
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.tensor import DTensor
 
-    if torch.distributed.get_rank() == 0:
-        module.to(device)  # the local shards, the replicated weights, the buffers
-    else:
-        module.to_empty(device=device)
+    if torch.distributed.get_rank() != 0:
+        module.to_empty(device=device)  # storage for the shards, the replicated weights, the buffers
+    module.to(device)  # rank 0's; on every rank, Lightning's record of the module's device too
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     for model, state in zip(models, loaded):
         set_model_state_dict(model, state, options=options)
