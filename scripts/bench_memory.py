@@ -43,7 +43,7 @@ def main() -> None:
         sys.exit(f"the fit failed ({done.returncode}):\n{output[-3000:]}")
     peak_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # Linux: KiB
     plan = output[output.index("memory plan per rank") :].split("\n\n")[0]
-    planned = float(re.search(r"peak \(update or rollout\)\s+([\d.]+) GiB", plan).group(1))
+    planned = float(re.search(r"peak\s+([\d.]+) GiB", plan).group(1))
     print(plan.split("\n  note")[0])
     measured = peak_rss / 2**30
     print(

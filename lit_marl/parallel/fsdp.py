@@ -20,8 +20,9 @@ the passes must match across ranks or the ranks deadlock. Two ways to make them 
     runs through ``lockstep``: the all-rank maximum of the loop's pass count is agreed first, and a
     rank with fewer passes runs zero-loss 1-token passes of the same models until it reaches it, so
     every rank issues the same collectives in the same order. Generation and evaluation gather the
-    whole model around the rollout (``gathered()``), as TRL's ``ds3_gather_for_generation`` does,
-    unless vLLM generates (it holds its own copy). One pass is one forward of each model it uses
+    models they generate with around the rollout (``gathered()``), as TRL's
+    ``ds3_gather_for_generation`` does, none when vLLM generates (it holds its own copy);
+    references and critics are scored in lockstep passes. One pass is one forward of each model it uses
     (``lockstep`` checks it): the shared-prompt pass, two forwards of a model, is not used.
 
 Optimizer steps are already the same on every rank (``parallel.collectives.padded_steps``).
