@@ -232,6 +232,9 @@ def test_each_phase_gathers_what_the_plan_says_and_rank_1_never_reads_the_weight
             assert names == report["plan"][phase], (phase, names)
         assert report["plan"]["update"] == [] and not any("references" in n for n in report["plan"]["rollout"])
     assert reports[0]["gathers"] == reports[1]["gathers"]
+    # loading from rank 0: the same collectives on both ranks, a broadcast per weight among them
+    setup = [report["setup_collectives"] for report in reports]
+    assert setup[0] == setup[1] and sum(name == "broadcast" for name, _ in setup[0]) >= len(alone)
     # the plan of the sharded run (fully_shard renamed its layers) is the plan made ahead of sharding
     ahead = json.loads((out / "planned_ahead.json").read_text())
     assert reports[0]["parts"] == pytest.approx(ahead, rel=1e-3)  # up to uneven shards of odd dimensions

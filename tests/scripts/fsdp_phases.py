@@ -8,8 +8,9 @@ tokens (``--engine vllm``), or by the torch decoder (``--engine torch``). Every 
 module's rollout of a training batch), ``evaluation`` (``HeldOutEvaluation``) or ``update`` (the
 training step: MAGRPO's reference KL and its update). Each rank writes OUT/phases_rank{r}.json:
 the recorded gathers and the plan's ``gathered`` per phase (model names in the module), the number
-of weight files it read (rank 1 builds on the meta device), and a checksum of every weight after
-setup (the full tensors) beside that of the weights as loaded in one process.
+of weight files it read (rank 1 builds on the meta device), the collectives of the setup (traced),
+and a checksum of every weight after setup (the full tensors) beside that of the weights as loaded
+in one process.
 
 python fsdp_phases.py OUT --engine vllm|torch
 """
@@ -22,9 +23,11 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # collective_trace
 
 import lightning as L  # noqa: E402
 import transformers  # noqa: E402
+from collective_trace import CollectiveTrace  # noqa: E402
 
 from helpers import make_trainer, slogan_data  # noqa: E402
 from lit_marl.algorithms import MAGRPO  # noqa: E402
@@ -34,6 +37,7 @@ from lit_marl.parallel.fsdp import TeamShards  # noqa: E402
 from lit_marl.parallel.strategies import TeamFSDPStrategy  # noqa: E402
 
 STATE = {"phase": "setup", "gathers": [], "reads": 0, "names": {}}
+TRACE = CollectiveTrace()
 SHARDED_PARTS = ("weights", "layers gathered in a pass", "gradients", "AdamW state")
 
 
@@ -94,6 +98,8 @@ class Checksums(L.Callback):
     def on_fit_start(self, trainer, pl_module):
         from torch.distributed.tensor import DTensor
 
+        STATE["setup_collectives"] = list(TRACE.calls)  # loading and sharding: every collective so far
+
         from lit_marl.memory import model_names, plan
 
         STATE["names"] = model_names(pl_module)
@@ -130,8 +136,9 @@ def main() -> None:
         limit_train_batches=1,
         limit_val_batches=0,
     )
-    trainer.fit(module, datamodule=data)
-    report = {k: STATE[k] for k in ("gathers", "reads", "sums", "plan", "parts")}
+    with TRACE:
+        trainer.fit(module, datamodule=data)
+    report = {k: STATE[k] for k in ("gathers", "reads", "sums", "plan", "parts", "setup_collectives")}
     (args.out / f"phases_rank{trainer.global_rank}.json").write_text(json.dumps(report))
     if trainer.global_rank == 0:  # the weights as one process loads them (the same seed)
         L.seed_everything(0)
