@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lit_marl.models import store_frozen
+from lit_marl.models import causal_lm, store_frozen
 
 LOGIT_BYTES = 12  # per scored position and vocabulary entry: fp32 logits, log-softmax, its gradient
 PROFILE_TOKENS = 64
@@ -47,10 +47,6 @@ class ActivationProfile:
         return kept + tokens * self.other_token + self.other + scored * self.vocab * LOGIT_BYTES
 
 
-def _causal_lm(model: nn.Module) -> nn.Module:
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 def _saved_bytes(model: nn.Module, autocast: torch.dtype | None, tokens: int) -> int:
     """Bytes of the tensors autograd saves in one forward of ``tokens`` tokens (parameters excluded)."""
     sizes: dict[int, int] = {}
@@ -73,7 +69,7 @@ _PROFILES: dict[tuple, ActivationProfile] = {}  # one measurement per architectu
 
 def activation_profile(model: nn.Module, autocast: torch.dtype | None = None) -> ActivationProfile:
     """Measure ``model``'s activation bytes per token on small CPU copies of its architecture."""
-    lm = _causal_lm(model)
+    lm = causal_lm(model)
     config = lm.config
     peft = getattr(model, "peft_config", None)
     frozen = sorted({str(p.dtype) for p in model.parameters() if not p.requires_grad})

@@ -26,11 +26,11 @@ import torch
 from torch import nn
 
 from lit_marl import ConfigError
-from lit_marl.activations import _causal_lm, activation_profile
+from lit_marl.activations import activation_profile
 from lit_marl.agents import AdapterView
-from lit_marl.models import trained
+from lit_marl.models import causal_lm, trained
 from lit_marl.parallel.collectives import all_ranks_max
-from lit_marl.parallel.fsdp import shardable_models, unit_modules
+from lit_marl.parallel.fsdp import roots_in, shardable_models, unit_modules
 from lit_marl.parallel.strategies import TeamFSDPStrategy
 
 GiB = 2**30
@@ -47,7 +47,6 @@ NCCL_BUFFERS = 0.5 * GiB  # NCCL's channel buffers of the data-parallel communic
 FRAGMENTATION = 0.10  # the caching allocator's reserve over its allocated bytes (reserved / allocated - 1)
 VLLM_ASLEEP = 1.0 * GiB  # per sleeping vLLM engine: CUDA graphs, its allocator's pools, sampler buffers
 VLLM_OVERHEAD = 2 * GiB  # per awake GPU instance: CUDA graphs, sampler, activations of the largest batch
-OUTSIDE_ALLOCATOR = ("process (runtime, data)", "CUDA context, NCCL buffers")  # vLLM's parts too
 
 
 @dataclass
@@ -67,6 +66,7 @@ class MemoryPlan:
     gathered: dict[str, list[str]] = field(default_factory=dict)
     host: dict[str, float] = field(default_factory=dict)
     short: list[str] = field(default_factory=list)  # what cannot work whatever the peak (vLLM's share)
+    outside: set[str] = field(default_factory=set)  # parts torch's allocator does not hold (no fragmentation)
 
     def held(self, name: str) -> list[str]:
         """The parts held in phase ``name``."""
@@ -74,8 +74,7 @@ class MemoryPlan:
 
     def reserve(self, name: str) -> float:
         """The allocator's fragmentation in phase ``name``: a share of the bytes torch allocates."""
-        inside = [k for k in self.held(name) if k not in OUTSIDE_ALLOCATOR and not k.startswith("vLLM")]
-        return self.fragmentation * sum(self.parts[k] for k in inside)
+        return self.fragmentation * sum(self.parts[k] for k in self.held(name) if k not in self.outside)
 
     def phase(self, name: str) -> float:
         """What phase ``name`` holds (setup, rollout, evaluation or update)."""
@@ -163,17 +162,20 @@ def weight_parts(
         parts["weights gathered for a step"] = whole(shardable_models(module)) if sharded else 0.0
         parts["gradients"] = sum(p.numel() * 4 for p in learned)
         return parts, phases | {"weights gathered for a step": STEPS}
-    roots, pairs = [0.0, 0.0], [(0, 0, 0)]  # roots stay whole after their forward; one model's units at a time
+    root_bytes = root_grads = 0.0  # the roots stay whole after their forward
+    pairs = [(0, 0, 0)]  # (weights, unsharded gradients, the larger's all-gather buffer); one model at a time
     for model in shardable_models(module):
         root, units = fsdp_units(model)
+        root_bytes += _bytes(root)
+        root_grads += sum(p.numel() * 4 for p in root if id(p) in learned_ids)
         sizes = [size(unit, is_layer) for unit, is_layer in units]
-        pairs += [(a[0] + b[0], a[1] + b[1], max(a[0], b[0])) for a, b in zip(sizes, sizes[1:])]
-        pairs += [(w, g, w) for w, g in sizes[:1]] if len(sizes) == 1 else []
-        roots = [roots[0] + _bytes(root), roots[1] + sum(p.numel() * 4 for p in root if id(p) in learned_ids)]
-    weights, unit_grads, buffer = max(pairs)  # the two adjacent units whole together, the next one's buffer
-    parts["layers gathered in a pass"] = (roots[0] + weights + buffer) if sharded else 0.0
-    parts["gradients"] = sum(_local_numel(p) * 4 / shard_over for p in learned) + sharded * (roots[1] + unit_grads)
-    parts["weights gathered for generation"] = whole(generation or []) if sharded else 0.0
+        adjacent = [(a[0] + b[0], a[1] + b[1], max(a[0], b[0])) for a, b in zip(sizes, sizes[1:])]
+        pairs += adjacent or [(w, g, w) for w, g in sizes]
+    weights, unit_grads, buffer = max(pairs)
+    parts["layers gathered in a pass"] = (root_bytes + weights + buffer) if sharded else 0.0
+    parts["gradients"] = sum(_local_numel(p) * 4 / shard_over for p in learned) + sharded * (root_grads + unit_grads)
+    generated = roots_in(shardable_models(module), generation or [])  # what ``computing`` gathers
+    parts["weights gathered for generation"] = whole(generated) if sharded else 0.0
     return parts, phases | {"layers gathered in a pass": (UPDATE,), "weights gathered for generation": GENERATION}
 
 
@@ -212,7 +214,7 @@ def model_names(module: nn.Module) -> dict[int, str]:
 
 def kv_cache_bytes(model: nn.Module, rows: int, tokens: int, dtype: torch.dtype) -> float:
     """The KV cache of ``rows`` sequences of ``tokens`` (keys and values, every layer)."""
-    config = _causal_lm(model).config
+    config = causal_lm(model).config
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return 2.0 * config.num_hidden_layers * heads * head_dim * rows * tokens * torch.finfo(dtype).bits / 8
@@ -263,14 +265,16 @@ def plan(
     vllm_options: dict | None = None,
     gpu: bool | None = None,
     gather_dtype: str | None = None,
+    device: torch.device | None = None,
 ) -> MemoryPlan:
     """The memory plan of ``module`` (built, sharded where it will be) for a step of ``rollout`` (the
     data module's ``RolloutSettings``; None: no generation planned). The keywords plan ahead for
     other hardware (``scripts/plan_memory.py``): ``shard_over`` ranks of FSDP2 in ``mode`` (gathered
     or per_layer), vLLM's ``gpu_memory_utilization`` and options (``VLLMEngine.options`` of the
     device it will run on), the runtime's bytes, the device's, bf16 autocast, a ``gpu`` (its margins),
-    the per-layer ``gather_dtype``; by default each is read from the run."""
-    device = module.device
+    the per-layer ``gather_dtype``, the ``device`` planned for (the module's: not yet moved onto it
+    while it is sharded); by default each is read from the run."""
+    device = module.device if device is None else device
     gpu = device.type == "cuda" if gpu is None else gpu
     if autocast is None:
         precision = str(module._trainer.precision) if module._trainer is not None else "32-true"
@@ -293,8 +297,10 @@ def plan(
     result.parts["process (runtime, data)"] = (
         process if process is not None else process_overhead(device, parts["weights"])
     )
+    result.outside.add("process (runtime, data)")
     if gpu:
         result.parts["CUDA context, NCCL buffers"] = CUDA_CONTEXT + (NCCL_BUFFERS if sharded else 0.0)
+        result.outside.add("CUDA context, NCCL buffers")
         result.fragmentation = FRAGMENTATION
     result.parts.update(parts)
     result.phases.update(phases)
@@ -338,7 +344,7 @@ def _setup_parts(result: MemoryPlan, module, sharded: bool, gpu: bool, resident:
     process = result.parts["process (runtime, data)"]
     result.parts["a weight in flight (setup)"] = float(largest)
     result.phases["a weight in flight (setup)"] = (SETUP,)
-    if not gpu and getattr(module, "global_rank", 0) == 0:  # the other ranks never hold them
+    if not gpu and module.global_rank == 0:  # the other ranks never hold them
         result.parts["whole models on rank 0 (setup)"] = full - resident
         result.phases["whole models on rank 0 (setup)"] = (SETUP,)
     host_others = process + (0.0 if gpu else resident + largest)
@@ -355,8 +361,8 @@ def _gathered_models(result: MemoryPlan, module, mode: str | None, generation: l
     if mode != "per_layer":
         result.gathered = {SETUP: [], **{phase: every for phase in STEPS}}
         return
-    roots = {names[id(r)] for m in generation for r in shardable_models(module) if any(x is m for x in r.modules())}
-    result.gathered = {SETUP: [], ROLLOUT: sorted(roots), EVALUATION: sorted(roots), UPDATE: []}
+    generated = sorted(names[id(root)] for root in roots_in(shardable_models(module), generation))
+    result.gathered = {SETUP: [], ROLLOUT: generated, EVALUATION: generated, UPDATE: []}
 
 
 def _vllm_parts(result: MemoryPlan, options: dict, models: list, rollout, share, dtype, gpu: bool, streamed: bool):
@@ -383,9 +389,11 @@ def _vllm_parts(result: MemoryPlan, options: dict, models: list, rollout, share,
             )
     sleeps = bool(options.get("enable_sleep_mode"))
     result.phases[name] = GENERATION if sleeps else STEPS
+    result.outside.add(name)  # vLLM's own allocator
     if sleeps and gpu:
         result.parts["vLLM asleep (graphs, pools)"] = VLLM_ASLEEP * len(models)
         result.phases["vLLM asleep (graphs, pools)"] = (UPDATE,)
+        result.outside.add("vLLM asleep (graphs, pools)")
     if streamed and models:  # the tied embedding made once and the current weight: two whole weights
         largest = max(p.numel() for m in models for p in m.parameters()) * (2 if dtype is not None else 4)
         result.parts["weights in flight (vLLM sync)"] = 2.0 * largest
@@ -411,10 +419,8 @@ def choose_mode(module, rollout, ranks: int, device: torch.device) -> str:
     trainer = module._trainer
     ranks_here = trainer.num_devices if trainer is not None and device.type == "cpu" else 1
     capacity = device_capacity(device, ranks_here)
-    # the module is still where it was built (rank 0's host, the others' meta device): plan for the
-    # device it is sharded onto (a GPU's runtime beyond its context is not known yet: none)
-    gpu = device.type == "cuda"
-    whole = plan(module, rollout, ranks, capacity=capacity, mode="gathered", gpu=gpu, process=0.0 if gpu else None)
+    # the module is still where it was built (rank 0's host, the others' meta device)
+    whole = plan(module, rollout, ranks, capacity=capacity, mode="gathered", device=device)
     over = all_ranks_max(whole.peak - capacity if capacity is not None else -1.0, device)
     mode = "gathered" if over <= 0 else "per_layer"
     rank_zero_info(

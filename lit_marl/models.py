@@ -187,17 +187,27 @@ def store_frozen(module: torch.nn.Module, dtype: WeightsDtype) -> int:
     if dtype == "float32":
         return 0
     target = getattr(torch, dtype)
-    heads = {
-        id(m.get_output_embeddings().weight)
-        for m in module.modules()
-        if isinstance(m, PreTrainedModel) and m.get_output_embeddings() is not None
-    }
+    heads = _head_weights(module)
     saved = 0
     for name, p in {id(p): (n, p) for n, p in module.named_parameters()}.values():
         if not trained(name, p) and p.dtype == torch.float32 and id(p) not in heads:
             p.data = p.data.to(target)
             saved += p.numel() * (4 - p.element_size())
     return saved
+
+
+def causal_lm(model: torch.nn.Module) -> torch.nn.Module:
+    """The model under a peft wrapper (the model itself otherwise)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _head_weights(module: torch.nn.Module) -> set[int]:
+    """The ids of every LM head weight under ``module`` (and so of an embedding tied to it)."""
+    return {
+        id(m.get_output_embeddings().weight)
+        for m in module.modules()
+        if isinstance(m, PreTrainedModel) and m.get_output_embeddings() is not None
+    }
 
 
 def trained(name: str, parameter: torch.Tensor) -> bool:
@@ -298,11 +308,7 @@ def frozen_copy(model: torch.nn.Module, dtype: WeightsDtype = "float32") -> torc
     """A frozen copy of ``model`` whose weights are stored in ``dtype`` from the start (LM heads and
     the embeddings tied to them stay fp32, as ``store_frozen`` keeps them): a bf16 reference of a 7B
     policy never exists as a second fp32 copy. Tied weights stay tied (one copy per tensor)."""
-    keep = {
-        id(m.get_output_embeddings().weight)
-        for m in model.modules()
-        if isinstance(m, PreTrainedModel) and m.get_output_embeddings() is not None
-    }
+    keep = _head_weights(model)
     low = getattr(torch, dtype)
     memo: dict[int, object] = {}
     for p in {id(p): p for p in model.parameters()}.values():

@@ -3,10 +3,11 @@ phase (setup, rollout, evaluation, update) beside the plan's figure for it.
 
 A GRPO fit on the Corridor game in per-layer FSDP2 over 2 gloo ranks (one agent, a KL reference
 stored in bf16, bf16-mixed, the torch decoder generating), two training steps (the second's rollout
-and update hold AdamW's state, as every later step does) with a held-out evaluation before and after. Each phase resets the process's peak RSS as it starts
-(``/proc/self/clear_refs``) and reads it as it ends: ``setup`` is the module's ``configure_model``
-(loading and sharding), ``rollout`` the data module's rollout of the training batch, ``evaluation``
-the held-out evaluations, ``update`` the training step. Also the weights each rank holds after
+and update hold AdamW's state, as every later step does) with a held-out evaluation before and
+after. Each phase resets the process's peak RSS as it starts (``/proc/self/clear_refs``) and reads
+it as it ends: ``setup`` is the module's ``configure_model`` (loading and sharding), ``rollout`` the
+data module's rollout of the training batch, ``evaluation`` the held-out evaluations, ``update`` the
+training step. Also the weights each rank holds after
 setup (a checksum of every full tensor) and how many weight files it read.
 
     MALLOC_MMAP_THRESHOLD_=131072 .venv/bin/python scripts/bench_phases.py --model smollm2-135m-instruct
@@ -87,11 +88,10 @@ class Planned(L.Callback):
     def on_fit_start(self, trainer, pl_module):
         from torch.distributed.tensor import DTensor
 
-        from lit_marl.memory import plan
+        from lit_marl.memory import PHASES, plan
 
         result = plan(pl_module, pl_module.rollout_settings)
-        phases = ("setup", "rollout", "evaluation", "update")  # a plan of two phases (older code): those
-        STATE["plan"] = {p: result.phase(p) if p in str(result.table()) else None for p in phases}
+        STATE["plan"] = {phase: result.phase(phase) for phase in PHASES}
         STATE["table"] = result.table()
         sums = {}
         for name, p in pl_module.named_parameters():
@@ -151,8 +151,10 @@ def main() -> None:
     for r, rep in enumerate(reports):
         for phase, peak in rep["peaks"].items():
             planned = rep["plan"][phase]
-            versus = f"planned {planned / GiB:6.2f} GiB  planned/measured {planned / peak:5.2f}" if planned else ""
-            print(f"rank {r} {phase:<10} measured peak RSS {peak / GiB:6.2f} GiB  {versus}")
+            print(
+                f"rank {r} {phase:<10} measured peak RSS {peak / GiB:6.2f} GiB  planned {planned / GiB:6.2f} GiB  "
+                f"planned/measured {planned / peak:5.2f}"
+            )
     for phase, start, peak in reports[1]["calls"]:
         print(f"rank 1 {phase:<10} starts at {start / GiB:6.2f} GiB, peaks at {peak / GiB:6.2f} GiB")
     grown = reports[1]["peaks"]["setup"] - reports[1]["before_setup"]

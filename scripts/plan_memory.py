@@ -71,6 +71,21 @@ def meta_loader(folder: Path):
     return load
 
 
+def init_args(configs: list[str], *section: str) -> dict:
+    """The ``init_args`` of one section of ``configs`` (``data``; ``trainer``, ``strategy``), merged as
+    the CLI merges them: a later config's key wins."""
+    import yaml
+
+    merged: dict = {}
+    for path in configs:
+        node = yaml.safe_load(Path(path).read_text()) or {}
+        for key in section:
+            node = node.get(key) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            merged.update(node.get("init_args") or {})
+    return merged
+
+
 def stand_in_args(configs: list[str], model: str) -> list[str]:
     """CLI arguments that build a GPU config's modules on this CPU: one process, no logger or
     callbacks, ``model`` for every agent, the torch decoder for vLLM (not installed here)."""
@@ -78,16 +93,13 @@ def stand_in_args(configs: list[str], model: str) -> list[str]:
     args += ["--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.num_nodes=1", "--trainer.strategy=auto"]
     args += ["--trainer.logger=false", "--trainer.callbacks=[]", f"--model.init_args.model={model}"]
     args += ["--data.init_args.engine=torch", "--data.init_args.engine_options=null"]
-    import yaml
-
-    for path in configs:  # named game sets: 2 games each (the plan needs the shapes, not the tasks)
-        init = ((yaml.safe_load(Path(path).read_text()) or {}).get("data") or {}).get("init_args") or {}
-        for key in ("train_path", "val_path"):
-            value = str(init.get(key) or "")
-            if value.startswith("alfworld-data:"):  # the official games: generated ones of the same shape
-                args.append(f"--data.init_args.{key}=alfworld:{'train' if key == 'train_path' else 'test'}:1")
-            elif ":" in value and value.rsplit(":", 1)[1].isdigit():
-                args.append(f"--data.init_args.{key}={value.rsplit(':', 1)[0]}:2")
+    data = init_args(configs, "data")
+    for key in ("train_path", "val_path"):  # named game sets: 2 games each (the plan needs the shapes)
+        value = str(data.get(key) or "")
+        if value.startswith("alfworld-data:"):  # the official games: generated ones of the same shape
+            args.append(f"--data.init_args.{key}=alfworld:{'train' if key == 'train_path' else 'test'}:1")
+        elif ":" in value and value.rsplit(":", 1)[1].isdigit():
+            args.append(f"--data.init_args.{key}={value.rsplit(':', 1)[0]}:2")
     return args
 
 
@@ -104,20 +116,12 @@ def plan_config(
     """The plan of ``configs`` with ``model``'s architecture over ``ranks`` GPUs in FSDP2 ``mode``;
     vLLM (where the config generates with it) with the options it would run with on a GPU (its
     ``gpu_memory_utilization``, sleep mode), and a note where it needs more than its share."""
-    import yaml
-
     from lit_marl.cli import build_cli
     from lit_marl.generation.vllm import GPU_DEFAULTS
     from lit_marl.memory import GiB, plan
 
-    raw: dict = {}
-    for path in configs:  # the engine options as the GPU run would use them
-        raw.setdefault("data", {}).update(((yaml.safe_load(Path(path).read_text()) or {}).get("data") or {}))
-    init = raw.get("data", {}).get("init_args") or {}
-    strategy = {}
-    for path in configs:  # TeamFSDPStrategy's settings (the stand-in run is one process)
-        found = ((yaml.safe_load(Path(path).read_text()) or {}).get("trainer") or {}).get("strategy")
-        strategy.update((found.get("init_args") or {}) if isinstance(found, dict) else {})
+    init = init_args(configs, "data")  # the engine options as the GPU run would use them
+    strategy = init_args(configs, "trainer", "strategy")  # TeamFSDPStrategy's (the stand-in is one process)
     gather_dtype = strategy.get("gather_dtype", "float32") if mode == "per_layer" else "float32"
     options = {**GPU_DEFAULTS, **(init.get("engine_options") or {}), **(vllm or {})}
     if "gpu_memory_utilization" in (vllm or {}):
@@ -153,12 +157,7 @@ def plan_config(
 
 def config_model(configs: list[str]) -> str:
     """The model a config trains (the last of ``configs`` that names one)."""
-    import yaml
-
-    named = None
-    for path in configs:
-        init = ((yaml.safe_load(Path(path).read_text()) or {}).get("model") or {}).get("init_args") or {}
-        named = init.get("model", named)
+    named = init_args(configs, "model").get("model")
     if named not in ARCHITECTURES:
         raise SystemExit(
             f"{configs}: model {named!r} has no architecture here; give --model, one of {sorted(ARCHITECTURES)}"

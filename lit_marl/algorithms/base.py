@@ -135,11 +135,11 @@ class AgentTeamModule(OptimizerSteps, StepLogging, L.LightningModule):
     def configure_model(self) -> None:
         # loads weights: kept out of __init__ so bad configs fail first. Sharded over several ranks,
         # only rank 0 reads them; the others build empty models and receive their shards (``shard``)
-        empty = self.device_mesh is not None and self.shards is None and self.global_rank != 0
-        with built_empty() if empty else nullcontext():
+        sharding = self.device_mesh is not None and self.shards is None  # ModelParallelStrategy: FSDP2
+        with built_empty() if sharding and self.global_rank != 0 else nullcontext():
             self.build_models()
         prepare_models(self, self.activation_checkpointing, self.weights_dtype)
-        if self.device_mesh is not None and self.shards is None:  # ModelParallelStrategy: FSDP2
+        if sharding:
             self.shard(self.device_mesh)
 
     buffered = False

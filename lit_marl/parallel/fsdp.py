@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from lit_marl import ConfigError
+from lit_marl.models import causal_lm
 from lit_marl.parallel.collectives import all_ranks_max
 
 MODES = ("gathered", "per_layer", "auto")
@@ -170,13 +171,8 @@ class TeamShards:
         return [root for root, own in zip(self.roots, self.params_of) if own & ids]
 
     def roots_in(self, models: Iterable[nn.Module]) -> list[nn.Module]:
-        """The sharded roots ``models`` forward, in their order: a root, a module inside one (a peft
-        model's base) or a module holding one (a reward model around its backbone)."""
-        out = []
-        for model in models:
-            inner = {id(m) for m in model.modules()}
-            out += [r for r in self.roots if id(r) in inner or any(m is model for m in r.modules())][:1]
-        return out
+        """The sharded roots ``models`` forward, in their order (``roots_in``)."""
+        return roots_in(self.roots, models)
 
     def lockstep(self, chunks: list, models: Iterable[nn.Module], backward: bool = False) -> Iterator:
         """The passes of one loop over this rank's ``chunks`` (each pass forwards every model of
@@ -262,7 +258,7 @@ class TeamShards:
         state = get_model_state_dict(model, options=options)
         if torch.distributed.get_rank() != 0:
             return None
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        base = causal_lm(model)
         with torch.device("meta"):
             plain = AutoModelForCausalLM.from_config(base.config, dtype=next(iter(state.values())).dtype)
             if hasattr(model, "peft_config"):
@@ -298,6 +294,16 @@ class TeamShards:
         return norm
 
 
+def roots_in(roots: list[nn.Module], models: Iterable[nn.Module]) -> list[nn.Module]:
+    """The roots (shardable models) ``models`` forward, in their order: a root, a module inside one
+    (a peft model's base) or a module holding one (a reward model around its backbone)."""
+    out = []
+    for model in models:
+        inner = {id(m) for m in model.modules()}
+        out += [r for r in roots if id(r) in inner or any(m is model for m in r.modules())][:1]
+    return out
+
+
 def load_from_rank0(module: nn.Module, models: list[nn.Module], loaded: list[dict], device: torch.device) -> None:
     """After ``TeamShards`` sharded ``models`` (rank 0: its loaded weights; the other ranks: empty, on
     the meta device), fill every rank's shards from rank 0's ``loaded`` state dicts (empty elsewhere),
@@ -321,7 +327,7 @@ def unit_modules(model: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
     """The modules below ``model`` that become FSDP2 units: its decoder layers (the model's
     ``_no_split_modules``), and its untied embedding and head (their own units under ``per_layer``);
     the rest stays in the root unit."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = causal_lm(model)
     blocks = set(getattr(base, "_no_split_modules", None) or ())
     # by class name, also once sharded (fully_shard makes each unit an ``FSDP<Layer>`` subclass)
     layers = [m for m in model.modules() if any(c.__name__ in blocks for c in type(m).__mro__)]
