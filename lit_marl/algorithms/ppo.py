@@ -58,7 +58,8 @@ class PPO(EpisodicModule):
             advantage_normalization: Whiten the advantages over the step's action tokens.
             ppo_epochs: Passes over the step's episodes.
             critic_warmup: The first n RL steps train the critic only (veRL's ``trainer.critic_warmup``):
-                the policy keeps its weights, a value head learns on its features without moving them.
+                the policy keeps its weights and its optimizer state (AdamW does not step it, so weight
+                decay does not act), a value head learns on its features without moving them.
             **kwargs: The shared settings of ``EpisodicModule`` (model, clip_range, discount, kl_coef, ...).
         """
         super().__init__(ppo_epochs=ppo_epochs, **kwargs)
@@ -149,13 +150,21 @@ class PPO(EpisodicModule):
         """Whether this RL step trains the critic only (``critic_warmup``)."""
         return self.rl_steps < self.critic_warmup
 
+    @property
+    def resting_roles(self) -> frozenset:
+        """While ``warming_up`` the policy's parameter group sits the optimizer steps out
+        (``updates.rest``): its weights, AdamW moments and step count stay bit for bit, so weight
+        decay does not move it and its first real update after the warm-up is a first step."""
+        return frozenset({"policy"}) if self.warming_up else frozenset()
+
     def rl_step(self, batches, batch_idx: int) -> None:
         self.record({"train/critic_warmup": float(self.warming_up)})
         super().rl_step(batches, batch_idx)
         self.rl_steps += 1
 
     def loss(self, samples, stats: dict, learner: int) -> torch.Tensor:
-        """``EpisodicModule.loss``; while ``warming_up`` its policy terms count 0 (the policy's gradient is 0)."""
+        """``EpisodicModule.loss``; while ``warming_up`` its policy terms count 0 (and the policy's
+        parameter group rests: ``resting_roles``)."""
         terms = super().loss(samples, stats, learner)
         return terms * terms.new_tensor([0.0, 1.0]) if self.warming_up else terms
 

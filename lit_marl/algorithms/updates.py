@@ -1,6 +1,7 @@
 """The optimizer step every algorithm takes: micro-batched passes whose losses sum to the same
 gradient however the rows are split (over passes and ranks), gradients summed over ranks, a
-NaN/inf step skipped with the weights untouched, clipping per part, FSDP's gradients reduced."""
+NaN/inf step skipped with the weights untouched, clipping per part, FSDP's gradients reduced, a
+resting parameter group (PPO's policy during its critic warm-up) left out of the step."""
 
 from __future__ import annotations
 
@@ -23,8 +24,22 @@ def clipped_apart(optimizer) -> list[list[torch.Tensor]]:
     return list(parts.values())
 
 
+def rest(optimizer, roles: frozenset) -> None:
+    """Drop the gradients of the optimizer's groups whose ``role`` is in ``roles``: AdamW skips a
+    parameter without a gradient, so its weights, its moments and its step count stay as they are.
+    A zero gradient would not do: AdamW's weight decay would still move the weights, and the step
+    count would advance, shrinking the group's first real updates (bias correction)."""
+    for group in optimizer.param_groups:
+        if group.get("role") in roles:
+            for p in group["params"]:
+                p.grad = None
+
+
 class OptimizerSteps:
     """The steps of ``AgentTeamModule`` (a mixin: it uses the module's optimizers, passes and shards)."""
+
+    resting_roles: frozenset = frozenset()
+    """The ``role`` of each parameter group that sits the optimizer steps out (``rest``); none by default."""
 
     def update_agent(
         self,
@@ -85,6 +100,7 @@ class OptimizerSteps:
         if self.shards is not None:
             self.shards.reduce_gradients(params)  # the sharded weights' gradients, summed over ranks
         sum_gradients(params, self.device)  # the module is not wrapped in DDP: parallel/strategies.py
+        rest(optimizer, self.resting_roles)  # before the checks: a resting group's gradient is not used
         loss_sum = all_ranks_sum(loss_sum, self.device)
         broken = sum(int(p.grad is not None and not torch.isfinite(p.grad).all()) for p in params)
         broken = all_ranks_sum(float(broken), self.device)  # every rank decides alike (FSDP: each its shards)

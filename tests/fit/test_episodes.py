@@ -384,12 +384,21 @@ def test_episodes_record_anchor_states(agent):
 @pytest.mark.parametrize("critic", ["head", "model"])
 def test_critic_warmup_trains_the_critic_only(tmp_path, critic):
     """veRL's critic_warmup: during the first n RL steps the policy keeps its weights bit for bit
-    (a value head learns on its features without moving them); the critic learns."""
-    module = PPO(model="tiny-random", learning_rate=1e-2, critic=critic, critic_warmup=1, gae="turn")
+    (a value head learns on its features without moving them); the critic learns. The policy's
+    AdamW does not step at all: weight decay would move its weights, and a step count advanced on
+    zero gradients would shrink its first real updates (bias correction)."""
+    module = PPO(model="tiny-random", learning_rate=1e-2, weight_decay=0.1, critic=critic, critic_warmup=1, gae="turn")
     metrics, moved = _fit(tmp_path, module, "corridor", 1, reward_density="dense")
-    assert not any(n.startswith("agents.") for n in moved)
+    assert not any(n.startswith("agents.") for n in moved), sorted(n for n in moved if n.startswith("agents."))[:3]
     assert any(n.startswith("value_heads.0.") for n in moved)
     assert float(metrics["train/critic_warmup"]) == 1.0 and module.rl_steps == 1
+    optimizer = module.trainer.optimizers[0]
+    for group in optimizer.param_groups:
+        stepped = [p for p in group["params"] if "step" in optimizer.state.get(p, {})]
+        if group["role"] == "policy":
+            assert not stepped, f"{len(stepped)} policy tensors have AdamW state"
+        else:
+            assert stepped and all(float(optimizer.state[p]["step"]) == module.ppo_epochs for p in stepped)
 
 
 class CountingGame(Game):
