@@ -39,8 +39,14 @@ def clipped_surrogate(
     """PPO's clipped surrogate (Schulman et al. 2017), as a loss: -min(rho A, clip(rho, 1 +- eps) A)
     with rho = pi / pi_old, per token. ``dual_clip`` c > 1 (dual-clip PPO, Ye et al. 2020; veRL's
     ``clip_ratio_c``): where A < 0 the loss is at most -c A, so a token whose ratio has grown past c
-    while its advantage is negative stops pushing (its gradient is 0 there)."""
-    ratio = (logprobs - old_logprobs).exp()
+    while its advantage is negative stops pushing (its gradient is 0 there).
+
+    rho = exp of the log-ratio held in +-20 (``LOG_RATIO_BOUND``), as veRL's ``compute_policy_loss``
+    clamps ``negative_approx_kl``: past about 88.7 float32's exp is inf, and an inf ratio makes the
+    loss inf or its gradient NaN (inf x 0) even where clipping takes the other term. Inside +-20 rho
+    is exp's, bit for bit; beyond, rho is e^+-20 with no gradient (a token there is clipped anyway,
+    or with A < 0 and no ``dual_clip`` it adds a large constant)."""
+    ratio = bounded_exp(logprobs - old_logprobs)
     clipped = ratio.clamp(1 - clip_range, 1 + clip_range)
     loss = -torch.minimum(ratio * advantages, clipped * advantages)
     if dual_clip is not None:
@@ -48,20 +54,27 @@ def clipped_surrogate(
     return loss
 
 
-KL_LOG_RATIO_BOUND = 20.0
-"""With a clamp, k3's log-ratio is first held in +-20 (veRL's ``low_var_kl``), so exp never overflows."""
+LOG_RATIO_BOUND = 20.0
+"""A log-ratio is held in +-20 before exp (veRL's policy loss and ``low_var_kl``/``k3``), so exp never overflows."""
+
+
+def bounded_exp(log_ratio: torch.Tensor) -> torch.Tensor:
+    """exp of ``log_ratio`` held in +-``LOG_RATIO_BOUND``: exp's value inside, e^+-20 and no gradient beyond."""
+    return log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp()
 
 
 def k3_kl(log_ratio: torch.Tensor, clamp: float | None = None) -> torch.Tensor:
     """Schulman's k3 estimator of KL(p || q) from samples of p: exp(d) - d - 1 with
     d = log q - log p (non-negative, unbiased). For the KL to a reference, d = log p_ref - log pi;
     for PPO's approximate KL to the behaviour policy (samples of the old policy), d = log pi - log pi_old.
-    ``clamp`` (veRL's ``low_var_kl`` uses 10): d held in +-20, the estimate capped at ``clamp`` - a
-    token far from the reference then adds at most ``clamp`` and no gradient (biased, bounded)."""
-    if clamp is None:
-        return log_ratio.exp() - log_ratio - 1
-    d = log_ratio.clamp(-KL_LOG_RATIO_BOUND, KL_LOG_RATIO_BOUND)
-    return (d.exp() - d - 1).clamp(max=clamp)
+    d is first held in +-20 (``LOG_RATIO_BOUND``), as veRL's ``k3``/``low_var_kl`` does: past about
+    88.7 float32's exp is inf (an inf estimate, a NaN gradient); inside +-20 the estimate is exact, a
+    token beyond adds k3(+-20) and no gradient. ``clamp`` (veRL's ``low_var_kl`` uses 10): the estimate
+    capped at ``clamp`` too - a token far from the reference then adds at most ``clamp`` and no
+    gradient (biased, bounded)."""
+    d = log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    kl = d.exp() - d - 1
+    return kl if clamp is None else kl.clamp(max=clamp)
 
 
 def clip_fraction(log_ratio: torch.Tensor, clip_range: float) -> torch.Tensor:

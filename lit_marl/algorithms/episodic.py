@@ -59,7 +59,7 @@ class EpisodicModule(AgentTeamModule):
             kl_coef: Weight of KL(policy || reference); 0 disables.
             kl_mode: ``loss``: a loss term (k3 per token); ``reward``: k1 subtracted from each token's reward.
             kl_clamp: With ``kl_mode: loss``, cap each token's k3 at this (its log-ratio at +-20), as veRL's
-                ``low_var_kl`` does with 10; None: the exact k3 (unbiased, unbounded).
+                ``low_var_kl`` does with 10; None: not capped (k3 itself, its log-ratio still held at +-20).
             rollout_is_cap: Truncated importance sampling against the rollout engine's log-probs, as MAGRPO's.
             **kwargs: The team's settings (model, lora, learning_rate, discount, forward_token_budget, ...): see
                 ``AgentTeamModule``; each agent plays its own token sequence.

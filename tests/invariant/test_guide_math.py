@@ -58,8 +58,9 @@ def test_dual_clip_caps_negative_advantage_tokens_at_c():
 def test_kl_clamp_is_verls_low_var_kl_and_off_by_default():
     log_ratio = X["ref_logprobs"] - X["logprobs"]
     torch.testing.assert_close(k3_kl(log_ratio, clamp=10.0), T(VERL["low_var_kl"]), atol=1e-5, rtol=0)
-    exact = k3_kl(log_ratio)
-    assert float(exact[0, 3]) > 1e10 and float(exact[1, 1]) == pytest.approx(14.3 + torch.e**-14.3 - 1)
+    exact = k3_kl(log_ratio)  # not capped; its log-ratio held at +-20 as veRL's (29.5 and -29.8 here)
+    assert float(exact[0, 3]) == pytest.approx(torch.e**20 - 21) and float(exact[0, 0]) == pytest.approx(19.0)
+    assert float(exact[1, 1]) == pytest.approx(14.3 + torch.e**-14.3 - 1)
     inside = exact < 10  # where the estimate is below the cap, both agree
     assert torch.allclose(exact[inside], k3_kl(log_ratio, clamp=10.0)[inside])
 

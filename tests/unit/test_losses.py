@@ -56,6 +56,33 @@ def test_k3_kl_estimator():
     assert float((p * k3_kl(q.log() - p.log())).sum()) == pytest.approx(expected, rel=1e-6)
 
 
+def test_the_ratio_is_exp_of_the_log_ratio_held_at_20_as_verl():
+    """A log-ratio of 100 overflows float32's exp to inf (an inf loss, a NaN gradient); held at +-20
+    first (veRL's clamp of ``negative_approx_kl``) the loss and its gradient stay finite, with or
+    without the dual clip. Inside +-20 the ratio is exp's, bit for bit."""
+    for dual_clip in (None, 3.0):
+        new = T([100.0, 100.0, -100.0, -100.0, 0.3]).requires_grad_()
+        loss = clipped_surrogate(new, torch.zeros(5), T([1.0, -1.0, 1.0, -1.0, 1.0]), 0.2, dual_clip)
+        loss.sum().backward()
+        assert torch.isfinite(loss).all(), loss
+        assert torch.isfinite(new.grad).all(), new.grad
+    d = torch.linspace(-20, 20, 4001)  # clip_range 1e9 leaves every ratio below e^20 unclipped: the loss is -ratio
+    assert torch.equal(-clipped_surrogate(d, torch.zeros_like(d), torch.ones_like(d), 1e9), d.exp())
+
+
+def test_k3_holds_its_log_ratio_at_20_as_verl():
+    """veRL's ``low_var_kl`` (its ``k3`` too) clamps the log-ratio at +-20 before exp, capped or not:
+    a log-ratio of 100 gives a finite estimate and gradient; inside +-20 the estimate is exp(d) - d - 1."""
+    for clamp in (None, 10.0):
+        d = T([100.0, -100.0]).requires_grad_()
+        kl = k3_kl(d, clamp)
+        kl.sum().backward()
+        assert torch.isfinite(kl).all() and torch.isfinite(d.grad).all(), (kl, d.grad)
+    d = torch.linspace(-20, 20, 4001)
+    assert torch.equal(k3_kl(d), d.exp() - d - 1)
+    assert float(k3_kl(T([100.0]))) == float(k3_kl(T([20.0])))
+
+
 def test_clip_fraction_counts_ratios_outside_the_range():
     log_ratio = T([0.0, math.log(1.25), math.log(0.75), math.log(1.19)])
     assert clip_fraction(log_ratio, 0.2).tolist() == [0.0, 1.0, 1.0, 0.0]
