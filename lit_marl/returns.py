@@ -304,11 +304,15 @@ def group_spread(values: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def divide_by_spread(adv: torch.Tensor, spread: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """``adv / spread``, and 0 where the spread is no more than the rounding noise of ``values``
-    (1e-6 of their largest size): returns that tie up to rounding carry no signal, where dividing
-    their rounding differences by a near-zero spread would make one up."""
-    noise = 1e-6 * (1.0 + float(values.abs().max())) if values.numel() else 1e-6
-    return torch.where(spread > noise, adv / spread.clamp(min=noise), torch.zeros((), dtype=adv.dtype))
+    """``adv / spread``, each ``[groups, G, T]`` like ``values``, and 0 where the spread is no more
+    than the rounding noise of its group's ``values`` (1e-6 of their largest size in that group, over
+    its members and turns): returns that tie up to rounding carry no signal, where dividing their
+    rounding differences by a near-zero spread would make one up. The noise is each group's own: a
+    group of large returns elsewhere in the batch does not swallow a small group's real spread."""
+    if not values.numel():
+        return adv
+    noise = 1e-6 * (1.0 + values.abs().flatten(1).amax(1)).view(-1, 1, 1)
+    return torch.where(spread > noise, adv / torch.maximum(spread, noise), torch.zeros((), dtype=adv.dtype))
 
 
 def _shared_anchors(anchors: torch.Tensor, alive: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -391,7 +395,9 @@ def episode_advantages(
     if turn_level:  # scaled by the spread of the episode returns: a late turn's few survivors are not blown up
         adv = episode_group_advantages(to_go, alive, group_size, mode, False)
         if normalize:
-            adv = divide_by_spread(adv, group_spread(episode, group_size), episode).float()
+            grouped = (-1, group_size, episode.shape[1])
+            spread = group_spread(episode, group_size).view(grouped)
+            adv = divide_by_spread(adv.view(grouped), spread, episode.view(grouped)).reshape(adv.shape).float()
     else:
         adv = episode_group_advantages(episode, alive, group_size, mode, normalize)
     if step_weight > 0:

@@ -177,3 +177,19 @@ def test_turn_level_normalization_uses_the_episode_spread():
     episode = T([1e-4, 1.0, 0.0, 0.5])
     assert torch.isclose(adv[0, 1], (1e-4 - 1e-4 / 4) / episode.std(), rtol=1e-3)
     assert adv[0, 1].abs() < 1e-3
+
+
+def test_the_rounding_tie_threshold_is_each_groups_own():
+    """A group's returns tie up to rounding against the size of that group's returns, not the
+    batch's: a group at 1e6 beside one at 0 and 1e-3 leaves the small group's signal whole."""
+    returns = T([[1e6], [2e6], [0.0], [1e-3]])
+    alive = torch.ones(4, 1)
+    unit = 0.5**0.5  # (r - mean) / sample std of a group of two
+    expected = T([[-unit], [unit], [-unit], [unit]])
+    episode = episode_group_advantages(returns, alive, 2, "grpo", True)
+    torch.testing.assert_close(episode, expected)
+    turn = episode_advantages(returns, alive.bool(), 2, "grpo", True, turn_level=True)
+    torch.testing.assert_close(turn, expected)
+    anchors = torch.zeros(4, 1, dtype=torch.long)
+    step = step_group_advantages(returns, alive.bool(), anchors, 2, torch.zeros(4, 1), True)
+    torch.testing.assert_close(step, expected * 2)  # r - the other's, over the pair's sample std
