@@ -17,6 +17,7 @@ rewards take about as long as the slowest program, not the sum.
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import resource
@@ -127,6 +128,26 @@ def _give_uid(uid: int | None) -> None:
         _uids_in_use.discard(uid)
 
 
+def installed_package_folders() -> list[str]:
+    """The interpreters' own package folders (``site-packages``, ``dist-packages``) under the folders a
+    sandbox sees (``/usr``, the base interpreter's): inside, an empty folder stands in for each, so a
+    program sees only the packages it is given (``read_only``), never what the host has installed."""
+    base = os.path.realpath(sys.base_prefix)
+    patterns = [f"{top}/lib/python3*/{kind}" for top in ("/usr", "/usr/local", base) for kind in ("site-packages",
+                "dist-packages")] + ["/usr/lib/python3/dist-packages"]  # fmt: skip
+    return sorted({os.path.realpath(p) for pattern in patterns for p in glob.glob(pattern) if os.path.isdir(p)})
+
+
+_empty: list[str] = []
+
+
+def _empty_folder() -> str:
+    if not _empty:
+        _empty.append(tempfile.mkdtemp(prefix="lit_marl_empty-"))
+        os.chmod(_empty[0], 0o755)
+    return _empty[0]
+
+
 def _parents(path: str) -> list[str]:
     """``path``'s folders below ``/``, outermost first."""
     parents, parent = [], os.path.dirname(path)
@@ -160,6 +181,8 @@ def _command(
             system += ["--ro-bind", top, top]
     base = os.path.realpath(sys.base_prefix)
     extra = ([] if base.startswith("/usr/") else [(base, base)]) + list(read_only)
+    empty = _empty_folder()
+    extra += [(empty, folder) for folder in installed_package_folders() if folder not in {i for _, i in read_only}]
     made: set[str] = {"/tmp"}
     binds = []  # after /tmp's tmpfs, so that folders made inside it are not hidden by it
     for host, inside, how in [(h, i, "--ro-bind") for h, i in extra] + (

@@ -25,6 +25,7 @@ from lit_marl.envs.swe import workspace as workspace_module
 from lit_marl.envs.swe.env import SWEEnv, workspaces
 from lit_marl.envs.swe.instances import resolve_source
 from lit_marl.rollout.episode import EpisodeSettings, run_episodes
+from lit_marl.sandbox import bubblewrap_available, installed_package_folders
 
 BASELINE = {"textkit": 2 / 4, "intervals": 2 / 4, "shop": 2 / 4, "lru": 2 / 3, "csvlite": 2 / 3, "units": 1 / 3}
 """The fraction of listed tests that pass on each base commit (its PASS_TO_PASS), by hand."""
@@ -304,9 +305,27 @@ def test_the_first_observation_keeps_the_tests_and_the_tool_help_whole(rows, roo
     env.close()
 
 
-def test_the_tests_run_under_the_venvs_own_pytest_with_no_autoloaded_plugins(rows, tmp_path):
-    """The runner drops the base interpreter's site-packages: the pytest that runs is the one beside
-    the trainer (its version and folder), and a report is signed: a line with another key is nothing."""
+@pytest.mark.skipif(not bubblewrap_available(), reason="the sandbox hides folders only under bubblewrap")
+def test_run_commands_see_only_the_tools_packages(rows, root):
+    """A package the trainer has installed (more-itertools: a released, fixed version of a repository
+    could be one) is not importable in a ``run`` command, and the interpreters' own package folders
+    are empty there; pytest is."""
+    hidden = installed_package_folders()
+    command = "run python3 -c \"import pytest; print('pytest', pytest.__version__)\""
+    command += "; python3 -c 'import more_itertools'"
+    command += "".join(f"; echo hidden $(ls -A {folder} | wc -l)" for folder in hidden)
+    env = SWEEnv(workspace_root=root)
+    env.start(rows["units"])
+    seen = env.act([command]).observations[0]
+    env.close()
+    assert f"pytest {pytest.__version__}" in seen and "No module named 'more_itertools'" in seen, seen
+    assert hidden and seen.count("hidden 0") == len(hidden), seen
+
+
+def test_the_tests_run_under_the_tools_own_pytest_with_no_autoloaded_plugins(rows, tmp_path):
+    """The runner drops the base interpreter's site-packages: the pytest that runs is the trainer's,
+    copied into the tools' own site folder (its version and folder), and a report is signed: a line
+    with another key is nothing."""
     from lit_marl.envs.swe.instances import normalize, snapshot
     from lit_marl.envs.swe.workspace import Workspace
 
@@ -315,7 +334,9 @@ def test_the_tests_run_under_the_venvs_own_pytest_with_no_autoloaded_plugins(row
     report, result = scoring.run_tests(ws, row["PASS_TO_PASS"], [], scoring.TestSettings())
     ws.remove()
     assert report is not None and set(report.outcomes.values()) == {"passed"} and not report.tampered
-    assert report.notes[0] == f"pytest {pytest.__version__} {os.path.dirname(pytest.__file__)}"
+    site = scoring.tools_site()  # pytest and its requirements only, copied from the trainer's environment
+    assert report.notes[0] == f"pytest {pytest.__version__} {site}/pytest"
+    assert not any(name.startswith("more_itertools") for name in os.listdir(site))
     assert scoring.signed_report(result.stdout, b"another key") is None
 
 

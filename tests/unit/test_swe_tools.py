@@ -247,17 +247,27 @@ def test_new_modules_that_shadow_others_are_refused():
     assert not shadowing(base, {"pkg/json.py": b""})  # inside a package: pkg.json, no shadow
 
 
-def test_only_a_line_signed_with_the_runs_key_is_a_report():
+def _signed(key: bytes, seq: int, kind: str, *fields: str) -> str:
     import hashlib
     import hmac
-    import json
 
-    body = json.dumps({"outcomes": {"t::a": "passed"}, "exit": 0, "log": "", "tampered": [], "notes": []})
-    line = hmac.new(b"key", body.encode(), hashlib.sha256).hexdigest() + " " + body
-    assert signed_report("noise\n" + line + "\n", b"key").outcomes == {"t::a": "passed"}
-    assert signed_report(line, b"other key") is None
-    assert signed_report("0" * 64 + " " + body, b"key") is None
-    assert signed_report(line + "\n" + line, b"key") is None  # two reports: the key leaked, nothing counts
+    body = " ".join([str(seq), kind, *(f.encode().hex() for f in fields)])
+    return hmac.new(key, body.encode(), hashlib.sha256).hexdigest() + " " + body
+
+
+def test_only_lines_signed_with_the_runs_key_in_order_to_their_end_are_a_report():
+    lines = [_signed(b"key", 0, "ready"), _signed(b"key", 1, "outcome", "t::a", "passed"),
+             _signed(b"key", 2, "outcome", "t::b", "passed"), _signed(b"key", 3, "failed", "t::b"),
+             _signed(b"key", 4, "finish", "1", "the log")]  # fmt: skip
+    report = signed_report("noise\n" + "\nforged\n".join(lines) + "\n", b"key")
+    assert report.complete and report.outcomes == {"t::a": "passed", "t::b": "failed"} and report.log == "the log"
+    assert signed_report("\n".join(lines), b"other key") is None  # another key: nothing came
+    assert signed_report("\n".join(lines[1:]), b"key") is None  # never ready: the run may be tried again
+    swapped = lines[:2] + [lines[3], lines[2]] + lines[4:]
+    for broken in (lines[:2] + lines[3:], lines[:2] + lines[1:], lines[:-1], swapped):
+        assert not signed_report("\n".join(broken), b"key").complete  # a line dropped, replayed, the end missing
+    tampered = signed_report("\n".join([lines[0], _signed(b"key", 1, "tamper", "why")]), b"key")
+    assert tampered.tampered == ["why"] and not tampered.complete  # what came before a break still counts
 
 
 # --------------------------------------------------------------------------- workspace clean-up

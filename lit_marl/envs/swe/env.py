@@ -26,6 +26,7 @@ from lit_marl.envs.game import Game, StepResult
 from lit_marl.envs.swe.instances import normalize, parse_patch, resolve_source, snapshot
 from lit_marl.envs.swe.scoring import SITE, Score, TestSettings, changed_lines, run_tests, score
 from lit_marl.envs.swe.tools import FILE_TOOLS, HELP, ToolCall, ToolError, as_calls, parse
+from lit_marl.envs.swe.tools_site import tools_site
 from lit_marl.envs.swe.workspace import Workspace, default_root, sweep
 from lit_marl.fields import NonNegativeInt, PositiveFloat, PositiveInt, check_fields
 from lit_marl.sandbox import Limits, run_in
@@ -199,8 +200,9 @@ class SWEEnv(Game):
         if call.name == "run":
             if not call.rest:
                 raise ToolError("run: give the shell command on the same line, e.g. 'run ls tests'")
-            result = run_in(["/bin/bash", "-c", call.rest], str(self.ws.path), self.command_limits, read_only=(SITE,),
-                            env={"PYTHONPATH": SITE, "PYTHONDONTWRITEBYTECODE": "1"})  # fmt: skip
+            site = tools_site(self.tests.packages)
+            result = run_in(["/bin/bash", "-c", call.rest], str(self.ws.path), self.command_limits, read_only=(site,),
+                            env={"PYTHONPATH": site, "PYTHONDONTWRITEBYTECODE": "1"})  # fmt: skip
             status = (
                 "timed out" if result.timed_out else "output limit" if result.output_overflow else result.returncode
             )
@@ -214,8 +216,8 @@ class SWEEnv(Game):
         report, result = run_tests(
             self.ws, listed, self.row["test_args"], self.tests, changed_lines(self.base, changed)
         )
-        if report is None:
-            return f"the tests gave no report (timed out: {result.timed_out}):\n{result.stderr[-800:]}"
+        if report is None or not report.complete:
+            return f"the tests gave no complete report (timed out: {result.timed_out}):\n{result.stderr[-800:]}"
         lines = [f"{report.outcomes.get(test, 'missing'):8s} {test}" for test in listed]
         refused = f"refused by the harness: {'; '.join(report.tampered)}\n" if report.tampered else ""
         return refused + "\n".join(lines) + "\n\n" + report.log[-self.max_observation_chars // 2 :]

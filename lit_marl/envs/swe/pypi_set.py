@@ -39,6 +39,7 @@ from lit_marl import ConfigError
 from lit_marl.envs.swe import instances, scoring
 from lit_marl.envs.swe.pypi_mutations import functions, make_patch, problem_statement, remove_tests, test_node
 from lit_marl.envs.swe.pypi_suite import BuildError, BuildSettings, Kept, green_suite, search, write_files
+from lit_marl.envs.swe.tools_site import distributions
 
 FORMAT = 2
 """Bumped when the instances a build writes change: older project records are rebuilt."""
@@ -411,6 +412,10 @@ def build_set(
 def _project(
     out: Path, name: str, version: str, settings: BuildSettings, sdist: Path | None, log, revalidate: bool
 ) -> dict:
+    installed = visible_to_the_tests(name)
+    if installed:
+        log(f"{name}=={version}: skipped ({installed})")
+        return {"project": name, "version": version, "error": installed, "rows": []}
     key = hashlib.sha256(json.dumps([FORMAT, name, version, asdict(settings)]).encode()).hexdigest()[:16]
     path, repo = out / "projects" / f"{name}.json", out / "repos" / name
     if path.is_file() and (repo / ".git").is_dir():
@@ -433,6 +438,17 @@ def _project(
     record["key"] = key
     _atomic(path, json.dumps(record, indent=1) + "\n")
     return record
+
+
+def visible_to_the_tests(name: str, packages: tuple[str, ...] = ()) -> str:
+    """Why a project may not be in the set (empty: it may): the test runs' interpreter has it installed
+    (pytest's own requirements, ``tests.packages``: the tools' site folder, ``tools_site``), so a
+    released version, fixed, could stand in for the repository. Projects installed elsewhere beside
+    the trainer stay: the sandbox shows the test runs none of them."""
+    names = {dist.metadata["Name"].lower().replace("_", "-") for dist in distributions(("pytest", *packages))}
+    if name.lower().replace("_", "-") in names:
+        return f"installed where the tests run ({name}, beside pytest): a released version could stand in for the fix"
+    return ""
 
 
 def _merged(counts: list[dict[str, int]]) -> dict[str, int]:

@@ -1,35 +1,39 @@
 """Runs listed pytest tests and reports each one's outcome (this file runs INSIDE the sandbox).
 
-Usage: ``python -I -B runner.py <pytest's site folder> <workspace> <report chars> <seconds per test>
+Usage: ``python -I -B runner.py <the tools' site folder> <workspace> <report chars> <seconds per test>
 [pytest args...]``; stdin holds a first line with a key (hex) and a second with JSON
 ``{"tests": [node ids], "changed": [workspace paths the agent wrote]}``.
 
 The code under test runs in this process, so nothing it can reach decides the score:
 
 - **The verdict is kept where Python objects cannot reach it.** An audit hook (``sys.addaudithook``:
-  it cannot be removed for the life of the process) holds the key, the outcomes and the report's
-  descriptor in its closure, which no object refers to (the garbage collector's and the frames'
-  routes to it are the hook's own tripwires). Each test's outcome is what the runner's own
-  ``pytest_runtest_call`` wrapper sees the test function do (return, or raise), handed to the hook
-  by that wrapper's code only (the hook checks the calling code object, that no untrusted code is on
-  the stack, and that each test is reported once). At the end the hook writes one line,
-  ``<hmac> <json>``, signed with the key: anything else on the descriptor counts for nothing.
+  it cannot be removed for the life of the process) is a ``functools.partial`` over one namespace of
+  state (``harness.py``: no class anywhere, so ``object.__subclasses__()`` leads nowhere; the garbage
+  collector is refused to everyone, frames while the harness runs). Each test's outcome is what the
+  runner's own ``pytest_runtest_call`` wrapper sees the test function do (return, or raise), handed
+  to the hook by that wrapper's code only (the hook checks the calling code object, the thread, that
+  no untrusted code is on the stack, and that each test is reported once).
+- **Outcomes leave as they are decided**: one line per event on the report's descriptor,
+  ``<hmac> <seq> <kind> <hex fields>``, signed with the run's key by C functions captured before any
+  code of the workspace ran; the trainer takes lines 0, 1, 2, ... to ``finish`` and nothing else.
 - **Tripwires.** Untrusted code (in a changed file the module's code and the functions whose lines
   take in a changed line, the files the agent added, anything compiled at run time, any file outside
-  the standard library, the venv's site-packages and the repository) that reads frames
-  (``sys._getframe``, ``inspect.stack``, ``traceback.walk_*``,
-  ``tb_frame``, ``gi_frame``, ...), walks the garbage collector, traces, builds code or function
-  objects, loads ``ctypes``, starts processes, sends signals, installs signal handlers or audit
-  hooks, opens the test files or ``/proc``, swaps a function's code, or reads the code of a test
-  function, is refused (the call raises) and the run is *tampered*: every listed test fails.
+  the standard library, the tools' site folder and the repository; in a thread the runner did not
+  start, the thread's own start) that reads frames, builds code or function objects, loads
+  ``ctypes``, starts processes, sends signals, installs signal handlers, opens the test files or
+  ``/proc``, swaps a function's code, or reads the code of a test function, is refused (the call
+  raises) and the run is *tampered*: every listed test fails. Walking the garbage collector, tracing
+  and adding audit hooks are refused to everyone.
+- **Comparisons** (``harness_checks.py``): a class's ``__eq__``/``__ne__`` that is not the libraries'
+  is wrapped and asked about values it cannot know alongside each real question; assertions check
+  their operands the same way.
 - **Integrity.** pytest's, pluggy's and unittest's module and class attributes, pytest's plugins and
-  hook implementations, and the signal handlers are compared with a snapshot taken before any code
-  of the workspace ran, at the end of every test; every module loaded before the workspace joined
-  ``sys.path`` (the standard library included) at the end of the run. A class of the changed code
-  whose instances equal a fresh ``object()`` (an always-equal object) is tampering.
+  hook implementations, the signal handlers and the harness's wrappers are compared with a snapshot
+  taken before any code of the workspace ran, at the end of every test; every module loaded before
+  the workspace joined ``sys.path`` (the standard library included) at the end of the run.
 - File descriptors 1 and 2 go to a log before anything runs; pytest's entry-point plugins are not
-  autoloaded; the base interpreter's own site-packages are dropped from ``sys.path`` (the venv's
-  pytest runs); a test that runs longer than its seconds fails (SIGALRM).
+  autoloaded; every ``-packages`` folder is dropped from ``sys.path`` and the tools' site folder
+  (pytest and what it requires) put first; a test that runs longer than its seconds fails (SIGALRM).
 """
 
 import json
@@ -40,16 +44,21 @@ import types
 
 
 def _load_harness():
-    """The Harness class of ``harness.py`` beside this file, run in a namespace of its own with a
-    private copy of the builtins (not a module: nothing the code under test reaches leads to it)."""
+    """The audit hook's builder of ``harness.py`` and ``harness_checks.py`` beside this file, run in a
+    namespace of their own with a private copy of the builtins (not a module, no class: nothing the code
+    under test reaches leads to it)."""
     import builtins
 
-    path = os.path.join(os.path.dirname(os.path.realpath(__file__)), "harness.py")
-    with open(path) as handle:
-        source = handle.read()
-    namespace = {"__name__": "lit_marl_harness", "__file__": path, "__builtins__": dict(builtins.__dict__)}
-    exec(compile(source, path, "exec"), namespace)
-    return namespace["Harness"]
+    folder = os.path.dirname(os.path.realpath(__file__))
+    namespace = {
+        "__name__": "lit_marl_harness", "__file__": os.path.join(folder, "harness.py"),
+        "CHECKS_FILE": os.path.join(folder, "harness_checks.py"), "__builtins__": dict(builtins.__dict__),
+    }  # fmt: skip
+    for name in ("harness.py", "harness_checks.py"):
+        path = os.path.join(folder, name)
+        with open(path) as handle:
+            exec(compile(handle.read(), path, "exec"), namespace)
+    return namespace["build"]
 
 
 def _guarded(self, name, audit=sys.audit, get=object.__getattribute__):
@@ -86,15 +95,17 @@ def main():
 
 
 def read_input() -> tuple[bytes, dict]:
-    """The key and the spec, read from descriptor 0 to its end (nothing stays in a buffer), which is
-    then closed."""
+    """The key and the spec, read from descriptor 0 to its end (nothing stays in a buffer), which then
+    reads /dev/null."""
     chunks = []
     while True:
         chunk = os.read(0, 1 << 16)
         if not chunk:
             break
         chunks.append(chunk)
-    os.close(0)
+    null = os.open(os.devnull, os.O_RDONLY)  # descriptor 0 stays taken: the report's descriptor is never 0,
+    os.dup2(null, 0)  # which pytest's capture of stdin replaces while the tests run
+    os.close(null)
     head, _, rest = b"".join(chunks).partition(b"\n")
     return bytes.fromhex(head.decode()), json.loads(rest)
 
@@ -141,7 +152,8 @@ def run(key: bytes, spec: dict, site: str, workspace: str, keep: int, seconds: f
     sys.path.insert(0, workspace)
     os.chdir(workspace)
     files = sorted({test.split("::", 1)[0] for test in wanted})
-    args = ["-q", "-p", "no:cacheprovider", "-o", "addopts=", "--rootdir", workspace, *sys.argv[5:], *files]
+    args = ["-q", "-p", "no:cacheprovider", "-o", "addopts=", "-o", "enable_assertion_pass_hook=true",
+            "--rootdir", workspace, *sys.argv[5:], *files]  # fmt: skip
     try:
         code = int(pytest.main(args, plugins=[plugin]))
     except BaseException as err:  # a test that exits the process
@@ -196,6 +208,12 @@ def make_plugin(wanted: list[str], seconds: float):
                 signal.signal(signal.SIGALRM, signal.SIG_DFL)
                 sys.audit("lit_marl.outcome", item, "failed" if raised else "passed")
 
+        def pytest_assertrepr_compare(self, config, op, left, right):  # also for assertions that pass
+            sys.audit("lit_marl.compared", op, left, right)
+
+        def pytest_assertion_pass(self, item, lineno, orig, expl):  # (so that passing ones are explained)
+            pass
+
         def pytest_runtest_logreport(self, report):  # a failing subtest fails its test (it only can fail one)
             if report.failed:
                 sys.audit("lit_marl.failed", report.nodeid)
@@ -209,7 +227,8 @@ def make_plugin(wanted: list[str], seconds: float):
 
 
 def install(key, report_fd, plugin, workspace, base, roots, spec) -> None:
-    """The audit hook (see the module's docstring): a bound method of a Harness no object refers to."""
+    """The audit hook (see the module's docstring): a partial of a function no object refers to, over a
+    state nothing else holds."""
     import _signal
 
     real_signal = _signal.signal
@@ -226,8 +245,7 @@ def install(key, report_fd, plugin, workspace, base, roots, spec) -> None:
         "collected": record.pytest_collection_finish.__code__,
         "finish": run.__code__, "note": run.__code__,
     }  # fmt: skip
-    harness = _load_harness()(key, report_fd, codes, (Guarded, _guarded), workspace, base, roots, spec)
-    sys.addaudithook(harness.hook)
+    sys.addaudithook(_load_harness()(key, report_fd, codes, (Guarded, _guarded), workspace, base, roots, spec))
 
 
 if __name__ == "__main__":

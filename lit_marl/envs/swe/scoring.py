@@ -34,15 +34,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lit_marl.envs.swe.instances import apply_patch, is_test_path
+from lit_marl.envs.swe.tools_site import tools_site
 from lit_marl.envs.swe.workspace import Workspace
 from lit_marl.fields import NonNegativeInt, PositiveFloat, PositiveInt, check_dataclass
 from lit_marl.sandbox import Limits, Result, run_in
 
 RUNNER = str(Path(__file__).with_name("runner.py"))
-HARNESS = str(Path(__file__).with_name("harness.py"))
+HARNESS = tuple(str(Path(__file__).with_name(name)) for name in ("harness.py", "harness_checks.py"))
 _PYTEST = importlib.util.find_spec("pytest")  # found, not imported: the trainer never runs it
 SITE = str(Path(_PYTEST.origin).resolve().parent.parent) if _PYTEST else ""
-"""The folder holding pytest (the trainer's site-packages), visible read-only in the sandbox."""
+"""The folder holding pytest (the trainer's site-packages): what a workspace module may not shadow.
+Test runs see only the tools' own site folder (``tools_site``)."""
 SKIPPED_SUFFIXES = (".pyc", ".pyo", ".pth", ".so", ".pyd", ".dylib", ".egg-link")
 SKIPPED_FOLDERS = ("__pycache__",)
 SKIPPED_FOLDER_SUFFIXES = (".dist-info", ".egg-info")
@@ -75,9 +77,13 @@ class TestSettings:
     disk_mb: PositiveInt = 256
     """Everything a test run may write, in total."""
     retries: NonNegativeInt = 2
-    """Further tries of a run that gave no report (the harness timed out or crashed)."""
+    """Further tries of a run in which the harness never became ready (the sandbox or the interpreter
+    failed, or it timed out first); a run the code under test broke is not tried again."""
     log_chars: PositiveInt = 3000
     """Characters of pytest's output kept (the end of it)."""
+    packages: tuple[str, ...] = ()
+    """Installed distributions the repositories' tests import (with what they require), shown to the
+    test runs and ``run`` commands beside pytest; nothing else of the trainer's environment is."""
 
     def __post_init__(self):
         check_dataclass("data.env_kwargs.tests", self)
@@ -96,6 +102,9 @@ class Report:
     tampered: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     """What the runner noted (the pytest that ran, with its folder; how a run ended early)."""
+    complete: bool = True
+    """The run's lines all came, in order, up to its last (False: the harness was ready but the run
+    broke off or lost a line: the code under test broke it)."""
 
 
 @dataclass
@@ -131,30 +140,46 @@ def run_tests(
     changed = changed or {}
     key = secrets.token_bytes(32)
     interpreter = os.path.realpath(sys.executable)
-    argv = [interpreter, "-I", "-B", RUNNER, SITE, str(ws.path.resolve()), str(settings.log_chars),
+    site = tools_site(settings.packages)
+    argv = [interpreter, "-I", "-B", RUNNER, site, str(ws.path.resolve()), str(settings.log_chars),
             str(settings.test_timeout_s), *args]  # fmt: skip
     lines = {path: lines for path, lines in changed.items() if lines is not None}
     stdin = key.hex() + "\n" + json.dumps({"tests": list(tests), "changed": sorted(changed), "lines": lines})
-    result = run_in(argv, str(ws.path), settings.limits(), read_only=(RUNNER, HARNESS, SITE), stdin=stdin)
+    result = run_in(argv, str(ws.path), settings.limits(), read_only=(RUNNER, *HARNESS, site), stdin=stdin)
     return signed_report(result.stdout, key), result
 
 
 def signed_report(stdout: str, key: bytes) -> Report | None:
-    """The one line of ``stdout`` signed with ``key`` as a Report (None: none, or more than one)."""
-    found = []
+    """The run's lines in ``stdout`` signed with ``key`` (``<hmac> <seq> <kind> <hex field>...``, written
+    by the harness as it decides) as a Report; None when the harness never said it was ready (no code of
+    the workspace ran: the run may be tried again). Lines must come numbered 0, 1, 2, ... and end with
+    ``finish``; a gap, a repeat or a missing end is a broken run (``complete`` False), as the code under
+    test can drop or replay lines but not make one."""
+    lines = []
     for line in stdout.splitlines():
         mac, _, body = line.partition(" ")
         if len(mac) == 64 and hmac.compare_digest(mac, hmac.new(key, body.encode(), hashlib.sha256).hexdigest()):
-            found.append(body)
-    if len(found) != 1:
+            seq, kind, *fields = body.split(" ")
+            lines.append((int(seq), kind, [bytes.fromhex(f).decode("utf-8", "surrogateescape") for f in fields]))
+    if not lines or lines[0][:2] != (0, "ready"):
         return None
-    try:
-        data = json.loads(found[0])
-        return Report(
-            dict(data["outcomes"]), int(data["exit"]), str(data["log"]), list(data["tampered"]), list(data["notes"])
-        )
-    except (ValueError, KeyError, TypeError):
-        return None
+    report, failed = Report({}, -1, "", complete=False), set()
+    for expected, (seq, kind, fields) in enumerate(lines):
+        if seq != expected or report.complete:
+            report.complete = False
+            break
+        if kind == "outcome":
+            report.outcomes[fields[0]] = fields[1]
+        elif kind == "failed":
+            failed.add(fields[0])
+        elif kind == "tamper":
+            report.tampered.append(fields[0])
+        elif kind == "note":
+            report.notes.append(fields[0])
+        elif kind == "finish":
+            report.exit, report.log, report.complete = int(fields[0]), fields[1], True
+    report.outcomes.update({nodeid: "failed" for nodeid in failed if nodeid in report.outcomes})
+    return report
 
 
 def changed_lines(base: dict, changes: dict[str, bytes]) -> dict[str, list[int] | None]:
@@ -238,7 +263,9 @@ _baseline_lock = threading.Lock()
 
 
 def _reports(files, root: Path, tests, args, settings: TestSettings, changed=None) -> tuple[Report | None, int, Result]:
-    """Up to 1 + retries runs on a fresh copy of ``files``; the report (None: none came), retries used."""
+    """Up to 1 + retries runs on a fresh copy of ``files`` while none gets as far as the harness being
+    ready (a broken run is the code's doing and is not run again); the report (None: none came),
+    retries used."""
     ws = Workspace(root, files)
     try:
         for attempt in range(settings.retries + 1):
@@ -258,21 +285,23 @@ def score(row: dict, base, current: dict[str, bytes], root: Path, settings: Test
     if reason:
         return Score({test: "failed" for test in tests}, tampered=reason)
     report, retries, result = _reports(files, root, tests, row["test_args"], settings, changed_lines(base, changes))
-    if report is None:
+    failed = {test: "failed" for test in tests}
+    if report is not None and report.tampered:
+        return Score(failed, tampered="; ".join(report.tampered)[:500], retries=retries, log=report.log)
+    if report is None or not report.complete:
         key = f"{row['instance_id']}@{row['base_commit']}"
         with _baseline_lock:
             if key not in _baseline:
                 base_files, _ = scoring_files(base, {p: d for p, (d, _) in base.items()}, tests, row["test_patch"])
-                _baseline[key] = _reports(base_files, root, tests, row["test_args"], settings)[0] is not None
+                kept = _reports(base_files, root, tests, row["test_args"], settings)[0]
+                _baseline[key] = kept is not None and kept.complete
         if not _baseline[key]:
             raise HarnessError(
-                f"instance {row['instance_id']}: the test harness gave no report in {settings.retries + 1} tries, also "
-                f"on the base commit (exit {result.returncode}, timed out: {result.timed_out}): "
+                f"instance {row['instance_id']}: the test harness gave no complete report in {settings.retries + 1} "
+                f"tries, also on the base commit (exit {result.returncode}, timed out: {result.timed_out}): "
                 f"{(result.stderr or result.stdout)[-600:]!r}; check the repository's test setup "
                 "(run its tests by hand) or raise data.env_kwargs.tests.run_timeout_s"
             )
-        return Score({test: "failed" for test in tests}, retries=retries, agent_crash=True, log=result.stderr[-500:])
-    if report.tampered:
-        return Score({test: "failed" for test in tests}, tampered="; ".join(report.tampered)[:500], log=report.log)
+        return Score(failed, retries=retries, agent_crash=True, log=result.stderr[-500:])
     outcomes = {test: report.outcomes.get(test, "missing") for test in tests}
     return Score(outcomes, retries=retries, log=report.log)
