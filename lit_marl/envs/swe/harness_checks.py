@@ -101,16 +101,8 @@ def prepare_equality(h) -> None:
     h.module_dict = ModuleType.__dict__["__dict__"].__get__
     h.make_comparison, h.mutate, h.call = namespace["make_comparison"], namespace["mutate"], namespace["call"]
     classes = all_classes(h)  # known by their ids (a metaclass decides == and hash), kept alive in h.known
-    h.known, h.wrapped = {id(cls): (cls, comparisons(h, cls)) for cls in classes}, {}
-    equal_anything = [cls for cls in classes if trusted_always_equal(h, cls)]
-    h.equal_anything = {id(cls) for cls in equal_anything}
-    h.equal_ids = {id(h.type_dict(cls)["__eq__"]) for cls in equal_anything}
-    h.equal_names = {
-        name
-        for module in list(sys.modules.values())
-        for name, value in list(getattr(module, "__dict__", {}).items())
-        if id(type(value)) in h.equal_anything
-    }
+    h.known, h.wrapped, h.library = {id(cls): (cls, comparisons(h, cls)) for cls in classes}, {}, set(map(id, classes))
+    h.equal_verdicts = {}  # id of a library class's __eq__ -> whether its instances equal anything
     h.build_class = namespace["make_build_class"](builtins.__build_class__, sys.audit)
     h.build_cells = [cell.cell_contents for cell in h.build_class.__closure__]
     builtins.__build_class__ = h.build_class
@@ -133,19 +125,22 @@ def all_classes(h) -> list:
     return out
 
 
-def trusted_always_equal(h, cls) -> bool:
-    """A class of the libraries (loaded before the workspace) whose instances equal two values they
-    cannot know (``unittest.mock.ANY``'s class)."""
-    own = h.type_dict(cls).get("__eq__")
-    if type(own) is not h.FunctionType:
-        return False
-    instance = bare(h, cls)
-    if instance is None:
-        return False
-    try:
-        return bool(own(instance, object())) and bool(own(instance, h.urandom(8).hex()))
-    except Exception:
-        return False
+def library_equals_anything(h, cls, function) -> bool:
+    """Whether ``function``, the ``__eq__`` a library class ``cls`` defines, says its instances equal
+    two values they cannot know (``unittest.mock.ANY``'s class); asked once per function, on an
+    instance made bare."""
+    verdict = h.equal_verdicts.get(id(function))
+    if verdict is None:
+        instance = bare(h, cls) if type(function) is h.FunctionType else None
+        verdict = instance is not None
+        for probe in (object(), h.urandom(8).hex()) if verdict else ():
+            try:
+                answer = function(instance, probe)
+                verdict = verdict and answer is not NotImplemented and bool(answer)
+            except Exception:
+                verdict = False
+        h.equal_verdicts[id(function)] = verdict  # (a library class's function: alive, its id never another's)
+    return verdict
 
 
 def bare(h, cls):
@@ -200,13 +195,13 @@ def look_at(h, cls) -> list:
     for name in COMPARISONS:
         value = own.get(name, MISSING)
         if value is MISSING:
-            resolved = next((h.type_dict(c)[name] for c in h.type_mro(cls) if name in h.type_dict(c)), None)
-            if name != "__eq__" or id(resolved) not in h.equal_ids:
+            owner = next((c for c in h.type_mro(cls) if name in h.type_dict(c)), None)
+            value = h.type_dict(owner)[name] if owner is not None else None
+            if name != "__eq__" or id(owner) not in h.library or not library_equals_anything(h, owner, value):
                 continue
-            value = resolved
         elif value is None or id(value) in h.own_ids:
             continue
-        elif type(value) is h.FunctionType and not untrusted_obj(h, value) and id(value) not in h.equal_ids:
+        elif type(value) is h.FunctionType and not untrusted_obj(h, value):
             continue
         wrapper = h.make_comparison(value, name == "__eq__", cls.__qualname__, h.mutate, h.urandom, sys.audit,
                                     NotImplemented, h.call)  # fmt: skip
@@ -256,10 +251,21 @@ def compared(h, op, left, right) -> None:
             continue
         item = h.current
         code = code_of(h, _function(item.obj)) if item is not None else None
-        named = id(type(this)) in h.equal_anything and code is not None and names_of(code) & h.equal_names
+        named = id(type(this)) in h.library and code is not None and names_of(code) & names_bound_to(h, this)
         if not named:
             note(h, f"an object that equals anything ({type(this).__qualname__}) was compared in a test")
             return
+
+
+def names_bound_to(h, value) -> set:
+    """The module attributes that hold ``value`` (``ANY`` for ``unittest.mock.ANY``)."""
+    return {
+        name
+        for module in list(h.modules.values())
+        if type(module) is ModuleType
+        for name, held in list(h.module_dict(module).items())
+        if held is value
+    }
 
 
 def names_of(code) -> set:

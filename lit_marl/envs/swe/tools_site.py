@@ -10,6 +10,7 @@ interpreters' own package folders as well (``sandbox.installed_package_folders``
 
 from __future__ import annotations
 
+import compileall
 import hashlib
 import importlib.metadata as metadata
 import os
@@ -81,6 +82,7 @@ def _copy(dists: list[metadata.Distribution], folder: Path) -> None:
             target = partial / source.relative_to(root)
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, target)
+    compileall.compile_dir(str(partial), quiet=2, workers=1)  # test runs write no bytecode: each would compile pytest
     try:
         partial.rename(folder)
     except OSError:  # another process made it first
