@@ -94,7 +94,7 @@ def build(key, report_fd, codes, guards, workspace, base, roots, spec):
     h.protected = {(f.st_dev, f.st_ino) for f in map(_stat, [*h.test_files, *folders]) if f}
     h.Guarded, h.guarded_getattribute = guards
     h.modules = sys.modules
-    h.busy, h.active, h.cache, h.code_cache = set(), 0, {}, {}
+    h.busy, h.active, h.cache, h.code_cache = set(), {}, {}, {}
     h.tampered, h.outcomes, h.notes, h.accepted, h.failed = [], {}, [], {}, set()
     h.changed_lines = {os.path.join(workspace, p): frozenset(n) for p, n in spec.get("lines", {}).items()}
     h.handlers, h.items, h.state, h.current = {}, {}, {}, None
@@ -143,9 +143,9 @@ def stack(h, depth: int, limit: int = 1 << 30) -> list:
 
 
 def suspect(h) -> bool:
-    """Any frame or object read now is suspect: the harness itself is running (a finalizer or callback
-    that fires inside it would reach its frames)."""
-    return h.active > 0
+    """Any frame or object read now is suspect: the harness itself is running in this thread (a
+    finalizer or callback that fires inside it would reach its frames)."""
+    return h.active.get(h.get_ident(), 0) > 0
 
 
 def anywhere(h, depth: int = 3) -> bool:
@@ -321,17 +321,19 @@ def own(h, kind: str, args) -> None:
         if (suspect(h) or caller is None or caller[2]) and args[0] not in PLAIN_NAMES:
             refuse(h, f"untrusted code read {args[0]} of a guarded object")
     elif kind in ("equal", "class", "compared"):  # anyone may ask for a check: it can only find tampering
-        h.active += 1
-        try:
-            {"equal": claimed_equal, "class": new_class, "compared": compared}[kind](h, *args)
-        finally:
-            h.active -= 1
+        running(h, {"equal": claimed_equal, "class": new_class, "compared": compared}[kind], args)
     elif kind in h.codes and genuine(h, kind, args[0] if kind in ("outcome", "enter", "check") else None):
-        h.active += 1
-        try:
-            ON[kind](h, *args)
-        finally:
-            h.active -= 1
+        running(h, ON[kind], args)
+
+
+def running(h, check, args) -> None:
+    """``check(h, *args)`` with this thread's harness marked running (``suspect``)."""
+    tid = h.get_ident()
+    h.active[tid] = h.active.get(tid, 0) + 1
+    try:
+        check(h, *args)
+    finally:
+        h.active[tid] -= 1
 
 
 def genuine(h, kind: str, item=None) -> bool:
