@@ -73,6 +73,7 @@ def build(key, report_fd, codes, guards, workspace, base, roots, spec):
     import _pytest.unittest
 
     h = Namespace(key=key, report_fd=report_fd, workspace=workspace, base=base, codes=codes, seq=0)
+    h.lock = threading.Lock()
     h.getframe, h.get_ident, h.hmac_digest, h.write = sys._getframe, threading.get_ident, _hashlib.hmac_digest, os.write
     h.getsignal, h.stat, h.clear_lines, h.main = _signal.getsignal, os.stat, linecache.clearcache, threading.get_ident()
     h.items_types = (_pytest.python.Function, _pytest.unittest.TestCaseFunction)
@@ -263,13 +264,14 @@ def note(h, reason: str) -> None:
 def emit(h, kind: str, *fields) -> None:
     """One line out, numbered and signed: ``<hmac> <seq> <kind> <hex field>...``. Only C functions run
     (captured when the hook was built): nothing the code under test patched takes part."""
-    body = str(h.seq) + " " + kind
-    for value in fields:
-        body += " " + STR_ENCODE(value if type(value) is str else "?", "utf-8", "surrogateescape").hex()
-    h.seq += 1
-    data = STR_ENCODE(h.hmac_digest(h.key, STR_ENCODE(body), "sha256").hex() + " " + body + "\n")
-    while data:
-        data = data[h.write(h.report_fd, data) :]
+    with h.lock:  # a thread's refusal and the runner's outcome: one line after the other, numbered in turn
+        body = str(h.seq) + " " + kind
+        for value in fields:
+            body += " " + STR_ENCODE(value if type(value) is str else "?", "utf-8", "surrogateescape").hex()
+        h.seq += 1
+        data = STR_ENCODE(h.hmac_digest(h.key, STR_ENCODE(body), "sha256").hex() + " " + body + "\n")
+        while data:
+            data = data[h.write(h.report_fd, data) :]
 
 
 # ---------------------------------------------------------------------- the hook
