@@ -6,7 +6,8 @@ rollout buffer. This callback counts the steps the user set (``limit_train_batch
 ``last.ckpt`` beside a temporary file and renames it over the old one, so a run killed while saving
 keeps its previous checkpoint. Under FSDP (``TeamFSDPStrategy``, ``save_distributed_checkpoint``)
 the checkpoint is a folder of shards; it is swapped in with two renames, the previous one kept as
-``last.ckpt.old`` in between (resume from that if a kill fell exactly there). A single-file
+``last.ckpt.old`` in between (resume from that if a kill fell exactly there; a rank stopped because
+another rank failed finishes the renames first). A single-file
 checkpoint is flushed to disk before its rename and its SHA-256 recorded in ``last.ckpt.sha256``
 (``lit_marl.checkpoint_files``): a damaged file is refused on resume. The checkpoint holds
 what resuming needs beyond the weights and optimizers: the task position (the training loader's
@@ -25,6 +26,7 @@ from lightning.pytorch.callbacks import Checkpoint
 
 from lit_marl import checkpoint_files
 from lit_marl.fields import PositiveInt, check_fields
+from lit_marl.parallel import failure
 
 
 class StepCheckpoint(Checkpoint):  # a Checkpoint: Lightning runs it after the other callbacks
@@ -55,20 +57,26 @@ class StepCheckpoint(Checkpoint):  # a Checkpoint: Lightning runs it after the o
         trainer.strategy.barrier("StepCheckpoint")
         trainer.save_checkpoint(partial)  # every rank joins; rank 0 writes (under FSDP, every rank its shards)
         trainer.strategy.barrier("StepCheckpoint")
-        if trainer.is_global_zero:
-            if partial.is_dir():
-                # a sharded checkpoint is a folder, which cannot replace another in one rename: the
-                # previous one steps aside as .old until the new one is in place
-                if self.path.exists():
-                    os.replace(self.path, old)
-                os.replace(partial, self.path)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                checkpoint_files.fsync_file(partial)  # on disk before it replaces the old one
-                checkpoint_files.record(partial, self.path)
-                os.replace(partial, self.path)
-            checkpoint_files.fsync_dir(self.path.parent)
+        # a rank stopped because another failed finishes these renames first (parallel/failure.py)
+        with failure.critical():
+            if trainer.is_global_zero:
+                self.swap_in(partial, old)
         trainer.strategy.barrier("StepCheckpoint")
+
+    def swap_in(self, partial: Path, old: Path) -> None:
+        """``partial`` becomes the checkpoint (rank 0; no collective)."""
+        if partial.is_dir():
+            # a sharded checkpoint is a folder, which cannot replace another in one rename: the
+            # previous one steps aside as .old until the new one is in place
+            if self.path.exists():
+                os.replace(self.path, old)
+            os.replace(partial, self.path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            checkpoint_files.fsync_file(partial)  # on disk before it replaces the old one
+            checkpoint_files.record(partial, self.path)
+            os.replace(partial, self.path)
+        checkpoint_files.fsync_dir(self.path.parent)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         if (trainer.fit_loop.total_batch_idx + 1) % self.every_n_steps == 0:

@@ -14,6 +14,7 @@ import yaml
 
 from lit_marl import ConfigError, checkpoint_files, config_error_in, cpu
 from lit_marl.envs.calls import RewardError  # checkpoint_files loads torch already: no start-up to save
+from lit_marl.parallel import failure
 from lit_marl.tasks import import_object
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -241,26 +242,39 @@ def _where(err: BaseException) -> str:
     return f"\n  at {frame.filename}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}"
 
 
+def _short_form(err: BaseException) -> str | None:
+    """A configuration error, or a fault of the user's reward or transition, as one line (and the
+    line of the user's code it came from); None: the traceback (any other error, LIT_MARL_TRACEBACK=1)."""
+    if os.environ.get("LIT_MARL_TRACEBACK"):
+        return None
+    if isinstance(err, ConfigError):
+        return f"configuration error: {err}"
+    if isinstance(err, (RewardError, FloatingPointError)):  # the user's reward/transition; a NaN/inf loss
+        where = _where(err) if isinstance(err, RewardError) else ""
+        return f"{err}{where}\n(LIT_MARL_TRACEBACK=1 shows the whole traceback)"
+    return None
+
+
 def main() -> None:
     """``lit-marl``: a configuration error, or a fault of the user's reward or transition, is one
-    line (and the line of the user's code it came from); LIT_MARL_TRACEBACK=1 shows the traceback."""
+    line (and the line of the user's code it came from); LIT_MARL_TRACEBACK=1 shows the traceback.
+    A rank of several that fails prints it once (``parallel/failure.py``) and the others stop."""
     command = sys.argv[1] if len(sys.argv) > 1 else None
     if command == "predict":
         sys.exit(NOT_PREDICT)
+    failure.use_short_form(_short_form)
     try:
         if command in COMMANDS:  # not a Trainer method: no LightningCLI
             module, function, _ = COMMANDS[command]
             return getattr(importlib.import_module(module), function)(sys.argv[2:])
         build_cli()
-    except ConfigError as err:
-        if os.environ.get("LIT_MARL_TRACEBACK"):
+    except (ConfigError, RewardError, FloatingPointError) as err:
+        if failure.reported(err):  # printed by the rank that failed, with its rank
+            sys.exit(1)
+        short = _short_form(err)
+        if short is None:
             raise
-        sys.exit(f"lit-marl: configuration error: {err}")
-    except (RewardError, FloatingPointError) as err:  # the user's reward/transition; a NaN/inf loss
-        if os.environ.get("LIT_MARL_TRACEBACK"):
-            raise
-        where = _where(err) if isinstance(err, RewardError) else ""
-        sys.exit(f"lit-marl: {err}{where}\n(LIT_MARL_TRACEBACK=1 shows the whole traceback)")
+        sys.exit(f"lit-marl: {short}")
 
 
 if __name__ == "__main__":

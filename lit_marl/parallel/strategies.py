@@ -7,7 +7,8 @@ backward and expects the same passes on every rank; it would hang or double-coun
 stays unwrapped; ``AgentTeamModule`` sums each optimizer's gradients over ranks itself, once per
 optimizer step, pads every rank's mini-batches to the same count and takes flush and early-stop
 decisions over all ranks. Everything else (process launch, torchrun/SLURM environments, the
-process group: gloo on CPU, NCCL on GPUs, ``num_nodes``) is Lightning's ``DDPStrategy``.
+process group: gloo on CPU, NCCL on GPUs, ``num_nodes``) is Lightning's ``DDPStrategy``. Both
+strategies stop every rank when one raises (``StopsTogether``, ``parallel/failure.py``).
 
     trainer:
       strategy: {class_path: lit_marl.parallel.strategies.TeamDDPStrategy}
@@ -16,14 +17,34 @@ process group: gloo on CPU, NCCL on GPUs, ``num_nodes``) is Lightning's ``DDPStr
 
 from __future__ import annotations
 
+import sys
+
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
 from lit_marl import ConfigError
+from lit_marl.parallel import failure
 from lit_marl.parallel.fsdp import MODES
 
 
-class TeamDDPStrategy(DDPStrategy):
+class StopsTogether:
+    """A strategy whose ranks stop together: once its process group exists every rank watches the
+    others (``failure.watch``), and a rank whose trainer call raises reports it (``failure.report``):
+    its error printed once, the other ranks ended within seconds instead of waiting in a collective."""
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        failure.watch(self)
+
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        try:
+            failure.report(exception)
+        except Exception as err:  # never in place of the run's own error
+            print(f"lit-marl: could not tell the other ranks that this one failed: {err!r}", file=sys.stderr)
+
+
+class TeamDDPStrategy(StopsTogether, DDPStrategy):
     """Lightning's ``DDPStrategy`` with the module left unwrapped (no DistributedDataParallel): every rank
     starts from rank 0's weights and ``AgentTeamModule`` sums the gradients over ranks itself."""
 
@@ -31,7 +52,7 @@ class TeamDDPStrategy(DDPStrategy):
         _sync_module_states(self.model)  # every rank starts from rank 0's weights
 
 
-class TeamFSDPStrategy(ModelParallelStrategy):
+class TeamFSDPStrategy(StopsTogether, ModelParallelStrategy):
     """FSDP2 over all ranks: Lightning's ``ModelParallelStrategy`` with every rank in the
     data-parallel (sharding) dimension and no tensor parallelism. ``AgentTeamModule`` shards each
     model with ``fully_shard`` in ``configure_model``; how a team's uneven passes meet FSDP's
