@@ -1,5 +1,5 @@
 """The test harness's verdict, run by ``runner.py`` (its docstring: the design), with
-``harness_checks.py``, in a namespace of their own with private builtins.
+``harness_checks.py`` and ``harness_equality.py``, in a namespace of their own with private builtins.
 
 There is no class here: the verdict's state is one ``SimpleNamespace`` (``h``) held by the audit hook
 (a ``functools.partial``) and passed down the calls. No Python object leads to the hook, so none leads
@@ -83,7 +83,7 @@ def build(key, report_fd, codes, guards, workspace, base, roots, spec):
     modules = {"inspect": inspect, "traceback": traceback, "logging": logging, "linecache": linecache}
     h.wrapper_files = {module.__file__ for module in modules.values()}
     h.frame_apis = {(modules[module].__file__, name) for module, name in FRAME_APIS}
-    h.own_files = (os.path.realpath(codes["finish"].co_filename), os.path.realpath(__file__), CHECKS_FILE)
+    h.own_files = (os.path.realpath(codes["finish"].co_filename), *HARNESS_FILES)
     h.test_files = frozenset(os.path.join(workspace, t.split("::", 1)[0]) for t in spec["tests"]) | frozenset(
         f for f in base if "/tests/" in f or "/test/" in f or os.path.basename(f).startswith(("test_", "conftest"))
     )
@@ -309,6 +309,8 @@ def hook(h, event, args):
         refuse(h, f"untrusted code opened {args[0]!r}")
     elif event in MUTATIONS and mutates_tests(h, event, args) and anywhere(h):
         refuse(h, f"untrusted code changed the tests' files ({event} {args[0]!r})")
+    elif event == "exec" and args and type(args[0]) is CodeType and args[0].co_filename in h.test_files:
+        guard_module_of(h, args[0].co_filename)  # before the test module's code runs: it is guarded from birth
     elif event == "compile" and len(args) > 1 and type(args[1]) is str and not args[1].startswith("<"):
         if suspect(h) or stack(h, 2, limit=1)[0][2]:  # the import system compiles sources; untrusted code may not
             refuse(h, f"untrusted code compiled code named {args[1]}")
@@ -324,7 +326,7 @@ def own(h, kind: str, args) -> None:
             refuse(h, f"untrusted code read {args[0]} of a guarded object")
     elif kind in ("equal", "class", "compared"):  # anyone may ask for a check: it can only find tampering
         running(h, {"equal": claimed_equal, "class": new_class, "compared": compared}[kind], args)
-    elif kind in h.codes and genuine(h, kind, args[0] if kind in ("outcome", "enter", "check") else None):
+    elif kind in h.codes and genuine(h, kind, args[0] if kind in ("outcome", "enter", "check", "calling") else None):
         running(h, ON[kind], args)
 
 

@@ -44,18 +44,16 @@ import types
 
 
 def _load_harness():
-    """The audit hook's builder of ``harness.py`` and ``harness_checks.py`` beside this file, run in a
+    """The audit hook's builder of the ``harness*.py`` files beside this file, run in a
     namespace of their own with a private copy of the builtins (not a module, no class: nothing the code
     under test reaches leads to it)."""
     import builtins
 
     folder = os.path.dirname(os.path.realpath(__file__))
-    namespace = {
-        "__name__": "lit_marl_harness", "__file__": os.path.join(folder, "harness.py"),
-        "CHECKS_FILE": os.path.join(folder, "harness_checks.py"), "__builtins__": dict(builtins.__dict__),
-    }  # fmt: skip
-    for name in ("harness.py", "harness_checks.py"):
-        path = os.path.join(folder, name)
+    files = tuple(os.path.join(folder, name) for name in ("harness.py", "harness_checks.py", "harness_equality.py"))
+    namespace = {"__name__": "lit_marl_harness", "__file__": files[0], "HARNESS_FILES": files,
+                 "__builtins__": dict(builtins.__dict__)}  # fmt: skip
+    for path in files:
         with open(path) as handle:
             exec(compile(handle.read(), path, "exec"), namespace)
     return namespace["build"]
@@ -176,9 +174,11 @@ def _walk(root: str) -> list[str]:
 
 
 def make_plugin(wanted: list[str], seconds: float):
-    """The runner's pytest plugin: keeps the listed tests, times each one, and hands each test's own
-    outcome (what the test function did: return, or raise) to the audit hook."""
+    """The runner's pytest plugin: keeps the listed tests, times each one, calls each test function
+    itself (pytest's ``pytest_pyfunc_call``, first: no other implementation runs) and hands each test's
+    own outcome (what the test function did: return, or raise) to the audit hook."""
     import pytest
+    from _pytest.python import async_fail, is_async_function
 
     wanted = set(wanted)
 
@@ -207,6 +207,18 @@ def make_plugin(wanted: list[str], seconds: float):
                 signal.setitimer(signal.ITIMER_REAL, 0)
                 signal.signal(signal.SIGALRM, signal.SIG_DFL)
                 sys.audit("lit_marl.outcome", item, "failed" if raised else "passed")
+
+        @pytest.hookimpl(tryfirst=True)
+        def pytest_pyfunc_call(self, pyfuncitem):  # the test function is called here, by the runner's own code
+            sys.audit("lit_marl.calling", pyfuncitem)
+            testfunction = pyfuncitem.obj
+            if is_async_function(testfunction):
+                async_fail(pyfuncitem.nodeid)
+            funcargs = pyfuncitem.funcargs
+            result = testfunction(**{arg: funcargs[arg] for arg in pyfuncitem._fixtureinfo.argnames})
+            if hasattr(result, "__await__") or hasattr(result, "__aiter__"):
+                async_fail(pyfuncitem.nodeid)
+            return True
 
         def pytest_assertrepr_compare(self, config, op, left, right):  # also for assertions that pass
             sys.audit("lit_marl.compared", op, left, right)
@@ -242,7 +254,7 @@ def install(key, report_fd, plugin, workspace, base, roots, spec) -> None:
     codes = {
         "outcome": record.pytest_runtest_call.__code__, "enter": record.pytest_runtest_call.__code__,
         "check": record.pytest_runtest_teardown.__code__, "failed": record.pytest_runtest_logreport.__code__,
-        "collected": record.pytest_collection_finish.__code__,
+        "collected": record.pytest_collection_finish.__code__, "calling": record.pytest_pyfunc_call.__code__,
         "finish": run.__code__, "note": run.__code__,
     }  # fmt: skip
     sys.addaudithook(_load_harness()(key, report_fd, codes, (Guarded, _guarded), workspace, base, roots, spec))

@@ -40,7 +40,9 @@ from lit_marl.fields import NonNegativeInt, PositiveFloat, PositiveInt, check_da
 from lit_marl.sandbox import Limits, Result, run_in
 
 RUNNER = str(Path(__file__).with_name("runner.py"))
-HARNESS = tuple(str(Path(__file__).with_name(name)) for name in ("harness.py", "harness_checks.py"))
+HARNESS = tuple(
+    str(Path(__file__).with_name(name)) for name in ("harness.py", "harness_checks.py", "harness_equality.py")
+)
 _PYTEST = importlib.util.find_spec("pytest")  # found, not imported: the trainer never runs it
 SITE = str(Path(_PYTEST.origin).resolve().parent.parent) if _PYTEST else ""
 """The folder holding pytest (the trainer's site-packages): what a workspace module may not shadow.

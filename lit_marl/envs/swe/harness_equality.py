@@ -1,0 +1,324 @@
+"""The harness's comparison checks (run with ``harness.py`` and ``harness_checks.py``, in their namespace:
+the design is in ``runner.py``'s docstring): every class's ``__eq__``/``__ne__`` that is not a
+library's own is wrapped and checked as it runs, and assertions check their operands."""
+
+import builtins
+import os
+import sys
+import unittest
+
+COMPARISONS = ("__eq__", "__ne__")
+PLAIN = frozenset({str, bytes, int, float, complex, bool, type(None), tuple, list, dict, set, frozenset})
+"""Values whose equality is the interpreter's (a container's items are checked as objects of their own)."""
+WRAPPERS = '''
+def make_comparison(descriptor, equal, name, mutate, urandom, audit, NI, call, base, plain, kind):
+    """A class's own comparison, checked as it runs. The answer is judged here (a bool is returned: an
+    answer object cannot change its mind later). A class of a plain built-in type (a ``str``
+    subclass) must agree with that type about a plain value: saying "equal" where ``str`` says not is
+    tampering. Any class is also asked about values it could not know (the other value changed; a fresh
+    object), once or twice before and after the real question, in an order it cannot foresee."""
+
+    def compare(self, other, _d=descriptor, _e=equal, _n=name, _m=mutate, _u=urandom, _a=audit, _NI=NI, _c=call,
+                _b=base, _p=plain, _k=kind):
+        bits = _u(1)[0]
+        before, after, claimed = 1 + (bits & 1), 1 + (bits >> 1 & 1), False
+        while before:
+            decoy = _m(other, _u)
+            answer = _c(_d, self, decoy)
+            said = answer is not _NI and (not not answer) is _e
+            claimed = claimed or (said and (_b is None or _b(self, decoy) is not _e))
+            before -= 1
+        result = _c(_d, self, other)
+        if result is not _NI:
+            result = not not result
+            if _b is not None and _k(other) in _p:
+                truth = _b(self, other)
+                claimed = claimed or (truth is not _NI and result is _e and truth is not _e)
+        while after:
+            decoy = _m(other, _u)
+            answer = _c(_d, self, decoy)
+            said = answer is not _NI and (not not answer) is _e
+            claimed = claimed or (said and (_b is None or _b(self, decoy) is not _e))
+            after -= 1
+        if claimed:
+            _a("lit_marl.equal", _n)
+        return result
+
+    return compare
+
+
+def mutate(value, urandom, _t=type, _s=str, _b=bytes, _i=int, _f=float, _tu=tuple, _l=list, _o=object, _n=len):
+    kind = _t(value)
+    if kind is _s and value:
+        at = urandom(1)[0] % _n(value)  # one character becomes a control picture (U+2400..): no honest
+        other = "\u2400\u2401\u2402\u2403"[urandom(1)[0] & 3]  # value equals the result by chance
+        return value[:at] + (other if value[at] != other else "\u2404") + value[at + 1 :]
+    if kind is _b and value:
+        at = urandom(1)[0] % _n(value)
+        return value[:at] + (b"\\xfe" if value[at : at + 1] != b"\\xfe" else b"\\xfd") + value[at + 1 :]
+    if kind is _i:
+        return value + 1 + urandom(1)[0]
+    if kind is _f and value - value == 0.0:
+        return value + 1.0 + urandom(1)[0]
+    if kind is _tu:
+        return value + (_o(),)
+    if kind is _l:
+        return value + [_o()]
+    return _o()
+
+
+def call(descriptor, self, other, _t=type, _F=None, _ga=getattr):
+    if _t(descriptor) is _F:
+        return descriptor(self, other)
+    get = _ga(_t(descriptor), "__get__", None)
+    return get(descriptor, self, _t(self))(other) if get is not None else descriptor(other)
+
+
+def make_build_class(build, audit):
+    def build_class(func, name, *bases, **keywords):
+        made = build(func, name, *bases, **keywords)
+        audit("lit_marl.class", made)
+        return made
+
+    return build_class
+
+
+def make_assert_equal(original, audit):
+    def assertEqual(self, first, second, msg=None):
+        audit("lit_marl.compared", "==", first, second)
+        return original(self, first, second, msg)
+
+    return assertEqual
+'''
+"""Functions the code under test can reach (on its classes, in ``builtins``, on ``TestCase``), so
+compiled in a namespace of their own with no builtins: they read no global, and what they call is
+bound as defaults (setting ``__defaults__`` of the harness's functions is refused) or in closures
+(checked after every test)."""
+
+
+def prepare_equality(h) -> None:
+    """Before the snapshot: the trusted classes whose instances equal anything (``unittest.mock.ANY``),
+    the wrappers, ``builtins.__build_class__`` (every class statement is seen as it is made) and
+    ``TestCase.assertEqual`` (its operands are checked as an assertion's are)."""
+    FunctionType = type(prepare_equality)
+    names = {"type": type, "str": str, "bytes": bytes, "int": int, "float": float, "tuple": tuple, "list": list,
+             "object": object, "getattr": getattr, "len": len}  # fmt: skip
+    namespace = {"__builtins__": names}  # read while the definitions run, then emptied: no name is looked up later
+    exec(compile(WRAPPERS, HARNESS_FILES[-1], "exec"), namespace)
+    names.clear()
+    namespace["call"].__defaults__ = (type, FunctionType, getattr)
+    h.urandom, h.type_dict, h.type_mro = os.urandom, type.__dict__["__dict__"].__get__, type.__dict__["__mro__"].__get__
+    h.subclasses, h.type_setattr, h.FunctionType = type.__subclasses__, type.__setattr__, FunctionType
+    h.module_dict = ModuleType.__dict__["__dict__"].__get__
+    h.make_comparison, h.mutate, h.call = namespace["make_comparison"], namespace["mutate"], namespace["call"]
+    classes = all_classes(h)  # known by their ids (a metaclass decides == and hash), kept alive in h.known
+    h.known, h.wrapped, h.library = {id(cls): (cls, comparisons(h, cls)) for cls in classes}, {}, set(map(id, classes))
+    h.equal_verdicts = {}  # id of a library class's __eq__ -> whether its instances equal anything
+    import gc
+    import weakref
+
+    h.gc_callbacks, h.weak_registry = gc.callbacks, weakref.finalize._registry
+    h.called, h.unverified, h.test_modules, h.finalizers_before = set(), {}, [], set()
+    h.machinery_roots = tuple(
+        os.path.dirname(m.__file__) + "/" for m in (sys.modules["_pytest"], sys.modules["pluggy"], unittest)
+    )
+    h.build_class = namespace["make_build_class"](builtins.__build_class__, sys.audit)
+    h.build_cells = [cell.cell_contents for cell in h.build_class.__closure__]
+    builtins.__build_class__ = h.build_class
+    h.assert_equal = namespace["make_assert_equal"](unittest.TestCase.assertEqual, sys.audit)
+    h.assert_cells = [cell.cell_contents for cell in h.assert_equal.__closure__]
+    unittest.TestCase.assertEqual = h.assert_equal
+    h.own_ids = {id(f) for f in (*namespace.values(), h.build_class, h.assert_equal) if type(f) is FunctionType}
+
+
+def all_classes(h) -> list:
+    """Every class there is, found from ``object`` down (``type.__subclasses__``, not the classes' own)."""
+    out, todo, seen = [], [object], {id(object)}
+    while todo:
+        cls = todo.pop()
+        out.append(cls)
+        for sub in h.subclasses(cls):
+            if id(sub) not in seen:
+                seen.add(id(sub))
+                todo.append(sub)
+    return out
+
+
+def library_equals_anything(h, cls, function) -> bool:
+    """Whether ``function``, the ``__eq__`` a library class ``cls`` defines, says its instances equal
+    two values they cannot know (``unittest.mock.ANY``'s class); asked once per function, on an
+    instance made bare."""
+    verdict = h.equal_verdicts.get(id(function))
+    if verdict is None:
+        instance = bare(h, cls) if type(function) is h.FunctionType else None
+        verdict = instance is not None
+        for probe in (object(), h.urandom(8).hex()) if verdict else ():
+            try:
+                answer = function(instance, probe)
+                verdict = verdict and answer is not NotImplemented and bool(answer)
+            except Exception:
+                verdict = False
+        h.equal_verdicts[id(function)] = verdict  # (a library class's function: alive, its id never another's)
+    return verdict
+
+
+def bare(h, cls):
+    """An instance of ``cls`` made without running any of its code (its first built-in base's
+    ``__new__``); None when there is none."""
+    for base in h.type_mro(cls):
+        if type(h.type_dict(base).get("__new__")) is staticmethod or base.__module__ != "builtins":
+            continue
+        try:
+            return base.__new__(cls)
+        except Exception:
+            return None
+    return None
+
+
+def new_class(h, cls) -> None:
+    """A class statement just ran (``builtins.__build_class__``): its comparisons are wrapped at once.
+    (Comparisons of trusted code that came too late are checked where an assertion compares.)"""
+    if any(c is type for c in h.type_mro(type(cls))):
+        look_at(h, cls)
+
+
+def comparisons(h, cls) -> tuple:
+    own = h.type_dict(cls)
+    return own.get("__eq__", MISSING), own.get("__ne__", MISSING)
+
+
+def look(h, during_test: bool) -> tuple[str, str]:
+    """Every class's comparisons against what they were at the last look (``h.known``): new ones are
+    wrapped. ``during_test`` (after a test): a comparison that came while the test ran other than by
+    a class statement (``type()`` called with one, one set on a class) was not wrapped in time, so the
+    test it may have decided does not count: (tampering, why the test fails) — tampering when its
+    objects, made bare, claim to equal values they cannot know."""
+    unchecked = ""
+    for cls in all_classes(h):
+        before, now = h.known.get(id(cls), (None, (None, None)))[1], comparisons(h, cls)
+        if before[0] is now[0] and before[1] is now[1]:
+            continue
+        if look_at(h, cls) and during_test:
+            if claims_on_bare(h, cls):
+                return f"{cls.__qualname__} made bare, claims to equal anything", ""
+            if any(value is not MISSING and untrusted_value(h, value) for value in now):
+                unchecked = unchecked or f"{cls.__qualname__} got a comparison while the test ran, too late to check"
+    return "", unchecked
+
+
+def look_at(h, cls) -> list:
+    """Wrap ``cls``'s comparisons that are not the libraries' own (untrusted code, or anything that is
+    not a function: a ``partialmethod``, a builtin) and an inherited ``__eq__`` of an always-equal
+    class; remember what they are now. The names wrapped."""
+    own, done = h.type_dict(cls), []
+    for name in COMPARISONS:
+        value = own.get(name, MISSING)
+        if value is MISSING:
+            owner = next((c for c in h.type_mro(cls) if name in h.type_dict(c)), None)
+            value = h.type_dict(owner)[name] if owner is not None else None
+            if name != "__eq__" or id(owner) not in h.library or not library_equals_anything(h, owner, value):
+                continue
+        elif value is None or id(value) in h.own_ids:
+            continue
+        elif id(cls) in h.library and type(value) is h.FunctionType and not untrusted_obj(h, value):
+            continue  # a library class's own (a comparison set on it later is wrapped: not a library function)
+        base = next((c for c in h.type_mro(cls) if c in PLAIN), None)
+        wrapper = h.make_comparison(value, name == "__eq__", cls.__qualname__, h.mutate, h.urandom, sys.audit,
+                                    NotImplemented, h.call, None if base is None else h.type_dict(base)[name],
+                                    PLAIN, type)  # fmt: skip
+        try:
+            h.type_setattr(cls, name, wrapper)
+        except (TypeError, AttributeError):
+            continue
+        h.own_ids.add(id(wrapper))
+        h.wrapped[(id(cls), name)] = (cls, wrapper)
+        done.append(name)
+    h.known[id(cls)] = (cls, comparisons(h, cls))  # (the class kept alive: its id is never another's)
+    return done
+
+
+def claims_on_bare(h, cls) -> bool:
+    instance = bare(h, cls)
+    if instance is None:
+        return False
+    for probe in (object(), h.urandom(8).hex(), sys.intern("x" + h.urandom(4).hex()), 1 + h.urandom(1)[0], (object(),)):
+        try:
+            if instance == probe or not (instance != probe):
+                return True
+        except Exception:
+            continue
+    return False
+
+
+def claimed_equal(h, name) -> None:
+    note(h, f"{name} said it equals a value it could not know")
+
+
+def compared(h, op, left, right) -> None:
+    """An assertion's operands (pytest's ``assert a == b``, also one that passed; ``TestCase.assertEqual``).
+    An object whose comparison is not a library's, compared with a plain value, decides nothing unless
+    it is itself of a plain type (whose answer its wrapper holds to that type's): the test counts as
+    failed (values it cannot know can be told from the real one: by length, by reference count).
+    Any other operand that is not a plain value must not equal the other one changed, nor a fresh
+    object (``unittest.mock.ANY``, a mock told to equal); a library's always-equal object counts only
+    where the test names it."""
+    if op != "==":
+        return
+    for this, other in ((left, right), (right, left)):
+        if type(this) in PLAIN:
+            continue
+        cls = type(this)
+        owner = next((c for c in h.type_mro(cls) if "__eq__" in h.type_dict(c)), None)
+        ours = owner is not None and id(h.type_dict(owner)["__eq__"]) in h.own_ids
+        if ours and type(other) in PLAIN and not any(c in PLAIN for c in h.type_mro(cls)):
+            if h.current is not None:
+                h.unverified[h.current.nodeid] = (
+                    f"{cls.__qualname__} (a comparison of the agent's) decided an assertion"
+                )
+            continue
+        try:
+            claims = bool(this == object())  # (a value of the other's kind is the wrappers' to try, as they run)
+        except Exception:
+            claims = False
+        if not claims:
+            continue
+        item = h.current
+        code = code_of(h, _function(item.obj)) if item is not None else None
+        named = id(cls) in h.library and code is not None and names_of(code) & names_bound_to(h, this)
+        if not named:
+            note(h, f"an object that equals anything ({cls.__qualname__}) was compared in a test")
+            return
+
+
+def names_bound_to(h, value) -> set:
+    """The module attributes that hold ``value`` (``ANY`` for ``unittest.mock.ANY``)."""
+    return {
+        name
+        for module in list(h.modules.values())
+        if type(module) is ModuleType
+        for name, held in list(h.module_dict(module).items())
+        if held is value
+    }
+
+
+def names_of(code) -> set:
+    names, todo = set(), [code]
+    while todo:
+        current = todo.pop()
+        names.update(current.co_names)
+        todo += [c for c in current.co_consts if type(c) is type(code)]
+    return names
+
+
+def wrappers_intact(h) -> str:
+    if builtins.__dict__.get("__build_class__") is not h.build_class:
+        return "builtins.__build_class__ was replaced"
+    if unittest.TestCase.__dict__.get("assertEqual") is not h.assert_equal:
+        return "unittest.TestCase.assertEqual was replaced"
+    for made, cells in ((h.build_class, h.build_cells), (h.assert_equal, h.assert_cells)):
+        if any(cell.cell_contents is not kept for cell, kept in zip(made.__closure__, cells)):
+            return "the harness's wrappers were changed"
+    for (_, name), (cls, wrapper) in h.wrapped.items():
+        if h.type_dict(cls).get(name) is not wrapper:
+            return f"{cls.__qualname__}.{name} was replaced after it was checked"
+    return ""
