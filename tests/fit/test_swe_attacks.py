@@ -487,6 +487,7 @@ EXPECTED = {
     "scorer_objects_patched": "baseline",  # nothing the code reaches is the scorer's
     "released_package_in_the_test_run": "baseline",  # not importable where the tests run
     "equal_once_made_by_type_in_the_function": "failed",  # too late to check: its tests count as failed
+    "armed_equal_made_by_type_in_the_function": "failed",  # str says no: its own comparison decides nothing
     "answer_that_changes_its_mind": "failed",  # judged by the wrapper as it comes: no
     "hook_implementation_made_a_library_function": "failed",  # the runner never called the test functions
 }  # fmt: skip

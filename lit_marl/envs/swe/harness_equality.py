@@ -255,39 +255,52 @@ def claimed_equal(h, name) -> None:
 
 
 def compared(h, op, left, right) -> None:
-    """An assertion's operands (pytest's ``assert a == b``, also one that passed; ``TestCase.assertEqual``).
-    An object whose comparison is not a library's, compared with a plain value, decides nothing unless
-    it is itself of a plain type (whose answer its wrapper holds to that type's): the test counts as
-    failed (values it cannot know can be told from the real one: by length, by reference count).
-    Any other operand that is not a plain value must not equal the other one changed, nor a fresh
-    object (``unittest.mock.ANY``, a mock told to equal); a library's always-equal object counts only
-    where the test names it."""
+    """An assertion's operands (pytest's ``assert a == b``, also one that passed; ``TestCase.assertEqual``),
+    where one is not a plain value and its ``__eq__`` is not the repository's own:
+
+    - against a plain value, an object of a plain type (a ``str`` subclass) decides by that type's
+      answer, and an object whose comparison is the agent's decides nothing: otherwise the test counts
+      as failed (values a wrapper asks about can be told from the real one: by a reference count);
+    - any other such object must not equal a fresh object (``unittest.mock.ANY``, a mock told to
+      equal): tampering, unless it is a library's and the test names it."""
     if op != "==":
         return
     for this, other in ((left, right), (right, left)):
-        if type(this) in PLAIN:
-            continue
         cls = type(this)
-        owner = next((c for c in h.type_mro(cls) if "__eq__" in h.type_dict(c)), None)
-        ours = owner is not None and id(h.type_dict(owner)["__eq__"]) in h.own_ids
-        if ours and type(other) in PLAIN and not any(c in PLAIN for c in h.type_mro(cls)):
-            if h.current is not None:
-                h.unverified[h.current.nodeid] = (
-                    f"{cls.__qualname__} (a comparison of the agent's) decided an assertion"
-                )
+        owner = None if cls in PLAIN else next((c for c in h.type_mro(cls) if "__eq__" in h.type_dict(c)), None)
+        kind = "" if owner is None else comparison_kind(h, owner, h.type_dict(owner)["__eq__"])
+        if kind in ("", "repository"):
             continue
+        if type(other) in PLAIN:
+            base = next((c for c in h.type_mro(cls) if c in PLAIN), None)
+            if base is not None or kind == "agent":
+                if base is None or h.type_dict(base)["__eq__"](this, other) is not True:
+                    why = f"{cls.__qualname__} decided an assertion against a plain value by its own comparison"
+                    h.unverified.setdefault(getattr(h.current, "nodeid", ""), why)
+                continue
         try:
-            claims = bool(this == object())  # (a value of the other's kind is the wrappers' to try, as they run)
+            claims = bool(this == object())
         except Exception:
             claims = False
-        if not claims:
-            continue
-        item = h.current
-        code = code_of(h, _function(item.obj)) if item is not None else None
-        named = id(cls) in h.library and code is not None and names_of(code) & names_bound_to(h, this)
-        if not named:
-            note(h, f"an object that equals anything ({cls.__qualname__}) was compared in a test")
-            return
+        if claims:
+            item = h.current
+            code = code_of(h, _function(item.obj)) if item is not None else None
+            named = kind == "library" and code is not None and names_of(code) & names_bound_to(h, this)
+            if not named:
+                note(h, f"an object that equals anything ({cls.__qualname__}) was compared in a test")
+                return
+
+
+def comparison_kind(h, owner, value) -> str:
+    """Whose ``__eq__`` ``value`` (defined by the class ``owner``) is: ``agent`` (untrusted code, or one
+    the harness wrapped: not a library's own), ``repository`` (trusted code of the workspace: the repository's or its
+    tests' own classes), ``library``."""
+    code = code_of(h, value)
+    if id(value) in h.own_ids or (code is not None and untrusted_code(h, code)):
+        return "agent"
+    if code is not None and code.co_filename.startswith(h.workspace + "/"):
+        return "repository"
+    return "library"
 
 
 def names_bound_to(h, value) -> set:
@@ -318,7 +331,4 @@ def wrappers_intact(h) -> str:
     for made, cells in ((h.build_class, h.build_cells), (h.assert_equal, h.assert_cells)):
         if any(cell.cell_contents is not kept for cell, kept in zip(made.__closure__, cells)):
             return "the harness's wrappers were changed"
-    for (_, name), (cls, wrapper) in h.wrapped.items():
-        if h.type_dict(cls).get(name) is not wrapper:
-            return f"{cls.__qualname__}.{name} was replaced after it was checked"
     return ""
