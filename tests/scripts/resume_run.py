@@ -1,11 +1,15 @@
 """One training run for the resume tests, in its own process so that it can be SIGKILLed.
 
-python resume_run.py OUT --steps N [--kill-before K] [--resume CKPT] [--algorithm magrpo|iac|iterative] [--fsdp]
+python resume_run.py OUT --steps N [--kill-before K] [--resume CKPT] [--algorithm magrpo|iac|iterative]
+    [--fsdp [gathered|per_layer|auto]] [--engine auto|vllm]
 
 Writes OUT/tasks.jsonl (the task rows of every training step, in order, appended; rank r > 0 of an
 ``--fsdp`` run, 2 ranks with sharded checkpoints, writes tasks_rank{r}.jsonl) and, when the run
 finishes, OUT/params.pt (every agent's parameters, full tensors). --kill-before K kills the process with
 SIGKILL when training step K (0-based) is about to start, after the checkpoint of step K-1.
+``--fsdp MODE`` picks ``TeamFSDPStrategy(mode=MODE)`` (``auto`` when no mode is given).
+``--engine vllm`` rolls out with vLLM (its CPU build: run with .venv-vllm's python), each instance
+with a small KV cache (the tiny model's 2048-token context needs 8 MiB).
 """
 
 from __future__ import annotations
@@ -64,7 +68,9 @@ class RecordingData(RolloutDataModule):
     def on_before_batch_transfer(self, batch, dataloader_idx):
         if self.trainer.training:
             self.current_tasks = batch
-            phase(Path(self.trainer.default_root_dir), "rollout")
+            # vLLM starts its instances in a process's first rollout: a phase of its own
+            starting = getattr(self.engine, "backends", None) == {}
+            phase(Path(self.trainer.default_root_dir), "vllm-start+rollout" if starting else "rollout")
         return super().on_before_batch_transfer(batch, dataloader_idx)
 
 
@@ -75,7 +81,8 @@ def main() -> None:
     parser.add_argument("--kill-before", type=int)
     parser.add_argument("--resume")
     parser.add_argument("--algorithm", default="magrpo")
-    parser.add_argument("--fsdp", action="store_true")
+    parser.add_argument("--fsdp", nargs="?", const="auto", choices=["gathered", "per_layer", "auto"])
+    parser.add_argument("--engine", default="auto", choices=["auto", "vllm"])
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     L.seed_everything(0)
@@ -104,6 +111,8 @@ def main() -> None:
             max_new_tokens=12,
             tasks_per_step=2,
         )
+    if args.engine == "vllm":  # 2 models x 2 ranks: 4 instances, each vLLM's CPU default of 1 GiB otherwise
+        data_kwargs.update(engine="vllm", engine_options={"kv_cache_memory_bytes": 64 << 20})
     base = slogan_data(**data_kwargs)
     data = RecordingData(**base.hparams)
     trainer = make_trainer(
@@ -113,7 +122,7 @@ def main() -> None:
         limit_train_batches=args.steps,
         limit_val_batches=0,
         callbacks=[Recorder(args.out, args.kill_before), StepCheckpoint(str(args.out / "checkpoints"))],
-        **(dict(devices=2, strategy=TeamFSDPStrategy()) if args.fsdp else {}),
+        **(dict(devices=2, strategy=TeamFSDPStrategy(mode=args.fsdp)) if args.fsdp else {}),
     )
     trainer.fit(module, datamodule=data, ckpt_path=args.resume)
     params = {
