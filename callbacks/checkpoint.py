@@ -69,6 +69,8 @@ class StepCheckpoint(Checkpoint):  # a Checkpoint: Lightning runs it after the o
             # a sharded checkpoint is a folder, which cannot replace another in one rename: the
             # previous one steps aside as .old until the new one is in place
             if self.path.exists():
+                if old.exists():  # a kill fell after the last swap's renames, before .old was removed
+                    shutil.rmtree(old)
                 os.replace(self.path, old)
             os.replace(partial, self.path)
             shutil.rmtree(old, ignore_errors=True)

@@ -156,3 +156,18 @@ def test_checkpoints_need_a_folder_every_rank_sees(tmp_path):
         check_shared_folder(tmp_path / "ckpt", _Ranks(0, others_see=False), "StepCheckpoint.dirpath")
     with pytest.raises(ConfigError, match="does not see the file rank 0 wrote"):  # rank 1, a disk of its own
         check_shared_folder(tmp_path / "elsewhere", _Ranks(1, others_see=True), "StepCheckpoint.dirpath")
+
+
+def test_a_sharded_checkpoint_swaps_in_after_a_kill_left_the_previous_one_beside_it(tmp_path):
+    """A kill after a sharded checkpoint's two renames, before ``last.ckpt.old`` was removed, leaves
+    both folders: the next save must still swap its checkpoint in (it used to fail on every later
+    save with 'Directory not empty' until someone removed ``.old`` by hand)."""
+    from callbacks.checkpoint import StepCheckpoint
+
+    callback = StepCheckpoint(dirpath=str(tmp_path))
+    old, partial = tmp_path / "last.ckpt.old", tmp_path / "last.ckpt.partial"
+    for folder, name in ((callback.path, "newer"), (old, "older"), (partial, "newest")):
+        folder.mkdir()
+        (folder / "shard").write_text(name)
+    callback.swap_in(partial, old)
+    assert (callback.path / "shard").read_text() == "newest" and not old.exists() and not partial.exists()
