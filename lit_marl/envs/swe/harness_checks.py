@@ -63,8 +63,10 @@ def test_globals(h) -> str:
             or now.get("@py_builtins", builtins) is not builtins
         ):
             return f"the assertion helpers of {kept.get('__name__')} are not pytest's"
-        if len(now) != len(kept) or any(now.get(name, MISSING) is not value for name, value in kept.items()):
-            return f"the globals of the test module {kept.get('__name__')} changed"
+        changed = [name for name, value in kept.items() if now.get(name, MISSING) is not value]
+        added = [name for name in now if name not in kept and name != "__warningregistry__"]  # (warnings' own)
+        if changed or added:
+            return f"the globals of the test module {kept.get('__name__')} changed: {', '.join((changed + added)[:3])}"
     return ""
 
 

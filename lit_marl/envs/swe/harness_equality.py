@@ -11,7 +11,7 @@ COMPARISONS = ("__eq__", "__ne__")
 PLAIN = frozenset({str, bytes, int, float, complex, bool, type(None), tuple, list, dict, set, frozenset})
 """Values whose equality is the interpreter's (a container's items are checked as objects of their own)."""
 WRAPPERS = '''
-def make_comparison(descriptor, equal, name, mutate, urandom, audit, NI, call, base, plain, kind):
+def make_comparison(descriptor, equal, name, mutate, urandom, audit, NI, call, base, plain, kind, error=Exception):
     """A class's own comparison, checked as it runs. The answer is judged here (a bool is returned: an
     answer object cannot change its mind later). A class of a plain built-in type (a ``str``
     subclass) must agree with that type about a plain value: saying "equal" where ``str`` says not is
@@ -19,12 +19,15 @@ def make_comparison(descriptor, equal, name, mutate, urandom, audit, NI, call, b
     object), once or twice before and after the real question, in an order it cannot foresee."""
 
     def compare(self, other, _d=descriptor, _e=equal, _n=name, _m=mutate, _u=urandom, _a=audit, _NI=NI, _c=call,
-                _b=base, _p=plain, _k=kind):
+                _b=base, _p=plain, _k=kind, _X=error):
         bits = _u(1)[0]
         before, after, claimed = 1 + (bits & 1), 1 + (bits >> 1 & 1), False
         while before:
             decoy = _m(other, _u)
-            answer = _c(_d, self, decoy)
+            try:  # (an honest comparison may refuse a value it was not made for)
+                answer = _c(_d, self, decoy)
+            except _X:
+                answer = _NI
             said = answer is not _NI and (not not answer) is _e
             claimed = claimed or (said and (_b is None or _b(self, decoy) is not _e))
             before -= 1
@@ -36,7 +39,10 @@ def make_comparison(descriptor, equal, name, mutate, urandom, audit, NI, call, b
                 claimed = claimed or (truth is not _NI and result is _e and truth is not _e)
         while after:
             decoy = _m(other, _u)
-            answer = _c(_d, self, decoy)
+            try:  # (an honest comparison may refuse a value it was not made for)
+                answer = _c(_d, self, decoy)
+            except _X:
+                answer = _NI
             said = answer is not _NI and (not not answer) is _e
             claimed = claimed or (said and (_b is None or _b(self, decoy) is not _e))
             after -= 1
@@ -77,7 +83,7 @@ def call(descriptor, self, other, _t=type, _F=None, _ga=getattr):
 def make_build_class(build, audit):
     def build_class(func, name, *bases, **keywords):
         made = build(func, name, *bases, **keywords)
-        audit("lit_marl.class", made)
+        audit("lit_marl.class", made, func)
         return made
 
     return build_class
@@ -102,9 +108,11 @@ def prepare_equality(h) -> None:
     ``TestCase.assertEqual`` (its operands are checked as an assertion's are)."""
     FunctionType = type(prepare_equality)
     names = {"type": type, "str": str, "bytes": bytes, "int": int, "float": float, "tuple": tuple, "list": list,
-             "object": object, "getattr": getattr, "len": len}  # fmt: skip
+             "object": object, "getattr": getattr, "len": len, "Exception": Exception}  # fmt: skip
     namespace = {"__builtins__": names}  # read while the definitions run, then emptied: no name is looked up later
-    exec(compile(WRAPPERS, HARNESS_FILES[-1], "exec"), namespace)
+    with open(HARNESS_FILES[-1]) as handle:  # compiled at their own lines: tracebacks show them
+        lines = handle.read().split("WRAPPERS = " + "'" * 3)[0].count("\n")
+    exec(compile("\n" * lines + WRAPPERS, HARNESS_FILES[-1], "exec"), namespace)
     names.clear()
     namespace["call"].__defaults__ = (type, FunctionType, getattr)
     h.urandom, h.type_dict, h.type_mro = os.urandom, type.__dict__["__dict__"].__get__, type.__dict__["__mro__"].__get__
@@ -123,6 +131,8 @@ def prepare_equality(h) -> None:
         os.path.dirname(m.__file__) + "/" for m in (sys.modules["_pytest"], sys.modules["pluggy"], unittest)
     )
     h.build_class = namespace["make_build_class"](builtins.__build_class__, sys.audit)
+    h.build_class_code, h.trusted_classes = h.build_class.__code__, set()
+    h.function_dict = FunctionType.__dict__["__dict__"].__get__
     h.build_cells = [cell.cell_contents for cell in h.build_class.__closure__]
     builtins.__build_class__ = h.build_class
     h.assert_equal = namespace["make_assert_equal"](unittest.TestCase.assertEqual, sys.audit)
@@ -175,11 +185,19 @@ def bare(h, cls):
     return None
 
 
-def new_class(h, cls) -> None:
+def new_class(h, cls, body=None) -> None:
     """A class statement just ran (``builtins.__build_class__``): its comparisons are wrapped at once.
-    (Comparisons of trusted code that came too late are checked where an assertion compares.)"""
-    if any(c is type for c in h.type_mro(type(cls))):
-        look_at(h, cls)
+    A class whose body is trusted code (the repository's, a library's) and whose metaclass is a
+    library's or such a class is trusted: its own trusted functions stay as they are (a decorated
+    ``__eq__`` too). Asked by the wrapper's own code only; anyone else's asking is a look."""
+    if not any(c is type for c in h.type_mro(type(cls))):
+        return
+    caller = stack(h, 5, limit=1)  # stack, new_class, running, own, hook, then the one who asked
+    body_code = code_of(h, body)
+    if caller and caller[0][3] is h.build_class_code and body_code is not None and not untrusted_code(h, body_code):
+        if all(id(c) in h.library or id(c) in h.trusted_classes for c in h.type_mro(type(cls))):
+            h.trusted_classes.add(id(cls))
+    look_at(h, cls)
 
 
 def comparisons(h, cls) -> tuple:
@@ -210,7 +228,7 @@ def look_at(h, cls) -> list:
     """Wrap ``cls``'s comparisons that are not the libraries' own (untrusted code, or anything that is
     not a function: a ``partialmethod``, a builtin) and an inherited ``__eq__`` of an always-equal
     class; remember what they are now. The names wrapped."""
-    own, done = h.type_dict(cls), []
+    own, done, first = h.type_dict(cls), [], id(cls) not in h.known
     for name in COMPARISONS:
         value = own.get(name, MISSING)
         if value is MISSING:
@@ -220,8 +238,12 @@ def look_at(h, cls) -> list:
                 continue
         elif value is None or id(value) in h.own_ids:
             continue
-        elif id(cls) in h.library and type(value) is h.FunctionType and not untrusted_obj(h, value):
-            continue  # a library class's own (a comparison set on it later is wrapped: not a library function)
+        elif (
+            type(value) is h.FunctionType
+            and not untrusted_obj(h, value)
+            and ((first and id(cls) in h.trusted_classes) or own_function(h, cls, value, name))
+        ):
+            continue  # a trusted class's own as it was made, or defined in the class's body under this name
         base = next((c for c in h.type_mro(cls) if c in PLAIN), None)
         wrapper = h.make_comparison(value, name == "__eq__", cls.__qualname__, h.mutate, h.urandom, sys.audit,
                                     NotImplemented, h.call, None if base is None else h.type_dict(base)[name],
@@ -235,6 +257,21 @@ def look_at(h, cls) -> list:
         done.append(name)
     h.known[id(cls)] = (cls, comparisons(h, cls))  # (the class kept alive: its id is never another's)
     return done
+
+
+def own_function(h, cls, function, name) -> bool:
+    """``function`` was defined as ``name`` in ``cls``'s own body, perhaps decorated: its qualified name
+    and module are the class's, and its code (or the code of a function it wraps, ``functools.wraps``'s
+    ``__wrapped__``) is named so (a code's name nothing may change)."""
+    qualname, module = getattr(function, "__qualname__", ""), getattr(function, "__module__", None)
+    if type(qualname) is not str or not qualname.startswith(cls.__qualname__ + ".") or module != cls.__module__:
+        return False
+    for _ in range(4):
+        code = code_of(h, function)
+        if code is not None and code.co_name == name:
+            return True
+        function = h.function_dict(function).get("__wrapped__") if type(function) is h.FunctionType else None
+    return False
 
 
 def claims_on_bare(h, cls) -> bool:
@@ -285,7 +322,7 @@ def compared(h, op, left, right) -> None:
         if claims:
             item = h.current
             code = code_of(h, _function(item.obj)) if item is not None else None
-            named = kind == "library" and code is not None and names_of(code) & names_bound_to(h, this)
+            named = id(owner) in h.library and code is not None and names_of(code) & names_bound_to(h, this)
             if not named:
                 note(h, f"an object that equals anything ({cls.__qualname__}) was compared in a test")
                 return
@@ -298,7 +335,7 @@ def comparison_kind(h, owner, value) -> str:
     code = code_of(h, value)
     if id(value) in h.own_ids or (code is not None and untrusted_code(h, code)):
         return "agent"
-    if code is not None and code.co_filename.startswith(h.workspace + "/"):
+    if code is not None and code.co_filename.startswith(h.workspace + "/") and id(owner) in h.trusted_classes:
         return "repository"
     return "library"
 
