@@ -21,8 +21,16 @@ def make_comparison(descriptor, equal, name, mutate, urandom, audit, NI, call, b
     def compare(self, other, _d=descriptor, _e=equal, _n=name, _m=mutate, _u=urandom, _a=audit, _NI=NI, _c=call,
                 _b=base, _p=plain, _k=kind, _X=error):
         bits = _u(1)[0]
-        before, after, claimed = 1 + (bits & 1), 1 + (bits >> 1 & 1), False
-        while before:
+        asked, real, claimed, result = 3 + (bits & 1) + (bits >> 1 & 1), 1 + (bits & 1), False, _NI
+        while asked:  # decoys, the real question (after one or two), decoys
+            asked -= 1
+            if asked == real:
+                result = _c(_d, self, other)
+                if result is not _NI:
+                    result = not not result
+                    truth = _b(self, other) if _b is not None and _k(other) in _p else _NI
+                    claimed = claimed or (truth is not _NI and result is _e and truth is not _e)
+                continue
             decoy = _m(other, _u)
             try:  # (an honest comparison may refuse a value it was not made for)
                 answer = _c(_d, self, decoy)
@@ -30,22 +38,6 @@ def make_comparison(descriptor, equal, name, mutate, urandom, audit, NI, call, b
                 answer = _NI
             said = answer is not _NI and (not not answer) is _e
             claimed = claimed or (said and (_b is None or _b(self, decoy) is not _e))
-            before -= 1
-        result = _c(_d, self, other)
-        if result is not _NI:
-            result = not not result
-            if _b is not None and _k(other) in _p:
-                truth = _b(self, other)
-                claimed = claimed or (truth is not _NI and result is _e and truth is not _e)
-        while after:
-            decoy = _m(other, _u)
-            try:  # (an honest comparison may refuse a value it was not made for)
-                answer = _c(_d, self, decoy)
-            except _X:
-                answer = _NI
-            said = answer is not _NI and (not not answer) is _e
-            claimed = claimed or (said and (_b is None or _b(self, decoy) is not _e))
-            after -= 1
         if claimed:
             _a("lit_marl.equal", _n)
         return result
