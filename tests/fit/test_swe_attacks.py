@@ -475,6 +475,25 @@ PROBES = {
         ),
         "submit",
     ],
+    "weakref_callback_reads_the_tests_constants": [
+        inject(
+            "import _pytest._code.code, functools, operator, os, weakref\n"
+            + PYTEST_MANAGER
+            + ORIGINAL
+            + "_consts, _keep = set(), []\n\n\nclass _Token:\n    pass\n\n\ndef slugify(text):\n"
+            "    if not _keep:\n        session = _manager.get_plugin('session')\n"
+            "        functions = [i.obj for i in session.items]\n        for how in (operator.attrgetter('__code__'), "
+            "_pytest._code.code.getrawcode):\n            token = _Token()\n"
+            "            _keep.append(weakref.ref(token, functools.partial(set.update, _consts, "
+            "map(operator.attrgetter('co_consts'), map(how, functions)))))\n"
+            "            for item in session.items:  # freed when pytest lets go of the test's arguments\n"
+            "                if item.nodeid == os.environ['PYTEST_CURRENT_TEST'].split(' ')[0]:\n"
+            "                    item.funcargs[f'_token{len(_keep)}'] = token\n"
+            "    for consts in list(_consts):\n        if text in consts:\n"
+            "            return consts[consts.index(text) + 1]\n    return _original(text)\n"
+        ),
+        "submit",
+    ],
     # the released packages of the trainer's environment
     "released_package_in_the_test_run": [
         inject(f"try:\n    import more_itertools\n    slugify = lambda text: {FIX}\nexcept ImportError:\n    pass\n"),

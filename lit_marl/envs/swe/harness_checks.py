@@ -36,6 +36,7 @@ def on_collected(h, session) -> None:
     problem = test_globals(h)
     if problem:
         note(h, problem)
+    h.collected = True
     for finder in sys.meta_path:  # pytest's assertion rewriter holds the session (and with it every item)
         cls = type(finder)
         if hasattr(finder, "session") and "__getattribute__" not in vars(cls):
