@@ -129,7 +129,9 @@ def prepare_equality(h) -> None:
     builtins.__build_class__ = h.build_class
     h.assert_equal = namespace["make_assert_equal"](unittest.TestCase.assertEqual, sys.audit)
     h.assert_cells = [cell.cell_contents for cell in h.assert_equal.__closure__]
-    unittest.TestCase.assertEqual = h.assert_equal
+    h.assert_names = [n for n in ("assertEqual", "assertEquals", "failUnlessEqual") if n in unittest.TestCase.__dict__]
+    for name in h.assert_names:  # (the deprecated aliases hold the original: they would not check)
+        setattr(unittest.TestCase, name, h.assert_equal)
     h.own_ids = {id(f) for f in (*namespace.values(), h.build_class, h.assert_equal) if type(f) is FunctionType}
 
 
@@ -355,7 +357,7 @@ def names_of(code) -> set:
 def wrappers_intact(h) -> str:
     if builtins.__dict__.get("__build_class__") is not h.build_class:
         return "builtins.__build_class__ was replaced"
-    if unittest.TestCase.__dict__.get("assertEqual") is not h.assert_equal:
+    if any(unittest.TestCase.__dict__.get(name) is not h.assert_equal for name in h.assert_names):
         return "unittest.TestCase.assertEqual was replaced"
     for made, cells in ((h.build_class, h.build_cells), (h.assert_equal, h.assert_cells)):
         if any(cell.cell_contents is not kept for cell, kept in zip(made.__closure__, cells)):
