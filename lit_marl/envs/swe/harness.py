@@ -89,6 +89,8 @@ def build(key, report_fd, codes, guards, workspace, base, roots, spec):
     )
     sources = [f for f in h.test_files if f.endswith(".py")]  # the tests' data files stay readable
     h.guarded = {(f.st_dev, f.st_ino) for f in map(_stat, [*sources, *h.own_files]) if f}
+    h.test_sources = {(f.st_dev, f.st_ino) for f in map(_stat, sources) if f}
+    h.line_cache = linecache.cache  # the same dict, a dict, for the whole run (it is cleared before each test)
     h.proc_dev = os.stat("/proc/self").st_dev
     folders = {f.rpartition("/")[0] for f in h.test_files} - {workspace}
     folders |= {p[:i] for p in folders for i in range(len(workspace) + 1, len(p)) if p[i] == "/"}
@@ -224,15 +226,21 @@ def untrusted_code(h, code) -> bool:
 def guarded_file(h, path) -> bool:
     """A test's source, the harness, or anything of /proc (by the file itself: links and relative
     paths lead to the same inode)."""
+    found = file_id(h, path)
+    return found is not None and (found in h.guarded or found[0] == h.proc_dev)
+
+
+def file_id(h, path):
+    """(device, inode) of ``path`` (a str or bytes path), None when there is none."""
     if type(path) is bytes:
         path = path.decode("utf-8", "surrogateescape")
     if type(path) is not str:
-        return False
+        return None
     try:
         found = h.stat(path)
     except (OSError, ValueError):
-        return False
-    return (found.st_dev, found.st_ino) in h.guarded or found.st_dev == h.proc_dev
+        return None
+    return found.st_dev, found.st_ino
 
 
 def mutates_tests(h, event: str, args) -> bool:
@@ -319,8 +327,11 @@ def hook(h, event, args):
             refuse(h, f"untrusted code called {event}")
     elif event == "import" and args and args[0] in GUARDED_MODULES and anywhere(h):
         refuse(h, f"untrusted code imported {args[0]} afresh")
-    elif event == "open" and args and guarded_file(h, args[0]) and anywhere(h):
-        refuse(h, f"untrusted code opened {args[0]!r}")
+    elif event == "open" and args and guarded_file(h, args[0]):
+        if anywhere(h):
+            refuse(h, f"untrusted code opened {args[0]!r}")
+        if h.collected and file_id(h, args[0]) in h.test_sources:  # no one reads them while they run
+            raise PermissionError("the test harness keeps the tests' sources closed while the tests run")
     elif event in MUTATIONS and mutates_tests(h, event, args) and anywhere(h):
         refuse(h, f"untrusted code changed the tests' files ({event} {args[0]!r})")
     elif event == "exec" and args and type(args[0]) is CodeType and args[0].co_filename in h.test_files:

@@ -2,6 +2,7 @@
 their namespace: the design is in ``runner.py``'s docstring). Every function takes the verdict's state
 ``h``."""
 
+import linecache
 import sys
 
 MISSING = object()
@@ -37,6 +38,7 @@ def on_collected(h, session) -> None:
     if problem:
         note(h, problem)
     h.collected = True
+    h.clear_lines()  # what collection read of the tests' sources
     for finder in sys.meta_path:  # pytest's assertion rewriter holds the session (and with it every item)
         cls = type(finder)
         if hasattr(finder, "session") and "__getattribute__" not in vars(cls):
@@ -211,6 +213,8 @@ def machinery_state(h, config) -> str:
     for s, handler in h.handlers.items():
         if h.getsignal(s) is not handler:
             return f"the handler of signal {s} changed"
+    if linecache.__dict__.get("cache") is not h.line_cache or type(h.line_cache) is not dict:
+        return "linecache's cache was replaced"
     hooks = callback_hooks()
     if any(a is not b for a, b in zip(hooks, h.state.get("callbacks", hooks))):
         return "a hook of sys or threading changed (excepthook, unraisablehook, displayhook, breakpointhook)"

@@ -123,8 +123,9 @@ def prepare_equality(h) -> None:
         os.path.dirname(m.__file__) + "/" for m in (sys.modules["_pytest"], sys.modules["pluggy"], unittest)
     )
     h.build_class = namespace["make_build_class"](builtins.__build_class__, sys.audit)
-    h.build_class_code, h.trusted_classes = h.build_class.__code__, set()
+    h.build_class_code, h.trusted_classes, h.repository_classes = h.build_class.__code__, set(), set()
     h.function_dict = FunctionType.__dict__["__dict__"].__get__
+    h.dict_offset = type.__dict__["__dictoffset__"].__get__
     h.build_cells = [cell.cell_contents for cell in h.build_class.__closure__]
     builtins.__build_class__ = h.build_class
     h.assert_equal = namespace["make_assert_equal"](unittest.TestCase.assertEqual, sys.audit)
@@ -188,9 +189,14 @@ def new_class(h, cls, body=None) -> None:
         return
     caller = stack(h, 5, limit=1)  # stack, new_class, running, own, hook, then the one who asked
     body_code = code_of(h, body)
-    if caller and caller[0][3] is h.build_class_code and body_code is not None and not untrusted_code(h, body_code):
-        if all(id(c) in h.library or id(c) in h.trusted_classes for c in h.type_mro(type(cls))):
-            h.trusted_classes.add(id(cls))
+    if caller and caller[0][3] is h.build_class_code and body_code is not None:
+        if not untrusted_code(h, body_code):
+            if all(id(c) in h.library or id(c) in h.trusted_classes for c in h.type_mro(type(cls))):
+                h.trusted_classes.add(id(cls))
+        elif body_code.co_filename in h.changed_lines and body_code.co_firstlineno not in h.changed_lines.get(
+            body_code.co_filename, ()
+        ):  # (a file of the base commit the agent changed; the class's own line is the repository's)
+            h.repository_classes.add(id(cls))  # a class of the repository whose body the agent changed
     look_at(h, cls)
 
 
@@ -300,26 +306,56 @@ def compared(h, op, left, right) -> None:
         cls = type(this)
         owner = None if cls in PLAIN else next((c for c in h.type_mro(cls) if "__eq__" in h.type_dict(c)), None)
         kind = "" if owner is None else comparison_kind(h, owner, h.type_dict(owner)["__eq__"])
-        if kind in ("", "repository"):
+        if kind in ("", "tests"):
             continue
         if type(other) in PLAIN:
             base = next((c for c in h.type_mro(cls) if c in PLAIN), None)
-            if base is not None or kind == "agent":
-                if base is None or h.type_dict(base)["__eq__"](this, other) is not True:
-                    why = f"{cls.__qualname__} decided an assertion against a plain value by its own comparison"
+            if base is None and not settled_value(h, this, cls, kind):
+                if equals_anything(h, this, owner):
+                    return
+                why = f"{cls.__qualname__} decided an assertion against a plain value by its own comparison"
+                h.unverified.setdefault(getattr(h.current, "nodeid", ""), why)
+                continue
+            if base is not None:
+                if h.type_dict(base)["__eq__"](this, other) is not True:
+                    why = f"{cls.__qualname__} said it equals a value its type ({base.__name__}) says it does not"
                     h.unverified.setdefault(getattr(h.current, "nodeid", ""), why)
                 continue
-        try:
-            claims = bool(this == object())
-        except Exception:
-            claims = False
-        if claims:
-            item = h.current
-            code = code_of(h, _function(item.obj)) if item is not None else None
-            named = id(owner) in h.library and code is not None and names_of(code) & names_bound_to(h, this)
-            if not named:
-                note(h, f"an object that equals anything ({cls.__qualname__}) was compared in a test")
-                return
+        if kind != "repository" and equals_anything(h, this, owner):
+            return
+
+
+def equals_anything(h, this, owner) -> bool:
+    """``this`` equals a fresh object: tampering (noted), unless a library's and named by the test
+    (``assert value == mock.ANY``); whether it does."""
+    try:
+        claims = bool(this == object())
+    except Exception:
+        claims = False
+    if claims and not (id(owner) in h.library and named_by_the_test(h, this)):
+        note(h, f"an object that equals anything ({type(this).__qualname__}) was compared in a test")
+    return claims
+
+
+def settled_value(h, this, cls, kind: str) -> bool:
+    """An object may decide an assertion against a plain value by its own comparison: the comparison
+    is not the agent's, its classes are a library's or the repository's (as made: a class statement
+    of the repository, not one the agent added nor one made at run time), and nothing on the object
+    itself shadows what those classes define or is the agent's code (``UserList``'s ``__cast``, set
+    on an instance, would decide)."""
+    known = (h.library, h.trusted_classes, h.repository_classes)
+    if kind == "agent" or not all(any(id(c) in ids for ids in known) for c in h.type_mro(cls)):
+        return False
+    if not h.dict_offset(cls):
+        return True
+    try:
+        own = object.__getattribute__(this, "__dict__")
+    except Exception:
+        return False
+    names = {name for c in h.type_mro(cls) for name in h.type_dict(c)}
+    return type(own) is dict and not any(
+        type(name) is not str or name in names or untrusted_value(h, value) for name, value in list(own.items())
+    )
 
 
 def comparison_kind(h, owner, value) -> str:
@@ -329,9 +365,17 @@ def comparison_kind(h, owner, value) -> str:
     code = code_of(h, value)
     if id(value) in h.own_ids or (code is not None and untrusted_code(h, code)):
         return "agent"
+    if code is not None and code.co_filename in h.test_files and id(owner) in h.trusted_classes:
+        return "tests"  # the tests' own helpers (toolz's AlwaysEquals): the tests' to use
     if code is not None and code.co_filename.startswith(h.workspace + "/") and id(owner) in h.trusted_classes:
         return "repository"
     return "library"
+
+
+def named_by_the_test(h, value) -> bool:
+    """The running test's code names a module attribute that holds ``value`` (``ANY``)."""
+    code = code_of(h, _function(h.current.obj)) if h.current is not None else None
+    return code is not None and bool(names_of(code) & names_bound_to(h, value))
 
 
 def names_bound_to(h, value) -> set:
