@@ -185,10 +185,12 @@ class StepProbe:
         engine.generate_team = counted
 
     def wrap_model(self, model, pad_id: int | None, count_generate: bool = True) -> None:
-        """``count_generate=False``: generation is counted by ``wrap_engine``."""
+        """``count_generate=False``: generation is counted by ``wrap_engine`` (and ``model`` need not
+        generate at all: a critic's backbone is the decoder without its head)."""
         import torch
 
-        generate, forward = model.generate, model.forward
+        forward = model.forward
+        generate = model.generate if count_generate else None
 
         def counted_generate(*a, **kw):
             start = time.perf_counter()

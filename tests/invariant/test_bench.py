@@ -58,3 +58,25 @@ def test_one_benchmark_step_makes_one_generate_per_agent_per_turn(tmp_path):
     assert result["sequences_per_step"] == 2 * 2 * (1 + 2)
     assert result["optimizer_steps_per_step"] == 2
     assert 0 < result["generated_tokens_per_step"] <= 12 * 6
+
+
+def test_the_benchmark_runs_maac_whose_critic_cannot_generate(tmp_path):
+    """MAAC's critic is the decoder without its head (no ``generate``): the probe wraps its forward
+    only. 2 agents, T=2: 4 generate calls, 2 reward calls, one optimizer step per agent and the
+    critic's."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SCRIPTS)}
+    args = ["--worker", "--algorithm", "maac", "--num-generations", "1", "--num-turns", "2"]
+    args += ["--joint-mode", "aligned", "--max-new-tokens", "6", "--steps", "1", "--warmup", "1"]
+    done = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bench_magrpo.py"), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["algorithm"] == "maac" and "error" not in result
+    assert result["generate_calls_per_step"] == 4 and result["reward_calls_per_step"] == 2
+    assert result["optimizer_steps_per_step"] == 3
