@@ -102,8 +102,7 @@ def on_enter(h, item) -> None:
     problem = wrappers_intact(h) or look(h, during_test=False)[0] or test_globals(h)
     if problem:
         note(h, problem)
-    h.finalizers_before = {id(f) for f in finalizers(h, item)}
-    h.finalizers_kept = finalizers(h, item)  # (alive: their ids are never another's)
+    h.finalizers_before = {id(f): f for f in finalizers(h, item)}  # (kept alive: an id is never another's)
     h.current = item
     h.clear_lines()
 

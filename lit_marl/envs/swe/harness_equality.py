@@ -112,13 +112,13 @@ def prepare_equality(h) -> None:
     h.module_dict = ModuleType.__dict__["__dict__"].__get__
     h.make_comparison, h.mutate, h.call = namespace["make_comparison"], namespace["mutate"], namespace["call"]
     classes = all_classes(h)  # known by their ids (a metaclass decides == and hash), kept alive in h.known
-    h.known, h.wrapped, h.library = {id(cls): (cls, comparisons(h, cls)) for cls in classes}, {}, set(map(id, classes))
+    h.known, h.library = {id(cls): (cls, comparisons(h, cls)) for cls in classes}, set(map(id, classes))
     h.equal_verdicts = {}  # id of a library class's __eq__ -> whether its instances equal anything
     import gc
     import weakref
 
     h.gc_callbacks, h.weak_registry = gc.callbacks, weakref.finalize._registry
-    h.called, h.unverified, h.test_modules, h.finalizers_before = set(), {}, [], set()
+    h.called, h.unverified, h.test_modules, h.finalizers_before = set(), {}, [], {}
     h.machinery_roots = tuple(
         os.path.dirname(m.__file__) + "/" for m in (sys.modules["_pytest"], sys.modules["pluggy"], unittest)
     )
@@ -253,7 +253,6 @@ def look_at(h, cls) -> list:
         except (TypeError, AttributeError):
             continue
         h.own_ids.add(id(wrapper))
-        h.wrapped[(id(cls), name)] = (cls, wrapper)
         done.append(name)
     h.known[id(cls)] = (cls, comparisons(h, cls))  # (the class kept alive: its id is never another's)
     return done
