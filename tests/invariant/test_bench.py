@@ -36,15 +36,12 @@ def test_tasks_and_transition_are_fixed():
     assert text == "P\nYour previous reply: mine\nPartner replies: yours | theirs\nRevise and combine both:"
 
 
-def test_one_benchmark_step_makes_one_generate_per_agent_per_turn(tmp_path):
-    """MAGRPO, 2 agents, G=2, T=2 aligned: per step 2 turns x 2 agents generate calls (one batched
-    call over all open nodes), 2 reward calls (one per turn), 2 x 2 x (1 + 2) sequences, and one
-    optimizer step per agent."""
+def worker_step(tmp_path, *args: str) -> dict:
+    """One measured step of ``bench_magrpo.py --worker`` (T=2 aligned, 6 new tokens), as it prints it."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SCRIPTS)}
-    args = ["--worker", "--num-generations", "2", "--num-turns", "2", "--joint-mode", "aligned"]
-    args += ["--max-new-tokens", "6", "--steps", "1", "--warmup", "1"]
+    args = ["--worker", *args, "--num-turns", "2", "--joint-mode", "aligned", "--max-new-tokens", "6"]
     done = subprocess.run(
-        [sys.executable, str(SCRIPTS / "bench_magrpo.py"), *args],
+        [sys.executable, str(SCRIPTS / "bench_magrpo.py"), *args, "--steps", "1", "--warmup", "1"],
         capture_output=True,
         text=True,
         env=env,
@@ -52,7 +49,14 @@ def test_one_benchmark_step_makes_one_generate_per_agent_per_turn(tmp_path):
         cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_one_benchmark_step_makes_one_generate_per_agent_per_turn(tmp_path):
+    """MAGRPO, 2 agents, G=2, T=2 aligned: per step 2 turns x 2 agents generate calls (one batched
+    call over all open nodes), 2 reward calls (one per turn), 2 x 2 x (1 + 2) sequences, and one
+    optimizer step per agent."""
+    result = worker_step(tmp_path, "--num-generations", "2")
     assert result["generate_calls_per_step"] == 4
     assert result["reward_calls_per_step"] == 2
     assert result["sequences_per_step"] == 2 * 2 * (1 + 2)
@@ -64,19 +68,7 @@ def test_the_benchmark_runs_maac_whose_critic_cannot_generate(tmp_path):
     """MAAC's critic is the decoder without its head (no ``generate``): the probe wraps its forward
     only. 2 agents, T=2: 4 generate calls, 2 reward calls, one optimizer step per agent and the
     critic's."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SCRIPTS)}
-    args = ["--worker", "--algorithm", "maac", "--num-generations", "1", "--num-turns", "2"]
-    args += ["--joint-mode", "aligned", "--max-new-tokens", "6", "--steps", "1", "--warmup", "1"]
-    done = subprocess.run(
-        [sys.executable, str(SCRIPTS / "bench_magrpo.py"), *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        cwd=tmp_path,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = worker_step(tmp_path, "--algorithm", "maac", "--num-generations", "1")
     assert result["algorithm"] == "maac" and "error" not in result
     assert result["generate_calls_per_step"] == 4 and result["reward_calls_per_step"] == 2
     assert result["optimizer_steps_per_step"] == 3
