@@ -261,7 +261,7 @@ def check_per_layer_pass(ctx) -> dict:
 
 
 def check_streamed_sync(ctx) -> dict:
-    from lit_marl.generation.decoder import effective_weights
+    from lit_marl.generation.weights import effective_weights
 
     model, _ = sharded_model(ctx)
     model.zero_grad(set_to_none=True)

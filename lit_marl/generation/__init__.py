@@ -8,7 +8,9 @@ max_new_tokens, temperature, top_p, top_k, greedy) -> Generation``:
 
 - ``hf``: transformers' ``generate`` (any model);
 - ``torch``: ``generation/decoder.py``'s lean KV-cache decoder for Llama-family models (Llama, Qwen2),
-  2-3x faster than ``generate`` on small models, where a token's time is Python overhead;
+  2-3x faster than ``generate`` on small models, where a token's time is Python overhead; in a
+  rollout block it keeps each sequence's KV cache for the next turn (``generation/kept.py``,
+  ``data.engine_options: {kept_kv_gib: ...}``);
 - ``auto`` (default): ``torch`` where the model supports it, else ``hf``, decided per call;
 - ``vllm``: ``generation/vllm.py`` (optional: ``make vllm`` on CPU, a vLLM build on GPU), weights
   synced from the trainer.
@@ -50,10 +52,13 @@ def make_engine(name: str = "auto", options: dict | None = None, field: str = "d
         from lit_marl.generation.vllm import VLLMEngine  # deferred: vLLM is an optional engine
 
         return VLLMEngine(**options)
-    if options:
-        raise ValueError(f"{field}_options={options}: only the vllm engine takes options")
     if name == "hf":
+        if options:
+            raise ValueError(f"{field}_options={options}: the hf engine takes none")
         return HFEngine()
     if name in ("torch", "auto"):
-        return TorchEngine(fallback=name == "auto")
+        unknown = set(options) - {"kept_kv_gib"}
+        if unknown:
+            raise ValueError(f"{field}_options: {sorted(unknown)} unknown to the {name} engine (it takes kept_kv_gib)")
+        return TorchEngine(fallback=name == "auto", **options)
     raise ValueError(f"{field}={name!r}: choose one of {', '.join(ENGINES)}")

@@ -19,7 +19,6 @@ sliding-window attention, dynamic RoPE, sharded parameters); the engine then ref
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -267,7 +266,8 @@ class Decoder:
         """Run ``ids`` [A, B, L] (agent a's rows through agent a's weights) at cache slots
         ``start:start+L``; returns the last position's hidden state [A, B, hidden]. Attention runs
         over the A * B rows; ``bias`` [A*B, 1, 1, L, start+L] is 0 where a query sees a cache slot,
-        -inf elsewhere. Either the prompt (``start == 0``) or one new token (``L == 1``)."""
+        -inf elsewhere. The prompt (``start == 0``), the new tokens of prompts whose earlier tokens are
+        in the cache (``start`` > 0), or one new token (``L == 1``)."""
         A, B, L = ids.shape
         end = start + L
         H, KV, D = self.num_heads, self.num_kv_heads, self.head_dim
@@ -283,6 +283,11 @@ class Decoder:
             if start == 0:  # the prompt: torch's fused attention (no [rows, heads, L, L] scores kept)
                 a = F.scaled_dot_product_attention(
                     qk[:, :H], qk[:, H:], qkv[:, H + KV :], attn_mask=bias[:, :, 0], scale=self.scaling, enable_gqa=True
+                )
+            elif L > 1:  # new tokens after a kept prefix: the same, over the cache's slots
+                k, v = cache_k[i, :, :, :end], cache_v[i, :, :, :end]
+                a = F.scaled_dot_product_attention(
+                    qk[:, :H], k, v, attn_mask=bias[:, :, 0], scale=self.scaling, enable_gqa=True
                 )
             else:  # one new token: a few small ops beat the fused kernel's setup
                 q = qk[:, :H].reshape(A * B, KV, groups, D)  # query heads grouped by their KV head
@@ -314,6 +319,8 @@ class Decoder:
         active: torch.Tensor | None = None,
         num_samples: int = 1,
         seeds: torch.Tensor | None = None,
+        past: list | None = None,
+        keep: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Completion ids and the log-prob of each sampled token under the raw model distribution (fp32 logits before
         temperature, top-k and top-p, as the training forward computes them), each ``[B, C]`` (C ≤ max_new_tokens), for
@@ -324,7 +331,9 @@ class Decoder:
         its prompt runs once and the n rows share the cache it leaves, as ``num_return_sequences`` does without running
         the prompt n times. ``seeds`` ``[A, B·n]`` (int64, one per result row: ``generation/base.py: sample_seeds``):
         each row samples from its own counter-based stream (``counter_uniforms``) instead of torch's generator;
-        ``_sample`` draws each token."""
+        ``_sample`` draws each token. ``past``: per prompt row (``[A·B]``, agent-major) a ``generation/kept.py: Kept``
+        and how many of its first tokens the prompt shares, ``(None, 0)`` for none: ``prompt_ids`` are then only the
+        tokens after that prefix (at least one per active row). ``keep``: hold the cache for ``kept`` after the call."""
         single = prompt_ids.dim() == 2
         if single:
             prompt_ids, prompt_mask = prompt_ids[None], prompt_mask[None]
@@ -336,20 +345,14 @@ class Decoder:
         device, rows = prompt_ids.device, A * B
         eos = torch.as_tensor(eos_token_id, device=device).expand(A).repeat_interleave(B)
         pad = torch.as_tensor(pad_token_id, device=device).expand(A).repeat_interleave(B)
-        total, dtype = P + max_new_tokens, self.embed.dtype
+        C = max((n for _, n in past), default=0) if past is not None else 0
+        total, dtype = C + P + max_new_tokens, self.embed.dtype
         cos_all, sin_all = self._rope(total, dtype)
         shape = (len(self.layers), rows, self.num_kv_heads, total, self.head_dim)
         cache_k, cache_v = (torch.empty(shape, dtype=dtype, device=device) for _ in range(2))
-        mask = prompt_mask.reshape(rows, P)
         keys = torch.zeros(rows, total, dtype=torch.bool, device=device)  # which cache slots hold real tokens
-        keys[:, :P] = mask.bool()
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        causal = torch.ones(P, P, dtype=torch.bool, device=device).tril()
-        # a padding query sees itself only (never attended to: its key is masked for every real query)
-        seen = (causal & keys[:, None, :P]) | torch.eye(P, dtype=torch.bool, device=device)
-        cos, sin = cos_all[positions][:, None], sin_all[positions][:, None]
-        hidden = self._forward(prompt_ids, cos, sin, cache_k, cache_v, 0, self._bias(seen[:, None, None], dtype))
-        next_position = positions[:, -1] + 1
+        hidden, next_position = self._prefill(prompt_ids, prompt_mask.reshape(rows, P), past, C, cos_all, sin_all,
+                                              cache_k, cache_v, keys)  # fmt: skip
         if num_samples > 1:  # the samples of a prompt continue from its one cache
             B, rows = B * num_samples, rows * num_samples
             cache_k, cache_v = cache_k.repeat_interleave(num_samples, 1), cache_v.repeat_interleave(num_samples, 1)
@@ -371,15 +374,51 @@ class Decoder:
             unfinished &= token != eos
             if t == max_new_tokens - 1 or not bool(unfinished.any()):
                 break
-            slot = P + t
+            slot = C + P + t
             keys[:, slot] = True
             cos, sin = cos_all[next_position][:, None, None], sin_all[next_position][:, None, None]
             bias = self._bias(keys[:, None, None, None, : slot + 1], dtype)
             hidden = self._forward(token.view(A, B, 1), cos, sin, cache_k, cache_v, slot, bias)
             next_position = next_position + 1
+        if keep:  # what ``kept`` reads: the cache, where the fed tokens start, how many replies' tokens are in it
+            self.left = (cache_k, cache_v, C, P, len(out) - 1)
         completion = torch.stack(out, dim=1).view(A, B, -1)
         token_logprobs = torch.stack(logprobs, dim=1).view(A, B, -1)
         return (completion[0], token_logprobs[0]) if single else (completion, token_logprobs)
+
+    def _prefill(self, ids, mask, past, C, cos_all, sin_all, cache_k, cache_v, keys):
+        """The prompts' tokens into the cache: row r's kept prefix (``past[r]``: a ``Kept`` and how many of
+        its tokens, right-aligned before slot ``C``) copied, its fed tokens ``ids`` (left-padded, ``mask``)
+        computed at slots ``C:C+P``. Returns the last fed position's hidden state and each row's next position."""
+        rows, P = mask.shape
+        device, dtype = ids.device, cache_k.dtype
+        offset = torch.zeros(rows, dtype=torch.long, device=device)
+        for r, (entry, n) in enumerate(past if C else ()):
+            if n:
+                cache_k[:, r, :, C - n : C], cache_v[:, r, :, C - n : C] = entry.k[:, :, :n], entry.v[:, :, :n]
+                keys[r, C - n : C], offset[r] = True, n
+        keys[:, C : C + P] = mask.bool()
+        positions = (mask.cumsum(-1) - 1).clamp(min=0) + offset[:, None]
+        causal = torch.ones(P, P, dtype=torch.bool, device=device).tril()
+        # a padding query sees itself only (never attended to: its key is masked for every real query)
+        seen = (causal & keys[:, None, C : C + P]) | torch.eye(P, dtype=torch.bool, device=device)
+        if C:  # every fed query sees its row's kept prefix
+            seen = torch.cat([keys[:, None, :C].expand(rows, P, C), seen], dim=-1)
+        cos, sin = cos_all[positions][:, None], sin_all[positions][:, None]
+        hidden = self._forward(ids, cos, sin, cache_k, cache_v, C, self._bias(seen[:, None, None], dtype))
+        return hidden, positions[:, -1] + 1
+
+    def kept(self, row: int, prefix: int, fed: int, reply: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row ``row``'s keys and values after ``generate(..., keep=True)`` (row numbers as in its result),
+        ``[layers, kv_heads, prefix + fed + r, head_dim]``: its ``prefix`` kept tokens, its ``fed``
+        tokens and the first r of its ``reply`` tokens whose keys were computed (the last sampled never is)."""
+        cache_k, cache_v, C, P, computed = self.left
+        device = cache_k.device
+        slots = torch.cat([
+            torch.arange(C - prefix, C, device=device),
+            torch.arange(C + P - fed, C + P + min(reply, computed), device=device),
+        ])  # fmt: skip
+        return cache_k[:, row].index_select(2, slots), cache_v[:, row].index_select(2, slots)
 
     @staticmethod
     def _sample(
@@ -414,53 +453,3 @@ class Decoder:
             remove[..., -1:] = False
             logits = logits.masked_fill(remove.scatter(1, order, remove), -float("inf"))
         return logits
-
-
-def effective_weights(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """The plain causal LM's weights (transformers' names), one tensor at a time, with the active
-    LoRA adapters merged into the weights they adapt: what an inference engine that holds its own
-    copy of the weights (vLLM) loads after each update. Sharded (DTensor) parameters are gathered one
-    at a time (the same all-gathers in the same order on every rank) and ``dtype`` casts each tensor
-    as it is produced, so at most one tensor is copied at once (the stream's bucket is one tensor:
-    7B's largest, its embedding, is 1.0 GiB in bf16); a model gathered whole is read as it is,
-    without a collective or a reshard; a weight shared by two names (tied embeddings) is made once
-    and sent under both (vLLM's CPU kernels keep the LM head packed apart from the embedding: it
-    must receive its weight)."""
-    lm = _causal_lm(model)
-    adapted = {name: module for name, module in lm.named_modules() if hasattr(module, "base_layer")}
-    state = _state(lm)
-    names_of: dict[int, int] = {}
-    for tensor in state.values():
-        names_of[id(tensor)] = names_of.get(id(tensor), 0) + 1
-    tied: dict[int, torch.Tensor] = {}
-    for name, tensor in state.items():
-        if ".lora_" in name:
-            continue
-        owner = next((m for prefix, m in adapted.items() if name.startswith(prefix + ".base_layer.")), None)
-        if owner is not None:
-            weight, bias = _linear(owner)
-            yield name.replace(".base_layer.", "."), _served(weight if name.endswith(".weight") else bias, dtype)
-        elif names_of[id(tensor)] > 1:
-            if id(tensor) not in tied:
-                tied[id(tensor)] = _served(tensor, dtype)
-            yield name, tied[id(tensor)]
-        else:
-            yield name, _served(tensor, dtype)
-
-
-def _state(lm: nn.Module) -> dict[str, torch.Tensor]:
-    """``state_dict(keep_vars=True)``'s names and tensors (tied weights under each name, persistent
-    buffers), read without its hooks: FSDP2's would reshard a gathered model."""
-    state = dict(lm.named_parameters(remove_duplicate=False))
-    for prefix, module in lm.named_modules(remove_duplicate=False):
-        for name, buffer in module._buffers.items():
-            if buffer is not None and name not in module._non_persistent_buffers_set:
-                state[f"{prefix}.{name}" if prefix else name] = buffer
-    return state
-
-
-def _served(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """``tensor`` whole in ``dtype``; a shard is cast before it is gathered (the same values: the cast
-    is elementwise), so the gather moves the serving dtype's bytes and the whole tensor exists once."""
-    tensor = tensor.detach() if dtype is None else tensor.detach().to(dtype)
-    return tensor.full_tensor() if type(tensor).__name__ == "DTensor" else tensor

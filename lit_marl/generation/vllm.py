@@ -44,8 +44,9 @@ import torch
 
 from lit_marl.agents import AdapterView, Agent
 from lit_marl.generation.base import Generation, generate_each, left_pad, mask_through_first
-from lit_marl.generation.decoder import _causal_lm, effective_weights
+from lit_marl.generation.decoder import _causal_lm
 from lit_marl.generation.vllm_checks import check_sleep_mode
+from lit_marl.generation.weights import effective_weights, weight_version
 
 
 @dataclass
@@ -243,17 +244,6 @@ def compute_dtype(device_type: str) -> str:
     if torch.is_autocast_enabled(device_type):
         return str(torch.get_autocast_dtype(device_type)).removeprefix("torch.")
     return "float32"
-
-
-def weight_version(model: torch.nn.Module, part: Callable[[str], bool] | None = None) -> tuple:
-    """Changes whenever any parameter (of those whose name ``part`` accepts) is modified in place
-    (optimizer steps, FSDP gathers) or replaced, or LoRA adapters are switched off or on
-    (``disable_adapter``: the initial policy) or another is made active."""
-    adapters = tuple(
-        (bool(m.disable_adapters), tuple(m.active_adapters)) for m in model.modules() if hasattr(m, "lora_A")
-    )
-    named = model.named_parameters()
-    return tuple((id(p), p._version) for n, p in named if part is None or part(n)), adapters if part is None else ()
 
 
 def served(agent: Agent) -> tuple[torch.nn.Module, str | None]:

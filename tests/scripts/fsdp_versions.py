@@ -24,7 +24,7 @@ import torch.multiprocessing as mp  # noqa: E402
 def worker(rank: int, world: int, folder: str, port: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lit_marl.generation.vllm import weight_version
+    from lit_marl.generation.weights import weight_version
     from lit_marl.models import load_model_and_tokenizer
     from lit_marl.parallel.fsdp import TeamShards
 

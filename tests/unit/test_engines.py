@@ -14,8 +14,9 @@ from lit_marl import ConfigError
 from lit_marl.agents import AdapterView, Agent, LoraSettings, lora_config
 from lit_marl.generation import HFEngine, TorchEngine, left_pad, make_engine, mask_through_first
 from lit_marl.generation.base import counter_uniforms
-from lit_marl.generation.decoder import Decoder, effective_weights, unsupported
+from lit_marl.generation.decoder import Decoder, unsupported
 from lit_marl.generation.vllm import Sample, Sampling, VLLMEngine
+from lit_marl.generation.weights import effective_weights
 from lit_marl.logprobs import completion_logprobs
 
 
@@ -239,8 +240,12 @@ def test_engine_names_are_checked(tmp_path):
     assert make_engine("auto").name == "auto"
     with pytest.raises(ConfigError, match="data.engine='fast': choose one of auto, torch, hf, vllm"):
         slogan_data(engine="fast")
-    with pytest.raises(ConfigError, match="data.engine_options.*only the vllm engine"):
+    with pytest.raises(ConfigError, match=r"data.engine_options: \['gpu_memory_utilization'\] unknown to the torch"):
         slogan_data(engine="torch", engine_options={"gpu_memory_utilization": 0.5})
+    with pytest.raises(ConfigError, match="kept_kv_gib=-1: a number of GiB >= 0"):
+        slogan_data(engine="auto", engine_options={"kept_kv_gib": -1})
+    with pytest.raises(ConfigError, match="the hf engine takes none"):
+        slogan_data(engine="hf", engine_options={"kept_kv_gib": 1})
     try:
         import vllm  # noqa: F401
     except ImportError:
@@ -587,7 +592,7 @@ def test_vllm_weight_version_changes_when_adapters_are_switched_off():
     from peft import get_peft_model
 
     from lit_marl.agents import LoraSettings, lora_config
-    from lit_marl.generation.vllm import weight_version
+    from lit_marl.generation.weights import weight_version
     from lit_marl.models import load_model_and_tokenizer
 
     model = get_peft_model(load_model_and_tokenizer("tiny-random")[0], lora_config(LoraSettings(r=4, alpha=8)))
