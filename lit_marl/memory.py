@@ -330,7 +330,16 @@ def plan(
             result.parts[name] = kv_cache_bytes(agents[0].model, rows * len(agents), length, dtype or torch.float32)
             result.phases[name] = (phase,)
             result.notes.append(f"{phase}: {len(agents)} agents x {rows} rows x {length} tokens ({assumed})")
+        _kept_cache(result, engine, rollout)
     return result
+
+
+def _kept_cache(result: MemoryPlan, engine, rollout) -> None:
+    """The lean engine's KV cache kept between turns: the last turn's, held while the next one generates."""
+    if (rollout.episode.max_turns if rollout.episode else rollout.tree.num_turns) > 1 and engine.kept_kv_bytes:
+        need = max(result.parts["generation KV cache"], result.parts["evaluation KV cache"])
+        result.parts["KV cache kept between turns"] = float(min(engine.kept_kv_bytes, need))
+        result.phases["KV cache kept between turns"] = (ROLLOUT, EVALUATION)
 
 
 def _setup_parts(result: MemoryPlan, module, sharded: bool, gpu: bool, resident: float) -> None:
@@ -473,6 +482,7 @@ def check_memory(module, rollout=None) -> MemoryPlan:
         "weights": "set model.weights_dtype: bfloat16, model.lora_shared_base: true, or shard over more ranks",
         "generation KV cache": "lower data.tasks_per_step, data.num_generations or the context",
         "evaluation KV cache": "lower data.eval_tasks_per_step or the context",
+        "KV cache kept between turns": "lower kept_kv_gib in data.engine_options (0: re-read every history)",
         "whole models on rank 0 (setup)": "more memory for rank 0, or set model.weights_dtype: bfloat16",
         "vLLM engines (gpu_memory_utilization)": "lower gpu_memory_utilization in data.engine_options",
         "vLLM engines (KV budget, weights)": "lower kv_cache_memory_bytes in data.engine_options",
@@ -480,12 +490,11 @@ def check_memory(module, rollout=None) -> MemoryPlan:
         "layers gathered in a pass": "set trainer.strategy.init_args.gather_dtype: bfloat16",
         "weights gathered for generation": "generate with vLLM (data.engine: vllm)",
     }
-    fuller = result.fullest
-    held = [name for name in result.held(fuller) if name in fixes]
+    held = [name for name in result.held(result.fullest) if name in fixes]
     largest = sorted(held, key=lambda n: -result.parts[n])[:2]
     advice = "; ".join(f"{name} ({result.parts[name] / GiB:.2f} GiB): {fixes[name]}" for name in largest)
     raise ConfigError(
-        f"the memory plan needs {result.peak / GiB:.2f} GiB on this rank at its peak (the {fuller}; the fullest rank "
-        f"{over / GiB:.2f} GiB more than its device), the device has {(result.capacity or 0) / GiB:.2f} GiB. "
+        f"the memory plan needs {result.peak / GiB:.2f} GiB on this rank at its peak (the {result.fullest}; the fullest"
+        f" rank {over / GiB:.2f} GiB more than its device), the device has {(result.capacity or 0) / GiB:.2f} GiB. "
         f"Largest: {advice}. (model.memory_check: false skips this check)\n" + result.table()
     )

@@ -116,6 +116,7 @@ class TrainerWeights:
     """For engines that generate with the trainer's own weights: no copy to sync, nothing to free."""
 
     own_weights = False
+    kept_kv_bytes = 0  # the KV cache kept between calls of a rollout (the lean engine's budget)
 
     def rollout(self, agents: list[Agent]) -> AbstractContextManager:
         return nullcontext()

@@ -395,7 +395,7 @@ class Decoder:
         offset = torch.zeros(rows, dtype=torch.long, device=device)
         for r, (entry, n) in enumerate(past if C else ()):
             if n:
-                cache_k[:, r, :, C - n : C], cache_v[:, r, :, C - n : C] = entry.k[:, :, :n], entry.v[:, :, :n]
+                entry.write(n, cache_k[:, r, :, C - n : C], cache_v[:, r, :, C - n : C])
                 keys[r, C - n : C], offset[r] = True, n
         keys[:, C : C + P] = mask.bool()
         positions = (mask.cumsum(-1) - 1).clamp(min=0) + offset[:, None]
@@ -408,17 +408,13 @@ class Decoder:
         hidden = self._forward(ids, cos, sin, cache_k, cache_v, C, self._bias(seen[:, None, None], dtype))
         return hidden, positions[:, -1] + 1
 
-    def kept(self, row: int, prefix: int, fed: int, reply: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Row ``row``'s keys and values after ``generate(..., keep=True)`` (row numbers as in its result),
-        ``[layers, kv_heads, prefix + fed + r, head_dim]``: its ``prefix`` kept tokens, its ``fed``
-        tokens and the first r of its ``reply`` tokens whose keys were computed (the last sampled never is)."""
+    def kept(self, row: int, prefix: int, fed: int, reply: int) -> tuple[torch.Tensor, torch.Tensor, int, tuple]:
+        """Where row ``row``'s sequence is after ``generate(..., keep=True)`` (row numbers as in its result):
+        the cache's keys and values ``[layers, rows, kv_heads, slots, head_dim]``, the row, and the slot
+        ranges of its ``prefix`` kept tokens, its ``fed`` tokens and the first of its ``reply`` tokens whose
+        keys were computed (the last sampled never is), in order."""
         cache_k, cache_v, C, P, computed = self.left
-        device = cache_k.device
-        slots = torch.cat([
-            torch.arange(C - prefix, C, device=device),
-            torch.arange(C + P - fed, C + P + min(reply, computed), device=device),
-        ])  # fmt: skip
-        return cache_k[:, row].index_select(2, slots), cache_v[:, row].index_select(2, slots)
+        return cache_k, cache_v, row, ((C - prefix, C), (C + P - fed, C + P + min(reply, computed)))
 
     @staticmethod
     def _sample(

@@ -14,9 +14,11 @@ child copies it (copy on branch), so a tree of depth T computes each history onc
   (a finished episode, a closed branch) is freed then.
 - The cache is only kept inside the engine's rollout block (the weights cannot change there) and
   only while every parameter of the model is the one it was (``weight_version``).
-- ``budget`` bytes cap what is kept across all models; a call's sequences are kept in row order
-  while they fit, and a sequence that does not fit is not kept: its next turn re-reads its history
-  (the same tokens and log-probs, at the cost of the re-read). Nothing fails for want of room.
+- A call's cache is kept as it is (its rows' sequences point into it: nothing is copied until the
+  next call takes a prefix). ``budget`` bytes cap what is kept across all models: a cache larger
+  than the room left is kept as copies of its sequences, in row order while they fit; a sequence
+  that does not fit is not kept and its next turn re-reads its history (the same tokens and
+  log-probs, at the cost of the re-read). Nothing fails for want of room.
 """
 
 from __future__ import annotations
@@ -32,16 +34,33 @@ the kept sequence found): a prompt shares up to BLOCK - 1 fewer tokens than it c
 
 @dataclass
 class Kept:
-    """One sequence's keys and values, ``[layers, kv_heads, len(tokens), head_dim]`` each: position j
-    holds token j's (RoPE at position j)."""
+    """One sequence's keys and values: row ``row`` of ``k`` / ``v`` (``[layers, rows, kv_heads, slots,
+    head_dim]``, a generate call's whole cache, shared by its rows, or a copy of one row), token j at
+    the j-th slot of ``slots`` (ranges of slots, in order), RoPE at position j."""
 
     tokens: list[int]
     k: torch.Tensor
     v: torch.Tensor
+    row: int = 0
+    slots: tuple[tuple[int, int], ...] = ()
 
-    @property
-    def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+    def write(self, n: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The first ``n`` tokens' keys and values into ``k`` / ``v`` (``[layers, kv_heads, n, head_dim]``)."""
+        at = 0
+        for start, end in self.slots:
+            if at == n:
+                break
+            take = min(end - start, n - at)
+            k[:, :, at : at + take] = self.k[:, self.row, :, start : start + take]
+            v[:, :, at : at + take] = self.v[:, self.row, :, start : start + take]
+            at += take
+
+    def copy(self) -> "Kept":
+        """This sequence alone (its own tensors, no other row's)."""
+        n = len(self.tokens)
+        k, v = (self.k.new_empty(self.k.shape[0], 1, self.k.shape[2], n, self.k.shape[4]) for _ in range(2))
+        self.write(n, k[:, 0], v[:, 0])
+        return Kept(self.tokens, k, v, 0, ((0, n),))
 
 
 def _chain(tokens: list[int], blocks: int):
@@ -94,24 +113,30 @@ class KeptCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(e.nbytes for store in self.stores.values() for e in store.entries)
+        """The bytes of every tensor the kept sequences hold (a call's cache shared by its rows, once)."""
+        tensors = {id(t): t for store in self.stores.values() for e in store.entries for t in (e.k, e.v)}
+        return sum(t.nbytes for t in tensors.values())
 
     def take(self, key, version: tuple, prompts: list[list[int]]) -> list[tuple[Kept | None, int]]:
         """Each prompt's longest kept prefix (``(None, 0)``: none), the model's kept sequences then
         released (the caller copies what it reuses before it computes the new ones)."""
         store = self.stores.pop(key, None)
         if store is None or store.version != version:
-            matches = [(None, 0)] * len(prompts)
-        else:
-            matches = [store.match(p) if p else (None, 0) for p in prompts]
-        return matches
+            return [(None, 0)] * len(prompts)
+        return [store.match(p) if p else (None, 0) for p in prompts]
 
     def put(self, key, version: tuple, entries: list[Kept]) -> None:
-        """Keep ``entries`` for the model's next call, in order while they fit in the budget."""
+        """Keep ``entries`` (rows of one call's cache) for the model's next call: the whole cache where
+        it fits in the budget (no copy), else a copy of each sequence, in order, while they fit."""
         room = self.budget - self.nbytes
+        shared = {id(t): t for e in entries for t in (e.k, e.v)}
+        if sum(t.nbytes for t in shared.values()) <= room:
+            self.stores[key] = _Store(version, entries)
+            return
         kept = []
         for entry in entries:
-            if entry.nbytes <= room:
-                kept.append(entry)
-                room -= entry.nbytes
+            size = 2 * entry.k[:, :1, :, :1].nbytes * len(entry.tokens)
+            if size <= room:
+                kept.append(entry.copy())
+                room -= size
         self.stores[key] = _Store(version, kept)

@@ -135,13 +135,14 @@ class TorchEngine(TrainerWeights):
         return self.kept.take(*key, prompts) + [(None, 0)] * (B - len(prompts))
 
     def _put(self, decoder: Decoder, key, a: int, B: int, n: int, prompts, prefixes, generation: Generation) -> None:
-        """Keep each result row's sequence (its prompt and the reply tokens whose keys were computed)."""
+        """Keep each result row's sequence (its prompt and the reply tokens whose keys were computed), in
+        place in the call's cache."""
         lengths = generation.completion_mask.sum(-1).tolist()
         entries = []
         for row, length in enumerate(lengths):
             i = row // n
             prompt, prefix = prompts[i], prefixes[i]
-            k, v = decoder.kept(a * B * n + row, prefix, len(prompt) - prefix, length)
-            reply = generation.completion_ids[row, : k.shape[2] - len(prompt)].tolist()
-            entries.append(Kept(prompt + reply, k, v))
+            k, v, r, slots = decoder.kept(a * B * n + row, prefix, len(prompt) - prefix, length)
+            reply = generation.completion_ids[row, : sum(end - start for start, end in slots) - len(prompt)]
+            entries.append(Kept(prompt + reply.tolist(), k, v, r, slots))
         self.kept.put(*key, entries)

@@ -183,7 +183,8 @@ def test_nothing_is_reused_after_the_weights_change(tiny_agent):
 
 def test_lookup_finds_the_longest_verified_prefix():
     def kept(tokens):
-        return Kept(tokens, torch.zeros(1, 1, len(tokens), 1), torch.zeros(1, 1, len(tokens), 1))
+        k = torch.arange(len(tokens), dtype=torch.float).view(1, 1, 1, -1, 1)
+        return Kept(tokens, k, k.clone(), 0, ((0, len(tokens)),))
 
     cache = KeptCache(budget=10**9)
     a, b = list(range(40)), list(range(20)) + [99] * 20
@@ -195,6 +196,16 @@ def test_lookup_finds_the_longest_verified_prefix():
     cache.put("m", (1,), [kept(a), kept(b)])
     (whole,) = cache.take("m", (1,), [a])
     assert whole[1] == 39  # a prompt's last token is always fed: its output samples
-    small = KeptCache(budget=kept(a).nbytes + 8)
+    small = KeptCache(budget=2 * kept(a).k.nbytes + 8)
     small.put("m", (1,), [kept(b), kept(a)])
     assert [e.tokens for e in small.stores["m"].entries] == [b]  # in order, while they fit
+
+
+def test_a_sequence_is_read_across_its_slot_ranges():
+    k = torch.arange(2 * 10, dtype=torch.float).view(1, 2, 1, 10, 1)  # two rows of 10 slots
+    entry = Kept([1, 2, 3, 4, 5], k, -k, row=1, slots=((0, 0), (2, 4), (6, 9)))  # an empty range first
+    out_k, out_v = torch.zeros(1, 1, 4, 1), torch.zeros(1, 1, 4, 1)
+    entry.write(4, out_k, out_v)
+    assert out_k.flatten().tolist() == [12, 13, 16, 17] and out_v.flatten().tolist() == [-12, -13, -16, -17]
+    alone = entry.copy()
+    assert alone.k.shape == (1, 1, 1, 5, 1) and alone.k.flatten().tolist() == [12, 13, 16, 17, 18]

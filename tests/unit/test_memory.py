@@ -231,3 +231,31 @@ def test_auto_mode_takes_gathered_when_it_fits_else_per_layer(monkeypatch):
     for capacity, expected in (((gathered + per_layer) / 2, "per_layer"), (2 * gathered, "gathered")):
         monkeypatch.setattr(memory, "device_capacity", lambda device, ranks=1, c=capacity: c)
         assert memory.choose_mode(module, None, 4, torch.device("cpu")) == expected
+
+
+def test_the_kv_cache_kept_between_turns_is_planned_up_to_its_budget():
+    """A multi-turn rollout with the lean engine holds the last turn's cache while the next one
+    generates: its size (every live sequence) or the budget, whichever is smaller; a one-turn rollout
+    and ``kept_kv_gib: 0`` hold none."""
+    from types import SimpleNamespace
+
+    from lit_marl.generation import TorchEngine
+
+    module = MAGRPO(model="tiny-random", num_agents=2)
+    module.configure_model()
+
+    def data(turns, gib):
+        shape = lambda evaluation=False: (4, 300, "test") if evaluation else (16, 600, "test")  # noqa: E731
+        tree = SimpleNamespace(num_turns=turns)
+        return SimpleNamespace(engine=TorchEngine(kept_kv_gib=gib), generation_shape=shape, episode=None, tree=tree)
+
+    multi = plan(module, data(3, 4.0), capacity=64 * GiB)
+    cache = multi.parts["generation KV cache"]
+    assert multi.parts["KV cache kept between turns"] == cache and cache > multi.parts["evaluation KV cache"]
+    assert plan(module, data(3, 0.5 * cache / GiB), capacity=64 * GiB).parts["KV cache kept between turns"] == (
+        int(0.5 * cache / GiB * 2**30)
+    )
+    one_turn = plan(module, data(1, 4.0), capacity=64 * GiB)
+    assert multi.phase("rollout") == pytest.approx(one_turn.phase("rollout") + cache)
+    for turns, gib in ((1, 4.0), (3, 0)):
+        assert "KV cache kept between turns" not in plan(module, data(turns, gib), capacity=64 * GiB).parts
