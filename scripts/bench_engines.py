@@ -7,11 +7,15 @@ and batch: median seconds per call, generated tokens per second, and whether gre
 matches transformers' ``generate`` token for token, and for engines that return their samples'
 log-probs the mean and largest |delta log p| against the trainer's forward on the same tokens.
 ``--context-tokens C`` gives every prompt a C-token history and each timed call extends the
-previous call's prompts, as a multi-turn episode's next turn does (vLLM's prefix cache then holds
-the history). ``--bf16`` runs everything under bf16 autocast, as ``trainer.precision: bf16-mixed``
-rollouts do. The last line is one JSON object.
+previous call's prompts, as a multi-turn episode's next turn does (vLLM's prefix cache and the lean
+engine's kept KV cache then hold the history; ``torch-reread`` is the lean engine keeping nothing,
+``data.engine_options: {kept_kv_gib: 0}``). The engines' timed calls alternate, each engine inside
+its rollout block (where it keeps caches) for the whole run. ``--bf16`` runs everything under bf16
+autocast, as ``trainer.precision: bf16-mixed`` rollouts do. The last line is one JSON object.
 
     .venv/bin/python scripts/bench_engines.py                                  # tiny Qwen2, auto/torch/hf
+    .venv/bin/python scripts/bench_engines.py --engine torch torch-reread --context-tokens 600 --num-samples 1 \
+        --max-new-tokens 32 --prompts 8 --model ~/.cache/lit_marl/smollm2-135m-instruct   # the multi-turn shape
     .venv/bin/python scripts/bench_engines.py --model ~/.cache/lit_marl/smollm2-135m-instruct --repeats 2
     .venv-vllm/bin/python scripts/bench_engines.py --engine torch vllm --model ~/.cache/lit_marl/smollm2-135m-instruct
     python scripts/bench_engines.py --engine hf vllm --device cuda --model PATH  # on a GPU machine with vLLM
@@ -20,6 +24,7 @@ rollouts do. The last line is one JSON object.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -32,11 +37,13 @@ sys.path.insert(0, str(HERE))
 import bench_workload as workload  # noqa: E402
 import torch  # noqa: E402
 
+ENGINES = ["auto", "torch", "torch-reread", "hf", "vllm"]
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="HF model folder (default: the benchmark's tiny Qwen2)")
-    parser.add_argument("--engine", nargs="+", default=["torch", "hf"], choices=["auto", "torch", "hf", "vllm"])
+    parser.add_argument("--engine", nargs="+", default=["torch", "hf"], choices=ENGINES)
     parser.add_argument("--prompts", type=int, nargs="+", default=[1, 4, 16], help="prompts per call (a grid)")
     parser.add_argument("--num-samples", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=24)
@@ -57,61 +64,22 @@ def main() -> None:
     gpu = args.device.startswith("cuda")
     options = {"gpu_memory_utilization": args.vllm_gpu_memory_utilization} if gpu else {}
     engines = {}
+    blocks = contextlib.ExitStack()
     for name in args.engine:
         start = time.perf_counter()
-        engines[name] = make_engine(name, options if name == "vllm" else {})
+        if name == "torch-reread":
+            engines[name] = make_engine("torch", {"kept_kv_gib": 0})
+        else:
+            engines[name] = make_engine(name, options if name == "vllm" else {})
+        blocks.enter_context(engines[name].rollout([agent]))
         with autocast(args):
             engines[name].generate(agent, [agent.encode_prompt("hi")], 1, 2)  # vLLM starts here
-        print(f"{name:>5} | started in {time.perf_counter() - start:.1f} s", flush=True)
+        print(f"{name:>12} | started in {time.perf_counter() - start:.1f} s", flush=True)
     reference = make_engine("hf")
     results = []
-    for count in args.prompts:
-        tasks = workload.tasks(count)
-        prompts = [
-            history(agent, i, args.context_tokens) + agent.encode_prompt(t["prompt"]) for i, t in enumerate(tasks)
-        ]
-        expected = reference.generate(agent, prompts, 1, args.max_new_tokens, greedy=True).completion_ids.cpu()
-        for name, engine in engines.items():
-            with autocast(args):
-                greedy = engine.generate(agent, prompts, 1, args.max_new_tokens, greedy=True).completion_ids.cpu()
-            same = greedy.shape == expected.shape and torch.equal(greedy, expected)
-            torch.manual_seed(0)
-            with autocast(args):
-                engine.generate(agent, prompts, args.num_samples, args.max_new_tokens)  # warm-up
-            times, tokens, call_prompts = [], [], prompts
-            for r in range(args.repeats):
-                if args.context_tokens:  # the next turn: the previous prompts, extended
-                    call_prompts = [p + agent.tokenizer(f" Turn {r}: go on.")["input_ids"] for p in call_prompts]
-                if gpu:
-                    torch.cuda.synchronize()
-                start = time.perf_counter()
-                with autocast(args):
-                    out = engine.generate(agent, call_prompts, args.num_samples, args.max_new_tokens)
-                if gpu:
-                    torch.cuda.synchronize()
-                times.append(time.perf_counter() - start)
-                tokens.append(out.num_generated_tokens)
-            mean_diff, max_diff = mismatch(agent, out, args)
-            median = statistics.median(times)
-            row = {
-                "engine": name,
-                "prompts": count,
-                "sequences": count * args.num_samples,
-                "median_s": median,
-                "min_s": min(times),
-                "tokens_per_call": statistics.fmean(tokens),
-                "tokens_per_s": statistics.fmean(tokens) / median,
-                "greedy_equals_generate": same,
-                "logp_diff_mean": mean_diff,
-                "logp_diff_max": max_diff,
-            }
-            results.append(row)
-            print(
-                f"{name:>5} | {row['sequences']:4d} sequences: {median:.3f} s/call (min {min(times):.3f}), "
-                f"{row['tokens_per_call']:.0f} tokens, {row['tokens_per_s']:.0f} tok/s, greedy == generate: {same}, "
-                f"|d log p| vs trainer: mean {mean_diff:.2e} max {max_diff:.2e}",
-                flush=True,
-            )
+    with blocks:
+        for count in args.prompts:
+            results += measure(agent, engines, reference, count, args, gpu)
     print(
         json.dumps(
             {
@@ -124,6 +92,60 @@ def main() -> None:
             }
         )
     )
+
+
+def measure(agent, engines, reference, count, args, gpu) -> list[dict]:
+    """One batch shape: each engine's greedy check and warm-up, then the timed calls, alternating."""
+    tasks = workload.tasks(count)
+    prompts = [history(agent, i, args.context_tokens) + agent.encode_prompt(t["prompt"]) for i, t in enumerate(tasks)]
+    expected = reference.generate(agent, prompts, 1, args.max_new_tokens, greedy=True).completion_ids.cpu()
+    same, times, tokens, last = {}, {}, {}, {}
+    for name, engine in engines.items():
+        with autocast(args):
+            greedy = engine.generate(agent, prompts, 1, args.max_new_tokens, greedy=True).completion_ids.cpu()
+        same[name] = greedy.shape == expected.shape and torch.equal(greedy, expected)
+        torch.manual_seed(0)
+        with autocast(args):
+            engine.generate(agent, prompts, args.num_samples, args.max_new_tokens)  # warm-up
+        times[name], tokens[name] = [], []
+    call_prompts = prompts
+    for r in range(args.repeats):
+        if args.context_tokens:  # the next turn: the previous prompts, extended
+            call_prompts = [p + agent.tokenizer(f" Turn {r}: go on.")["input_ids"] for p in call_prompts]
+        for name, engine in engines.items():
+            if gpu:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            with autocast(args):
+                last[name] = engine.generate(agent, call_prompts, args.num_samples, args.max_new_tokens)
+            if gpu:
+                torch.cuda.synchronize()
+            times[name].append(time.perf_counter() - start)
+            tokens[name].append(last[name].num_generated_tokens)
+    rows = []
+    for name in engines:
+        mean_diff, max_diff = mismatch(agent, last[name], args)
+        median = statistics.median(times[name])
+        row = {
+            "engine": name,
+            "prompts": count,
+            "sequences": count * args.num_samples,
+            "median_s": median,
+            "min_s": min(times[name]),
+            "tokens_per_call": statistics.fmean(tokens[name]),
+            "tokens_per_s": statistics.fmean(tokens[name]) / median,
+            "greedy_equals_generate": same[name],
+            "logp_diff_mean": mean_diff,
+            "logp_diff_max": max_diff,
+        }
+        rows.append(row)
+        print(
+            f"{name:>12} | {row['sequences']:4d} sequences: {median:.3f} s/call (min {row['min_s']:.3f}), "
+            f"{row['tokens_per_call']:.0f} tokens, {row['tokens_per_s']:.0f} tok/s, greedy == generate: {same[name]}, "
+            f"|d log p| vs trainer: mean {mean_diff:.2e} max {max_diff:.2e}",
+            flush=True,
+        )
+    return rows
 
 
 def autocast(args):

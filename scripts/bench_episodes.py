@@ -3,7 +3,9 @@
     .venv/bin/python scripts/bench_episodes.py --episodes 64 --max-turns 6 --max-new-tokens 8
 
 One batched generate per turn over all live episodes; the environments step in a thread pool.
-Prints one JSON line per repeat and a summary line (medians).
+``--kept-kv-gib 0 4`` compares the lean engine re-reading every history (0) with keeping each
+episode's KV cache between turns (4 GiB), alternating within each repeat. Prints one JSON line per
+repeat and setting and a summary line per setting (medians).
 """
 
 from __future__ import annotations
@@ -26,12 +28,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--env-workers", type=int, default=8)
+    parser.add_argument("--kept-kv-gib", type=float, nargs="+", default=[4.0], help="0: re-read every history")
     args = parser.parse_args()
 
     import torch
 
     from lit_marl.agents import Agent
     from lit_marl.envs import make_env
+    from lit_marl.generation import TorchEngine
     from lit_marl.rollout.episode import EpisodeSettings, run_episodes
     from lit_marl.tasks import load_tasks
 
@@ -44,26 +48,32 @@ def main() -> None:
     env.pool = ThreadPoolExecutor(args.env_workers)
     results = []
     for repeat in range(args.repeats):
-        torch.manual_seed(repeat)
-        with torch.no_grad():
-            settings = EpisodeSettings(max_turns=args.max_turns, max_new_tokens=args.max_new_tokens)
-            (batch,) = run_episodes([agent], tasks, env, settings)
-        s = batch.stats
-        line = {
-            "repeat": repeat,
-            "episodes": args.episodes,
-            "env_steps": int(s["train/env_steps"]),
-            "seconds": round(s["perf/rollout_s"], 3),
-            "env_steps_per_s": round(s["perf/env_steps_per_s"], 1),
-            "generated_tokens_per_s": round(s["perf/generated_tokens"] / s["perf/rollout_s"], 1),
-            "generate_share": round(s["perf/generate_s"] / s["perf/rollout_s"], 3),
-            "env_share": round(s["perf/env_s"] / s["perf/rollout_s"], 4),
-        }
-        results.append(line)
-        print(json.dumps(line))
-    summary = {key: statistics.median(r[key] for r in results) for key in results[0] if key != "repeat"}
-    print(json.dumps({"model": args.model, **summary}))
-
+        for gib in args.kept_kv_gib:
+            engine = TorchEngine(fallback=True, kept_kv_gib=gib)
+            torch.manual_seed(repeat)
+            with torch.no_grad(), engine.rollout([agent]):
+                settings = EpisodeSettings(max_turns=args.max_turns, max_new_tokens=args.max_new_tokens)
+                (batch,) = run_episodes([agent], tasks, env, settings, engine=engine)
+            s = batch.stats
+            line = {
+                "repeat": repeat,
+                "kept_kv_gib": gib,
+                "episodes": args.episodes,
+                "env_steps": int(s["train/env_steps"]),
+                "seconds": round(s["perf/rollout_s"], 3),
+                "env_steps_per_s": round(s["perf/env_steps_per_s"], 1),
+                "generated_tokens_per_s": round(s["perf/generated_tokens"] / s["perf/rollout_s"], 1),
+                "generate_share": round(s["perf/generate_s"] / s["perf/rollout_s"], 3),
+                "env_share": round(s["perf/env_s"] / s["perf/rollout_s"], 4),
+                "prompt_tokens_reused": engine.prefill[0],
+                "prompt_tokens_computed": engine.prefill[1],
+            }
+            results.append(line)
+            print(json.dumps(line), flush=True)
+    for gib in args.kept_kv_gib:
+        rows = [r for r in results if r["kept_kv_gib"] == gib]
+        summary = {key: statistics.median(r[key] for r in rows) for key in rows[0] if key != "repeat"}
+        print(json.dumps({"model": args.model, **summary}))
 
 if __name__ == "__main__":
     main()
