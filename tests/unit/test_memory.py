@@ -255,7 +255,9 @@ def test_the_kv_cache_kept_between_turns_is_planned_up_to_its_budget():
     assert plan(module, data(3, 0.5 * cache / GiB), capacity=64 * GiB).parts["KV cache kept between turns"] == (
         int(0.5 * cache / GiB * 2**30)
     )
-    one_turn = plan(module, data(1, 4.0), capacity=64 * GiB)
+    one_turn = plan(module, data(1, 4.0), capacity=64 * GiB, process=0.0)
+    multi = plan(module, data(3, 4.0), capacity=64 * GiB, process=0.0)
     assert multi.phase("rollout") == pytest.approx(one_turn.phase("rollout") + cache)
+    assert "KV cache kept between turns" in multi.held("evaluation")
     for turns, gib in ((1, 4.0), (3, 0)):
         assert "KV cache kept between turns" not in plan(module, data(turns, gib), capacity=64 * GiB).parts
