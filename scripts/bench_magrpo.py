@@ -51,7 +51,7 @@ def _reward(agent_completions: list[list[str]], tasks: list[dict]) -> list[float
 
 def _transition(*, prompt, agent_completions, num_agents, prompt_history_per_agent, response_history_per_agent):
     partners = [[c for k, c in enumerate(agent_completions) if k != i] for i in range(num_agents)]
-    return [workload.next_prompt(prompt[i], agent_completions[i], partners[i]) for i in range(num_agents)]
+    return [workload.next_prompt(prompt, agent_completions[i], partners[i]) for i in range(num_agents)]
 
 
 lit_reward = PROBE.timed(_reward, "reward_transition_s", "reward_calls")

@@ -28,6 +28,17 @@ def test_joint_reward_is_character_jaccard_plus_length_ratio():
     assert three == pytest.approx((1.0 + 0.5 + 0.5) / 3)
 
 
+def test_both_frameworks_build_the_same_next_prompt():
+    """lit_marl's transition gets the task's prompt as one string, as CoMLRL's does: both workers must
+    give the whole task to the next turn (indexing it gave one character, a shorter prompt for lit_marl)."""
+    import bench_magrpo
+
+    task = workload.task_prompt(3)
+    histories = {"prompt_history_per_agent": [[task], [task]], "response_history_per_agent": [[], []]}
+    ours = bench_magrpo._transition(prompt=task, agent_completions=["a b", "c d"], num_agents=2, **histories)
+    assert ours == [workload.next_prompt(task, "a b", ["c d"]), workload.next_prompt(task, "c d", ["a b"])]
+
+
 def test_tasks_and_transition_are_fixed():
     assert workload.tasks(3) == workload.tasks(3)
     prompt = workload.task_prompt(7)
