@@ -31,18 +31,20 @@ def main() -> None:
             f"{args.workers} workers {parallel / args.games:.2f} s/game"
         )
         paths, _ = make_games(args.complexity, seeds, f"{root}/serial")
+        # one game through its own methods (start / act / clone / replay_clone): the env's batched
+        # protocol (reset(tasks), step(states, ...)) runs these per state
         env = TextWorldEnv()
         task = {"game": str(paths[0])}
         walkthrough = [t[0] for t in env.expert_turns(task)]
-        env.reset(task)
+        env.start(task)
         start = time.perf_counter()
         for _ in range(args.repeats * 10):
-            env.step(["look"])
+            env.act(["look"])
         print(f"env steps: {args.repeats * 10 / (time.perf_counter() - start):.0f} steps/s")
         for prefix in (1, len(walkthrough) - 1, 20):
-            env.reset(task)
+            env.start(task)
             for k in range(prefix):
-                env.step([walkthrough[k] if k < len(walkthrough) - 1 else "look"])
+                env.act([walkthrough[k] if k < len(walkthrough) - 1 else "look"])
             costs = {}
             for name, branch in (("clone", env.clone), ("replay", env.replay_clone)):
                 times = []
