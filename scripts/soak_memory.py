@@ -70,7 +70,7 @@ def main() -> None:
     rss = meter.rss
     half = len(rss) // 2
     growth = (rss[-1] - rss[half]) / max(len(rss) - 1 - half, 1) * 100
-    points = {str(i): round(rss[i - 1], 1) for i in (1, 10, half, len(rss)) if i >= 1}
+    points = {str(i): round(rss[i - 1], 1) for i in (1, 10, half, len(rss)) if 1 <= i <= len(rss)}
     print(json.dumps({"algorithm": args.algorithm, "steps": len(rss), "rss_mb_at_step": points}))
     print(f"growth over the second half: {growth:+.2f} MB per 100 steps (max {max(rss):.0f} MB)")
 
