@@ -22,7 +22,7 @@ import lit_marl.rollout.tree as tree
 from lit_marl.algorithms import MAGRPO
 from lit_marl.envs.base import FunctionEnv
 from lit_marl.generation import make_engine
-from lit_marl.logprobs import completion_logprobs
+from lit_marl.logprobs import completion_logits
 from lit_marl.rollout.transitions import plain
 
 
@@ -72,8 +72,8 @@ def main() -> None:
                 for key in counts:
                     counts[key] = 0
                 with (
-                    mock.patch(
-                        "lit_marl.algorithms.magrpo.completion_logprobs", counted("forward", completion_logprobs)
+                    mock.patch(  # the update's training forward (MAGRPO.policy_loss)
+                        "lit_marl.algorithms.magrpo.completion_logits", counted("forward", completion_logits)
                     ),
                     mock.patch.object(module, "update_agent", counted("optimizer_step", update_agent)),
                 ):
