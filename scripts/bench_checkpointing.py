@@ -59,12 +59,20 @@ def one(model: str, rows: int, tokens: int, lora: bool, checkpointing: bool, rep
     }
 
 
+def ratio(a: float, b: float) -> float:
+    """a / b; nan where b is 0 (a tiny model's pass may not raise the peak RSS over the loaded one)."""
+    return a / b if b else float("nan")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--rows", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=1024, help="tokens per row (the last quarter scored)")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--variants", nargs="+", default=["full", "lora"], choices=["full", "lora"], help="full weights, LoRA or both"
+    )
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one setting, print its JSON
     args = parser.parse_args()
     if args.one:
@@ -72,12 +80,15 @@ def main() -> None:
         print(json.dumps(one(args.model, args.rows, args.tokens, lora, checkpointing, args.repeats)))
         return
     results = {}
-    for lora in (False, True):
+    variants = [variant == "lora" for variant in dict.fromkeys(args.variants)]
+    for lora in variants:
         for checkpointing in (False, True):
             command = [sys.executable, __file__, "--model", args.model, "--rows", str(args.rows)]
             command += ["--tokens", str(args.tokens), "--repeats", str(args.repeats)]
             command += ["--one", f"{int(lora)},{int(checkpointing)}"]
-            done = subprocess.run(command, capture_output=True, text=True, env=os.environ, check=True)
+            done = subprocess.run(command, capture_output=True, text=True, env=os.environ)
+            if done.returncode != 0:
+                sys.exit(f"the setting {command[-1]} failed ({done.returncode}):\n{done.stderr[-3000:]}")
             result = json.loads(done.stdout.strip().splitlines()[-1])
             results[lora, checkpointing] = result
             name = f"{'lora' if lora else 'full'} {'checkpointed' if checkpointing else 'plain':12s}"
@@ -86,11 +97,12 @@ def main() -> None:
                 f"{result['loaded_gib']:.2f}; planned {result['planned_gib']:.2f}) | {result['s']:.2f} s per pass",
                 flush=True,
             )
-    for lora in (False, True):
+    for lora in variants:
         plain, checkpointed = results[lora, False], results[lora, True]
+        memory, seconds = (ratio(checkpointed[key], plain[key]) for key in ("pass_gib", "s"))
         print(
-            f"{'lora' if lora else 'full'}: checkpointing keeps {checkpointed['pass_gib'] / plain['pass_gib']:.2f}x "
-            f"the pass's memory, takes {checkpointed['s'] / plain['s']:.2f}x its time "
+            f"{'lora' if lora else 'full'}: checkpointing keeps {memory:.2f}x "
+            f"the pass's memory, takes {seconds:.2f}x its time "
             f"({args.rows} rows x {args.tokens} tokens, {args.model})"
         )
 

@@ -18,6 +18,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,30 +76,35 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--rows", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--modes", nargs="+", default=["gathered", "per_layer"], choices=["gathered", "per_layer"])
     parser.add_argument("--mode", choices=["gathered", "per_layer"], help="(internal: one mode in a child)")
     parser.add_argument("--rank", type=int)
     parser.add_argument("--port", type=int)
     args = parser.parse_args()
     if args.mode is not None:
         return worker(args.rank, 2, args.port, args)
-    for mode in ("gathered", "per_layer"):
+    for mode in dict.fromkeys(args.modes):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
         base = [sys.executable, __file__, "--model", args.model, "--rows", str(args.rows), "--tokens", str(args.tokens)]
+        logs = [tempfile.TemporaryFile("w+") for _ in range(2)]  # a file, not a pipe: a full pipe would stall a rank
         ranks = [
             subprocess.Popen(
                 [*base, "--mode", mode, "--rank", str(r), "--port", str(port)],
                 env=env,
                 stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL,
+                stderr=logs[r],
                 text=True,
             )
             for r in range(2)
         ]
-        for proc in ranks:
+        for proc, log in zip(ranks, logs):
             out, _ = proc.communicate()
+            if proc.returncode != 0:
+                log.seek(0)
+                sys.exit(f"{mode}: a rank failed ({proc.returncode}):\n{log.read()[-3000:]}")
             report = json.loads(out.strip().splitlines()[-1])
             print(
                 f"{mode:<9} rank {report['rank']}: pass peak {report['pass_peak_mib']:7.1f} MiB above resident; "

@@ -10,7 +10,8 @@
 Prints one line per figure and a last JSON line; docs/benchmark.md records them.
 
     python scripts/gpu_check.py --out $OUT            # on the GPU machine (HF_HUB_OFFLINE=1)
-    .venv/bin/python scripts/gpu_check.py --device cpu --model tiny-random --rows 8 --new-tokens 16  # smoke test
+    .venv/bin/python scripts/gpu_check.py --device cpu --model tiny-random --rows 8 --new-tokens 16 \\
+        --ppo-tasks 2 --ppo-turns 2  # smoke test
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def decode(engine_name: str, agent, rows: int, new_tokens: int, device: str) -> 
     }
 
 
-def ppo_step(out: Path, model: str, device: str) -> dict:
+def ppo_step(out: Path, model: str, device: str, tasks: int = 16, turns: int = 6) -> dict:
     import lightning as L
 
     from lit_marl.algorithms import PPO
@@ -91,9 +92,9 @@ def ppo_step(out: Path, model: str, device: str) -> dict:
     data = EpisodeDataModule(
         env="corridor",
         train_path=str(ROOT / "data/corridor/train.jsonl"),
-        tasks_per_step=16,
+        tasks_per_step=tasks,
         num_generations=1,
-        max_turns=6,
+        max_turns=turns,
         max_new_tokens=16,
     )
     trainer = L.Trainer(
@@ -136,6 +137,8 @@ def main() -> None:
     parser.add_argument("--out", default="/tmp/lit_marl_gpu_check")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke test of the script")
     parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--ppo-tasks", type=int, default=16, help="episodes of the PPO step")
+    parser.add_argument("--ppo-turns", type=int, default=6, help="turns per episode of the PPO step")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("gpu_check.py needs a CUDA GPU (--device cpu runs it as a smoke test)")
@@ -159,7 +162,7 @@ def main() -> None:
     del agent
     if args.device == "cuda":
         torch.cuda.empty_cache()
-    results["ppo"] = ppo_step(Path(args.out), args.model, args.device)
+    results["ppo"] = ppo_step(Path(args.out), args.model, args.device, args.ppo_tasks, args.ppo_turns)
     print(json.dumps(results["ppo"]), flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "gpu_check.json").write_text(json.dumps(results, indent=1))
