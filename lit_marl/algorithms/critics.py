@@ -19,14 +19,16 @@ from lit_marl.rollout.batch import AgentSamples
 
 
 class ValueHead(nn.Module):
-    """MLP -> tanh -> scalar on a hidden state."""
+    """MLP -> tanh -> scalar on a hidden state, computed in fp32 (under bf16 autocast too: a value is
+    a regression target's estimate, and GAE writes fp32 returns beside it)."""
 
     def __init__(self, hidden_size: int):
         super().__init__()
         self.net = nn.Sequential(nn.Linear(hidden_size, hidden_size), nn.Tanh(), nn.Linear(hidden_size, 1))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.net(hidden.float()).squeeze(-1)
+        with torch.autocast(hidden.device.type, enabled=False):
+            return self.net(hidden.float()).squeeze(-1)
 
 
 CriticType = Literal["v", "q"]

@@ -208,7 +208,7 @@ def test_token_rewards_sit_on_each_turns_end_token(agent):
 
 
 # --------------------------------------------------------------------------- fits
-def _fit(tmp_path, module, env, num_generations, **data_kwargs):
+def _fit(tmp_path, module, env, num_generations, precision="32-true", **data_kwargs):
     L.seed_everything(0)
     module.configure_model()
     before = {n: p.detach().clone() for n, p in module.named_parameters()}
@@ -222,7 +222,7 @@ def _fit(tmp_path, module, env, num_generations, **data_kwargs):
         temperature=1.5,
         **data_kwargs,
     )
-    trainer = make_trainer(tmp_path, limit_train_batches=1, limit_val_batches=0)
+    trainer = make_trainer(tmp_path, limit_train_batches=1, limit_val_batches=0, precision=precision)
     trainer.fit(module, datamodule=data)
     moved = {n for n, p in module.named_parameters() if not torch.equal(p.detach(), before[n])}
     return trainer.callback_metrics, moved
@@ -261,6 +261,20 @@ def test_ppo_fit_moves_policy_and_critic(tmp_path, kwargs):
         assert module.references is None and all("lora_" in n for n in moved if n.startswith("agents.0."))
     if kwargs["critic"] == "model":
         assert any(n.startswith("critic_backbones.0.") for n in moved)
+
+
+@pytest.mark.parametrize("gae", ["turn", "token"])
+def test_ppo_values_are_fp32_under_bf16_autocast(tmp_path, gae):
+    """Under bf16-mixed (a CPU with bf16 units picks it) the value head still computes in fp32: its
+    values sit beside GAE's fp32 returns (turn-level GAE writes them into one tensor)."""
+    module = PPO(model="tiny-random", learning_rate=1e-2, gae=gae)
+    metrics, moved = _fit(tmp_path, module, "corridor", 1, precision="bf16-mixed", reward_density="dense")
+    assert torch.isfinite(metrics["agent0/explained_variance"])
+    assert any(n.startswith("value_heads.0.") for n in moved)
+    hidden = torch.randn(2, 3, module.value_heads[0].net[0].in_features)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        values = module.value_heads[0](hidden)
+    assert values.dtype == torch.float32 and torch.equal(values, module.value_heads[0](hidden))
 
 
 @pytest.mark.parametrize(
