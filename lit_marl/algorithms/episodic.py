@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 
 from lit_marl import ConfigError
 from lit_marl.algorithms.base import AgentTeamModule
@@ -83,8 +84,11 @@ class EpisodicModule(AgentTeamModule):
             self.rollout_settings.require("episodes", type(self).__name__)
 
     # ------------------------------------------------------------------ what subclasses provide
-    def advantages(self, batch: EpisodeBatch, token_rewards: torch.Tensor, samples: dict, learner: int) -> dict:
-        """Fill ``advantages``, ``returns``, ``old_values`` and ``value_mask`` into ``samples``."""
+    def advantages(
+        self, batch: EpisodeBatch, token_rewards: torch.Tensor, samples: dict, learner: int, values: torch.Tensor | None
+    ) -> dict:
+        """Fill ``advantages``, ``returns``, ``old_values`` and ``value_mask`` into ``samples``
+        (``values``: the critic's, from ``behaviour``)."""
         raise NotImplementedError
 
     def extra_loss(self, samples: TrajectorySamples, outputs, learner: int) -> torch.Tensor:
@@ -99,12 +103,19 @@ class EpisodicModule(AgentTeamModule):
         return masked_logprobs(model, samples.input_ids, samples.attention_mask, samples.loss_mask)[0], None
 
     # ------------------------------------------------------------------ the step
-    def chunked(self, fn, batch: EpisodeBatch, model: torch.nn.Module) -> torch.Tensor:
+    def chunked(self, fn, batch: EpisodeBatch, model: torch.nn.Module):
         """``fn(input_ids, attention_mask, loss_mask)`` over the batch in the passes of
-        ``micro_batches`` (each a forward of ``model``: ``passes``), concatenated."""
-        return torch.cat(
-            [fn(batch.input_ids[r], batch.attention_mask[r], batch.loss_mask[r]) for r in self.passes(batch, [model])]
-        )
+        ``micro_batches`` (each a forward of ``model``: ``passes``), each pass's rows trimmed of the
+        columns that are left padding in all of them (as the loss passes are: ``TrajectorySamples.select``),
+        its ``[b, l]`` results padded back on the left with zeros and concatenated; ``fn`` may
+        return a tuple of them (concatenated each)."""
+        width, outs = batch.input_ids.shape[1], []
+        for r in self.passes(batch, [model]):
+            first = int((batch.attention_mask[r].cumsum(-1) == 0).sum(-1).min())
+            out = fn(batch.input_ids[r, first:], batch.attention_mask[r, first:], batch.loss_mask[r, first:])
+            outs.append(tuple(F.pad(o, (width - o.shape[1], 0)) for o in (out if isinstance(out, tuple) else (out,))))
+        parts = tuple(torch.cat(column) for column in zip(*outs))
+        return parts if len(parts) > 1 else parts[0]
 
     @torch.no_grad()
     def reference_logprobs(self, batch: EpisodeBatch, learner: int) -> torch.Tensor:
@@ -112,9 +123,16 @@ class EpisodicModule(AgentTeamModule):
             return self.chunked(lambda *rows: masked_logprobs(reference, *rows)[0], batch, reference)
 
     @torch.no_grad()
-    def prepare(self, batch: EpisodeBatch, learner: int) -> TrajectorySamples:
+    def behaviour(self, batch: EpisodeBatch, learner: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The policy's log-probs ``[B, L]`` at the agent's own tokens before this step's update (the
+        ratio's denominator), and the critic's values ``[B, L]`` where the algorithm has one (PPO:
+        one pass gives both when the value head reads the policy's hidden states); None here."""
         model = self.model_of(learner)
-        old_logprobs = self.chunked(lambda *rows: masked_logprobs(model, *rows)[0], batch, model)
+        return self.chunked(lambda *rows: masked_logprobs(model, *rows)[0], batch, model), None
+
+    @torch.no_grad()
+    def prepare(self, batch: EpisodeBatch, learner: int) -> TrajectorySamples:
+        old_logprobs, values = self.behaviour(batch, learner)
         token_rewards = batch.token_rewards(batch.rewards).to(old_logprobs.device)
         rollout = None if batch.rollout_logprobs is None else batch.rollout_logprobs.to(old_logprobs.device)
         ref = None
@@ -136,7 +154,7 @@ class EpisodicModule(AgentTeamModule):
             group_ids=batch.group_ids.to(batch.input_ids.device),
             turn_ids=torch.zeros_like(batch.group_ids).to(batch.input_ids.device),
         )
-        return TrajectorySamples(**self.advantages(batch, token_rewards, fields, learner))
+        return TrajectorySamples(**self.advantages(batch, token_rewards, fields, learner, values))
 
     def loss(self, samples: TrajectorySamples, stats: dict, learner: int) -> torch.Tensor:
         """``[policy, extra]``: the policy terms summed over this micro-batch's action tokens and

@@ -119,9 +119,18 @@ class PPO(EpisodicModule):
         return logprobs, F.pad(values, (1, 0))
 
     @torch.no_grad()
-    def advantages(self, batch, token_rewards, samples, learner):
-        scorer = self.model_of(learner) if self.critic_backbones is None else self.critic_backbones[learner]
-        values = self.chunked(lambda ids, mask, _: self.forward(_ValueSamples(ids, mask), learner)[1], batch, scorer)
+    def behaviour(self, batch, learner: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The behaviour log-probs and the old values: with a value head, one pass of the policy gives
+        both (its LM head at the agent's tokens, the value head on its last hidden states); a critic
+        model of its own runs its own pass."""
+        if self.critic_backbones is None:
+            return self.chunked(lambda *rows: self.forward(_Rows(*rows), learner), batch, self.model_of(learner))
+        logprobs, _ = super().behaviour(batch, learner)
+        values_only = lambda ids, mask, _: self.forward(_Rows(ids, mask), learner)[1]  # noqa: E731
+        return logprobs, self.chunked(values_only, batch, self.critic_backbones[learner])
+
+    @torch.no_grad()
+    def advantages(self, batch, token_rewards, samples, learner, values):
         mask = batch.loss_mask.float()
         if self.gae_mode == "token":
             advantages, returns = token_gae(token_rewards, values * mask, mask, self.discount, self.gae_lambda)
@@ -188,12 +197,10 @@ class PPO(EpisodicModule):
         )
 
 
-class _ValueSamples:
-    """The fields ``PPO.forward`` reads, for the value pass over a raw episode batch: no token is
-    masked, so the LM head does not run (nor the policy at all when the critic has its own model)."""
+class _Rows:
+    """The fields ``PPO.forward`` reads, for the behaviour pass over a raw episode batch. Without a
+    ``loss_mask`` (the values of a critic model of its own) the policy does not run at all."""
 
-    values_only = True
-
-    def __init__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
-        self.input_ids, self.attention_mask = input_ids, attention_mask
-        self.loss_mask = torch.zeros_like(input_ids, dtype=torch.bool)
+    def __init__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor | None = None):
+        self.input_ids, self.attention_mask, self.loss_mask = input_ids, attention_mask, loss_mask
+        self.values_only = loss_mask is None
