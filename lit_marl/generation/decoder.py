@@ -332,8 +332,8 @@ class Decoder:
         the prompt n times. ``seeds`` ``[A, B·n]`` (int64, one per result row: ``generation/base.py: sample_seeds``):
         each row samples from its own counter-based stream (``counter_uniforms``) instead of torch's generator;
         ``_sample`` draws each token. ``past``: per prompt row (``[A·B]``, agent-major) a ``generation/kept.py: Kept``
-        and how many of its first tokens the prompt shares, ``(None, 0)`` for none: ``prompt_ids`` are then only the
-        tokens after that prefix (at least one per active row). ``keep``: hold the cache for ``kept`` after the call."""
+        and how many of its first tokens the prompt shares (``(None, 0)``: none); ``prompt_ids`` then hold the tokens
+        after it (one at least), the list is emptied once copied. ``keep``: hold the cache for ``kept`` afterwards."""
         single = prompt_ids.dim() == 2
         if single:
             prompt_ids, prompt_mask = prompt_ids[None], prompt_mask[None]
@@ -397,6 +397,8 @@ class Decoder:
             if n:
                 entry.write(n, cache_k[:, r, :, C - n : C], cache_v[:, r, :, C - n : C])
                 keys[r, C - n : C], offset[r] = True, n
+        if past:  # copied: the kept caches it points into may be freed before decoding
+            past.clear()
         keys[:, C : C + P] = mask.bool()
         positions = (mask.cumsum(-1) - 1).clamp(min=0) + offset[:, None]
         causal = torch.ones(P, P, dtype=torch.bool, device=device).tril()

@@ -87,7 +87,8 @@ class TorchEngine(TrainerWeights):
         B = max(len(r) for r in rows)
         keys = [self._key(agent, decoder) for agent, _, _ in calls] if self.kept is not None else None
         past = [] if keys is None else [m for key, r in zip(keys, rows) for m in self._take(key, r, B)]
-        fed = [[p[past[a * B + i][1] :] if past else p for i, p in enumerate(r)] for a, r in enumerate(rows)]
+        shared = [n for _, n in past] or [0] * (len(calls) * B)  # per prompt row, its kept prefix's length
+        fed = [[p[shared[a * B + i] :] for i, p in enumerate(r)] for a, r in enumerate(rows)]
         self.prefill[1] += sum(len(p) for r in fed for p in r)
         self.prefill[0] += sum(len(p) for r in rows for p in r) - sum(len(p) for r in fed for p in r)
         width = max(len(p) for r in fed for p in r)
@@ -123,7 +124,7 @@ class TorchEngine(TrainerWeights):
             )
         if keys is not None:
             for a, (key, prompts, generation) in enumerate(zip(keys, rows, out)):
-                self._put(decoder, key, a, B, n, prompts, [past[a * B + i][1] for i in range(len(prompts))], generation)
+                self._put(decoder, key, a, B, n, prompts, shared[a * B : a * B + len(prompts)], generation)
         return out
 
     def _key(self, agent, decoder: Decoder) -> tuple[tuple, tuple]:
