@@ -208,6 +208,27 @@ def test_bench_cpu_times_a_tiny_fit(server, tmp_path):
     assert finite(*[float(cell) for cell in row.split("|")[4:8]]), row
 
 
+def test_bench_ppo_update_splits_the_step(server, tmp_path):
+    out = run_forked(
+        server,
+        tmp_path,
+        "bench_ppo_update.py",
+        *("--config", "configs/ppo/corridor_tiny.yaml", "--steps", "1", "--set", "data.max_turns=2"),
+        cwd=REPO_ROOT,  # the config's task files are relative to the repository
+    )
+    for part in ("rollout", "update", "update: before the loss (no grad)", "  loss forwards", "  backwards"):
+        (line,) = lines_with(out, rf"^{re.escape(part)}\s+\d")
+        seconds, calls = numbers(line.split(part, 1)[1])
+        assert finite(seconds) and seconds > 0 and calls >= 1, line
+    for kind in ("no-grad", "grad"):
+        (line,) = lines_with(out, rf"^{kind} passes:")
+        assert finite(*numbers(line)) and numbers(line)[0] > 0, line
+    (line,) = lines_with(out, r"^peak RSS in update:")
+    assert finite(*numbers(line)) and numbers(line)[0] > 0, line
+    (result,) = json_lines(out)
+    assert result["steps"] == 1 and result["calls"]["update"] == 1
+
+
 def test_gpu_check_runs_on_cpu(server, tmp_path):
     out = run_forked(
         server,
