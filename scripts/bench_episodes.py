@@ -75,5 +75,6 @@ def main() -> None:
         summary = {key: statistics.median(r[key] for r in rows) for key in rows[0] if key != "repeat"}
         print(json.dumps({"model": args.model, **summary}))
 
+
 if __name__ == "__main__":
     main()

@@ -100,7 +100,8 @@ class TaskDataModule(L.LightningDataModule):
             transformers' ``generate`` for the rest), ``torch``, ``hf`` or ``vllm`` (GPU, installed separately;
             weights synced from the trainer before each rollout).
         engine_options: Settings of the engine: vllm's (e.g. ``gpu_memory_utilization``); for ``torch`` and
-            ``auto``, ``kept_kv_gib`` (default 4): the KV cache kept between a rollout's turns (0: re-read every history).
+            ``auto``, ``kept_kv_gib`` (default 4): the KV cache kept between a rollout's turns (0: re-read each
+            history).
         demo_path: Demonstrations for SFT (the ``SFT`` module, or the first phase of
             ``callbacks.PhaseSwitch``): JSONL rows with one chat per agent (``lit_marl/rollout/demos.py``;
             ``scripts/make_demos.py`` writes them from an environment's expert), or the walkthroughs of a
