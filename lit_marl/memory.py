@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from lit_marl import ConfigError
-from lit_marl.activations import activation_profile
+from lit_marl.activations import update_pass_bytes
 from lit_marl.agents import AdapterView
 from lit_marl.models import causal_lm, trained
 from lit_marl.parallel.collectives import all_ranks_max
@@ -306,7 +306,7 @@ def plan(
     result.phases.update(phases)
     _setup_parts(result, module, sharded, gpu, parts["weights"])
     _gathered_models(result, module, mode if sharded else None, generation)
-    result.parts["activations of one update pass"] = _pass_bytes(module, dtype, result.notes)
+    result.parts["activations of one update pass"] = update_pass_bytes(module, dtype, result.notes, rollout)
     result.phases["activations of one update pass"] = (UPDATE,)
     agents = list(module.agents) if module.agents is not None else []
     # one engine per model; a team's LoRA adapters on one base share its engine
@@ -436,30 +436,6 @@ def choose_mode(module, rollout, ranks: int, device: torch.device) -> str:
         f"FSDP2 mode auto: {mode} (gathered needs {whole.peak / GiB:.2f} GiB of {(capacity or 0) / GiB:.2f})"
     )
     return mode
-
-
-def _pass_bytes(module, dtype: torch.dtype | None, notes: list[str]) -> float:
-    """One update pass: the largest policy pass (every position scored), plus every other trained
-    model's (critic backbones, reward models: no logits), since an actor-critic update runs policy
-    and critic in one graph."""
-    tokens = module.forward_token_budget
-    if tokens is None:
-        notes.append("model.forward_token_budget is null: a pass's activations are unbounded, not counted")
-        return 0.0
-    policies = {id(agent.model) for agent in module.agents or []}
-    checkpointing = module.activation_checkpointing
-    policy, others = [0.0], 0.0
-    for model in shardable_models(module):
-        if not any(trained(n, p) for n, p in model.named_parameters()):
-            continue
-        is_policy = id(model) in policies or any(id(m) in policies for m in model.modules())
-        size = activation_profile(model, dtype).pass_bytes(tokens, tokens if is_policy else 0, checkpointing)
-        if is_policy:
-            policy.append(size)
-        else:
-            others += size
-    notes.append(f"a pass of {tokens} tokens, every position scored (an upper bound on the logits)")
-    return max(policy) + others
 
 
 def check_memory(module, rollout=None) -> MemoryPlan:

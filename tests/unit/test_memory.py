@@ -9,7 +9,7 @@ import torch
 
 from helpers import make_trainer, slogan_data
 from lit_marl import ConfigError
-from lit_marl.activations import _saved_bytes, activation_profile
+from lit_marl.activations import _saved_bytes, activation_profile, update_pass_bytes
 from lit_marl.algorithms import MAGRPO
 from lit_marl.memory import GiB, kv_cache_bytes, plan, weight_parts
 from lit_marl.models import load_model_and_tokenizer
@@ -157,17 +157,41 @@ def test_an_actor_critic_pass_counts_policy_and_critic_together():
     """PPO with a critic model runs policy and critic in one graph: the pass is their sum, the
     critic's without logits (it scores values, not tokens)."""
     from lit_marl.algorithms import PPO
-    from lit_marl.memory import _pass_bytes
 
     alone = PPO(model="tiny-random", forward_token_budget=512)
     alone.configure_model()
     with_critic = PPO(model="tiny-random", critic="model", forward_token_budget=512)
     with_critic.configure_model()
-    policy = _pass_bytes(alone, None, [])
+    policy = update_pass_bytes(alone, None, [])
     profile = activation_profile(with_critic.critic_backbones[0], None)
     critic = profile.pass_bytes(with_critic.forward_token_budget, 0, False)
-    assert _pass_bytes(with_critic, None, []) == pytest.approx(policy + critic)
+    assert update_pass_bytes(with_critic, None, []) == pytest.approx(policy + critic)
     assert critic < policy  # no 12 bytes per vocabulary entry and scored position
+
+
+def test_an_episode_pass_holds_its_longest_row_and_scores_the_agents_tokens():
+    """A row longer than the token budget gets a pass of its own, so a pass holds up to an episode's
+    ``max_context_tokens``; the LM head runs only at the agent's own tokens (``masked_logprobs``):
+    at most ``max_turns x max_new_tokens`` a row, ``forward_batch_size`` rows. With demonstrations
+    (an SFT phase) every position counts."""
+    from dataclasses import replace
+
+    from lit_marl.algorithms import PPO
+    from lit_marl.generation import make_engine
+    from lit_marl.rollout.episode import EpisodeSettings
+    from lit_marl.rollout.settings import RolloutSettings
+
+    module = PPO(model="tiny-random", forward_token_budget=512, forward_batch_size=2)
+    module.configure_model()
+    episode = EpisodeSettings(max_turns=3, max_new_tokens=8, max_context_tokens=1024)
+    rollout = RolloutSettings("episodes", 1, 4, 1, make_engine("torch"), episode=episode)
+    profile = activation_profile(module.model_of(0), None)
+    notes = []
+    assert update_pass_bytes(module, None, notes, rollout) == pytest.approx(profile.pass_bytes(1024, 2 * 3 * 8, False))
+    assert notes == ["a pass of 1024 tokens, at most 48 scored (the agent's own tokens)"]
+    demos = replace(rollout, demos=4)
+    assert update_pass_bytes(module, None, [], demos) == pytest.approx(profile.pass_bytes(1024, 1024, False))
+    assert update_pass_bytes(module, None, []) == pytest.approx(profile.pass_bytes(512, 512, False))
 
 
 def test_vllm_engines_are_planned_by_their_share_or_their_kv_budget():
@@ -180,7 +204,9 @@ def test_vllm_engines_are_planned_by_their_share_or_their_kv_budget():
     module = MAGRPO(model="tiny-random", num_agents=2)
     module.configure_model()
     engine = VLLMEngine(backend_factory=lambda agent, dtype: None)
-    data = SimpleNamespace(engine=engine, generation_shape=lambda evaluation=False: None)  # an engine only
+    data = SimpleNamespace(
+        engine=engine, episode=None, generation_shape=lambda evaluation=False: None
+    )  # an engine only
     numel = sum(p.numel() for p in module.parameters())  # two models, each served whole
     cpu = plan(module, data, capacity=64 * GiB)
     assert cpu.parts["vLLM engines (KV budget, weights)"] == 2 * 2**30 + numel * 4
