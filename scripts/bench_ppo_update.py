@@ -9,8 +9,10 @@ The update is split into the no-grad passes before the loss (the behaviour log-p
 values, the reference's log-probs, the advantages), the loss passes' forwards and backwards and the
 optimizer steps; the forwards into the decoder's layers and the LM head (module hooks, forward and
 backward); and every pass's padded tokens against its real ones. ``--set key=value`` overrides a
-``model.``/``data.`` init argument (YAML values: ``--set model.ppo_epochs=1``). Prints one line per
-part and a JSON object last.
+``model.``/``data.`` init argument (YAML values: ``--set model.ppo_epochs=1``). ``--save-batch`` keeps
+the rollouts' episodes and ``--load-batch`` trains on them instead of rolling out (the "rollout" is
+then the read): two versions of the update timed on the same episodes. Prints one line per part
+and a JSON object last.
 """
 
 from __future__ import annotations
@@ -58,11 +60,11 @@ def timed(owner, name: str, label: str, phase: bool = False) -> None:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # the peak RSS starts again from the current RSS
         start = time.perf_counter()
+        COUNTS[label] += 1
         try:
             return fn(*args, **kwargs)
         finally:
             TIMES[label] += time.perf_counter() - start
-            COUNTS[label] += 1
             if phase:
                 PEAKS[label] = max(PEAKS.get(label, 0.0), rss("VmHWM"))
 
@@ -116,6 +118,23 @@ class Instrument(L.Callback):
             layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
             Clock("decoder layers", layers)
             Clock("lm head", [model.get_output_embeddings()])
+
+
+def replayed(save: Path | None, load: Path | None) -> None:
+    """The rollout's batches saved to ``save``, or read back from ``load`` in their place (the same
+    episodes for two versions of the update: a rollout samples other episodes each run)."""
+    saved, fn = [], EpisodeDataModule.on_after_batch_transfer
+    loaded = torch.load(load, weights_only=False) if load else None
+
+    def wrapped(self, batch, dataloader_idx):
+        if loaded is not None:
+            return loaded[COUNTS["rollout"] - 1]  # counted by ``timed`` as it starts
+        saved.append(fn(self, batch, dataloader_idx))
+        if save:
+            torch.save(saved, save)
+        return saved[-1]
+
+    EpisodeDataModule.on_after_batch_transfer = wrapped
 
 
 def instrument(module_cls) -> None:
@@ -179,8 +198,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--set", action="append", default=[], help="model.KEY=VALUE or data.KEY=VALUE")
     parser.add_argument("--out", type=Path, default=None, help="write the JSON here too")
+    parser.add_argument("--save-batch", type=Path, default=None, help="save the rollouts' episodes here")
+    parser.add_argument("--load-batch", type=Path, default=None, help="train on these saved episodes (no rollout)")
     args = parser.parse_args()
     (model_cls, model_args), (data_cls, data_args), seed = load(args.config, args.set)
+    replayed(args.save_batch, args.load_batch)
     instrument(model_cls)
     L.seed_everything(seed, verbose=False)
     module, data = model_cls(**model_args), data_cls(**data_args)

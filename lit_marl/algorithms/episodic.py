@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 
 from lit_marl import ConfigError
 from lit_marl.algorithms.base import AgentTeamModule
@@ -24,7 +23,7 @@ from lit_marl.logprobs import masked_logprobs
 from lit_marl.losses import clip_fraction, clipped_surrogate, k3_kl
 from lit_marl.metrics import Timer, record_stats, rollout_correction
 from lit_marl.parallel.collectives import padded_steps
-from lit_marl.rollout.batch import TrajectorySamples
+from lit_marl.rollout.batch import TrajectorySamples, length_passes
 from lit_marl.rollout.buffer import minibatches
 from lit_marl.rollout.episode import EpisodeBatch, render_episode
 
@@ -103,19 +102,28 @@ class EpisodicModule(AgentTeamModule):
         return masked_logprobs(model, samples.input_ids, samples.attention_mask, samples.loss_mask)[0], None
 
     # ------------------------------------------------------------------ the step
+    def micro_batches(self, rows, shared_prompts: bool = False) -> list[torch.Tensor]:
+        """Episodes of similar length share a pass (``rollout.batch.length_passes``): a pass is trimmed
+        to its longest episode, so this computes the fewest padding tokens the budget allows."""
+        lengths = rows.attention_mask.sum(-1)  # left-padded: a row spans its length
+        return [r.to(self.device) for r in length_passes(lengths, self.forward_token_budget, self.forward_batch_size)]
+
     def chunked(self, fn, batch: EpisodeBatch, model: torch.nn.Module):
         """``fn(input_ids, attention_mask, loss_mask)`` over the batch in the passes of
         ``micro_batches`` (each a forward of ``model``: ``passes``), each pass's rows trimmed of the
         columns that are left padding in all of them (as the loss passes are: ``TrajectorySamples.select``),
-        its ``[b, l]`` results padded back on the left with zeros and concatenated; ``fn`` may
-        return a tuple of them (concatenated each)."""
-        width, outs = batch.input_ids.shape[1], []
+        its ``[b, l]`` results padded back on the left with zeros into their rows; ``fn`` may return a
+        tuple of them (each filled)."""
+        width, outs = batch.input_ids.shape[1], None
         for r in self.passes(batch, [model]):
             first = int((batch.attention_mask[r].cumsum(-1) == 0).sum(-1).min())
             out = fn(batch.input_ids[r, first:], batch.attention_mask[r, first:], batch.loss_mask[r, first:])
-            outs.append(tuple(F.pad(o, (width - o.shape[1], 0)) for o in (out if isinstance(out, tuple) else (out,))))
-        parts = tuple(torch.cat(column) for column in zip(*outs))
-        return parts if len(parts) > 1 else parts[0]
+            out = out if isinstance(out, tuple) else (out,)
+            if outs is None:
+                outs = tuple(o.new_zeros((len(batch.input_ids), width)) for o in out)
+            for full, o in zip(outs, out):
+                full[r, first:] = o
+        return outs if len(outs) > 1 else outs[0]
 
     @torch.no_grad()
     def reference_logprobs(self, batch: EpisodeBatch, learner: int) -> torch.Tensor:

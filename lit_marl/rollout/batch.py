@@ -306,3 +306,28 @@ def pass_rows(rows, token_budget: int | None, row_cap: int | None, shared_prompt
         cost += row_cost
     bounds.append(count)
     return [torch.arange(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def length_passes(lengths: torch.Tensor, token_budget: int | None, row_cap: int | None) -> list[torch.Tensor]:
+    """Row indices of the passes over left-padded rows of ``lengths`` tokens: as few passes as
+    ``token_budget`` (tokens at a pass's longest row's width; a longer row alone) and ``row_cap``
+    allow, and among those the fewest padded tokens. A pass is trimmed to its longest row, so rows of
+    similar length go together: the rows, longest first, are cut into runs by an exact dynamic
+    program over the cuts. The passes' gradients sum to the same gradient whatever the split."""
+    order = torch.argsort(lengths.cpu(), descending=True, stable=True)
+    width = lengths.cpu()[order].tolist()
+    budget, cap = token_budget or math.inf, row_cap or len(width)
+    best, cut = [(0, 0)] + [(math.inf, math.inf)] * len(width), [0] * (len(width) + 1)
+    for end in range(1, len(width) + 1):
+        for start in range(end - 1, -1, -1):  # rows start..end-1 in one pass, as wide as row start
+            rows = end - start
+            if rows > 1 and (rows > cap or rows * width[start] > budget):
+                break
+            cost = (best[start][0] + 1, best[start][1] + rows * width[start])  # (passes, padded tokens)
+            if cost < best[end]:
+                best[end], cut[end] = cost, start
+    bounds, end = [], len(width)
+    while end:
+        bounds.append((cut[end], end))
+        end = cut[end]
+    return [order[a:b].to(lengths.device) for a, b in reversed(bounds)]
