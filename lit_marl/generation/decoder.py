@@ -393,6 +393,8 @@ class Decoder:
         rows, P = mask.shape
         device, dtype = ids.device, cache_k.dtype
         offset = torch.zeros(rows, dtype=torch.long, device=device)
+        if C:  # slots left of a shorter prefix are never written: zeros, not NaN bits a masked score would spread
+            cache_k[:, :, :, :C].zero_(), cache_v[:, :, :, :C].zero_()
         for r, (entry, n) in enumerate(past if C else ()):
             if n:
                 entry.write(n, cache_k[:, r, :, C - n : C], cache_v[:, r, :, C - n : C])

@@ -70,11 +70,11 @@ class Recording(TorchEngine):
         return total
 
 
-def episodes(agents, env, settings, kept_kv_gib=4.0, seed=0):
+def episodes(agents, env, settings, kept_kv_gib=4.0, seed=0, tasks=TASKS):
     engine = Recording(kept_kv_gib=kept_kv_gib)
     torch.manual_seed(seed)
     with engine.rollout(agents):
-        batches = run_episodes(agents, TASKS, make_env(env), settings, engine=engine)
+        batches = run_episodes(agents, tasks, make_env(env), settings, engine=engine)
         assert engine.kept is not None or not kept_kv_gib
     assert engine.kept is None  # freed with the block
     return batches, engine
@@ -232,3 +232,27 @@ def test_kept_rollout_logprobs_agree_with_the_trainers_forward(tiny_agent, bf16)
         assert kept.mean() <= 1.5 * reread.mean() + 1e-3 and kept.max() <= 1.5 * reread.max() + 1e-2
     else:
         assert kept.max() < 1e-4 and reread.max() < 1e-4
+
+
+def test_cache_slots_never_written_cannot_poison_a_row(tiny_agent, monkeypatch):
+    """Rows keep prefixes of different lengths, so a row's slots left of its own are never written;
+    memory that happens to hold NaN there (``torch.empty``) must not reach its scores."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        return (
+            empty(*args, **kwargs).fill_(float("nan"))
+            if kwargs.get("dtype", torch.float).is_floating_point
+            else empty(*args, **kwargs)
+        )
+
+    settings = EpisodeSettings(max_turns=3, max_new_tokens=6, greedy=True)
+    tasks = [{"turns": t} for t in (3, 40, 500, 6000)]  # prompts, so kept prefixes, of different lengths
+    monkeypatch.setattr(torch, "empty", poisoned)
+    kept, engine = episodes([tiny_agent], "countdown-kv", settings, tasks=tasks)
+    monkeypatch.undo()
+    reread, _ = episodes([tiny_agent], "countdown-kv", settings, kept_kv_gib=0, tasks=tasks)
+    assert engine.prefill[0] > 0 and len({len(p) for p in engine.prompts[1][0]}) > 1
+    for a, b in zip(kept, reread):
+        assert torch.equal(a.input_ids, b.input_ids)
+        torch.testing.assert_close(a.rollout_logprobs, b.rollout_logprobs, rtol=0, atol=2e-5)
