@@ -13,10 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import bench_workload as workload  # noqa: E402
 
 
 def main() -> None:
@@ -70,9 +73,7 @@ def main() -> None:
             }
             results.append(line)
             print(json.dumps(line), flush=True)
-    for gib in args.kept_kv_gib:
-        rows = [r for r in results if r["kept_kv_gib"] == gib]
-        summary = {key: statistics.median(r[key] for r in rows) for key in rows[0] if key != "repeat"}
+    for summary in workload.medians_by(results, "kept_kv_gib"):
         print(json.dumps({"model": args.model, **summary}))
 
 

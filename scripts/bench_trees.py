@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -103,9 +102,7 @@ def main() -> None:
             }
             results.append(line)
             print(json.dumps(line), flush=True)
-    for gib in args.kept_kv_gib:
-        rows = [r for r in results if r["kept_kv_gib"] == gib]
-        summary = {key: statistics.median(r[key] for r in rows) for key in rows[0] if key != "repeat"}
+    for summary in workload.medians_by(results, "kept_kv_gib"):
         print(json.dumps({"model": model, "transition": args.transition, **summary}))
 
 

@@ -121,6 +121,16 @@ def default_model_folder() -> Path:
     return folder
 
 
+def medians_by(results: list[dict], key: str) -> list[dict]:
+    """Per value of ``key`` (in order of first appearance), the median of every other field over the
+    results with that value (the ``repeat`` field left out)."""
+    out = []
+    for value in dict.fromkeys(r[key] for r in results):
+        rows = [r for r in results if r[key] == value]
+        out.append({field: statistics.median(r[field] for r in rows) for field in rows[0] if field != "repeat"})
+    return out
+
+
 # --------------------------------------------------------------------------- the flags of a run
 def add_flags(parser, grid: bool) -> None:
     """The workload's flags, the same for lit_marl's benchmark and the CoMLRL worker; with ``grid``
