@@ -85,18 +85,7 @@ def run_lit_marl(args) -> dict:
     )
     cls = {"magrpo": MAGRPO, "iac": IAC, "maac": MAAC}[args.algorithm]
     module = cls(model=args.model, num_agents=args.num_agents, learning_rate=args.lr)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        limit_train_batches=total,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[Probe()],
-    )
+    trainer = workload.bench_trainer(total, callbacks=[Probe()])
     trainer.fit(module, datamodule=data)
     result = PROBE.summary(args.warmup)
     if args.floor:

@@ -27,7 +27,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
+import bench_workload as workload  # noqa: E402
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
@@ -123,19 +125,11 @@ def main() -> None:
         max_new_tokens=8,
         eval_tasks_per_step=2,
     )
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = workload.bench_trainer(
+        args.steps,
         devices=2,
         strategy=TeamFSDPStrategy(mode="per_layer", save_distributed_checkpoint=False),
         precision="bf16-mixed",
-        max_epochs=1,
-        limit_train_batches=args.steps,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         default_root_dir=args.out,
         callbacks=[Planned(), HeldOutEvaluation(examples=0)],
     )

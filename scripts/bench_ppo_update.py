@@ -30,7 +30,9 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
+import bench_workload as workload  # noqa: E402
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
@@ -206,20 +208,8 @@ def main() -> None:
     instrument(model_cls)
     L.seed_everything(seed, verbose=False)
     module, data = model_cls(**model_args), data_cls(**data_args)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        precision=cpu.auto_precision("cpu") or "32-true",
-        max_epochs=1,
-        limit_train_batches=args.steps,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[Instrument()],
-    )
+    precision = cpu.auto_precision("cpu") or "32-true"
+    trainer = workload.bench_trainer(args.steps, devices=1, precision=precision, callbacks=[Instrument()])
     start = time.perf_counter()
     trainer.fit(module, datamodule=data)
     result = report(args, time.perf_counter() - start)

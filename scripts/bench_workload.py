@@ -121,6 +121,17 @@ def default_model_folder() -> Path:
     return folder
 
 
+def bench_trainer(steps: int, **settings):
+    """A Lightning trainer for ``steps`` training batches on the CPU and nothing else: no validation,
+    logger, checkpoints, progress bar or summary (``settings`` add or override)."""
+    import lightning as L  # deferred: CoMLRL's worker imports this module without Lightning
+
+    quiet = dict(accelerator="cpu", max_epochs=1, limit_train_batches=steps, limit_val_batches=0,
+                 num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                 enable_model_summary=False)  # fmt: skip
+    return L.Trainer(**{**quiet, **settings})
+
+
 def medians_by(results: list[dict], key: str) -> list[dict]:
     """Per value of ``key`` (in order of first appearance), the median of every other field over the
     results with that value (the ``repeat`` field left out)."""
