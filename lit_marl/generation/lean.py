@@ -87,10 +87,11 @@ class TorchEngine(TrainerWeights):
         B = max(len(r) for r in rows)
         keys = [self._key(agent, decoder) for agent, _, _ in calls] if self.kept is not None else None
         past = [] if keys is None else [m for key, r in zip(keys, rows) for m in self._take(key, r, B)]
-        shared = [n for _, n in past] or [0] * (len(calls) * B)  # per prompt row, its kept prefix's length
-        fed = [[p[shared[a * B + i] :] for i, p in enumerate(r)] for a, r in enumerate(rows)]
-        self.prefill[1] += sum(len(p) for r in fed for p in r)
-        self.prefill[0] += sum(len(p) for r in rows for p in r) - sum(len(p) for r in fed for p in r)
+        prefixes = [n for _, n in past] or [0] * (len(calls) * B)  # per prompt row, its kept prefix's length
+        fed = [[p[prefixes[a * B + i] :] for i, p in enumerate(r)] for a, r in enumerate(rows)]
+        reused = sum(prefixes)
+        self.prefill[0] += reused
+        self.prefill[1] += sum(len(p) for r in rows for p in r) - reused
         width = max(len(p) for r in fed for p in r)
         ids = torch.empty(len(calls), B, width, dtype=torch.long, device=device)
         mask = torch.zeros(len(calls), B, width, dtype=torch.long, device=device)
@@ -124,7 +125,7 @@ class TorchEngine(TrainerWeights):
             )
         if keys is not None:
             for a, (key, prompts, generation) in enumerate(zip(keys, rows, out)):
-                self._put(decoder, key, a, B, n, prompts, shared[a * B : a * B + len(prompts)], generation)
+                self._put(decoder, key, a, B, n, prompts, prefixes[a * B : a * B + len(prompts)], generation)
         return out
 
     def _key(self, agent, decoder: Decoder) -> tuple[tuple, tuple]:
