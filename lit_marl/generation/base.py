@@ -139,6 +139,17 @@ def generate_each(engine, calls: list[GenerationCall], *args, **kwargs) -> list[
 _MASK32 = 0xFFFFFFFF
 
 
+def prefill_stats(engine, before: tuple[int, int] | None = None) -> tuple[int, int] | dict[str, float]:
+    """The prompt tokens an engine took from its kept KV cache and computed so far (``(0, 0)`` for
+    engines that do not count); given the counts from before a rollout, that rollout's figures as stats."""
+    now = tuple(getattr(engine, "prefill", (0, 0)))
+    if before is None:
+        return now
+    reused, computed = now[0] - before[0], now[1] - before[1]
+    share = reused / max(reused + computed, 1)
+    return {"perf/prompt_tokens_computed": float(computed), "perf/prompt_reused_frac": share}
+
+
 def stream_seed(*parts) -> int:
     """A 32-bit seed from any printable parts (stable across processes, unlike ``hash``)."""
     return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=4).digest(), "little")

@@ -26,6 +26,7 @@ from lit_marl import ConfigError
 from lit_marl.agents import Agent, roles_by_model
 from lit_marl.envs.base import Env
 from lit_marl.generation import Engine, left_pad, make_engine
+from lit_marl.generation.base import prefill_stats
 from lit_marl.metrics import markdown_line
 from lit_marl.returns import neutral_fill
 
@@ -168,6 +169,7 @@ def run_episodes(
     if env.num_agents != len(agents):
         raise ValueError(f"{type(env).__name__} has {env.num_agents} agents, the team {len(agents)}")
     _check_templates(agents, settings)
+    prefill = prefill_stats(engine)
     states: list = []
     try:
         states += env.reset([task for task in tasks for _ in range(settings.group_size)])
@@ -190,6 +192,7 @@ def run_episodes(
         "perf/tokens_per_s": clock["generated"] / max(clock["generate_s"], 1e-9),
         "train/env_steps": float(steps),
         "perf/env_steps_per_s": steps / max(seconds, 1e-9),
+        **prefill_stats(engine, prefill),
     }
     for key in sorted({k for e in episodes for k in e.info.get("counts", {})}):  # the env's own counts
         stats[f"env/{key}"] = sum(float(e.info.get("counts", {}).get(key, 0.0)) for e in episodes) / len(episodes)

@@ -96,6 +96,9 @@ def test_episodes_with_the_kept_cache_are_the_reread_ones(tiny_agent, greedy):
     assert off.prefill == [0, off.prefill[1]] and off.prefill[1] > 0
     reused, fed = engine.prefill
     assert fed + reused == off.prefill[1] and reused >= engine.history_tokens() > 0  # each history read once
+    stats, off_stats = kept[0].stats, reread[0].stats  # the rollout reports it
+    assert stats["perf/prompt_tokens_computed"] == fed and stats["perf/prompt_reused_frac"] == reused / (fed + reused)
+    assert off_stats["perf/prompt_reused_frac"] == 0 and off_stats["perf/prompt_tokens_computed"] == off.prefill[1]
 
 
 def test_two_stacked_models_keep_a_cache_each(tiny_agents):
@@ -151,6 +154,7 @@ def test_trees_share_their_parents_cache(tiny_agents, joint_mode, turns):
     reread, off = trees(tiny_agents, data.train_tasks[:2], data.env, settings, kept_kv_gib=0)
     assert_same_trees(kept, reread)
     assert engine.prefill[0] > 0 and sum(engine.prefill) == off.prefill[1]
+    assert kept.stats["perf/prompt_tokens_computed"] == engine.prefill[1] and kept.stats["perf/prompt_reused_frac"] > 0
 
 
 @pytest.mark.parametrize("branching", ["clone", "replay"])
