@@ -76,3 +76,50 @@ def _agent(source: str, system_prompt: str | None) -> Agent:
 
     model = AutoPeftModelForCausalLM.from_pretrained(str(folder))  # the base its adapter_config.json names
     return Agent(source, None, system_prompt, (model.eval(), AutoTokenizer.from_pretrained(str(folder))))
+
+
+def load_adapters(module, dirpath: str | Path, field: str = "InitialWeights.path") -> None:
+    """Each learner's LoRA adapter read from an ``export_team(..., lora="adapter")`` folder (an earlier
+    run's ``HFExport``) into ``module``'s adapter of the same role: a new run starts from that run's
+    weights (e.g. RL from an SFT run). The adapters must have the run's shape (rank, alpha, target
+    modules); every adapter tensor is replaced, nothing else."""
+    from lit_marl import ConfigError
+
+    dirpath = Path(dirpath).expanduser()
+    if not (dirpath / MANIFEST).is_file():
+        raise ConfigError(
+            f"{field}={str(dirpath)!r} holds no {MANIFEST}: give a folder that HFExport(lora: adapter) wrote"
+        )
+    if module.shards is not None:
+        raise ConfigError(f"{field}: adapters load into whole models, not FSDP shards: use a DDP or 1-device run")
+    roles = json.loads((dirpath / MANIFEST).read_text())["roles"]
+    if len(roles) != len(module.agents):
+        raise ConfigError(f"{field}: the folder's team has {len(roles)} agents, this run's {len(module.agents)}")
+    for learner_roles in module.learners:
+        model = module.agents[learner_roles[0]].model
+        peft_model, adapter = (model.shared, model.adapter) if isinstance(model, AdapterView) else (model, "default")
+        _load_adapter(peft_model, adapter, dirpath / roles[learner_roles[0]], field)
+
+
+def _load_adapter(peft_model, adapter: str, folder: Path, field: str) -> None:
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from lit_marl import ConfigError
+
+    if not (folder / "adapter_config.json").is_file():
+        raise ConfigError(f"{field}: {folder} is a merged model, not an adapter: export with HFExport(lora: adapter)")
+    if not hasattr(peft_model, "peft_config"):
+        raise ConfigError(f"{field}: {folder} is a LoRA adapter, but this run trains whole models: set model.lora")
+    saved, ours = json.loads((folder / "adapter_config.json").read_text()), peft_model.peft_config[adapter]
+    shape = {"r": ours.r, "lora_alpha": ours.lora_alpha, "target_modules": sorted(ours.target_modules)}
+    theirs = {"r": saved["r"], "lora_alpha": saved["lora_alpha"], "target_modules": sorted(saved["target_modules"])}
+    if shape != theirs:
+        raise ConfigError(f"{field}: {folder}'s adapter is {theirs}, this run's model.lora {shape}: give the same")
+    result = set_peft_model_state_dict(peft_model, load_file(str(folder / "adapter_model.safetensors")), adapter)
+    missing = [k for k in result.missing_keys if "lora_" in k and f".{adapter}." in k]
+    if result.unexpected_keys or missing:
+        raise ConfigError(
+            f"{field}: {folder}'s adapter does not fit this run's model (unexpected {result.unexpected_keys[:3]}, "
+            f"missing {missing[:3]}): give the export of a run of the same model"
+        )

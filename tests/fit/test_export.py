@@ -91,3 +91,66 @@ def test_agents_as_adapters_on_one_base(tmp_path, mode):
         else:
             reloaded = Agent(str(folder))
         assert torch.equal(greedy(reloaded), greedy(agent)), f"agent {i}"
+
+
+def adapters(module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in module.agents.named_parameters() if "lora_" in n}
+
+
+@pytest.mark.parametrize("shared_base", [False, True])
+def test_a_run_starts_from_an_exported_adapter(tmp_path, shared_base):
+    """InitialWeights: a new run's agents start with the adapters an earlier run exported (RL from
+    an SFT run), each role its own."""
+    from lit_marl.callbacks import InitialWeights
+
+    settings = dict(model="tiny-random", num_agents=2, learning_rate=5e-2, lora={"r": 4, "alpha": 8})
+    L.seed_everything(0)
+    first = MAGRPO(**settings, lora_shared_base=shared_base)
+    export = HFExport(str(tmp_path / "export"), lora="adapter")
+    make_trainer(tmp_path, limit_train_batches=1, limit_val_batches=0, callbacks=[export]).fit(
+        first, datamodule=slogan_data(max_new_tokens=8)
+    )
+    trained = adapters(first)
+    seen = {}
+
+    class Snapshot(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            seen.update(adapters(pl_module))
+
+    L.seed_everything(1)
+    second = MAGRPO(**settings, lora_shared_base=shared_base)
+    callbacks = [InitialWeights(str(tmp_path / "export")), Snapshot()]
+    make_trainer(tmp_path, limit_train_batches=1, limit_val_batches=0, callbacks=callbacks).fit(
+        second, datamodule=slogan_data(max_new_tokens=8)
+    )
+    assert seen.keys() == trained.keys() and all(torch.equal(seen[k], trained[k]) for k in trained)
+    L.seed_everything(1)
+    fresh = MAGRPO(**settings, lora_shared_base=shared_base)
+    fresh.configure_model()
+    assert any(not torch.equal(v, trained[k]) for k, v in adapters(fresh).items())  # the load did something
+
+
+def test_initial_weights_refuses_what_does_not_fit(tmp_path):
+    from lit_marl.export import export_team, load_adapters
+
+    L.seed_everything(0)
+    source = MAGRPO(model="tiny-random", num_agents=2, lora={"r": 4, "alpha": 8})
+    source.configure_model()
+    export_team(source, tmp_path / "adapter", "adapter")
+    export_team(source, tmp_path / "merged", "merged")
+
+    def target(**kwargs):
+        module = MAGRPO(model="tiny-random", **{"num_agents": 2, **kwargs})
+        module.configure_model()
+        return module
+
+    cases = [
+        (target(lora={"r": 8, "alpha": 8}), tmp_path / "adapter", "this run's model.lora"),
+        (target(), tmp_path / "adapter", "set model.lora"),
+        (target(lora={"r": 4, "alpha": 8}), tmp_path / "merged", "a merged model"),
+        (target(num_agents=3, lora={"r": 4, "alpha": 8}), tmp_path / "adapter", "has 2 agents, this run's 3"),
+        (target(lora={"r": 4, "alpha": 8}), tmp_path / "nothing", "holds no team.json"),
+    ]
+    for module, folder, message in cases:
+        with pytest.raises(ConfigError, match=f"InitialWeights.path.*{message}"):
+            load_adapters(module, folder)
