@@ -47,7 +47,7 @@ def shared_settings(args) -> dict:
     split, budget, train complexity, seed); each result row records them."""
     return {"demo_cost": args.demo_cost, "sft_epochs": args.sft_epochs, "sft_learning_rate": args.sft_learning_rate,
             "train_games": args.train_games, "eval_games": args.eval_games, "eval": sorted(args.eval),
-            "config_suffix": args.config_suffix, "set": list(args.set)}  # fmt: skip
+            "config_suffix": args.config_suffix, "set": list(args.set), "share_sft": args.share_sft}  # fmt: skip
 
 
 def settings_key(args) -> str:
@@ -67,8 +67,10 @@ def settings_label(settings: dict | None, key: str) -> str:
     flags = [
         f"--{name.replace('_', '-')} {value:g}" if isinstance(value, float) else f"--{name.replace('_', '-')} {value}"
         for name, value in settings.items()
-        if name not in ("eval", "set") and value != defaults.get(name)
+        if name not in ("eval", "set", "share_sft") and value != defaults.get(name)
     ]
+    if settings.get("share_sft") is False:
+        flags.append("--no-share-sft")
     if settings.get("set"):
         flags.append("--set " + " ".join(settings["set"]))
     return " ".join(flags) or "-"
@@ -181,9 +183,14 @@ def build(config: dict, out: Path):
 
 
 def run_cell(args, key: dict, out: Path) -> list[dict]:
+    """The cell's rows: after SFT (where it has an SFT phase) and at the end, per eval complexity."""
     from lit_marl.callbacks.phase_switch import PhaseSwitch
 
-    cli = build(cell_config(args, key["algorithm"], key["density"], key["split"], key["train"], key["seed"], out), out)
+    config = cell_config(args, key["algorithm"], key["density"], key["split"], key["train"], key["seed"], out)
+    demos = PhaseSwitch(budget=args.budget, split=key["split"], demo_cost=args.demo_cost).demos
+    if demos and args.share_sft and config["model"]["init_args"].get("lora"):
+        return run_after_shared_sft(args, key, config, out)
+    cli = build(config, out)
     sft_rows: list[dict] = []
     cli.trainer.callbacks.append(after_sft(args, key, sft_rows))
     start = time.perf_counter()
@@ -195,6 +202,90 @@ def run_cell(args, key: dict, out: Path) -> list[dict]:
         {**key, **trained, "eval": c, **evaluate(cli.model, cli.datamodule, c, args.eval_games)} for c in args.eval
     ]
     return sft_rows + final
+
+
+# ---------------------------------------------------------------------------- SFT shared between cells
+# What only the RL phase reads: cells that differ in these alone (and in algorithm and reward density)
+# start RL from the same SFT run. Any other difference makes another SFT run.
+RL_ONLY = {
+    "model": ("critic_learning_rate", "gae", "ppo_epochs", "discount", "critic_warmup", "value_loss_coef",
+              "clip_range", "value_clip_range", "kl_coef", "entropy_coef", "gae_lambda", "rollout_is_cap"),
+    "data": ("train_path", "reward_density", "tasks_per_step", "num_generations", "temperature", "top_p", "top_k",
+             "max_new_tokens", "score_weight"),
+}  # fmt: skip
+
+
+def sft_stage_id(args, config: dict, switch: dict, train: str, seed: int) -> str:
+    """The name of the SFT run a cell starts from: its demonstrations, passes, complexity and seed,
+    and a hash of every setting SFT and its evaluation read (the cell's config without its
+    algorithm, its RL-only settings, logger and callbacks; the eval games)."""
+    model = {k: v for k, v in config["model"]["init_args"].items() if k not in RL_ONLY["model"]}
+    data = {k: v for k, v in config["data"]["init_args"].items() if k not in RL_ONLY["data"]}
+    trainer = {k: v for k, v in config["trainer"].items() if k not in ("logger", "callbacks")}
+    reads = [model, data, trainer, switch, config["seed_everything"], sorted(args.eval), args.eval_games]
+    digest = hashlib.sha256(json.dumps(reads, sort_keys=True, default=str).encode()).hexdigest()[:6]
+    return f"sft{switch['budget']:g}x{switch['sft_epochs']}-{train}-s{seed}-{digest}"
+
+
+def sft_stage(args, config: dict, key: dict, stages: Path) -> tuple[Path, list[dict]]:
+    """The SFT run a cell starts from: run once (the demonstrations budget alone, evaluated after
+    SFT, its LoRA adapters exported) and reused by every cell with the same SFT settings. Written
+    last, ``after_sft.jsonl`` marks it finished; a killed stage runs again from the start."""
+    from lit_marl.callbacks.phase_switch import PhaseSwitch
+
+    (phase,) = [c for c in config["trainer"]["callbacks"] if c["class_path"].endswith("PhaseSwitch")]
+    demos = PhaseSwitch(budget=args.budget, split=key["split"], demo_cost=args.demo_cost).demos
+    switch = {**phase["init_args"], "budget": demos * args.demo_cost, "split": "1:0"}
+    out = stages / sft_stage_id(args, config, switch, key["train"], key["seed"])
+    done = out / "after_sft.jsonl"
+    if not done.exists():
+        partial = out / "export.partial"
+        stage = json.loads(json.dumps(config))
+        stage["trainer"]["callbacks"] = [
+            {"class_path": "lit_marl.callbacks.PhaseSwitch", "init_args": switch},
+            {"class_path": "lit_marl.callbacks.HFExport", "init_args": {"dirpath": str(partial), "lora": "adapter"}},
+        ]
+        stage["trainer"]["logger"]["init_args"]["save_dir"] = str(out)
+        cli = build(stage, out)
+        rows: list[dict] = []
+        cli.trainer.callbacks.append(after_sft(args, {}, rows))
+        start = time.perf_counter()
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+        for row in rows:
+            row["sft_s"] = round(time.perf_counter() - start, 1)
+        partial.replace(out / "export")
+        done.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return out, load_rows(done)
+
+
+def run_after_shared_sft(args, key: dict, config: dict, out: Path) -> list[dict]:
+    """A cell as two runs: its SFT stage (shared, ``sft_stage``) then RL from the stage's adapters
+    (``InitialWeights``) with the RL share of the budget; its config.yaml is the RL run's."""
+    from lit_marl.callbacks.phase_switch import PhaseSwitch
+
+    stage, sft_rows = sft_stage(args, config, key, out.parent.parent / "sft")
+    demos = PhaseSwitch(budget=args.budget, split=key["split"], demo_cost=args.demo_cost).demos
+    sft_s = sft_rows[0]["sft_s"]
+    after = [{**row, **key, "demos": demos, "train_s": sft_s, "sft_stage": stage.name} for row in sft_rows]
+    episodes = PhaseSwitch(budget=args.budget, split=key["split"], demo_cost=args.demo_cost).episodes
+    if not episodes:  # SFT only: the end is where SFT left it
+        return after + [{**row, "stage": "end"} for row in after]
+    config["data"]["init_args"]["demo_path"] = None
+    config["trainer"]["callbacks"] = [
+        {"class_path": "lit_marl.callbacks.InitialWeights", "init_args": {"path": str(stage / "export")}},
+        {"class_path": "lit_marl.callbacks.PhaseSwitch", "init_args": {"budget": episodes, "split": "0:1"}},
+    ]
+    cli = build(config, out)
+    start = time.perf_counter()
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    rl_s = round(time.perf_counter() - start, 1)
+    (switch,) = [c for c in cli.trainer.callbacks if isinstance(c, PhaseSwitch)]
+    trained = {"demos": demos, "train_episodes": int(switch.episodes_done), "train_s": round(sft_s + rl_s, 1),
+               "sft_s": sft_s, "rl_s": rl_s, "stage": "end", "sft_stage": stage.name}  # fmt: skip
+    final = [
+        {**key, **trained, "eval": c, **evaluate(cli.model, cli.datamodule, c, args.eval_games)} for c in args.eval
+    ]
+    return after + final
 
 
 def run_baseline(args, out: Path) -> list[dict]:
@@ -323,6 +414,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--config-suffix", default="cpu", help="configs/textworld/<algorithm>_<suffix>.yaml")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides (dotted keys)")
     parser.add_argument("--out", type=Path, default=Path("results/textworld_ablation"))
+    parser.add_argument(
+        "--share-sft", action=argparse.BooleanOptionalAction, default=True,
+        help="cells of one seed, train complexity and SFT budget start RL from one SFT run (LoRA models)",
+    )  # fmt: skip
     return parser.parse_args(argv)
 
 

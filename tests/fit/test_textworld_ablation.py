@@ -134,3 +134,50 @@ def test_bad_grid_settings_are_named():
     too_many = r"--budget 300 --splits 1:1: 150 demonstrations: count=150: split 'validation' has only 100 seeds"
     with pytest.raises(SystemExit, match=too_many):
         ablation.main(["--budget", "300", "--splits", "1:1"])
+
+
+LORA_TINY = [*TINY, "model.init_args.lora={r: 2, alpha: 4}", "data.init_args.max_turns=2"]
+
+
+def test_cells_of_one_seed_start_rl_from_one_sft_run(tmp_path, capsys):
+    """--share-sft (default, LoRA models): PPO and GRPO cells of one seed run SFT once and start RL
+    from its exported adapters; an SFT-only split ends where SFT left it; a rerun reuses the stage."""
+    out = tmp_path / "grid"
+    argv = ["--algorithms", "ppo", "grpo", "--splits", "1:1", "--budget", "2", "--train-games", "1",
+            "--eval-games", "1", "--out", str(out), "--set", *LORA_TINY]  # fmt: skip
+    ablation.main(argv)
+    ablation.main(
+        ["--algorithms", "ppo", "--splits", "1:0", "--budget", "1", *argv[7:]]
+    )  # SFT only, 1 demonstration: same stage
+    capsys.readouterr()
+    (stage,) = (out / "sft").iterdir()
+    assert stage.name.startswith("sft1x1-w2-o3-q4-s0-") and (stage / "export" / "team.json").exists()
+    assert len((stage / "after_sft.jsonl").read_text().splitlines()) == 1  # ran once
+    rows = ablation.load_rows(out / "results.jsonl")
+    assert [(r["algorithm"], r["split"], r["stage"]) for r in rows] == [
+        ("ppo", "1:1", "after SFT"), ("ppo", "1:1", "end"), ("grpo", "1:1", "after SFT"), ("grpo", "1:1", "end"),
+        ("ppo", "1:0", "after SFT"), ("ppo", "1:0", "end"),
+    ]  # fmt: skip
+    assert all(r["sft_stage"] == stage.name for r in rows)
+    assert len({r["won"] for r in rows if r["stage"] == "after SFT"}) == 1  # one SFT policy, evaluated once
+    assert rows[1]["train_episodes"] >= 1 and rows[5]["train_episodes"] == 0 and rows[5]["won"] == rows[4]["won"]
+    cell = yaml.safe_load((out / "cells" / rows[1]["cell"] / "config.yaml").read_text())
+    assert cell["trainer"]["callbacks"] == [
+        {"class_path": "lit_marl.callbacks.InitialWeights", "init_args": {"path": str(stage / "export")}},
+        {"class_path": "lit_marl.callbacks.PhaseSwitch", "init_args": {"budget": 1, "split": "0:1"}},
+    ]
+    assert cell["data"]["init_args"]["demo_path"] is None
+
+
+def test_sft_stages_are_shared_only_where_sft_reads_the_same():
+    args = ablation.parse_args(["--budget", "2", "--splits", "1:1"])
+
+    def stage(algorithm="ppo", density="dense", seed=0, lr=None, args=args):
+        config = ablation.cell_config(args, algorithm, density, "1:1", "w2-o3-q4", seed, REPO_ROOT)
+        if lr is not None:
+            config["model"]["init_args"]["learning_rate"] = lr
+        switch = {**config["trainer"]["callbacks"][0]["init_args"], "budget": 1, "split": "1:0"}
+        return ablation.sft_stage_id(args, config, switch, "w2-o3-q4", seed)
+
+    assert stage() == stage("grpo") == stage("rloo", "sparse")  # RL settings only
+    assert len({stage(), stage(seed=1), stage(lr=1e-5), stage(args=ablation.parse_args(["--eval-games", "8"]))}) == 4
