@@ -1,7 +1,7 @@
-"""``lit-marl plot RUN_DIR [RUN_DIR ...]``: the curves of runs' TensorBoard logs, drawn to one PNG.
+"""``lit-marl plot RUN_DIR [RUN_DIR ...]``: the curves of runs' TensorBoard (or CSV) logs, drawn to one PNG.
 
 A RUN_DIR is a version folder holding event files (``lightning_logs/quickstart/version_0``) or a
-folder above some: then each subfolder holding event files is a run, so
+CSVLogger's ``metrics.csv``, or a folder above some: then each subfolder holding them is a run, so
 ``lit-marl plot lightning_logs/quickstart`` overlays every version. The default panels, in order
 (only those with data in some run): ``train/reward`` (shaded ± ``train/reward_std``), the per-turn
 rewards ``turn_<k>/reward`` (one panel, one line per turn and run), each ``eval/<x>`` metric (``eval/reward`` and
@@ -27,6 +27,7 @@ from pathlib import Path
 from lit_marl import ConfigError
 
 EVENT_GLOB = "events.out.tfevents.*"
+CSV_LOG = "metrics.csv"  # Lightning's CSVLogger: a column per tag, a row per logging call, x in "step"
 TURN_REWARD = re.compile(r"turn_(\d+)/reward")
 LEARNER_LOSS = re.compile(r"(agent\d+|shared|critic)/loss")
 # older tag name -> the current one
@@ -78,17 +79,17 @@ class PlotResult:
 
 # --------------------------------------------------------------------------- reading
 def find_runs(run_dir: str | os.PathLike) -> list[Path]:
-    """The run folders of one RUN_DIR argument: itself if it holds event files, else every
-    subfolder (at any depth) that does, sorted."""
+    """The run folders of one RUN_DIR argument: itself if it holds event files or a CSVLogger's
+    ``metrics.csv``, else every subfolder (at any depth) that does, sorted."""
     path = Path(run_dir)
     if not path.is_dir():
         raise ConfigError(f"RUN_DIR {str(run_dir)!r}: no such directory")
-    if any(path.glob(EVENT_GLOB)):
+    if any(path.glob(EVENT_GLOB)) or (path / CSV_LOG).is_file():
         return [path]
-    found = sorted({p.parent for p in path.rglob(EVENT_GLOB) if p.is_file()})
+    found = sorted({p.parent for pattern in (EVENT_GLOB, CSV_LOG) for p in path.rglob(pattern) if p.is_file()})
     if not found:
         raise ConfigError(
-            f"RUN_DIR {str(run_dir)!r}: no TensorBoard event files ({EVENT_GLOB}) in it or its subfolders"
+            f"RUN_DIR {str(run_dir)!r}: no TensorBoard event files ({EVENT_GLOB}) or {CSV_LOG} in it or its subfolders"
         )
     return found
 
@@ -96,6 +97,8 @@ def find_runs(run_dir: str | os.PathLike) -> list[Path]:
 def load_scalars(run: Path) -> tuple[dict[str, Series], dict[str, str]]:
     """Every scalar point of a run folder, by canonical tag (where an old and a new name both
     occur, the new one wins), and the logged name of each."""
+    if not any(run.glob(EVENT_GLOB)):
+        return _csv_scalars(run / CSV_LOG)
     from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
 
     events = EventAccumulator(str(run), size_guidance={SCALARS: 0})
@@ -108,6 +111,24 @@ def load_scalars(run: Path) -> tuple[dict[str, Series], dict[str, str]]:
             continue
         scalars[name] = [(e.step, e.value) for e in events.Scalars(tag)]
         names[name] = tag
+    return scalars, names
+
+
+def _csv_scalars(path: Path) -> tuple[dict[str, Series], dict[str, str]]:
+    """``load_scalars`` of a CSVLogger's file: each column's filled cells against the row's ``step``."""
+    import csv
+
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    scalars: dict[str, Series] = {}
+    names: dict[str, str] = {}
+    for tag in rows[0].keys() if rows else ():
+        name = canonical_tag(tag)
+        if tag == "step" or (name in scalars and names[name] == name):
+            continue
+        points = [(int(float(r["step"])), float(r[tag])) for r in rows if r.get(tag) not in (None, "")]
+        if points:
+            scalars[name], names[name] = points, tag
     return scalars, names
 
 

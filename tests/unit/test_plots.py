@@ -182,3 +182,26 @@ def test_plot_a_real_tiny_fit(tmp_path):
     assert any(p.startswith("eval/") for p in result.panels), result.panels  # the validation pass
     assert png_size(result.out)[0] >= 520
     assert_not_blank(result.out)
+
+
+def test_csv_logger_runs_are_read_as_event_files(tmp_path):
+    """A CSVLogger's metrics.csv (one column per tag, blanks where a row did not log it) gives the
+    same points, panels and lines as the same scalars in TensorBoard event files."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lit_marl.plots import load_scalars
+
+    scalars = new_names(0.0)
+    logger = CSVLogger(str(tmp_path / "csv"), name="demo")
+    for step in range(11):
+        logger.log_metrics({tag: v for tag, points in scalars.items() for s, v in points if s == step}, step=step)
+    logger.save()
+    write_run(tmp_path / "tb" / "demo" / "version_0", scalars)
+    from_csv, _ = load_scalars(tmp_path / "csv" / "demo" / "version_0")
+    assert from_csv.keys() == scalars.keys()
+    for tag, points in scalars.items():
+        assert [s for s, _ in from_csv[tag]] == [s for s, _ in points]
+        assert [v for _, v in from_csv[tag]] == pytest.approx([v for _, v in points])
+    csv_plot = plot([str(tmp_path / "csv")], out=tmp_path / "csv.png")
+    tb_plot = plot([str(tmp_path / "tb")], out=tmp_path / "tb.png")
+    assert csv_plot.panels == tb_plot.panels == DEFAULT_PANELS and csv_plot.lines == tb_plot.lines
