@@ -146,6 +146,7 @@ class PhaseSwitch(L.Callback):
             return
         self.phase = pl_module.phase = "rl"
         self.switched_at = {"epoch": trainer.current_epoch, "global_step": trainer.global_step}
+        pl_module.start_rl()  # a KL reference at rl_start takes the SFT weights
         if self.reset_optimizers:
             trainer.strategy.setup_optimizers(trainer)
         elif self.sft_learning_rate is not None:

@@ -18,6 +18,7 @@ from typing import Literal
 
 from transformers import AutoTokenizer
 
+from lit_marl import ConfigError
 from lit_marl.agents import AdapterView, Agent
 
 MANIFEST = "team.json"
@@ -83,7 +84,6 @@ def load_adapters(module, dirpath: str | Path, field: str = "InitialWeights.path
     run's ``HFExport``) into ``module``'s adapter of the same role: a new run starts from that run's
     weights (e.g. RL from an SFT run). The adapters must have the run's shape (rank, alpha, target
     modules); every adapter tensor is replaced, nothing else."""
-    from lit_marl import ConfigError
 
     dirpath = Path(dirpath).expanduser()
     if not (dirpath / MANIFEST).is_file():
@@ -104,8 +104,6 @@ def load_adapters(module, dirpath: str | Path, field: str = "InitialWeights.path
 def _load_adapter(peft_model, adapter: str, folder: Path, field: str) -> None:
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
-
-    from lit_marl import ConfigError
 
     if not (folder / "adapter_config.json").is_file():
         raise ConfigError(f"{field}: {folder} is a merged model, not an adapter: export with HFExport(lora: adapter)")

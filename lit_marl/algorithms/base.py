@@ -6,6 +6,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
+from typing import Literal
 
 import lightning as L
 import torch
@@ -15,6 +16,7 @@ from torch import nn
 
 from lit_marl import ConfigError, checkpoint_files, cpu
 from lit_marl.agents import Agent, LoraSettings, Team, roles_by_model, team_sources
+from lit_marl.algorithms.references import build_reference_adapters, reference_adapter, take_policy
 from lit_marl.algorithms.updates import OptimizerSteps
 from lit_marl.callbacks.progress import RunProgressBar
 from lit_marl.fields import (
@@ -71,6 +73,7 @@ class AgentTeamModule(OptimizerSteps, StepLogging, L.LightningModule):
         weights_dtype: WeightsDtype = "float32",
         memory_check: bool = True,
         discount: ClosedUnitInterval = 1.0,
+        kl_reference: Literal["base", "rl_start"] = "base",
     ):
         """
         Args:
@@ -111,10 +114,11 @@ class AgentTeamModule(OptimizerSteps, StepLogging, L.LightningModule):
                 the device (docs/scale.md); false: neither.
             discount: Gamma between turns: tree returns (r + gamma x the child node's mean return), TD targets,
                 episode returns and GAE; 1.0 (CoMLRL's, and the practitioner guide's finding).
+            kl_reference: A KL term's reference: ``base`` (as loaded) or ``rl_start`` (as RL starts: veRL's).
         """
         super().__init__()
         check_fields("model", AgentTeamModule.__init__, locals())
-        self.nonfinite_skips = 0
+        self.nonfinite_skips, self.reference_adapters = 0, False  # reference_adapters: build_references
         num_agents = num_agents or (None if isinstance(model, str) else len(model))
         team_sources(model, num_agents or 1, share_parameters, lora is not None, lora_shared_base)  # fail first
         self.save_hyperparameters()
@@ -126,11 +130,9 @@ class AgentTeamModule(OptimizerSteps, StepLogging, L.LightningModule):
         self.share_parameters, self.lora_shared_base = share_parameters, lora_shared_base
         self.attn_implementation, self.activation_checkpointing = attn_implementation, activation_checkpointing
         self.weights_dtype, self.memory_check, self.discount = weights_dtype, memory_check, discount
-        self.weight_decay, self.automatic_optimization = weight_decay, False
-        # the team; frozen copies for a KL term (``build_references``); FSDP's TeamShards; the data's settings
-        self.agents = self.references = self.shards = self.rollout_settings = None
-        # mini-batch order: seeded, and apart from the sampling RNG so batching changes no rollout
-        self.shuffle_generator = torch.Generator().manual_seed(torch.initial_seed() % 2**63)
+        self.weight_decay, self.kl_reference, self.automatic_optimization = weight_decay, kl_reference, False
+        self.agents = self.references = self.shards = self.rollout_settings = None  # built by configure_model
+        self.shuffle_generator = torch.Generator().manual_seed(torch.initial_seed() % 2**63)  # batch order, own RNG
 
     def configure_model(self) -> None:
         # loads weights: kept out of __init__ so bad configs fail first. Sharded over several ranks,
@@ -166,6 +168,15 @@ class AgentTeamModule(OptimizerSteps, StepLogging, L.LightningModule):
             self.rollout_settings.engine.check_team(list(self.agents), self.device.type)
         if self.memory_check:
             check_memory(self, self.rollout_settings)
+        if self.kl_reference == "rl_start" and (self.shards is not None or not self.has_reference):
+            why = "under FSDP (not supported yet)" if self.shards is not None else "without a KL term (kl_coef: 0)"
+            raise ConfigError(f"model.kl_reference: rl_start {why}: leave kl_reference out, or set model.kl_coef > 0")
+        if self.phase == "rl" and self.trainer.ckpt_path is None:  # resumed: the checkpoint holds the reference
+            self.start_rl()
+
+    @property
+    def has_reference(self) -> bool:
+        return self.references is not None or self.reference_adapters
 
     def build_models(self) -> None:
         """Every model of the algorithm not built yet (agents here; critics, references in subclasses)."""
@@ -187,12 +198,22 @@ class AgentTeamModule(OptimizerSteps, StepLogging, L.LightningModule):
         set_attention([agent.model for agent in self.agents], self.attn_implementation)
 
     def build_references(self) -> None:
-        """The KL reference of each learner: a frozen copy of its initial weights; with LoRA none is
-        copied, the base model with the adapters disabled is the reference (``reference_model``)."""
+        """The KL reference of each learner (``kl_reference``): a frozen copy of its initial weights;
+        with LoRA none is copied: the base with the adapters disabled, or at ``rl_start`` a frozen
+        second adapter (``reference_model``)."""
         if self.lora is None and self.references is None:  # stored in weights_dtype from the start
             self.references = nn.ModuleList(
                 frozen_copy(self.model_of(i), self.weights_dtype) for i in range(len(self.learners))
             )
+        elif self.lora is not None and self.kl_reference == "rl_start":
+            build_reference_adapters([self.model_of(i) for i in range(len(self.learners))])
+            self.reference_adapters = True
+
+    def start_rl(self) -> None:
+        """RL starts with the weights as they are now (``PhaseSwitch`` at the switch; a run that starts
+        in RL, when it starts): a reference at ``rl_start`` takes them."""
+        if self.kl_reference == "rl_start":
+            take_policy(self)
 
     @contextmanager
     def reference_model(self, learner: int) -> Iterator[nn.Module]:
@@ -201,6 +222,10 @@ class AgentTeamModule(OptimizerSteps, StepLogging, L.LightningModule):
             yield self.references[learner]
             return
         model = self.model_of(learner)
+        if self.reference_adapters:  # kl_reference: rl_start under LoRA
+            with reference_adapter(model) as peft:
+                yield peft
+            return
         with model.disable_adapter():
             yield model
 
