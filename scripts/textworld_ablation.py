@@ -17,6 +17,8 @@ with the number of episodes behind each figure) and the plot ``<out>/success.svg
 Cells that differ only in their seed share a line; cells whose shared settings differ (another
 ``--set`` value or option, e.g. a sweep written into one ``--out``) get lines of their own, each
 labelled with its options.
+``--env alfworld`` runs the same grid on ALFWorld's generated games (``configs/alfworld/<algorithm>_cpu.yaml``;
+every task type, counts given in all and divisible by 6; each row also holds the success per task type).
 ``--set key=value`` overrides any config entry (dotted path, YAML value), e.g. a tiny model for a
 smoke run: ``--set model.init_args.model=tiny-random``.
 """
@@ -47,7 +49,8 @@ def shared_settings(args) -> dict:
     split, budget, train complexity, seed); each result row records them."""
     return {"demo_cost": args.demo_cost, "sft_epochs": args.sft_epochs, "sft_learning_rate": args.sft_learning_rate,
             "train_games": args.train_games, "eval_games": args.eval_games, "eval": sorted(args.eval),
-            "config_suffix": args.config_suffix, "set": list(args.set), "share_sft": args.share_sft}  # fmt: skip
+            "config_suffix": args.config_suffix, "set": list(args.set), "share_sft": args.share_sft,
+            **({"env": args.env} if args.env != "textworld" else {})}  # fmt: skip
 
 
 def settings_key(args) -> str:
@@ -92,15 +95,15 @@ def cell_config(args, algorithm: str, density: str, split: str, train: str, seed
     """The algorithm's shipped config, with this cell's data, budget and logger."""
     from lit_marl.callbacks.phase_switch import PhaseSwitch
 
-    base = REPO / "configs" / "textworld" / f"{algorithm}_{args.config_suffix}.yaml"
+    base = REPO / "configs" / args.env / f"{algorithm}_{args.config_suffix}.yaml"
     config = yaml.safe_load(base.read_text())
     demos = PhaseSwitch(budget=args.budget, split=split, demo_cost=args.demo_cost).demos
     data = config["data"]["init_args"]
     data.update(
-        train_path=f"textworld:{train}:train:{args.train_games}",
+        train_path=game_set(args.env, train, "train", args.train_games),
         val_path=None,
         reward_density=density,
-        demo_path=f"textworld:{train}:validation:{demos}" if demos else None,
+        demo_path=game_set(args.env, train, "validation", demos) if demos else None,
     )
     trainer = config["trainer"]
     trainer.update(max_epochs=-1, limit_train_batches=None, limit_val_batches=0, check_val_every_n_epoch=None)
@@ -119,18 +122,33 @@ def cell_config(args, algorithm: str, density: str, split: str, train: str, seed
     return config
 
 
+def game_set(env: str, complexity: str, split: str, count: int) -> str:
+    """A generated game set as a task source: TextWorld games of ``complexity``, or ALFWorld games
+    (``count`` in all, as many of each of the six task types: it must divide by 6)."""
+    if env == "textworld":
+        return f"textworld:{complexity}:{split}:{count}"
+    return f"alfworld:{split}:{count // ALFWORLD_TYPES}"
+
+
+ALFWORLD_TYPES = 6  # an ALFWorld set holds as many games of each task type
+
+
 @functools.cache
-def eval_tasks(complexity: str, games: int) -> tuple[dict, ...]:
+def eval_tasks(env: str, complexity: str, games: int) -> tuple[dict, ...]:
     """The ``games`` test-seed games of ``complexity`` (generated once, loaded once per grid)."""
-    from lit_marl.envs.textworld.games import resolve_source
     from lit_marl.tasks import load_tasks
 
-    return tuple(load_tasks(resolve_source(f"textworld:{complexity}:test:{games}", "--eval"), "--eval", set()))
+    if env == "textworld":
+        from lit_marl.envs.textworld.games import resolve_source
+    else:
+        from lit_marl.envs.alfworld.games import resolve_source
+    source = resolve_source(game_set(env, complexity, "test", games), "--eval")
+    return tuple(load_tasks(source, "--eval", set()))
 
 
-def evaluate(module, data, complexity: str, games: int) -> dict:
+def evaluate(module, data, complexity: str, games: int, env: str = "textworld") -> dict:
     """Greedy held-out success on ``games`` test-seed games of ``complexity``."""
-    data.val_tasks = list(eval_tasks(complexity, games))
+    data.val_tasks = list(eval_tasks(env, complexity, games))
     return held_out(module, data)
 
 
@@ -140,10 +158,12 @@ def held_out(module, data) -> dict:
     start = time.perf_counter()
     with module.computing(), torch.random.fork_rng():  # training's random stream goes on untouched
         metrics = data.evaluate(module.agents)
+    by_type = {key.partition("/")[2]: value for key, value in metrics.items() if key.startswith("won/")}
     return {
         "won": metrics["won"],
         "eval_episodes": len(data.val_tasks),
         "eval_s": round(time.perf_counter() - start, 1),
+        **({"won_by_type": by_type} if by_type else {}),
     }
 
 
@@ -161,7 +181,7 @@ def after_sft(args, key: dict, rows: list[dict]):
             trained = {"demos": switch.demos, "train_episodes": 0, "stage": "after SFT"}
             for c in args.eval:
                 rows.append({**key, **trained, "train_s": round(time.perf_counter() - self.start, 1), "eval": c,
-                             **evaluate(pl_module, trainer.datamodule, c, args.eval_games)})  # fmt: skip
+                             **evaluate(pl_module, trainer.datamodule, c, args.eval_games, args.env)})  # fmt: skip
                 print(
                     f"[ablation] after SFT -> {c}: won {rows[-1]['won']:.3f} of {rows[-1]['eval_episodes']}", flush=True
                 )
@@ -182,6 +202,12 @@ def build(config: dict, out: Path):
     return build_cli(["--config", str(path)], run=False)
 
 
+def end_rows(args, cli, key: dict, trained: dict) -> list[dict]:
+    """The cell's rows at its end: the policy played greedily on the test games of each eval complexity."""
+    evaluated = {c: evaluate(cli.model, cli.datamodule, c, args.eval_games, args.env) for c in args.eval}
+    return [{**key, **trained, "eval": c, **row} for c, row in evaluated.items()]
+
+
 def run_cell(args, key: dict, out: Path) -> list[dict]:
     """The cell's rows: after SFT (where it has an SFT phase) and at the end, per eval complexity."""
     from lit_marl.callbacks.phase_switch import PhaseSwitch
@@ -198,10 +224,7 @@ def run_cell(args, key: dict, out: Path) -> list[dict]:
     wall = round(time.perf_counter() - start, 1)  # the after-SFT evaluation included
     (switch,) = [c for c in cli.trainer.callbacks if isinstance(c, PhaseSwitch)]
     trained = {"demos": switch.demos, "train_episodes": int(switch.episodes_done), "train_s": wall, "stage": "end"}
-    final = [
-        {**key, **trained, "eval": c, **evaluate(cli.model, cli.datamodule, c, args.eval_games)} for c in args.eval
-    ]
-    return sft_rows + final
+    return sft_rows + end_rows(args, cli, key, trained)
 
 
 # ---------------------------------------------------------------------------- SFT shared between cells
@@ -282,10 +305,7 @@ def run_after_shared_sft(args, key: dict, config: dict, out: Path) -> list[dict]
     (switch,) = [c for c in cli.trainer.callbacks if isinstance(c, PhaseSwitch)]
     trained = {"demos": demos, "train_episodes": int(switch.episodes_done), "train_s": round(sft_s + rl_s, 1),
                "sft_s": sft_s, "rl_s": rl_s, "stage": "end", "sft_stage": stage.name}  # fmt: skip
-    final = [
-        {**key, **trained, "eval": c, **evaluate(cli.model, cli.datamodule, c, args.eval_games)} for c in args.eval
-    ]
-    return after + final
+    return after + end_rows(args, cli, key, trained)
 
 
 def run_baseline(args, out: Path) -> list[dict]:
@@ -296,7 +316,7 @@ def run_baseline(args, out: Path) -> list[dict]:
     cli.model.configure_model()
     key = {"algorithm": "base", "density": "-", "split": "-", "budget": 0, "train": "-", "seed": 0}
     trained = {"demos": 0, "train_episodes": 0, "train_s": 0.0, "stage": "base"}
-    return [{**key, **trained, "eval": c, **evaluate(cli.model, cli.datamodule, c, args.eval_games)} for c in args.eval]
+    return end_rows(args, cli, key, trained)
 
 
 # ---------------------------------------------------------------------------- the table and the plot
@@ -405,8 +425,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--demo-cost", type=float, default=1.0, help="cost of one demonstration")
     parser.add_argument("--sft-epochs", type=int, default=1, help="passes over the demonstrations")
     parser.add_argument("--sft-learning-rate", type=float, default=None)
-    parser.add_argument("--train", nargs="+", default=["w2-o3-q4"], help="train complexities")
-    parser.add_argument("--eval", nargs="+", default=["w2-o3-q4"], help="eval complexities (test seeds)")
+    parser.add_argument("--env", default="textworld", choices=["textworld", "alfworld"],
+                        help="the games; alfworld: every task type, its counts in all (a multiple of 6)")  # fmt: skip
+    parser.add_argument("--train", nargs="+", default=None, help="train complexities (alfworld: all)")
+    parser.add_argument("--eval", nargs="+", default=None, help="eval complexities (test seeds; alfworld: all)")
     parser.add_argument("--train-games", type=int, default=64)
     parser.add_argument("--eval-games", type=int, default=16)
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
@@ -418,28 +440,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--share-sft", action=argparse.BooleanOptionalAction, default=True,
         help="cells of one seed, train complexity and SFT budget start RL from one SFT run (LoRA models)",
     )  # fmt: skip
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    default = ["w2-o3-q4"] if args.env == "textworld" else ["all"]
+    args.train, args.eval = args.train or default, args.eval or default
+    return args
+
+
+def check_grid(args) -> None:
+    """ConfigError where a split's demonstrations or a complexity cannot be had."""
+    from lit_marl import ConfigError
+    from lit_marl.callbacks.phase_switch import PhaseSwitch, parse_split
+    from lit_marl.envs.textworld.games import Complexity, split_seeds
+
+    for split in args.splits:
+        parse_split(split)
+        demos = PhaseSwitch(budget=args.budget, split=split, demo_cost=args.demo_cost).demos
+        if demos and args.env == "alfworld" and demos % ALFWORLD_TYPES:
+            raise ConfigError(
+                f"--budget {args.budget:g} --splits {split}: {demos} demonstrations: give a multiple of 6"
+            )
+        if demos and args.env == "textworld":
+            try:
+                split_seeds("validation", demos)
+            except ConfigError as err:
+                raise ConfigError(f"--budget {args.budget:g} --splits {split}: {demos} demonstrations: {err}") from None
+    if args.env == "alfworld" and {*args.train, *args.eval} != {"all"}:
+        raise ConfigError("--train/--eval: ALFWorld games are not graded by complexity: leave them out (all)")
+    if args.env == "alfworld" and (args.train_games % ALFWORLD_TYPES or args.eval_games % ALFWORLD_TYPES):
+        raise ConfigError(
+            "--train-games/--eval-games: ALFWorld sets hold as many games of each of 6 types: multiples of 6"
+        )
+    for name in [*args.train, *args.eval] if args.env == "textworld" else []:
+        Complexity.parse(name, "--train/--eval")
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     from lit_marl import ConfigError
-    from lit_marl.callbacks.phase_switch import PhaseSwitch, parse_split
-    from lit_marl.envs.textworld.games import Complexity, split_seeds
 
     try:
-        for split in args.splits:
-            parse_split(split)
-            demos = PhaseSwitch(budget=args.budget, split=split, demo_cost=args.demo_cost).demos
-            if demos:
-                try:
-                    split_seeds("validation", demos)
-                except ConfigError as err:
-                    raise ConfigError(
-                        f"--budget {args.budget:g} --splits {split}: {demos} demonstrations: {err}"
-                    ) from None
-        for name in [*args.train, *args.eval]:
-            Complexity.parse(name, "--train/--eval")
+        check_grid(args)
     except ConfigError as err:
         sys.exit(f"textworld_ablation: {err}")
     args.out.mkdir(parents=True, exist_ok=True)

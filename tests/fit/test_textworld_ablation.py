@@ -181,3 +181,22 @@ def test_sft_stages_are_shared_only_where_sft_reads_the_same():
 
     assert stage() == stage("grpo") == stage("rloo", "sparse")  # RL settings only
     assert len({stage(), stage(seed=1), stage(lr=1e-5), stage(args=ablation.parse_args(["--eval-games", "8"]))}) == 4
+
+
+def test_alfworld_cells_play_every_task_type():
+    """--env alfworld: the game sets name counts per task type (six types), complexities do not apply."""
+    args = ablation.parse_args(["--env", "alfworld", "--splits", "48:48", "--budget", "96", "--train-games", "48"])
+    config = ablation.cell_config(args, "ppo", "sparse", "48:48", "all", 0, REPO_ROOT)
+    data = config["data"]["init_args"]
+    paths = (data["env"], data["train_path"], data["demo_path"])
+    assert paths == ("alfworld", "alfworld:train:8", "alfworld:validation:8")
+    assert ablation.shared_settings(args)["env"] == "alfworld"
+    assert "env" not in ablation.shared_settings(ablation.parse_args([]))  # TextWorld grids keep their cells' names
+    bad = {
+        ("--splits", "5:1", "--budget", "6"): "5 demonstrations: give a multiple of 6",
+        ("--train", "w2-o3-q4"): "ALFWorld games are not graded by complexity",
+        ("--eval-games", "10"): "multiples of 6",
+    }
+    for argv, message in bad.items():
+        with pytest.raises(SystemExit, match=message):
+            ablation.main(["--env", "alfworld", *argv])
