@@ -232,7 +232,8 @@ def run_cell(args, key: dict, out: Path) -> list[dict]:
 # start RL from the same SFT run. Any other difference makes another SFT run.
 RL_ONLY = {
     "model": ("critic_learning_rate", "gae", "ppo_epochs", "discount", "critic_warmup", "value_loss_coef",
-              "clip_range", "value_clip_range", "kl_coef", "entropy_coef", "gae_lambda", "rollout_is_cap"),
+              "clip_range", "value_clip_range", "kl_coef", "kl_mode", "kl_clamp", "kl_reference", "entropy_coef",
+              "gae_lambda", "rollout_is_cap", "dual_clip", "train_batch_size"),
     "data": ("train_path", "reward_density", "tasks_per_step", "num_generations", "temperature", "top_p", "top_k",
              "max_new_tokens", "score_weight"),
 }  # fmt: skip
@@ -242,7 +243,8 @@ def sft_stage_id(args, config: dict, switch: dict, train: str, seed: int) -> str
     """The name of the SFT run a cell starts from: its demonstrations, passes, complexity and seed,
     and a hash of every setting SFT and its evaluation read (the cell's config without its
     algorithm, its RL-only settings, logger and callbacks; the eval games)."""
-    model = {k: v for k, v in config["model"]["init_args"].items() if k not in RL_ONLY["model"]}
+    rl_only = (*RL_ONLY["model"], *(["learning_rate"] if switch.get("sft_learning_rate") else []))  # SFT's own
+    model = {k: v for k, v in config["model"]["init_args"].items() if k not in rl_only}
     data = {k: v for k, v in config["data"]["init_args"].items() if k not in RL_ONLY["data"]}
     trainer = {k: v for k, v in config["trainer"].items() if k not in ("logger", "callbacks")}
     reads = [model, data, trainer, switch, config["seed_everything"], sorted(args.eval), args.eval_games]

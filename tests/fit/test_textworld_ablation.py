@@ -181,6 +181,8 @@ def test_sft_stages_are_shared_only_where_sft_reads_the_same():
 
     assert stage() == stage("grpo") == stage("rloo", "sparse")  # RL settings only
     assert len({stage(), stage(seed=1), stage(lr=1e-5), stage(args=ablation.parse_args(["--eval-games", "8"]))}) == 4
+    own_rate = ablation.parse_args(["--budget", "2", "--splits", "1:1", "--sft-learning-rate", "1e-3"])
+    assert stage(args=own_rate) == stage(lr=1e-5, args=own_rate)  # SFT has its own rate: the RL rate is RL's
 
 
 def test_alfworld_cells_play_every_task_type():
