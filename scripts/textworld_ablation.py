@@ -351,17 +351,30 @@ def summarize(rows: list[dict]) -> list[dict]:
     return lines
 
 
+T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+
+
+def confidence(line: dict) -> str:
+    """The 95 % confidence interval of a line's mean success over its seeds (Student's t, seeds - 1
+    degrees of freedom, clipped to [0, 1]); "-" for one seed."""
+    n = line["seeds"]
+    if n < 2:
+        return "-"
+    half = T_975.get(n - 1, 1.96 + 2.5 / (n - 1)) * line["won_std"] / n**0.5
+    return f"[{max(line['won_mean'] - half, 0.0):.3f}, {min(line['won_mean'] + half, 1.0):.3f}]"
+
+
 def table(lines: list[dict]) -> str:
     head = (
         "| algorithm | rewards | SFT:RL | budget | train | settings | stage | eval | held-out success | seeds "
-        "| eval episodes | demos | RL episodes (all seeds) | train s (mean) |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| eval episodes | demos | RL episodes (all seeds) | train s (mean) | 95% CI of the mean |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     body = "".join(
         f"| {x['algorithm']} | {x['density']} | {x['split']} | {x['budget']:g} | {x['train']} | "
         f"{x['settings'].replace('|', chr(92) + '|')} | {x['stage']} | {x['eval']} | "
         f"{x['won_mean']:.3f} ± {x['won_std']:.3f} | {x['seeds']} | {x['eval_episodes']} | {x['demos']} | "
-        f"{x['train_episodes']} | {x['train_s']:.0f} |\n"
+        f"{x['train_episodes']} | {x['train_s']:.0f} | {confidence(x)} |\n"
         for x in lines
     )
     return head + body

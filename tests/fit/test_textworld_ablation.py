@@ -78,6 +78,10 @@ def test_summary_spreads_over_seeds():
     (line,) = ablation.summarize(rows)
     assert line["won_mean"] == pytest.approx(0.5) and line["won_std"] == pytest.approx(0.25)
     assert line["eval_episodes"] == 48 and line["seeds"] == 3
+    assert ablation.confidence(line) == "[0.000, 1.000]"  # t(2) = 4.303: three seeds this far apart say little
+    close = ablation.summarize([{**r, "won": w} for r, w in zip(rows, [0.5, 0.5625, 0.625])])[0]
+    assert ablation.confidence(close) == "[0.407, 0.718]"  # 0.5625 -+ 4.303 x 0.0625 / sqrt(3)
+    assert ablation.confidence(ablation.summarize(rows[:1])[0]) == "-"
 
 
 def test_a_set_sweep_is_separate_lines_and_seeds_average_within_each(tmp_path, monkeypatch, capsys):
