@@ -1,0 +1,60 @@
+"""docs/findings.md holds as written: every table on it is its grid's results.md as the grid wrote
+it, a claim has a verdict only where each of its table lines ran with at least three seeds, and
+every grid command on it writes into the folder its table comes from."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from helpers import REPO_ROOT
+
+PAGE = REPO_ROOT / "docs" / "findings.md"
+BLOCK = re.compile(r"<!-- results: (\S+) -->\n(.*?)<!-- end results -->", re.S)
+VERDICTS = ("reproduced", "not at this scale", "contradicted", "pending")
+
+
+def table_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("|")]
+
+
+def sections(page: str) -> list[str]:
+    return re.split(r"\n(?=## )", page)[1:]
+
+
+def test_the_page_tables_are_the_grids_results():
+    page = PAGE.read_text()
+    for path, block in BLOCK.findall(page):
+        results = REPO_ROOT / path
+        assert results.is_file(), f"docs/findings.md cites {path}, which is not committed"
+        assert table_lines(block) == table_lines(results.read_text()), f"docs/findings.md's copy of {path} differs"
+
+
+def test_a_verdict_needs_three_seeds_in_every_line():
+    for section in sections(PAGE.read_text()):
+        found = re.findall(r"\*\*Verdict:\*\* (\w[\w ]*?)(?: —|\.|$)", section, re.M)
+        if not found:
+            continue  # a claim sharing the next section's grid
+        (verdict,) = found
+        assert verdict in VERDICTS, f"unknown verdict {verdict!r}"
+        if verdict == "pending":
+            continue
+        cited = BLOCK.findall(section)
+        assert cited, f"{section.splitlines()[0]}: a verdict without a results table"
+        for _, block in cited:
+            head, _, *rows = table_lines(block)
+            seeds = [c.strip() for c in head.strip("|").split("|")].index("seeds")
+            for row in rows:
+                cells = [c.strip() for c in row.strip("|").split("|")]
+                if cells[0] != "base":  # the untrained model is greedy: one run stands for every seed
+                    assert int(cells[seeds]) >= 3, f"{section.splitlines()[0]}: {row} ran {cells[seeds]} seed(s)"
+
+
+def test_grid_commands_write_where_their_tables_come_from():
+    page = PAGE.read_text()
+    cited = {Path(path).parent for path, _ in BLOCK.findall(page)}
+    outs = {Path(out) for out in re.findall(r"textworld_ablation\.py[^`]*?--out (\S+)", page, re.S)}
+    assert outs, "docs/findings.md gives no grid command"
+    assert cited <= outs, f"tables without the command that made them: {sorted(map(str, cited - outs))}"
+    assert all(str(out).startswith("docs/findings/") for out in outs), "grids write under docs/findings/"
+    assert "[docs/findings.md](docs/findings.md)" in (REPO_ROOT / "README.md").read_text()
