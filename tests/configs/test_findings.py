@@ -58,3 +58,18 @@ def test_grid_commands_write_where_their_tables_come_from():
     assert cited <= outs, f"tables without the command that made them: {sorted(map(str, cited - outs))}"
     assert all(str(out).startswith("docs/findings/") for out in outs), "grids write under docs/findings/"
     assert "[docs/findings.md](docs/findings.md)" in (REPO_ROOT / "README.md").read_text()
+
+
+def test_the_refresh_script_copies_each_grids_table(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("findings_tables", REPO_ROOT / "scripts" / "findings_tables.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    (tmp_path / "grid").mkdir()
+    (tmp_path / "grid" / "results.md").write_text("# title\n\n| a | b |\n|---|---|\n| 1 | 2 |\n\nfoot\n")
+    page = "## 1.\n<!-- results: grid/results.md -->\n| old |\n<!-- end results -->\ntext\n"
+    refreshed = script.refresh(page, tmp_path)
+    table = "| a | b |\n|---|---|\n| 1 | 2 |\n"
+    assert refreshed == f"## 1.\n<!-- results: grid/results.md -->\n{table}<!-- end results -->\ntext\n"
+    assert BLOCK.findall(refreshed)[0][1] == table  # what the equality test reads

@@ -1,0 +1,43 @@
+"""Copies each grid's current table into docs/findings.md.
+
+    python scripts/findings_tables.py [--page docs/findings.md]
+
+Every ``<!-- results: <path> -->`` ... ``<!-- end results -->`` block of the page is replaced by the
+table lines of ``<path>`` (a grid's ``results.md``, written by ``scripts/textworld_ablation.py``), so
+the page shows what the grids wrote; ``tests/configs/test_findings.py`` checks that they are equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+BLOCK = re.compile(r"(<!-- results: (\S+) -->\n)(.*?)(<!-- end results -->)", re.S)
+
+
+def refresh(page: str, root: Path = REPO) -> str:
+    def table(match: re.Match) -> str:
+        path = root / match.group(2)
+        if not path.is_file():
+            sys.exit(f"findings_tables: {match.group(2)} does not exist (run its grid first)")
+        lines = [line for line in path.read_text().splitlines() if line.startswith("|")]
+        return match.group(1) + "\n".join(lines) + "\n" + match.group(4)
+
+    return BLOCK.sub(table, page)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--page", type=Path, default=REPO / "docs" / "findings.md")
+    args = parser.parse_args(argv)
+    before = args.page.read_text()
+    after = refresh(before)
+    args.page.write_text(after)
+    print(f"findings_tables: {len(BLOCK.findall(after))} table(s), {'changed' if after != before else 'unchanged'}")
+
+
+if __name__ == "__main__":
+    main()
