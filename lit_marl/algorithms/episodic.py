@@ -22,7 +22,7 @@ from lit_marl.fields import (
 from lit_marl.logprobs import masked_logprobs
 from lit_marl.losses import clip_fraction, clipped_surrogate, k3_kl
 from lit_marl.metrics import Timer, record_stats, rollout_correction
-from lit_marl.parallel.collectives import padded_steps
+from lit_marl.parallel.collectives import all_ranks_sum, padded_steps
 from lit_marl.rollout.batch import TrajectorySamples, length_passes
 from lit_marl.rollout.buffer import minibatches
 from lit_marl.rollout.episode import EpisodeBatch, render_episode
@@ -47,6 +47,7 @@ class EpisodicModule(AgentTeamModule):
         kl_mode: Literal["loss", "reward"] = "loss",
         kl_clamp: PositiveFloat | None = None,
         rollout_is_cap: PositiveFloat | None = None,
+        skip_signalless_steps: bool = False,
         **kwargs,
     ):
         """
@@ -61,6 +62,10 @@ class EpisodicModule(AgentTeamModule):
             kl_clamp: With ``kl_mode: loss``, cap each token's k3 at this (its log-ratio at +-20), as veRL's
                 ``low_var_kl`` does with 10; None: not capped (k3 itself, its log-ratio still held at +-20).
             rollout_is_cap: Truncated importance sampling against the rollout engine's log-probs, as MAGRPO's.
+            skip_signalless_steps: GRPO/RLOO: an optimizer step whose rows all have zero advantage on every rank
+                (every group tied) is not taken, weights and AdamW state untouched (taken, AdamW's momentum
+                repeats the last informative step's direction); ``train/skipped_steps`` counts them. Not with a
+                critic or a KL loss term (they give every step a gradient).
             **kwargs: The team's settings (model, lora, learning_rate, discount, forward_token_budget, ...): see
                 ``AgentTeamModule``; each agent plays its own token sequence.
         """
@@ -71,6 +76,7 @@ class EpisodicModule(AgentTeamModule):
         self.clip_range, self.dual_clip, self.ppo_epochs = clip_range, dual_clip, ppo_epochs
         self.kl_coef, self.kl_mode, self.kl_clamp = kl_coef, kl_mode, kl_clamp
         self.train_batch_size, self.rollout_is_cap = train_batch_size, rollout_is_cap
+        self.skip_signalless_steps = skip_signalless_steps
 
     def build_models(self) -> None:
         super().build_models()
@@ -81,6 +87,12 @@ class EpisodicModule(AgentTeamModule):
         super().setup(stage)
         if self.rollout_settings is not None:
             self.rollout_settings.require("episodes", type(self).__name__)
+        critic = type(self).extra_loss is not EpisodicModule.extra_loss
+        if self.skip_signalless_steps and (critic or (self.kl_coef > 0 and self.kl_mode == "loss")):
+            raise ConfigError(
+                f"model.skip_signalless_steps: {type(self).__name__}'s steps all carry a gradient (a critic's value "
+                "loss or a KL loss term): use it with GRPO or RLOO without kl_mode: loss, or leave it out"
+            )
 
     # ------------------------------------------------------------------ what subclasses provide
     def advantages(
@@ -102,6 +114,11 @@ class EpisodicModule(AgentTeamModule):
         return masked_logprobs(model, samples.input_ids, samples.attention_mask, samples.loss_mask)[0], None
 
     # ------------------------------------------------------------------ the step
+    def signalless(self, mini: TrajectorySamples | None) -> bool:
+        """Whether no row of this step, on any rank, has a non-zero advantage (one collective, every rank)."""
+        local = 0.0 if mini is None else float(mini.advantages.abs().sum())
+        return all_ranks_sum(local, self.device) == 0.0
+
     def micro_batches(self, rows, shared_prompts: bool = False) -> list[torch.Tensor]:
         """Episodes of similar length share a pass (``rollout.batch.length_passes``): a pass is trimmed
         to its longest episode, so this computes the fewest padding tokens the budget allows."""
@@ -185,7 +202,7 @@ class EpisodicModule(AgentTeamModule):
     def rl_step(self, batches: list[EpisodeBatch], batch_idx: int) -> None:
         """Each learner (a model) updates on the sequences of every agent it plays."""
         with Timer() as train_time, self.computing(update=True):
-            stats = dict.fromkeys(("approx_kl", "clip_frac", "tokens"), 0.0)
+            stats = dict.fromkeys(("approx_kl", "clip_frac", "tokens", "skipped_steps"), 0.0)
             first, all_losses = None, []
             for index, roles in enumerate(self.learners):
                 parts = [self.prepare(batches[role], index) for role in roles]
@@ -197,18 +214,23 @@ class EpisodicModule(AgentTeamModule):
                     order = minibatches(samples, self.train_batch_size, self.shuffle_generator)
                     for rows in padded_steps(order, self.device):
                         mini = None if rows is None else samples.select(rows)
+                        if self.skip_signalless_steps and self.signalless(mini):
+                            stats["skipped_steps"] += 1
+                            continue
                         # the policy terms a mean over the action tokens, the extra term over the value positions
                         counts = (0.0, 0.0) if mini is None else mini.loss_counts()
                         loss_fn = lambda mb, i=index: self.loss(mb, stats, i)  # noqa: E731
                         losses.append(self.update_agent(index, mini, loss_fn, count=counts))
                 all_losses += losses
                 name = self.learner_name(index)
-                self.record({f"{name}/loss": sum(losses) / len(losses), f"{name}/optimizer_steps": len(losses)})
+                self.record({f"{name}/loss": sum(losses) / max(len(losses), 1), f"{name}/optimizer_steps": len(losses)})
         tokens = max(stats["tokens"], 1)  # over this rank's tokens: averaged over ranks by them
         self.record(
             {"train/approx_kl": stats["approx_kl"] / tokens, "train/clip_frac": stats["clip_frac"] / tokens}, tokens
         )
-        self.record({"train/loss": sum(all_losses) / len(all_losses), "perf/train_s": train_time.seconds})
+        self.record({"train/loss": sum(all_losses) / max(len(all_losses), 1), "perf/train_s": train_time.seconds})
+        if self.skip_signalless_steps:
+            self.record({"train/skipped_steps": stats["skipped_steps"]})
         self.log_episodes(batches[0], "train", first)
         if self.sample_step():
             self.step_log.text("train/sample", render_episode(batches, list(self.agents)))

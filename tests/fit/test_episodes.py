@@ -451,3 +451,25 @@ def test_a_new_game_with_its_own_task_sets_is_one_class(tmp_path, monkeypatch):
     trees = RolloutDataModule(train_path="counting:3", env=CountingGame(), num_generations=2, num_turns=2)
     tree = trees.rollout([agent], trees.train_tasks[:2], greedy=False)
     assert tree.stats["turn_0/nodes"] == 2.0 and torch.isfinite(tree.rewards).all()
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_grpo_skips_steps_without_signal_when_asked(tmp_path, skip):
+    """skip_signalless_steps: a step whose groups all tied (sparse Corridor: the tiny model wins
+    nothing) is not taken: AdamW keeps no state and counts no step; taken, AdamW steps on zero
+    gradients (its momentum would carry an earlier step's direction on)."""
+    module = GRPO(model="tiny-random", learning_rate=1e-2, skip_signalless_steps=skip)
+    metrics, moved = _fit(tmp_path, module, "corridor", 2, reward_density="sparse")
+    assert float(metrics["train/won"]) == 0.0 and not moved  # every group tied
+    optimizers = module.optimizers()
+    state = (optimizers[0] if isinstance(optimizers, list) else optimizers).optimizer.state
+    steps = {int(s["step"]) for s in state.values()}
+    assert steps == (set() if skip else {1})
+    assert ("train/skipped_steps" in metrics) == skip and (not skip or float(metrics["train/skipped_steps"]) == 1.0)
+
+
+def test_skip_signalless_steps_is_refused_where_every_step_has_a_gradient(tmp_path):
+    with pytest.raises(ConfigError, match="model.skip_signalless_steps: PPO's steps all carry a gradient"):
+        _fit(tmp_path, PPO(model="tiny-random", skip_signalless_steps=True), "corridor", 1)
+    with pytest.raises(ConfigError, match="model.skip_signalless_steps: GRPO's steps"):
+        _fit(tmp_path, GRPO(model="tiny-random", kl_coef=0.1, skip_signalless_steps=True), "corridor", 2)
