@@ -117,13 +117,16 @@ def test_a_run_starts_from_an_exported_adapter(tmp_path, shared_base):
         def on_train_start(self, trainer, pl_module):
             seen.update(adapters(pl_module))
 
-    L.seed_everything(1)
-    second = MAGRPO(**settings, lora_shared_base=shared_base)
+    L.seed_everything(1)  # with a KL term whose reference is the policy as RL starts: the loaded adapters
+    second = MAGRPO(**settings, lora_shared_base=shared_base, kl_coef=0.1, kl_reference="rl_start")
     callbacks = [InitialWeights(str(tmp_path / "export")), Snapshot()]
     make_trainer(tmp_path, limit_train_batches=1, limit_val_batches=0, callbacks=callbacks).fit(
         second, datamodule=slogan_data(max_new_tokens=8)
     )
+    references = {k.replace("_reference.", "."): v for k, v in seen.items() if "_reference." in k}
+    seen = {k: v for k, v in seen.items() if "_reference." not in k}
     assert seen.keys() == trained.keys() and all(torch.equal(seen[k], trained[k]) for k in trained)
+    assert references.keys() == trained.keys() and all(torch.equal(references[k], trained[k]) for k in trained)
     L.seed_everything(1)
     fresh = MAGRPO(**settings, lora_shared_base=shared_base)
     fresh.configure_model()
