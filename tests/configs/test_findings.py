@@ -73,3 +73,23 @@ def test_the_refresh_script_copies_each_grids_table(tmp_path):
     table = "| a | b |\n|---|---|\n| 1 | 2 |\n"
     assert refreshed == f"## 1.\n<!-- results: grid/results.md -->\n{table}<!-- end results -->\ntext\n"
     assert BLOCK.findall(refreshed)[0][1] == table  # what the equality test reads
+
+
+def test_every_grid_command_on_the_page_parses():
+    """The page's grid commands run as written: their options exist and the grid is well formed."""
+    import importlib.util
+    import shlex
+
+    spec = importlib.util.spec_from_file_location("ablation", REPO_ROOT / "scripts" / "textworld_ablation.py")
+    ablation = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ablation)
+    page = PAGE.read_text()
+    commands = [
+        shlex.split(line.split("textworld_ablation.py", 1)[1])
+        for block in re.findall(r"```bash\n(.*?)```", page, re.S)
+        for line in block.replace("\\\n", " ").splitlines()
+        if "textworld_ablation.py" in line
+    ]
+    assert len(commands) >= 4
+    for argv in commands:
+        ablation.check_grid(ablation.parse_args(argv))
