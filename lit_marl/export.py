@@ -45,7 +45,10 @@ def export_team(module, dirpath: str | Path, lora: LoraExport = "merged", write:
         else:
             if hasattr(model, "peft_config") and lora == "merged":
                 model = copy.deepcopy(model).merge_and_unload()  # the training copy keeps its adapter
-            model.save_pretrained(folder)
+            if hasattr(model, "peft_config"):  # its own adapter, not a KL reference kept beside it
+                model.save_pretrained(folder, selected_adapters=[model.active_adapter])
+            else:
+                model.save_pretrained(folder)
         agent.tokenizer.save_pretrained(folder)
         folders.append(folder)
     if write:

@@ -32,6 +32,7 @@ import html
 import itertools
 import json
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -203,7 +204,13 @@ def build(config: dict, out: Path):
 
 
 def end_rows(args, cli, key: dict, trained: dict) -> list[dict]:
-    """The cell's rows at its end: the policy played greedily on the test games of each eval complexity."""
+    """The cell's rows at its end: the policy played greedily on the test games of each eval complexity.
+    A run that ended before its budget was spent writes none (the cell runs again)."""
+    from lit_marl.callbacks.phase_switch import PhaseSwitch
+
+    for switch in (c for c in cli.trainer.callbacks if isinstance(c, PhaseSwitch)):
+        if switch.phase != "rl" or switch.episodes_done < switch.episodes:
+            raise RuntimeError(f"{key}: the run ended before its budget was spent ({switch.describe()})")
     evaluated = {c: evaluate(cli.model, cli.datamodule, c, args.eval_games, args.env) for c in args.eval}
     return [{**key, **trained, "eval": c, **row} for c, row in evaluated.items()]
 
@@ -230,12 +237,13 @@ def run_cell(args, key: dict, out: Path) -> list[dict]:
 # ---------------------------------------------------------------------------- SFT shared between cells
 # What only the RL phase reads: cells that differ in these alone (and in algorithm and reward density)
 # start RL from the same SFT run. Any other difference makes another SFT run.
-RL_ONLY = {
+RL_ONLY = {  # max_new_tokens is not: the evaluation after SFT reads it
     "model": ("critic_learning_rate", "gae", "ppo_epochs", "discount", "critic_warmup", "value_loss_coef",
               "clip_range", "value_clip_range", "kl_coef", "kl_mode", "kl_clamp", "kl_reference", "entropy_coef",
-              "gae_lambda", "rollout_is_cap", "dual_clip", "train_batch_size"),
+              "gae_lambda", "rollout_is_cap", "dual_clip", "train_batch_size", "skip_signalless_steps",
+              "turn_level_advantages", "advantage_normalization", "step_advantage_weight"),
     "data": ("train_path", "reward_density", "tasks_per_step", "num_generations", "temperature", "top_p", "top_k",
-             "max_new_tokens", "score_weight"),
+             "score_weight", "anchor"),
 }  # fmt: skip
 
 
@@ -263,7 +271,7 @@ def sft_stage(args, config: dict, key: dict, stages: Path) -> tuple[Path, list[d
     switch = {**phase["init_args"], "budget": demos * args.demo_cost, "split": "1:0"}
     out = stages / sft_stage_id(args, config, switch, key["train"], key["seed"])
     done = out / "after_sft.jsonl"
-    if not done.exists():
+    if not (done.exists() and (out / "export" / "team.json").exists()):  # git holds the rows, not the adapters
         partial = out / "export.partial"
         stage = json.loads(json.dumps(config))
         stage["trainer"]["callbacks"] = [
@@ -276,8 +284,11 @@ def sft_stage(args, config: dict, key: dict, stages: Path) -> tuple[Path, list[d
         cli.trainer.callbacks.append(after_sft(args, {}, rows))
         start = time.perf_counter()
         cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+        if not rows:
+            raise RuntimeError(f"{out.name}: the SFT run ended before its switch (its phase line says why)")
         for row in rows:
             row["sft_s"] = round(time.perf_counter() - start, 1)
+        shutil.rmtree(out / "export", ignore_errors=True)  # a stage killed after its rename
         partial.replace(out / "export")
         done.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return out, load_rows(done)

@@ -233,6 +233,9 @@ class AgentTeamModule(OptimizerSteps, StepLogging, L.LightningModule):
     def initial_team(self) -> Iterator[list[Agent]]:
         """The team with every learner's reference weights (``reference_model``) for the block: the
         same agents with their adapters off under LoRA, else agents around the frozen copies."""
+        if self.reference_adapters and self.lora_shared_base and len(self.learners) > 1:
+            raise ConfigError("kl_reference: rl_start with lora_shared_base: one base cannot hold every agent's "
+                              "reference adapter active at once; use kl_reference: base or separate bases")  # fmt: skip
         with ExitStack() as stack:
             team = []  # one agent per learner: a shared model still plays its roles as one
             for n, roles in enumerate(self.learners):

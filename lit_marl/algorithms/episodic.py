@@ -65,7 +65,7 @@ class EpisodicModule(AgentTeamModule):
             skip_signalless_steps: GRPO/RLOO: an optimizer step whose rows all have zero advantage on every rank
                 (every group tied) is not taken, weights and AdamW state untouched (taken, AdamW's momentum
                 repeats the last informative step's direction); ``train/skipped_steps`` counts them. Not with a
-                critic or a KL loss term (they give every step a gradient).
+                critic or a KL term (they give every step a gradient).
             **kwargs: The team's settings (model, lora, learning_rate, discount, forward_token_budget, ...): see
                 ``AgentTeamModule``; each agent plays its own token sequence.
         """
@@ -88,10 +88,10 @@ class EpisodicModule(AgentTeamModule):
         if self.rollout_settings is not None:
             self.rollout_settings.require("episodes", type(self).__name__)
         critic = type(self).extra_loss is not EpisodicModule.extra_loss
-        if self.skip_signalless_steps and (critic or (self.kl_coef > 0 and self.kl_mode == "loss")):
+        if self.skip_signalless_steps and (critic or self.kl_coef > 0):
             raise ConfigError(
                 f"model.skip_signalless_steps: {type(self).__name__}'s steps all carry a gradient (a critic's value "
-                "loss or a KL loss term): use it with GRPO or RLOO without kl_mode: loss, or leave it out"
+                "loss or a KL term): use it with GRPO or RLOO without kl_coef, or leave it out"
             )
 
     # ------------------------------------------------------------------ what subclasses provide
@@ -115,8 +115,9 @@ class EpisodicModule(AgentTeamModule):
 
     # ------------------------------------------------------------------ the step
     def signalless(self, mini: TrajectorySamples | None) -> bool:
-        """Whether no row of this step, on any rank, has a non-zero advantage (one collective, every rank)."""
-        local = 0.0 if mini is None else float(mini.advantages.abs().sum())
+        """Whether no row of this step, on any rank, has an advantage above 1e-6 in size (tied returns
+        leave rounding noise where they are not normalized); one collective, every rank."""
+        local = 0.0 if mini is None else float((mini.advantages.abs() > 1e-6).any())
         return all_ranks_sum(local, self.device) == 0.0
 
     def micro_batches(self, rows, shared_prompts: bool = False) -> list[torch.Tensor]:
@@ -223,12 +224,15 @@ class EpisodicModule(AgentTeamModule):
                         losses.append(self.update_agent(index, mini, loss_fn, count=counts))
                 all_losses += losses
                 name = self.learner_name(index)
-                self.record({f"{name}/loss": sum(losses) / max(len(losses), 1), f"{name}/optimizer_steps": len(losses)})
-        tokens = max(stats["tokens"], 1)  # over this rank's tokens: averaged over ranks by them
-        self.record(
-            {"train/approx_kl": stats["approx_kl"] / tokens, "train/clip_frac": stats["clip_frac"] / tokens}, tokens
-        )
-        self.record({"train/loss": sum(all_losses) / max(len(all_losses), 1), "perf/train_s": train_time.seconds})
+                self.record({f"{name}/optimizer_steps": len(losses)})
+                if losses:  # every step skipped: no loss to report
+                    self.record({f"{name}/loss": sum(losses) / len(losses)})
+        if all_losses:  # empty only where every step was skipped, alike on every rank (a collective decided)
+            tokens = max(stats["tokens"], 1)  # over this rank's tokens: averaged over ranks by them
+            kl, clipped = stats["approx_kl"] / tokens, stats["clip_frac"] / tokens
+            self.record({"train/approx_kl": kl, "train/clip_frac": clipped}, tokens)
+            self.record({"train/loss": sum(all_losses) / len(all_losses)})
+        self.record({"perf/train_s": train_time.seconds})
         if self.skip_signalless_steps:
             self.record({"train/skipped_steps": stats["skipped_steps"]})
         self.log_episodes(batches[0], "train", first)

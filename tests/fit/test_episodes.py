@@ -473,3 +473,12 @@ def test_skip_signalless_steps_is_refused_where_every_step_has_a_gradient(tmp_pa
         _fit(tmp_path, PPO(model="tiny-random", skip_signalless_steps=True), "corridor", 1)
     with pytest.raises(ConfigError, match="model.skip_signalless_steps: GRPO's steps"):
         _fit(tmp_path, GRPO(model="tiny-random", kl_coef=0.1, skip_signalless_steps=True), "corridor", 2)
+
+
+def test_a_step_is_signalless_when_its_advantages_tie_up_to_rounding():
+    from types import SimpleNamespace
+
+    module = GRPO(model="tiny-random")
+    tied = SimpleNamespace(advantages=torch.tensor([[-1.39e-17, 0.0], [1.39e-17, 4e-18]]))  # RLOO on tied 0.1s
+    assert module.signalless(tied) and module.signalless(None)
+    assert not module.signalless(SimpleNamespace(advantages=torch.tensor([[0.0, 0.25]])))

@@ -102,6 +102,7 @@ def test_a_run_starts_from_an_exported_adapter(tmp_path, shared_base):
     """InitialWeights: a new run's agents start with the adapters an earlier run exported (RL from
     an SFT run), each role its own."""
     from lit_marl.callbacks import InitialWeights
+    from lit_marl.export import export_team, load_adapters
 
     settings = dict(model="tiny-random", num_agents=2, learning_rate=5e-2, lora={"r": 4, "alpha": 8})
     L.seed_everything(0)
@@ -127,6 +128,13 @@ def test_a_run_starts_from_an_exported_adapter(tmp_path, shared_base):
     seen = {k: v for k, v in seen.items() if "_reference." not in k}
     assert seen.keys() == trained.keys() and all(torch.equal(seen[k], trained[k]) for k in trained)
     assert references.keys() == trained.keys() and all(torch.equal(references[k], trained[k]) for k in trained)
+    export_team(second, tmp_path / "again", "adapter")  # the policy's adapters only, never the reference
+    assert not list((tmp_path / "again").rglob("*_reference*"))
+    L.seed_everything(2)
+    third = MAGRPO(**settings, lora_shared_base=shared_base)
+    third.configure_model()
+    load_adapters(third, tmp_path / "again")
+    assert all(torch.equal(v, trained[k]) for k, v in adapters(third).items())
     L.seed_everything(1)
     fresh = MAGRPO(**settings, lora_shared_base=shared_base)
     fresh.configure_model()

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from helpers import make_trainer, slogan_data, tree_from_functions
+from lit_marl import ConfigError
 from lit_marl.agents import LoraSettings
 from lit_marl.algorithms import MAGRPO
 from lit_marl.generation import generate
@@ -124,6 +125,10 @@ def test_a_reference_at_rl_start_is_the_policy_then(lora, shared_base):
         torch.testing.assert_close(module.reference_kl(i, rows[i]), torch.zeros(6), atol=1e-6, rtol=0)
     _nudge(module)
     assert all(float(module.reference_kl(i, rows[i]).min()) > 0 for i in range(2))
+    if shared_base:  # one base cannot play every role with its own reference adapter at once
+        with pytest.raises(ConfigError, match="kl_reference: rl_start with lora_shared_base"):
+            with module.initial_team():
+                pass
     if lora is not None:
         assert module.references is None and any("_reference." in k for k in module.state_dict())  # checkpointed
         for agent in module.agents:

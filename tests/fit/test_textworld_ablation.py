@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -171,6 +172,10 @@ def test_cells_of_one_seed_start_rl_from_one_sft_run(tmp_path, capsys):
         {"class_path": "lit_marl.callbacks.PhaseSwitch", "init_args": {"budget": 1, "split": "0:1"}},
     ]
     assert cell["data"]["init_args"]["demo_path"] is None
+    shutil.rmtree(stage / "export")  # a fresh clone: git holds the stage's rows, not its adapters
+    ablation.main(["--algorithms", "rloo", *argv[3:]])
+    capsys.readouterr()
+    assert (stage / "export" / "team.json").exists()  # the stage ran again rather than start RL from nothing
 
 
 def test_sft_stages_are_shared_only_where_sft_reads_the_same():
