@@ -102,6 +102,14 @@ class AdapterView(nn.Module):
             shutil.copytree(Path(tmp) / self.adapter, folder, dirs_exist_ok=True)
 
 
+def peft_of(model: nn.Module) -> tuple[nn.Module, str]:
+    """The peft model holding a LoRA agent's adapter, and that adapter's name (an ``AdapterView``'s on
+    its team's shared base, else the model's own)."""
+    if isinstance(model, AdapterView):
+        return model.shared, model.adapter
+    return model, model.active_adapter
+
+
 class Agent(nn.Module):
     def __init__(
         self,

@@ -19,7 +19,7 @@ from typing import Literal
 from transformers import AutoTokenizer
 
 from lit_marl import ConfigError
-from lit_marl.agents import AdapterView, Agent
+from lit_marl.agents import AdapterView, Agent, peft_of
 
 MANIFEST = "team.json"
 LoraExport = Literal["merged", "adapter"]
@@ -46,7 +46,7 @@ def export_team(module, dirpath: str | Path, lora: LoraExport = "merged", write:
             if hasattr(model, "peft_config") and lora == "merged":
                 model = copy.deepcopy(model).merge_and_unload()  # the training copy keeps its adapter
             if hasattr(model, "peft_config"):  # its own adapter, not a KL reference kept beside it
-                model.save_pretrained(folder, selected_adapters=[model.active_adapter])
+                model.save_pretrained(folder, selected_adapters=[peft_of(model)[1]])
             else:
                 model.save_pretrained(folder)
         agent.tokenizer.save_pretrained(folder)
@@ -87,7 +87,6 @@ def load_adapters(module, dirpath: str | Path, field: str = "InitialWeights.path
     run's ``HFExport``) into ``module``'s adapter of the same role: a new run starts from that run's
     weights (e.g. RL from an SFT run). The adapters must have the run's shape (rank, alpha, target
     modules); every adapter tensor is replaced, nothing else."""
-
     dirpath = Path(dirpath).expanduser()
     if not (dirpath / MANIFEST).is_file():
         raise ConfigError(
@@ -99,9 +98,10 @@ def load_adapters(module, dirpath: str | Path, field: str = "InitialWeights.path
     if len(roles) != len(module.agents):
         raise ConfigError(f"{field}: the folder's team has {len(roles)} agents, this run's {len(module.agents)}")
     for learner_roles in module.learners:
-        model = module.agents[learner_roles[0]].model
-        peft_model, adapter = (model.shared, model.adapter) if isinstance(model, AdapterView) else (model, "default")
-        _load_adapter(peft_model, adapter, dirpath / roles[learner_roles[0]], field)
+        model, folder = module.agents[learner_roles[0]].model, dirpath / roles[learner_roles[0]]
+        if not isinstance(model, AdapterView) and not hasattr(model, "peft_config"):
+            raise ConfigError(f"{field}: {folder} is a LoRA adapter, but this run trains whole models: set model.lora")
+        _load_adapter(*peft_of(model), folder, field)
 
 
 def _load_adapter(peft_model, adapter: str, folder: Path, field: str) -> None:
@@ -110,8 +110,6 @@ def _load_adapter(peft_model, adapter: str, folder: Path, field: str) -> None:
 
     if not (folder / "adapter_config.json").is_file():
         raise ConfigError(f"{field}: {folder} is a merged model, not an adapter: export with HFExport(lora: adapter)")
-    if not hasattr(peft_model, "peft_config"):
-        raise ConfigError(f"{field}: {folder} is a LoRA adapter, but this run trains whole models: set model.lora")
     saved, ours = json.loads((folder / "adapter_config.json").read_text()), peft_model.peft_config[adapter]
     shape = {"r": ours.r, "lora_alpha": ours.lora_alpha, "target_modules": sorted(ours.target_modules)}
     theirs = {"r": saved["r"], "lora_alpha": saved["lora_alpha"], "target_modules": sorted(saved["target_modules"])}

@@ -19,16 +19,9 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from lit_marl.agents import AdapterView
+from lit_marl.agents import peft_of
 
 SUFFIX = "_reference"
-
-
-def peft_of(model: nn.Module) -> tuple[nn.Module, str]:
-    """The peft model holding a LoRA learner's adapter, and that adapter's name."""
-    if isinstance(model, AdapterView):
-        return model.shared, model.adapter
-    return model, model.active_adapter
 
 
 def build_reference_adapters(models: list[nn.Module]) -> None:
