@@ -139,15 +139,21 @@ def generate_each(engine, calls: list[GenerationCall], *args, **kwargs) -> list[
 _MASK32 = 0xFFFFFFFF
 
 
-def prefill_stats(engine, before: tuple[int, int] | None = None) -> tuple[int, int] | dict[str, float]:
-    """The prompt tokens an engine took from its kept KV cache and computed so far (``(0, 0)`` for
-    engines that do not count); given the counts from before a rollout, that rollout's figures as stats."""
-    now = tuple(getattr(engine, "prefill", (0, 0)))
-    if before is None:
-        return now
+def prefill_counts(engine) -> tuple[int, int]:
+    """The prompt tokens an engine has taken from its kept KV cache and computed so far (``(0, 0)`` for
+    engines that do not count)."""
+    return tuple(getattr(engine, "prefill", (0, 0)))
+
+
+def prefill_stats(engine, before: tuple[int, int]) -> dict[str, float]:
+    """A rollout's prompt tokens computed, and the share taken from the kept cache, as stats (``before``:
+    the engine's ``prefill_counts`` when it started)."""
+    now = prefill_counts(engine)
     reused, computed = now[0] - before[0], now[1] - before[1]
-    share = reused / max(reused + computed, 1)
-    return {"perf/prompt_tokens_computed": float(computed), "perf/prompt_reused_frac": share}
+    return {
+        "perf/prompt_tokens_computed": float(computed),
+        "perf/prompt_reused_frac": reused / max(reused + computed, 1),
+    }
 
 
 def stream_seed(*parts) -> int:

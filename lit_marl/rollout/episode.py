@@ -26,7 +26,7 @@ from lit_marl import ConfigError
 from lit_marl.agents import Agent, roles_by_model
 from lit_marl.envs.base import Env
 from lit_marl.generation import Engine, left_pad, make_engine
-from lit_marl.generation.base import prefill_stats
+from lit_marl.generation.base import prefill_counts, prefill_stats
 from lit_marl.metrics import markdown_line
 from lit_marl.returns import neutral_fill
 
@@ -169,7 +169,7 @@ def run_episodes(
     if env.num_agents != len(agents):
         raise ValueError(f"{type(env).__name__} has {env.num_agents} agents, the team {len(agents)}")
     _check_templates(agents, settings)
-    prefill = prefill_stats(engine)
+    prefill = prefill_counts(engine)
     states: list = []
     try:
         states += env.reset([task for task in tasks for _ in range(settings.group_size)])

@@ -20,7 +20,7 @@ from lit_marl.agents import Agent, roles_by_model
 from lit_marl.envs.base import Env
 from lit_marl.envs.processors import RewardProcessor
 from lit_marl.generation import Engine, Generation, make_engine
-from lit_marl.generation.base import prefill_stats, stream_seed
+from lit_marl.generation.base import prefill_counts, prefill_stats, stream_seed
 from lit_marl.metrics import markdown_line
 from lit_marl.returns import CrossReduce, JointMode, joint_indices, neutral_fill, step_reward
 from lit_marl.rollout.batch import AgentSamples, RolloutBatch, TreeLevels
@@ -114,7 +114,7 @@ def build_tree(
     combos = joint_indices(len(agents), settings.num_generations, settings.joint_mode)
     nodes = [_Node(t, state) for t, state in enumerate(env.reset(tasks))]
     tally = _Tally(completions=[[] for _ in agents], prompts=[[] for _ in agents])
-    prefill = prefill_stats(engine)
+    prefill = prefill_counts(engine)
     levels: list[_Level] = []
     for turn in range(settings.num_turns):
         t0 = time.perf_counter()
