@@ -346,11 +346,8 @@ class Decoder:
         eos = torch.as_tensor(eos_token_id, device=device).expand(A).repeat_interleave(B)
         pad = torch.as_tensor(pad_token_id, device=device).expand(A).repeat_interleave(B)
         C = max((n for _, n in past), default=0) if past is not None else 0
-        total, dtype = C + P + max_new_tokens, self.embed.dtype
-        cos_all, sin_all = self._rope(total, dtype)
-        shape = (len(self.layers), rows, self.num_kv_heads, total, self.head_dim)
-        cache_k, cache_v = (torch.empty(shape, dtype=dtype, device=device) for _ in range(2))
-        keys = torch.zeros(rows, total, dtype=torch.bool, device=device)  # which cache slots hold real tokens
+        dtype = self.embed.dtype
+        cos_all, sin_all, cache_k, cache_v, keys = self._new_cache(rows, C + P + max_new_tokens, device)
         hidden, next_position = self._prefill(prompt_ids, prompt_mask.reshape(rows, P), past, C, cos_all, sin_all,
                                               cache_k, cache_v, keys)  # fmt: skip
         if num_samples > 1:  # the samples of a prompt continue from its one cache
@@ -385,6 +382,14 @@ class Decoder:
         completion = torch.stack(out, dim=1).view(A, B, -1)
         token_logprobs = torch.stack(logprobs, dim=1).view(A, B, -1)
         return (completion[0], token_logprobs[0]) if single else (completion, token_logprobs)
+
+    def _new_cache(self, rows: int, slots: int, device):
+        """What a call decodes into: the rotary tables for ``slots`` positions, the K and V cache
+        ``[layers, rows, kv heads, slots, head dim]`` (written before read), and which slots hold real tokens."""
+        dtype = self.embed.dtype
+        shape = (len(self.layers), rows, self.num_kv_heads, slots, self.head_dim)
+        cache_k, cache_v = (torch.empty(shape, dtype=dtype, device=device) for _ in range(2))
+        return (*self._rope(slots, dtype), cache_k, cache_v, torch.zeros(rows, slots, dtype=torch.bool, device=device))
 
     def _prefill(self, ids, mask, past, C, cos_all, sin_all, cache_k, cache_v, keys):
         """The prompts' tokens into the cache: row r's kept prefix (``past[r]``: a ``Kept`` and how many of
