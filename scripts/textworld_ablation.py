@@ -92,13 +92,33 @@ def set_path(config: dict, dotted: str, value) -> None:
     node[leaf] = value
 
 
-def cell_config(args, algorithm: str, density: str, split: str, train: str, seed: int, out: Path) -> dict:
-    """The algorithm's shipped config, with this cell's data, budget and logger."""
+def budget(args, split: str) -> tuple[int, int]:
+    """A split's demonstrations and RL episodes under the grid's budget (``PhaseSwitch``'s arithmetic)."""
     from lit_marl.callbacks.phase_switch import PhaseSwitch
 
+    switch = PhaseSwitch(budget=args.budget, split=split, demo_cost=args.demo_cost)
+    return switch.demos, switch.episodes
+
+
+def switch_of(trainer):
+    """The run's ``PhaseSwitch`` (None for a run without one: the baseline)."""
+    from lit_marl.callbacks.phase_switch import PhaseSwitch
+
+    return next((c for c in trainer.callbacks if isinstance(c, PhaseSwitch)), None)
+
+
+def timed_fit(cli) -> float:
+    """Fits the built run; its wall seconds."""
+    start = time.perf_counter()
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    return round(time.perf_counter() - start, 1)
+
+
+def cell_config(args, algorithm: str, density: str, split: str, train: str, seed: int, out: Path) -> dict:
+    """The algorithm's shipped config, with this cell's data, budget and logger."""
     base = REPO / "configs" / args.env / f"{algorithm}_{args.config_suffix}.yaml"
     config = yaml.safe_load(base.read_text())
-    demos = PhaseSwitch(budget=args.budget, split=split, demo_cost=args.demo_cost).demos
+    demos, _ = budget(args, split)
     data = config["data"]["init_args"]
     data.update(
         train_path=game_set(args.env, train, "train", args.train_games),
@@ -172,11 +192,9 @@ def after_sft(args, key: dict, rows: list[dict]):
     """A callback that evaluates the policy once, where the SFT phase hands over to RL."""
     import lightning as L
 
-    from lit_marl.callbacks.phase_switch import PhaseSwitch
-
     class AfterSFT(L.Callback):
         def on_train_epoch_end(self, trainer, pl_module) -> None:  # runs after PhaseSwitch's (listed first)
-            (switch,) = [c for c in trainer.callbacks if isinstance(c, PhaseSwitch)]
+            switch = switch_of(trainer)
             if switch.switched_at is None or rows or not switch.demos:
                 return
             trained = {"demos": switch.demos, "train_episodes": 0, "stage": "after SFT"}
@@ -206,30 +224,24 @@ def build(config: dict, out: Path):
 def end_rows(args, cli, key: dict, trained: dict) -> list[dict]:
     """The cell's rows at its end: the policy played greedily on the test games of each eval complexity.
     A run that ended before its budget was spent writes none (the cell runs again)."""
-    from lit_marl.callbacks.phase_switch import PhaseSwitch
-
-    for switch in (c for c in cli.trainer.callbacks if isinstance(c, PhaseSwitch)):
-        if switch.phase != "rl" or switch.episodes_done < switch.episodes:
-            raise RuntimeError(f"{key}: the run ended before its budget was spent ({switch.describe()})")
+    switch = switch_of(cli.trainer)
+    if switch is not None and (switch.phase != "rl" or switch.episodes_done < switch.episodes):
+        raise RuntimeError(f"{key}: the run ended before its budget was spent ({switch.describe()})")
     evaluated = {c: evaluate(cli.model, cli.datamodule, c, args.eval_games, args.env) for c in args.eval}
     return [{**key, **trained, "eval": c, **row} for c, row in evaluated.items()]
 
 
 def run_cell(args, key: dict, out: Path) -> list[dict]:
     """The cell's rows: after SFT (where it has an SFT phase) and at the end, per eval complexity."""
-    from lit_marl.callbacks.phase_switch import PhaseSwitch
 
     config = cell_config(args, key["algorithm"], key["density"], key["split"], key["train"], key["seed"], out)
-    demos = PhaseSwitch(budget=args.budget, split=key["split"], demo_cost=args.demo_cost).demos
-    if demos and args.share_sft and config["model"]["init_args"].get("lora"):
+    if budget(args, key["split"])[0] and args.share_sft and config["model"]["init_args"].get("lora"):
         return run_after_shared_sft(args, key, config, out)
     cli = build(config, out)
     sft_rows: list[dict] = []
     cli.trainer.callbacks.append(after_sft(args, key, sft_rows))
-    start = time.perf_counter()
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
-    wall = round(time.perf_counter() - start, 1)  # the after-SFT evaluation included
-    (switch,) = [c for c in cli.trainer.callbacks if isinstance(c, PhaseSwitch)]
+    wall = timed_fit(cli)  # the after-SFT evaluation included
+    switch = switch_of(cli.trainer)
     trained = {"demos": switch.demos, "train_episodes": int(switch.episodes_done), "train_s": wall, "stage": "end"}
     return sft_rows + end_rows(args, cli, key, trained)
 
@@ -264,11 +276,8 @@ def sft_stage(args, config: dict, key: dict, stages: Path) -> tuple[Path, list[d
     """The SFT run a cell starts from: run once (the demonstrations budget alone, evaluated after
     SFT, its LoRA adapters exported) and reused by every cell with the same SFT settings. Written
     last, ``after_sft.jsonl`` marks it finished; a killed stage runs again from the start."""
-    from lit_marl.callbacks.phase_switch import PhaseSwitch
-
     (phase,) = [c for c in config["trainer"]["callbacks"] if c["class_path"].endswith("PhaseSwitch")]
-    demos = PhaseSwitch(budget=args.budget, split=key["split"], demo_cost=args.demo_cost).demos
-    switch = {**phase["init_args"], "budget": demos * args.demo_cost, "split": "1:0"}
+    switch = {**phase["init_args"], "budget": budget(args, key["split"])[0] * args.demo_cost, "split": "1:0"}
     out = stages / sft_stage_id(args, config, switch, key["train"], key["seed"])
     done = out / "after_sft.jsonl"
     if not (done.exists() and (out / "export" / "team.json").exists()):  # git holds the rows, not the adapters
@@ -282,12 +291,11 @@ def sft_stage(args, config: dict, key: dict, stages: Path) -> tuple[Path, list[d
         cli = build(stage, out)
         rows: list[dict] = []
         cli.trainer.callbacks.append(after_sft(args, {}, rows))
-        start = time.perf_counter()
-        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+        seconds = timed_fit(cli)
         if not rows:
             raise RuntimeError(f"{out.name}: the SFT run ended before its switch (its phase line says why)")
         for row in rows:
-            row["sft_s"] = round(time.perf_counter() - start, 1)
+            row["sft_s"] = seconds
         shutil.rmtree(out / "export", ignore_errors=True)  # a stage killed after its rename
         partial.replace(out / "export")
         done.write_text("".join(json.dumps(row) + "\n" for row in rows))
@@ -297,13 +305,11 @@ def sft_stage(args, config: dict, key: dict, stages: Path) -> tuple[Path, list[d
 def run_after_shared_sft(args, key: dict, config: dict, out: Path) -> list[dict]:
     """A cell as two runs: its SFT stage (shared, ``sft_stage``) then RL from the stage's adapters
     (``InitialWeights``) with the RL share of the budget; its config.yaml is the RL run's."""
-    from lit_marl.callbacks.phase_switch import PhaseSwitch
 
     stage, sft_rows = sft_stage(args, config, key, out.parent.parent / "sft")
-    demos = PhaseSwitch(budget=args.budget, split=key["split"], demo_cost=args.demo_cost).demos
+    demos, episodes = budget(args, key["split"])
     sft_s = sft_rows[0]["sft_s"]
     after = [{**row, **key, "demos": demos, "train_s": sft_s, "sft_stage": stage.name} for row in sft_rows]
-    episodes = PhaseSwitch(budget=args.budget, split=key["split"], demo_cost=args.demo_cost).episodes
     if not episodes:  # SFT only: the end is where SFT left it
         return after + [{**row, "stage": "end"} for row in after]
     config["data"]["init_args"]["demo_path"] = None
@@ -312,10 +318,8 @@ def run_after_shared_sft(args, key: dict, config: dict, out: Path) -> list[dict]
         {"class_path": "lit_marl.callbacks.PhaseSwitch", "init_args": {"budget": episodes, "split": "0:1"}},
     ]
     cli = build(config, out)
-    start = time.perf_counter()
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
-    rl_s = round(time.perf_counter() - start, 1)
-    (switch,) = [c for c in cli.trainer.callbacks if isinstance(c, PhaseSwitch)]
+    rl_s = timed_fit(cli)
+    switch = switch_of(cli.trainer)
     trained = {"demos": demos, "train_episodes": int(switch.episodes_done), "train_s": round(sft_s + rl_s, 1),
                "sft_s": sft_s, "rl_s": rl_s, "stage": "end", "sft_stage": stage.name}  # fmt: skip
     return after + end_rows(args, cli, key, trained)
@@ -475,12 +479,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def check_grid(args) -> None:
     """ConfigError where a split's demonstrations or a complexity cannot be had."""
     from lit_marl import ConfigError
-    from lit_marl.callbacks.phase_switch import PhaseSwitch, parse_split
+    from lit_marl.callbacks.phase_switch import parse_split
     from lit_marl.envs.textworld.games import Complexity, split_seeds
 
     for split in args.splits:
         parse_split(split)
-        demos = PhaseSwitch(budget=args.budget, split=split, demo_cost=args.demo_cost).demos
+        demos, _ = budget(args, split)
         if demos and args.env == "alfworld" and demos % ALFWORLD_TYPES:
             raise ConfigError(
                 f"--budget {args.budget:g} --splits {split}: {demos} demonstrations: give a multiple of 6"
