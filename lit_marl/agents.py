@@ -102,6 +102,9 @@ class AdapterView(nn.Module):
             shutil.copytree(Path(tmp) / self.adapter, folder, dirs_exist_ok=True)
 
 
+REFERENCE_SUFFIX = "_reference"  # a learner's frozen KL reference adapter: <adapter>_reference (never served)
+
+
 def peft_of(model: nn.Module) -> tuple[nn.Module, str]:
     """The peft model holding a LoRA agent's adapter, and that adapter's name (an ``AdapterView``'s on
     its team's shared base, else the model's own)."""

@@ -98,7 +98,14 @@ def load_adapters(module, dirpath: str | Path, field: str = "InitialWeights.path
     if len(roles) != len(module.agents):
         raise ConfigError(f"{field}: the folder's team has {len(roles)} agents, this run's {len(module.agents)}")
     for learner_roles in module.learners:
-        model, folder = module.agents[learner_roles[0]].model, dirpath / roles[learner_roles[0]]
+        folders = sorted({roles[role] for role in learner_roles})
+        if len(folders) > 1:  # one model here, several there: which one would be a silent choice
+            raise ConfigError(
+                f"{field}: roles {learner_roles} share one model in this run, but the folder gives them "
+                f"{len(folders)} ({', '.join(folders)}): start from an export of a parameter-shared run, or "
+                f"set model.share_parameters: false"
+            )
+        model, folder = module.agents[learner_roles[0]].model, dirpath / folders[0]
         if not isinstance(model, AdapterView) and not hasattr(model, "peft_config"):
             raise ConfigError(f"{field}: {folder} is a LoRA adapter, but this run trains whole models: set model.lora")
         _load_adapter(*peft_of(model), folder, field)

@@ -349,6 +349,9 @@ def summarize(rows: list[dict]) -> list[dict]:
         groups.setdefault((*(row[f] for f in fields), key), []).append(row)
     lines = []
     for (*values, key), members in groups.items():
+        seeds = [m["seed"] for m in members]
+        if len(set(seeds)) != len(seeds):  # a seed counted twice would narrow the interval it has not earned
+            raise ValueError(f"{values}: seeds {sorted(seeds)} appear twice in the results: remove the duplicate rows")
         won = [m["won"] for m in members]
         lines.append(
             {

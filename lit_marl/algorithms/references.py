@@ -19,9 +19,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from lit_marl.agents import REFERENCE_SUFFIX as SUFFIX
 from lit_marl.agents import peft_of
-
-SUFFIX = "_reference"
 
 
 def build_reference_adapters(models: list[nn.Module]) -> None:

@@ -42,7 +42,7 @@ from typing import Protocol
 
 import torch
 
-from lit_marl.agents import AdapterView, Agent
+from lit_marl.agents import REFERENCE_SUFFIX, AdapterView, Agent
 from lit_marl.generation.base import Generation, generate_each, left_pad, mask_through_first
 from lit_marl.generation.decoder import _causal_lm
 from lit_marl.generation.vllm_checks import check_sleep_mode
@@ -254,9 +254,12 @@ def served(agent: Agent) -> tuple[torch.nn.Module, str | None]:
 
 
 def served_adapters(agent: Agent) -> dict:
-    """The LoRA configs an instance serving ``agent``'s base applies (none: it serves merged weights)."""
+    """The LoRA configs an instance serving ``agent``'s base applies (none: it serves merged weights); a
+    KL reference adapter kept beside a policy's is never sampled from."""
     model, adapter = served(agent)
-    return dict(model.peft_config) if adapter is not None else {}
+    if adapter is None:
+        return {}
+    return {name: c for name, c in model.peft_config.items() if not name.endswith(REFERENCE_SUFFIX)}
 
 
 class VLLMEngine:

@@ -161,6 +161,7 @@ def test_initial_weights_refuses_what_does_not_fit(tmp_path):
         (target(lora={"r": 4, "alpha": 8}), tmp_path / "merged", "a merged model"),
         (target(num_agents=3, lora={"r": 4, "alpha": 8}), tmp_path / "adapter", "has 2 agents, this run's 3"),
         (target(lora={"r": 4, "alpha": 8}), tmp_path / "nothing", "holds no team.json"),
+        (target(lora={"r": 4, "alpha": 8}, share_parameters=True), tmp_path / "adapter", "share one model"),
     ]
     for module, folder, message in cases:
         with pytest.raises(ConfigError, match=f"InitialWeights.path.*{message}"):

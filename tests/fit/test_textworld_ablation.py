@@ -83,6 +83,8 @@ def test_summary_spreads_over_seeds():
     close = ablation.summarize([{**r, "won": w} for r, w in zip(rows, [0.5, 0.5625, 0.625])])[0]
     assert ablation.confidence(close) == "[0.407, 0.718]"  # 0.5625 -+ 4.303 x 0.0625 / sqrt(3)
     assert ablation.confidence(ablation.summarize(rows[:1])[0]) == "-"
+    with pytest.raises(ValueError, match="appear twice"):  # one seed's row twice is not two seeds
+        ablation.summarize([*rows, rows[0]])
 
 
 def test_a_set_sweep_is_separate_lines_and_seeds_average_within_each(tmp_path, monkeypatch, capsys):

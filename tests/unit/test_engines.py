@@ -500,6 +500,19 @@ def test_a_lora_team_shares_one_instance_each_agent_sending_its_adapter(tiny_age
     assert sent[5:] == ["add_adapter:agent1-3", "generate:agent1-3"] and engine.syncs == 1  # no base reload
 
 
+def test_a_kl_reference_adapter_is_not_served(tiny_agent):
+    """A learner's frozen KL reference adapter (``kl_reference: rl_start``) sits beside its policy's on
+    the shared base; vLLM is sized for the adapters agents sample from, never the reference."""
+    from lit_marl.algorithms.references import build_reference_adapters
+    from lit_marl.generation.vllm import served_adapters
+
+    team = adapter_team(tiny_agent.tokenizer)
+    assert set(served_adapters(team[0])) == {"agent0", "agent1"}
+    build_reference_adapters([team[0].model])
+    assert "agent0_reference" in team[0].model.shared.peft_config
+    assert set(served_adapters(team[0])) == {"agent0", "agent1"}
+
+
 def test_vllm_engine_options_need_the_default_backend():
     with pytest.raises(ValueError, match="default backend"):
         VLLMEngine(backend_factory=lambda a: None, gpu_memory_utilization=0.5)
