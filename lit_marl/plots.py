@@ -7,8 +7,10 @@ CSVLogger's ``metrics.csv``, or a folder above some: then each subfolder holding
 rewards ``turn_<k>/reward`` (one panel, one line per turn and run), each ``eval/<x>`` metric (``eval/reward`` and
 ``eval/success`` first; the per-turn ``eval/turn_<k>/<x>`` only through ``--tags``), the loss
 (``train/loss``, else each learner's ``agent<i>/loss``), ``perf/tokens_per_s``. ``--tags GLOB ...``
-draws one panel per matching tag instead. Older tag names (``train/turn<k>/reward``, ``val/<x>``,
-``heldout/<x>``, ``train/loss_agent<i>``, ``rollout/tokens_per_s``) are read as the current ones.
+draws one panel per matching tag instead; ``--average REGEX`` draws the runs whose labels differ
+only by REGEX (seeds) as their mean with a band from the lowest to the highest. Older tag names
+(``train/turn<k>/reward``, ``val/<x>``, ``heldout/<x>``, ``train/loss_agent<i>``,
+``rollout/tokens_per_s``) are read as the current ones.
 
 Entry layer: only the standard library, matplotlib and tensorboard (drawn with the Agg canvas, no
 display, no pyplot state).
@@ -59,6 +61,7 @@ class Run:
     label: str
     scalars: dict[str, Series]  # by canonical tag
     names: dict[str, str]  # canonical tag -> the tag as logged
+    spread: dict[str, tuple[Series, Series]] = field(default_factory=dict)  # an average's lowest, highest run
 
 
 @dataclass
@@ -156,6 +159,39 @@ def _default_labels(paths: list[Path]) -> list[str]:
     resolved = [p.resolve() for p in paths]
     common = Path(os.path.commonpath(resolved))
     return [str(p.relative_to(common)) if p != common else p.name for p in resolved]
+
+
+def average_runs(runs: list[Run], pattern: str) -> list[Run]:
+    """Runs whose labels are equal once ``pattern`` (a regex, e.g. ``-s[0-9]+`` for a seed) is taken
+    out of them, as one run each: at every step all of them logged, their mean, and the lowest and
+    highest of them as its band; labelled ``<label> (mean of N)``. Runs that match alone stay as
+    they are."""
+    try:
+        regex = re.compile(pattern)
+    except re.error as err:
+        raise ConfigError(f"--average {pattern!r}: not a regular expression ({err})") from None
+    groups: dict[str, list[Run]] = {}
+    for run in runs:
+        groups.setdefault(regex.sub("", run.label), []).append(run)
+    if all(len(members) == 1 for members in groups.values()):
+        listed = ", ".join(r.label for r in runs)
+        raise ConfigError(f"--average {pattern!r}: no two runs' labels are equal without it ({listed})")
+    return [members[0] if len(members) == 1 else _mean_run(label, members) for label, members in groups.items()]
+
+
+def _mean_run(label: str, members: list[Run]) -> Run:
+    scalars, spread, names = {}, {}, {}
+    for tag in set.intersection(*(set(r.scalars) for r in members)):
+        by_step = [dict(r.scalars[tag]) for r in members]
+        steps = sorted(set.intersection(*(set(points) for points in by_step)))
+        if not steps:
+            continue
+        values = [[points[s] for points in by_step] for s in steps]
+        scalars[tag] = [(s, sum(v) / len(v)) for s, v in zip(steps, values)]
+        spread[tag] = ([(s, min(v)) for s, v in zip(steps, values)], [(s, max(v)) for s, v in zip(steps, values)])
+        names[tag] = members[0].names[tag]
+    path = Path(os.path.commonpath([str(r.path) for r in members]))  # as given: no machine path in a title
+    return Run(path, f"{label} (mean of {len(members)})", scalars, names, spread)
 
 
 # --------------------------------------------------------------------------- choosing the panels
@@ -260,7 +296,10 @@ def _draw(ax, panel: Panel, run: Run, tag: str, r: int, k: int, several_runs: bo
     if several and several_runs:
         label = f"{run.label} {label}"
     ax.plot(steps, values, style, color=color, marker=marker, ms=5, mfc="none", label=label, lw=1.6)
-    if panel.band and panel.band in run.scalars:
+    if tag in run.spread:  # an average: from its lowest to its highest run
+        (low, high) = run.spread[tag]
+        ax.fill_between(steps, [v for _, v in low], [v for _, v in high], color=color, alpha=0.18, lw=0)
+    elif panel.band and panel.band in run.scalars:
         std = dict(run.scalars[panel.band])
         rows = [(s, v, std[s]) for s, v in points if s in std]
         if rows:
@@ -277,12 +316,15 @@ def plot(
     out: str | os.PathLike | None = None,
     tags: list[str] | None = None,
     labels: list[str] | None = None,
+    average: str | None = None,
 ) -> PlotResult:
     """Draws the runs under ``run_dirs`` to ``out`` (default ``RUN_DIR/curves.png`` for one
-    argument, else ``curves.png`` here)."""
+    argument, else ``curves.png`` here); ``average``: see ``average_runs``."""
     if not run_dirs:
         raise ConfigError("RUN_DIR: give at least one run folder")
     runs = load_runs(run_dirs, labels)
+    if average is not None:
+        runs = average_runs(runs, average)
     panels = matching_panels(runs, tags) if tags else default_panels(runs)
     panels = [p for p in panels if any(r.scalars.get(t) for r in runs for t in p.tags)]
     if not panels:
@@ -302,7 +344,7 @@ def plot(
 
 def _title(runs: list[Run], run_dirs: list[str]) -> str:
     if len(runs) == 1:
-        return f"lit-marl: {runs[0].path}"
+        return f"lit-marl: {runs[0].label if runs[0].spread else runs[0].path}"
     common = os.path.commonpath([str(r.path.resolve()) for r in runs])
     where = run_dirs[0] if len(run_dirs) == 1 else os.path.relpath(common)
     return f"lit-marl: {where} ({len(runs)} runs)"
@@ -320,9 +362,15 @@ def main(argv: list[str] | None = None) -> None:
         "--tags", nargs="+", metavar="GLOB", help="draw these tags (fnmatch globs) instead of the defaults"
     )
     parser.add_argument("--labels", nargs="+", metavar="LABEL", help="legend label of each run, in order")
+    parser.add_argument(
+        "--average",
+        metavar="REGEX",
+        help="runs whose labels are equal once REGEX is taken out (e.g. a seed: '-s[0-9]+') drawn as their mean, "
+        "the band from the lowest to the highest of them",
+    )
     args = parser.parse_args(argv)
     try:
-        result = plot(args.run_dirs, args.out, args.tags, args.labels)
+        result = plot(args.run_dirs, args.out, args.tags, args.labels, args.average)
     except ConfigError as err:
         raise SystemExit(f"lit-marl plot: {err}") from None
     print(f"wrote {result.out}")

@@ -103,6 +103,34 @@ def test_default_output_and_printout(two_runs, capsys, tmp_path, monkeypatch):
     assert "runs: base, tuned" in printed and (tmp_path / "curves.png").exists()
 
 
+def test_seeds_are_averaged_into_one_line_with_their_range(tmp_path):
+    """--average REGEX: runs whose labels differ only by REGEX (a grid's seeds) are one line, the
+    mean at the steps every one logged, banded from the lowest to the highest; other runs stay."""
+    from lit_marl.plots import average_runs, load_runs
+
+    for seed, offset in enumerate([0.0, 0.3, 0.6]):
+        write_run(tmp_path / "cells" / f"ppo-s{seed}-ab" / "version_0", new_names(offset))
+    write_run(tmp_path / "cells" / "grpo-s0-ab" / "version_0", {"train/reward": [(0, 0.5), (1, 0.7)]})
+    short = new_names(0.9)
+    short["train/reward"] = short["train/reward"][:4]  # a run that stopped early: the mean only where all logged
+    write_run(tmp_path / "cells" / "ppo-s3-ab" / "version_0", short)
+    runs = average_runs(load_runs([str(tmp_path / "cells")]), "-s[0-9]+")
+    assert [r.label for r in runs] == ["grpo-s0-ab/version_0", "ppo-ab/version_0 (mean of 4)"]
+    grpo, ppo = runs
+    assert grpo.spread == {} and [v for _, v in grpo.scalars["train/reward"]] == pytest.approx([0.5, 0.7])
+    assert [s for s, _ in ppo.scalars["train/reward"]] == [0, 1, 2, 3]
+    assert ppo.scalars["train/reward"][2][1] == pytest.approx(0.2 + 0.45)  # 0.1 + 0.05 * 2 + mean offset 0.45
+    low, high = ppo.spread["train/reward"]
+    assert low[2][1] == pytest.approx(0.2) and high[2][1] == pytest.approx(1.1)
+    result = plot([str(tmp_path / "cells")], out=tmp_path / "mean.png", tags=["train/reward"], average="-s[0-9]+")
+    assert result.lines == {"train/reward": 2} and len(result.runs) == 2
+    assert_not_blank(tmp_path / "mean.png")
+    with pytest.raises(ConfigError, match="--average 'nothing'.*no two runs"):
+        plot([str(tmp_path / "cells")], out=tmp_path / "x.png", average="nothing")
+    with pytest.raises(ConfigError, match="--average.*not a regular expression"):
+        plot([str(tmp_path / "cells")], out=tmp_path / "x.png", average="(")
+
+
 def test_tags_globs_replace_the_defaults(two_runs, tmp_path):
     result = plot([str(two_runs)], out=tmp_path / "t.png", tags=["turn_*", "perf/*"])
     assert result.panels == ["turn_0/reward", "turn_1/reward", "perf/tokens_per_s"]
