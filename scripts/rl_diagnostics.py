@@ -5,11 +5,12 @@
 Reads each cell's CSVLogger log (``<grid>/cells/<cell>/logs/version_*/metrics.csv``, written by
 ``scripts/textworld_ablation.py``) and prints one markdown row per cell: its RL steps, the share of
 its training episodes won (sampled, not the greedy held-out figure), the steps whose advantages
-were not all zero (a GRPO/RLOO step whose groups all tied has none), the steps
-``model.skip_signalless_steps`` left out, the mean PPO approx-KL between the rollout and the
-updated policy, the last KL to the reference (``<agent>/kl_ref``, where a KL term ran) and, with a
-critic, the steps whose explained variance was positive. These are the figures that tell why RL
-after SFT moved (or did not move) the held-out success.
+were not all zero (a GRPO/RLOO step whose groups all tied has none), the updates
+``model.skip_signalless_steps`` left out (optimizer steps: one per mini-batch and pass), the mean
+PPO approx-KL between the rollout and the updated policy, the last KL to the reference
+(``<agent>/kl_ref``, where a KL term ran) and, with a critic, the steps whose explained variance
+was positive. These are the figures that tell why RL after SFT moved (or did not move) the
+held-out success.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 
 SIGNAL = 1e-6  # an advantage std at or below this: every row's advantage is zero (ties)
-COLUMNS = ("cell", "RL steps", "train won", "steps with signal", "skipped", "approx KL", "KL to ref", "EV > 0")
+COLUMNS = ("cell", "RL steps", "train won", "steps with signal", "updates skipped", "approx KL", "KL to ref", "EV > 0")
 
 
 def read_log(path: Path) -> dict[int, dict[str, float]]:
@@ -47,7 +48,7 @@ def diagnose(name: str, steps: dict[int, dict[str, float]]) -> dict[str, str]:
         "RL steps": str(len(rl)),
         "train won": f"{statistics.fmean(v['train/won'] for v in rl):.3f}" if rl else "-",
         "steps with signal": f"{sum(s > SIGNAL for s in stds)} of {len(stds)}",
-        "skipped": f"{skipped:g}",
+        "updates skipped": f"{skipped:g}",
         "approx KL": f"{statistics.fmean(kls):.4f}" if kls else "-",
         "KL to ref": f"{kl_ref[-1]:.4f}" if kl_ref else "-",
         "EV > 0": f"{sum(e > 0 for e in ev)} of {len(ev)}" if ev else "-",

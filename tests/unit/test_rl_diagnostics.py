@@ -33,7 +33,7 @@ def test_tied_steps_carry_no_signal_and_sft_steps_are_not_rl(tmp_path, capsys):
     (tmp_path / "cells" / "base").mkdir()  # a cell without a log (the baseline) is left out
     (row,) = diagnostics.cell_rows(tmp_path)
     assert row["RL steps"] == "3" and row["train won"] == "0.250"
-    assert row["steps with signal"] == "1 of 3" and row["skipped"] == "2"
+    assert row["steps with signal"] == "1 of 3" and row["updates skipped"] == "2"
     assert row["approx KL"] == "0.0300" and row["KL to ref"] == "0.0300" and row["EV > 0"] == "-"
     diagnostics.main([str(tmp_path), "--cells", "grpo-*"])
     printed = capsys.readouterr().out.splitlines()
