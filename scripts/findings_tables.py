@@ -3,8 +3,10 @@
     python scripts/findings_tables.py [--page docs/findings.md]
 
 Every ``<!-- results: <path> -->`` ... ``<!-- end results -->`` block of the page is replaced by the
-table lines of ``<path>`` (a grid's ``results.md``, written by ``scripts/textworld_ablation.py``), so
-the page shows what the grids wrote; ``tests/configs/test_findings.py`` checks that they are equal.
+table lines of ``<path>`` (a grid's ``results.md``, written by ``scripts/textworld_ablation.py``), and
+every ``<!-- diagnostics: <grid> -->`` ... ``<!-- end diagnostics -->`` block by the table
+``scripts/rl_diagnostics.py <grid>`` prints from the grid's committed logs, so the page shows what
+the grids wrote; ``tests/configs/test_findings.py`` checks that they are equal.
 """
 
 from __future__ import annotations
@@ -16,6 +18,15 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 BLOCK = re.compile(r"(<!-- results: (\S+) -->\n)(.*?)(<!-- end results -->)", re.S)
+DIAGNOSTICS = re.compile(r"(<!-- diagnostics: (\S+) -->\n)(.*?)(<!-- end diagnostics -->)", re.S)
+
+
+def diagnostics_table(grid: Path) -> str:
+    """``scripts/rl_diagnostics.py``'s table of a grid's cells."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import rl_diagnostics
+
+    return rl_diagnostics.table(rl_diagnostics.cell_rows(grid))
 
 
 def refresh(page: str, root: Path = REPO) -> str:
@@ -26,7 +37,10 @@ def refresh(page: str, root: Path = REPO) -> str:
         lines = [line for line in path.read_text().splitlines() if line.startswith("|")]
         return match.group(1) + "\n".join(lines) + "\n" + match.group(4)
 
-    return BLOCK.sub(table, page)
+    def diagnostics(match: re.Match) -> str:
+        return match.group(1) + diagnostics_table(root / match.group(2)) + "\n" + match.group(4)
+
+    return DIAGNOSTICS.sub(diagnostics, BLOCK.sub(table, page))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -36,7 +50,8 @@ def main(argv: list[str] | None = None) -> None:
     before = args.page.read_text()
     after = refresh(before)
     args.page.write_text(after)
-    print(f"findings_tables: {len(BLOCK.findall(after))} table(s), {'changed' if after != before else 'unchanged'}")
+    count = len(BLOCK.findall(after)) + len(DIAGNOSTICS.findall(after))
+    print(f"findings_tables: {count} table(s), {'changed' if after != before else 'unchanged'}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
     python scripts/rl_diagnostics.py docs/findings/alfworld [--cells GLOB]
 
-Reads each cell's CSVLogger log (``<grid>/cells/<cell>/logs/version_*/metrics.csv``, written by
+Reads each finished cell's CSVLogger log (``<grid>/cells/<cell>/logs/version_*/metrics.csv``, written by
 ``scripts/textworld_ablation.py``) and prints one markdown row per cell: its RL steps, the share of
 its training episodes won (sampled, not the greedy held-out figure), the steps whose advantages
 were not all zero (a GRPO/RLOO step whose groups all tied has none), the updates
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import statistics
 from fnmatch import fnmatchcase
 from pathlib import Path
@@ -56,10 +57,13 @@ def diagnose(name: str, steps: dict[int, dict[str, float]]) -> dict[str, str]:
 
 
 def cell_rows(grid: Path, pattern: str = "*") -> list[dict[str, str]]:
+    """The rows of the grid's finished cells (those ``results.jsonl`` holds) that logged."""
+    results = grid / "results.jsonl"
+    finished = {json.loads(line)["cell"] for line in results.read_text().splitlines() if line.strip()}
     rows = []
     for cell in sorted((grid / "cells").iterdir()):
         logs = sorted(cell.glob("logs/version_*/metrics.csv"))
-        if cell.is_dir() and fnmatchcase(cell.name, pattern) and logs:
+        if cell.name in finished and fnmatchcase(cell.name, pattern) and logs:
             rows.append(diagnose(cell.name, read_log(logs[-1])))
     return rows
 
@@ -75,8 +79,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("grid", type=Path, help="a grid's folder (holding cells/)")
     parser.add_argument("--cells", default="*", help="only the cells whose names match this glob")
     args = parser.parse_args(argv)
-    if not (args.grid / "cells").is_dir():
-        raise SystemExit(f"rl_diagnostics: {args.grid} has no cells/ folder: give a grid's --out folder")
+    if not (args.grid / "cells").is_dir() or not (args.grid / "results.jsonl").is_file():
+        raise SystemExit(f"rl_diagnostics: {args.grid} has no cells/ or results.jsonl: give a grid's --out folder")
     print(table(cell_rows(args.grid, args.cells)))
 
 

@@ -438,8 +438,9 @@ def svg(lines: list[dict]) -> str:
 
 def write_reports(out: Path, rows: list[dict]) -> None:
     lines = summarize(rows)
+    env = "ALFWorld" if any(row.get("settings", {}).get("env") == "alfworld" for row in rows) else "TextWorld"
     (out / "results.md").write_text(
-        "# TextWorld ablation: held-out greedy success\n\n" + table(lines) + "\nEach figure: mean ± std over seeds "
+        f"# {env} ablation: held-out greedy success\n\n" + table(lines) + "\nEach figure: mean ± std over seeds "
         "of the fraction of held-out test-seed games won; eval episodes = games × seeds.\n"
     )
     (out / "success.svg").write_text(svg(lines))

@@ -11,6 +11,7 @@ from helpers import REPO_ROOT
 
 PAGE = REPO_ROOT / "docs" / "findings.md"
 BLOCK = re.compile(r"<!-- results: (\S+) -->\n(.*?)<!-- end results -->", re.S)
+DIAGNOSTICS = re.compile(r"<!-- diagnostics: (\S+) -->\n(.*?)<!-- end diagnostics -->", re.S)
 VERDICTS = ("reproduced", "not at this scale", "contradicted", "pending")
 
 
@@ -42,6 +43,19 @@ def test_the_page_tables_are_the_grids_results():
         rows = ablation.load_rows(results.parent / "results.jsonl")
         made = ablation.table(ablation.summarize(rows))
         assert table_lines(results.read_text()) == table_lines(made), f"{path} is not the table of its rows"
+
+
+def test_the_page_diagnostics_are_the_logs_figures():
+    """Each RL diagnostics table on the page is what scripts/rl_diagnostics.py makes of the grid's
+    committed logs now."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("rl_diagnostics", REPO_ROOT / "scripts" / "rl_diagnostics.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    for grid, block in DIAGNOSTICS.findall(PAGE.read_text()):
+        made = script.table(script.cell_rows(REPO_ROOT / grid))
+        assert table_lines(block) == table_lines(made), f"docs/findings.md's diagnostics of {grid} differ from its logs"
 
 
 def test_a_verdict_needs_three_seeds_in_every_line():

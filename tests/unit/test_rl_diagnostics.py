@@ -31,6 +31,8 @@ def test_tied_steps_carry_no_signal_and_sft_steps_are_not_rl(tmp_path, capsys):
         "0.03,,3,,0.04,,",        # the same step's values on a second row
     ])  # fmt: skip
     (tmp_path / "cells" / "base").mkdir()  # a cell without a log (the baseline) is left out
+    write_cell(tmp_path, "grpo-s1", [",,1,0.5,0.01,0,0.5"])  # still running: not in results.jsonl
+    (tmp_path / "results.jsonl").write_text('{"cell": "grpo-s0"}\n{"cell": "grpo-s0"}\n{"cell": "base"}\n')
     (row,) = diagnostics.cell_rows(tmp_path)
     assert row["RL steps"] == "3" and row["train won"] == "0.250"
     assert row["steps with signal"] == "1 of 3" and row["updates skipped"] == "2"
@@ -38,5 +40,5 @@ def test_tied_steps_carry_no_signal_and_sft_steps_are_not_rl(tmp_path, capsys):
     diagnostics.main([str(tmp_path), "--cells", "grpo-*"])
     printed = capsys.readouterr().out.splitlines()
     assert printed[0].startswith("| cell | RL steps") and printed[2].startswith("| grpo-s0 | 3 | 0.250 | 1 of 3")
-    with pytest.raises(SystemExit, match="no cells/ folder"):
+    with pytest.raises(SystemExit, match="no cells/ or results.jsonl"):
         diagnostics.main([str(tmp_path / "cells")])
