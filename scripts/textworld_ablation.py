@@ -508,6 +508,19 @@ def check_grid(args) -> None:
         Complexity.parse(name, "--train/--eval")
 
 
+def grid_cells(args) -> list[tuple[str, dict | None]]:
+    """Every cell of the grid: its name and key (None: the baseline), in the order they run."""
+    settings = settings_key(args)
+    cells: list[tuple[str, dict | None]] = [(f"base-{settings}", None)] if args.baseline else []
+    for algorithm, density, split, train, seed in itertools.product(
+        args.algorithms, args.densities, args.splits, args.train, args.seeds
+    ):
+        key = {"algorithm": algorithm, "density": density, "split": split, "budget": args.budget, "train": train,
+               "seed": seed}  # fmt: skip
+        cells.append((cell_id(algorithm, density, split, args.budget, train, seed, settings), key))
+    return cells
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     from lit_marl import ConfigError
@@ -519,17 +532,7 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     results = args.out / "results.jsonl"
     done = {row["cell"] for row in load_rows(results)}
-    cells = []
-    settings = settings_key(args)
-    if args.baseline:
-        cells.append((f"base-{settings}", None))
-    for algorithm, density, split, train, seed in itertools.product(
-        args.algorithms, args.densities, args.splits, args.train, args.seeds
-    ):
-        key = {"algorithm": algorithm, "density": density, "split": split, "budget": args.budget, "train": train,
-               "seed": seed}  # fmt: skip
-        cells.append((cell_id(algorithm, density, split, args.budget, train, seed, settings), key))
-    for name, key in cells:
+    for name, key in grid_cells(args):
         if name in done:
             print(f"[ablation] {name}: done before, kept", flush=True)
             continue

@@ -116,5 +116,11 @@ def test_every_grid_command_on_the_page_parses():
         if "textworld_ablation.py" in line
     ]
     assert len(commands) >= 4
+    made: dict[Path, set[str]] = {}
     for argv in commands:
-        ablation.check_grid(ablation.parse_args(argv))
+        args = ablation.parse_args(argv)
+        ablation.check_grid(args)
+        made.setdefault(args.out, set()).update(name for name, _ in ablation.grid_cells(args))
+    for out, names in made.items():  # every finished cell is one of a command's cells: its exact command is here
+        finished = {row["cell"] for row in ablation.load_rows(REPO_ROOT / out / "results.jsonl")}
+        assert finished <= names, f"{out}: cells no command on the page makes: {sorted(finished - names)}"
