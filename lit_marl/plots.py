@@ -158,7 +158,10 @@ def _default_labels(paths: list[Path]) -> list[str]:
         return [paths[0].resolve().name or str(paths[0])]
     resolved = [p.resolve() for p in paths]
     common = Path(os.path.commonpath(resolved))
-    return [str(p.relative_to(common)) if p != common else p.name for p in resolved]
+    parts = [p.relative_to(common).parts if p != common else (p.name,) for p in resolved]
+    while all(len(q) > 1 and q[-1] == parts[0][-1] for q in parts):  # the same tail (logs/version_0): left out
+        parts = [q[:-1] for q in parts]
+    return [str(Path(*q)) for q in parts]
 
 
 def average_runs(runs: list[Run], pattern: str) -> list[Run]:
@@ -278,7 +281,9 @@ def build_figure(runs: list[Run], panels: list[Panel], title: str):
             Line2D([], [], color=f"C{i % 10}", lw=2, marker=_MARKERS[i % len(_MARKERS)], mfc="none", label=r.label)
             for i, r in enumerate(runs)
         ]
-        fig.legend(handles=handles, loc="outside lower center", ncols=min(len(runs), 6), fontsize=9, frameon=False)
+        fits = int(5.2 * ncols * 13 // (max(len(r.label) for r in runs) + 4))  # ~13 legend characters an inch
+        fig.legend(handles=handles, loc="outside lower center", ncols=max(1, min(len(runs), 6, fits)), fontsize=9,
+                   frameon=False)  # fmt: skip
     return fig, lines
 
 

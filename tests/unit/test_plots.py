@@ -115,7 +115,7 @@ def test_seeds_are_averaged_into_one_line_with_their_range(tmp_path):
     short["train/reward"] = short["train/reward"][:4]  # a run that stopped early: the mean only where all logged
     write_run(tmp_path / "cells" / "ppo-s3-ab" / "version_0", short)
     runs = average_runs(load_runs([str(tmp_path / "cells")]), "-s[0-9]+")
-    assert [r.label for r in runs] == ["grpo-s0-ab/version_0", "ppo-ab/version_0 (mean of 4)"]
+    assert [r.label for r in runs] == ["grpo-s0-ab", "ppo-ab (mean of 4)"]  # their common tail left out
     grpo, ppo = runs
     assert grpo.spread == {} and [v for _, v in grpo.scalars["train/reward"]] == pytest.approx([0.5, 0.7])
     assert [s for s, _ in ppo.scalars["train/reward"]] == [0, 1, 2, 3]
