@@ -23,7 +23,8 @@ DIAGNOSTICS = re.compile(r"(<!-- diagnostics: (\S+) -->\n)(.*?)(<!-- end diagnos
 
 def diagnostics_table(grid: Path) -> str:
     """``scripts/rl_diagnostics.py``'s table of a grid's cells."""
-    sys.path.insert(0, str(REPO / "scripts"))
+    if str(REPO / "scripts") not in sys.path:  # run as a script it is; imported by a test it is not
+        sys.path.insert(0, str(REPO / "scripts"))
     import rl_diagnostics
 
     return rl_diagnostics.table(rl_diagnostics.cell_rows(grid))

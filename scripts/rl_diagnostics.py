@@ -16,7 +16,6 @@ held-out success.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import statistics
 from fnmatch import fnmatchcase
@@ -26,13 +25,15 @@ SIGNAL = 1e-6  # an advantage std at or below this: every row's advantage is zer
 COLUMNS = ("cell", "RL steps", "train won", "steps with signal", "updates skipped", "approx KL", "KL to ref", "EV > 0")
 
 
-def read_log(path: Path) -> dict[int, dict[str, float]]:
-    """Every logged value of a metrics.csv by step (a step's values may come on several rows)."""
+def read_log(run: Path) -> dict[int, dict[str, float]]:
+    """Every logged value of a run folder by step (``lit-marl plot``'s reader; a step's values may
+    come on several rows of a metrics.csv)."""
+    from lit_marl.plots import load_scalars
+
     steps: dict[int, dict[str, float]] = {}
-    with open(path, newline="") as f:
-        for row in csv.DictReader(f):
-            step = steps.setdefault(int(float(row["step"])), {})
-            step.update({k: float(v) for k, v in row.items() if k != "step" and v not in (None, "")})
+    for tag, points in load_scalars(run)[0].items():
+        for step, value in points:
+            steps.setdefault(step, {})[tag] = value
     return steps
 
 
@@ -64,7 +65,7 @@ def cell_rows(grid: Path, pattern: str = "*") -> list[dict[str, str]]:
     for cell in sorted((grid / "cells").iterdir()):
         logs = sorted(cell.glob("logs/version_*/metrics.csv"))
         if cell.name in finished and fnmatchcase(cell.name, pattern) and logs:
-            rows.append(diagnose(cell.name, read_log(logs[-1])))
+            rows.append(diagnose(cell.name, read_log(logs[-1].parent)))
     return rows
 
 

@@ -19,8 +19,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from lit_marl.agents import REFERENCE_SUFFIX as SUFFIX
-from lit_marl.agents import peft_of
+from lit_marl.agents import REFERENCE_SUFFIX, peft_of
 
 
 def build_reference_adapters(models: list[nn.Module]) -> None:
@@ -28,7 +27,7 @@ def build_reference_adapters(models: list[nn.Module]) -> None:
     adapter stays the one it was."""
     for model in models:
         peft, adapter = peft_of(model)
-        name = adapter + SUFFIX
+        name = adapter + REFERENCE_SUFFIX
         if name in peft.peft_config:
             continue
         peft.add_adapter(name, peft.peft_config[adapter])
@@ -43,7 +42,7 @@ def reference_adapter(model: nn.Module) -> Iterator[nn.Module]:
     active before (and trainable) again after it."""
     peft, adapter = peft_of(model)
     active = peft.active_adapter
-    peft.set_adapter(adapter + SUFFIX, inference_mode=True)
+    peft.set_adapter(adapter + REFERENCE_SUFFIX, inference_mode=True)
     try:
         yield peft
     finally:
@@ -62,4 +61,4 @@ def take_policy(module) -> None:
         params = dict(peft.named_parameters())
         for key, p in params.items():
             if f".{adapter}." in key:
-                params[key.replace(f".{adapter}.", f".{adapter}{SUFFIX}.")].copy_(p)
+                params[key.replace(f".{adapter}.", f".{adapter}{REFERENCE_SUFFIX}.")].copy_(p)
