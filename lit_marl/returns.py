@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Literal
 
@@ -154,47 +155,6 @@ def per_response(
 
 
 # --------------------------------------------------------------------------- multi-turn episodes
-def turn_rewards(
-    scores: torch.Tensor,
-    won: torch.Tensor,
-    max_score: torch.Tensor,
-    num_turns: torch.Tensor,
-    density: Literal["sparse", "dense"] = "sparse",
-    score_weight: float | None = None,
-) -> torch.Tensor:
-    """Each turn's reward of a batch of episodes, ``[B, T]`` (0 after an episode's last turn).
-
-    ``scores[b, t]`` is the env's score after turn t (``[B, T]``), ``won[b]`` the terminal success,
-    ``max_score[b]`` the episode's best possible score, ``num_turns[b]`` its length.
-
-    - ``sparse``: the outcome on the last turn: ``won`` (1 or 0) + ``score_weight`` × final
-      score / max_score (default 0: the pure outcome);
-    - ``dense``: each turn's score delta × ``score_weight`` / max_score (default 0.5), and ``won``
-      on the last turn.
-
-    With ``score_weight < 1`` a lost episode totals at most ``score_weight`` < 1 <= a won one's total:
-    milestones never outscore success.
-    """
-    if score_weight is None:
-        score_weight = 0.0 if density == "sparse" else 0.5
-    if not 0 <= score_weight < 1:
-        raise ValueError(f"score_weight={score_weight}: must be in [0, 1) so that no lost episode outscores a won one")
-    B, T = scores.shape
-    turns = torch.arange(T).expand(B, T)
-    alive = turns < num_turns.unsqueeze(1)
-    last = turns == (num_turns - 1).unsqueeze(1)
-    scale = score_weight / max_score.clamp(min=1e-8).unsqueeze(1).float()
-    if density == "sparse":
-        final = scores.gather(1, (num_turns - 1).clamp(min=0).unsqueeze(1)).float()
-        out = last * (won.float().unsqueeze(1) + final * scale)
-    elif density == "dense":
-        delta = scores.float() - torch.cat([torch.zeros(B, 1), scores[:, :-1].float()], dim=1)
-        out = delta * scale + last * won.float().unsqueeze(1)
-    else:
-        raise ValueError(f"reward_density={density!r}: choose sparse or dense")
-    return torch.where(alive, out, torch.zeros(()))
-
-
 def step_reward(
     previous_score: float,
     score: float,
@@ -204,18 +164,27 @@ def step_reward(
     density: Literal["sparse", "dense"] = "sparse",
     score_weight: float | None = None,
 ) -> float:
-    """One step's reward by ``turn_rewards``'s rules (the same totals over an episode): ``sparse``
-    pays ``won`` + ``score_weight`` x score / max_score on the step that ends the episode (``ends``),
-    0 before; ``dense`` pays the score delta x ``score_weight`` / max_score every step, plus ``won``."""
+    """One turn's reward from a game's outcome (``envs.game.RewardRule``, the one place the rule
+    lives): ``score`` is the cumulative score after the turn, ``previous_score`` before it, ``ends``:
+    the episode ended on it.
+
+    - ``sparse``: the outcome on the turn that ends the episode: ``won`` (1 or 0) + ``score_weight``
+      x score / max_score (default 0: the pure outcome); 0 before;
+    - ``dense``: the turn's score delta x ``score_weight`` / max_score (default 0.5), plus ``won``.
+
+    With ``score_weight < 1`` a lost episode totals at most ``score_weight`` < 1 <= a won one's total:
+    milestones never outscore success. Computed in float32, as the rewards are stored.
+    """
     if score_weight is None:
         score_weight = 0.0 if density == "sparse" else 0.5
     if not 0 <= score_weight < 1:
         raise ValueError(f"score_weight={score_weight}: must be in [0, 1) so that no lost episode outscores a won one")
-    scale = score_weight / max(max_score, 1e-8)
+    as32 = functools.partial(torch.tensor, dtype=torch.float32)
+    scale = score_weight / as32(max_score).clamp(min=1e-8)
     if density == "sparse":
-        return float(won) + score * scale if ends else 0.0
+        return float(as32(float(won)) + as32(score) * scale) if ends else 0.0
     if density == "dense":
-        return (score - previous_score) * scale + float(won)
+        return float((as32(score) - as32(previous_score)) * scale + float(won))
     raise ValueError(f"reward_density={density!r}: choose sparse or dense")
 
 

@@ -19,6 +19,7 @@ from lit_marl.agents import Team
 from lit_marl.envs import make_env
 from lit_marl.envs.base import Env, FunctionEnv, TextEnv
 from lit_marl.envs.calls import CallSettings
+from lit_marl.envs.game import Game, RewardRule
 from lit_marl.envs.sources import resolve_demo_source
 from lit_marl.fields import (
     NonNegativeInt,
@@ -30,7 +31,6 @@ from lit_marl.fields import (
 )
 from lit_marl.generation import make_engine
 from lit_marl.metrics import EvalMeans, PassAtK
-from lit_marl.returns import step_reward
 from lit_marl.rollout.demos import load_demos, render_demos
 from lit_marl.rollout.settings import RolloutSettings
 from lit_marl.tasks import TaskLoader, import_object, task_loader
@@ -173,7 +173,7 @@ class TaskDataModule(L.LightningDataModule):
         if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
             raise ConfigError(f"data.top_k={top_k!r}: must be a positive integer k (0 or null: off)")
         check_fields("data", TaskDataModule.__init__, locals())
-        step_reward(0, 0, 1, False, True, reward_density, score_weight)  # checks the two settings
+        self.reward_rule = RewardRule(reward_density, score_weight)  # checks the two settings
         given = {"env": env, "reward_fn": reward_fn, "transition": transition}  # objects (Python API): not saved
         objects = [k for k, v in given.items() if not isinstance(v, (str, type(None)))]
         objects += ["agent_prompts"] if any(callable(p) for p in agent_prompts or []) else []
@@ -183,7 +183,7 @@ class TaskDataModule(L.LightningDataModule):
         self.env = self.train_env = build_env(env, env_kwargs, *text)
         limits = (reward_timeout_s, transition_timeout_s)
         self.call_settings = CallSettings(on_reward_error, *limits, transition_prompt_field)
-        self.use_call_settings(self.env)
+        self.configure_envs(self.env)
         self.max_skipped_steps, self._skipped_steps = max_skipped_steps, 0
         env_name = env if isinstance(env, str) else type(self.env).__qualname__
         others = {"data.train_path": train_path, "data.val_path": val_path}  # demonstrations never from these games
@@ -195,11 +195,14 @@ class TaskDataModule(L.LightningDataModule):
     def num_agents(self) -> int:
         return self.env.num_agents
 
-    def use_call_settings(self, *envs: Env) -> None:
-        """The reward-call settings on each text environment of ``envs``."""
+    def configure_envs(self, *envs: Env) -> None:
+        """The settings the data module hands each of ``envs``: the reward-call settings to a text
+        environment, the reward rule to a game."""
         for env in envs:
             if isinstance(env, TextEnv):
                 env.call_settings = self.call_settings
+            elif isinstance(env, Game):
+                env.reward_rule = self.reward_rule
 
     def load_demos(self, demo_path: str | None) -> None:
         """The demonstrations of SFT (``SFT``, or the first phase of ``callbacks.PhaseSwitch``)."""

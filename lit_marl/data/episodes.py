@@ -14,7 +14,6 @@ from lit_marl.agents import Team
 from lit_marl.data.base import Evaluated, TaskDataModule
 from lit_marl.envs.alfworld.games import ALIASES as ALFWORLD_ALIASES
 from lit_marl.fields import PositiveInt, check_fields
-from lit_marl.returns import turn_rewards
 from lit_marl.rollout.episode import EpisodeSettings, run_episodes
 from lit_marl.rollout.settings import RolloutSettings
 from lit_marl.tasks import mixture
@@ -92,21 +91,12 @@ class EpisodeDataModule(TaskDataModule):
             self.demos = [d for d in self.demos if (d.get("task_type") or task_types[0]) in task_types]
 
     def rollout(self, agents, tasks: list[dict], greedy: bool, group_size: int | None = None):
-        """One batch per agent; the team shares the turn rewards made from the env's score. Greedy:
+        """One batch per agent, each turn's rewards the env's (a game's: the team's outcome). Greedy:
         one episode per task; else ``group_size`` (default ``num_generations``) sampled ones."""
-        hp = self.hparams
         settings = replace(self.episode, group_size=1, greedy=True) if greedy else self.episode
         if group_size is not None and not greedy:
             settings = replace(settings, group_size=group_size)
-        batches = run_episodes(list(agents), tasks, self.env, settings, self.engine)
-        first = batches[0]
-        if first.rewards is None:  # a game: its outcome by the density rule, the team's
-            rewards = turn_rewards(
-                first.scores, first.won, first.max_score, first.num_turns, hp.reward_density, hp.score_weight
-            )
-            for batch in batches:
-                batch.rewards = rewards
-        return batches
+        return run_episodes(list(agents), tasks, self.env, settings, self.engine)
 
     @property
     def rollout_settings(self) -> RolloutSettings:

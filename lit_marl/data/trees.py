@@ -117,7 +117,7 @@ class RolloutDataModule(TaskDataModule):
                 "game whose reward is its own: drop data.reward_model"
             )
         self.train_env = LearnedRewardEnv(self.env, JointRewardModel.load(reward_model)) if reward_model else self.env
-        self.use_call_settings(self.env, self.train_env)
+        self.configure_envs(self.env, self.train_env)
         self.reward_range = self._reward_range(reward_range)
         """The task reward's [min, max] (what is logged and evaluated), or None: unknown."""
         # how training trees grow (evaluation: one greedy response per node); algorithms check theirs against it
@@ -133,8 +133,6 @@ class RolloutDataModule(TaskDataModule):
             early_termination_threshold=early_termination_threshold,
             chat_template=chat_template,
             reward_processor=RewardProcessor.parse(reward_processor),
-            reward_density=hp.reward_density,
-            score_weight=hp.score_weight,
         )
         self._warn_missing_prompt_field(num_turns)
 

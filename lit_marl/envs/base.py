@@ -47,8 +47,8 @@ class Steps:
     """``won``, ``lost``, ``score`` (cumulative) and ``max_score`` of each state (a game's own; a text
     environment: ``won`` where its reward reports ``success`` 1, the running mean reward as score)."""
     rewards: torch.Tensor | None = None
-    """``[states, agents]``: a text environment's reward of each joint action (NaN where a skipped
-    reward failed); None for games, which are scored by their outcome (``infos``)."""
+    """``[states, agents]``: each joint action's reward: a text environment's reward function (NaN
+    where a skipped reward failed), a game's outcome by its ``RewardRule``."""
     success: torch.Tensor | None = None
     """``[states]``: whether each joint action succeeded (the reward's ``success``, a game's ``won``),
     None where nothing says."""
@@ -58,6 +58,15 @@ class Steps:
     """What the transition reported (e.g. how often an expert's reply was malformed)."""
     seconds: dict[str, float] = field(default_factory=dict)
     """Where the step's time went (a text env: ``reward_s``, ``transition_s``; a game: ``env_s``)."""
+
+
+@dataclass
+class Ended:
+    """A state the rollout ended (a turn or context budget): its final ``info`` and the reward of
+    its last turn per agent, as the turn that ended the episode."""
+
+    info: dict
+    rewards: list[float]
 
 
 class Env(ABC):
@@ -105,9 +114,10 @@ class Env(ABC):
         """A canonical key of each state (``Game.state_key``), None where the env has none."""
         return [None] * len(states)
 
-    def end(self, states: list) -> list[dict | None]:
-        """The rollout ended these states (a turn or context budget): each one's final ``info`` where
-        ending changes it (an env that scores on ``submit`` scores now), else None."""
+    def end(self, states: list) -> list[Ended | None]:
+        """The rollout ended these states (a turn or context budget): each one's final ``info`` and
+        last turn's rewards where ending changes them (an env that scores on ``submit`` scores now,
+        a sparse game pays its outcome), else None."""
         return [None] * len(states)
 
     def release(self, states: list) -> None:

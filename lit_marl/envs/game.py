@@ -5,9 +5,10 @@ A game class describes ONE game: ``start(task)`` gives each agent its first obse
 their own game, spawned from the configured one's constructor arguments: ``reset`` starts one per
 task, ``step`` plays every state's turn (in the data module's thread pool), ``branch`` gives a joint
 action its own copy (``clone()``, or a fresh game that replays the branch's commands), so a MAGRPO
-tree node holds a game and sibling branches never see each other's moves. Rewards are derived from
-the outcome (``won``, ``score``, ``max_score``) by ``data.reward_density`` (``returns.py``), so every
-game is scored the same way.
+tree node holds a game and sibling branches never see each other's moves. ``step`` returns each
+turn's reward, made from the outcome (``won``, ``score``, ``max_score``) by the game's ``RewardRule``
+(``data.reward_density`` and ``data.score_weight``, handed over by the data module), so every game is
+scored the same way and no caller writes the rule again.
 
 A game of your own is one file: subclass ``Game``, implement ``start`` and ``act`` (and
 ``load_tasks`` for named task sets of your own), then name it in YAML by its import path
@@ -25,8 +26,9 @@ from typing import Literal
 import torch
 
 from lit_marl import ConfigError
-from lit_marl.envs.base import Env, Steps
+from lit_marl.envs.base import Ended, Env, Steps
 from lit_marl.envs.sources import family, named_set
+from lit_marl.returns import step_reward
 from lit_marl.tasks import load_tasks
 
 
@@ -44,6 +46,25 @@ class StepResult:
     """``won``, ``lost``, ``score`` (cumulative) and ``max_score`` at least."""
 
 
+@dataclass(frozen=True)
+class RewardRule:
+    """How a game's outcome becomes each turn's reward (``returns.step_reward``): ``sparse`` pays the
+    outcome on the turn that ends the episode, ``dense`` each turn's score delta and the win."""
+
+    density: Literal["sparse", "dense"] = "sparse"
+    score_weight: float | None = None
+
+    def __post_init__(self):
+        step_reward(0, 0, 1, False, True, self.density, self.score_weight)  # checks the two settings
+
+    def __call__(self, state: "GameState", ends: bool) -> float:
+        """The reward of ``state``'s latest turn; ``ends``: the episode ended on it."""
+        info = state.info
+        max_score = float(info.get("max_score", 1) or 1)
+        won = bool(info.get("won", False))
+        return step_reward(state.previous_score, state.score, max_score, won, ends, self.density, self.score_weight)
+
+
 @dataclass
 class GameState:
     """A state of the protocol: its own game, the task, the commands played so far, the latest
@@ -54,6 +75,8 @@ class GameState:
     observations: list[str]
     played: list[list[str]] = field(default_factory=list)
     info: dict = field(default_factory=dict)
+    previous_score: float = 0.0
+    """The score before the latest turn (what a dense reward's delta starts from)."""
 
     @property
     def score(self) -> float:
@@ -69,6 +92,8 @@ class Game(Env):
     branching: Literal["clone", "replay"] | None = None
     """How ``branch`` copies a state: ``clone`` (the game's ``clone()``), ``replay`` (a fresh game
     replaying the branch's commands); None: clone where the game can, else replay."""
+    reward_rule: RewardRule = RewardRule()
+    """How the outcome becomes rewards (set by the data module from ``data.reward_density``)."""
 
     def __new__(cls, *args, **kwargs):
         game = super().__new__(cls)
@@ -164,14 +189,19 @@ class Game(Env):
         results: list[StepResult] = self._map(lambda pair: pair[0].game.act(pair[1]), list(zip(states, actions)))
         for state, joint, result in zip(states, actions, results):
             state.played.append(list(joint))
+            state.previous_score = state.score
             state.observations, state.info = result.observations, result.info
         done = [bool(r.terminated or r.truncated) for r in results]
+        rewards = [self.reward_rule(state, d or last) for state, d in zip(states, done)]
+        outcomes = {key: sum(bool(r.info.get(key, False)) for r in results) / len(results) for key in ("won", "lost")}
         return Steps(
             observations=[None if d else r.observations for r, d in zip(results, done)],
             done=done,
             truncated=[bool(r.truncated and not r.terminated) for r in results],
             infos=[r.info for r in results],
+            rewards=torch.tensor(rewards, dtype=torch.float32).unsqueeze(1).expand(-1, self.num_agents),
             success=torch.tensor([float(bool(r.info.get("won", False))) for r in results]),
+            metrics=outcomes,
             seconds={"env_s": time.perf_counter() - start},
         )
 
@@ -191,12 +221,16 @@ class Game(Env):
     def anchor_keys(self, states: list[GameState]) -> list[str | None]:
         return [state.game.state_key() for state in states]
 
-    def end(self, states: list[GameState]) -> list[dict | None]:
+    def end(self, states: list[GameState]) -> list[Ended | None]:
+        """The final info (a game that scores on ``submit`` scores now) and the reward of the last
+        turn as the turn that ended the episode (sparse rewards pay the outcome there)."""
         finals = self._map(lambda state: state.game.finish(), states)
+        ended = []
         for state, info in zip(states, finals):
             if info is not None:
                 state.info = info
-        return finals
+            ended.append(Ended(state.info, [self.reward_rule(state, True)] * self.num_agents))
+        return ended
 
     def release(self, states: list[GameState]) -> None:
         for state in states:

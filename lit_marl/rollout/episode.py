@@ -52,7 +52,8 @@ class EpisodeBatch:
     replies: list[list[str]] = field(default_factory=list)
     stats: dict[str, float] = field(default_factory=dict)
     rewards: torch.Tensor | None = None
-    """``[B, T]`` each turn's reward, set from ``scores``/``won`` by the data module's reward density."""
+    """``[B, T]`` each turn's reward (the env's: a text environment's reward function, a game's
+    outcome by its ``RewardRule``); 0 after an episode's end."""
     rollout_logprobs: torch.Tensor | None = None
     """``[B, L]``: the rollout engine's log-prob of each sampled token (``Generation.logprobs``), 0 on
     other tokens; None when the engine gave none."""
@@ -111,7 +112,7 @@ class _Live:
     # per agent, per turn: (index of the reply's first token, the engine's log-probs of its tokens or None)
     logprobs: list[list[tuple[int, list[float] | None]]]
     scores: list[float] = field(default_factory=list)
-    rewards: list[list[float]] = field(default_factory=list)  # per turn, per agent: a text env's reward
+    rewards: list[list[float]] = field(default_factory=list)  # per turn, per agent: the env's reward
     info: dict = field(default_factory=dict)
     done: bool = False
     truncated: bool = False
@@ -244,8 +245,7 @@ def _play_turn(agents, env: Env, live: list[_Live], turn: int, settings: Episode
     for k, (e, was_closed) in enumerate(zip(live, closed)):
         e.info = steps.infos[k]
         e.scores.append(float(e.info["score"]))
-        if steps.rewards is not None:
-            e.rewards.append(steps.rewards[k].tolist())
+        e.rewards.append(steps.rewards[k].tolist())
         if steps.done[k]:
             e.done, e.truncated = True, steps.truncated[k]
             continue
@@ -265,10 +265,11 @@ def _play_turn(agents, env: Env, live: list[_Live], turn: int, settings: Episode
         going.append(e)
     for e, keys in zip(going, _anchor_keys(env, going, settings)):
         _add_keys(e, e.state.observations, keys, settings.anchor)
-    for e, info in zip(ended, env.end([e.state for e in ended])):
-        if info is not None:
-            e.info = info
-            e.scores[-1] = float(info["score"])
+    for e, ending in zip(ended, env.end([e.state for e in ended])):
+        if ending is not None:
+            e.info = ending.info
+            e.scores[-1] = float(ending.info["score"])
+            e.rewards[-1] = list(ending.rewards)
     clock["generate_s"] += t1 - t0
     clock["env_s"] += time.perf_counter() - t1
 
@@ -364,12 +365,9 @@ def _batches(agents, episodes: list[_Live], num_tasks: int, group_size: int, sta
     return batches
 
 
-def _env_rewards(episodes: list[_Live], agent: int, T: int, group_size: int) -> torch.Tensor | None:
-    """``[B, T]``: agent ``agent``'s reward of each turn where a text environment gave them (0 after
-    an episode's end; a skipped reward gets its group's mean at that turn), None for games (scored
-    by their outcome: the data module's reward density)."""
-    if not episodes[0].rewards:
-        return None
+def _env_rewards(episodes: list[_Live], agent: int, T: int, group_size: int) -> torch.Tensor:
+    """``[B, T]``: agent ``agent``'s reward of each turn (0 after an episode's end; a skipped reward
+    gets its group's mean at that turn)."""
     out = torch.zeros(len(episodes), T)
     for b, e in enumerate(episodes):
         out[b, : len(e.rewards)] = torch.tensor([r[agent] for r in e.rewards])

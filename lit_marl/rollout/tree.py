@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 
@@ -22,7 +21,7 @@ from lit_marl.envs.processors import RewardProcessor
 from lit_marl.generation import Engine, Generation, make_engine
 from lit_marl.generation.base import prefill_counts, prefill_stats, stream_seed
 from lit_marl.metrics import markdown_line
-from lit_marl.returns import CrossReduce, JointMode, joint_indices, neutral_fill, step_reward
+from lit_marl.returns import CrossReduce, JointMode, joint_indices, neutral_fill
 from lit_marl.rollout.batch import AgentSamples, RolloutBatch, TreeLevels
 
 
@@ -41,8 +40,6 @@ class TreeSettings:
     greedy: bool = False
     early_termination_threshold: float | None = None
     chat_template: bool = True
-    reward_density: Literal["sparse", "dense"] = "sparse"
-    score_weight: float | None = None
     cross_return: CrossReduce = "mean"
     reward_processor: RewardProcessor = RewardProcessor()
     # None: samples draw from torch's generator; an int: every response its own stream, seeded by it,
@@ -175,10 +172,9 @@ def _generate(
 
 def _step(env: Env, nodes, texts, combos, turn, settings: TreeSettings, tally: _Tally):
     """Every joint action of the turn steps its own branch of its node's state, in ONE ``env.step``:
-    the ``[nodes, J, agents]`` rewards (a text env's reward, a skipped one its node's mean; a game's
-    by ``settings.reward_density`` from its outcome), each joint action's child (``[nodes, J]``, -1:
-    none - the branch ended, the last turn, or early termination stopped the node: its mean reward
-    exceeded ``early_termination_threshold``) and the children."""
+    the ``[nodes, J, agents]`` rewards (the env's; a skipped one its node's mean), each joint
+    action's child (``[nodes, J]``, -1: none - the branch ended, the last turn, or early termination
+    stopped the node: its mean reward exceeded ``early_termination_threshold``) and the children."""
     G, J, N = settings.num_generations, len(combos), len(tally.completions)
     last = turn + 1 >= settings.num_turns
     threshold = settings.early_termination_threshold
@@ -195,33 +191,10 @@ def _step(env: Env, nodes, texts, combos, turn, settings: TreeSettings, tally: _
     for i in range(N):
         tally.completions[i] += [a[i] for a in actions]
         tally.prompts[i] += [parent.observations[i] for parent in parents]
-    if steps.rewards is not None:
-        rewards = neutral_fill(steps.rewards.reshape(len(nodes), J, N))
-        for key, value in steps.metrics.items():
-            tally.add(key, value * len(nodes) * J)
-            tally.turn_metrics[f"turn_{turn}/{key}"] = value
-    else:  # a game: its outcome, by the density rule
-        ends = [d or last for d in steps.done]
-        rewards = (
-            torch.tensor(
-                [
-                    step_reward(
-                        parent.score,
-                        float(info.get("score", 0)),
-                        float(info.get("max_score", 1) or 1),
-                        bool(info.get("won", False)),
-                        end,
-                        settings.reward_density,
-                        settings.score_weight,
-                    )
-                    for parent, info, end in zip(parents, steps.infos, ends)
-                ]
-            )
-            .view(len(nodes), J, 1)
-            .expand(-1, -1, N)
-        )
-        for key in ("won", "lost"):
-            tally.add(key, float(sum(bool(info.get(key, False)) for info in steps.infos)))
+    rewards = neutral_fill(steps.rewards.reshape(len(nodes), J, N))
+    for key, value in steps.metrics.items():
+        tally.add(key, value * len(nodes) * J)
+        tally.turn_metrics[f"turn_{turn}/{key}"] = value
     tally.turn_success = steps.success
     for key, seconds in steps.seconds.items():
         tally.stats[f"perf/{key}"] = tally.stats.get(f"perf/{key}", 0.0) + seconds

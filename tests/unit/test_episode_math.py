@@ -13,8 +13,8 @@ from lit_marl.returns import (
     returns_to_go,
     step_group_advantages,
     token_gae,
+    step_reward,
     turn_gae,
-    turn_rewards,
 )
 
 T = torch.tensor
@@ -58,30 +58,35 @@ def test_turn_gae_and_returns_to_go():
     assert torch.allclose(returns_to_go(rewards, alive, 0.5), T([[0.5, 1.0, 1.0], [1.0, 0, 0]]))
 
 
+def episode_rewards(scores, won, max_score, density, weight=None):
+    """Each turn's reward of one episode by ``step_reward`` (the rule a game's ``step`` applies)."""
+    return [
+        step_reward(prev, now, max_score, won and t == len(scores) - 1, t == len(scores) - 1, density, weight)
+        for t, (prev, now) in enumerate(zip([0, *scores], scores))
+    ]
+
+
 def test_sparse_and_dense_reward_placement():
-    scores = T([[1, 1, 3], [1, 2, 2], [1, 2, 0]])
-    won = T([1, 0, 0])
-    max_score = T([3, 3, 4])
-    turns = T([3, 3, 2])  # the third episode ended after 2 turns
-    sparse = turn_rewards(scores, won, max_score, turns, "sparse")
-    assert torch.allclose(sparse, T([[0, 0, 1.0], [0, 0, 0], [0, 0, 0]]))
-    with_score = turn_rewards(scores, won, max_score, turns, "sparse", score_weight=0.5)
-    assert torch.allclose(with_score, T([[0, 0, 1.5], [0, 0, 1 / 3], [0, 0.25, 0]]))
-    dense = turn_rewards(scores, won, max_score, turns, "dense")
-    # deltas x 0.5 / max_score, plus won on the last turn; nothing after the end
-    assert torch.allclose(dense, T([[1 / 6, 0, 2 / 6 + 1], [1 / 6, 1 / 6, 0], [1 / 8, 1 / 8, 0]]))
+    episodes = [([1, 1, 3], True, 3), ([1, 2, 2], False, 3), ([1, 2], False, 4)]  # the third ended after 2 turns
+    sparse = [episode_rewards(*e, "sparse") for e in episodes]
+    assert sparse == [[0, 0, 1.0], [0, 0, 0], [0, 0]]
+    with_score = [episode_rewards(*e, "sparse", 0.5) for e in episodes]
+    assert with_score == [[0, 0, 1.5], [0, 0, pytest.approx(1 / 3)], [0, 0.25]]
+    dense = [episode_rewards(*e, "dense") for e in episodes]
+    # deltas x 0.5 / max_score, plus won on the last turn
+    expected = [[1 / 6, 0, 2 / 6 + 1], [1 / 6, 1 / 6, 0], [1 / 8, 1 / 8]]
+    assert all(r == pytest.approx(x) for r, x in zip(dense, expected))
 
 
 def test_lost_episode_never_outscores_a_won_one():
     # lost with every milestone vs won with none: normalised by each episode's own max_score
-    scores = T([[2, 5, 10], [0, 0, 0]])
-    won, max_score, turns = T([0, 1]), T([10, 3]), T([3, 3])
     for density in ("sparse", "dense"):
         for weight in (0.0, 0.5, 0.99):
-            totals = turn_rewards(scores, won, max_score, turns, density, weight).sum(dim=1)
-            assert totals[0] < totals[1], (density, weight)
+            lost = sum(episode_rewards([2, 5, 10], False, 10, density, weight))
+            won = sum(episode_rewards([0, 0, 0], True, 3, density, weight))
+            assert lost < won, (density, weight)
     with pytest.raises(ValueError, match="score_weight=1"):
-        turn_rewards(scores, won, max_score, turns, "dense", 1.0)
+        step_reward(0, 1, 3, False, True, "dense", 1.0)
 
 
 def test_episode_group_baselines():

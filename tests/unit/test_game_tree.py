@@ -14,7 +14,7 @@ from lit_marl.algorithms import MAGRPO
 from lit_marl.data import RolloutDataModule
 from lit_marl.envs import make_env
 from lit_marl.envs.textworld.games import write_tasks
-from lit_marl.returns import step_reward, turn_rewards
+from lit_marl.envs.game import Game, RewardRule, StepResult
 from lit_marl.rollout.tree import TreeSettings, build_tree
 from lit_marl.tasks import load_tasks
 
@@ -89,16 +89,53 @@ def test_replay_branching_gives_the_clones_games(team_tasks):
     assert seen[0] == seen[1]
 
 
+class Counter(Game):
+    """Two agents; every turn scores 1 of 4; ``finish`` (the rollout ended it) wins a game with 2 or more,
+    as a game that scores on ``submit``."""
+
+    num_agents = 2
+
+    def start(self, task):
+        self.score = 0
+        return ["go", "go"]
+
+    def act(self, actions):
+        self.score += 1
+        return StepResult(["go", "go"], terminated=self.score == 4, info=self.info(self.score == 4))
+
+    def info(self, won):
+        return {"won": won, "lost": False, "score": float(self.score), "max_score": 4.0}
+
+    def finish(self):
+        return self.info(self.score >= 2)
+
+
 @pytest.mark.parametrize("density", ["sparse", "dense"])
-def test_step_rewards_add_up_to_the_episode_rewards(density):
-    scores, won = [0.0, 2.0, 2.0, 5.0], True
-    steps = [
-        step_reward(prev, now, 5.0, won and t == 3, t == 3, density)
-        for t, (prev, now) in enumerate(zip([0.0, *scores], scores))
-    ]
-    episode = turn_rewards(torch.tensor([scores]), torch.tensor([won]), torch.tensor([5.0]), torch.tensor([4]), density)
-    assert sum(steps) == pytest.approx(float(episode.sum()))
-    assert steps == pytest.approx(episode[0].tolist())
+def test_a_game_step_returns_its_rewards_and_end_pays_the_cut_turn(density):
+    """The density rule lives in the game: ``step`` pays each turn (sparse: only the turn that ends
+    the episode; ``last``: the rollout's final turn ends it), ``end`` pays a turn the rollout cut."""
+    game = Counter()
+    game.reward_rule = RewardRule(density)
+    states = game.reset([{}, {}])
+    first = game.step(states, [["a", "b"]] * 2, 0)
+    assert first.rewards.shape == (2, 2)
+    assert first.rewards.tolist() == [[0.0, 0.0]] * 2 if density == "sparse" else [[0.125, 0.125]] * 2
+    second = game.step(states[:1], [["a", "b"]], 1, last=True)  # the rollout's last turn: it ends here
+    assert second.rewards.tolist() == ([[0.0, 0.0]] if density == "sparse" else [[0.125, 0.125]])
+    (ended,) = game.end(states[:1])  # finish() wins it now: the cut turn pays the outcome
+    assert ended.info["won"] and ended.rewards == ([1.0, 1.0] if density == "sparse" else [1.125, 1.125])
+    for _ in range(3):
+        played = game.step(states[1:], [["a", "b"]], 2)
+    assert played.done == [True] and played.metrics == {"won": 1.0, "lost": 0.0}
+    assert played.rewards.tolist() == ([[1.0, 1.0]] if density == "sparse" else [[1.125, 1.125]])
+
+
+def test_the_data_module_hands_its_reward_rule_to_the_game(tmp_path):
+    (tmp_path / "tasks.jsonl").write_text('{"length": 3, "key_room": 1}\n')
+    data = RolloutDataModule(
+        train_path=str(tmp_path / "tasks.jsonl"), env="corridor", reward_density="dense", score_weight=0.25
+    )
+    assert data.env.reward_rule == RewardRule("dense", 0.25)
 
 
 def test_bad_game_settings_fail_clearly():

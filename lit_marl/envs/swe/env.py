@@ -9,7 +9,7 @@ limit (``max_steps``) or its output budget end the episode; so does the rollout'
 budget (``finish``). Then the changes are scored on a fresh copy (``scoring.py``) and the workspace
 is removed. ``info``: ``won`` = resolved (every listed test passes), ``score`` = the fraction of
 listed tests passed (``reward: fraction``) or 1/0 (``reward: resolved``), ``max_score`` 1; the
-rollout's reward is ``won + score_weight x score`` (``returns.step_reward``). ``expert_turns`` are
+reward is ``won + score_weight x score`` (the game's ``RewardRule``). ``expert_turns`` are
 the known fix (``patch``) as tool calls, then ``submit``.
 """
 

@@ -3,8 +3,8 @@ own engine (Inform 7 compiled to a Z-machine file, run by Jericho), offline.
 
 A task row is ``{"game": "<path>.z8", ...}`` (``lit_marl.envs.textworld.games`` writes them).
 ``won``, ``lost``, ``score`` and ``max_score`` come from the game itself (tw-simple: eating the
-food is a loss, not a win); rewards are derived from them by the rollout's ``reward_density``, as
-for every ``Env``. ``expert_turns`` is the game's walkthrough. ``clone`` copies the Z-machine state
+food is a loss, not a win); ``step`` makes the rewards from them by ``data.reward_density``
+(``RewardRule``), as every game. ``expert_turns`` is the game's walkthrough. ``clone`` copies the Z-machine state
 (independent games from then on); ``replay_clone`` rebuilds the state by replaying the commands
 played so far, the fallback for a backend that cannot copy.
 """
