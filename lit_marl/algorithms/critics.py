@@ -6,7 +6,7 @@ actors' token ids)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from torch import nn
@@ -15,7 +15,7 @@ from lit_marl import ConfigError
 from lit_marl.generation import left_pad
 from lit_marl.logprobs import final_hidden_states
 from lit_marl.models import load_model_and_tokenizer
-from lit_marl.rollout.batch import AgentSamples
+from lit_marl.rollout.batch import AgentSamples, Rows
 
 
 class ValueHead(nn.Module):
@@ -35,41 +35,16 @@ CriticType = Literal["v", "q"]
 
 
 @dataclass
-class CriticInputs:
+class CriticInputs(Rows):
     """What a critic model reads: token rows (left-padded) and the position of each row's value."""
 
-    input_ids: torch.Tensor  # [B, L]
-    attention_mask: torch.Tensor  # [B, L]
+    position_fields: ClassVar[tuple[str, ...]] = ("positions",)
+
+    # input_ids, attention_mask: [B, L]
     positions: torch.Tensor  # [B]
     old_values: torch.Tensor | None = None  # [B]
     targets: torch.Tensor | None = None  # [B]
     turn_ids: torch.Tensor | None = None  # [B]
-
-    def __len__(self) -> int:
-        return self.input_ids.shape[0]
-
-    def select(self, rows: torch.Tensor) -> "CriticInputs":
-        return CriticInputs(**{k: None if v is None else v[rows] for k, v in vars(self).items()})
-
-    @staticmethod
-    def cat(parts: list["CriticInputs"], pad_id: int) -> "CriticInputs":
-        """Rows of several parts (the roles one critic serves), re-left-padded to one width."""
-        if len(parts) == 1:
-            return parts[0]
-        width = max(p.input_ids.shape[1] for p in parts)
-        fields = {
-            "input_ids": torch.cat(
-                [nn.functional.pad(p.input_ids, (width - p.input_ids.shape[1], 0), value=pad_id) for p in parts]
-            ),
-            "attention_mask": torch.cat(
-                [nn.functional.pad(p.attention_mask, (width - p.attention_mask.shape[1], 0)) for p in parts]
-            ),
-            "positions": torch.cat([p.positions + width - p.input_ids.shape[1] for p in parts]),
-        }
-        for name in ("old_values", "targets", "turn_ids"):
-            values = [getattr(p, name) for p in parts]
-            fields[name] = None if any(v is None for v in values) else torch.cat(values)
-        return CriticInputs(**fields)
 
 
 def read_positions(samples: AgentSamples, critic_type: CriticType) -> torch.Tensor:

@@ -4,9 +4,11 @@
   agent's rows and the trees' per-turn rewards and structure; ``rollout.episode.EpisodeBatch``:
   episodes, one token sequence per agent each);
 - ``...Samples`` are training rows, what one loop of passes consumes: anything with ``input_ids``,
-  ``attention_mask``, ``len`` and ``select(rows)`` (``Samples``): ``AgentSamples`` (an agent's
-  responses in a tree), ``TrajectorySamples`` (whole episodes), ``rollout.demos.DemoSamples``,
-  ``rollout.pairs.PreferenceSamples``, and the algorithms' own.
+  ``attention_mask``, ``len`` and ``select(rows)`` (``Samples``). ``Rows`` is their base, with the
+  one ``cat`` and ``select``: ``AgentSamples`` (an agent's responses in a tree),
+  ``TrajectorySamples`` (whole episodes), ``rollout.demos.DemoSamples``,
+  ``algorithms.critics.CriticInputs``; ``rollout.pairs.PreferenceSamples`` holds one
+  ``AgentSamples`` per agent.
 
 ``pass_rows`` cuts any ``Samples`` into forward/backward passes.
 """
@@ -14,8 +16,8 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
-from typing import Protocol
+from dataclasses import dataclass, field, fields, replace
+from typing import ClassVar, Protocol
 
 import torch
 
@@ -33,8 +35,100 @@ class Samples(Protocol):
     def select(self, rows: torch.Tensor) -> "Samples": ...
 
 
+def pad_columns(value: torch.Tensor, left: int, right: int, fill: float = 0) -> torch.Tensor:
+    """``value`` ``[B, W]`` with ``left`` columns of ``fill`` before and ``right`` after."""
+    return torch.nn.functional.pad(value, (left, right), value=fill) if left or right else value
+
+
 @dataclass
-class AgentSamples:
+class Rows:
+    """The base of the training-row containers: one tensor row per sample in every field (or None).
+
+    A row's ``input_ids`` is a left-padded part (a prompt, or a whole episode) followed by
+    ``num_completion`` right-padded positions (a response; none where a row is one sequence), so
+    positions and masks keep their meaning whatever the rows are stacked with. Each field is one of:
+    ``[B, L]`` laid out as ``input_ids`` (filled with the pad id for ``input_ids``, else 0); ``[B, C]``
+    response positions (``completion_fields``, right-padded with 0); ``[B]`` one value per row, of
+    which ``position_fields`` are column indices into ``input_ids`` (moved with the padding) and
+    ``group_fields`` ids that ``cat`` keeps distinct per part. ``cat`` and ``select`` are the one
+    stacking and slicing of every container.
+    """
+
+    completion_fields: ClassVar[tuple[str, ...]] = ()
+    position_fields: ClassVar[tuple[str, ...]] = ()
+    group_fields: ClassVar[tuple[str, ...]] = ()
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+
+    @property
+    def num_completion(self) -> int:
+        return 0
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    @classmethod
+    def cat(cls, parts: list, pad_id: int):
+        """The rows of ``parts`` in order, each part padded to the widest prompt and response."""
+        if len(parts) == 1:
+            return parts[0]
+        prompt = max(p.input_ids.shape[1] - p.num_completion for p in parts)
+        completion = max(p.num_completion for p in parts)
+        out, offset = {}, 0
+        for name in (f.name for f in fields(cls)):
+            values = [getattr(p, name) for p in parts]
+            if any(v is None for v in values):
+                out[name] = None
+                continue
+            if name in cls.completion_fields:
+                values = [pad_columns(v, 0, completion - v.shape[1]) for v in values]
+            elif values[0].dim() == 2:
+                fill = pad_id if name == "input_ids" else 0
+                values = [
+                    pad_columns(v, prompt - (v.shape[1] - p.num_completion), completion - p.num_completion, fill)
+                    for v, p in zip(values, parts)
+                ]
+            elif name in cls.position_fields:
+                values = [v + prompt - (p.input_ids.shape[1] - p.num_completion) for v, p in zip(values, parts)]
+            elif name in cls.group_fields:
+                renumbered = []
+                for v in values:
+                    renumbered.append(v - v.min() + offset if len(v) else v)
+                    offset = int(renumbered[-1].max()) + 1 if len(v) else offset
+                values = renumbered
+            out[name] = torch.cat(values)
+        return cls(**out)
+
+    def select(self, rows: torch.Tensor):
+        """The given rows, without the columns that are padding in all of them (on the left of the
+        prompt part, on the right of the response)."""
+        completion = self.num_completion
+        prompt = self.input_ids.shape[1] - completion
+        mask = self.attention_mask[rows]
+        first = int((mask[:, :prompt].cumsum(-1) == 0).sum(-1).min()) if len(rows) and prompt else 0
+        width = completion
+        if completion:  # the longest response among the rows (at least one column)
+            width = max(int(mask[:, prompt:].flip(-1).cumsum(-1).bool().sum(-1).max()), 1) if len(rows) else 1
+        end = prompt + width
+        out = {}
+        for name in (f.name for f in fields(self)):
+            value = getattr(self, name)
+            if value is None:
+                out[name] = None
+            elif name in self.completion_fields:
+                out[name] = value[rows, :width]
+            elif value.dim() == 2:
+                out[name] = value[rows, first:end]
+            elif name in self.position_fields:
+                out[name] = value[rows] - first
+            else:
+                out[name] = value[rows]
+        return type(self)(**out)
+
+
+@dataclass
+class AgentSamples(Rows):
     """One agent's sampled responses of a step: row r is prompt + response r.
 
     ``input_ids`` ends with the ``num_completion`` response positions; ``completion_mask`` marks the
@@ -44,8 +138,9 @@ class AgentSamples:
     response's immediate reward and the node its joint action led to.
     """
 
-    input_ids: torch.Tensor  # [B, P + C]
-    attention_mask: torch.Tensor  # [B, P + C]
+    completion_fields: ClassVar[tuple[str, ...]] = ("completion_mask", "rollout_logprobs", "old_logprobs")
+
+    # input_ids, attention_mask: [B, P + C]
     completion_mask: torch.Tensor  # [B, C]
     returns: torch.Tensor | None  # [B], set by the algorithm (``RolloutBatch.score``)
     group_ids: torch.Tensor  # [B] tree node of each row
@@ -66,71 +161,8 @@ class AgentSamples:
     def num_completion(self) -> int:
         return self.completion_mask.shape[1]
 
-    def __len__(self) -> int:
-        return self.input_ids.shape[0]
-
-    @staticmethod
-    def cat(parts: list["AgentSamples"], pad_id: int) -> "AgentSamples":
-        """Stack samples of different prompt/completion widths (e.g. of several turns): prompts stay
-        left-padded and completions right-padded, so positions and masks keep their meaning."""
-        if len(parts) == 1:
-            return parts[0]
-        prompt_width = max(p.input_ids.shape[1] - p.num_completion for p in parts)
-        completion_width = max(p.num_completion for p in parts)
-        rows = sum(len(p) for p in parts)
-        like = parts[0].input_ids
-        input_ids = like.new_full((rows, prompt_width + completion_width), pad_id)
-        attention_mask = like.new_zeros((rows, prompt_width + completion_width))
-        start = 0
-        for p in parts:
-            end, P, C = start + len(p), p.input_ids.shape[1] - p.num_completion, p.num_completion
-            input_ids[start:end, prompt_width - P : prompt_width + C] = p.input_ids
-            attention_mask[start:end, prompt_width - P : prompt_width + C] = p.attention_mask
-            start = end
-        fields = dict(input_ids=input_ids, attention_mask=attention_mask)
-        for name in _ROW_FIELDS:
-            values = [getattr(p, name) for p in parts]
-            if any(v is None for v in values):
-                fields[name] = None
-            elif name in _COMPLETION_FIELDS:  # [B, C]: right-padded with zeros
-                fields[name] = torch.cat(
-                    [torch.nn.functional.pad(v, (0, completion_width - v.shape[1])) for v in values]
-                )
-            else:
-                fields[name] = torch.cat(values)
-        return AgentSamples(**fields)
-
     def with_advantages(self, advantages: torch.Tensor) -> "AgentSamples":
         return replace(self, advantages=advantages)
-
-    def select(self, rows: torch.Tensor) -> "AgentSamples":
-        """The given rows, trimmed of completion columns that are padding in all of them."""
-        width = max(int(self.completion_mask[rows].sum(-1).max()), 1) if len(rows) else 1
-        end = self.input_ids.shape[1] - (self.num_completion - width)
-        fields = dict(input_ids=self.input_ids[rows, :end], attention_mask=self.attention_mask[rows, :end])
-        for name in _ROW_FIELDS:
-            value = getattr(self, name)
-            if value is not None:
-                value = value[rows, :width] if name in _COMPLETION_FIELDS else value[rows]
-            fields[name] = value
-        return AgentSamples(**fields)
-
-
-# the per-row fields besides the token sequence; the [B, C] ones are aligned with the completion
-_ROW_FIELDS = (
-    "completion_mask",
-    "returns",
-    "group_ids",
-    "turn_ids",
-    "advantages",
-    "rewards",
-    "next_group",
-    "rollout_logprobs",
-    "old_logprobs",
-    "old_values",
-    "targets",
-)
-_COMPLETION_FIELDS = ("completion_mask", "rollout_logprobs", "old_logprobs")
 
 
 @dataclass
@@ -203,16 +235,17 @@ class RolloutBatch:
 
 
 @dataclass
-class TrajectorySamples:
+class TrajectorySamples(Rows):
     """Whole multi-turn episodes as training rows, one token sequence each (left-padded).
 
     Per-token tensors are ``[B, L]`` and aligned with ``input_ids``: entry t belongs to token t
     (its log-prob is that of token t given the tokens before it); ``loss_mask`` marks the agent's
     own tokens. ``group_ids`` is the task of each episode (GRPO/RLOO groups, mini-batches keep a
-    group together); ``turn_ids`` is 0 for every row (a row is a whole episode)."""
+    group together, ``cat`` keeps each part's groups its own); ``turn_ids`` is 0 for every row (a
+    row is a whole episode)."""
 
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
+    group_fields: ClassVar[tuple[str, ...]] = ("group_ids",)
+
     loss_mask: torch.Tensor
     advantages: torch.Tensor
     old_logprobs: torch.Tensor
@@ -226,48 +259,9 @@ class TrajectorySamples:
     group_ids: torch.Tensor
     turn_ids: torch.Tensor
 
-    def __len__(self) -> int:
-        return self.input_ids.shape[0]
-
     def loss_counts(self) -> tuple[float, float]:
         """What the two loss terms are means over: the action tokens and the value positions."""
         return float(self.loss_mask.sum()), float(self.value_mask.sum())
-
-    @staticmethod
-    def cat(parts: list["TrajectorySamples"], pad_id: int) -> "TrajectorySamples":
-        """Stack rows of different widths (e.g. the sequences of several agents one model plays),
-        left-padded; group ids stay distinct per part."""
-        if len(parts) == 1:
-            return parts[0]
-        width = max(p.input_ids.shape[1] for p in parts)
-        fields = {}
-        offset, group_parts = 0, []
-        for p in parts:
-            group_parts.append(p.group_ids + offset)
-            offset += int(p.group_ids.max()) + 1
-        for name in vars(parts[0]):
-            values = [getattr(p, name) for p in parts]
-            if values[0] is None:
-                fields[name] = None
-            elif values[0].dim() == 2:
-                fill = pad_id if name == "input_ids" else 0
-                fields[name] = torch.cat(
-                    [torch.nn.functional.pad(v, (width - v.shape[1], 0), value=fill) for v in values]
-                )
-            else:
-                fields[name] = torch.cat(values)
-        fields["group_ids"] = torch.cat(group_parts)
-        return TrajectorySamples(**fields)
-
-    def select(self, rows: torch.Tensor) -> "TrajectorySamples":
-        """The given rows, trimmed of the columns that are left padding in all of them."""
-        first = int((self.attention_mask[rows].cumsum(-1) == 0).sum(-1).min())
-        return TrajectorySamples(
-            **{
-                name: None if value is None else (value[rows, first:] if value.dim() == 2 else value[rows])
-                for name, value in vars(self).items()
-            }
-        )
 
 
 def pass_tokens(rows, shared_prompts: bool) -> int:

@@ -28,37 +28,18 @@ import torch
 from lit_marl import ConfigError
 from lit_marl.agents import Agent
 from lit_marl.generation import left_pad
+from lit_marl.rollout.batch import Rows
 from lit_marl.tasks import load_tasks
 
 LossOn = Literal["all", "last"]
 
 
 @dataclass
-class DemoSamples:
-    """One agent's rendered demonstrations, left-padded ``[B, L]``."""
+class DemoSamples(Rows):
+    """One agent's rendered demonstrations, left-padded ``[B, L]``; ``loss_mask`` marks the
+    assistant tokens the loss is on."""
 
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
     loss_mask: torch.Tensor
-
-    def __len__(self) -> int:
-        return self.input_ids.shape[0]
-
-    def select(self, rows: torch.Tensor) -> "DemoSamples":
-        """The given rows, trimmed of the columns that are left padding in all of them."""
-        first = int((self.attention_mask[rows].cumsum(-1) == 0).sum(-1).min())
-        return DemoSamples(*(value[rows, first:] for value in vars(self).values()))
-
-    @staticmethod
-    def cat(parts: list["DemoSamples"], pad_id: int) -> "DemoSamples":
-        """Rows of several parts (the roles one model plays), left-padded to one width."""
-        width = max(p.input_ids.shape[1] for p in parts)
-
-        def stack(name: str, fill: int) -> torch.Tensor:
-            values = [getattr(p, name) for p in parts]
-            return torch.cat([torch.nn.functional.pad(v, (width - v.shape[1], 0), value=fill) for v in values])
-
-        return DemoSamples(stack("input_ids", pad_id), stack("attention_mask", 0), stack("loss_mask", 0))
 
 
 def agent_chats(row: dict, num_agents: int, where: str) -> list[list[dict]]:
