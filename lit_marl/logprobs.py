@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from lit_marl.losses import nll
 from lit_marl.models import recomputes_activations
 
 
@@ -178,9 +179,9 @@ def masked_logprobs(
     return logprobs, out.hidden_states[-1] if hidden else None
 
 
-def target_logprobs(
-    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, target_mask: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs ``[B, L]`` of the masked (target) tokens of whole sequences and the mask over
-    them: the LM head runs only where a target token is predicted (``masked_logprobs``)."""
-    return masked_logprobs(model, input_ids, attention_mask, target_mask)[0], target_mask
+def sft_loss(model: torch.nn.Module, samples) -> torch.Tensor:
+    """The negative log-likelihood of a demonstration's target tokens (``samples.loss_mask``: the
+    assistant's), summed; the LM head runs only where a target token is predicted."""
+    return nll(
+        masked_logprobs(model, samples.input_ids, samples.attention_mask, samples.loss_mask)[0], samples.loss_mask
+    )

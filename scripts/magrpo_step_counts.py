@@ -72,7 +72,7 @@ def main() -> None:
                 for key in counts:
                     counts[key] = 0
                 with (
-                    mock.patch(  # the update's training forward (MAGRPO.policy_loss)
+                    mock.patch(  # the update's training forward (MAGRPO.loss)
                         "lit_marl.algorithms.magrpo.completion_logits", counted("forward", completion_logits)
                     ),
                     mock.patch.object(module, "update_agent", counted("optimizer_step", update_agent)),
@@ -87,7 +87,7 @@ def main() -> None:
                     )
                     batch = module.scored(tree.build_tree(list(module.agents), tasks, env, settings, engine))
                     for buffer, samples in zip(module.rollout_buffers, batch.agents):
-                        buffer.add(samples.with_advantages(module.advantages(samples)))
+                        buffer.add(module.advantages(samples))
                     module.flush_buffers()
                     if repeat:
                         times.append(time.perf_counter() - start)

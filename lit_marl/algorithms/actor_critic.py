@@ -328,10 +328,7 @@ class ActorCritic(AgentTeamModule):
                 for r, part in zip(roles, v.detach().split([len(per_agent[r]) for r in roles])):
                     values[r] = part
             targets = [td_targets(s.rewards, v, next_rows, self.discount) for s, v in zip(per_agent, values)]
-        per_role = [
-            replace(s, advantages=self.advantages(t, v, s.turn_ids), old_values=v, targets=t)
-            for s, v, t in zip(per_agent, values, targets)
-        ]
+        per_role = [self.advantages(replace(s, old_values=v, targets=t)) for s, v, t in zip(per_agent, values, targets)]
         actors = [
             replace(
                 samples,
@@ -353,11 +350,13 @@ class ActorCritic(AgentTeamModule):
         ]
         return _UpdateSamples(actors, critics), per_role
 
-    def advantages(self, targets: torch.Tensor, values: torch.Tensor, turns: torch.Tensor) -> torch.Tensor:
-        """A = y - V(h), z-scored within each turn over every rank's rows if set (a turn of one row
-        keeps its raw advantage)."""
-        advantages = td_advantages(targets, values)
-        return z_score_per_group(advantages, turns) if self.advantage_normalization else advantages
+    def advantages(self, samples: AgentSamples) -> AgentSamples:
+        """``samples`` with A = y - V(h) (their ``targets`` and ``old_values``), z-scored within each
+        turn over every rank's rows if set (a turn of one row keeps its raw advantage)."""
+        advantages = td_advantages(samples.targets, samples.old_values)
+        if self.advantage_normalization:
+            advantages = z_score_per_group(advantages, samples.turn_ids)
+        return samples.with_advantages(advantages)
 
     def log_values(self, per_agent: list[AgentSamples]) -> None:
         """Per turn and agent: value mean, explained variance of the targets, advantage mean and std."""
@@ -375,10 +374,11 @@ class ActorCritic(AgentTeamModule):
             self.step_log.distribution(f"agent{role}/advantage", samples.advantages)
 
     # ------------------------------------------------------------------ losses
-    def actor_loss(self, learner: int, samples: AgentSamples, stats: dict, forward: Forward | None = None):
-        """Summed over rows: the policy term of each response (its tokens' sum or mean), minus the
-        entropy bonus, plus for a value head the weighted value loss. ``forward``: the outputs of
-        ``actor_forward`` on ``samples`` when already run."""
+    def loss(self, samples: AgentSamples, stats: dict, learner: int, forward: Forward | None = None):
+        """Learner ``learner``'s actor loss on ``samples``, summed over rows: the policy term of each
+        response (its tokens' sum or mean), minus the entropy bonus, plus for a value head the
+        weighted value loss. ``forward``: the outputs of ``actor_forward`` on ``samples`` when
+        already run."""
         if forward is None:
             forward = self.actor_forward(learner, samples, entropy=self.entropy_coef > 0)
         logprobs, entropies, values = forward
@@ -465,7 +465,7 @@ class ActorCritic(AgentTeamModule):
                     mini = (
                         None if picked is None else rows.actors[index].select(self.of_roles(picked, roles, per_agent))
                     )
-                    loss_fn = lambda mb, i=index, s=stats, f=cached_actors[index]: self.actor_loss(i, mb, s, f)  # noqa: E731
+                    loss_fn = lambda mb, i=index, s=stats, f=cached_actors[index]: self.loss(mb, s, i, f)  # noqa: E731
                     actor_losses[index].append(self.update_agent(index, mini, loss_fn))
                 for c, roles in enumerate(self.critic_roles()):
                     mini = None if picked is None else rows.critics[c].select(self.of_roles(picked, roles, per_agent))

@@ -27,8 +27,7 @@ from lit_marl.fields import (
     PositiveInt,
     check_fields,
 )
-from lit_marl.logprobs import target_logprobs
-from lit_marl.losses import nll
+from lit_marl.logprobs import sft_loss
 from lit_marl.memory import check_memory, fsdp_settings
 from lit_marl.metrics import StepLogging, Timer
 from lit_marl.models import (
@@ -47,12 +46,15 @@ from lit_marl.rollout.buffer import RolloutBuffer
 from lit_marl.rollout.demos import DemoSamples
 
 
-def sft_loss(model: nn.Module, samples: DemoSamples) -> torch.Tensor:
-    """The negative log-likelihood of a demonstration's assistant tokens (``loss_mask``), summed."""
-    return nll(*target_logprobs(model, samples.input_ids, samples.attention_mask, samples.loss_mask))
-
-
 class AgentTeamModule(OptimizerSteps, StepLogging, L.LightningModule):
+    """The base of every algorithm family: the team (agents, learners that own their weights,
+    references), one optimizer per learner (manual optimization), the SFT step, checkpoint state,
+    logging. A family adds ``rl_step(batch)`` in one vocabulary: ``prepare`` (the behaviour policy's
+    log-probs and values of the rows), ``advantages(samples, ...)`` (the rows with their advantages
+    and what comes with them: TD targets, returns), ``loss(samples, stats, learner)`` (one learner's
+    loss on a micro-batch, summed over rows; ``stats`` gathers diagnostics), run through
+    ``update_agent`` one optimizer step at a time."""
+
     def __init__(
         self,
         model: str | list[str] = "tiny-random",

@@ -37,6 +37,11 @@ def check_kl_clamp(kl_clamp: float | None, kl_mode: str, kl_coef: float) -> None
 
 
 class EpisodicModule(AgentTeamModule):
+    """The base of the episode algorithms (PPO, GRPO, RLOO): a step's episodes become
+    ``TrajectorySamples`` per learner (``prepare``: the behaviour log-probs, the reference's where
+    KL applies, and the subclass's ``advantages``), trained in ``ppo_epochs`` passes of mini-batches
+    with the clipped surrogate (``loss``) plus the subclass's ``extra_loss`` (PPO's value loss)."""
+
     def __init__(
         self,
         clip_range: OpenUnitInterval = 0.2,
@@ -96,10 +101,11 @@ class EpisodicModule(AgentTeamModule):
 
     # ------------------------------------------------------------------ what subclasses provide
     def advantages(
-        self, batch: EpisodeBatch, token_rewards: torch.Tensor, samples: dict, learner: int, values: torch.Tensor | None
+        self, samples: dict, learner: int, batch: EpisodeBatch, token_rewards: torch.Tensor, values: torch.Tensor | None
     ) -> dict:
-        """Fill ``advantages``, ``returns``, ``old_values`` and ``value_mask`` into ``samples``
-        (``values``: the critic's, from ``behaviour``)."""
+        """``samples`` (the fields of learner ``learner``'s rows) with ``advantages``, ``returns``,
+        ``old_values`` and ``value_mask`` filled in, from the episodes ``batch``, each token's reward
+        and ``values`` (the critic's, from ``behaviour``)."""
         raise NotImplementedError
 
     def extra_loss(self, samples: TrajectorySamples, outputs, learner: int) -> torch.Tensor:
@@ -180,7 +186,7 @@ class EpisodicModule(AgentTeamModule):
             group_ids=batch.group_ids.to(batch.input_ids.device),
             turn_ids=torch.zeros_like(batch.group_ids).to(batch.input_ids.device),
         )
-        return TrajectorySamples(**self.advantages(batch, token_rewards, fields, learner, values))
+        return TrajectorySamples(**self.advantages(fields, learner, batch, token_rewards, values))
 
     def loss(self, samples: TrajectorySamples, stats: dict, learner: int) -> torch.Tensor:
         """``[policy, extra]``: the policy terms summed over this micro-batch's action tokens and

@@ -50,7 +50,7 @@ class GRPO(EpisodicModule):
         super().setup(stage)
         self.require_groups(stage, "each episode with the other episodes of its task")
 
-    def advantages(self, batch, token_rewards, samples, learner, values=None):
+    def advantages(self, samples, learner, batch, token_rewards, values=None):
         alive = batch.alive
         group_size = int((batch.group_ids == batch.group_ids[0]).sum())
         if self.step_advantage_weight > 0:

@@ -113,8 +113,7 @@ class MADPO(AgentTeamModule):
             samples = merged.drain(self.agents[roles[0]].pad_token_id)
             kept_rows = torch.nonzero(samples.advantages != 0).flatten()  # candidates in no pair: no gradient
             kept = samples.select(kept_rows) if kept_rows.numel() else None
-            model = self.model_of(index)
-            loss_fn = lambda mb, m=model: self.candidate_loss(m, mb)  # noqa: E731
+            loss_fn = lambda mb, i=index: self.loss(mb, None, i)  # noqa: E731
             self.update_agent(index, kept, loss_fn, count=float(len(chosen) * len(roles)), shared_prompts=True)
             if len(chosen):
                 self.record({f"{self.learner_name(index)}/delta": float(deltas[roles].mean())}, weight=len(chosen))
@@ -171,9 +170,10 @@ class MADPO(AgentTeamModule):
             out.append(weight.to(self.device))
         return out
 
-    def candidate_loss(self, model: torch.nn.Module, samples: AgentSamples) -> torch.Tensor:
-        """Summed over rows: -A * log pi(y) with A = -(the loss's derivative in log pi(y)): its
-        gradient is the joint DPO loss's, at the current weights."""
+    def loss(self, samples: AgentSamples, stats: dict | None, learner: int) -> torch.Tensor:
+        """Learner ``learner``'s loss on its candidates, summed over rows: -A * log pi(y) with A =
+        -(the DPO loss's derivative in log pi(y)): its gradient is the joint DPO loss's, at the
+        current weights (``stats``: none to gather)."""
         args = (samples.input_ids, samples.attention_mask, samples.num_completion)
-        logprobs = completion_logprobs(model, *args, prompt_groups=self.prompt_groups(samples))
+        logprobs = completion_logprobs(self.model_of(learner), *args, prompt_groups=self.prompt_groups(samples))
         return reinforce(masked_sum(logprobs, samples.completion_mask), samples.advantages).sum()

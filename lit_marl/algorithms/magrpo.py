@@ -120,8 +120,9 @@ class MAGRPO(AgentTeamModule):
         super().setup(stage)
         self.require_groups(stage, "each response with its siblings at a tree node")
 
-    def advantages(self, samples: AgentSamples) -> torch.Tensor:
-        """Rows come grouped by node, all groups of one size (one per tree node)."""
+    def advantages(self, samples: AgentSamples) -> AgentSamples:
+        """``samples`` with each response's advantage against its siblings' baseline; rows come
+        grouped by node, all groups of one size (one per tree node)."""
         num_groups = int(samples.group_ids.max()) + 1
         grouped = samples.returns.view(num_groups, -1)
         adv = group_advantages(
@@ -131,14 +132,14 @@ class MAGRPO(AgentTeamModule):
             self.advantage_std_floor,
             self.advantage_normalization_form,
         )
-        return adv.reshape(-1)
+        return samples.with_advantages(adv.reshape(-1))
 
-    def policy_loss(self, model: torch.nn.Module, samples: AgentSamples, stats: dict | None = None) -> torch.Tensor:
-        """Summed over rows: -A * (sum or mean of the log-probs of the response's tokens, end token
-        included, padding excluded). ``stats`` gathers the policy's entropy over the response tokens
-        (a diagnostic: no gradient)."""
+    def loss(self, samples: AgentSamples, stats: dict | None, learner: int) -> torch.Tensor:
+        """Learner ``learner``'s loss on ``samples``, summed over rows: -A * (sum or mean of the
+        log-probs of the response's tokens, end token included, padding excluded). ``stats`` gathers
+        the policy's entropy over the response tokens (a diagnostic: no gradient)."""
         args = (samples.input_ids, samples.attention_mask, samples.num_completion)
-        logits = completion_logits(model, *args, prompt_groups=self.prompt_groups(samples))
+        logits = completion_logits(self.model_of(learner), *args, prompt_groups=self.prompt_groups(samples))
         logprobs = token_logprobs(logits, samples.input_ids[:, -samples.num_completion :])
         if stats is not None:
             with torch.no_grad():
@@ -153,7 +154,7 @@ class MAGRPO(AgentTeamModule):
         return reinforce(seq_logprob, samples.advantages).sum()
 
     def rl_step(self, batch: RolloutBatch, batch_idx: int) -> None:
-        per_agent = [samples.with_advantages(self.advantages(samples)) for samples in batch.agents]
+        per_agent = [self.advantages(samples) for samples in batch.agents]
         for role, samples in enumerate(per_agent):
             lengths = samples.completion_mask.sum(-1).float()
             self.record({f"agent{role}/completion_len": float(lengths.mean())}, weight=len(samples))
@@ -189,7 +190,7 @@ class MAGRPO(AgentTeamModule):
                         kept_rows = torch.nonzero(batch.advantages != 0).flatten()
                         kept = batch.select(kept_rows) if kept_rows.numel() else None
                         count = len(batch)
-                    loss_fn = lambda mb, m=agent.model, s=stats: self.policy_loss(m, mb, s)  # noqa: E731
+                    loss_fn = lambda mb, i=index, s=stats: self.loss(mb, s, i)  # noqa: E731
                     skipped = count > 0 and kept is None  # every row's advantage is 0: a zero-loss step
                     step = dict(count=count, shared_prompts=True, skipped_zero_loss=skipped)
                     losses.append(self.update_agent(index, kept, loss_fn, **step))

@@ -130,7 +130,7 @@ class PPO(EpisodicModule):
         return logprobs, self.chunked(values_only, batch, self.critic_backbones[learner])
 
     @torch.no_grad()
-    def advantages(self, batch, token_rewards, samples, learner, values):
+    def advantages(self, samples, learner, batch, token_rewards, values):
         mask = batch.loss_mask.float()
         if self.gae_mode == "token":
             advantages, returns = token_gae(token_rewards, values * mask, mask, self.discount, self.gae_lambda)

@@ -1,7 +1,7 @@
 """Supervised fine-tuning on demonstrations: multi-turn chats, per agent, the loss on the agents' own
 tokens only (every assistant turn, or only the last: ``data.demo_loss_on``).
 
-The step itself lives in the shared base (``AgentTeamModule.sft_step``, its loss ``sft_loss``)
+The step itself lives in the shared base (``AgentTeamModule.sft_step``, its loss ``logprobs.sft_loss``)
 because every RL algorithm runs it too during the SFT phase of an SFT→RL run
 (``callbacks.PhaseSwitch``); this module is the SFT-only run: ``lit-marl fit`` with
 ``model: lit_marl.algorithms.SFT`` and a data module with ``demo_path``. Demonstrations are

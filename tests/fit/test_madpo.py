@@ -69,7 +69,7 @@ def test_update_gradient_equals_the_joint_dpo_loss_gradient(dpo_reference):
         model = module.agents[role].model
         model.zero_grad(set_to_none=True)
         for rows in module.micro_batches(samples, shared_prompts=True):  # as update_agent: in passes
-            (module.candidate_loss(model, samples.select(rows)) / len(chosen)).backward()
+            (module.loss(samples.select(rows), None, module.learner_of(role)) / len(chosen)).backward()
         surrogate = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         direct = _direct_gradient(module, batch, role, chosen, rejected)
         assert surrogate.keys() == direct.keys()

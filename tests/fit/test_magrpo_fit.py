@@ -89,9 +89,9 @@ def test_single_agent_advantages_are_grpo(tiny_agent):
     expected = _per_group_minus_mean(batch.rewards, samples.group_ids)
     assert expected.abs().sum() > 0, "rewards equal within every group: the check below is void"
     module = MAGRPO(model="tiny-random", num_agents=1, advantage_normalization=False)
-    torch.testing.assert_close(module.advantages(samples), expected)
+    torch.testing.assert_close(module.advantages(samples).advantages, expected)
     # GRPO's scaling: the same, divided by the group's std
-    scaled = MAGRPO(model="tiny-random", num_agents=1).advantages(samples)
+    scaled = MAGRPO(model="tiny-random", num_agents=1).advantages(samples).advantages
     stds = torch.stack([batch.rewards[samples.group_ids == g].std(unbiased=True) for g in samples.group_ids])
     torch.testing.assert_close(scaled, expected / stds.clamp(min=1e-3))
 
@@ -106,7 +106,7 @@ def test_advantages_follow_the_settings(tiny_agents, baseline, scale):
     module = MAGRPO(model="tiny-random", advantage_mode=baseline, advantage_normalization=scale)
     for samples in batch.agents:
         expected = group_advantages(samples.returns.view(2, 3), baseline, scale, 1e-3).reshape(-1)
-        torch.testing.assert_close(module.advantages(samples), expected)
+        torch.testing.assert_close(module.advantages(samples).advantages, expected)
 
 
 # --------------------------------------------------------------------------- through the CLI
@@ -158,7 +158,7 @@ def test_update_is_the_policy_gradient(tmp_path, forward_batch_size, forward_tok
     assert all(len(samples) == 3 * 3 for samples in batch.agents)  # tasks x G rows per agent
     reference = Agent("tiny-random").model
     for i, (agent, samples) in enumerate(zip(module.agents, batch.agents)):
-        advantages = module.advantages(samples)
+        advantages = module.advantages(samples).advantages
         assert advantages.abs().sum() > 0, "no learning signal: the check is void"
         with torch.no_grad():  # the agent's weights before the step
             for name, p in reference.named_parameters():
@@ -287,10 +287,8 @@ def test_non_finite_loss_stops_training_with_weights_untouched(tmp_path, monkeyp
     module = MAGRPO(model="tiny-random", num_agents=2, learning_rate=1e-2)
     module.configure_model()
     before = _snapshot(module)
-    original = MAGRPO.policy_loss
-    monkeypatch.setattr(
-        MAGRPO, "policy_loss", lambda self, model, mb, stats=None: original(self, model, mb, stats) * float("nan")
-    )
+    original = MAGRPO.loss
+    monkeypatch.setattr(MAGRPO, "loss", lambda self, mb, stats, i: original(self, mb, stats, i) * float("nan"))
     trainer = make_trainer(tmp_path, limit_val_batches=0)
     with pytest.raises(FloatingPointError, match="agent0: non-finite loss"):
         trainer.fit(module, datamodule=slogan_data(max_new_tokens=16))
@@ -304,10 +302,8 @@ def test_non_finite_steps_are_skipped_and_counted_up_to_the_limit(tmp_path, monk
     module = MAGRPO(model="tiny-random", num_agents=2, learning_rate=1e-2, max_nonfinite_steps=2)
     module.configure_model()
     before = _snapshot(module)
-    original = MAGRPO.policy_loss
-    monkeypatch.setattr(
-        MAGRPO, "policy_loss", lambda self, model, mb, stats=None: original(self, model, mb, stats) * float("nan")
-    )
+    original = MAGRPO.loss
+    monkeypatch.setattr(MAGRPO, "loss", lambda self, mb, stats, i: original(self, mb, stats, i) * float("nan"))
     trainer = make_trainer(tmp_path, limit_val_batches=0, limit_train_batches=5)
     with pytest.warns(RuntimeWarning, match="optimizer step skipped, weights unchanged"):
         with pytest.raises(FloatingPointError, match=r"3 such step\(s\), model.max_nonfinite_steps=2"):
@@ -322,15 +318,15 @@ def test_a_non_finite_gradient_with_a_finite_loss_never_reaches_the_weights(tmp_
     module = MAGRPO(model="tiny-random", num_agents=2, learning_rate=1e-2)
     module.configure_model()
     before = _snapshot(module)
-    original = MAGRPO.policy_loss
+    original = MAGRPO.loss
 
-    def inf_gradient(self, model, mb, stats=None):
-        loss = original(self, model, mb, stats)
-        weight = next(p for p in model.parameters() if p.requires_grad)
+    def inf_gradient(self, mb, stats, learner):
+        loss = original(self, mb, stats, learner)
+        weight = next(p for p in self.model_of(learner).parameters() if p.requires_grad)
         weight.register_hook(lambda grad: torch.full_like(grad, float("inf")))
         return loss
 
-    monkeypatch.setattr(MAGRPO, "policy_loss", inf_gradient)
+    monkeypatch.setattr(MAGRPO, "loss", inf_gradient)
     trainer = make_trainer(tmp_path, limit_val_batches=0)
     with pytest.raises(FloatingPointError, match="agent0: a non-finite gradient"):
         trainer.fit(module, datamodule=slogan_data(max_new_tokens=16))

@@ -88,8 +88,7 @@ def test_demonstrations_render_per_agent_left_padded(tiny_agents):
 
 
 def test_sft_loss_is_the_nll_of_exactly_the_masked_tokens(tiny_agent):
-    from lit_marl.algorithms.base import sft_loss
-    from lit_marl.logprobs import sequence_logprobs
+    from lit_marl.logprobs import sequence_logprobs, sft_loss
 
     rows = [{"messages": [CHAT]}, {"messages": [CHAT[:2]]}, {"messages": [CHAT[:4]]}]
     (samples,) = render_demos([tiny_agent], rows, "last")

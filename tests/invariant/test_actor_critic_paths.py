@@ -83,7 +83,7 @@ def test_ppo_form_at_the_first_step_has_the_ratio_free_gradient(tiny_agents):
         model = module.model_of(0)
         model.zero_grad()
         module.critic_kind = "model"  # policy term only: no value head in this comparison
-        module.actor_loss(0, prepared, {}).backward()
+        module.loss(prepared, {}, 0).backward()
         gradients[form] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         model.zero_grad()
     assert gradients["ppo"].keys() == gradients["reinforce"].keys() and gradients["ppo"]
@@ -92,7 +92,7 @@ def test_ppo_form_at_the_first_step_has_the_ratio_free_gradient(tiny_agents):
     # and the comparison can fail: a stale behaviour policy changes the PPO gradient
     module.policy_form = "ppo"
     prepared.old_logprobs = old - 0.5
-    module.actor_loss(0, prepared, {}).backward()
+    module.loss(prepared, {}, 0).backward()
     moved = {n: p.grad for n, p in module.model_of(0).named_parameters() if p.grad is not None}
     assert any(not torch.allclose(moved[n], g) for n, g in gradients["reinforce"].items())
     module.model_of(0).zero_grad()

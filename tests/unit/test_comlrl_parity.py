@@ -82,7 +82,7 @@ def fake_team(num_agents: int) -> list[SimpleNamespace]:
 @pytest.mark.parametrize("case", REFERENCE["magrpo"], ids=case_id)
 def test_magrpo_preset_reproduces_comlrl(case, monkeypatch):
     """lit_marl's MAGRPO update (flush_buffers: buffers, advantages, per-turn mini-batches, the
-    zero-advantage skip, policy_loss) on CoMLRL's tree gives CoMLRL's advantages, per-step losses
+    zero-advantage skip, loss) on CoMLRL's tree gives CoMLRL's advantages, per-step losses
     and optimizer steps per update and turn."""
     settings = preset("magrpo")
     data = settings["data"]["init_args"]
@@ -135,7 +135,7 @@ def test_magrpo_preset_reproduces_comlrl(case, monkeypatch):
                 group_ids=group_ids,
                 turn_ids=turn_ids,
             )
-            per_agent.append(samples.with_advantages(module.advantages(samples)))
+            per_agent.append(module.advantages(samples))
         recorder.steps.clear()
         module.rollout_buffers[0].add(per_agent[0])
         module.rollout_buffers[1].add(per_agent[1])
@@ -208,7 +208,7 @@ def ac_rows(case: dict, update: int) -> list[AgentSamples]:
 @pytest.mark.parametrize("case", REFERENCE["actor_critic"], ids=ac_case_id)
 def test_actor_critic_preset_reproduces_comlrl(case, monkeypatch):
     """lit_marl's IAC/MAAC update (ActorCritic.update: TD targets, advantages z-scored per agent
-    and turn with a lone row kept, per-turn mini-batches, actor_loss, critic_loss with the preset's
+    and turn with a lone row kept, per-turn mini-batches, loss, critic_loss with the preset's
     value_loss_coef, MAAC's per-agent targets and critic steps) on fixed rewards, log-probs and
     values gives CoMLRL's advantages, targets and losses, step by step, per update."""
     settings = preset(case["algorithm"])

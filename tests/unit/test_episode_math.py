@@ -12,8 +12,8 @@ from lit_marl.returns import (
     episode_group_advantages,
     returns_to_go,
     step_group_advantages,
-    token_gae,
     step_reward,
+    token_gae,
     turn_gae,
 )
 

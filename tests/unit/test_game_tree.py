@@ -13,8 +13,8 @@ from lit_marl import ConfigError
 from lit_marl.algorithms import MAGRPO
 from lit_marl.data import RolloutDataModule
 from lit_marl.envs import make_env
-from lit_marl.envs.textworld.games import write_tasks
 from lit_marl.envs.game import Game, RewardRule, StepResult
+from lit_marl.envs.textworld.games import write_tasks
 from lit_marl.rollout.tree import TreeSettings, build_tree
 from lit_marl.tasks import load_tasks
 

@@ -60,7 +60,7 @@ def test_magrpo_weighs_each_tokens_term_by_the_capped_ratio(reduction):
     shift = torch.tensor([0.0, 1.5, -0.7, 0.3, 2.0, -1.0])  # log pi - log pi_rollout per column
     samples = _tree_samples(module.agents[0], shift)
     params = [p for p in model.parameters() if p.requires_grad]
-    grads = torch.autograd.grad(module.policy_loss(model, samples), params)
+    grads = torch.autograd.grad(module.loss(samples, None, 0), params)
     logp = completion_logprobs(model, samples.input_ids, samples.attention_mask, samples.num_completion)
     weights = (logp.detach() - samples.rollout_logprobs).exp().clamp(max=2.0)
     assert (weights[samples.completion_mask.bool()] == 2.0).any() and (weights < 0.9).any()
@@ -76,8 +76,8 @@ def test_magrpo_weighs_each_tokens_term_by_the_capped_ratio(reduction):
     plain = MAGRPO(model="tiny-random", num_agents=1, logprob_reduction=reduction)
     plain.configure_model()
     plain.load_state_dict(module.state_dict())
-    a = torch.autograd.grad(module.policy_loss(model, same), params)
-    b = torch.autograd.grad(plain.policy_loss(plain.agents[0].model, same), list(plain.agents[0].model.parameters()))
+    a = torch.autograd.grad(module.loss(same, None, 0), params)
+    b = torch.autograd.grad(plain.loss(same, None, 0), list(plain.agents[0].model.parameters()))
     for got, want in zip(a, b):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-3)
 
@@ -143,7 +143,7 @@ def test_actor_critic_policy_terms_are_reweighted_and_the_value_term_is_not():
             "targets": torch.ones(4),
         }
     )
-    loss = module.actor_loss(0, samples, {})
+    loss = module.loss(samples, {}, 0)
     mask = samples.completion_mask.float()
     weights = truncated_is_weights(old, rollout, 1.5)
     assert (weights[mask.bool()] == 1.5).any() and (weights[mask.bool()] < 1).any()
