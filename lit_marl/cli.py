@@ -16,6 +16,7 @@ import yaml
 
 from lit_marl import ConfigError, checkpoint_files, config_error_in, cpu
 from lit_marl.envs.calls import RewardError  # checkpoint_files loads torch already: no start-up to save
+from lit_marl.fields import refuse_moved, regroup_moved
 from lit_marl.parallel import failure
 from lit_marl.tasks import import_object
 
@@ -84,6 +85,7 @@ def build_cli(args: list[str] | None = None, run: bool = True):
             _list_commands(parser._subcommands_action)
 
         def parse_arguments(self, parser, args) -> None:
+            _refuse_moved_settings(args)
             _say_overridden(args)
             switches: list[tuple[str, str, dict]] = []
             with _class_switches(switches):
@@ -171,7 +173,8 @@ def _check_checkpoint_settings(subcommand: str, config) -> None:
     if path and path not in ("last", "best", "hpc", "registry"):
         saved, verb = checkpoint_files.load(path), "resuming" if subcommand == "fit" else "evaluating"
         checkpoint_files.check_model_settings(saved.get("hyper_parameters") or {}, config["model"], verb)
-        checkpoint_files.check_data_settings(saved.get("datamodule_hyper_parameters") or {}, config["data"], verb)
+        saved_data = regroup_moved("data", saved.get("datamodule_hyper_parameters") or {})
+        checkpoint_files.check_data_settings(saved_data, config["data"], verb)
 
 
 @contextmanager
@@ -236,6 +239,17 @@ def _leaves(tree, prefix: str = "") -> dict:
     for key, value in tree.items():
         out.update(_leaves(value, f"{prefix}.{key}" if prefix else str(key)))
     return out
+
+
+def _refuse_moved_settings(args: list[str] | None) -> None:
+    """A setting given under the key it had before it moved into a group (in a ``--config`` file or
+    on the command line) stops the run naming its new key, before jsonargparse's generic report."""
+    argv = list(sys.argv[1:] if args is None else args)
+    for i, token in enumerate(argv[:-1]):
+        if token == "--config" and os.path.isfile(argv[i + 1]):
+            with open(argv[i + 1]) as f:
+                refuse_moved(_leaves(yaml.safe_load(f) or {}), argv[i + 1])
+    refuse_moved((t[2:].split("=")[0] for t in argv if t.startswith("--")), "the command line")
 
 
 def _say_overridden(args: list[str] | None) -> None:

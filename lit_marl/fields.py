@@ -123,3 +123,47 @@ def _name(member) -> str:
         member = typing.get_args(member)[0]
     kind = typing.get_origin(member) or member
     return getattr(kind, "__name__", str(kind))
+
+
+# ---------------------------------------------------------------------------- settings that moved
+# A setting moved into its group keeps its name there; its old key is refused with the new one named
+# (``docs/config.md``, "Moved settings", is generated from this table).
+MOVED = {
+    f"data.{name}": f"data.reward_calls.{name}"
+    for name in (
+        "on_reward_error",
+        "reward_timeout_s",
+        "transition_timeout_s",
+        "transition_prompt_field",
+        "max_skipped_steps",
+    )
+}
+
+
+def plain_key(key: str) -> str:
+    """A dotted config key without its ``init_args`` levels (``data.init_args.x`` -> ``data.x``)."""
+    return ".".join(part for part in key.split(".") if part != "init_args")
+
+
+def refuse_moved(keys, where: str) -> None:
+    """Raise ``ConfigError`` for the first of ``keys`` (dotted, from YAML or the command line) that
+    moved into a group, naming its new key."""
+    for key in keys:
+        moved = MOVED.get(plain_key(key))
+        if moved is not None:
+            raise ConfigError(
+                f"{plain_key(key)} (in {where}) is now {moved}: write it there (docs/config.md, Moved settings)"
+            )
+
+
+def regroup_moved(section: str, settings: dict) -> dict:
+    """``settings`` of one section (a checkpoint's saved hyperparameters) with keys saved before a
+    move put into their groups, so runs saved earlier still load."""
+    out = dict(settings)
+    for old, new in MOVED.items():
+        head, name = old.split(".", 1)
+        if head == section and name in out:
+            group, field = new.split(".")[1:]
+            value = out.pop(name)
+            out[group] = {**(out.get(group) or {}), field: value}
+    return out

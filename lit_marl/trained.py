@@ -19,6 +19,7 @@ from lit_marl import ConfigError, checkpoint_files, config_error_in
 from lit_marl.algorithms.base import AgentTeamModule
 from lit_marl.data import TaskDataModule
 from lit_marl.export import export_team
+from lit_marl.fields import regroup_moved
 from lit_marl.models import quiet_libraries
 
 
@@ -64,7 +65,7 @@ def data_settings(config: str | None, checkpoint: dict | None) -> dict:
     """The run's data settings (``_class_path`` and the init arguments): ``config``'s ``data`` section,
     each setting that differs from the checkpoint's said on stderr; or else those the checkpoint
     saved (without an environment given as an object: it is not saved); ``{}`` when neither is given."""
-    saved = dict((checkpoint or {}).get("datamodule_hyper_parameters") or {})
+    saved = regroup_moved("data", (checkpoint or {}).get("datamodule_hyper_parameters") or {})
     if config is None:
         return saved
     path = Path(config)

@@ -40,6 +40,7 @@ import lit_marl.envs
 import lit_marl.fields
 import lit_marl.parallel.strategies
 from lit_marl.envs.base import REGISTRY, Env, FunctionEnv
+from lit_marl.fields import MOVED
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "config.md"
 COMMAND = ".venv/bin/python scripts/make_config_reference.py"
@@ -259,7 +260,23 @@ def generate() -> str:
         out.append(f"## {title}\n")
         for label, cls in group:
             out += section(cls, label, anchors)
+    out += moved_settings()
     return "\n".join(out).rstrip() + "\n"
+
+
+def moved_settings() -> list[str]:
+    """The migration table: each setting that moved into a group, its old key and its new one
+    (``lit_marl.fields.MOVED``; a config or command line with an old key stops naming the new one)."""
+    rows = [f"| `{old}` | `{new}` |" for old, new in MOVED.items()]
+    return [
+        "## Moved settings\n",
+        "Settings that moved into a group keep their names inside it. A config or a command line that gives"
+        " one under its old key stops before anything loads, naming the new key; a checkpoint saved before"
+        " the move still loads (its settings are put into their groups). In YAML, `data: {init_args:"
+        " {on_reward_error: skip}}` becomes `data: {init_args: {reward_calls: {on_reward_error: skip}}}`; on"
+        " the command line, `--data.on_reward_error skip` becomes `--data.reward_calls.on_reward_error skip`.\n",
+        "| old key | new key |\n|---|---|\n" + "\n".join(rows) + "\n",
+    ]
 
 
 def out_of_date(text: str) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import asdict
 from typing import Literal, NamedTuple
 
 import lightning as L
@@ -113,19 +114,9 @@ class TaskDataModule(L.LightningDataModule):
             ends the episode; ``dense``: each turn's score delta (normalized by max_score), plus the outcome.
         score_weight: Weight of the normalized score (sparse: the final score; dense: the deltas), in [0, 1)
             so no lost episode outscores a won one; default 0 (sparse), 0.5 (dense).
-        on_reward_error: ``raise`` (default) stops on a reward function that raises or returns NaN/inf,
-            naming the task and turn; ``skip`` gives such samples a neutral reward (no advantage) and reports
-            their fraction as the metric ``skipped_reward_frac`` (``reward_batch_failures``: batch calls that
-            failed and were retried per joint action; ``reward_timeouts``: batch calls skipped for their time).
-        reward_timeout_s: Time limit of one batched reward call (None: none). Past it the run stops naming
-            the reward, or under ``on_reward_error: skip`` the batch is skipped.
-        transition_timeout_s: Time limit of one batched transition call (None: none); past it the run
-            stops naming the transition.
-        transition_prompt_field: The task row's field the transition receives as ``prompt`` (the task's
-            prompt text, as CoMLRL passes ``batch_item["prompt"]``); a row without it passes the empty
-            string, as CoMLRL does, and a warning names the field.
-        max_skipped_steps: Under ``on_reward_error: skip``, stop after this many training steps in a row
-            whose every reward was skipped (nothing is being learned).
+        reward_calls: How a text environment's reward function and transition are called: what a failing
+            reward does (``on_reward_error``), time limits, the transition's prompt field, how many
+            all-skipped steps stop the run (``envs.calls.CallSettings``).
     """
 
     train_tasks: list[dict]
@@ -163,11 +154,7 @@ class TaskDataModule(L.LightningDataModule):
         demo_loss_on: Literal["all", "last"] = "all",
         reward_density: Literal["sparse", "dense"] = "sparse",
         score_weight: UnitIntervalRightOpen | None = None,
-        on_reward_error: Literal["raise", "skip"] = "raise",
-        reward_timeout_s: PositiveFloat | None = 600.0,
-        transition_timeout_s: PositiveFloat | None = 600.0,
-        transition_prompt_field: str = "prompt",
-        max_skipped_steps: PositiveInt = 3,
+        reward_calls: CallSettings = CallSettings(),
     ):
         super().__init__()
         if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
@@ -181,10 +168,10 @@ class TaskDataModule(L.LightningDataModule):
         self.engine = build_engine(engine, engine_options)
         text = (agent_prompts, reward_fn, transition, transition_kwargs, batched_transition)
         self.env = self.train_env = build_env(env, env_kwargs, *text)
-        limits = (reward_timeout_s, transition_timeout_s)
-        self.call_settings = CallSettings(on_reward_error, *limits, transition_prompt_field)
+        self.call_settings = CallSettings(**reward_calls) if isinstance(reward_calls, dict) else reward_calls
+        self.hparams["reward_calls"] = asdict(self.call_settings)  # plain values: checkpoints load weights_only
         self.configure_envs(self.env)
-        self.max_skipped_steps, self._skipped_steps = max_skipped_steps, 0
+        self._skipped_steps = 0
         env_name = env if isinstance(env, str) else type(self.env).__qualname__
         others = {"data.train_path": train_path, "data.val_path": val_path}  # demonstrations never from these games
         self.load_demos(demo_path and resolve_demo_source(demo_path, self.env, env_name, env_kwargs, others))

@@ -174,10 +174,10 @@ class RolloutDataModule(TaskDataModule):
         lacking = [t for t in self.train_tasks + self.val_tasks if field not in t]
         if num_turns > 1 and user_transition and lacking:
             rank_zero_warn(
-                f"data.transition_prompt_field={field!r}: {len(lacking)} task rows of "
+                f"data.reward_calls.transition_prompt_field={field!r}: {len(lacking)} task rows of "
                 f"data.train_path / data.val_path have no such field (e.g. one with {sorted(lacking[0])}), so the "
                 "transition's `prompt` argument is the empty string for them (CoMLRL's behaviour); set "
-                "data.transition_prompt_field to the field that holds the task's prompt"
+                "data.reward_calls.transition_prompt_field to the field that holds the task's prompt"
             )
 
     @property
@@ -210,7 +210,7 @@ class RolloutDataModule(TaskDataModule):
             self.engine,
             tree=self.tree,
             centralized=isinstance(self.env, CentralizedEnv),
-            on_reward_error=self.hparams.on_reward_error,
+            on_reward_error=self.call_settings.on_reward_error,
             demos=len(self.demos),
             eval_tasks_per_step=self.hparams.eval_tasks_per_step,
         )
@@ -236,12 +236,12 @@ class RolloutDataModule(TaskDataModule):
             self._skipped_steps = 0
             return
         self._skipped_steps += 1
-        if self._skipped_steps >= self.max_skipped_steps:
+        if self._skipped_steps >= self.call_settings.max_skipped_steps:
             raise RewardError(
                 f"every reward of the last {self._skipped_steps} training steps was skipped "
-                "(data.on_reward_error=skip: it raised, timed out or was NaN/inf for every sample), so nothing is "
-                "being learned. Fix the reward "
-                "(run it on a few samples by hand), or raise data.max_skipped_steps"
+                "(data.reward_calls.on_reward_error=skip: it raised, timed out or was NaN/inf for every sample), "
+                "so nothing is being learned. Fix the reward "
+                "(run it on a few samples by hand), or raise data.reward_calls.max_skipped_steps"
             )
 
     def episodes(self, batch: RolloutBatch) -> float:

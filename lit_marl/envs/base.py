@@ -177,7 +177,7 @@ class TextEnv(Env):
         response_history_per_agent: list[list[list[str]]],
     ) -> list[list[str]]:
         """step, observation part, batched over branches: every argument is a list with one entry
-        per branch (its task row, the task's prompt text - the row's ``data.transition_prompt_field``,
+        per branch (its task row, the task's prompt text - the row's ``data.reward_calls.transition_prompt_field``,
         "" where it has none -, this turn's completions, the histories, each agent's first prompt
         first); returns each branch's next prompt per agent."""
         raise NotImplementedError(f"{type(self).__name__} is single-turn: it has no transition")

@@ -13,18 +13,36 @@ from typing import Literal
 
 import torch
 
+from lit_marl.fields import PositiveFloat, PositiveInt, check_dataclass
+
 RewardFn = Callable[..., Sequence[float] | Mapping[str, Sequence[float]]]
 
 
 @dataclass(frozen=True)
 class CallSettings:
-    """How a text environment calls its reward and transition (the data module's settings of the
-    same names)."""
+    """How a rollout calls a text environment's reward function and transition (``data.reward_calls``)."""
 
     on_reward_error: Literal["raise", "skip"] = "raise"
-    reward_timeout_s: float | None = None
-    transition_timeout_s: float | None = None
+    """``raise`` stops on a reward function that raises or returns NaN/inf, naming the task and turn;
+    ``skip`` gives such samples a neutral reward (no advantage) and reports their fraction as the
+    metric ``skipped_reward_frac`` (``reward_batch_failures``: batch calls that failed and were
+    retried per joint action; ``reward_timeouts``: batch calls skipped for their time)."""
+    reward_timeout_s: PositiveFloat | None = 600.0
+    """Time limit of one batched reward call (None: none). Past it the run stops naming the reward,
+    or under ``on_reward_error: skip`` the batch is skipped."""
+    transition_timeout_s: PositiveFloat | None = 600.0
+    """Time limit of one batched transition call (None: none); past it the run stops naming the
+    transition."""
     transition_prompt_field: str = "prompt"
+    """The task row's field the transition receives as ``prompt`` (the task's prompt text, as CoMLRL
+    passes ``batch_item["prompt"]``); a row without it passes the empty string, as CoMLRL does, and a
+    warning names the field."""
+    max_skipped_steps: PositiveInt = 3
+    """Under ``on_reward_error: skip``, stop after this many training steps in a row whose every
+    reward was skipped (nothing is being learned)."""
+
+    def __post_init__(self):
+        check_dataclass("data.reward_calls", self)
 
 
 MAX_REWARD = 1e15
@@ -78,7 +96,8 @@ def _reward_once(
             reward_fn,
             timeout_s,
             f"reward function {name} (data.reward_fn or the env's reward) at turn {turn} on tasks {tasks[:3]!r:.200}",
-            "raise data.reward_timeout_s if it is slow, fix it if it hangs, or set data.on_reward_error=skip",
+            "raise data.reward_calls.reward_timeout_s if it is slow, fix it if it hangs, or set "
+            "data.reward_calls.on_reward_error=skip",
             agent_completions=agent_completions,
             tasks=tasks,
         )
@@ -171,7 +190,8 @@ def call_reward(
         examples = [tasks[i] for i in torch.nonzero(bad).flatten().tolist()[:3]]
         raise RewardError(
             f"reward function {name} returned a non-finite reward (NaN/inf) or one beyond +-{MAX_REWARD:g} at turn "
-            f"{turn}, e.g. for tasks {examples!r:.300}; set data.on_reward_error=skip to skip such samples instead"
+            f"{turn}, e.g. for tasks {examples!r:.300}; set data.reward_calls.on_reward_error=skip to skip such "
+            "samples instead"
         )
     metrics = {}
     for key, values in extra.items():
@@ -203,7 +223,8 @@ def call_transitions(
         env.transition,
         timeout_s,
         f"transition {env.transition_name} (data.transition or the env's) after turn {turn}",
-        "raise data.transition_timeout_s if it is slow (an expert model's edits can be), or fix it if it hangs",
+        "raise data.reward_calls.transition_timeout_s if it is slow (an expert model's edits can be), or fix it "
+        "if it hangs",
         task=[state.task for state in states],
         prompt=[task_prompt(state.task, prompt_field) for state in states],
         agent_completions=[[h[-1] for h in state.responses] for state in states],

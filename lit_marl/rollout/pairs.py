@@ -274,6 +274,7 @@ def check_candidate_rollouts(rollout, algorithm: str) -> None:
         )
     if rollout.on_reward_error == "skip":
         raise ConfigError(
-            f"{algorithm} ranks candidates by their reward: data.on_reward_error=skip gives a failed reward its "
-            "node's mean, which would rank it above every worse candidate; use data.on_reward_error: raise"
+            f"{algorithm} ranks candidates by their reward: data.reward_calls.on_reward_error=skip gives a failed "
+            "reward its node's mean, which would rank it above every worse candidate; use "
+            "data.reward_calls.on_reward_error: raise"
         )

@@ -3,7 +3,7 @@
 A transition is any callable with these keyword arguments (CoMLRL's interface):
 
 - ``prompt``: the task's prompt, a string: the task row's ``prompt`` field (another field with
-  ``data.transition_prompt_field``; the empty string where the row has none, as in CoMLRL)
+  ``data.reward_calls.transition_prompt_field``; the empty string where the row has none, as in CoMLRL)
 - ``agent_completions``: this branch's response of each agent at the turn just played
 - ``num_agents``
 - ``prompt_history_per_agent``: per agent, its prompts of every turn of this branch so far (its

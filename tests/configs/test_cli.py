@@ -262,3 +262,35 @@ def test_a_later_config_that_replaces_a_setting_says_so(in_repo_root, tmp_path, 
     cli = build_cli(args=["--config", "configs/comlrl/iac.yaml", "--config", str(mine)], run=False)
     assert cli.datamodule.tree.early_termination_threshold is None and cli.datamodule.tree.chat_template is False
     assert f"early_termination_threshold=None from {mine} replaces -0.2" in capsys.readouterr().err
+
+
+def test_a_settings_group_comes_whole_from_yaml_and_old_keys_name_the_new_one(in_repo_root, tmp_path, monkeypatch):
+    """``data.reward_calls`` from YAML and the command line; a key from before the move (YAML or the
+    command line) stops naming the new key; a checkpoint saved before the move is regrouped."""
+    from lit_marl.envs.calls import CallSettings
+    from lit_marl.fields import regroup_moved
+
+    monkeypatch.setattr(base_module, "Agent", lambda *a, **k: (_ for _ in ()).throw(AssertionError("no loads")))
+    config = yaml.safe_load((REPO_ROOT / "configs/magrpo/slogan_tiny.yaml").read_text())
+    config["data"]["init_args"]["reward_calls"] = {"on_reward_error": "skip", "reward_timeout_s": 30}
+    grouped = tmp_path / "grouped.yaml"
+    grouped.write_text(yaml.safe_dump(config))
+    args = ["--config", str(grouped), "--data.reward_calls.max_skipped_steps", "5"]
+    cli = build_cli(args=args, run=False)
+    assert cli.datamodule.call_settings == CallSettings("skip", 30.0, 600.0, "prompt", 5)
+    assert cli.datamodule.env.call_settings is cli.datamodule.call_settings
+    del config["data"]["init_args"]["reward_calls"]
+    config["data"]["init_args"]["on_reward_error"] = "skip"
+    old = tmp_path / "old.yaml"
+    old.write_text(yaml.safe_dump(config))
+    with pytest.raises(
+        ConfigError, match=r"data.on_reward_error \(in .*old.yaml\) is now data.reward_calls.on_reward_error"
+    ):
+        build_cli(args=["--config", str(old)], run=False)
+    with pytest.raises(ConfigError, match=r"data.max_skipped_steps \(in the command line\) is now data.reward_calls"):
+        build_cli(args=["--config", str(grouped), "--data.max_skipped_steps=5"], run=False)
+    saved = {"env": "slogan", "on_reward_error": "skip", "transition_prompt_field": "task"}
+    assert regroup_moved("data", saved) == {
+        "env": "slogan",
+        "reward_calls": {"on_reward_error": "skip", "transition_prompt_field": "task"},
+    }

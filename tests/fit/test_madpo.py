@@ -168,7 +168,7 @@ def test_a_parameter_shared_team_learns(tmp_path):
         ({}, {"joint_mode": "cross"}, r"data.joint_mode='cross'"),
         ({}, {"num_generations": 1}, r"data.num_generations=1"),
         ({"dpo_beta": 0.0}, {}, r"model.dpo_beta=0.0: must be > 0"),
-        ({}, {"on_reward_error": "skip"}, r"data.on_reward_error=skip gives a failed reward its node's mean"),
+        ({}, {"reward_calls": {"on_reward_error": "skip"}}, r"data.reward_calls.on_reward_error=skip gives a failed"),
     ],
 )
 def test_bad_settings_name_the_field(tmp_path, model_kwargs, data_kwargs, message):

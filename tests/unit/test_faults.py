@@ -102,7 +102,9 @@ def test_call_with_timeout_passes_values_and_errors_through():
 
 def test_a_reward_that_always_fails_under_skip_stops_the_run(tmp_path):
     """It trained nothing and exited 0 before."""
-    data = slogan_data(reward_fn="helpers:raising_reward", on_reward_error="skip", max_skipped_steps=2)
+    data = slogan_data(
+        reward_fn="helpers:raising_reward", reward_calls={"on_reward_error": "skip", "max_skipped_steps": 2}
+    )
     trainer = make_trainer(tmp_path, limit_train_batches=5, limit_val_batches=0, logger=False)
     with pytest.raises(RewardError, match=r"every reward of the last 2 training steps was skipped"):
         trainer.fit(MAGRPO(model="tiny-random", learning_rate=1e-3), datamodule=data)

@@ -173,7 +173,7 @@ def test_a_task_without_the_prompt_field_passes_the_empty_string(tiny_agents):
 
 
 def test_the_data_module_warns_when_the_rows_lack_the_prompt_field():
-    with pytest.warns(UserWarning, match=r"data.transition_prompt_field='prompt'.*empty string"):
+    with pytest.warns(UserWarning, match=r"data.reward_calls.transition_prompt_field='prompt'.*empty string"):
         slogan_data(num_generations=2, num_turns=2, transition=COMLRL_DOCS)
 
 
@@ -297,8 +297,8 @@ def test_skip_mode_fills_a_nan_with_its_node_mean(tiny_agents):
 
 
 def test_on_reward_error_config():
-    with pytest.raises(ConfigError, match=r"data\.on_reward_error='ignore'"):
-        slogan_data(on_reward_error="ignore")
+    with pytest.raises(ConfigError, match=r"data\.reward_calls\.on_reward_error='ignore'"):
+        slogan_data(reward_calls={"on_reward_error": "ignore"})
 
 
 # --------------------------------------------------------------------------- per-agent rewards
