@@ -110,6 +110,15 @@ def build_tree(
     engine = engine or make_engine("auto")
     combos = joint_indices(len(agents), settings.num_generations, settings.joint_mode)
     nodes = [_Node(t, state) for t, state in enumerate(env.reset(tasks))]
+    try:
+        return _grow(agents, tasks, env, settings, engine, combos, nodes)
+    finally:  # what is still open (after an error): a game's states hold processes and workspaces
+        env.release([node.state for node in nodes])
+
+
+def _grow(agents, tasks, env: Env, settings: TreeSettings, engine: Engine, combos, nodes: list[_Node]) -> RolloutBatch:
+    """The tree's turns from its ``nodes`` (the roots): each node's state is released once its
+    joint actions stepped their own copies of it, a branch's last state once it ended."""
     tally = _Tally(completions=[[] for _ in agents], prompts=[[] for _ in agents])
     prefill = prefill_counts(engine)
     levels: list[_Level] = []
@@ -133,7 +142,8 @@ def build_tree(
         # a response without its end token hit max_new_tokens
         tally.truncated += sum(int((~(g.completion_ids == a.eos_token_id).any(-1)).sum()) for a, g in zip(agents, gens))
         tally.responses += len(agents) * len(nodes) * settings.num_generations
-        nodes = next_nodes
+        env.release([node.state for node in nodes])
+        nodes[:] = next_nodes  # in place: build_tree releases what is open if a turn raises
         if not nodes:
             break
     tally.stats.update(prefill_stats(engine, prefill))
@@ -191,7 +201,16 @@ def _step(env: Env, nodes, texts, combos, turn, settings: TreeSettings, tally: _
     for i in range(N):
         tally.completions[i] += [a[i] for a in actions]
         tally.prompts[i] += [parent.observations[i] for parent in parents]
-    rewards = neutral_fill(steps.rewards.reshape(len(nodes), J, N))
+    rewards = neutral_fill(steps.rewards.reshape(len(nodes), J, N)).clone()
+    halted = stopped(rewards)
+    ended = [s for s in range(len(states)) if last or halted[s // J] or steps.done[s]]
+    cut = [s for s in ended if not steps.done[s]]  # the rollout ended them: the env may score them now
+    for s, ending in zip(cut, env.end([states[s] for s in cut])):
+        if ending is not None:  # a game that scores on submit, a sparse outcome at an early stop
+            rewards[s // J, s % J] = torch.tensor(ending.rewards, dtype=rewards.dtype)
+            if steps.success is not None:
+                steps.success[s] = float(bool(ending.info.get("won", False)))
+    env.release([states[s] for s in ended])
     for key, value in steps.metrics.items():
         tally.add(key, value * len(nodes) * J)
         tally.turn_metrics[f"turn_{turn}/{key}"] = value
@@ -199,7 +218,6 @@ def _step(env: Env, nodes, texts, combos, turn, settings: TreeSettings, tally: _
     for key, seconds in steps.seconds.items():
         tally.stats[f"perf/{key}"] = tally.stats.get(f"perf/{key}", 0.0) + seconds
     tally.add(f"turn_{turn}/reward", float(rewards.mean(dim=2).sum()))
-    halted = stopped(rewards)
     if not last:
         tally.branching += len(nodes)
         tally.stopped += int(halted.sum())

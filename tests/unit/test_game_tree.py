@@ -130,6 +130,32 @@ def test_a_game_step_returns_its_rewards_and_end_pays_the_cut_turn(density):
     assert played.rewards.tolist() == ([[1.0, 1.0]] if density == "sparse" else [[1.125, 1.125]])
 
 
+class CountedGames(Counter):
+    """``Counter`` that counts the games started and closed (each branch replays into a fresh one)."""
+
+    opened = closed = 0
+
+    def start(self, task):
+        CountedGames.opened += 1
+        return super().start(task)
+
+    def close(self):
+        CountedGames.closed += 1
+
+
+def test_a_tree_over_a_game_scores_the_branches_it_cuts_and_releases_every_state(tiny_agents):
+    """Two turns of a game that scores on ``finish`` (as SWE scores on submit): the last turn's
+    branches are ended by the rollout, so ``end`` scores them (sparse: the outcome, won); every game
+    the tree started (roots, branches) is closed by the time it returns."""
+    CountedGames.opened = CountedGames.closed = 0
+    settings = TreeSettings(num_generations=2, num_turns=2, max_new_tokens=2)
+    batch = build_tree(tiny_agents, [{}, {}], CountedGames(), settings, engine=RecordingEngine())
+    first, second = batch.turn_rewards
+    assert first.tolist() == [0.0] * 4 and second.tolist() == [1.0] * 8  # 2 tasks x 2, then x 2 again
+    assert CountedGames.opened > 0 and CountedGames.closed == CountedGames.opened
+    assert batch.leaf_success.tolist() == [1.0] * 8
+
+
 def test_the_data_module_hands_its_reward_rule_to_the_game(tmp_path):
     (tmp_path / "tasks.jsonl").write_text('{"length": 3, "key_room": 1}\n')
     data = RolloutDataModule(
