@@ -241,26 +241,30 @@ def _leaves(tree, prefix: str = "") -> dict:
     return out
 
 
+def _config_leaves(argv: list[str]) -> list[tuple[str, dict]]:
+    """Each ``--config`` file of ``argv``, in order, with its settings as ``{dotted.key: value}``."""
+    out = []
+    for i, token in enumerate(argv[:-1]):
+        if token == "--config" and os.path.isfile(argv[i + 1]):
+            with open(argv[i + 1]) as f:
+                out.append((argv[i + 1], _leaves(yaml.safe_load(f) or {})))
+    return out
+
+
 def _refuse_moved_settings(args: list[str] | None) -> None:
     """A setting given under the key it had before it moved into a group (in a ``--config`` file or
     on the command line) stops the run naming its new key, before jsonargparse's generic report."""
     argv = list(sys.argv[1:] if args is None else args)
-    for i, token in enumerate(argv[:-1]):
-        if token == "--config" and os.path.isfile(argv[i + 1]):
-            with open(argv[i + 1]) as f:
-                refuse_moved(_leaves(yaml.safe_load(f) or {}), argv[i + 1])
+    for path, leaves in _config_leaves(argv):
+        refuse_moved(leaves, path)
     refuse_moved((t[2:].split("=")[0] for t in argv if t.startswith("--")), "the command line")
 
 
 def _say_overridden(args: list[str] | None) -> None:
     """A later ``--config`` that replaces a value an earlier one set (a parity preset over a ported
     script's own setting) is said on stderr, naming both files: nothing is replaced silently."""
-    argv = list(sys.argv[1:] if args is None else args)
-    files = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config" and os.path.isfile(argv[i + 1])]
     seen: dict[str, tuple[object, str]] = {}
-    for path in files:
-        with open(path) as f:
-            leaves = _leaves(yaml.safe_load(f) or {})
+    for path, leaves in _config_leaves(list(sys.argv[1:] if args is None else args)):
         for key, value in leaves.items():
             if key in seen and seen[key][0] != value:
                 before, where = seen[key]
