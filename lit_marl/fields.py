@@ -128,16 +128,17 @@ def _name(member) -> str:
 # ---------------------------------------------------------------------------- settings that moved
 # A setting moved into its group keeps its name there; its old key is refused with the new one named
 # (``docs/config.md``, "Moved settings", is generated from this table).
-MOVED = {
-    f"data.{name}": f"data.reward_calls.{name}"
-    for name in (
+_GROUPS = {
+    "data.reward_calls": (
         "on_reward_error",
         "reward_timeout_s",
         "transition_timeout_s",
         "transition_prompt_field",
         "max_skipped_steps",
-    )
+    ),
+    "data.sampling": ("max_new_tokens", "temperature", "top_p", "top_k"),
 }
+MOVED = {f"{group.split('.')[0]}.{name}": f"{group}.{name}" for group, names in _GROUPS.items() for name in names}
 
 
 def plain_key(key: str) -> str:
@@ -167,3 +168,41 @@ def regroup_moved(section: str, settings: dict) -> dict:
             value = out.pop(name)
             out[group] = {**(out.get(group) or {}), field: value}
     return out
+
+
+def ungroup_moved(section: str, settings: dict) -> dict:
+    """``regroup_moved`` undone: ``settings`` of one section with each moved setting under its name
+    before the move. For identities computed from settings (a grid's cell and stage names), which
+    must not change when a setting only moves into a group."""
+    out = dict(settings)
+    for old, new in MOVED.items():
+        head, name = old.split(".", 1)
+        group, field = new.split(".")[1:]
+        if head == section and isinstance(out.get(group), dict) and field in out[group]:
+            rest = dict(out[group])
+            out[name] = rest.pop(field)
+            if rest:
+                out[group] = rest
+            else:
+                del out[group]
+    return out
+
+
+def current_key(key: str) -> str:
+    """A dotted config key written as today: a moved setting's old key as its new one
+    (``data.init_args.top_k`` -> ``data.init_args.sampling.top_k``); any other key as it is."""
+    after = MOVED.get(plain_key(key))
+    if after is None:
+        return key
+    head, rest = after.split(".", 1)
+    return f"{head}.init_args.{rest}" if ".init_args." in key else after
+
+
+def pre_move_key(key: str) -> str:
+    """A dotted config key written as before its setting moved (``data.init_args.sampling.top_k`` ->
+    ``data.init_args.top_k``); any other key as it is."""
+    before = {new: old for old, new in MOVED.items()}.get(plain_key(key))
+    if before is None:
+        return key
+    head, name = before.split(".", 1)
+    return f"{head}.init_args.{name}" if ".init_args." in key else before

@@ -44,7 +44,7 @@ def slogan_data(**overrides):
         reward_fn="lit_marl.envs.slogan:reward",
         tasks_per_step=2,
         num_generations=4,
-        max_new_tokens=8,
+        sampling={"max_new_tokens": 8},
         eval_tasks_per_step=16,
     )
     kwargs.update(overrides)
@@ -183,7 +183,7 @@ def comlrl_docs_transition(
 
 def two_turn_data(**overrides):
     """Two-turn single-trajectory slogan trees (one response per node): what IAC/MAAC learn from."""
-    kwargs = dict(num_generations=1, num_turns=2, transition=PLAIN, max_new_tokens=12, tasks_per_step=3)
+    kwargs = dict(num_generations=1, num_turns=2, transition=PLAIN, sampling={"max_new_tokens": 12}, tasks_per_step=3)
     kwargs.update(overrides)
     return slogan_data(**kwargs)
 

@@ -22,15 +22,8 @@ from lit_marl.envs.base import Env, FunctionEnv, TextEnv
 from lit_marl.envs.calls import CallSettings
 from lit_marl.envs.game import Game, RewardRule
 from lit_marl.envs.sources import resolve_demo_source
-from lit_marl.fields import (
-    NonNegativeInt,
-    PositiveFloat,
-    PositiveInt,
-    UnitIntervalLeftOpen,
-    UnitIntervalRightOpen,
-    check_fields,
-)
-from lit_marl.generation import make_engine
+from lit_marl.fields import PositiveInt, UnitIntervalRightOpen, check_fields
+from lit_marl.generation import Sampling, make_engine
 from lit_marl.metrics import EvalMeans, PassAtK
 from lit_marl.rollout.demos import load_demos, render_demos
 from lit_marl.rollout.settings import RolloutSettings
@@ -90,11 +83,9 @@ class TaskDataModule(L.LightningDataModule):
         tasks_per_step: Tasks per training step (tree roots, or episode starts).
         num_generations: Samples G per group: the responses each agent samples at every tree node, or the
             episodes per task from the same start (GRPO/RLOO groups; 1 for PPO).
-        max_new_tokens: Generation budget per response.
-        temperature: Sampling temperature for training rollouts (evaluation is greedy).
-        top_p: Nucleus sampling for training rollouts.
-        top_k: Top-k sampling for training rollouts: only the k most likely tokens are sampled (applied
-            before ``top_p``, as transformers does); null or 0: off.
+        sampling: How each reply is sampled, one group every engine reads (``generation.Sampling``):
+            ``max_new_tokens`` (the budget of a reply), ``temperature``, ``top_p``, ``top_k`` (null or 0:
+            off) of training rollouts; evaluation decodes greedily with the same budget.
         eval_tasks_per_step: Tasks per batch in validation/test (greedy, one response each).
         seed: Seed of the task order.
         engine: What generates: ``auto`` (default: the lean ``torch`` decoder for Llama/Qwen2 models,
@@ -141,10 +132,7 @@ class TaskDataModule(L.LightningDataModule):
         val_path: str | None = None,
         tasks_per_step: PositiveInt = 4,
         num_generations: PositiveInt = 4,
-        max_new_tokens: PositiveInt = 64,
-        temperature: PositiveFloat = 1.0,
-        top_p: UnitIntervalLeftOpen = 1.0,
-        top_k: NonNegativeInt | None = None,
+        sampling: Sampling = Sampling(),
         eval_tasks_per_step: PositiveInt = 16,
         seed: int = 0,
         engine: str = "auto",
@@ -157,8 +145,6 @@ class TaskDataModule(L.LightningDataModule):
         reward_calls: CallSettings = CallSettings(),
     ):
         super().__init__()
-        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
-            raise ConfigError(f"data.top_k={top_k!r}: must be a positive integer k (0 or null: off)")
         check_fields("data", TaskDataModule.__init__, locals())
         self.reward_rule = RewardRule(reward_density, score_weight)  # checks the two settings
         given = {"env": env, "reward_fn": reward_fn, "transition": transition}  # objects (Python API): not saved
@@ -168,8 +154,10 @@ class TaskDataModule(L.LightningDataModule):
         self.engine = build_engine(engine, engine_options)
         text = (agent_prompts, reward_fn, transition, transition_kwargs, batched_transition)
         self.env = self.train_env = build_env(env, env_kwargs, *text)
+        self.sampling = Sampling(**sampling) if isinstance(sampling, dict) else sampling
         self.call_settings = CallSettings(**reward_calls) if isinstance(reward_calls, dict) else reward_calls
-        self.hparams["reward_calls"] = asdict(self.call_settings)  # plain values: checkpoints load weights_only
+        for name, group in (("sampling", self.sampling), ("reward_calls", self.call_settings)):
+            self.hparams[name] = asdict(group)  # plain values: checkpoints load weights_only
         self.configure_envs(self.env)
         self._skipped_steps = 0
         env_name = env if isinstance(env, str) else type(self.env).__qualname__

@@ -13,6 +13,7 @@ from helpers import cli_fit, make_trainer, snapshot, tree_from_functions, two_tu
 from lit_marl import ConfigError
 from lit_marl.algorithms import IAC, MAAC
 from lit_marl.algorithms.critics import CriticInputs, critic_inputs, joint_critic_inputs, read_positions
+from lit_marl.generation import Sampling
 from lit_marl.returns import td_targets
 from lit_marl.rollout.batch import AgentSamples
 from lit_marl.rollout.transitions import plain
@@ -34,7 +35,7 @@ def test_single_trajectory_rollout_links_turns_and_keeps_rewards(tiny_agents):
         [["a", "b"]] * 3,
         reward,
         num_generations=1,
-        max_new_tokens=4,
+        sampling=Sampling(max_new_tokens=4),
         num_turns=3,
         transition=plain,
         early_termination_threshold=0.9,

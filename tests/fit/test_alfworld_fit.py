@@ -23,7 +23,7 @@ def data_module(**kwargs):
         env="alfworld",
         tasks_per_step=2,
         max_turns=3,
-        max_new_tokens=6,
+        sampling={"max_new_tokens": 6},
         max_context_tokens=4096,
         reward_density="dense",
     )

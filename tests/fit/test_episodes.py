@@ -19,6 +19,7 @@ from lit_marl.envs import make_env
 from lit_marl.envs.base import REGISTRY, register
 from lit_marl.envs.corridor import expert_actions, parse_command
 from lit_marl.envs.game import Game, StepResult
+from lit_marl.generation import Sampling
 from lit_marl.models import cache_dir
 from lit_marl.returns import anchor_groups
 from lit_marl.rollout.episode import EpisodeSettings, run_episodes
@@ -124,7 +125,7 @@ def test_training_ids_are_exactly_what_generation_saw_and_produced(agent):
     engine = RecordingEngine()
     torch.manual_seed(0)
     tasks = [{"length": 5, "key_room": 3}, {"length": 6, "key_room": 2}]
-    settings = EpisodeSettings(group_size=1, max_turns=3, max_new_tokens=6)
+    settings = EpisodeSettings(group_size=1, max_turns=3, sampling=Sampling(max_new_tokens=6))
     (batch,) = run_episodes([agent], tasks, make_env("corridor"), settings, engine=engine)
     calls = [(prompts, out) for _, prompts, out in engine.calls]
     assert len(calls) == 3 and batch.num_turns.tolist() == [3, 3]
@@ -153,7 +154,7 @@ def test_training_ids_are_exactly_what_generation_saw_and_produced(agent):
 
 def test_reply_cut_by_the_budget_is_closed_by_the_next_segment(agent):
     torch.manual_seed(1)
-    settings = EpisodeSettings(max_turns=2, max_new_tokens=3)
+    settings = EpisodeSettings(max_turns=2, sampling=Sampling(max_new_tokens=3))
     (batch,) = run_episodes([agent], [{"length": 4, "key_room": 2}], make_env("corridor"), settings)
     ids = batch.input_ids[0].tolist()
     end = int(batch.end_positions[0, 0])
@@ -172,8 +173,8 @@ def letter_count_data(**overrides) -> EpisodeDataModule:
 def test_data_top_k_reaches_the_episodes(agent):
     """``data.top_k`` through the episode settings to the engine: with top-k 1 every sampled episode
     plays the greedy one (the tiny model's distribution is near uniform: without it none would)."""
-    data = letter_count_data(max_turns=2, max_new_tokens=5, num_generations=2, top_k=1)
-    assert data.episode.top_k == 1
+    data = letter_count_data(max_turns=2, sampling={"max_new_tokens": 5, "top_k": 1}, num_generations=2)
+    assert data.episode.sampling.top_k == 1
     (sampled,) = data.rollout([agent], [{"task_id": "t"}], greedy=False)
     (greedy,) = data.rollout([agent], [{"task_id": "t"}], greedy=True)
     width = greedy.input_ids.shape[1]
@@ -184,20 +185,20 @@ def test_data_top_k_reaches_the_episodes(agent):
 def test_context_budget_truncates_and_keeps_the_reward(agent):
     torch.manual_seed(0)
     start = len(agent.encode_prompt(make_env("letter-count").start({"task_id": "t"})[0]))
-    data = letter_count_data(max_turns=5, max_new_tokens=8, max_context_tokens=start + 30)
+    data = letter_count_data(max_turns=5, sampling={"max_new_tokens": 8}, max_context_tokens=start + 30)
     (batch,) = data.rollout([agent], [{"task_id": "t"}], greedy=False)
     assert batch.truncated.all() and int(batch.num_turns[0]) < 5
     assert int(batch.attention_mask.sum()) <= start + 30
     played = int(batch.num_turns[0])  # the turns it played keep their rewards
     assert torch.allclose(batch.rewards[0, :played].sum(), batch.scores[0, played - 1] * 0.5 / 9)
     with pytest.raises(ValueError, match="leaves no room for a reply"):
-        settings = EpisodeSettings(max_new_tokens=8, max_context_tokens=start)
+        settings = EpisodeSettings(sampling=Sampling(max_new_tokens=8), max_context_tokens=start)
         run_episodes([agent], [{"task_id": "t"}], make_env("letter-count"), settings)
 
 
 def test_token_rewards_sit_on_each_turns_end_token(agent):
     torch.manual_seed(0)
-    data = letter_count_data(max_turns=3, max_new_tokens=6)
+    data = letter_count_data(max_turns=3, sampling={"max_new_tokens": 6})
     (batch,) = data.rollout([agent], [{"task_id": "a"}, {"task_id": "b"}], greedy=False)
     placed = batch.token_rewards(batch.rewards)
     for b in range(2):
@@ -218,8 +219,7 @@ def _fit(tmp_path, module, env, num_generations, precision="32-true", **data_kwa
         tasks_per_step=2,
         num_generations=num_generations,
         max_turns=3,
-        max_new_tokens=6,
-        temperature=1.5,
+        sampling={"max_new_tokens": 6, "temperature": 1.5},
         **data_kwargs,
     )
     trainer = make_trainer(tmp_path, limit_train_batches=1, limit_val_batches=0, precision=precision)
@@ -301,7 +301,10 @@ def test_group_algorithms_need_groups(tmp_path):
 def test_episode_data_errors():
     with pytest.raises(ConfigError, match=r"data\.max_context_tokens=8"):
         EpisodeDataModule(
-            train_path=str(CORRIDOR / "train.jsonl"), env="corridor", max_new_tokens=8, max_context_tokens=8
+            train_path=str(CORRIDOR / "train.jsonl"),
+            env="corridor",
+            sampling={"max_new_tokens": 8},
+            max_context_tokens=8,
         )
     with pytest.raises(ConfigError, match=r"data\.score_weight=1\.0"):
         EpisodeDataModule(train_path=str(CORRIDOR / "train.jsonl"), env="corridor", score_weight=1.0)
@@ -323,7 +326,7 @@ def test_episode_configs_run_from_the_cli(tmp_path, monkeypatch, config):
 def test_each_agent_has_its_own_sequence(agent):
     torch.manual_seed(0)
     other = Agent("tiny-random")
-    settings = EpisodeSettings(group_size=2, max_turns=3, max_new_tokens=5)
+    settings = EpisodeSettings(group_size=2, max_turns=3, sampling=Sampling(max_new_tokens=5))
     batches = run_episodes([agent, other], [{"task_id": "t"}], make_env("two-letters"), settings)
     assert len(batches) == 2
     texts = [agent.tokenizer.decode(b.input_ids[0][b.attention_mask[0].bool()]) for b in batches]
@@ -359,7 +362,7 @@ def test_episode_held_out_evaluation(agent):
         env="corridor",
         val_path=str(CORRIDOR / "heldout.jsonl"),
         max_turns=2,
-        max_new_tokens=4,
+        sampling={"max_new_tokens": 4},
         eval_tasks_per_step=4,
     )
     results = data.evaluate([agent])
@@ -379,7 +382,7 @@ def test_episodes_record_anchor_states(agent):
         ["east", "take key", "take key"],  # turn 2
     ]
     task = {"length": 4, "key_room": 2, "pit": True, "max_steps": 12}
-    settings = EpisodeSettings(group_size=4, max_turns=3, max_new_tokens=4, anchor="state")
+    settings = EpisodeSettings(group_size=4, max_turns=3, sampling=Sampling(max_new_tokens=4), anchor="state")
     play = lambda s: run_episodes([agent], [task], make_env("corridor"), s, engine=ScriptedEngine(script))[0]  # noqa: E731
     batch = play(settings)
     a = batch.anchors

@@ -20,7 +20,7 @@ spec.loader.exec_module(ablation)
 TINY = [
     "model.init_args.model=tiny-random",
     "model.init_args.lora=null",
-    "data.init_args.max_new_tokens=6",
+    "data.init_args.sampling.max_new_tokens=6",
     "data.init_args.max_turns=3",
     "data.init_args.tasks_per_step=2",
 ]

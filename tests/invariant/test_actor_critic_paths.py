@@ -9,6 +9,7 @@ import torch
 
 from helpers import make_trainer, snapshot, tree_from_functions, two_turn_data
 from lit_marl.algorithms import IAC, MAAC
+from lit_marl.generation import Sampling
 
 
 @pytest.mark.parametrize(
@@ -68,7 +69,7 @@ def test_ppo_form_at_the_first_step_has_the_ratio_free_gradient(tiny_agents):
         [["a", "b"], ["c", "d"]],
         lambda agent_completions, tasks: [0.0] * len(tasks),
         1,
-        max_new_tokens=6,
+        sampling=Sampling(max_new_tokens=6),
     )
     samples = batch.agents[0]
     gradients = {}

@@ -105,8 +105,7 @@ def test_value_loss_coef_weighs_a_mean_over_value_positions_in_both_gae_modes(tm
         tasks_per_step=3,
         num_generations=1,
         max_turns=3,
-        max_new_tokens=6,
-        temperature=1.5,
+        sampling={"max_new_tokens": 6, "temperature": 1.5},
         reward_density="dense",
     )
     make_trainer(tmp_path, limit_train_batches=1, limit_val_batches=0, logger=False).fit(module, datamodule=data)

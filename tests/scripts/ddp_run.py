@@ -49,7 +49,7 @@ def data_kwargs(algorithm: str, tasks_per_step: int) -> dict:
         num_generations=generations,
         num_turns=2,
         transition="lit_marl.rollout.transitions:plain",
-        max_new_tokens=10,
+        sampling={"max_new_tokens": 10},
         tasks_per_step=tasks_per_step,
         early_termination_threshold=0.99,
     )
@@ -151,7 +151,7 @@ def main() -> None:
     if args.sample:
         # each rank decodes its own number of tokens (the random model seldom ends a response early)
         rank = int(os.environ.get("LOCAL_RANK", 0))
-        data = RolloutDataModule(**{**hparams, "max_new_tokens": 6 + 6 * rank})
+        data = RolloutDataModule(**{**hparams, "sampling": {"max_new_tokens": 6 + 6 * rank}})
     else:
         data = Replay(**hparams)
         data.rollouts = torch.load(args.out.parent / "rollouts.pt")

@@ -174,7 +174,7 @@ def test_a_checkpointed_fit_trains_as_the_plain_one(tmp_path):
         counting = lambda *_, k=checkpointing, f=in_backward: calls.__setitem__(k, calls.get(k, 0) + f[0])  # noqa: E731
         attention.register_forward_hook(counting)
         trainer = make_trainer(tmp_path / str(checkpointing), limit_train_batches=1, limit_val_batches=0)
-        trainer.fit(module, datamodule=slogan_data(max_new_tokens=16))
+        trainer.fit(module, datamodule=slogan_data(sampling={"max_new_tokens": 16}))
         assert all(torch.isfinite(v) for k, v in trainer.callback_metrics.items() if "loss" in k)
         for agent, old in zip(module.agents, before):
             assert any(not torch.equal(p.detach(), old[n]) for n, p in agent.model.named_parameters())

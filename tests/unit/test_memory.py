@@ -11,6 +11,7 @@ from helpers import make_trainer, slogan_data
 from lit_marl import ConfigError
 from lit_marl.activations import _saved_bytes, activation_profile, update_pass_bytes
 from lit_marl.algorithms import MAGRPO
+from lit_marl.generation import Sampling
 from lit_marl.memory import GiB, kv_cache_bytes, plan, weight_parts
 from lit_marl.models import load_model_and_tokenizer
 
@@ -183,7 +184,7 @@ def test_an_episode_pass_holds_its_longest_row_and_scores_the_agents_tokens():
 
     module = PPO(model="tiny-random", forward_token_budget=512, forward_batch_size=2)
     module.configure_model()
-    episode = EpisodeSettings(max_turns=3, max_new_tokens=8, max_context_tokens=1024)
+    episode = EpisodeSettings(max_turns=3, sampling=Sampling(max_new_tokens=8), max_context_tokens=1024)
     rollout = RolloutSettings("episodes", 1, 4, 1, make_engine("torch"), episode=episode)
     profile = activation_profile(module.model_of(0), None)
     notes = []
