@@ -126,19 +126,25 @@ def _name(member) -> str:
 
 
 # ---------------------------------------------------------------------------- settings that moved
-# A setting moved into its group keeps its name there; its old key is refused with the new one named
-# (``docs/config.md``, "Moved settings", is generated from this table).
+# A setting moved into its group keeps its name there unless the group's name says it (``demo_path`` is
+# ``demos.path``); its old key is refused with the new one named (``docs/config.md``, "Moved settings",
+# is generated from this table). Per group: its fields, each with its name before the move.
 _GROUPS = {
-    "data.reward_calls": (
-        "on_reward_error",
-        "reward_timeout_s",
-        "transition_timeout_s",
-        "transition_prompt_field",
-        "max_skipped_steps",
-    ),
-    "data.sampling": ("max_new_tokens", "temperature", "top_p", "top_k"),
+    "data.reward_calls": {
+        "on_reward_error": "on_reward_error",
+        "reward_timeout_s": "reward_timeout_s",
+        "transition_timeout_s": "transition_timeout_s",
+        "transition_prompt_field": "transition_prompt_field",
+        "max_skipped_steps": "max_skipped_steps",
+    },
+    "data.sampling": {name: name for name in ("max_new_tokens", "temperature", "top_p", "top_k")},
+    "data.demos": {"path": "demo_path", "batch_size": "demo_batch_size", "loss_on": "demo_loss_on"},
 }
-MOVED = {f"{group.split('.')[0]}.{name}": f"{group}.{name}" for group, names in _GROUPS.items() for name in names}
+MOVED = {
+    f"{group.split('.')[0]}.{old}": f"{group}.{field}"
+    for group, fields in _GROUPS.items()
+    for field, old in fields.items()
+}
 
 
 def plain_key(key: str) -> str:

@@ -127,12 +127,8 @@ def cell_config(args, algorithm: str, density: str, split: str, train: str, seed
     config = yaml.safe_load(base.read_text())
     demos, _ = budget(args, split)
     data = config["data"]["init_args"]
-    data.update(
-        train_path=game_set(args.env, train, "train", args.train_games),
-        val_path=None,
-        reward_density=density,
-        demo_path=game_set(args.env, train, "validation", demos) if demos else None,
-    )
+    data.update(train_path=game_set(args.env, train, "train", args.train_games), val_path=None, reward_density=density)
+    data["demos"] = {**data.get("demos", {}), "path": game_set(args.env, train, "validation", demos) if demos else None}
     trainer = config["trainer"]
     trainer.update(max_epochs=-1, limit_train_batches=None, limit_val_batches=0, check_val_every_n_epoch=None)
     trainer["logger"] = {
@@ -322,7 +318,7 @@ def run_after_shared_sft(args, key: dict, config: dict, out: Path) -> list[dict]
     after = [{**row, **key, "demos": demos, "train_s": sft_s, "sft_stage": stage.name} for row in sft_rows]
     if not episodes:  # SFT only: the end is where SFT left it
         return after + [{**row, "stage": "end"} for row in after]
-    config["data"]["init_args"]["demo_path"] = None
+    config["data"]["init_args"]["demos"]["path"] = None
     config["trainer"]["callbacks"] = [
         {"class_path": "lit_marl.callbacks.InitialWeights", "init_args": {"path": str(stage / "export")}},
         {"class_path": "lit_marl.callbacks.PhaseSwitch", "init_args": {"budget": episodes, "split": "0:1"}},

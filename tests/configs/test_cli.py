@@ -60,13 +60,15 @@ def small_game_sets(config: str) -> list[str]:
     (an hour, with downloads): its configs resolve the bundled SWE instances in its place."""
     data = yaml.safe_load((REPO_ROOT / config).read_text())["data"]["init_args"]
     out = []
-    for key in ("train_path", "val_path", "demo_path"):
-        source = data.get(key) or ""
+    sources = {"train_path": data.get("train_path"), "val_path": data.get("val_path")}
+    sources["demos.path"] = (data.get("demos") or {}).get("path")
+    for key, source in sources.items():
+        source = source or ""
         if source.startswith(("textworld:", "alfworld:")) and source.rsplit(":", 1)[-1].isdigit():
             out += [f"--data.{key}", source.rsplit(":", 1)[0] + ":1"]
         if source.startswith("swe:pypi:"):
             out += [f"--data.{key}", "swe:bundled:" + source.split(":")[2]]
-    if "--data.demo_path" in out and data.get("env") == "swe":  # bundled fixes have 2 hunks: 2 views, 2 edits
+    if "--data.demos.path" in out and data.get("env") == "swe":  # bundled fixes have 2 hunks: 2 views, 2 edits
         out += ["--data.env_kwargs", json.dumps({**data["env_kwargs"], "max_steps": 6})]
     return out
 
@@ -81,7 +83,7 @@ def test_small_game_sets_keep_the_set_and_shrink_the_count():
     assert small_game_sets("configs/textworld/sft_ppo_cpu.yaml") == [
         "--data.train_path", "textworld:w2-o3-q4:train:1",
         "--data.val_path", "textworld:w2-o3-q4:test:1",
-        "--data.demo_path", "textworld:w2-o3-q4:validation:1",
+        "--data.demos.path", "textworld:w2-o3-q4:validation:1",
     ]  # fmt: skip
     assert small_game_sets("configs/quickstart.yaml") == []
 

@@ -151,8 +151,8 @@ def test_rl_start_after_sft_and_refused_without_a_kl_term(tmp_path):
 
     corridor = REPO_ROOT / "data" / "corridor"
     data = lambda: EpisodeDataModule(  # noqa: E731
-        train_path=str(corridor / "train.jsonl"), env="corridor", demo_path=str(corridor / "demos.jsonl"),
-        demo_batch_size=4, tasks_per_step=2, max_turns=2, sampling={"max_new_tokens": 4},
+        train_path=str(corridor / "train.jsonl"), env="corridor", tasks_per_step=2, max_turns=2,
+        demos={"path": str(corridor / "demos.jsonl"), "batch_size": 4}, sampling={"max_new_tokens": 4},
     )  # fmt: skip
     seen = {}
 

@@ -81,8 +81,7 @@ def main() -> None:
     data = RecordingData(
         train_path=str(corridor / "train.jsonl"),
         env="corridor",
-        demo_path=demo_file(corridor / "demos.jsonl", args),
-        demo_batch_size=4,
+        demos={"path": demo_file(corridor / "demos.jsonl", args), "batch_size": 4},
         tasks_per_step=4,
         num_generations=1,
         max_turns=3,
