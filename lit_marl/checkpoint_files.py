@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from lit_marl import ConfigError
+from lit_marl.fields import regroup_moved
 
 SUFFIX = ".sha256"
 
@@ -130,11 +131,11 @@ def configured_settings_win(
     each parameter group's ``lr`` and ``weight_decay`` with the optimizer state, so a group still
     at the checkpoint's setting gets the configured one (a group another schedule set, e.g.
     PhaseSwitch's SFT rate, keeps its value)."""
-    saved = checkpoint.get("hyper_parameters") or {}
+    saved = regroup_moved("model", checkpoint.get("hyper_parameters") or {})
     if "learning_rate" not in saved:
         return
     old_lr = saved["learning_rate"]
-    old = {"policy": old_lr, "critic": saved.get("critic_learning_rate") or old_lr}
+    old = {"policy": old_lr, "critic": (saved.get("critic") or {}).get("learning_rate") or old_lr}
     new = {"policy": learning_rate, "critic": critic_learning_rate}
     old_decay = saved.get("weight_decay", 0.0)
     for state in checkpoint.get("optimizer_states", []):

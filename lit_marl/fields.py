@@ -139,6 +139,30 @@ _GROUPS = {
     },
     "data.sampling": {name: name for name in ("max_new_tokens", "temperature", "top_p", "top_k")},
     "data.demos": {"path": "demo_path", "batch_size": "demo_batch_size", "loss_on": "demo_loss_on"},
+    "model.update": {
+        name: name
+        for name in (
+            "ppo_epochs",
+            "train_batch_size",
+            "clip_range",
+            "dual_clip",
+            "target_kl",
+            "entropy_coef",
+            "logprob_reduction",
+            "rollout_is_cap",
+            "skip_signalless_steps",
+        )
+    },
+    "model.buffer": {"size": "rollout_buffer_size", "schedule": "update_schedule"},
+    "model.critic": {
+        "kind": "critic",
+        "model": "critic_model",
+        "type": "critic_type",
+        "learning_rate": "critic_learning_rate",
+        "value_loss_coef": "value_loss_coef",
+        "value_clip_range": "value_clip_range",
+        "warmup": "critic_warmup",
+    },
 }
 MOVED = {
     f"{group.split('.')[0]}.{old}": f"{group}.{field}"
@@ -169,7 +193,7 @@ def regroup_moved(section: str, settings: dict) -> dict:
     out = dict(settings)
     for old, new in MOVED.items():
         head, name = old.split(".", 1)
-        if head == section and name in out:
+        if head == section and name in out and not isinstance(out[name], dict):  # a dict: the group itself
             group, field = new.split(".")[1:]
             value = out.pop(name)
             out[group] = {**(out.get(group) or {}), field: value}
@@ -180,18 +204,18 @@ def ungroup_moved(section: str, settings: dict) -> dict:
     """``regroup_moved`` undone: ``settings`` of one section with each moved setting under its name
     before the move. For identities computed from settings (a grid's cell and stage names), which
     must not change when a setting only moves into a group."""
-    out = dict(settings)
+    out, named_as_group = dict(settings), {}  # a setting named as its group (``critic``) is put back last
     for old, new in MOVED.items():
         head, name = old.split(".", 1)
         group, field = new.split(".")[1:]
         if head == section and isinstance(out.get(group), dict) and field in out[group]:
             rest = dict(out[group])
-            out[name] = rest.pop(field)
+            (named_as_group if name == group else out)[name] = rest.pop(field)
             if rest:
                 out[group] = rest
             else:
                 del out[group]
-    return out
+    return {**out, **named_as_group}
 
 
 def current_key(key: str) -> str:

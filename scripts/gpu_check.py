@@ -87,7 +87,7 @@ def ppo_step(out: Path, model: str, device: str, tasks: int = 16, turns: int = 6
     L.seed_everything(0)
     module = PPO(
         model=model,
-        critic="model",
+        critic={"kind": "model"},
         activation_checkpointing=True,
         forward_token_budget=4096,
         weights_dtype="bfloat16",

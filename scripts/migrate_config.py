@@ -37,7 +37,8 @@ def moved_lines(lines: list[str]) -> list[tuple[int, str, str, str]]:
         while stack and stack[-1][0] >= indent:
             stack.pop()
         path = plain_key(".".join([k for _, k in stack] + [key]))
-        if path in MOVED:
+        value = rest.split(" #", 1)[0].strip()
+        if path in MOVED and value and not value.startswith("{"):  # a value, not the group's own mapping
             out.append((i, match.group(1), path, rest))
         stack.append((indent, key))
     return out

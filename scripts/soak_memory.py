@@ -47,7 +47,7 @@ def main() -> None:
     args = parser.parse_args()
     L.seed_everything(0)
     if args.algorithm == "magrpo":
-        module = MAGRPO(model="tiny-random", learning_rate=1e-3, rollout_buffer_size=3)
+        module = MAGRPO(model="tiny-random", learning_rate=1e-3, buffer={"size": 3})
         data = slogan_data(num_generations=2, sampling={"max_new_tokens": 12}, tasks_per_step=2)
     else:
         module = IAC(model="tiny-random", learning_rate=1e-3)

@@ -17,7 +17,7 @@ sampling) -> Generation`` (``sampling``: the ``Sampling`` group, ``data.sampling
 
 Engines return token ids and the log-prob they computed for each sampled token. The log-probs a
 loss differentiates are always recomputed by the trainer's own forward (``lit_marl/logprobs.py``);
-the engine's are compared with them (logged) and, with ``model.rollout_is_cap``, weigh the policy
+the engine's are compared with them (logged) and, with ``model.update.rollout_is_cap``, weigh the policy
 terms by truncated importance sampling (``losses.truncated_is_weights``).
 """
 

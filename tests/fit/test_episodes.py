@@ -239,7 +239,7 @@ def _fit(tmp_path, module, env, num_generations, precision="32-true", **data_kwa
     ],
 )
 def test_ppo_fit_moves_policy_and_critic(tmp_path, kwargs):
-    module = PPO(model="tiny-random", learning_rate=1e-2, ppo_epochs=2, **kwargs)
+    module = PPO(model="tiny-random", learning_rate=1e-2, update={"ppo_epochs": 2}, **kwargs)
     metrics, moved = _fit(tmp_path, module, "corridor", 1, reward_density="dense")
     for key in (
         "train/loss",
@@ -404,7 +404,9 @@ def test_critic_warmup_trains_the_critic_only(tmp_path, critic):
     (a value head learns on its features without moving them); the critic learns. The policy's
     AdamW does not step at all: weight decay would move its weights, and a step count advanced on
     zero gradients would shrink its first real updates (bias correction)."""
-    module = PPO(model="tiny-random", learning_rate=1e-2, weight_decay=0.1, critic=critic, critic_warmup=1, gae="turn")
+    module = PPO(
+        model="tiny-random", learning_rate=1e-2, weight_decay=0.1, critic={"kind": critic, "warmup": 1}, gae="turn"
+    )
     metrics, moved = _fit(tmp_path, module, "corridor", 1, reward_density="dense")
     assert not any(n.startswith("agents.") for n in moved), sorted(n for n in moved if n.startswith("agents."))[:3]
     assert any(n.startswith("value_heads.0.") for n in moved)
@@ -415,7 +417,7 @@ def test_critic_warmup_trains_the_critic_only(tmp_path, critic):
         if group["role"] == "policy":
             assert not stepped, f"{len(stepped)} policy tensors have AdamW state"
         else:
-            assert stepped and all(float(optimizer.state[p]["step"]) == module.ppo_epochs for p in stepped)
+            assert stepped and all(float(optimizer.state[p]["step"]) == module.update.ppo_epochs for p in stepped)
 
 
 class CountingGame(Game):
@@ -461,7 +463,7 @@ def test_grpo_skips_steps_without_signal_when_asked(tmp_path, skip):
     """skip_signalless_steps: a step whose groups all tied (sparse Corridor: the tiny model wins
     nothing) is not taken: AdamW keeps no state and counts no step; taken, AdamW steps on zero
     gradients (its momentum would carry an earlier step's direction on)."""
-    module = GRPO(model="tiny-random", learning_rate=1e-2, skip_signalless_steps=skip)
+    module = GRPO(model="tiny-random", learning_rate=1e-2, update={"skip_signalless_steps": skip})
     metrics, moved = _fit(tmp_path, module, "corridor", 2, reward_density="sparse")
     assert float(metrics["train/won"]) == 0.0 and not moved  # every group tied
     optimizers = module.optimizers()
@@ -472,10 +474,10 @@ def test_grpo_skips_steps_without_signal_when_asked(tmp_path, skip):
 
 
 def test_skip_signalless_steps_is_refused_where_every_step_has_a_gradient(tmp_path):
-    with pytest.raises(ConfigError, match="model.skip_signalless_steps: PPO's steps all carry a gradient"):
-        _fit(tmp_path, PPO(model="tiny-random", skip_signalless_steps=True), "corridor", 1)
-    with pytest.raises(ConfigError, match="model.skip_signalless_steps: GRPO's steps"):
-        _fit(tmp_path, GRPO(model="tiny-random", kl_coef=0.1, skip_signalless_steps=True), "corridor", 2)
+    with pytest.raises(ConfigError, match="model.update.skip_signalless_steps: PPO's steps all carry a gradient"):
+        _fit(tmp_path, PPO(model="tiny-random", update={"skip_signalless_steps": True}), "corridor", 1)
+    with pytest.raises(ConfigError, match="model.update.skip_signalless_steps: GRPO's steps"):
+        _fit(tmp_path, GRPO(model="tiny-random", kl_coef=0.1, update={"skip_signalless_steps": True}), "corridor", 2)
 
 
 def test_a_step_is_signalless_when_its_advantages_tie_up_to_rounding():

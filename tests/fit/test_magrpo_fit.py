@@ -156,7 +156,7 @@ def test_update_is_the_policy_gradient(tmp_path, forward_batch_size, forward_tok
         max_grad_norm=0.0,
         forward_batch_size=forward_batch_size,
         forward_token_budget=forward_token_budget,
-        logprob_reduction=reduction,
+        update={"logprob_reduction": reduction},
     )
     data = slogan_data(sampling={"max_new_tokens": 16}, num_generations=3, joint_mode=joint_mode, tasks_per_step=3)
     make_trainer(tmp_path, limit_train_batches=1, limit_val_batches=0, logger=False).fit(module, datamodule=data)
@@ -383,7 +383,7 @@ def test_bf16_mixed_precision_runs_rollouts_and_updates_in_bf16(tmp_path, monkey
 
     L.seed_everything(0)
     # the buffer never fills within the 2 steps: the one update runs at the epoch's end (on_train_epoch_end)
-    module = MAGRPO(model="tiny-random", num_agents=2, learning_rate=1e-2, rollout_buffer_size=100)
+    module = MAGRPO(model="tiny-random", num_agents=2, learning_rate=1e-2, buffer={"size": 100})
     module.configure_model()
     before = [snapshot(agent.model) for agent in module.agents]
     decoded, trained = [], []

@@ -150,7 +150,7 @@ def test_the_epoch_end_flush_is_written_and_log_every_0_writes_no_step(tmp_path)
     losses, whatever log_every_n_steps; log_every_n_steps 0 (Lightning: no step logging) writes no
     step's records and does not fail."""
     L.seed_everything(0)
-    module = MAGRPO(model="tiny-random", num_agents=2, rollout_buffer_size=1000, log_samples_every_n_steps=0)
+    module = MAGRPO(model="tiny-random", num_agents=2, buffer={"size": 1000}, log_samples_every_n_steps=0)
     trainer = make_trainer(tmp_path / "a", limit_train_batches=3, limit_val_batches=0, log_every_n_steps=2)
     trainer.fit(module, datamodule=slogan_data(sampling={"max_new_tokens": 4}, tasks_per_step=1, num_generations=2))
     events = _events(tmp_path / "a")

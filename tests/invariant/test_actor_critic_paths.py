@@ -15,12 +15,12 @@ from lit_marl.generation import Sampling
 @pytest.mark.parametrize(
     "cls, settings",
     [
-        (IAC, dict(critic="head", critic_type="v")),
-        (IAC, dict(critic="model", critic_type="q", value_clip_range=0.1)),
-        (IAC, dict(critic="head", share_parameters=True, entropy_coef=0.01)),
-        (IAC, dict(critic="model", share_parameters=True, policy_loss="ppo")),
-        (MAAC, dict(critic_type="v")),
-        (MAAC, dict(critic_type="q", policy_loss="ppo", advantage_normalization=False)),
+        (IAC, dict(critic={"kind": "head", "type": "v"})),
+        (IAC, dict(critic={"kind": "model", "type": "q", "value_clip_range": 0.1})),
+        (IAC, dict(critic={"kind": "head"}, update={"entropy_coef": 0.01}, share_parameters=True)),
+        (IAC, dict(critic={"kind": "model"}, share_parameters=True, policy_loss="ppo")),
+        (MAAC, dict(critic={"type": "v"})),
+        (MAAC, dict(critic={"type": "q"}, policy_loss="ppo", advantage_normalization=False)),
     ],
 )
 def test_update_in_one_pass_equals_the_two_pass_update(tmp_path, cls, settings):
@@ -74,7 +74,7 @@ def test_ppo_form_at_the_first_step_has_the_ratio_free_gradient(tiny_agents):
     samples = batch.agents[0]
     gradients = {}
     for form in ("reinforce", "ppo"):
-        module = IAC(model="tiny-random", num_agents=2, policy_loss=form, entropy_coef=0.0)
+        module = IAC(model="tiny-random", num_agents=2, policy_loss=form, update={"entropy_coef": 0.0})
         module.agents = torch.nn.ModuleList(tiny_agents)
         module.configure_model()
         with torch.no_grad():

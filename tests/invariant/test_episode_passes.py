@@ -53,7 +53,7 @@ def _whole_rows(module, batch):
 
 @pytest.mark.parametrize("critic", ["head", "model"])
 def test_ppo_behaviour_is_one_policy_forward_per_pass(critic):
-    module = PPO(model="tiny-random", critic=critic, forward_batch_size=2)
+    module = PPO(model="tiny-random", critic={"kind": critic}, forward_batch_size=2)
     module.configure_model()
     batch = _episodes(module)
     policy = _counted(module.model_of(0))

@@ -89,7 +89,9 @@ def test_magrpo_with_one_agent_and_one_turn_is_grpo_on_one_turn_episodes(tmp_pat
     for family in ("tree", "episodes"):
         L.seed_everything(5)
         if family == "tree":
-            module = SGDRecordingMAGRPO(model="tiny-random", num_agents=1, max_grad_norm=0.0, logprob_reduction="mean")
+            module = SGDRecordingMAGRPO(
+                model="tiny-random", num_agents=1, max_grad_norm=0.0, update={"logprob_reduction": "mean"}
+            )
             data = slogan_data(agent_prompts=prompt, reward_fn=LENGTH_REWARD, tasks_per_step=2, val_path=None)
         else:
             module = SGDRecordingGRPO(model="tiny-random", num_agents=1, max_grad_norm=0.0)

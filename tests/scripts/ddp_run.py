@@ -143,8 +143,8 @@ def main() -> None:
         model="tiny-random",
         num_agents=2,
         learning_rate=1e-2,
-        train_batch_size=args.train_batch_size,
-        update_schedule=args.update_schedule,
+        update={"train_batch_size": args.train_batch_size},
+        buffer={"schedule": args.update_schedule},
     )
     module = {"magrpo": MAGRPO, "iac": IAC, "maac": MAAC}[args.algorithm](**kwargs)
     hparams = slogan_data(**data_kwargs(args.algorithm, args.tasks_per_step)).hparams

@@ -87,7 +87,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     L.seed_everything(0)
     if args.algorithm == "magrpo":
-        module = MAGRPO(model="tiny-random", num_agents=2, learning_rate=1e-2, rollout_buffer_size=3)
+        module = MAGRPO(model="tiny-random", num_agents=2, learning_rate=1e-2, buffer={"size": 3})
         data_kwargs = dict(num_generations=2, sampling={"max_new_tokens": 12}, tasks_per_step=2)
     elif args.algorithm == "iterative":  # 2 iterations of 2 steps: the kill lands inside the second
         module = IterativeMADPO(
@@ -103,7 +103,7 @@ def main() -> None:
         )
         data_kwargs = dict(num_generations=4, sampling={"max_new_tokens": 12}, tasks_per_step=2)
     else:
-        module = IAC(model="tiny-random", num_agents=2, learning_rate=1e-2, rollout_buffer_size=6)
+        module = IAC(model="tiny-random", num_agents=2, learning_rate=1e-2, buffer={"size": 6})
         data_kwargs = dict(
             num_generations=1,
             num_turns=2,

@@ -94,7 +94,7 @@ def test_buffer_renumbers_next_node_links_with_the_nodes():
 
 def test_buffer_fills_across_steps_and_flushes_at_epoch_end(tmp_path):
     L.seed_everything(0)
-    module = MAGRPO(model="tiny-random", num_agents=2, learning_rate=1e-2, rollout_buffer_size=3)
+    module = MAGRPO(model="tiny-random", num_agents=2, learning_rate=1e-2, buffer={"size": 3})
     # 2 nodes per step: step 1 waits (2), step 2 updates (4), step 3 waits (2) until the epoch ends
     steps = []
     update_agent = module.update_agent
@@ -111,7 +111,7 @@ def test_buffer_fills_across_steps_and_flushes_at_epoch_end(tmp_path):
 
 def test_one_optimizer_step_per_minibatch(tmp_path):
     L.seed_everything(0)
-    module = MAGRPO(model="tiny-random", num_agents=2, learning_rate=1e-2, train_batch_size=1)
+    module = MAGRPO(model="tiny-random", num_agents=2, learning_rate=1e-2, update={"train_batch_size": 1})
     data = slogan_data(
         sampling={"max_new_tokens": 8},
         tasks_per_step=2,

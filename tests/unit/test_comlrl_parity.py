@@ -258,7 +258,7 @@ def test_actor_critic_preset_reproduces_comlrl(case, monkeypatch):
 
     for update in range(2):
         recorder.steps.clear()
-        module.update(ac_rows(case, update))
+        module.train_on(ac_rows(case, update))
         theirs = [s for s in case["steps"] if s["update"] == update]
         for kind in ("actor", "critic"):
             names = sorted({s["agent"] for s in theirs if s["kind"] == kind})

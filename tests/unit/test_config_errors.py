@@ -89,8 +89,8 @@ def test_learning_rate_and_clipping_bounds_in_every_algorithm(algorithm, kwargs,
 @pytest.mark.parametrize(
     "algorithm, kwargs, message",
     [
-        ("PPO", {"critic_learning_rate": -1e-3}, "model.critic_learning_rate=-0.001: must be > 0 (or null)"),
-        ("IAC", {"critic_learning_rate": 0.0}, "model.critic_learning_rate=0.0: must be > 0 (or null)"),
+        ("PPO", {"critic": {"learning_rate": -1e-3}}, "model.critic.learning_rate=-0.001: must be > 0 (or null)"),
+        ("IAC", {"critic": {"learning_rate": 0.0}}, "model.critic.learning_rate=0.0: must be > 0 (or null)"),
         ("MAGRPO", {"lora": {"r": 0}}, "model.lora.r=0: must be > 0"),
         ("GRPO", {"lora": {"dropout": 1.0}}, "model.lora.dropout=1.0: must be >= 0 and < 1"),
         ("PPO", {"lora": {"alpha": -8}}, "model.lora.alpha=-8: must be > 0"),

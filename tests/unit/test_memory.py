@@ -161,7 +161,7 @@ def test_an_actor_critic_pass_counts_policy_and_critic_together():
 
     alone = PPO(model="tiny-random", forward_token_budget=512)
     alone.configure_model()
-    with_critic = PPO(model="tiny-random", critic="model", forward_token_budget=512)
+    with_critic = PPO(model="tiny-random", critic={"kind": "model"}, forward_token_budget=512)
     with_critic.configure_model()
     policy = update_pass_bytes(alone, None, [])
     profile = activation_profile(with_critic.critic_backbones[0], None)
@@ -229,7 +229,7 @@ def test_a_critic_model_carries_no_lm_head_and_reads_the_same_states():
     from lit_marl.algorithms import PPO
     from lit_marl.logprobs import final_hidden_states
 
-    module = PPO(model="tiny-random", critic="model")
+    module = PPO(model="tiny-random", critic={"kind": "model"})
     module.configure_model()
     backbone = module.critic_backbones[0]
     assert not any("lm_head" in name for name, _ in module.critic_backbones.named_parameters())
