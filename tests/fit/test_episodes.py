@@ -231,11 +231,11 @@ def _fit(tmp_path, module, env, num_generations, precision="32-true", **data_kwa
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {"critic": "head", "gae": "token"},
-        {"critic": "model", "gae": "turn", "critic_learning_rate": 1e-3},
-        {"critic": "head", "gae": "token", "kl_coef": 0.1, "kl_mode": "reward"},
+        {"critic": {"kind": "head"}, "gae": "token"},
+        {"critic": {"kind": "model", "learning_rate": 1e-3}, "gae": "turn"},
+        {"critic": {"kind": "head"}, "gae": "token", "kl_coef": 0.1, "kl_mode": "reward"},
         # LoRA: the KL reference is the base with the adapters disabled (no copy of the weights)
-        {"critic": "head", "gae": "turn", "kl_coef": 0.1, "kl_mode": "loss", "lora": {"r": 4, "alpha": 8}},
+        {"critic": {"kind": "head"}, "gae": "turn", "kl_coef": 0.1, "kl_mode": "loss", "lora": {"r": 4, "alpha": 8}},
     ],
 )
 def test_ppo_fit_moves_policy_and_critic(tmp_path, kwargs):
@@ -259,7 +259,7 @@ def test_ppo_fit_moves_policy_and_critic(tmp_path, kwargs):
     assert any(n.startswith("value_heads.0.") for n in moved)
     if "lora" in kwargs:
         assert module.references is None and all("lora_" in n for n in moved if n.startswith("agents.0."))
-    if kwargs["critic"] == "model":
+    if kwargs["critic"]["kind"] == "model":
         assert any(n.startswith("critic_backbones.0.") for n in moved)
 
 

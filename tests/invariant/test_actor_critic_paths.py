@@ -15,11 +15,16 @@ from lit_marl.generation import Sampling
 @pytest.mark.parametrize(
     "cls, settings",
     [
-        (IAC, dict(critic={"kind": "head", "type": "v"})),
+        (IAC, dict(critic={"kind": "head", "type": "v", "value_clip_range": None})),
         (IAC, dict(critic={"kind": "model", "type": "q", "value_clip_range": 0.1})),
-        (IAC, dict(critic={"kind": "head"}, update={"entropy_coef": 0.01}, share_parameters=True)),
+        (
+            IAC,
+            dict(
+                critic={"kind": "head", "value_clip_range": None}, update={"entropy_coef": 0.01}, share_parameters=True
+            ),
+        ),
         (IAC, dict(critic={"kind": "model"}, share_parameters=True, policy_loss="ppo")),
-        (MAAC, dict(critic={"type": "v"})),
+        (MAAC, dict(critic={"type": "v", "value_clip_range": None})),
         (MAAC, dict(critic={"type": "q"}, policy_loss="ppo", advantage_normalization=False)),
     ],
 )
