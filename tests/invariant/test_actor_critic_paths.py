@@ -15,17 +15,38 @@ from lit_marl.generation import Sampling
 @pytest.mark.parametrize(
     "cls, settings",
     [
-        (IAC, dict(critic={"kind": "head", "type": "v", "value_clip_range": None})),
-        (IAC, dict(critic={"kind": "model", "type": "q", "value_clip_range": 0.1})),
+        (
+            IAC,
+            dict(update={"logprob_reduction": "mean"}, critic={"kind": "head", "type": "v", "value_clip_range": None}),
+        ),
+        (
+            IAC,
+            dict(update={"logprob_reduction": "mean"}, critic={"kind": "model", "type": "q", "value_clip_range": 0.1}),
+        ),
         (
             IAC,
             dict(
-                critic={"kind": "head", "value_clip_range": None}, update={"entropy_coef": 0.01}, share_parameters=True
+                critic={"kind": "head", "value_clip_range": None},
+                update={"entropy_coef": 0.01, "logprob_reduction": "mean"},
+                share_parameters=True,
             ),
         ),
-        (IAC, dict(critic={"kind": "model"}, share_parameters=True, policy_loss="ppo")),
-        (MAAC, dict(critic={"type": "v", "value_clip_range": None})),
-        (MAAC, dict(critic={"type": "q"}, policy_loss="ppo", advantage_normalization=False)),
+        (
+            IAC,
+            dict(
+                update={"logprob_reduction": "mean"}, critic={"kind": "model"}, share_parameters=True, policy_loss="ppo"
+            ),
+        ),
+        (MAAC, dict(update={"logprob_reduction": "mean"}, critic={"type": "v", "value_clip_range": None})),
+        (
+            MAAC,
+            dict(
+                update={"logprob_reduction": "mean"},
+                critic={"type": "q"},
+                policy_loss="ppo",
+                advantage_normalization=False,
+            ),
+        ),
     ],
 )
 def test_update_in_one_pass_equals_the_two_pass_update(tmp_path, cls, settings):
