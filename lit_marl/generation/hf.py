@@ -6,14 +6,7 @@ import torch
 from transformers import GenerationConfig
 
 from lit_marl.agents import Agent
-from lit_marl.generation.base import (
-    Generation,
-    Sampling,
-    TrainerWeights,
-    generate_each,
-    left_pad,
-    mask_through_first,
-)
+from lit_marl.generation.base import Generation, Sampling, TrainerWeights, generate_each, left_pad, mask_through_first
 
 
 @torch.no_grad()

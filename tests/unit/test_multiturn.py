@@ -14,6 +14,12 @@ from lit_marl.returns import tree_returns
 from lit_marl.rollout.transitions import plain
 
 TASKS = [{"topic": "tea"}, {"topic": "winter"}]
+TWO, THREE = Sampling(max_new_tokens=2), Sampling(max_new_tokens=3)  # tokens a reply
+
+
+def _len_tree(agents, **settings):
+    """A tree of the two tasks, 2 samples a node, replies of at most 2 tokens scored by their length."""
+    return tree_from_functions(agents, TASKS, _prompts(2), _len_reward, 2, sampling=TWO, **settings)
 
 
 def _prompts(num_agents: int) -> list[list[str]]:
@@ -70,7 +76,7 @@ def test_node_and_leaf_counts(tiny_agents, joint_mode, G, T):
         _len_reward,
         G,
         joint_mode,
-        sampling=Sampling(max_new_tokens=2),
+        sampling=TWO,
         num_turns=T,
         transition=plain,
         engine=engine,
@@ -125,7 +131,7 @@ def test_transition_sees_its_own_branch(tiny_agents):
         _len_reward,
         2,
         "cross",
-        sampling=Sampling(max_new_tokens=3),
+        sampling=THREE,
         num_turns=2,
         transition=recording,
     )
@@ -156,7 +162,7 @@ def test_a_comlrl_transition_gets_the_task_prompt(tiny_agents, field):
         _prompts(2),
         _len_reward,
         2,
-        sampling=Sampling(max_new_tokens=3),
+        sampling=THREE,
         num_turns=2,
         transition=Recording(),
         **settings,
@@ -181,7 +187,7 @@ def test_a_task_without_the_prompt_field_passes_the_empty_string(tiny_agents):
         _prompts(2),
         _len_reward,
         2,
-        sampling=Sampling(max_new_tokens=3),
+        sampling=THREE,
         num_turns=2,
         transition=recording,
     )
@@ -199,23 +205,12 @@ def test_bad_transition_output_names_turn_and_task(tiny_agents, bad):
         return bad
 
     with pytest.raises(ValueError, match=r"must return 2 strings.*after turn 0 of task \{'topic': 'tea'\}"):
-        tree_from_functions(
-            tiny_agents,
-            TASKS,
-            _prompts(2),
-            _len_reward,
-            2,
-            sampling=Sampling(max_new_tokens=2),
-            num_turns=2,
-            transition=broken,
-        )
+        _len_tree(tiny_agents, num_turns=2, transition=broken)
 
 
 def test_multi_turn_without_transition_is_rejected(tiny_agents):
     with pytest.raises(ValueError, match="needs a transition"):
-        tree_from_functions(
-            tiny_agents, TASKS, _prompts(2), _len_reward, 2, sampling=Sampling(max_new_tokens=2), num_turns=2
-        )
+        tree_from_functions(tiny_agents, TASKS, _prompts(2), _len_reward, 2, sampling=TWO, num_turns=2)
 
 
 def test_raw_prompts_skip_the_chat_template(tiny_agents, monkeypatch):
@@ -282,7 +277,7 @@ def _raises_on_winter(agent_completions, tasks):
 
 def test_reward_that_raises_names_task_and_turn(tiny_agents):
     with pytest.raises(RewardError, match=r"raised RuntimeError: scorer crashed at turn 0 on tasks .*winter"):
-        tree_from_functions(tiny_agents, TASKS, _prompts(2), _raises_on_winter, 2, sampling=Sampling(max_new_tokens=2))
+        tree_from_functions(tiny_agents, TASKS, _prompts(2), _raises_on_winter, 2, sampling=TWO)
 
 
 def test_nan_reward_names_task_and_turn(tiny_agents):
@@ -296,16 +291,7 @@ def test_nan_reward_names_task_and_turn(tiny_agents):
         RewardError,
         match=r"nan_later returned a non-finite reward \(NaN/inf\) .*at turn 1, e.g. for tasks \[\{'topic': 'tea'\}",
     ):
-        tree_from_functions(
-            tiny_agents,
-            TASKS,
-            _prompts(2),
-            nan_later,
-            2,
-            sampling=Sampling(max_new_tokens=2),
-            num_turns=2,
-            transition=plain,
-        )
+        tree_from_functions(tiny_agents, TASKS, _prompts(2), nan_later, 2, sampling=TWO, num_turns=2, transition=plain)
 
 
 def test_skip_mode_isolates_bad_rewards_and_keeps_training_data(tiny_agents):
@@ -315,7 +301,7 @@ def test_skip_mode_isolates_bad_rewards_and_keeps_training_data(tiny_agents):
         _prompts(2),
         _raises_on_winter,
         2,
-        sampling=Sampling(max_new_tokens=2),
+        sampling=TWO,
         on_reward_error="skip",
     )
     # tea's joint actions were scored one by one (1.0 each), winter's all failed: neutral 0
@@ -328,9 +314,7 @@ def test_skip_mode_fills_a_nan_with_its_node_mean(tiny_agents):
     def one_nan(agent_completions, tasks):
         return [float("nan") if j == 1 else float(j) for j in range(len(tasks))]
 
-    batch = tree_from_functions(
-        tiny_agents, TASKS, _prompts(2), one_nan, 3, sampling=Sampling(max_new_tokens=2), on_reward_error="skip"
-    )
+    batch = tree_from_functions(tiny_agents, TASKS, _prompts(2), one_nan, 3, sampling=TWO, on_reward_error="skip")
     # node 0 (tea) scored [0, NaN, 2] -> the NaN becomes mean(0, 2) = 1: advantage 0, baseline unchanged
     assert batch.rewards.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
     assert batch.metrics["skipped_reward_frac"] == pytest.approx(1 / 6)
@@ -347,9 +331,7 @@ def _per_agent_reward(agent_completions, tasks):
 
 
 def test_per_agent_rewards_aligned(tiny_agents):
-    batch = tree_from_functions(
-        tiny_agents, TASKS, _prompts(2), _per_agent_reward, 2, sampling=Sampling(max_new_tokens=2)
-    )
+    batch = tree_from_functions(tiny_agents, TASKS, _prompts(2), _per_agent_reward, 2, sampling=TWO)
     assert batch.agents[0].returns.tolist() == [0.0, 1.0, 2.0, 3.0]
     assert batch.agents[1].returns.tolist() == [10.0, 12.0, 14.0, 16.0]
     assert batch.rewards.tolist() == [5.0, 6.5, 8.0, 9.5]  # the team mean, for logging
@@ -357,9 +339,7 @@ def test_per_agent_rewards_aligned(tiny_agents):
 
 def test_per_agent_rewards_cross(tiny_agents):
     G = 2
-    batch = tree_from_functions(
-        tiny_agents, TASKS, _prompts(2), _per_agent_reward, G, "cross", sampling=Sampling(max_new_tokens=2)
-    )
+    batch = tree_from_functions(tiny_agents, TASKS, _prompts(2), _per_agent_reward, G, "cross", sampling=TWO)
     # task 0's joint actions j = 0..3 pair (k0, k1) = (0,0), (0,1), (1,0), (1,1)
     # agent 0, response k0=0: mean of its rewards at j=0,1 -> 0.5; k0=1: j=2,3 -> 2.5
     # agent 1, response k1=0: mean of its rewards at j=0,2 -> (10 + 14) / 2 = 12; k1=1: j=1,3 -> 14
@@ -384,7 +364,7 @@ def test_per_agent_rewards_of_the_wrong_width(tiny_agents):
             _prompts(2),
             lambda agent_completions, tasks: [[1.0]] * len(tasks),
             2,
-            sampling=Sampling(max_new_tokens=2),
+            sampling=TWO,
         )
 
 
@@ -418,17 +398,7 @@ def test_batched_transition_must_answer_every_branch(tiny_agents):
         return [["a", "b"]]
 
     with pytest.raises(ValueError, match="returned 1 results for 4 branches"):
-        tree_from_functions(
-            tiny_agents,
-            TASKS,
-            _prompts(2),
-            _len_reward,
-            2,
-            sampling=Sampling(max_new_tokens=2),
-            num_turns=2,
-            transition=short,
-            batched_transition=True,
-        )
+        _len_tree(tiny_agents, num_turns=2, transition=short, batched_transition=True)
 
 
 def test_a_transitions_metrics_are_logged_per_turn(tiny_agents):
@@ -446,8 +416,6 @@ def test_a_transitions_metrics_are_logged_per_turn(tiny_agents):
             return {"transition_calls": float(self.calls)}
 
     env = Counting(["{topic} A", "{topic} B"], _len_reward, plain)
-    batch = build_tree(
-        tiny_agents, TASKS, env, TreeSettings(num_generations=2, num_turns=3, sampling=Sampling(max_new_tokens=2))
-    )
+    batch = build_tree(tiny_agents, TASKS, env, TreeSettings(num_generations=2, num_turns=3, sampling=TWO))
     assert batch.metrics["turn_0/transition_calls"] == 1.0 and batch.metrics["turn_1/transition_calls"] == 2.0
     assert "turn_2/transition_calls" not in batch.metrics  # the last turn opens no children
