@@ -105,11 +105,11 @@ class PhaseSwitch(L.Callback):
             )
         data = trainer.datamodule
         if self.demos > 0 and not data.demos:
-            raise ConfigError("PhaseSwitch starts with SFT: set data.demo_path (scripts/make_demos.py writes one)")
+            raise ConfigError("PhaseSwitch starts with SFT: set data.demos.path (scripts/make_demos.py writes one)")
         if self.demos > 0 and self.sft_epochs > 1 and len(data.demos) != self.demos:
             raise ConfigError(
                 f"PhaseSwitch.sft_epochs={self.sft_epochs} repeats the budget's {self.demos} demonstrations, but "
-                f"data.demo_path holds {len(data.demos)}: give a file of exactly {self.demos} (e.g. the TextWorld "
+                f"data.demos.path holds {len(data.demos)}: give a file of exactly {self.demos} (e.g. the TextWorld "
                 f"walkthroughs textworld:<complexity>:validation:{self.demos}), or sft_epochs: 1"
             )
         trainer.reload_dataloaders_every_n_epochs = 1  # the data module hands out the phase's loader each epoch

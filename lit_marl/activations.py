@@ -127,7 +127,7 @@ def update_pass_bytes(module, dtype: torch.dtype | None, notes: list[str], rollo
     (critic backbones, reward models: no logits; an actor-critic update runs policy and critic in one
     graph). A pass holds ``forward_token_budget`` tokens or one longer row (an episode of up to
     ``max_context_tokens``); the LM head scores every position, or in an episode update (demonstrations
-    aside) the agent's own tokens only: ``max_turns x max_new_tokens`` a row, ``forward_batch_size`` rows."""
+    aside) the agent's own tokens only: ``max_turns x sampling.max_new_tokens`` a row, ``forward_batch_size`` rows."""
     tokens = module.forward_token_budget
     if tokens is None:
         notes.append("model.forward_token_budget is null: a pass's activations are unbounded, not counted")
@@ -136,7 +136,7 @@ def update_pass_bytes(module, dtype: torch.dtype | None, notes: list[str], rollo
     tokens = max(tokens, episode.max_context_tokens) if episode is not None else tokens
     scored, what = tokens, "every position scored (an upper bound on the logits)"
     if episode is not None and not rollout.demos and rows is not None:
-        scored = min(tokens, rows * episode.max_turns * episode.max_new_tokens)
+        scored = min(tokens, rows * episode.max_turns * episode.sampling.max_new_tokens)
         what = f"at most {scored} scored (the agent's own tokens)"
     policies = {id(agent.model) for agent in module.agents or []}
     checkpointing = module.activation_checkpointing

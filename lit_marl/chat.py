@@ -24,7 +24,7 @@ import torch
 from lit_marl import ConfigError
 from lit_marl.agents import Agent
 from lit_marl.export import exported_team
-from lit_marl.generation import ENGINES, make_engine
+from lit_marl.generation import ENGINES, Sampling, make_engine
 from lit_marl.models import quiet_libraries
 from lit_marl.trained import data_settings, load_data, load_team
 
@@ -51,16 +51,15 @@ def chat(
     agents: list[Agent],
     turns: Iterable[list[str]],
     engine,
-    max_new_tokens: int,
-    temperature: float = 0.0,
+    sampling: Sampling,
     chat_template: bool = True,
 ) -> Iterator[tuple[int, int, str, str]]:
     """For each turn's messages (one per agent) every agent's reply, as ``(turn, agent, message,
-    reply)``; ``temperature`` 0 decodes greedily; ``chat_template``: the run's ``data.chat_template``."""
+    reply)``, sampled as ``sampling`` says; ``chat_template``: the run's ``data.chat_template``."""
     dialogues = [Dialogue(agent, raw=not chat_template) for agent in agents]
     for turn, messages in enumerate(turns):
         calls = [(d.agent, [d.tell(message)], 1) for d, message in zip(dialogues, messages)]
-        replies = engine.generate_team(calls, max_new_tokens, temperature or 1.0, 1.0, greedy=temperature == 0)
+        replies = engine.generate_team(calls, sampling)
         for i, (d, message, reply) in enumerate(zip(dialogues, messages, replies)):
             ids = reply.completion_ids[0][reply.completion_mask[0].bool()].tolist()
             d.ids += ids
@@ -162,8 +161,9 @@ def main(argv: list[str] | None = None) -> None:
     for agent in {id(a): a for a in agents}.values():  # a shared agent plays several roles
         agent.to(device)
     turns = conversation(first, typed_lines("you> " if sys.stdin.isatty() else ""), len(agents))
-    sampling = (args.max_new_tokens, args.temperature, settings.get("chat_template") is not False)
-    for turn, i, message, reply in chat(agents, turns, make_engine(args.engine), *sampling):
+    sampling = Sampling(args.max_new_tokens, args.temperature or 1.0, greedy=args.temperature == 0)
+    replies = chat(agents, turns, make_engine(args.engine), sampling, settings.get("chat_template") is not False)
+    for turn, i, message, reply in replies:
         if args.jsonl:
             print(json.dumps({"turn": turn, "agent": roles[i], "message": message, "reply": reply}), flush=True)
             continue

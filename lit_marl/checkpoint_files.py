@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from lit_marl import ConfigError
+from lit_marl.fields import regroup_moved
 
 SUFFIX = ".sha256"
 
@@ -130,11 +131,11 @@ def configured_settings_win(
     each parameter group's ``lr`` and ``weight_decay`` with the optimizer state, so a group still
     at the checkpoint's setting gets the configured one (a group another schedule set, e.g.
     PhaseSwitch's SFT rate, keeps its value)."""
-    saved = checkpoint.get("hyper_parameters") or {}
+    saved = regroup_moved("model", checkpoint.get("hyper_parameters") or {})
     if "learning_rate" not in saved:
         return
     old_lr = saved["learning_rate"]
-    old = {"policy": old_lr, "critic": saved.get("critic_learning_rate") or old_lr}
+    old = {"policy": old_lr, "critic": (saved.get("critic") or {}).get("learning_rate") or old_lr}
     new = {"policy": learning_rate, "critic": critic_learning_rate}
     old_decay = saved.get("weight_decay", 0.0)
     for state in checkpoint.get("optimizer_states", []):
@@ -227,7 +228,19 @@ def _changes(saved: dict, section) -> tuple[str | None, str | None, dict]:
     config = plain(section) or {}
     now = config.get("init_args") or {}
     given = {k for k in now if not (k == "num_agents" and now[k] is None)}  # None: the data's, linked at instantiation
-    changed = {k: (plain(saved[k]), now[k]) for k in sorted(saved.keys() & given) if plain(saved[k]) != now[k]}
+    changed = {}
+    for k in sorted(saved.keys() & given):
+        before, after = plain(saved[k]), now[k]
+        if isinstance(before, dict) and isinstance(after, dict):  # a settings group: its changed fields
+            changed.update(
+                {
+                    f"{k}.{f}": (before.get(f), after.get(f))
+                    for f in sorted(before.keys() | after.keys())
+                    if before.get(f) != after.get(f)
+                }  # fmt: skip
+            )
+        elif before != after:
+            changed[k] = (before, after)
     return saved_class, config.get("class_path"), changed
 
 
@@ -245,7 +258,7 @@ def check_model_settings(saved: dict, model, verb: str = "resuming") -> None:
             f"ckpt_path: the checkpoint was written by {saved_class}, but model.class_path is {class_path}. Resume "
             f"with the checkpoint's algorithm (the run's config.yaml beside its logs has it), or start a new run"
         )
-    shaped = [k for k in changed if k in STRUCTURAL]
+    shaped = [k for k in changed if k.split(".")[0] in STRUCTURAL]
     if shaped:
         detail = "; ".join(f"model.{k}: {changed[k][0]!r} in the checkpoint, {changed[k][1]!r} now" for k in shaped)
         raise ConfigError(

@@ -172,7 +172,8 @@ def _check_checkpoint_settings(subcommand: str, config) -> None:
     path = config.get("ckpt_path")
     if path and path not in ("last", "best", "hpc", "registry"):
         saved, verb = checkpoint_files.load(path), "resuming" if subcommand == "fit" else "evaluating"
-        checkpoint_files.check_model_settings(saved.get("hyper_parameters") or {}, config["model"], verb)
+        saved_model = regroup_moved("model", saved.get("hyper_parameters") or {})
+        checkpoint_files.check_model_settings(saved_model, config["model"], verb)
         saved_data = regroup_moved("data", saved.get("datamodule_hyper_parameters") or {})
         checkpoint_files.check_data_settings(saved_data, config["data"], verb)
 

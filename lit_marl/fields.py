@@ -126,17 +126,48 @@ def _name(member) -> str:
 
 
 # ---------------------------------------------------------------------------- settings that moved
-# A setting moved into its group keeps its name there; its old key is refused with the new one named
-# (``docs/config.md``, "Moved settings", is generated from this table).
+# A setting moved into its group keeps its name there unless the group's name says it (``demo_path`` is
+# ``demos.path``); its old key is refused with the new one named (``docs/config.md``, "Moved settings",
+# is generated from this table). Per group: its fields, each with its name before the move.
+_GROUPS = {
+    "data.reward_calls": {
+        "on_reward_error": "on_reward_error",
+        "reward_timeout_s": "reward_timeout_s",
+        "transition_timeout_s": "transition_timeout_s",
+        "transition_prompt_field": "transition_prompt_field",
+        "max_skipped_steps": "max_skipped_steps",
+    },
+    "data.sampling": {name: name for name in ("max_new_tokens", "temperature", "top_p", "top_k")},
+    "data.demos": {"path": "demo_path", "batch_size": "demo_batch_size", "loss_on": "demo_loss_on"},
+    "model.update": {
+        name: name
+        for name in (
+            "ppo_epochs",
+            "train_batch_size",
+            "clip_range",
+            "dual_clip",
+            "target_kl",
+            "entropy_coef",
+            "logprob_reduction",
+            "rollout_is_cap",
+            "skip_signalless_steps",
+        )
+    },
+    "model.buffer": {"size": "rollout_buffer_size", "schedule": "update_schedule"},
+    "model.critic": {
+        "kind": "critic",
+        "model": "critic_model",
+        "type": "critic_type",
+        "learning_rate": "critic_learning_rate",
+        "value_loss_coef": "value_loss_coef",
+        "value_clip_range": "value_clip_range",
+        "warmup": "critic_warmup",
+    },
+}
 MOVED = {
-    f"data.{name}": f"data.reward_calls.{name}"
-    for name in (
-        "on_reward_error",
-        "reward_timeout_s",
-        "transition_timeout_s",
-        "transition_prompt_field",
-        "max_skipped_steps",
-    )
+    f"{group.split('.')[0]}.{old}": f"{group}.{field}"
+    for group, fields in _GROUPS.items()
+    for field, old in fields.items()
 }
 
 
@@ -162,8 +193,46 @@ def regroup_moved(section: str, settings: dict) -> dict:
     out = dict(settings)
     for old, new in MOVED.items():
         head, name = old.split(".", 1)
-        if head == section and name in out:
+        if head == section and name in out and not isinstance(out[name], dict):  # a dict: the group itself
             group, field = new.split(".")[1:]
             value = out.pop(name)
             out[group] = {**(out.get(group) or {}), field: value}
     return out
+
+
+def ungroup_moved(section: str, settings: dict) -> dict:
+    """``regroup_moved`` undone: ``settings`` of one section with each moved setting under its name
+    before the move. For identities computed from settings (a grid's cell and stage names), which
+    must not change when a setting only moves into a group."""
+    out, named_as_group = dict(settings), {}  # a setting named as its group (``critic``) is put back last
+    for old, new in MOVED.items():
+        head, name = old.split(".", 1)
+        group, field = new.split(".")[1:]
+        if head == section and isinstance(out.get(group), dict) and field in out[group]:
+            rest = dict(out[group])
+            (named_as_group if name == group else out)[name] = rest.pop(field)
+            if rest:
+                out[group] = rest
+            else:
+                del out[group]
+    return {**out, **named_as_group}
+
+
+def current_key(key: str) -> str:
+    """A dotted config key written as today: a moved setting's old key as its new one
+    (``data.init_args.top_k`` -> ``data.init_args.sampling.top_k``); any other key as it is."""
+    after = MOVED.get(plain_key(key))
+    if after is None:
+        return key
+    head, rest = after.split(".", 1)
+    return f"{head}.init_args.{rest}" if ".init_args." in key else after
+
+
+def pre_move_key(key: str) -> str:
+    """A dotted config key written as before its setting moved (``data.init_args.sampling.top_k`` ->
+    ``data.init_args.top_k``); any other key as it is."""
+    before = {new: old for old, new in MOVED.items()}.get(plain_key(key))
+    if before is None:
+        return key
+    head, name = before.split(".", 1)
+    return f"{head}.init_args.{name}" if ".init_args." in key else before

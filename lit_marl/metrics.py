@@ -170,8 +170,8 @@ def rollout_correction(
         return None
     if rollout is None:
         raise ValueError(
-            "model.rollout_is_cap is set, but the rollout engine gave no log-probs of its samples "
-            "(data.engine: auto, torch, hf and vllm give them); remove model.rollout_is_cap"
+            "model.update.rollout_is_cap is set, but the rollout engine gave no log-probs of its samples "
+            "(data.engine: auto, torch, hf and vllm give them); remove model.update.rollout_is_cap"
         )
     return truncated_is_weights(behaviour, rollout, cap)
 

@@ -48,7 +48,7 @@ def load_team(ckpt_path: str) -> tuple[AgentTeamModule, dict]:
             "single-file checkpoint (the strategy's save_distributed_checkpoint: false), or export during "
             "training with the HFExport callback, which gathers the shards"
         )
-    settings = dict(checkpoint.get("hyper_parameters") or {})
+    settings = regroup_moved("model", checkpoint.get("hyper_parameters") or {})
     if "_class_path" not in settings:
         raise ConfigError(
             f"ckpt_path={ckpt_path!r}: the checkpoint does not name its algorithm (written by Trainer.fit outside "

@@ -37,6 +37,8 @@ sys.path.insert(0, str(HERE))
 import bench_workload as workload  # noqa: E402
 import torch  # noqa: E402
 
+from lit_marl.generation import Sampling  # noqa: E402
+
 ENGINES = ["auto", "torch", "torch-reread", "hf", "vllm"]
 
 
@@ -73,7 +75,9 @@ def main() -> None:
             engines[name] = make_engine(name, options if name == "vllm" else {})
         blocks.enter_context(engines[name].rollout([agent]))
         with autocast(args):
-            engines[name].generate(agent, [agent.encode_prompt("hi")], 1, 2)  # vLLM starts here
+            engines[name].generate(
+                agent, [agent.encode_prompt("hi")], 1, sampling=Sampling(max_new_tokens=2)
+            )  # vLLM starts here
         print(f"{name:>12} | started in {time.perf_counter() - start:.1f} s", flush=True)
     reference = make_engine("hf")
     results = []
@@ -98,15 +102,21 @@ def measure(agent, engines, reference, count, args, gpu) -> list[dict]:
     """One batch shape: each engine's greedy check and warm-up, then the timed calls, alternating."""
     tasks = workload.tasks(count)
     prompts = [history(agent, i, args.context_tokens) + agent.encode_prompt(t["prompt"]) for i, t in enumerate(tasks)]
-    expected = reference.generate(agent, prompts, 1, args.max_new_tokens, greedy=True).completion_ids.cpu()
+    expected = reference.generate(
+        agent, prompts, 1, sampling=Sampling(max_new_tokens=args.max_new_tokens, greedy=True)
+    ).completion_ids.cpu()
     same, times, tokens, last = {}, {}, {}, {}
     for name, engine in engines.items():
         with autocast(args):
-            greedy = engine.generate(agent, prompts, 1, args.max_new_tokens, greedy=True).completion_ids.cpu()
+            greedy = engine.generate(
+                agent, prompts, 1, sampling=Sampling(max_new_tokens=args.max_new_tokens, greedy=True)
+            ).completion_ids.cpu()
         same[name] = greedy.shape == expected.shape and torch.equal(greedy, expected)
         torch.manual_seed(0)
         with autocast(args):
-            engine.generate(agent, prompts, args.num_samples, args.max_new_tokens)  # warm-up
+            engine.generate(
+                agent, prompts, args.num_samples, sampling=Sampling(max_new_tokens=args.max_new_tokens)
+            )  # warm-up
         times[name], tokens[name] = [], []
     call_prompts = prompts
     for r in range(args.repeats):
@@ -117,7 +127,9 @@ def measure(agent, engines, reference, count, args, gpu) -> list[dict]:
                 torch.cuda.synchronize()
             start = time.perf_counter()
             with autocast(args):
-                last[name] = engine.generate(agent, call_prompts, args.num_samples, args.max_new_tokens)
+                last[name] = engine.generate(
+                    agent, call_prompts, args.num_samples, sampling=Sampling(max_new_tokens=args.max_new_tokens)
+                )
             if gpu:
                 torch.cuda.synchronize()
             times[name].append(time.perf_counter() - start)

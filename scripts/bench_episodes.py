@@ -21,6 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_workload as workload  # noqa: E402
 
+from lit_marl.generation import Sampling
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
@@ -55,7 +57,9 @@ def main() -> None:
             engine = TorchEngine(fallback=True, kept_kv_gib=gib)
             torch.manual_seed(repeat)
             with torch.no_grad(), engine.rollout([agent]):
-                settings = EpisodeSettings(max_turns=args.max_turns, max_new_tokens=args.max_new_tokens)
+                settings = EpisodeSettings(
+                    max_turns=args.max_turns, sampling=Sampling(max_new_tokens=args.max_new_tokens)
+                )
                 (batch,) = run_episodes([agent], tasks, env, settings, engine=engine)
             s = batch.stats
             line = {

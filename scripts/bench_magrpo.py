@@ -40,6 +40,8 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 from torch.optim.optimizer import register_optimizer_step_post_hook  # noqa: E402
 
+from lit_marl.generation import Sampling  # noqa: E402
+
 # --------------------------------------------------------------------------- lit_marl's reward and transition
 PROBE = workload.StepProbe()
 
@@ -76,8 +78,7 @@ def run_lit_marl(args) -> dict:
         tasks_per_step=1,
         num_generations=generations,
         joint_mode=args.joint_mode,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
+        sampling={"max_new_tokens": args.max_new_tokens, "temperature": args.temperature},
         num_turns=args.num_turns,
         transition="__main__:lit_transition" if args.num_turns > 1 else None,
         early_termination_threshold=None,
@@ -134,7 +135,8 @@ def floor(module, summary: dict, engine: str) -> dict:
         start = time.perf_counter()
         with torch.no_grad():
             if lean:  # no end token (-1): every row decodes all `new` tokens
-                completion, _ = Decoder(model).generate(ids, torch.ones_like(ids), new, -1, agent.pad_token_id)
+                every = Sampling(max_new_tokens=new)
+                completion, _ = Decoder(model).generate(ids, torch.ones_like(ids), -1, agent.pad_token_id, every)
                 out = torch.cat([ids, completion], dim=1)
             else:
                 out = type(model).generate(

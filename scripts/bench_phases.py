@@ -122,7 +122,7 @@ def main() -> None:
         tasks_per_step=2,
         num_generations=4,
         max_turns=4,
-        max_new_tokens=8,
+        sampling={"max_new_tokens": 8},
         eval_tasks_per_step=2,
     )
     trainer = workload.bench_trainer(

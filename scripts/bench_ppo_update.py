@@ -9,7 +9,7 @@ The update is split into the no-grad passes before the loss (the behaviour log-p
 values, the reference's log-probs, the advantages), the loss passes' forwards and backwards and the
 optimizer steps; the forwards into the decoder's layers and the LM head (module hooks, forward and
 backward); and every pass's padded tokens against its real ones. ``--set key=value`` overrides a
-``model.``/``data.`` init argument (YAML values: ``--set model.ppo_epochs=1``). ``--save-batch`` keeps
+``model.``/``data.`` init argument (YAML values: ``--set model.update.ppo_epochs=1``). ``--save-batch`` keeps
 the rollouts' episodes and ``--load-batch`` trains on them instead of rolling out (the "rollout" is
 then the read): two versions of the update timed on the same episodes. Prints one line per part
 and a JSON object last.

@@ -75,7 +75,7 @@ def main() -> None:
         tasks_per_step=args.tasks,
         num_generations=args.num_generations,
         joint_mode=args.joint_mode,
-        max_new_tokens=args.max_new_tokens,
+        sampling={"max_new_tokens": args.max_new_tokens},
         num_turns=args.num_turns,
         transition=f"__main__:{args.transition}_transition",
         early_termination_threshold=None,

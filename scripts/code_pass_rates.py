@@ -15,6 +15,8 @@ import os
 import time
 from collections import defaultdict
 
+from lit_marl.generation import Sampling
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
@@ -51,7 +53,14 @@ def main() -> None:
             for start in range(0, len(problems), args.batch):
                 chunk = [prompts[i][role] for i in range(start, min(start + args.batch, len(problems)))]
                 with torch.no_grad():
-                    out = generate(agent, chunk, samples, args.max_new_tokens, args.temperature, greedy=greedy)
+                    out = generate(
+                        agent,
+                        chunk,
+                        samples,
+                        sampling=Sampling(
+                            max_new_tokens=args.max_new_tokens, temperature=args.temperature, greedy=greedy
+                        ),
+                    )
                 decoded = agent.decode(out.completion_ids, out.completion_mask)
                 for k in range(len(chunk)):
                     texts[start + k][role] = decoded[k * samples : (k + 1) * samples]

@@ -93,7 +93,7 @@ def start_model(args, out: Path) -> tuple[str, dict]:
     model_source = config["model"]["init_args"]["model"]
     if args.sft_demos:
         _, _, demos = sources(args)
-        config["data"]["init_args"].update(demo_path=demos, demo_batch_size=4)
+        config["data"]["init_args"]["demos"] = {"path": demos, "batch_size": 4}
         config["model"] = {
             "class_path": "lit_marl.algorithms.SFT",
             "init_args": {k: v for k, v in config["model"]["init_args"].items() if k in ("model", "lora")}

@@ -27,6 +27,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from lit_marl.generation import Sampling  # noqa: E402
+
 # HBM bandwidth by device name (bytes/s, the vendor's figure)
 BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12, "L40S": 0.864e12, "A10": 0.6e12}
 
@@ -46,10 +48,12 @@ def decode(engine_name: str, agent, rows: int, new_tokens: int, device: str) -> 
     engine = make_engine(engine_name, {"gpu_memory_utilization": 0.3} if engine_name == "vllm" else {})
     prompt = agent.encode_prompt("Describe a kitchen in one long paragraph.")
     with torch.autocast(device, dtype=torch.bfloat16):
-        engine.generate(agent, [prompt], 2, 8)  # warm-up (and vLLM's weight load)
+        engine.generate(agent, [prompt], 2, sampling=Sampling(max_new_tokens=8))  # warm-up (and vLLM's weight load)
         sync(device)
         start = time.perf_counter()
-        out = engine.generate(agent, [prompt] * (rows // 4), 4, new_tokens, temperature=1.0)
+        out = engine.generate(
+            agent, [prompt] * (rows // 4), 4, sampling=Sampling(max_new_tokens=new_tokens, temperature=1.0)
+        )
         sync(device)
         seconds = time.perf_counter() - start
     generated = int(out.completion_mask.sum())
@@ -83,7 +87,7 @@ def ppo_step(out: Path, model: str, device: str, tasks: int = 16, turns: int = 6
     L.seed_everything(0)
     module = PPO(
         model=model,
-        critic="model",
+        critic={"kind": "model"},
         activation_checkpointing=True,
         forward_token_budget=4096,
         weights_dtype="bfloat16",
@@ -95,7 +99,7 @@ def ppo_step(out: Path, model: str, device: str, tasks: int = 16, turns: int = 6
         tasks_per_step=tasks,
         num_generations=1,
         max_turns=turns,
-        max_new_tokens=16,
+        sampling={"max_new_tokens": 16},
     )
     trainer = L.Trainer(
         accelerator="gpu" if device == "cuda" else "cpu",

@@ -57,6 +57,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from plan_memory import ARCHITECTURES, qwen2  # noqa: E402
 
+from lit_marl.generation import Sampling  # noqa: E402
+
 GiB = 2**30
 ARCHS = {name.split("-")[1].lower(): name for name in ARCHITECTURES}  # 1.5b, 7b, 14b, 32b
 TINY = dict(hidden=64, intermediate=256, layers=2, heads=4, kv_heads=2, tied=False, vocab=512)
@@ -360,7 +362,7 @@ def vllm_round(engine, agent, prompts: list[list[int]], base: int) -> dict:
 
     with torch.autocast("cuda", dtype=torch.bfloat16):
         with engine.rollout([agent]):
-            gen = engine.generate(agent, prompts, 1, 16, greedy=True)
+            gen = engine.generate(agent, prompts, 1, sampling=Sampling(max_new_tokens=16, greedy=True))
             awake = device_used() - base
         gc.collect()
         torch.cuda.empty_cache()

@@ -21,7 +21,7 @@ import torch
 import lit_marl.rollout.tree as tree
 from lit_marl.algorithms import MAGRPO
 from lit_marl.envs.base import FunctionEnv
-from lit_marl.generation import make_engine
+from lit_marl.generation import Sampling, make_engine
 from lit_marl.logprobs import completion_logits
 from lit_marl.rollout.transitions import plain
 
@@ -82,7 +82,7 @@ def main() -> None:
                     settings = tree.TreeSettings(
                         num_generations=args.num_generations,
                         joint_mode=joint_mode,
-                        max_new_tokens=args.max_new_tokens,
+                        sampling=Sampling(max_new_tokens=args.max_new_tokens),
                         num_turns=num_turns,
                     )
                     batch = module.scored(tree.build_tree(list(module.agents), tasks, env, settings, engine))

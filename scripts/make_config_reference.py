@@ -274,7 +274,8 @@ def moved_settings() -> list[str]:
         " one under its old key stops before anything loads, naming the new key; a checkpoint saved before"
         " the move still loads (its settings are put into their groups). In YAML, `data: {init_args:"
         " {on_reward_error: skip}}` becomes `data: {init_args: {reward_calls: {on_reward_error: skip}}}`; on"
-        " the command line, `--data.on_reward_error skip` becomes `--data.reward_calls.on_reward_error skip`.\n",
+        " the command line, `--data.on_reward_error skip` becomes `--data.reward_calls.on_reward_error skip`."
+        " `scripts/migrate_config.py FILE...` rewrites YAML files in place (comments kept).\n",
         "| old key | new key |\n|---|---|\n" + "\n".join(rows) + "\n",
     ]
 

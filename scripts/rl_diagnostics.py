@@ -6,7 +6,7 @@ Reads each finished cell's CSVLogger log (``<grid>/cells/<cell>/logs/version_*/m
 ``scripts/textworld_ablation.py``) and prints one markdown row per cell: its RL steps, the share of
 its training episodes won (sampled, not the greedy held-out figure), the steps whose advantages
 were not all zero (a GRPO/RLOO step whose groups all tied has none), the updates
-``model.skip_signalless_steps`` left out (optimizer steps: one per mini-batch and pass), the mean
+``model.update.skip_signalless_steps`` left out (optimizer steps: one per mini-batch and pass), the mean
 PPO approx-KL between the rollout and the updated policy, the last KL to the reference
 (``<agent>/kl_ref``, where a KL term ran) and, with a critic, the steps whose explained variance
 was positive. These are the figures that tell why RL after SFT moved (or did not move) the

@@ -47,12 +47,15 @@ def main() -> None:
     args = parser.parse_args()
     L.seed_everything(0)
     if args.algorithm == "magrpo":
-        module = MAGRPO(model="tiny-random", learning_rate=1e-3, rollout_buffer_size=3)
-        data = slogan_data(num_generations=2, max_new_tokens=12, tasks_per_step=2)
+        module = MAGRPO(model="tiny-random", learning_rate=1e-3, buffer={"size": 3})
+        data = slogan_data(num_generations=2, sampling={"max_new_tokens": 12}, tasks_per_step=2)
     else:
         module = IAC(model="tiny-random", learning_rate=1e-3)
         data = slogan_data(
-            num_generations=1, num_turns=2, transition="lit_marl.rollout.transitions:plain", max_new_tokens=12
+            num_generations=1,
+            num_turns=2,
+            transition="lit_marl.rollout.transitions:plain",
+            sampling={"max_new_tokens": 12},
         )
     meter = Meter()
     with tempfile.TemporaryDirectory() as tmp:

@@ -57,8 +57,11 @@ def shared_settings(args) -> dict:
 def settings_key(args) -> str:
     """A short hash of the shared settings (a rerun with others is other cells): the last part of a
     cell's name."""
-    shared = list(shared_settings(args).values())
-    return hashlib.sha256(json.dumps(shared, default=str).encode()).hexdigest()[:6]
+    from lit_marl.fields import pre_move_key
+
+    settings = shared_settings(args)  # a setting that moved into a group keeps its cells: hashed by its old key
+    settings["set"] = [pre_move_key(key) + sep + value for key, sep, value in (s.partition("=") for s in args.set)]
+    return hashlib.sha256(json.dumps(list(settings.values()), default=str).encode()).hexdigest()[:6]
 
 
 def settings_label(settings: dict | None, key: str) -> str:
@@ -75,8 +78,12 @@ def settings_label(settings: dict | None, key: str) -> str:
     ]
     if settings.get("share_sft") is False:
         flags.append("--no-share-sft")
-    if settings.get("set"):
-        flags.append("--set " + " ".join(settings["set"]))
+    if settings.get("set"):  # each key as it is written today (a row from before a move shows the new key)
+        from lit_marl.fields import current_key
+
+        flags.append(
+            "--set " + " ".join(current_key(k) + sep + v for k, sep, v in (s.partition("=") for s in settings["set"]))
+        )
     return " ".join(flags) or "-"
 
 
@@ -120,12 +127,8 @@ def cell_config(args, algorithm: str, density: str, split: str, train: str, seed
     config = yaml.safe_load(base.read_text())
     demos, _ = budget(args, split)
     data = config["data"]["init_args"]
-    data.update(
-        train_path=game_set(args.env, train, "train", args.train_games),
-        val_path=None,
-        reward_density=density,
-        demo_path=game_set(args.env, train, "validation", demos) if demos else None,
-    )
+    data.update(train_path=game_set(args.env, train, "train", args.train_games), val_path=None, reward_density=density)
+    data["demos"] = {**data.get("demos", {}), "path": game_set(args.env, train, "validation", demos) if demos else None}
     trainer = config["trainer"]
     trainer.update(max_epochs=-1, limit_train_batches=None, limit_val_batches=0, check_val_every_n_epoch=None)
     trainer["logger"] = {
@@ -263,9 +266,12 @@ def sft_stage_id(args, config: dict, switch: dict, train: str, seed: int) -> str
     """The name of the SFT run a cell starts from: its demonstrations, passes, complexity and seed,
     and a hash of every setting SFT and its evaluation read (the cell's config without its
     algorithm, its RL-only settings, logger and callbacks; the eval games)."""
+    from lit_marl.fields import ungroup_moved
+
     rl_only = (*RL_ONLY["model"], *(["learning_rate"] if switch.get("sft_learning_rate") else []))  # SFT's own
-    model = {k: v for k, v in config["model"]["init_args"].items() if k not in rl_only}
-    data = {k: v for k, v in config["data"]["init_args"].items() if k not in RL_ONLY["data"]}
+    # settings read by their names before any move into a group: a stage run before a move is still found
+    model = {k: v for k, v in ungroup_moved("model", config["model"]["init_args"]).items() if k not in rl_only}
+    data = {k: v for k, v in ungroup_moved("data", config["data"]["init_args"]).items() if k not in RL_ONLY["data"]}
     trainer = {k: v for k, v in config["trainer"].items() if k not in ("logger", "callbacks")}
     reads = [model, data, trainer, switch, config["seed_everything"], sorted(args.eval), args.eval_games]
     digest = hashlib.sha256(json.dumps(reads, sort_keys=True, default=str).encode()).hexdigest()[:6]
@@ -312,7 +318,7 @@ def run_after_shared_sft(args, key: dict, config: dict, out: Path) -> list[dict]
     after = [{**row, **key, "demos": demos, "train_s": sft_s, "sft_stage": stage.name} for row in sft_rows]
     if not episodes:  # SFT only: the end is where SFT left it
         return after + [{**row, "stage": "end"} for row in after]
-    config["data"]["init_args"]["demo_path"] = None
+    config["data"]["init_args"]["demos"]["path"] = None
     config["trainer"]["callbacks"] = [
         {"class_path": "lit_marl.callbacks.InitialWeights", "init_args": {"path": str(stage / "export")}},
         {"class_path": "lit_marl.callbacks.PhaseSwitch", "init_args": {"budget": episodes, "split": "0:1"}},

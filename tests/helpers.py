@@ -44,7 +44,7 @@ def slogan_data(**overrides):
         reward_fn="lit_marl.envs.slogan:reward",
         tasks_per_step=2,
         num_generations=4,
-        max_new_tokens=8,
+        sampling={"max_new_tokens": 8},
         eval_tasks_per_step=16,
     )
     kwargs.update(overrides)
@@ -143,6 +143,7 @@ def tree_from_functions(
 
     from lit_marl.envs.base import FunctionEnv
     from lit_marl.envs.calls import CallSettings
+    from lit_marl.generation import Sampling
     from lit_marl.rollout.tree import TreeSettings, build_tree
 
     class ListedPrompts(FunctionEnv):
@@ -154,6 +155,8 @@ def tree_from_functions(
     calls = {f.name for f in fields(CallSettings)}
     env.call_settings = CallSettings(**{k: v for k, v in settings.items() if k in calls})
     settings = {k: v for k, v in settings.items() if k not in calls}
+    if isinstance(settings.get("sampling"), dict):  # as the data module takes it
+        settings["sampling"] = Sampling(**settings["sampling"])
     tree = TreeSettings(num_generations=num_generations, joint_mode=joint_mode, **settings)
     batch = build_tree(agents, tasks, env, tree, engine=engine)
     batch.score(discount, penalties)  # what the algorithm does with the rollout's facts
@@ -183,7 +186,7 @@ def comlrl_docs_transition(
 
 def two_turn_data(**overrides):
     """Two-turn single-trajectory slogan trees (one response per node): what IAC/MAAC learn from."""
-    kwargs = dict(num_generations=1, num_turns=2, transition=PLAIN, max_new_tokens=12, tasks_per_step=3)
+    kwargs = dict(num_generations=1, num_turns=2, transition=PLAIN, sampling={"max_new_tokens": 12}, tasks_per_step=3)
     kwargs.update(overrides)
     return slogan_data(**kwargs)
 

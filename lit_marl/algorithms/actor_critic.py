@@ -30,16 +30,15 @@ from lit_marl.algorithms.base import AgentTeamModule
 from lit_marl.algorithms.critics import (
     Critic,
     CriticInputs,
-    CriticType,
     critic_inputs,
     joint_critic_inputs,
     load_critic_backbone,
     read_positions,
 )
-from lit_marl.fields import NonNegativeFloat, OpenUnitInterval, PositiveFloat, PositiveInt, check_fields
+from lit_marl.algorithms.settings import BUFFER_FIELDS, BufferSettings, CriticSettings, UpdateSettings, read_groups
+from lit_marl.fields import check_fields
 from lit_marl.logprobs import completion_forward
 from lit_marl.losses import (
-    Reduction,
     clip_fraction,
     clipped_surrogate,
     explained_variance,
@@ -53,7 +52,7 @@ from lit_marl.models import checkpointed_passes, set_attention
 from lit_marl.parallel.collectives import all_ranks_max, all_ranks_sum, padded_steps, z_score_per_group
 from lit_marl.returns import next_turn_rows, td_advantages, td_targets, team_reward
 from lit_marl.rollout.batch import AgentSamples, RolloutBatch
-from lit_marl.rollout.buffer import UpdateSchedule, batch_turns, minibatches
+from lit_marl.rollout.buffer import batch_turns, minibatches
 
 Forward = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 """An actor's completion log-probs, entropies (or None) and value-head values (or None)."""
@@ -81,82 +80,63 @@ class ActorCritic(AgentTeamModule):
 
     def __init__(
         self,
-        critic: Literal["head", "model"] = "head",
-        critic_model: str | None = None,
-        critic_type: CriticType = "v",
-        critic_learning_rate: PositiveFloat | None = None,
-        value_loss_coef: NonNegativeFloat = 0.5,
-        value_clip_range: PositiveFloat | None = None,
+        critic: CriticSettings = CriticSettings(),
         advantage_normalization: bool = True,
         policy_loss: Literal["reinforce", "ppo"] = "reinforce",
-        clip_range: OpenUnitInterval = 0.2,
-        ppo_epochs: PositiveInt = 1,
-        target_kl: PositiveFloat | None = None,
-        entropy_coef: NonNegativeFloat = 0.0,
-        logprob_reduction: Reduction = "mean",
-        rollout_buffer_size: PositiveInt | None = None,
-        train_batch_size: PositiveInt | None = None,
-        update_schedule: UpdateSchedule = "joint",
-        rollout_is_cap: PositiveFloat | None = None,
+        update: UpdateSettings = UpdateSettings(),
+        buffer: BufferSettings = BufferSettings(),
         **kwargs,
     ):
         """
         Args:
-            critic: ``head``: a value head on each actor's last hidden state (trained with the
-                actor's loss, ``critic_learning_rate`` on its own parameters); ``model``: a separate
-                critic model with its own optimizer. MAAC's centralized critic is always a model.
-            critic_model: Source of the critic model (default: the agent's own source); it must use
-                the actors' tokenizer, as it reads their token ids.
-            critic_type: ``v``: V(h) read at the last prompt token; ``q``: Q(h, a) read at the last
-                token of prompt + response.
-            critic_learning_rate: Learning rate of the critic (default: the actors').
-            value_loss_coef: Weight of the value loss (y - V)^2.
-            value_clip_range: Clip the new value to the old one +- this in the value loss; None: no clipping.
+            critic: The critic (``algorithms.settings.CriticSettings``): a value ``head`` on each actor or a
+                critic ``model`` (MAAC's centralized critic always is one), its ``type`` (``v``: V(h) at the last
+                prompt token; ``q``: Q(h, a) at the last token of prompt + response), learning rate, value loss
+                weight and clipping. IAC/MAAC read every field but ``warmup``.
             advantage_normalization: z-score the advantages per (agent, turn) group of an update.
             policy_loss: ``reinforce``: CoMLRL's ratio-free -log pi(a) * A; ``ppo``: the clipped
                 surrogate with the importance ratio against the behaviour log-probs.
-            clip_range: PPO's ratio clipping epsilon (``policy_loss=ppo``).
-            ppo_epochs: Passes over each update's samples (``ppo`` only; the ratio-free loss is on-policy).
-            target_kl: Stop an update's remaining epochs once an epoch's mean approximate KL to the behaviour
-                policy (on each mini-batch's forward, before its step, as cleanrl) exceeds this (``ppo``); None: never.
-            entropy_coef: Weight of the entropy bonus on the response tokens (0: none).
-            logprob_reduction: A response's loss is the ``sum`` or the ``mean`` of its tokens' terms.
-            rollout_buffer_size: Update when each agent's buffer holds this many groups (one per turn of an
-                episode); None: every step. The rest is used at epoch end.
-            train_batch_size: Groups (one turn of one episode) per mini-batch, one optimizer step each, grouped
-                by turn and shuffled; None: the whole buffer in one step (``update_schedule: joint``).
-            update_schedule: ``joint``: mini-batches of every turn, shuffled; ``per_turn``: CoMLRL's
-                order, each turn its own steps in turn order (``train_batch_size: null``: one per turn).
-            rollout_is_cap: Truncated importance sampling against the rollout engine's log-probs, as MAGRPO's.
+            update: How the buffered samples become optimizer steps (``algorithms.settings.UpdateSettings``):
+                IAC/MAAC read ``ppo_epochs``, ``clip_range`` and ``target_kl`` (``policy_loss: ppo``),
+                ``entropy_coef``, ``logprob_reduction``, ``train_batch_size`` (groups: one turn of one episode)
+                and ``rollout_is_cap``.
+            buffer: When an update fires and in which order (``algorithms.settings.BufferSettings``).
             **kwargs: The team's settings (model, num_agents, lora, learning_rate, ...): see ``AgentTeamModule``.
         """
         super().__init__(**kwargs)
         check_fields("model", ActorCritic.__init__, locals())
-        if self.centralized and critic == "head":
+        groups = {"update": self.update_fields, "buffer": BUFFER_FIELDS, "critic": self.critic_fields}
+        given = {"update": (UpdateSettings, update), "buffer": (BufferSettings, buffer)}
+        read_groups(self, groups, critic=(CriticSettings, critic), **given)
+        kind = self.critic.kind or ("model" if self.centralized else "head")
+        if self.centralized and kind == "head":
             raise ConfigError(
-                "model.critic=head: the centralized critic of MAAC reads every agent's tokens and is a model of its "
-                "own; set model.critic=model (or use IAC for value heads on the actors)"
+                "model.critic.kind=head: the centralized critic of MAAC reads every agent's tokens and is a model of "
+                "its own; leave model.critic.kind out (or use IAC for value heads on the actors)"
             )
-        if critic == "head" and critic_model is not None:
+        if kind == "head" and self.critic.model is not None:
             raise ConfigError(
-                f"model.critic=head puts the value head on the actor, which reads the actor's own tokens and hidden "
-                f"states; model.critic_model={critic_model!r} would be unused. Drop model.critic_model or set "
-                "model.critic=model"
+                f"model.critic.kind=head puts the value head on the actor, which reads the actor's own tokens and "
+                f"hidden states; model.critic.model={self.critic.model!r} would be unused. Drop model.critic.model "
+                "or set model.critic.kind=model"
             )
-        if policy_loss == "reinforce" and (ppo_epochs != 1 or target_kl is not None):
+        if policy_loss == "reinforce" and (self.update.ppo_epochs != 1 or self.update.target_kl is not None):
             raise ConfigError(
-                "model.ppo_epochs / model.target_kl need model.policy_loss=ppo: the ratio-free loss is only "
-                "correct on the samples of the current policy"
+                "model.update.ppo_epochs / model.update.target_kl need model.policy_loss=ppo: the ratio-free loss is "
+                "only correct on the samples of the current policy"
             )
-        self.critic_kind, self.critic_source, self.critic_type = critic, critic_model, critic_type
-        self.critic_learning_rate = critic_learning_rate or self.hparams.learning_rate
-        self.value_loss_coef, self.value_clip_range = value_loss_coef, value_clip_range
-        self.advantage_normalization = advantage_normalization
-        self.policy_form, self.clip_range, self.ppo_epochs = policy_loss, clip_range, ppo_epochs
-        self.target_kl, self.entropy_coef, self.logprob_reduction = target_kl, entropy_coef, logprob_reduction
-        self.rollout_buffer_size, self.train_batch_size = rollout_buffer_size, train_batch_size
-        self.update_schedule, self.rollout_is_cap = update_schedule, rollout_is_cap
+        self.critic_kind = kind
+        self.critic_learning_rate = self.critic.learning_rate or self.hparams.learning_rate
+        self.advantage_normalization, self.policy_form = advantage_normalization, policy_loss
         self.critics: nn.ModuleList | None = None
+
+    update_fields = frozenset(
+        {"ppo_epochs", "train_batch_size", "clip_range", "target_kl", "entropy_coef", "logprob_reduction"}
+        | {"rollout_is_cap"}
+    )
+    """The ``model.update`` fields IAC/MAAC read."""
+    critic_fields = frozenset({"kind", "model", "type", "learning_rate", "value_loss_coef", "value_clip_range"})
+    """The ``model.critic`` fields IAC/MAAC read."""
 
     # ------------------------------------------------------------------ models and optimizers
     def build_models(self) -> None:
@@ -170,7 +150,7 @@ class ActorCritic(AgentTeamModule):
         readers = list(self.agents) if self.centralized else self.agents[:1]
         critics = []
         for source in sources:
-            backbone = load_critic_backbone(self.critic_source or source, readers)
+            backbone = load_critic_backbone(self.critic.model or source, readers)
             set_attention([backbone], self.attn_implementation)
             critics.append(Critic(backbone.config.hidden_size, backbone))
         self.critics = nn.ModuleList(critics)
@@ -246,7 +226,7 @@ class ActorCritic(AgentTeamModule):
             entropy=entropy,
             hidden=head,
         )
-        values = self.critics[learner].read(hidden, read_positions(samples, self.critic_type)) if head else None
+        values = self.critics[learner].read(hidden, read_positions(samples, self.critic.type)) if head else None
         return logprobs, entropies, values
 
     def update_rows(self, per_agent: list[AgentSamples]) -> _UpdateSamples:
@@ -259,12 +239,12 @@ class ActorCritic(AgentTeamModule):
         if self.critic_kind == "head":
             return _UpdateSamples(actors, [])
         if self.centralized:  # the joint rows once per role whose targets a critic step learns
-            joint = joint_critic_inputs(per_agent, self.critic_type, pad)
+            joint = joint_critic_inputs(per_agent, self.critic.type, pad)
             return _UpdateSamples(
                 actors, [CriticInputs.cat([joint] * len(roles), pad) for roles in self.critic_roles()]
             )
         critics = [
-            CriticInputs.cat([critic_inputs(per_agent[r], self.critic_type) for r in roles], pad)
+            CriticInputs.cat([critic_inputs(per_agent[r], self.critic.type) for r in roles], pad)
             for roles in self.learners
         ]
         return _UpdateSamples(actors, critics)
@@ -272,7 +252,7 @@ class ActorCritic(AgentTeamModule):
     def forwards(self, rows: _UpdateSamples) -> tuple[list[Forward], list[torch.Tensor]]:
         """Every actor's and critic model's outputs on the update's rows, in the passes of
         ``micro_batches`` (one pass each when the graph is kept)."""
-        entropy = torch.is_grad_enabled() and self.entropy_coef > 0
+        entropy = torch.is_grad_enabled() and self.update.entropy_coef > 0
         actors = []
         for learner, samples in enumerate(rows.actors):
             chunks = self.passes(samples, [self.model_of(learner)])
@@ -297,7 +277,7 @@ class ActorCritic(AgentTeamModule):
     def fits_one_pass(self, rows: _UpdateSamples) -> bool:
         """One optimizer step per model (``ppo_epochs`` 1, one mini-batch) on rows that fit one
         forward/backward pass, on every rank."""
-        if self.ppo_epochs != 1 or self.train_batch_size is not None or self.update_schedule != "joint":
+        if self.update.ppo_epochs != 1 or self.update.train_batch_size is not None or self.buffer.schedule != "joint":
             return False
         if len(rows.critics) > len(self.critics or []):  # a critic stepping once per agent
             return False
@@ -380,19 +360,19 @@ class ActorCritic(AgentTeamModule):
         weighted value loss. ``forward``: the outputs of ``actor_forward`` on ``samples`` when
         already run."""
         if forward is None:
-            forward = self.actor_forward(learner, samples, entropy=self.entropy_coef > 0)
+            forward = self.actor_forward(learner, samples, entropy=self.update.entropy_coef > 0)
         logprobs, entropies, values = forward
         mask = samples.completion_mask.float()
         advantages = samples.advantages.unsqueeze(1)
         if self.policy_form == "ppo":
-            per_token = clipped_surrogate(logprobs, samples.old_logprobs, advantages, self.clip_range)
+            per_token = clipped_surrogate(logprobs, samples.old_logprobs, advantages, self.update.clip_range)
         else:
             per_token = reinforce(logprobs, advantages)
-        weights = rollout_correction(self.step_log, samples.old_logprobs, samples, mask, self.rollout_is_cap)
+        weights = rollout_correction(self.step_log, samples.old_logprobs, samples, mask, self.update.rollout_is_cap)
         per_token = per_token if weights is None else per_token * weights  # truncated importance sampling
         if entropies is not None:
-            per_token = per_token - self.entropy_coef * entropies
-        loss = masked_sum(per_token, mask, self.logprob_reduction).sum()
+            per_token = per_token - self.update.entropy_coef * entropies
+        loss = masked_sum(per_token, mask, self.update.logprob_reduction).sum()
         if values is not None:
             loss = loss + self.value_term(values, samples.old_values, samples.targets)
         with torch.no_grad():
@@ -401,7 +381,7 @@ class ActorCritic(AgentTeamModule):
                 rows = (samples.turn_ids == turn).float().unsqueeze(1) * mask
                 stat = stats.setdefault(turn, dict.fromkeys(("approx_kl", "clip_frac", "entropy", "tokens"), 0.0))
                 stat["approx_kl"] += float((k3_kl(log_ratio) * rows).sum())
-                stat["clip_frac"] += float((clip_fraction(log_ratio, self.clip_range) * rows).sum())
+                stat["clip_frac"] += float((clip_fraction(log_ratio, self.update.clip_range) * rows).sum())
                 if entropies is not None:
                     stat["entropy"] += float((entropies * rows).sum())
                 stat["tokens"] += float(rows.sum())
@@ -410,7 +390,9 @@ class ActorCritic(AgentTeamModule):
     def value_term(self, values: torch.Tensor, old_values: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """value_loss_coef x the (clipped) squared error, summed over rows."""
         ones = torch.ones_like(values)
-        return self.value_loss_coef * value_loss(values, old_values, targets, ones, self.value_clip_range, "sum")
+        return self.critic.value_loss_coef * value_loss(
+            values, old_values, targets, ones, self.critic.value_clip_range, "sum"
+        )
 
     def critic_loss(self, critic: int, inputs: CriticInputs, values: torch.Tensor | None = None) -> torch.Tensor:
         values = self.critic_model(critic)(inputs) if values is None else values
@@ -427,7 +409,7 @@ class ActorCritic(AgentTeamModule):
             return
         with Timer() as train_time:
             drained = [buffer.drain(agent.pad_token_id) for buffer, agent in zip(self.rollout_buffers, self.agents)]
-            actor_losses, critic_losses, epochs = self.update(drained)
+            actor_losses, critic_losses, epochs = self.train_on(drained)
         # the losses are over every rank's rows already; the steps and epochs are the same on every rank
         by_learner = {self.learner_name(index): losses for index, losses in actor_losses.items()}
         for c, losses in critic_losses.items():  # MAAC stepping once per agent: one critic's steps together
@@ -441,7 +423,7 @@ class ActorCritic(AgentTeamModule):
     def critic_name(self, critic: int) -> str:
         return "critic" if self.centralized else f"critic_{self.learner_name(critic)}"
 
-    def update(self, per_agent: list[AgentSamples]) -> tuple[dict, dict, int]:
+    def train_on(self, per_agent: list[AgentSamples]) -> tuple[dict, dict, int]:
         """``ppo_epochs`` passes over the update's rows, one optimizer step per model and mini-batch
         (actors, then critics); the epochs stop early past ``target_kl``. Returns the actor and critic
         losses and the epochs run."""
@@ -457,10 +439,12 @@ class ActorCritic(AgentTeamModule):
         actor_losses: dict[int, list[float]] = {i: [] for i in range(len(self.learners))}
         critic_losses: dict[int, list[float]] = {i: [] for i in range(len(rows.critics))}
         epochs = 0
-        for _ in range(self.ppo_epochs):
+        for _ in range(self.update.ppo_epochs):
             stats: dict[int, dict[str, float]] = {}
-            batches = minibatches(per_agent[0], self.train_batch_size, self.shuffle_generator, self.update_schedule)
-            for picked in padded_steps(batches, self.device, batch_turns(per_agent[0], batches, self.update_schedule)):
+            batches = minibatches(
+                per_agent[0], self.update.train_batch_size, self.shuffle_generator, self.buffer.schedule
+            )
+            for picked in padded_steps(batches, self.device, batch_turns(per_agent[0], batches, self.buffer.schedule)):
                 for index, roles in enumerate(self.learners):
                     mini = (
                         None if picked is None else rows.actors[index].select(self.of_roles(picked, roles, per_agent))
@@ -474,11 +458,11 @@ class ActorCritic(AgentTeamModule):
                     critic_losses[c].append(step)
             epochs += 1
             self.log_policy_stats(stats)
-            if self.target_kl is not None:
+            if self.update.target_kl is not None:
                 # the KL over every rank's tokens: one decision, so all ranks take the same steps
                 tokens = all_ranks_sum(sum(s["tokens"] for s in stats.values()), self.device)
                 kl = all_ranks_sum(sum(s["approx_kl"] for s in stats.values()), self.device) / max(tokens, 1.0)
-                if kl > self.target_kl:
+                if kl > self.update.target_kl:
                     break
         return actor_losses, critic_losses, epochs
 
@@ -493,6 +477,6 @@ class ActorCritic(AgentTeamModule):
         for turn, stat in stats.items():
             tokens = max(stat["tokens"], 1.0)
             values = {"approx_kl": stat["approx_kl"] / tokens, "clip_frac": stat["clip_frac"] / tokens}
-            if self.entropy_coef > 0:
+            if self.update.entropy_coef > 0:
                 values["entropy"] = stat["entropy"] / tokens
             self.record({f"turn_{turn}/{key}": value for key, value in values.items()}, weight=tokens)

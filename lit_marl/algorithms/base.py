@@ -431,15 +431,13 @@ class AgentTeamModule(OptimizerSteps, StepLogging, L.LightningModule):
         self.record({"train/sft_tokens": tokens}, reduce="sum")
 
     # ------------------------------------------------------------------ buffered updates (MAGRPO family, IAC/MAAC)
-    rollout_buffer_size: int | None = None
-
     def buffer_step(self, batch: RolloutBatch, per_agent: list[AgentSamples]) -> None:
         """Add a training step's samples to the agents' buffers and update (``flush_buffers``) once
-        they hold ``rollout_buffer_size`` nodes, decided over all ranks (their trees, hence their
+        they hold ``model.buffer.size`` groups, decided over all ranks (their trees, hence their
         buffers, can differ)."""
         for buffer, samples in zip(self.rollout_buffers, per_agent):
             buffer.add(samples)
-        size = self.rollout_buffer_size
+        size = self.buffer.size
         if size is None or all_ranks_max(len(self.rollout_buffers[0]) >= size, self.device):
             with self.computing(update=True):
                 self.flush_buffers()

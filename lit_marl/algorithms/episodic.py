@@ -11,14 +11,8 @@ import torch
 
 from lit_marl import ConfigError
 from lit_marl.algorithms.base import AgentTeamModule
-from lit_marl.fields import (
-    AboveOne,
-    NonNegativeFloat,
-    OpenUnitInterval,
-    PositiveFloat,
-    PositiveInt,
-    check_fields,
-)
+from lit_marl.algorithms.settings import UpdateSettings, read_groups
+from lit_marl.fields import NonNegativeFloat, PositiveFloat, check_fields
 from lit_marl.logprobs import masked_logprobs
 from lit_marl.losses import clip_fraction, clipped_surrogate, k3_kl
 from lit_marl.metrics import Timer, record_stats, rollout_correction
@@ -44,33 +38,22 @@ class EpisodicModule(AgentTeamModule):
 
     def __init__(
         self,
-        clip_range: OpenUnitInterval = 0.2,
-        dual_clip: AboveOne | None = None,
-        ppo_epochs: PositiveInt = 1,
-        train_batch_size: PositiveInt | None = None,
+        update: UpdateSettings = UpdateSettings(),
         kl_coef: NonNegativeFloat = 0.0,
         kl_mode: Literal["loss", "reward"] = "loss",
         kl_clamp: PositiveFloat | None = None,
-        rollout_is_cap: PositiveFloat | None = None,
-        skip_signalless_steps: bool = False,
         **kwargs,
     ):
         """
         Args:
-            clip_range: PPO's ratio clipping epsilon.
-            dual_clip: Dual-clip PPO's c (veRL's ``clip_ratio_c``, the guide's 3): a token with a negative advantage
-                loses at most c times it, however far its ratio grew; None: off (Schulman, TRL).
-            ppo_epochs: Passes over the step's episodes (the behaviour log-probs stay those of the rollout).
-            train_batch_size: Groups (a task's G episodes) per mini-batch, one step each; None: one per epoch.
+            update: How a step's episodes become optimizer steps (``algorithms.settings.UpdateSettings``): the
+                episode algorithms read ``ppo_epochs`` (passes over the step's episodes), ``train_batch_size``
+                (groups: a task's G episodes; None: one step per pass), ``clip_range``, ``dual_clip``,
+                ``rollout_is_cap`` and ``skip_signalless_steps`` (GRPO, RLOO without a KL term).
             kl_coef: Weight of KL(policy || reference); 0 disables.
             kl_mode: ``loss``: a loss term (k3 per token); ``reward``: k1 subtracted from each token's reward.
             kl_clamp: With ``kl_mode: loss``, cap each token's k3 at this (its log-ratio at +-20), as veRL's
                 ``low_var_kl`` does with 10; None: not capped (k3 itself, its log-ratio still held at +-20).
-            rollout_is_cap: Truncated importance sampling against the rollout engine's log-probs, as MAGRPO's.
-            skip_signalless_steps: GRPO/RLOO: an optimizer step whose rows all have zero advantage on every rank
-                (every group tied) is not taken, weights and AdamW state untouched (taken, AdamW's momentum
-                repeats the last informative step's direction); ``train/skipped_steps`` counts them. Not with a
-                critic or a KL term (they give every step a gradient).
             **kwargs: The team's settings (model, lora, learning_rate, discount, forward_token_budget, ...): see
                 ``AgentTeamModule``; each agent plays its own token sequence.
         """
@@ -78,10 +61,13 @@ class EpisodicModule(AgentTeamModule):
         super().__init__(**kwargs)
         check_fields("model", EpisodicModule.__init__, locals())
         check_kl_clamp(kl_clamp, kl_mode, kl_coef)
-        self.clip_range, self.dual_clip, self.ppo_epochs = clip_range, dual_clip, ppo_epochs
+        read_groups(self, {"update": self.update_fields}, update=(UpdateSettings, update))
         self.kl_coef, self.kl_mode, self.kl_clamp = kl_coef, kl_mode, kl_clamp
-        self.train_batch_size, self.rollout_is_cap = train_batch_size, rollout_is_cap
-        self.skip_signalless_steps = skip_signalless_steps
+
+    update_fields = frozenset(
+        {"ppo_epochs", "train_batch_size", "clip_range", "dual_clip", "rollout_is_cap", "skip_signalless_steps"}
+    )
+    """The ``model.update`` fields the episode algorithms read."""
 
     def build_models(self) -> None:
         super().build_models()
@@ -93,10 +79,10 @@ class EpisodicModule(AgentTeamModule):
         if self.rollout_settings is not None:
             self.rollout_settings.require("episodes", type(self).__name__)
         critic = type(self).extra_loss is not EpisodicModule.extra_loss
-        if self.skip_signalless_steps and (critic or self.kl_coef > 0):
+        if self.update.skip_signalless_steps and (critic or self.kl_coef > 0):
             raise ConfigError(
-                f"model.skip_signalless_steps: {type(self).__name__}'s steps all carry a gradient (a critic's value "
-                "loss or a KL term): use it with GRPO or RLOO without kl_coef, or leave it out"
+                f"model.update.skip_signalless_steps: {type(self).__name__}'s steps all carry a gradient (a critic's "
+                "value loss or a KL term): use it with GRPO or RLOO without kl_coef, or leave it out"
             )
 
     # ------------------------------------------------------------------ what subclasses provide
@@ -193,8 +179,14 @@ class EpisodicModule(AgentTeamModule):
         ``extra_loss`` summed over its value positions (the step divides each by its own count)."""
         logprobs, outputs = self.forward(samples, learner)
         mask = samples.loss_mask.float()
-        ratio_terms = (logprobs, samples.old_logprobs, samples.advantages, self.clip_range, self.dual_clip)
-        weights = rollout_correction(self.step_log, samples.old_logprobs, samples, mask, self.rollout_is_cap)
+        ratio_terms = (
+            logprobs,
+            samples.old_logprobs,
+            samples.advantages,
+            self.update.clip_range,
+            self.update.dual_clip,
+        )
+        weights = rollout_correction(self.step_log, samples.old_logprobs, samples, mask, self.update.rollout_is_cap)
         weight = mask if weights is None else mask * weights  # truncated importance sampling
         loss = (clipped_surrogate(*ratio_terms) * weight).sum()
         if samples.ref_logprobs is not None:
@@ -202,7 +194,7 @@ class EpisodicModule(AgentTeamModule):
         with torch.no_grad():
             log_ratio = logprobs - samples.old_logprobs
             stats["approx_kl"] += float((k3_kl(log_ratio) * mask).sum())
-            stats["clip_frac"] += float((clip_fraction(log_ratio, self.clip_range) * mask).sum())
+            stats["clip_frac"] += float((clip_fraction(log_ratio, self.update.clip_range) * mask).sum())
             stats["tokens"] += float(mask.sum())
         return torch.stack([loss, self.extra_loss(samples, outputs, learner)])
 
@@ -217,11 +209,11 @@ class EpisodicModule(AgentTeamModule):
                     first = parts[0]
                 samples = TrajectorySamples.cat(parts, self.agents[roles[0]].pad_token_id)
                 losses = []
-                for _ in range(self.ppo_epochs):
-                    order = minibatches(samples, self.train_batch_size, self.shuffle_generator)
+                for _ in range(self.update.ppo_epochs):
+                    order = minibatches(samples, self.update.train_batch_size, self.shuffle_generator)
                     for rows in padded_steps(order, self.device):
                         mini = None if rows is None else samples.select(rows)
-                        if self.skip_signalless_steps and self.signalless(mini):
+                        if self.update.skip_signalless_steps and self.signalless(mini):
                             stats["skipped_steps"] += 1
                             continue
                         # the policy terms a mean over the action tokens, the extra term over the value positions
@@ -239,7 +231,7 @@ class EpisodicModule(AgentTeamModule):
             self.record({"train/approx_kl": kl, "train/clip_frac": clipped}, tokens)
             self.record({"train/loss": sum(all_losses) / len(all_losses)})
         self.record({"perf/train_s": train_time.seconds})
-        if self.skip_signalless_steps:
+        if self.update.skip_signalless_steps:
             self.record({"train/skipped_steps": stats["skipped_steps"]})
         self.log_episodes(batches[0], "train", first)
         if self.sample_step():

@@ -11,14 +11,15 @@ import torch
 
 from lit_marl import ConfigError
 from lit_marl.algorithms.base import AgentTeamModule
-from lit_marl.fields import NonNegativeFloat, PositiveFloat, PositiveInt, check_fields
+from lit_marl.algorithms.settings import BUFFER_FIELDS, BufferSettings, UpdateSettings, read_groups
+from lit_marl.fields import NonNegativeFloat, PositiveFloat, check_fields
 from lit_marl.logprobs import completion_logits, completion_logprobs, token_entropy, token_logprobs
-from lit_marl.losses import Reduction, k3_kl, masked_sum, reinforce
+from lit_marl.losses import k3_kl, masked_sum, reinforce
 from lit_marl.metrics import Timer, rollout_correction
 from lit_marl.parallel.collectives import all_ranks_max, padded_steps
 from lit_marl.returns import AdvantageMode, NormalizationForm, group_advantages
 from lit_marl.rollout.batch import AgentSamples, RolloutBatch
-from lit_marl.rollout.buffer import RolloutBuffer, UpdateSchedule, batch_turns, minibatches
+from lit_marl.rollout.buffer import RolloutBuffer, batch_turns, minibatches
 
 
 class MAGRPO(AgentTeamModule):
@@ -32,12 +33,9 @@ class MAGRPO(AgentTeamModule):
         advantage_normalization: bool = True,
         advantage_normalization_form: NormalizationForm = "rms",
         advantage_std_floor: PositiveFloat = 1e-3,
-        logprob_reduction: Reduction = "sum",
-        rollout_buffer_size: PositiveInt | None = None,
-        train_batch_size: PositiveInt | None = None,
-        update_schedule: UpdateSchedule = "joint",
+        update: UpdateSettings = UpdateSettings(),
+        buffer: BufferSettings = BufferSettings(),
         kl_coef: NonNegativeFloat = 0.0,
-        rollout_is_cap: PositiveFloat | None = None,
         **kwargs,
     ):
         """
@@ -50,21 +48,13 @@ class MAGRPO(AgentTeamModule):
                 signal); ``zscore``: CoMLRL's re-centring and division by the population std (every
                 mode becomes ``mean``; a near-tie becomes a unit signal). See ``returns.group_advantages``.
             advantage_std_floor: Lower bound of the divisor (CoMLRL's: 1e-6).
-            logprob_reduction: REINFORCE on the ``sum`` of a response's token log-probs (the
-                sequence log-likelihood) or on their ``mean`` (length-normalized).
-            rollout_buffer_size: An update fires when each agent's buffer holds this many groups (tree
-                nodes); None: after every training step. What is left at the end of an epoch is used then.
-            train_batch_size: Groups per mini-batch - a group is the samples that share a baseline, here
-                a tree node's G responses - one optimizer step each, mini-batches grouped by turn and
-                shuffled; None: the whole buffer in one step (with ``update_schedule: joint``).
-            update_schedule: ``joint``: mini-batches of every turn, shuffled; ``per_turn``: CoMLRL's
-                order, each turn its own steps in turn order (``train_batch_size: null``: one per turn).
+            update: How the buffered samples become optimizer steps (``algorithms.settings.UpdateSettings``):
+                MAGRPO reads ``train_batch_size`` (groups: a tree node's G responses), ``logprob_reduction``
+                (REINFORCE on the sum or the mean of a response's token log-probs) and ``rollout_is_cap``.
+            buffer: When an update fires and in which order (``algorithms.settings.BufferSettings``).
             kl_coef: Weight of KL(policy || reference) (the initial weights; with LoRA the base model
                 with adapters disabled, no copy), estimated per response as the summed k3 estimate and
                 subtracted from the agent's reward before returns (the episodes' ``kl_mode: reward``).
-            rollout_is_cap: Truncated importance sampling against the rollout engine's log-probs (veRL's
-                TIS, TRL's ``vllm_importance_sampling_cap``): each token's term weighted by
-                min(pi / pi_rollout, cap); None: off (the mismatch is logged either way: docs/generation.md).
             **kwargs: The team's settings (model, lora, learning_rate, ...): see ``AgentTeamModule``.
         """
         super().__init__(**kwargs)
@@ -74,13 +64,13 @@ class MAGRPO(AgentTeamModule):
         self.advantage_mode = advantage_mode
         self.advantage_normalization = advantage_normalization
         self.advantage_std_floor = advantage_std_floor
-        self.logprob_reduction = logprob_reduction
-        self.rollout_buffer_size = rollout_buffer_size
-        self.train_batch_size = train_batch_size
         self.advantage_normalization_form = advantage_normalization_form
-        self.update_schedule = update_schedule
+        groups = {"update": self.update_fields, "buffer": BUFFER_FIELDS}
+        read_groups(self, groups, update=(UpdateSettings, update), buffer=(BufferSettings, buffer))
         self.kl_coef = kl_coef
-        self.rollout_is_cap = rollout_is_cap
+
+    update_fields = frozenset({"train_batch_size", "logprob_reduction", "rollout_is_cap"})
+    """The ``model.update`` fields MAGRPO reads."""
 
     def build_models(self) -> None:
         super().build_models()
@@ -147,10 +137,10 @@ class MAGRPO(AgentTeamModule):
                 stats["entropy"] += float((token_entropy(logits) * mask).sum())
                 stats["tokens"] += float(mask.sum())
         mask = samples.completion_mask
-        weights = rollout_correction(self.step_log, logprobs.detach(), samples, mask, self.rollout_is_cap)
+        weights = rollout_correction(self.step_log, logprobs.detach(), samples, mask, self.update.rollout_is_cap)
         if weights is not None:  # truncated importance sampling
             logprobs = logprobs * weights
-        seq_logprob = masked_sum(logprobs, samples.completion_mask, self.logprob_reduction)
+        seq_logprob = masked_sum(logprobs, samples.completion_mask, self.update.logprob_reduction)
         return reinforce(seq_logprob, samples.advantages).sum()
 
     def rl_step(self, batch: RolloutBatch, batch_idx: int) -> None:
@@ -177,10 +167,12 @@ class MAGRPO(AgentTeamModule):
                 batches = (
                     []
                     if samples is None
-                    else minibatches(samples, self.train_batch_size, self.shuffle_generator, self.update_schedule)
+                    else minibatches(
+                        samples, self.update.train_batch_size, self.shuffle_generator, self.buffer.schedule
+                    )
                 )
                 losses, stats = [], {"entropy": 0.0, "tokens": 0.0}
-                turns = batch_turns(samples, batches, self.update_schedule)
+                turns = batch_turns(samples, batches, self.buffer.schedule)
                 for rows in padded_steps(batches, self.device, turns):
                     kept, count = None, 0
                     if rows is not None:

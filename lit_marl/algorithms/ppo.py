@@ -14,14 +14,8 @@ from torch import nn
 from lit_marl import ConfigError
 from lit_marl.algorithms.critics import ValueHead, load_critic_backbone
 from lit_marl.algorithms.episodic import EpisodicModule
-from lit_marl.fields import (
-    ClosedUnitInterval,
-    NonNegativeFloat,
-    NonNegativeInt,
-    PositiveFloat,
-    PositiveInt,
-    check_fields,
-)
+from lit_marl.algorithms.settings import CriticSettings, read_groups
+from lit_marl.fields import ClosedUnitInterval, check_fields
 from lit_marl.logprobs import final_hidden_states, masked_logprobs
 from lit_marl.losses import explained_variance, value_loss
 from lit_marl.parallel.collectives import whiten
@@ -33,54 +27,45 @@ class PPO(EpisodicModule):
 
     def __init__(
         self,
-        critic: Literal["head", "model"] = "head",
-        critic_model: str | None = None,
-        critic_learning_rate: PositiveFloat | None = None,
+        critic: CriticSettings = CriticSettings(),
         gae: Literal["token", "turn"] = "token",
         gae_lambda: ClosedUnitInterval = 0.95,
-        value_loss_coef: NonNegativeFloat = 0.5,
-        value_clip_range: PositiveFloat | None = 0.2,
         advantage_normalization: bool = True,
-        ppo_epochs: PositiveInt = 2,
-        critic_warmup: NonNegativeInt = 0,
         **kwargs,
     ):
         """
         Args:
-            critic: ``head``: a value head on the policy's last hidden state; ``model``: a separate
-                critic model (``critic_model``, default the policy's source) with its own head.
-            critic_model: Model source of the separate critic (same tokenizer as the policy).
-            critic_learning_rate: Learning rate of the critic's parameters (default: the policy's).
+            critic: The critic (``algorithms.settings.CriticSettings``): a value ``head`` on the policy's last
+                hidden state (the default) or a separate critic ``model`` (``critic.model``, default the policy's
+                source) with its own head, its learning rate, value loss weight and clipping, and ``warmup``: the
+                first n RL steps train the critic only (veRL's ``trainer.critic_warmup``; the policy keeps its
+                weights and optimizer state, a value head learns on its features without moving them).
             gae: ``token``: GAE over the agent's tokens; ``turn``: one value and advantage per turn.
             gae_lambda: GAE lambda.
-            value_loss_coef: Weight of the value loss.
-            value_clip_range: Clip the new value to the old one +- this in the value loss; None: no clipping.
             advantage_normalization: Whiten the advantages over the step's action tokens.
-            ppo_epochs: Passes over the step's episodes.
-            critic_warmup: The first n RL steps train the critic only (veRL's ``trainer.critic_warmup``):
-                the policy keeps its weights and its optimizer state (AdamW does not step it, so weight
-                decay does not act), a value head learns on its features without moving them.
-            **kwargs: The shared settings of ``EpisodicModule`` (model, clip_range, discount, kl_coef, ...).
+            **kwargs: The shared settings of ``EpisodicModule`` (model, update, discount, kl_coef, ...).
         """
-        super().__init__(ppo_epochs=ppo_epochs, **kwargs)
+        super().__init__(**kwargs)
         check_fields("model", PPO.__init__, locals())
-        if critic == "head" and critic_model is not None:
-            raise ConfigError("model.critic_model is for critic: model; a value head lives on the policy")
-        self.critic_kind, self.critic_source = critic, critic_model
-        self.critic_learning_rate = critic_learning_rate or self.hparams.learning_rate
+        read_groups(self, {"critic": self.critic_fields}, critic=(CriticSettings, critic))
+        self.critic_kind = self.critic.kind or "head"
+        if self.critic_kind == "head" and self.critic.model is not None:
+            raise ConfigError("model.critic.model is for critic.kind: model; a value head lives on the policy")
+        self.critic_learning_rate = self.critic.learning_rate or self.hparams.learning_rate
         self.gae_mode, self.gae_lambda = gae, gae_lambda
-        self.value_loss_coef, self.value_clip_range = value_loss_coef, value_clip_range
-        self.advantage_normalization = advantage_normalization
-        self.critic_warmup, self.rl_steps = critic_warmup, 0
+        self.advantage_normalization, self.rl_steps = advantage_normalization, 0
         self.value_heads: nn.ModuleList | None = None  # one critic per learner
         self.critic_backbones: nn.ModuleList | None = None
+
+    critic_fields = frozenset({"kind", "model", "learning_rate", "value_loss_coef", "value_clip_range", "warmup"})
+    """The ``model.critic`` fields PPO reads."""
 
     def build_models(self) -> None:
         super().build_models()
         if self.value_heads is not None:
             return
         if self.critic_kind == "model":
-            source = self.critic_source or self.sources[0]
+            source = self.critic.model or self.sources[0]
             self.critic_backbones = nn.ModuleList(load_critic_backbone(source, self.agents[:1]) for _ in self.learners)
         hidden = [
             (self.critic_backbones[i] if self.critic_backbones else self.model_of(i)).config.hidden_size
@@ -157,7 +142,7 @@ class PPO(EpisodicModule):
     @property
     def warming_up(self) -> bool:
         """Whether this RL step trains the critic only (``critic_warmup``)."""
-        return self.rl_steps < self.critic_warmup
+        return self.rl_steps < self.critic.warmup
 
     @property
     def resting_roles(self) -> frozenset:
@@ -189,9 +174,9 @@ class PPO(EpisodicModule):
         under token-level GAE, each turn's first token under turn-level GAE), clipped around the old
         value (PPO2); the step divides it by the number of value positions, so the coefficient weighs
         a mean squared error per value in both GAE modes."""
-        clip = self.value_clip_range
+        clip = self.critic.value_clip_range
         return (
-            self.value_loss_coef
+            self.critic.value_loss_coef
             * 0.5
             * value_loss(values, samples.old_values, samples.returns, samples.value_mask, clip, "sum")
         )

@@ -22,17 +22,10 @@ from lit_marl.envs.base import Env, FunctionEnv, TextEnv
 from lit_marl.envs.calls import CallSettings
 from lit_marl.envs.game import Game, RewardRule
 from lit_marl.envs.sources import resolve_demo_source
-from lit_marl.fields import (
-    NonNegativeInt,
-    PositiveFloat,
-    PositiveInt,
-    UnitIntervalLeftOpen,
-    UnitIntervalRightOpen,
-    check_fields,
-)
-from lit_marl.generation import make_engine
+from lit_marl.fields import PositiveInt, UnitIntervalRightOpen, check_fields
+from lit_marl.generation import Sampling, make_engine
 from lit_marl.metrics import EvalMeans, PassAtK
-from lit_marl.rollout.demos import load_demos, render_demos
+from lit_marl.rollout.demos import DemoSettings, load_demos, render_demos
 from lit_marl.rollout.settings import RolloutSettings
 from lit_marl.tasks import TaskLoader, import_object, task_loader
 
@@ -90,11 +83,9 @@ class TaskDataModule(L.LightningDataModule):
         tasks_per_step: Tasks per training step (tree roots, or episode starts).
         num_generations: Samples G per group: the responses each agent samples at every tree node, or the
             episodes per task from the same start (GRPO/RLOO groups; 1 for PPO).
-        max_new_tokens: Generation budget per response.
-        temperature: Sampling temperature for training rollouts (evaluation is greedy).
-        top_p: Nucleus sampling for training rollouts.
-        top_k: Top-k sampling for training rollouts: only the k most likely tokens are sampled (applied
-            before ``top_p``, as transformers does); null or 0: off.
+        sampling: How each reply is sampled, one group every engine reads (``generation.Sampling``):
+            ``max_new_tokens`` (the budget of a reply), ``temperature``, ``top_p``, ``top_k`` (null or 0:
+            off) of training rollouts; evaluation decodes greedily with the same budget.
         eval_tasks_per_step: Tasks per batch in validation/test (greedy, one response each).
         seed: Seed of the task order.
         engine: What generates: ``auto`` (default: the lean ``torch`` decoder for Llama/Qwen2 models,
@@ -103,13 +94,9 @@ class TaskDataModule(L.LightningDataModule):
         engine_options: Settings of the engine: vllm's (e.g. ``gpu_memory_utilization``); for ``torch`` and
             ``auto``, ``kept_kv_gib`` (default 4): the KV cache kept between a rollout's turns (0: re-read each
             history).
-        demo_path: Demonstrations for SFT (the ``SFT`` module, or the first phase of
-            ``callbacks.PhaseSwitch``): JSONL rows with one chat per agent (``lit_marl/rollout/demos.py``;
-            ``scripts/make_demos.py`` writes them from an environment's expert), or the walkthroughs of a
-            named game set played in this environment (written once, cached; a split other than train's and val's).
-        demo_batch_size: Demonstrations per SFT step.
-        demo_loss_on: ``all``: the loss on every assistant turn of a demonstration; ``last``: on its last
-            assistant turn only (the earlier ones are context).
+        demos: The demonstrations of SFT (the ``SFT`` module, or the first phase of ``callbacks.PhaseSwitch``):
+            their ``path`` (a JSONL file, or the walkthroughs of a named game set), ``batch_size`` and
+            ``loss_on`` (``rollout.demos.DemoSettings``).
         reward_density: How a game's outcome becomes rewards: ``sparse``: the outcome (won) on the step that
             ends the episode; ``dense``: each turn's score delta (normalized by max_score), plus the outcome.
         score_weight: Weight of the normalized score (sparse: the final score; dense: the deltas), in [0, 1)
@@ -141,24 +128,17 @@ class TaskDataModule(L.LightningDataModule):
         val_path: str | None = None,
         tasks_per_step: PositiveInt = 4,
         num_generations: PositiveInt = 4,
-        max_new_tokens: PositiveInt = 64,
-        temperature: PositiveFloat = 1.0,
-        top_p: UnitIntervalLeftOpen = 1.0,
-        top_k: NonNegativeInt | None = None,
+        sampling: Sampling = Sampling(),
         eval_tasks_per_step: PositiveInt = 16,
         seed: int = 0,
         engine: str = "auto",
         engine_options: dict | None = None,
-        demo_path: str | None = None,
-        demo_batch_size: PositiveInt = 8,
-        demo_loss_on: Literal["all", "last"] = "all",
+        demos: DemoSettings = DemoSettings(),
         reward_density: Literal["sparse", "dense"] = "sparse",
         score_weight: UnitIntervalRightOpen | None = None,
         reward_calls: CallSettings = CallSettings(),
     ):
         super().__init__()
-        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
-            raise ConfigError(f"data.top_k={top_k!r}: must be a positive integer k (0 or null: off)")
         check_fields("data", TaskDataModule.__init__, locals())
         self.reward_rule = RewardRule(reward_density, score_weight)  # checks the two settings
         given = {"env": env, "reward_fn": reward_fn, "transition": transition}  # objects (Python API): not saved
@@ -168,13 +148,18 @@ class TaskDataModule(L.LightningDataModule):
         self.engine = build_engine(engine, engine_options)
         text = (agent_prompts, reward_fn, transition, transition_kwargs, batched_transition)
         self.env = self.train_env = build_env(env, env_kwargs, *text)
+        self.sampling = Sampling(**sampling) if isinstance(sampling, dict) else sampling
         self.call_settings = CallSettings(**reward_calls) if isinstance(reward_calls, dict) else reward_calls
-        self.hparams["reward_calls"] = asdict(self.call_settings)  # plain values: checkpoints load weights_only
+        self.demo_settings = DemoSettings(**demos) if isinstance(demos, dict) else demos
+        groups = {"sampling": self.sampling, "reward_calls": self.call_settings, "demos": self.demo_settings}
+        for name, group in groups.items():
+            self.hparams[name] = asdict(group)  # plain values: checkpoints load weights_only
         self.configure_envs(self.env)
         self._skipped_steps = 0
         env_name = env if isinstance(env, str) else type(self.env).__qualname__
         others = {"data.train_path": train_path, "data.val_path": val_path}  # demonstrations never from these games
-        self.load_demos(demo_path and resolve_demo_source(demo_path, self.env, env_name, env_kwargs, others))
+        source = self.demo_settings.path
+        self.load_demos(source and resolve_demo_source(source, self.env, env_name, env_kwargs, others))
         self.train_tasks = self.env.load_tasks(train_path, "data.train_path")
         self.val_tasks = self.env.load_tasks(val_path, "data.val_path") if val_path else []
 
@@ -211,9 +196,9 @@ class TaskDataModule(L.LightningDataModule):
         if cached is None or cached[0] is not trainer:
             rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
             if phase == "sft":
-                rows, size, name = self.demos, self.hparams.demo_batch_size, "demos"
+                rows, size, name = self.demos, self.demo_settings.batch_size, "demos"
                 if not rows:
-                    raise ConfigError("the SFT phase needs demonstrations: set data.demo_path (scripts/make_demos.py)")
+                    raise ConfigError("the SFT phase needs demonstrations: set data.demos.path (scripts/make_demos.py)")
             else:
                 rows, size, name = self.train_tasks, self.hparams.tasks_per_step, "tasks"
             loader = TaskLoader(rows, size, self.hparams.seed, rank, world, name)
@@ -227,7 +212,7 @@ class TaskDataModule(L.LightningDataModule):
         rollouts of the current weights otherwise (greedy outside training)."""
         team = self.trainer.lightning_module.team()  # the one handshake of the step
         if self.trainer.training and team.phase == "sft":
-            return render_demos(team.agents, batch, self.hparams.demo_loss_on)
+            return render_demos(team.agents, batch, self.demo_settings.loss_on)
         with self.generating(team):
             return self.rollout_batch(team, batch, training=self.trainer.training)
 

@@ -57,8 +57,11 @@ class EpisodeDataModule(TaskDataModule):
         super().__init__(**kwargs)
         check_fields("data", EpisodeDataModule.__init__, locals())
         hp = self.hparams
-        if max_context_tokens <= hp.max_new_tokens:
-            raise ConfigError(f"data.max_context_tokens={max_context_tokens}: must exceed max_new_tokens")
+        if max_context_tokens <= self.sampling.max_new_tokens:
+            raise ConfigError(
+                f"data.max_context_tokens={max_context_tokens}: must exceed data.sampling.max_new_tokens="
+                f"{self.sampling.max_new_tokens}"
+            )
         if task_types:
             self._keep_types([ALFWORLD_ALIASES.get(kind, kind) for kind in task_types])  # ALFWorld's short names
         self.num_generations = hp.num_generations
@@ -66,11 +69,8 @@ class EpisodeDataModule(TaskDataModule):
         self.episode = EpisodeSettings(
             group_size=hp.num_generations,
             max_turns=max_turns,
-            max_new_tokens=hp.max_new_tokens,
             max_context_tokens=max_context_tokens,
-            temperature=hp.temperature,
-            top_p=hp.top_p,
-            top_k=hp.top_k,
+            sampling=self.sampling,
             anchor=anchor,
             reasoning=reasoning,
             history=history,
@@ -93,7 +93,7 @@ class EpisodeDataModule(TaskDataModule):
     def rollout(self, agents, tasks: list[dict], greedy: bool, group_size: int | None = None):
         """One batch per agent, each turn's rewards the env's (a game's: the team's outcome). Greedy:
         one episode per task; else ``group_size`` (default ``num_generations``) sampled ones."""
-        settings = replace(self.episode, group_size=1, greedy=True) if greedy else self.episode
+        settings = replace(self.episode, group_size=1, sampling=self.sampling.as_greedy()) if greedy else self.episode
         if group_size is not None and not greedy:
             settings = replace(settings, group_size=group_size)
         return run_episodes(list(agents), tasks, self.env, settings, self.engine)

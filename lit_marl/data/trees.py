@@ -126,10 +126,7 @@ class RolloutDataModule(TaskDataModule):
             joint_mode=joint_mode,
             cross_return=cross_return,
             num_turns=num_turns,
-            max_new_tokens=hp.max_new_tokens,
-            temperature=hp.temperature,
-            top_p=hp.top_p,
-            top_k=hp.top_k,
+            sampling=self.sampling,
             early_termination_threshold=early_termination_threshold,
             chat_template=chat_template,
             reward_processor=RewardProcessor.parse(reward_processor),
@@ -189,7 +186,7 @@ class RolloutDataModule(TaskDataModule):
 
     def rollout(self, agents, tasks: list[dict], greedy: bool, engine=None, stream: str = "policy") -> RolloutBatch:
         """``stream`` names the per-task sampling streams of the rollout (``sampling_streams: per_task``)."""
-        settings = replace(self.tree, num_generations=1, greedy=True) if greedy else self.tree
+        settings = replace(self.tree, num_generations=1, sampling=self.sampling.as_greedy()) if greedy else self.tree
         if (
             not greedy and self.hparams.sampling_streams == "per_task"
         ):  # the same on every rank; resumes with the loader

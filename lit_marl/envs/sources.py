@@ -74,7 +74,7 @@ def resolve_demo_source(
     env_name: str,
     env_kwargs: dict | None,
     disjoint_from: dict[str, str | None],
-    field: str = "data.demo_path",
+    field: str = "data.demos.path",
 ) -> str:
     """A demonstrations file as it is, or the walkthroughs of a named game set played by ``env``
     (the data module's own environment, so the observations are exactly those an RL episode

@@ -4,7 +4,7 @@ One call generates for every prompt of every open node at once (prompts left-pad
 costs one ``generate`` per agent, never one per node.
 
 Generation sits behind one small interface, ``Engine.generate(agent, prompts, num_samples,
-max_new_tokens, temperature, top_p, top_k, greedy) -> Generation``:
+sampling) -> Generation`` (``sampling``: the ``Sampling`` group, ``data.sampling``):
 
 - ``hf``: transformers' ``generate`` (any model);
 - ``torch``: ``generation/decoder.py``'s lean KV-cache decoder for Llama-family models (Llama, Qwen2),
@@ -17,13 +17,21 @@ max_new_tokens, temperature, top_p, top_k, greedy) -> Generation``:
 
 Engines return token ids and the log-prob they computed for each sampled token. The log-probs a
 loss differentiates are always recomputed by the trainer's own forward (``lit_marl/logprobs.py``);
-the engine's are compared with them (logged) and, with ``model.rollout_is_cap``, weigh the policy
+the engine's are compared with them (logged) and, with ``model.update.rollout_is_cap``, weigh the policy
 terms by truncated importance sampling (``losses.truncated_is_weights``).
 """
 
 from __future__ import annotations
 
-from lit_marl.generation.base import Engine, Generation, GenerationCall, generate_each, left_pad, mask_through_first
+from lit_marl.generation.base import (
+    Engine,
+    Generation,
+    GenerationCall,
+    Sampling,
+    generate_each,
+    left_pad,
+    mask_through_first,
+)
 from lit_marl.generation.hf import HFEngine, generate
 from lit_marl.generation.lean import TorchEngine
 
@@ -33,6 +41,7 @@ __all__ = [
     "Generation",
     "GenerationCall",
     "HFEngine",
+    "Sampling",
     "TorchEngine",
     "generate",
     "generate_each",

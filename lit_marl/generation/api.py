@@ -32,6 +32,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Literal
 
+from lit_marl.generation.base import Sampling
+
 ApiFormat = Literal["generic", "openai_chat", "anthropic"]
 
 
@@ -76,19 +78,21 @@ class ApiWriter:
         self.settings = settings
         self.calls = 0
 
-    def complete(self, prompts, role, tasks, n, max_new_tokens, temperature, top_p, top_k) -> list[list[str] | None]:
+    def complete(self, prompts, role, tasks, n, sampling: Sampling) -> list[list[str] | None]:
         """Per prompt (of task ``tasks[i]``) ``n`` texts, or None where the endpoint timed out."""
-        sampling = (temperature, top_p, top_k)
-        return [self.texts_for(p, role, task, n, max_new_tokens, *sampling) for p, task in zip(prompts, tasks)]
+        return [self.texts_for(p, role, task, n, sampling) for p, task in zip(prompts, tasks)]
 
     # ------------------------------------------------------------------ one request
-    def texts_for(self, prompt: str, role: int, task: dict, n: int, max_new_tokens: int, temperature, top_p, top_k):
-        """``n`` texts for one prompt, or None when the endpoint timed out / could not be reached."""
+    def texts_for(self, prompt: str, role: int, task: dict, n: int, sampling: Sampling):
+        """``n`` texts for one prompt, or None when the endpoint timed out / could not be reached;
+        greedy decoding is asked as temperature 0."""
         s = self.settings
-        sampling = dict(temperature=temperature, top_p=top_p, **({"top_k": top_k} if top_k else {}))
+        max_new_tokens, top_p, top_k = sampling.max_new_tokens, sampling.top_p, sampling.top_k
+        temperature = 0.0 if sampling.greedy else sampling.temperature
+        fields = dict(temperature=temperature, top_p=top_p, **({"top_k": top_k} if top_k else {}))
         if s.format == "anthropic":
             body = {"model": s.model, "max_tokens": max_new_tokens, "messages": [{"role": "user", "content": prompt}]}
-            body.update(**sampling, **s.extra_body)
+            body.update(**fields, **s.extra_body)
             out = []
             for _ in range(n):
                 reply = self._post(body)
@@ -98,7 +102,7 @@ class ApiWriter:
             return out
         if s.format == "openai_chat":
             body = {"model": s.model, "messages": [{"role": "user", "content": prompt}], "n": n}
-            body.update(max_tokens=max_new_tokens, **sampling, **s.extra_body)
+            body.update(max_tokens=max_new_tokens, **fields, **s.extra_body)
         else:
             body = {"prompt": prompt, "agent_idx": role, "num_return_sequences": n, "max_new_tokens": max_new_tokens}
             body.update(temperature=temperature, top_p=top_p, top_k=top_k or None, batch_item=_jsonable(task))

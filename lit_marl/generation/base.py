@@ -1,16 +1,47 @@
-"""What every engine shares: the ``Generation`` it returns (token ids in, token ids out), the
-padding helpers, and the ``Engine`` interface the rollouts call."""
+"""What every engine shares: the ``Sampling`` settings it reads, the ``Generation`` it returns
+(token ids in, token ids out), the padding helpers, and the ``Engine`` interface the rollouts call."""
 
 from __future__ import annotations
 
 import hashlib
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
 
+from lit_marl import ConfigError
 from lit_marl.agents import Agent
+from lit_marl.fields import NonNegativeInt, PositiveFloat, PositiveInt, UnitIntervalLeftOpen, check_dataclass
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How each reply is sampled (``data.sampling``): one group every engine reads whole, the lean
+    decoder, transformers' ``generate``, vLLM and the HTTP writers alike. The logits are divided by
+    ``temperature``, then ``top_k`` keeps the k most likely tokens, then ``top_p`` the smallest set
+    whose probability reaches it (transformers' order of its warpers). Training rollouts sample;
+    evaluation decodes the same settings greedily (``as_greedy``)."""
+
+    max_new_tokens: PositiveInt = 64
+    """Tokens a reply may take (the end token included)."""
+    temperature: PositiveFloat = 1.0
+    """Sampling temperature of training rollouts."""
+    top_p: UnitIntervalLeftOpen = 1.0
+    """Nucleus sampling: the smallest set of tokens whose probability reaches it (1: all)."""
+    top_k: NonNegativeInt | None = None
+    """Only the k most likely tokens are sampled (applied before ``top_p``); null or 0: off."""
+    greedy: bool = False
+    """Take the most likely token (``temperature``, ``top_p`` and ``top_k`` unused); evaluation always does."""
+
+    def __post_init__(self):
+        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)):
+            raise ConfigError(f"data.sampling.top_k={self.top_k!r}: must be a positive integer k (0 or null: off)")
+        check_dataclass("data.sampling", self)
+
+    def as_greedy(self) -> Sampling:
+        """These settings decoded greedily (evaluation)."""
+        return replace(self, greedy=True)
 
 
 @dataclass
@@ -66,15 +97,13 @@ GenerationCall = tuple[Agent, list[list[int]], int]
 
 
 class Engine(Protocol):
-    """What the rollouts call. ``generate``: one batched generation for one agent's prompts (row
-    ``i * num_samples + k`` of the result is sample k of prompt i). ``generate_team``: a turn's
-    calls for every model of the team at once (one ``Generation`` per call, in order), so an
+    """What the rollouts call, every call with its ``Sampling``. ``generate``: one batched generation
+    for one agent's prompts (row ``i * num_samples + k`` of the result is sample k of prompt i).
+    ``generate_team``: a turn's calls for every model of the team at once (one ``Generation`` per call, in order), so an
     engine may decode the agents together; ``generate_each`` is the plain loop. Its ``seeds`` (per
     call, one int per prompt; ``data.sampling_streams: per_task``) give every sample its own random
-    stream: the lean decoder takes them, the others refuse them. The engines sample alike: the
-    logits divided by ``temperature``, then ``top_k`` keeps the k most likely tokens (None or 0: all),
-    then ``top_p`` the smallest set whose probability reaches it, in transformers' order of its warpers;
-    ``greedy`` takes the most likely token and ignores all three (an HTTP endpoint gets them in its request)."""
+    stream: the lean decoder takes them, the others refuse them. The engines sample alike, as
+    ``Sampling`` says (an HTTP endpoint gets its fields in its request)."""
 
     name: str
     own_weights: bool  # the engine serves its own copy of the weights (vLLM), synced from the trainer's
@@ -88,27 +117,10 @@ class Engine(Protocol):
         the settings its instances would be refused only when they start, at the first rollout;
         nothing for engines that serve no copy of their own (``TrainerWeights``)."""
 
-    def generate(
-        self,
-        agent: Agent,
-        prompts: list[list[int]],
-        num_samples: int,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int | None = None,
-        greedy: bool = False,
-    ) -> Generation: ...
+    def generate(self, agent: Agent, prompts: list[list[int]], num_samples: int, sampling: Sampling) -> Generation: ...
 
     def generate_team(
-        self,
-        calls: list[GenerationCall],
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int | None = None,
-        greedy: bool = False,
-        seeds: list[list[int]] | None = None,
+        self, calls: list[GenerationCall], sampling: Sampling, seeds: list[list[int]] | None = None
     ) -> list[Generation]: ...
 
 
@@ -125,9 +137,9 @@ class TrainerWeights:
         return None
 
 
-def generate_each(engine, calls: list[GenerationCall], *args, **kwargs) -> list[Generation]:
+def generate_each(engine, calls: list[GenerationCall], sampling: Sampling) -> list[Generation]:
     """``generate_team`` as one ``generate`` per call."""
-    return [engine.generate(agent, prompts, n, *args, **kwargs) for agent, prompts, n in calls]
+    return [engine.generate(agent, prompts, n, sampling) for agent, prompts, n in calls]
 
 
 # ---------------------------------------------------------------------- per-task sampling streams

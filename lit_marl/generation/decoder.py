@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lit_marl.generation.base import counter_uniforms
+from lit_marl.generation.base import Sampling, counter_uniforms
 from lit_marl.models import FP32Linear
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
@@ -309,13 +309,9 @@ class Decoder:
         self,
         prompt_ids: torch.Tensor,
         prompt_mask: torch.Tensor,
-        max_new_tokens: int,
         eos_token_id: int | torch.Tensor,
         pad_token_id: int | torch.Tensor,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int | None = None,
-        greedy: bool = False,
+        sampling: Sampling,
         active: torch.Tensor | None = None,
         num_samples: int = 1,
         seeds: torch.Tensor | None = None,
@@ -323,17 +319,18 @@ class Decoder:
         keep: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Completion ids and the log-prob of each sampled token under the raw model distribution (fp32 logits before
-        temperature, top-k and top-p, as the training forward computes them), each ``[B, C]`` (C ≤ max_new_tokens), for
-        left-padded prompts, as ``generate``: for ``[B, P]`` prompts of one model, ``[A, B, C]`` for ``[A, B, P]``
-        prompts of A stacked models (row block a through model a). ``eos_token_id`` / ``pad_token_id``: one id, or one
-        per agent ``[A]``. ``active`` ``[A, B]``: rows to decode (others are filler, finished at once). ``num_samples``
-        n: each prompt is sampled n times (rows i·n .. i·n+n-1 of the result, B·n rows; ``active`` then covers those):
-        its prompt runs once and the n rows share the cache it leaves, as ``num_return_sequences`` does without running
-        the prompt n times. ``seeds`` ``[A, B·n]`` (int64, one per result row: ``generation/base.py: sample_seeds``):
-        each row samples from its own counter-based stream (``counter_uniforms``) instead of torch's generator;
-        ``_sample`` draws each token. ``past``: per prompt row (``[A·B]``, agent-major) a ``generation/kept.py: Kept``
-        and how many of its first tokens the prompt shares (``(None, 0)``: none); ``prompt_ids`` then hold the tokens
-        after it (one at least), the list is emptied once copied. ``keep``: hold the cache for ``kept`` afterwards."""
+        temperature, top-k and top-p, as the training forward computes them), each ``[B, C]`` (C ≤ the
+        ``sampling.max_new_tokens``), for left-padded prompts, as ``generate``: for ``[B, P]`` prompts of one model,
+        ``[A, B, C]`` for ``[A, B, P]`` prompts of A stacked models (row block a through model a). ``eos_token_id`` /
+        ``pad_token_id``: one id, or one per agent ``[A]``. ``active`` ``[A, B]``: rows to decode (others are filler,
+        finished at once). ``num_samples`` n: each prompt is sampled n times (rows i·n .. i·n+n-1 of the result, B·n
+        rows; ``active`` then covers those): its prompt runs once and the n rows share the cache it leaves, as
+        ``num_return_sequences`` does without running the prompt n times. ``seeds`` ``[A, B·n]`` (int64, one per
+        result row: ``generation/base.py: sample_seeds``): each row samples from its own counter-based stream
+        (``counter_uniforms``) instead of torch's generator; ``_sample`` draws each token. ``past``: per prompt row
+        (``[A·B]``, agent-major) a ``generation/kept.py: Kept`` and how many of its first tokens the prompt shares
+        (``(None, 0)``: none); ``prompt_ids`` then hold the tokens after it (one at least), the list is emptied once
+        copied. ``keep``: hold the cache for ``kept`` afterwards."""
         single = prompt_ids.dim() == 2
         if single:
             prompt_ids, prompt_mask = prompt_ids[None], prompt_mask[None]
@@ -347,6 +344,7 @@ class Decoder:
         pad = torch.as_tensor(pad_token_id, device=device).expand(A).repeat_interleave(B)
         C = max((n for _, n in past), default=0) if past is not None else 0
         dtype = self.embed.dtype
+        max_new_tokens = sampling.max_new_tokens
         cos_all, sin_all, cache_k, cache_v, keys = self._new_cache(rows, C + P + max_new_tokens, device)
         hidden, next_position = self._prefill(prompt_ids, prompt_mask.reshape(rows, P), past, C, cos_all, sin_all,
                                               cache_k, cache_v, keys)  # fmt: skip
@@ -363,8 +361,8 @@ class Decoder:
         out, logprobs = [], []
         for t in range(max_new_tokens):
             logits = _linear3(hidden.to(self.lm_head[0].dtype), *self.lm_head).float().view(rows, -1)
-            uniforms = None if row_seeds is None or greedy else counter_uniforms(row_seeds, t)
-            token = self._sample(logits, temperature, top_p, top_k, greedy, uniforms)
+            uniforms = None if row_seeds is None or sampling.greedy else counter_uniforms(row_seeds, t)
+            token = self._sample(logits, sampling, uniforms)
             token = torch.where(unfinished, token, pad)
             out.append(token)
             logprobs.append(logits.log_softmax(-1).gather(1, token[:, None]).squeeze(1))
@@ -426,28 +424,22 @@ class Decoder:
         return cache_k, cache_v, row, ((C - prefix, C), (C + P - fed, C + P + min(reply, computed)))
 
     @staticmethod
-    def _sample(
-        logits: torch.Tensor,
-        temperature: float,
-        top_p: float,
-        top_k: int | None,
-        greedy: bool,
-        uniforms: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def _sample(logits: torch.Tensor, sampling: Sampling, uniforms: torch.Tensor | None = None) -> torch.Tensor:
         """One token per row: the most likely (greedy), or drawn from the ``_warp``ed logits."""
-        if greedy:
+        if sampling.greedy:
             return logits.argmax(dim=-1)
         # inverse-CDF sampling: the distribution of torch.multinomial at a fraction of its cost here
-        cdf = Decoder._warp(logits, temperature, top_p, top_k).softmax(dim=-1).cumsum(dim=-1)
+        cdf = Decoder._warp(logits, sampling).softmax(dim=-1).cumsum(dim=-1)
         if uniforms is None:
             uniforms = torch.rand(cdf.shape[0], device=cdf.device)
         u = uniforms.to(cdf.dtype)[:, None] * cdf[:, -1:]
         return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp(max=cdf.shape[1] - 1)
 
     @staticmethod
-    def _warp(logits: torch.Tensor, temperature: float, top_p: float, top_k: int | None) -> torch.Tensor:
+    def _warp(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
         """The logits transformers' warpers leave, in transformers' order: temperature, then top-k (the
         k most likely, ties with the k-th kept; None or 0: off), then top-p; -inf where never sampled."""
+        temperature, top_p, top_k = sampling.temperature, sampling.top_p, sampling.top_k
         if temperature != 1.0:
             logits = logits / temperature
         if top_k and top_k < logits.shape[-1]:  # as TopKLogitsWarper

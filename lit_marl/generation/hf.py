@@ -6,30 +6,22 @@ import torch
 from transformers import GenerationConfig
 
 from lit_marl.agents import Agent
-from lit_marl.generation.base import Generation, TrainerWeights, generate_each, left_pad, mask_through_first
+from lit_marl.generation.base import Generation, Sampling, TrainerWeights, generate_each, left_pad, mask_through_first
 
 
 @torch.no_grad()
-def generate(
-    agent: Agent,
-    prompts: list[list[int]],
-    num_samples: int,
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int | None = None,
-    greedy: bool = False,
-) -> Generation:
+def generate(agent: Agent, prompts: list[list[int]], num_samples: int, sampling: Sampling) -> Generation:
     model = agent.model
     device = next(model.parameters()).device
     repeated = [p for p in prompts for _ in range(num_samples)]
     prompt_ids, prompt_mask = left_pad(repeated, agent.pad_token_id, device)
+    greedy = sampling.greedy
     config = GenerationConfig(
-        max_new_tokens=max_new_tokens,
+        max_new_tokens=sampling.max_new_tokens,
         do_sample=not greedy,
-        temperature=None if greedy else temperature,
-        top_p=None if greedy else top_p,
-        top_k=0 if greedy else top_k or 0,  # 0: off (None would mean transformers' default of 50)
+        temperature=None if greedy else sampling.temperature,
+        top_p=None if greedy else sampling.top_p,
+        top_k=0 if greedy else sampling.top_k or 0,  # 0: off (None would mean transformers' default of 50)
         eos_token_id=agent.eos_token_id,
         pad_token_id=agent.pad_token_id,
         output_logits=True,  # the raw logits, before temperature, top-k and top-p: the samples' log-probs
@@ -53,12 +45,10 @@ class HFEngine(TrainerWeights):
 
     name = "hf"
 
-    def generate(
-        self, agent, prompts, num_samples, max_new_tokens, temperature=1.0, top_p=1.0, top_k=None, greedy=False
-    ):
-        return generate(agent, prompts, num_samples, max_new_tokens, temperature, top_p, top_k, greedy)
+    def generate(self, agent, prompts, num_samples, sampling):
+        return generate(agent, prompts, num_samples, sampling)
 
-    def generate_team(self, calls, max_new_tokens, temperature=1.0, top_p=1.0, top_k=None, greedy=False, seeds=None):
+    def generate_team(self, calls, sampling, seeds=None):
         if seeds is not None:
             raise ValueError(f"data.sampling_streams=per_task needs the lean decoder, not the {self.name} engine")
-        return generate_each(self, calls, max_new_tokens, temperature, top_p, top_k, greedy)
+        return generate_each(self, calls, sampling)

@@ -8,6 +8,7 @@ import torch
 
 from lit_marl.generation.base import (
     Generation,
+    Sampling,
     TrainerWeights,
     generate_each,
     left_pad,
@@ -35,21 +36,17 @@ class TorchEngine(TrainerWeights):
         self.kept: KeptCache | None = None  # the KV cache kept between calls, inside a rollout block
         self.prefill = [0, 0]  # prompt tokens taken from the kept cache, computed
 
-    def generate(
-        self, agent, prompts, num_samples, max_new_tokens, temperature=1.0, top_p=1.0, top_k=None, greedy=False
-    ):
-        sampling = (temperature, top_p, top_k, greedy)
+    def generate(self, agent, prompts, num_samples, sampling):
         if self.fallback and unsupported(agent.model) is not None:
-            return generate(agent, prompts, num_samples, max_new_tokens, *sampling)
-        return self._decode([(agent, prompts, num_samples)], max_new_tokens, sampling)[0]
+            return generate(agent, prompts, num_samples, sampling)
+        return self._decode([(agent, prompts, num_samples)], sampling)[0]
 
-    def generate_team(self, calls, max_new_tokens, temperature=1.0, top_p=1.0, top_k=None, greedy=False, seeds=None):
+    def generate_team(self, calls, sampling, seeds=None):
         """``seeds``: per call, one int seed per prompt (per-task sampling streams); None: torch's generator."""
-        sampling = (temperature, top_p, top_k, greedy)
         if len(calls) > 1 and stackable([agent.model for agent, _, _ in calls]):
-            return self._decode(calls, max_new_tokens, sampling, seeds)
+            return self._decode(calls, sampling, seeds)
         if seeds is None:
-            return generate_each(self, calls, max_new_tokens, *sampling)
+            return generate_each(self, calls, sampling)
         for agent, _, _ in calls:
             reason = unsupported(agent.model)
             if reason is not None:
@@ -57,7 +54,7 @@ class TorchEngine(TrainerWeights):
                     f"data.sampling_streams=per_task samples with the lean decoder, which cannot decode "
                     f"{agent.source}: {reason}; use data.sampling_streams: shared"
                 )
-        return [self._decode([c], max_new_tokens, sampling, [s])[0] for c, s in zip(calls, seeds)]
+        return [self._decode([c], sampling, [s])[0] for c, s in zip(calls, seeds)]
 
     @contextmanager
     def rollout(self, agents):
@@ -73,12 +70,11 @@ class TorchEngine(TrainerWeights):
             self.kept = None
 
     @torch.no_grad()
-    def _decode(self, calls, max_new_tokens, sampling, seeds=None) -> list[Generation]:
+    def _decode(self, calls, sampling: Sampling, seeds=None) -> list[Generation]:
         """The calls' models stacked in one ``Decoder`` (the weights as they are now, LoRA merged):
         every call's rows padded to the same count and prompt width, filler rows inactive. When the
         calls sample the same number n per prompt, each prompt runs once for its n samples; in a
-        rollout block each prompt's longest kept prefix is copied and only the rest is fed.
-        ``sampling``: ``(temperature, top_p, top_k, greedy)``."""
+        rollout block each prompt's longest kept prefix is copied and only the rest is fed."""
         decoder = Decoder([agent.model for agent, _, _ in calls])
         device = decoder.embed.device
         shared = len({n for _, _, n in calls}) == 1
@@ -105,7 +101,7 @@ class TorchEngine(TrainerWeights):
         eos = torch.tensor([agent.eos_token_id for agent, _, _ in calls], device=device)
         pad = torch.tensor([agent.pad_token_id for agent, _, _ in calls], device=device)
         completion, logprobs = decoder.generate(
-            ids, mask, max_new_tokens, eos, pad, *sampling, active, n, row_seeds, past or None, keys is not None
+            ids, mask, eos, pad, sampling, active, n, row_seeds, past or None, keys is not None
         )
         out = []
         for a, ((agent, _, k), prompts) in enumerate(zip(calls, rows)):

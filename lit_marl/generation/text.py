@@ -22,11 +22,12 @@ their joint candidates so they form no pair.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Literal, Protocol
 
 import torch
 
-from lit_marl.generation.base import Generation, GenerationCall, TrainerWeights, left_pad
+from lit_marl.generation.base import Generation, GenerationCall, Sampling, TrainerWeights, left_pad
 
 GenerationMode = Literal["decentralized", "centralized", "centralized_sequential"]
 
@@ -35,7 +36,7 @@ class Writer(Protocol):
     """Texts for prompts: per prompt ``n`` texts, or None where it could not answer."""
 
     def complete(
-        self, prompts: list[str], role: int, tasks: list[dict], n: int, max_new_tokens: int, temperature, top_p, top_k
+        self, prompts: list[str], role: int, tasks: list[dict], n: int, sampling: Sampling
     ) -> list[list[str] | None]: ...
 
 
@@ -73,10 +74,10 @@ class ModelWriter:
     def __init__(self, agents: list, engine):
         self.agents, self.engine = agents, engine
 
-    def complete(self, prompts, role, tasks, n, max_new_tokens, temperature, top_p, top_k):
+    def complete(self, prompts, role, tasks, n, sampling):
         agent = self.agents[role]
         encoded = [agent.encode_prompt(p) for p in prompts]
-        (gen,) = self.engine.generate_team([(agent, encoded, n)], max_new_tokens, temperature, top_p, top_k)
+        (gen,) = self.engine.generate_team([(agent, encoded, n)], sampling)
         texts = agent.decode(gen.completion_ids, gen.completion_mask)
         return [texts[i * n : (i + 1) * n] for i in range(len(prompts))]
 
@@ -92,16 +93,7 @@ class TextEngine(TrainerWeights):
         self.writer, self.mode, self.adapter, self.centralized_index = writer, mode, adapter, centralized_index
         self.skipped: dict[int, list[int]] = {}
 
-    def generate_team(
-        self,
-        calls: list[GenerationCall],
-        max_new_tokens: int,
-        temperature=1.0,
-        top_p=1.0,
-        top_k=None,
-        greedy=False,
-        seeds=None,
-    ) -> list[Generation]:
+    def generate_team(self, calls: list[GenerationCall], sampling: Sampling, seeds=None) -> list[Generation]:
         """``seeds`` (per-task sampling streams) do not reach the writer: it samples with its own randomness."""
         roles = [role for role, _, _ in calls]
         n = calls[0][2]
@@ -109,28 +101,26 @@ class TextEngine(TrainerWeights):
         for role in roles:
             role.texts = []
         tasks = roles[0].tasks
-        sampling = (0.0 if greedy else temperature, top_p, top_k)  # the writer's
         if self.mode == "decentralized":
-            answers = [
-                self.writer.complete(p, r.role, tasks, n, max_new_tokens, *sampling) for p, r in zip(prompts, roles)
-            ]
+            answers = [self.writer.complete(p, r.role, tasks, n, sampling) for p, r in zip(prompts, roles)]
         elif self.mode == "centralized":
-            answers = self._centralized(prompts, tasks, n, max_new_tokens, sampling)
+            answers = self._centralized(prompts, tasks, n, sampling)
         else:
-            answers = self._sequential(prompts, tasks, n, max_new_tokens, sampling)
+            answers = self._sequential(prompts, tasks, n, sampling)
         out = []
         for (role, ids, _), per_prompt in zip(calls, answers):  # per_prompt[i][k]: text or None (skipped)
             texts = [t for per in per_prompt for t in (per if per is not None else [None] * n)]
             self.skipped[role.role] = [r for r, t in enumerate(texts) if t is None]
-            rows = [_tokens(role, t if t is not None else "", max_new_tokens) for t in texts]
+            rows = [_tokens(role, t if t is not None else "", sampling.max_new_tokens) for t in texts]
             out.append(_generation(role, ids, n, rows))
         return out
 
-    def _centralized(self, prompts, tasks, n, max_new_tokens, sampling):
+    def _centralized(self, prompts, tasks, n, sampling: Sampling):
         """``[role][task][k]``: the joint texts of each task split into roles (None: skipped)."""
         num_roles = len(prompts)
         joint = [self.adapter.build_prompt(task, [p[t] for p in prompts]) for t, task in enumerate(tasks)]
-        texts = self.writer.complete(joint, self.centralized_index, tasks, n, max_new_tokens * num_roles, *sampling)
+        joint_sampling = replace(sampling, max_new_tokens=sampling.max_new_tokens * num_roles)  # every role's budget
+        texts = self.writer.complete(joint, self.centralized_index, tasks, n, joint_sampling)
         answers = [[[] for _ in tasks] for _ in range(num_roles)]
         for t, (task, candidates) in enumerate(zip(tasks, texts)):
             for k in range(n):
@@ -141,7 +131,7 @@ class TextEngine(TrainerWeights):
                     answers[i][t].append(parts[i] if parts is not None else None)
         return answers
 
-    def _sequential(self, prompts, tasks, n, max_new_tokens, sampling):
+    def _sequential(self, prompts, tasks, n, sampling: Sampling):
         """``[role][task][k]``: role after role, each candidate's earlier outputs in its prompt."""
         outputs = [[[] for _ in range(n)] for _ in tasks]  # [task][k]: texts of the roles so far (None: skipped)
         for i in range(len(prompts)):
@@ -153,7 +143,7 @@ class TextEngine(TrainerWeights):
                             self.adapter.build_sequential_prompt(task, [p[t] for p in prompts], i, outputs[t][k])
                         )
                         where.append((t, k))
-            replies = self.writer.complete(asks, i, [tasks[t] for t, _ in where], 1, max_new_tokens, *sampling)
+            replies = self.writer.complete(asks, i, [tasks[t] for t, _ in where], 1, sampling)
             done = {}
             for (t, k), reply in zip(where, replies):
                 if reply is not None:

@@ -36,33 +36,33 @@ import random
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 import torch
 
 from lit_marl.agents import REFERENCE_SUFFIX, AdapterView, Agent
-from lit_marl.generation.base import Generation, generate_each, left_pad, mask_through_first
+from lit_marl.generation.base import Generation, Sampling, generate_each, left_pad, mask_through_first
 from lit_marl.generation.decoder import _causal_lm
 from lit_marl.generation.vllm_checks import check_sleep_mode
 from lit_marl.generation.weights import effective_weights, weight_version
 
 
-@dataclass
-class Sampling:
-    """One generation call's settings, as vLLM's ``SamplingParams`` takes them."""
-
-    n: int
-    max_tokens: int
-    temperature: float  # 0 = greedy
-    top_p: float
-    top_k: int  # 0 = off (vLLM: all tokens)
-    stop_token_ids: list[int]
-
-    def params(self) -> dict:
-        """vLLM's ``SamplingParams`` arguments: these settings, token ids out, each sampled token's own log-prob."""
-        return {**asdict(self), "detokenize": False, "logprobs": 0}
+def sampling_params(sampling: Sampling, n: int, stop_token_ids: list[int]) -> dict:
+    """vLLM's ``SamplingParams`` arguments for one call: ``n`` samples per prompt under ``sampling``
+    (greedy: temperature 0, vLLM's), token ids out, each sampled token's own log-prob."""
+    greedy = sampling.greedy
+    return {
+        "n": n,
+        "max_tokens": sampling.max_new_tokens,
+        "temperature": 0.0 if greedy else sampling.temperature,
+        "top_p": 1.0 if greedy else sampling.top_p,
+        "top_k": 0 if greedy else sampling.top_k or 0,  # 0: off (vLLM: all tokens)
+        "stop_token_ids": stop_token_ids,
+        "detokenize": False,
+        "logprobs": 0,
+    }
 
 
 @dataclass
@@ -73,9 +73,9 @@ class Sample:
 
 
 class VLLMBackend(Protocol):
-    def generate(self, prompts: list[list[int]], sampling: Sampling, adapter=None) -> list[list[Sample]]:
-        """For each prompt, in order, its ``sampling.n`` samples (with ``adapter``: a handle from
-        ``add_adapter``, the LoRA adapter applied to the served base)."""
+    def generate(self, prompts: list[list[int]], params: dict, adapter=None) -> list[list[Sample]]:
+        """For each prompt, in order, its ``params["n"]`` samples (``params``: ``sampling_params``'s; with
+        ``adapter``: a handle from ``add_adapter``, the LoRA adapter applied to the served base)."""
 
     def add_adapter(self, name: str, folder: str):
         """Register the LoRA adapter saved in ``folder`` (peft's format) under a new name; its handle."""
@@ -159,12 +159,11 @@ class LLMBackend:
         self.adapters += 1  # a new id for every version: vLLM caches adapters (and prefixes) by id
         return LoRARequest(name, self.adapters, folder)
 
-    def generate(self, prompts, sampling, adapter=None):
+    def generate(self, prompts, params, adapter=None):
         from vllm import SamplingParams
 
-        params = SamplingParams(**sampling.params())
         requests = [{"prompt_token_ids": p} for p in prompts]
-        outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=adapter)
+        outputs = self.llm.generate(requests, SamplingParams(**params), use_tqdm=False, lora_request=adapter)
         return [
             [
                 Sample(list(o.token_ids), o.finish_reason, [d[t].logprob for t, d in zip(o.token_ids, o.logprobs)])
@@ -376,25 +375,16 @@ class VLLMEngine:
                     backend.sleep()
                     self.asleep.add(key)
 
-    def generate_team(self, calls, max_new_tokens, temperature=1.0, top_p=1.0, top_k=None, greedy=False, seeds=None):
+    def generate_team(self, calls, sampling, seeds=None):
         if seeds is not None:
             raise ValueError(f"data.sampling_streams=per_task needs the lean decoder, not the {self.name} engine")
-        return generate_each(self, calls, max_new_tokens, temperature, top_p, top_k, greedy)
+        return generate_each(self, calls, sampling)
 
     @torch.no_grad()
-    def generate(
-        self, agent, prompts, num_samples, max_new_tokens, temperature=1.0, top_p=1.0, top_k=None, greedy=False
-    ):
+    def generate(self, agent, prompts, num_samples, sampling):
         backend, adapter = self.sync(agent)
-        sampling = Sampling(
-            n=num_samples,
-            max_tokens=max_new_tokens,
-            temperature=0.0 if greedy else temperature,
-            top_p=1.0 if greedy else top_p,
-            top_k=0 if greedy else top_k or 0,
-            stop_token_ids=[agent.eos_token_id],
-        )
-        outputs = backend.generate(prompts, sampling, adapter)
+        max_new_tokens = sampling.max_new_tokens
+        outputs = backend.generate(prompts, sampling_params(sampling, num_samples, [agent.eos_token_id]), adapter)
         if len(outputs) != len(prompts) or any(len(o) != num_samples for o in outputs):
             raise RuntimeError(
                 f"vllm returned {[len(o) for o in outputs]} samples for {len(prompts)} prompts × {num_samples}"

@@ -27,6 +27,7 @@ import torch
 
 from lit_marl import ConfigError
 from lit_marl.agents import Agent
+from lit_marl.fields import PositiveInt, check_dataclass
 from lit_marl.generation import left_pad
 from lit_marl.rollout.batch import Rows
 from lit_marl.tasks import load_tasks
@@ -102,11 +103,31 @@ def render_demos(
     return out
 
 
+@dataclass(frozen=True)
+class DemoSettings:
+    """The demonstrations of SFT (``data.demos``): the ``SFT`` module's, or the first phase's of
+    ``callbacks.PhaseSwitch``."""
+
+    path: str | None = None
+    """JSONL rows with one chat per agent (this module's docstring; ``scripts/make_demos.py`` writes them
+    from an environment's expert), or the walkthroughs of a named game set played in the run's environment
+    (``textworld:<complexity>:<split>:<count>``, ``alfworld:<split>:<count>``: written once, cached; a split
+    other than train's and val's). None: no SFT."""
+    batch_size: PositiveInt = 8
+    """Demonstrations per SFT step."""
+    loss_on: Literal["all", "last"] = "all"
+    """``all``: the loss on every assistant turn of a demonstration; ``last``: on its last assistant turn
+    only (the earlier ones are context)."""
+
+    def __post_init__(self):
+        check_dataclass("data.demos", self)
+
+
 def _where(row: dict) -> str:
     return f"demonstration {row.get('task_id', '(no task_id)')!r}"
 
 
-def load_demos(path: str, num_agents: int, field: str = "data.demo_path") -> list[dict]:
+def load_demos(path: str, num_agents: int, field: str = "data.demos.path") -> list[dict]:
     """The demonstration rows of a JSONL/JSON/Parquet file, each checked for ``num_agents`` chats."""
     rows = load_tasks(path, field, {"messages"}, needed_by="a demonstration")
     for row in rows:

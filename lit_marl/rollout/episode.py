@@ -7,7 +7,7 @@ sees is therefore exactly what the model conditioned on and produced; the assist
 never re-tokenized. Per turn there is ONE batched generate over all live episodes of the step and
 the environments step in parallel.
 
-Budgets: ``max_turns``; ``max_new_tokens`` per reply; ``max_context_tokens`` for the whole
+Budgets: ``max_turns``; ``sampling.max_new_tokens`` per reply; ``max_context_tokens`` for the whole
 sequence: when the next observation plus a reply would not fit, the episode ends as
 ``truncated`` (its reward is what it earned so far, never dropped).
 """
@@ -26,7 +26,7 @@ from lit_marl import ConfigError
 from lit_marl.agents import Agent, roles_by_model
 from lit_marl.envs.base import Env
 from lit_marl.generation import Engine, left_pad, make_engine
-from lit_marl.generation.base import prefill_counts, prefill_stats
+from lit_marl.generation.base import Sampling, prefill_counts, prefill_stats
 from lit_marl.metrics import markdown_line
 from lit_marl.returns import neutral_fill
 
@@ -125,12 +125,8 @@ class EpisodeSettings:
 
     group_size: int = 1
     max_turns: int = 8
-    max_new_tokens: int = 32
     max_context_tokens: int = 2048
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int | None = None
-    greedy: bool = False
+    sampling: Sampling = Sampling()
     anchor: Literal["state", "observation"] = "state"
     """What identifies a turn's state for step-level groups: ``state``, the env's canonical
     ``state_key()`` where it has one (else the observation); ``observation``, the agent's observation text."""
@@ -225,10 +221,10 @@ def _start(agents, states: list, env: Env, settings: EpisodeSettings) -> list[_L
         for i, agent in enumerate(agents):
             e.ids[i] = agent.encode_prompt(e.state.observations[i])
             e.mask[i] = [0] * len(e.ids[i])
-            if len(e.ids[i]) + settings.max_new_tokens > settings.max_context_tokens:
+            if len(e.ids[i]) + settings.sampling.max_new_tokens > settings.max_context_tokens:
                 raise ValueError(
                     f"the first observation takes {len(e.ids[i])} tokens: it leaves no room for a reply of "
-                    f"{settings.max_new_tokens} within max_context_tokens={settings.max_context_tokens}"
+                    f"{settings.sampling.max_new_tokens} within max_context_tokens={settings.max_context_tokens}"
                 )
     return episodes
 
@@ -254,7 +250,7 @@ def _play_turn(agents, env: Env, live: list[_Live], turn: int, settings: Episode
             ended.append(e)
             continue
         segments = [a.chat_continuation(o, c) for a, o, c in zip(agents, steps.observations[k], was_closed)]
-        budget = settings.max_context_tokens - settings.max_new_tokens
+        budget = settings.max_context_tokens - settings.sampling.max_new_tokens
         if any(len(ids) + len(seg) > budget for ids, seg in zip(e.ids, segments)):
             e.done = e.truncated = True  # the overflow policy: end as truncated, keep its reward
             ended.append(e)
@@ -282,9 +278,7 @@ def _generate_replies(agents, live: list[_Live], settings: EpisodeSettings, engi
     closed: list[list[bool]] = [[True] * n for _ in live]
     groups = roles_by_model(agents)
     calls = [(agents[roles[0]], [e.ids[i] for i in roles for e in live], 1) for roles in groups]
-    outputs = engine.generate_team(
-        calls, settings.max_new_tokens, settings.temperature, settings.top_p, settings.top_k, settings.greedy
-    )
+    outputs = engine.generate_team(calls, settings.sampling)
     for roles, out in zip(groups, outputs):
         agent = agents[roles[0]]
         decoded = agent.decode(out.completion_ids, out.completion_mask)

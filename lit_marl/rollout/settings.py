@@ -48,4 +48,4 @@ class RolloutSettings:
         tree = self.tree  # the last turn's call: every node's G samples (cross: all agents' nodes)
         width = 1 if evaluation else tree.num_generations  # evaluation: one greedy response per node
         nodes = width ** ((tree.num_turns - 1) * (self.num_agents if tree.joint_mode == "cross" else 1))
-        return tasks * nodes * width, 512 + tree.max_new_tokens, "prompts <= 512 tokens"
+        return tasks * nodes * width, 512 + tree.sampling.max_new_tokens, "prompts <= 512 tokens"

@@ -19,7 +19,7 @@ from lit_marl.agents import Agent, roles_by_model
 from lit_marl.envs.base import Env
 from lit_marl.envs.processors import RewardProcessor
 from lit_marl.generation import Engine, Generation, make_engine
-from lit_marl.generation.base import prefill_counts, prefill_stats, stream_seed
+from lit_marl.generation.base import Sampling, prefill_counts, prefill_stats, stream_seed
 from lit_marl.metrics import markdown_line
 from lit_marl.returns import CrossReduce, JointMode, joint_indices, neutral_fill
 from lit_marl.rollout.batch import AgentSamples, RolloutBatch, TreeLevels
@@ -33,11 +33,7 @@ class TreeSettings:
     num_generations: int = 1
     joint_mode: JointMode = "aligned"
     num_turns: int = 1
-    max_new_tokens: int = 64
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int | None = None
-    greedy: bool = False
+    sampling: Sampling = Sampling()
     early_termination_threshold: float | None = None
     chat_template: bool = True
     cross_return: CrossReduce = "mean"
@@ -164,15 +160,13 @@ def _generate(
         encoded = [agent.encode_prompt(node.state.observations[i], raw=raw) for i in roles for node in nodes]
         calls.append((agent, encoded, G))
     seeds = None
-    if settings.sampling_seed is not None and not settings.greedy:
+    if settings.sampling_seed is not None and not settings.sampling.greedy:
         keys = [json.dumps(tasks[node.task], sort_keys=True, default=str) for node in nodes]
         seeds = [
             [stream_seed(settings.sampling_seed, key, node.label, i) for i in roles for key, node in zip(keys, nodes)]
             for roles in groups
         ]
-    outputs = engine.generate_team(
-        calls, settings.max_new_tokens, settings.temperature, settings.top_p, settings.top_k, settings.greedy, seeds
-    )
+    outputs = engine.generate_team(calls, settings.sampling, seeds)
     for roles, generated in zip(groups, outputs):
         for r, i in enumerate(roles):  # a parameter-shared model played several roles at once
             gens[i] = generated.rows(slice(r * len(nodes) * G, (r + 1) * len(nodes) * G))

@@ -60,13 +60,15 @@ def small_game_sets(config: str) -> list[str]:
     (an hour, with downloads): its configs resolve the bundled SWE instances in its place."""
     data = yaml.safe_load((REPO_ROOT / config).read_text())["data"]["init_args"]
     out = []
-    for key in ("train_path", "val_path", "demo_path"):
-        source = data.get(key) or ""
+    sources = {"train_path": data.get("train_path"), "val_path": data.get("val_path")}
+    sources["demos.path"] = (data.get("demos") or {}).get("path")
+    for key, source in sources.items():
+        source = source or ""
         if source.startswith(("textworld:", "alfworld:")) and source.rsplit(":", 1)[-1].isdigit():
             out += [f"--data.{key}", source.rsplit(":", 1)[0] + ":1"]
         if source.startswith("swe:pypi:"):
             out += [f"--data.{key}", "swe:bundled:" + source.split(":")[2]]
-    if "--data.demo_path" in out and data.get("env") == "swe":  # bundled fixes have 2 hunks: 2 views, 2 edits
+    if "--data.demos.path" in out and data.get("env") == "swe":  # bundled fixes have 2 hunks: 2 views, 2 edits
         out += ["--data.env_kwargs", json.dumps({**data["env_kwargs"], "max_steps": 6})]
     return out
 
@@ -81,7 +83,7 @@ def test_small_game_sets_keep_the_set_and_shrink_the_count():
     assert small_game_sets("configs/textworld/sft_ppo_cpu.yaml") == [
         "--data.train_path", "textworld:w2-o3-q4:train:1",
         "--data.val_path", "textworld:w2-o3-q4:test:1",
-        "--data.demo_path", "textworld:w2-o3-q4:validation:1",
+        "--data.demos.path", "textworld:w2-o3-q4:validation:1",
     ]  # fmt: skip
     assert small_game_sets("configs/quickstart.yaml") == []
 
@@ -155,7 +157,7 @@ def test_cli_validate(in_repo_root, tmp_path):
             "configs/magrpo/slogan_tiny.yaml",
             "--trainer.logger.init_args.save_dir",
             str(tmp_path),
-            "--data.max_new_tokens",
+            "--data.sampling.max_new_tokens",
             "4",
         ]
     )
@@ -176,7 +178,7 @@ def test_readme_validate_command_reports_metrics(in_repo_root, tmp_path):
             str(tmp_path),
             "--model.init_args.model",
             "tiny-random",
-            "--data.max_new_tokens",
+            "--data.sampling.max_new_tokens",
             "2",
         ]
     )
@@ -197,13 +199,20 @@ def test_comlrl_presets_go_after_a_config(base, preset, in_repo_root, monkeypatc
     cli = build_cli(args=["--config", base, "--config", preset], run=False)
     wanted = yaml.safe_load((REPO_ROOT / preset).read_text())
     for key, value in wanted["model"]["init_args"].items():
-        assert getattr(cli.model, key, cli.model.hparams.get(key)) == value, key
+        got = getattr(cli.model, key, cli.model.hparams.get(key))
+        if isinstance(value, dict):  # a group: the preset's fields set
+            got = {k: getattr(got, k) for k in value}
+        assert got == value, key
     tree = cli.datamodule.tree
     for key, value in wanted["data"]["init_args"].items():
-        assert getattr(tree, key) == value, key
+        if isinstance(value, dict):  # a group: the preset's fields set, the config's others kept
+            assert {k: getattr(getattr(tree, key), k) for k in value} == value, key
+        else:
+            assert getattr(tree, key) == value, key
     source = yaml.safe_load((REPO_ROOT / base).read_text())
     assert cli.model.sources[0] == source["model"]["init_args"]["model"]
     assert tree.num_turns == source["data"]["init_args"]["num_turns"]
+    assert tree.sampling.max_new_tokens == source["data"]["init_args"]["sampling"]["max_new_tokens"]  # the run's own
 
 
 def test_help_lists_every_command_and_predict_is_refused_by_name(in_repo_root, monkeypatch, capsys):
@@ -294,3 +303,39 @@ def test_a_settings_group_comes_whole_from_yaml_and_old_keys_name_the_new_one(in
         "env": "slogan",
         "reward_calls": {"on_reward_error": "skip", "transition_prompt_field": "task"},
     }
+
+
+def test_the_sampling_group_reaches_the_rollouts_whole_and_old_configs_migrate(in_repo_root, tmp_path, monkeypatch):
+    """``data.sampling`` from YAML and the command line is one object the tree settings hold (what
+    every engine call gets); an old flat key stops naming its group; ``scripts/migrate_config.py``
+    rewrites an old file (comments kept) into one that builds the same group."""
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    import migrate_config
+
+    from lit_marl.fields import current_key, pre_move_key, regroup_moved, ungroup_moved
+    from lit_marl.generation import Sampling
+
+    monkeypatch.setattr(base_module, "Agent", lambda *a, **k: (_ for _ in ()).throw(AssertionError("no loads")))
+    cli = build_cli(args=["--config", "configs/magrpo/slogan_tiny.yaml", "--data.sampling.top_k", "5"], run=False)
+    assert cli.datamodule.tree.sampling is cli.datamodule.sampling
+    assert cli.datamodule.sampling == Sampling(max_new_tokens=16, top_k=5)
+    with pytest.raises(ConfigError, match=r"data.temperature \(in the command line\) is now data.sampling.temperature"):
+        build_cli(args=["--config", "configs/magrpo/slogan_tiny.yaml", "--data.temperature=0.5"], run=False)
+    old = tmp_path / "old.yaml"
+    old.write_text(
+        "data:\n  class_path: lit_marl.data.RolloutDataModule\n  init_args:\n    max_new_tokens: 12  # a short reply\n"
+        "    tasks_per_step: 2\n    temperature: 0.5\n"
+    )
+    assert migrate_config.main(["--check", str(old)]) == 1
+    assert migrate_config.main([str(old)]) == 0 and migrate_config.main(["--check", str(old)]) == 0
+    new = old.read_text()
+    assert "      max_new_tokens: 12  # a short reply\n" in new and "    sampling:\n" in new
+    assert yaml.safe_load(new)["data"]["init_args"] == {
+        "sampling": {"max_new_tokens": 12, "temperature": 0.5},
+        "tasks_per_step": 2,
+    }
+    saved = {"env": "slogan", "top_k": 3, "on_reward_error": "skip"}
+    assert ungroup_moved("data", regroup_moved("data", saved)) == saved
+    assert current_key("data.init_args.top_k") == "data.init_args.sampling.top_k"
+    assert pre_move_key("data.init_args.sampling.top_k") == "data.init_args.top_k"
+    assert current_key("model.init_args.learning_rate") == pre_move_key("model.init_args.learning_rate")

@@ -13,6 +13,7 @@ from helpers import cli_fit, make_trainer, snapshot, tree_from_functions, two_tu
 from lit_marl import ConfigError
 from lit_marl.algorithms import IAC, MAAC
 from lit_marl.algorithms.critics import CriticInputs, critic_inputs, joint_critic_inputs, read_positions
+from lit_marl.generation import Sampling
 from lit_marl.returns import td_targets
 from lit_marl.rollout.batch import AgentSamples
 from lit_marl.rollout.transitions import plain
@@ -34,7 +35,7 @@ def test_single_trajectory_rollout_links_turns_and_keeps_rewards(tiny_agents):
         [["a", "b"]] * 3,
         reward,
         num_generations=1,
-        max_new_tokens=4,
+        sampling=Sampling(max_new_tokens=4),
         num_turns=3,
         transition=plain,
         early_termination_threshold=0.9,
@@ -109,7 +110,7 @@ def test_critic_inputs_of_several_roles_keep_their_read_tokens():
 @pytest.mark.parametrize("critic, critic_type", [("head", "v"), ("model", "q")])
 def test_iac_fit_moves_actors_and_critics(tmp_path, critic, critic_type):
     L.seed_everything(0)
-    module = IAC(model="tiny-random", num_agents=2, learning_rate=1e-3, critic=critic, critic_type=critic_type)
+    module = IAC(model="tiny-random", num_agents=2, learning_rate=1e-3, critic={"kind": critic, "type": critic_type})
     module.configure_model()
     actors = [snapshot(a.model) for a in module.agents]
     critics = [snapshot(c) for c in module.critics]
@@ -134,7 +135,7 @@ def test_iac_fit_moves_actors_and_critics(tmp_path, critic, critic_type):
 @pytest.mark.parametrize("critic_type", ["v", "q"])
 def test_maac_centralized_critic_steps_once_per_update(tmp_path, critic_type):
     L.seed_everything(1)
-    module = MAAC(model="tiny-random", num_agents=2, learning_rate=1e-3, critic_type=critic_type)
+    module = MAAC(model="tiny-random", num_agents=2, learning_rate=1e-3, critic={"type": critic_type})
     module.configure_model()
     assert len(module.critics) == 1
     actors = [snapshot(a.model) for a in module.agents]
@@ -159,7 +160,7 @@ def test_actors_move_with_one_task_per_step(tmp_path, algorithm):
     it to 0: the critics learned, the actors never moved. A group of one keeps its raw advantage.
     A critic model (not a head on the actor) so that only the policy term reaches the actors."""
     L.seed_everything(5)
-    module = algorithm(model="tiny-random", num_agents=2, learning_rate=1e-3, critic="model")
+    module = algorithm(model="tiny-random", num_agents=2, learning_rate=1e-3, critic={"kind": "model"})
     module.configure_model()
     actors = [snapshot(a.model) for a in module.agents]
     trainer = make_trainer(tmp_path, limit_val_batches=0)
@@ -191,7 +192,7 @@ def test_maac_per_agent_targets_reach_the_critic(tmp_path, updates, steps):
 def test_parameter_shared_team_has_one_critic(tmp_path, critic):
     """One model plays both roles: one critic learns from both roles' rows."""
     L.seed_everything(3)
-    module = IAC(model="tiny-random", num_agents=2, share_parameters=True, learning_rate=1e-3, critic=critic)
+    module = IAC(model="tiny-random", num_agents=2, share_parameters=True, learning_rate=1e-3, critic={"kind": critic})
     module.configure_model()
     assert len(module.critics) == 1 and module.agents[0] is module.agents[1]
     before = snapshot(module.critics[0])
@@ -207,7 +208,7 @@ def test_buffer_waits_for_its_size_and_the_epoch_end_flushes_the_rest(tmp_path):
     """Two steps of 3 episodes x 2 turns = 12 rows per agent, a buffer of 100: no update inside the
     epoch, one update on all 12 rows at its end (the module's on_train_epoch_end), none lost."""
     L.seed_everything(4)
-    module = IAC(model="tiny-random", num_agents=2, learning_rate=1e-3, rollout_buffer_size=100)
+    module = IAC(model="tiny-random", num_agents=2, learning_rate=1e-3, buffer={"size": 100})
     trainer = make_trainer(tmp_path, limit_val_batches=0)
     trainer.fit(module, datamodule=two_turn_data(tasks_per_step=3))
     # one update, one step per agent (Lightning leaves steps taken at epoch end out of global_step)
@@ -219,14 +220,14 @@ def test_buffer_waits_for_its_size_and_the_epoch_end_flushes_the_rest(tmp_path):
 
 def test_target_kl_stops_the_remaining_epochs(tmp_path):
     L.seed_everything(2)
-    kwargs = dict(model="tiny-random", num_agents=2, learning_rate=1e-2, policy_loss="ppo", ppo_epochs=3)
-    free = IAC(**kwargs)
+    kwargs = dict(model="tiny-random", num_agents=2, learning_rate=1e-2, policy_loss="ppo")
+    free = IAC(update={"ppo_epochs": 3}, **kwargs)
     trainer = make_trainer(tmp_path / "free", limit_val_batches=0, limit_train_batches=1)
     trainer.fit(free, datamodule=two_turn_data())
     assert float(trainer.callback_metrics["train/ppo_epochs_run"]) == 3
     # the KL is measured on each mini-batch's forward, before its step: epoch 1 (one mini-batch)
     # sees the behaviour policy itself (KL 0), epoch 2 the policy after one step, past any such KL
-    stopped = IAC(target_kl=1e-12, **kwargs)
+    stopped = IAC(update={"ppo_epochs": 3, "target_kl": 1e-12}, **kwargs)
     trainer = make_trainer(tmp_path / "stopped", limit_val_batches=0, limit_train_batches=1)
     trainer.fit(stopped, datamodule=two_turn_data())
     assert float(trainer.callback_metrics["train/ppo_epochs_run"]) == 2
@@ -240,12 +241,12 @@ def test_target_kl_stops_the_remaining_epochs(tmp_path):
 @pytest.mark.parametrize(
     "kwargs, field",
     [
-        (dict(critic_type="x"), "model.critic_type='x'"),
-        (dict(critic="value"), "model.critic='value'"),
+        (dict(critic={"type": "x"}), "model.critic.type='x'"),
+        (dict(critic={"kind": "value"}), "model.critic.kind='value'"),
         (dict(policy_loss="a2c"), "model.policy_loss"),
-        (dict(ppo_epochs=2), "model.ppo_epochs"),
-        (dict(policy_loss="ppo", target_kl=0.0), "model.target_kl"),
-        (dict(critic="head", critic_model="tiny-random"), "model.critic_model"),
+        (dict(update={"ppo_epochs": 2}), "model.update.ppo_epochs"),
+        (dict(policy_loss="ppo", update={"target_kl": 0.0}), "model.update.target_kl"),
+        (dict(critic={"kind": "head", "model": "tiny-random"}), "model.critic.model"),
     ],
 )
 def test_bad_settings_fail_at_config_time(kwargs, field, no_model_loads):
@@ -256,8 +257,8 @@ def test_bad_settings_fail_at_config_time(kwargs, field, no_model_loads):
 
 
 def test_maac_critic_is_a_model():
-    with pytest.raises(ConfigError, match="model.critic=head"):
-        MAAC(model="tiny-random", critic="head")
+    with pytest.raises(ConfigError, match="model.critic.kind=head"):
+        MAAC(model="tiny-random", critic={"kind": "head"})
 
 
 def test_several_generations_with_several_turns_fail_before_loading(tmp_path, no_model_loads):
@@ -275,7 +276,7 @@ def test_critic_model_with_another_tokenizer_is_refused(tmp_path):
     model.save_pretrained(tmp_path / "critic")
     tokenizer.save_pretrained(tmp_path / "critic")
     for cls in (IAC, MAAC):
-        module = cls(model="tiny-random", num_agents=2, critic="model", critic_model=str(tmp_path / "critic"))
+        module = cls(model="tiny-random", num_agents=2, critic={"kind": "model", "model": str(tmp_path / "critic")})
         with pytest.raises(ConfigError, match="another tokenizer than agent 0"):
             module.configure_model()
 

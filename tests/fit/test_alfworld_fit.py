@@ -23,7 +23,7 @@ def data_module(**kwargs):
         env="alfworld",
         tasks_per_step=2,
         max_turns=3,
-        max_new_tokens=6,
+        sampling={"max_new_tokens": 6},
         max_context_tokens=4096,
         reward_density="dense",
     )
@@ -84,7 +84,7 @@ def test_task_types_filter_held_out_games_and_demonstrations(tmp_path):
     from lit_marl import ConfigError
     from lit_marl.envs.sources import resolve_source
 
-    only = data_module(task_types=["pick_heat_then_place"], demo_path="alfworld:validation:1")  # a short name
+    only = data_module(task_types=["pick_heat_then_place"], demos={"path": "alfworld:validation:1"})  # a short name
     assert {t["task_type"] for t in only.val_tasks} == {"pick_heat_then_place_in_recep"} and len(only.val_tasks) == 2
     assert [d["task_type"] for d in only.demos] == ["pick_heat_then_place_in_recep"]
     rows = [json.loads(x) for x in Path(resolve_source("alfworld:test:1")).read_text().splitlines()]

@@ -16,7 +16,7 @@ HALVES = "helpers:HalvesAdapter"
 
 def test_one_joint_actor_learns_from_the_roles_reward(tmp_path):
     L.seed_everything(0)
-    data = slogan_data(reward_fn=LENGTH_REWARD, centralized_adapter=HALVES, max_new_tokens=12)
+    data = slogan_data(reward_fn=LENGTH_REWARD, centralized_adapter=HALVES, sampling={"max_new_tokens": 12})
     assert data.num_agents == 1 and data.env.roles == 2
     module = CentralizedMAGRPO(model="tiny-random", num_agents=1, learning_rate=1e-2)
     module.configure_model()
@@ -33,7 +33,7 @@ def test_one_joint_actor_learns_from_the_roles_reward(tmp_path):
 def test_tagged_adapter_failures_are_logged_not_fatal(tmp_path):
     """The random model writes no tags: every completion is a parse failure, scored 0 and counted."""
     L.seed_everything(0)
-    data = slogan_data(centralized_adapter="lit_marl.envs.centralized:TaggedAdapter", max_new_tokens=8)
+    data = slogan_data(centralized_adapter="lit_marl.envs.centralized:TaggedAdapter", sampling={"max_new_tokens": 8})
     trainer = make_trainer(tmp_path, limit_train_batches=1)
     trainer.fit(CentralizedMAGRPO(model="tiny-random", num_agents=1), datamodule=data)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}

@@ -36,7 +36,7 @@ def test_two_turn_level_feedback_fit(tmp_path, monkeypatch):
         tasks_per_step=2,
         num_generations=2,
         num_turns=2,
-        max_new_tokens=16,
+        sampling={"max_new_tokens": 16},
     )
     assert data.num_agents == 2
     trainer = make_trainer(tmp_path, limit_train_batches=1, limit_val_batches=0)
@@ -82,7 +82,7 @@ def test_code_env_plays_as_episodes_with_ppo(tmp_path):
         tasks_per_step=2,
         num_generations=1,
         max_turns=2,
-        max_new_tokens=16,
+        sampling={"max_new_tokens": 16},
     )
     assert data.num_agents == 2
     module = PPO(model="tiny-random", num_agents=2, learning_rate=1e-2)

@@ -48,7 +48,8 @@ def test_the_comparison_runs_every_cell_from_one_start_and_resumes(tmp_path, cap
     argv = ["--algorithms", "grpo_step", "ppo", "--seeds", "0", "--episodes", "4", "--eval-every", "2",
             "--episodes-per-step", "2", "--group-size", "2", "--sft-demos", "2", "--sft-epochs", "1",
             "--train-games", "2", "--eval-games", "2", "--out", str(out), "--set", "model.init_args.model=tiny-random",
-            "model.init_args.lora=null", "data.init_args.max_new_tokens=6", "data.init_args.max_turns=3"]  # fmt: skip
+            "model.init_args.lora=null", "data.init_args.sampling.max_new_tokens=6",
+            "data.init_args.max_turns=3"]  # fmt: skip
     credit.main(argv)
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert [(r["algorithm"], r["episodes"]) for r in rows] == [

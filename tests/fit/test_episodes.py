@@ -19,6 +19,7 @@ from lit_marl.envs import make_env
 from lit_marl.envs.base import REGISTRY, register
 from lit_marl.envs.corridor import expert_actions, parse_command
 from lit_marl.envs.game import Game, StepResult
+from lit_marl.generation import Sampling
 from lit_marl.models import cache_dir
 from lit_marl.returns import anchor_groups
 from lit_marl.rollout.episode import EpisodeSettings, run_episodes
@@ -124,7 +125,7 @@ def test_training_ids_are_exactly_what_generation_saw_and_produced(agent):
     engine = RecordingEngine()
     torch.manual_seed(0)
     tasks = [{"length": 5, "key_room": 3}, {"length": 6, "key_room": 2}]
-    settings = EpisodeSettings(group_size=1, max_turns=3, max_new_tokens=6)
+    settings = EpisodeSettings(group_size=1, max_turns=3, sampling=Sampling(max_new_tokens=6))
     (batch,) = run_episodes([agent], tasks, make_env("corridor"), settings, engine=engine)
     calls = [(prompts, out) for _, prompts, out in engine.calls]
     assert len(calls) == 3 and batch.num_turns.tolist() == [3, 3]
@@ -153,7 +154,7 @@ def test_training_ids_are_exactly_what_generation_saw_and_produced(agent):
 
 def test_reply_cut_by_the_budget_is_closed_by_the_next_segment(agent):
     torch.manual_seed(1)
-    settings = EpisodeSettings(max_turns=2, max_new_tokens=3)
+    settings = EpisodeSettings(max_turns=2, sampling=Sampling(max_new_tokens=3))
     (batch,) = run_episodes([agent], [{"length": 4, "key_room": 2}], make_env("corridor"), settings)
     ids = batch.input_ids[0].tolist()
     end = int(batch.end_positions[0, 0])
@@ -172,8 +173,8 @@ def letter_count_data(**overrides) -> EpisodeDataModule:
 def test_data_top_k_reaches_the_episodes(agent):
     """``data.top_k`` through the episode settings to the engine: with top-k 1 every sampled episode
     plays the greedy one (the tiny model's distribution is near uniform: without it none would)."""
-    data = letter_count_data(max_turns=2, max_new_tokens=5, num_generations=2, top_k=1)
-    assert data.episode.top_k == 1
+    data = letter_count_data(max_turns=2, sampling={"max_new_tokens": 5, "top_k": 1}, num_generations=2)
+    assert data.episode.sampling.top_k == 1
     (sampled,) = data.rollout([agent], [{"task_id": "t"}], greedy=False)
     (greedy,) = data.rollout([agent], [{"task_id": "t"}], greedy=True)
     width = greedy.input_ids.shape[1]
@@ -184,20 +185,20 @@ def test_data_top_k_reaches_the_episodes(agent):
 def test_context_budget_truncates_and_keeps_the_reward(agent):
     torch.manual_seed(0)
     start = len(agent.encode_prompt(make_env("letter-count").start({"task_id": "t"})[0]))
-    data = letter_count_data(max_turns=5, max_new_tokens=8, max_context_tokens=start + 30)
+    data = letter_count_data(max_turns=5, sampling={"max_new_tokens": 8}, max_context_tokens=start + 30)
     (batch,) = data.rollout([agent], [{"task_id": "t"}], greedy=False)
     assert batch.truncated.all() and int(batch.num_turns[0]) < 5
     assert int(batch.attention_mask.sum()) <= start + 30
     played = int(batch.num_turns[0])  # the turns it played keep their rewards
     assert torch.allclose(batch.rewards[0, :played].sum(), batch.scores[0, played - 1] * 0.5 / 9)
     with pytest.raises(ValueError, match="leaves no room for a reply"):
-        settings = EpisodeSettings(max_new_tokens=8, max_context_tokens=start)
+        settings = EpisodeSettings(sampling=Sampling(max_new_tokens=8), max_context_tokens=start)
         run_episodes([agent], [{"task_id": "t"}], make_env("letter-count"), settings)
 
 
 def test_token_rewards_sit_on_each_turns_end_token(agent):
     torch.manual_seed(0)
-    data = letter_count_data(max_turns=3, max_new_tokens=6)
+    data = letter_count_data(max_turns=3, sampling={"max_new_tokens": 6})
     (batch,) = data.rollout([agent], [{"task_id": "a"}, {"task_id": "b"}], greedy=False)
     placed = batch.token_rewards(batch.rewards)
     for b in range(2):
@@ -218,8 +219,7 @@ def _fit(tmp_path, module, env, num_generations, precision="32-true", **data_kwa
         tasks_per_step=2,
         num_generations=num_generations,
         max_turns=3,
-        max_new_tokens=6,
-        temperature=1.5,
+        sampling={"max_new_tokens": 6, "temperature": 1.5},
         **data_kwargs,
     )
     trainer = make_trainer(tmp_path, limit_train_batches=1, limit_val_batches=0, precision=precision)
@@ -231,15 +231,15 @@ def _fit(tmp_path, module, env, num_generations, precision="32-true", **data_kwa
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {"critic": "head", "gae": "token"},
-        {"critic": "model", "gae": "turn", "critic_learning_rate": 1e-3},
-        {"critic": "head", "gae": "token", "kl_coef": 0.1, "kl_mode": "reward"},
+        {"critic": {"kind": "head"}, "gae": "token"},
+        {"critic": {"kind": "model", "learning_rate": 1e-3}, "gae": "turn"},
+        {"critic": {"kind": "head"}, "gae": "token", "kl_coef": 0.1, "kl_mode": "reward"},
         # LoRA: the KL reference is the base with the adapters disabled (no copy of the weights)
-        {"critic": "head", "gae": "turn", "kl_coef": 0.1, "kl_mode": "loss", "lora": {"r": 4, "alpha": 8}},
+        {"critic": {"kind": "head"}, "gae": "turn", "kl_coef": 0.1, "kl_mode": "loss", "lora": {"r": 4, "alpha": 8}},
     ],
 )
 def test_ppo_fit_moves_policy_and_critic(tmp_path, kwargs):
-    module = PPO(model="tiny-random", learning_rate=1e-2, ppo_epochs=2, **kwargs)
+    module = PPO(model="tiny-random", learning_rate=1e-2, update={"ppo_epochs": 2}, **kwargs)
     metrics, moved = _fit(tmp_path, module, "corridor", 1, reward_density="dense")
     for key in (
         "train/loss",
@@ -259,7 +259,7 @@ def test_ppo_fit_moves_policy_and_critic(tmp_path, kwargs):
     assert any(n.startswith("value_heads.0.") for n in moved)
     if "lora" in kwargs:
         assert module.references is None and all("lora_" in n for n in moved if n.startswith("agents.0."))
-    if kwargs["critic"] == "model":
+    if kwargs["critic"]["kind"] == "model":
         assert any(n.startswith("critic_backbones.0.") for n in moved)
 
 
@@ -301,7 +301,10 @@ def test_group_algorithms_need_groups(tmp_path):
 def test_episode_data_errors():
     with pytest.raises(ConfigError, match=r"data\.max_context_tokens=8"):
         EpisodeDataModule(
-            train_path=str(CORRIDOR / "train.jsonl"), env="corridor", max_new_tokens=8, max_context_tokens=8
+            train_path=str(CORRIDOR / "train.jsonl"),
+            env="corridor",
+            sampling={"max_new_tokens": 8},
+            max_context_tokens=8,
         )
     with pytest.raises(ConfigError, match=r"data\.score_weight=1\.0"):
         EpisodeDataModule(train_path=str(CORRIDOR / "train.jsonl"), env="corridor", score_weight=1.0)
@@ -323,7 +326,7 @@ def test_episode_configs_run_from_the_cli(tmp_path, monkeypatch, config):
 def test_each_agent_has_its_own_sequence(agent):
     torch.manual_seed(0)
     other = Agent("tiny-random")
-    settings = EpisodeSettings(group_size=2, max_turns=3, max_new_tokens=5)
+    settings = EpisodeSettings(group_size=2, max_turns=3, sampling=Sampling(max_new_tokens=5))
     batches = run_episodes([agent, other], [{"task_id": "t"}], make_env("two-letters"), settings)
     assert len(batches) == 2
     texts = [agent.tokenizer.decode(b.input_ids[0][b.attention_mask[0].bool()]) for b in batches]
@@ -359,7 +362,7 @@ def test_episode_held_out_evaluation(agent):
         env="corridor",
         val_path=str(CORRIDOR / "heldout.jsonl"),
         max_turns=2,
-        max_new_tokens=4,
+        sampling={"max_new_tokens": 4},
         eval_tasks_per_step=4,
     )
     results = data.evaluate([agent])
@@ -379,7 +382,7 @@ def test_episodes_record_anchor_states(agent):
         ["east", "take key", "take key"],  # turn 2
     ]
     task = {"length": 4, "key_room": 2, "pit": True, "max_steps": 12}
-    settings = EpisodeSettings(group_size=4, max_turns=3, max_new_tokens=4, anchor="state")
+    settings = EpisodeSettings(group_size=4, max_turns=3, sampling=Sampling(max_new_tokens=4), anchor="state")
     play = lambda s: run_episodes([agent], [task], make_env("corridor"), s, engine=ScriptedEngine(script))[0]  # noqa: E731
     batch = play(settings)
     a = batch.anchors
@@ -401,7 +404,9 @@ def test_critic_warmup_trains_the_critic_only(tmp_path, critic):
     (a value head learns on its features without moving them); the critic learns. The policy's
     AdamW does not step at all: weight decay would move its weights, and a step count advanced on
     zero gradients would shrink its first real updates (bias correction)."""
-    module = PPO(model="tiny-random", learning_rate=1e-2, weight_decay=0.1, critic=critic, critic_warmup=1, gae="turn")
+    module = PPO(
+        model="tiny-random", learning_rate=1e-2, weight_decay=0.1, critic={"kind": critic, "warmup": 1}, gae="turn"
+    )
     metrics, moved = _fit(tmp_path, module, "corridor", 1, reward_density="dense")
     assert not any(n.startswith("agents.") for n in moved), sorted(n for n in moved if n.startswith("agents."))[:3]
     assert any(n.startswith("value_heads.0.") for n in moved)
@@ -412,7 +417,7 @@ def test_critic_warmup_trains_the_critic_only(tmp_path, critic):
         if group["role"] == "policy":
             assert not stepped, f"{len(stepped)} policy tensors have AdamW state"
         else:
-            assert stepped and all(float(optimizer.state[p]["step"]) == module.ppo_epochs for p in stepped)
+            assert stepped and all(float(optimizer.state[p]["step"]) == module.update.ppo_epochs for p in stepped)
 
 
 class CountingGame(Game):
@@ -458,7 +463,7 @@ def test_grpo_skips_steps_without_signal_when_asked(tmp_path, skip):
     """skip_signalless_steps: a step whose groups all tied (sparse Corridor: the tiny model wins
     nothing) is not taken: AdamW keeps no state and counts no step; taken, AdamW steps on zero
     gradients (its momentum would carry an earlier step's direction on)."""
-    module = GRPO(model="tiny-random", learning_rate=1e-2, skip_signalless_steps=skip)
+    module = GRPO(model="tiny-random", learning_rate=1e-2, update={"skip_signalless_steps": skip})
     metrics, moved = _fit(tmp_path, module, "corridor", 2, reward_density="sparse")
     assert float(metrics["train/won"]) == 0.0 and not moved  # every group tied
     optimizers = module.optimizers()
@@ -469,10 +474,10 @@ def test_grpo_skips_steps_without_signal_when_asked(tmp_path, skip):
 
 
 def test_skip_signalless_steps_is_refused_where_every_step_has_a_gradient(tmp_path):
-    with pytest.raises(ConfigError, match="model.skip_signalless_steps: PPO's steps all carry a gradient"):
-        _fit(tmp_path, PPO(model="tiny-random", skip_signalless_steps=True), "corridor", 1)
-    with pytest.raises(ConfigError, match="model.skip_signalless_steps: GRPO's steps"):
-        _fit(tmp_path, GRPO(model="tiny-random", kl_coef=0.1, skip_signalless_steps=True), "corridor", 2)
+    with pytest.raises(ConfigError, match="model.update.skip_signalless_steps: PPO's steps all carry a gradient"):
+        _fit(tmp_path, PPO(model="tiny-random", update={"skip_signalless_steps": True}), "corridor", 1)
+    with pytest.raises(ConfigError, match="model.update.skip_signalless_steps: GRPO's steps"):
+        _fit(tmp_path, GRPO(model="tiny-random", kl_coef=0.1, update={"skip_signalless_steps": True}), "corridor", 2)
 
 
 def test_a_step_is_signalless_when_its_advantages_tie_up_to_rounding():

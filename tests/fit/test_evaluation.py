@@ -15,7 +15,7 @@ def test_heldout_evaluation_prints_before_and_after(tmp_path, capsys):
     L.seed_everything(0)
     callback = HeldOutEvaluation(metric="success")
     module = MAGRPO(model="tiny-random", num_agents=2, learning_rate=1e-3)
-    data = slogan_data(max_new_tokens=4, eval_tasks_per_step=32)
+    data = slogan_data(sampling={"max_new_tokens": 4}, eval_tasks_per_step=32)
     trainer = make_trainer(tmp_path, limit_train_batches=1, limit_val_batches=0, callbacks=[callback])
     trainer.fit(module, datamodule=data)
     out = capsys.readouterr().out
@@ -57,7 +57,7 @@ def test_heldout_evaluation_rejects_unknown_metric(tmp_path):
         tmp_path, limit_train_batches=1, limit_val_batches=0, logger=False, callbacks=[HeldOutEvaluation("accuracy")]
     )
     with pytest.raises(ValueError, match=r"HeldOutEvaluation\.metric='accuracy' is not reported"):
-        trainer.fit(module, datamodule=slogan_data(max_new_tokens=2, eval_tasks_per_step=32))
+        trainer.fit(module, datamodule=slogan_data(sampling={"max_new_tokens": 2}, eval_tasks_per_step=32))
 
 
 def test_missing_heldout_tasks_fail_before_models_load(tmp_path):
@@ -76,7 +76,7 @@ def test_periodic_sampled_evaluation_with_pass_at_k(tmp_path, capsys):
     L.seed_everything(0)
     callback = HeldOutEvaluation(metric="pass@4", every_n_steps=2, num_samples=4, pass_at_k=[1, 2, 4])
     module = MAGRPO(model="tiny-random", num_agents=2, learning_rate=1e-3)
-    data = slogan_data(max_new_tokens=4, eval_tasks_per_step=32)
+    data = slogan_data(sampling={"max_new_tokens": 4}, eval_tasks_per_step=32)
     trainer = make_trainer(tmp_path, limit_train_batches=3, limit_val_batches=0, callbacks=[callback])
     trainer.fit(module, datamodule=data)
     assert [step for step, _ in callback.history] == [0, 2, 3]  # before, after step 2, after training

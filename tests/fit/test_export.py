@@ -12,14 +12,14 @@ from lit_marl.agents import Agent
 from lit_marl.algorithms import MAGRPO
 from lit_marl.callbacks import HFExport
 from lit_marl.export import exported_team
-from lit_marl.generation import generate
+from lit_marl.generation import Sampling, generate
 
 PROMPTS = ["Write a slogan for a library.", "Write a slogan for a bakery with the word fresh."]
 
 
 def greedy(agent: Agent) -> torch.Tensor:
     encoded = [agent.encode_prompt(p) for p in PROMPTS]
-    return generate(agent, encoded, 1, max_new_tokens=12, greedy=True).completion_ids
+    return generate(agent, encoded, 1, sampling=Sampling(max_new_tokens=12, greedy=True)).completion_ids
 
 
 @pytest.mark.parametrize("lora", [None, "merged", "adapter"])
@@ -29,7 +29,7 @@ def test_exported_agents_reload_and_generate_the_same(tmp_path, lora):
     module = MAGRPO(model="tiny-random", num_agents=2, learning_rate=1e-2, lora=settings)
     export = HFExport(str(tmp_path / "export"), lora=lora or "merged")
     trainer = make_trainer(tmp_path, limit_train_batches=1, limit_val_batches=0, callbacks=[export])
-    trainer.fit(module, datamodule=slogan_data(max_new_tokens=16))
+    trainer.fit(module, datamodule=slogan_data(sampling={"max_new_tokens": 16}))
     for i, agent in enumerate(module.agents):
         folder = tmp_path / "export" / f"agent{i}"
         if lora == "adapter":
@@ -77,7 +77,7 @@ def test_agents_as_adapters_on_one_base(tmp_path, mode):
 
     export = HFExport(str(tmp_path / "export"), lora=mode)
     trainer = make_trainer(tmp_path, limit_train_batches=2, limit_val_batches=0, callbacks=[export])
-    trainer.fit(module, datamodule=slogan_data(max_new_tokens=16))
+    trainer.fit(module, datamodule=slogan_data(sampling={"max_new_tokens": 16}))
     changed = {n for n, p in a.shared.named_parameters() if not torch.equal(p.detach(), before[n])}
     assert changed and all(".lora_" in n for n in changed)  # adapters learned, the base did not
     assert any(".agent0." in n for n in changed) and any(".agent1." in n for n in changed)
@@ -109,7 +109,7 @@ def test_a_run_starts_from_an_exported_adapter(tmp_path, shared_base):
     first = MAGRPO(**settings, lora_shared_base=shared_base)
     export = HFExport(str(tmp_path / "export"), lora="adapter")
     make_trainer(tmp_path, limit_train_batches=1, limit_val_batches=0, callbacks=[export]).fit(
-        first, datamodule=slogan_data(max_new_tokens=8)
+        first, datamodule=slogan_data(sampling={"max_new_tokens": 8})
     )
     trained = adapters(first)
     seen = {}
@@ -122,7 +122,7 @@ def test_a_run_starts_from_an_exported_adapter(tmp_path, shared_base):
     second = MAGRPO(**settings, lora_shared_base=shared_base, kl_coef=0.1, kl_reference="rl_start")
     callbacks = [InitialWeights(str(tmp_path / "export")), Snapshot()]
     make_trainer(tmp_path, limit_train_batches=1, limit_val_batches=0, callbacks=callbacks).fit(
-        second, datamodule=slogan_data(max_new_tokens=8)
+        second, datamodule=slogan_data(sampling={"max_new_tokens": 8})
     )
     references = {k.replace("_reference.", "."): v for k, v in seen.items() if "_reference." in k}
     seen = {k: v for k, v in seen.items() if "_reference." not in k}

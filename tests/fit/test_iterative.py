@@ -23,7 +23,9 @@ def _fit(tmp_path, steps=10, **kwargs):
     module.configure_model()
     before = [snapshot(agent.model) for agent in module.agents]
     trainer = make_trainer(tmp_path, limit_train_batches=steps, limit_val_batches=0)
-    trainer.fit(module, datamodule=slogan_data(reward_fn=LENGTH_REWARD, num_generations=4, max_new_tokens=12))
+    trainer.fit(
+        module, datamodule=slogan_data(reward_fn=LENGTH_REWARD, num_generations=4, sampling={"max_new_tokens": 12})
+    )
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     return module, trainer, metrics, before
 

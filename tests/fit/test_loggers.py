@@ -68,7 +68,7 @@ def test_wandb_and_mlflow_receive_the_samples_and_histograms_a_csv_logger_a_noti
 
     L.seed_everything(0)
     module = MAGRPO(model="tiny-random", num_agents=2, log_samples_every_n_steps=1)
-    data = slogan_data(max_new_tokens=4, tasks_per_step=1, num_generations=2)
+    data = slogan_data(sampling={"max_new_tokens": 4}, tasks_per_step=1, num_generations=2)
     trainer = make_trainer(tmp_path, limit_train_batches=2, limit_val_batches=0, logger=[run, mlflow, csv])
     try:
         with warnings.catch_warnings(record=True) as caught:

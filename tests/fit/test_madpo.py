@@ -13,6 +13,7 @@ from helpers import LENGTH_REWARD, length_reward, make_trainer, slogan_data, sna
 from lit_marl import ConfigError
 from lit_marl.agents import Agent
 from lit_marl.algorithms import MADPO
+from lit_marl.generation import Sampling
 from lit_marl.generation.base import TrainerWeights
 from lit_marl.logprobs import completion_logprobs
 from lit_marl.losses import joint_dpo, masked_sum
@@ -24,7 +25,9 @@ PROMPTS = [[f"agent {i}: a slogan for {t['topic']}" for i in range(2)] for t in 
 
 def _candidates(module, K=4):
     torch.manual_seed(0)
-    return tree_from_functions(list(module.agents), TASKS, PROMPTS, length_reward, num_generations=K, max_new_tokens=12)
+    return tree_from_functions(
+        list(module.agents), TASKS, PROMPTS, length_reward, num_generations=K, sampling=Sampling(max_new_tokens=12)
+    )
 
 
 def _direct_gradient(module, batch, role, chosen, rejected):
@@ -84,7 +87,9 @@ def test_fit_moves_every_agent_with_finite_losses(tmp_path):
     module.configure_model()
     before = [snapshot(agent.model) for agent in module.agents]
     trainer = make_trainer(tmp_path, limit_val_batches=0)
-    trainer.fit(module, datamodule=slogan_data(reward_fn=LENGTH_REWARD, num_generations=4, max_new_tokens=12))
+    trainer.fit(
+        module, datamodule=slogan_data(reward_fn=LENGTH_REWARD, num_generations=4, sampling={"max_new_tokens": 12})
+    )
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     assert trainer.global_step == 2 * 2  # one optimizer step per agent per training step
     assert metrics["train/pairs"] > 0 and math.isfinite(metrics["train/loss"]), metrics
@@ -100,7 +105,9 @@ def test_anchored_loss_starts_at_log_2(tmp_path):
     L.seed_everything(0)
     module = MADPO(model="tiny-random", num_agents=2, lora={"r": 4, "alpha": 8}, dpo_reference="initial")
     trainer = make_trainer(tmp_path, limit_train_batches=1, limit_val_batches=0)
-    trainer.fit(module, datamodule=slogan_data(reward_fn=LENGTH_REWARD, num_generations=4, max_new_tokens=12))
+    trainer.fit(
+        module, datamodule=slogan_data(reward_fn=LENGTH_REWARD, num_generations=4, sampling={"max_new_tokens": 12})
+    )
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     assert metrics["train/pairs"] > 0
     assert metrics["train/loss"] == pytest.approx(math.log(2), abs=1e-6)
@@ -131,7 +138,7 @@ def test_offline_candidates_come_from_the_initial_weights(tmp_path, lora):
     fresh = Agent("tiny-random").model
     probe = torch.tensor([Agent("tiny-random").encode_prompt("a slogan for tea")])
     module = MADPO(model="tiny-random", num_agents=2, learning_rate=5e-2, lora=lora)
-    data = slogan_data(reward_fn=LENGTH_REWARD, num_generations=4, max_new_tokens=12)
+    data = slogan_data(reward_fn=LENGTH_REWARD, num_generations=4, sampling={"max_new_tokens": 12})
     data.engine = ProbeEngine(probe)
     make_trainer(tmp_path, limit_train_batches=3, limit_val_batches=0).fit(module, datamodule=data)
     with torch.no_grad():
@@ -149,7 +156,9 @@ def test_a_parameter_shared_team_learns(tmp_path):
     module.configure_model()
     before = snapshot(module.agents[0].model)
     trainer = make_trainer(tmp_path, limit_val_batches=0)
-    trainer.fit(module, datamodule=slogan_data(reward_fn=LENGTH_REWARD, num_generations=4, max_new_tokens=12))
+    trainer.fit(
+        module, datamodule=slogan_data(reward_fn=LENGTH_REWARD, num_generations=4, sampling={"max_new_tokens": 12})
+    )
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     assert trainer.global_step == 2 and metrics["train/pairs"] > 0 and math.isfinite(metrics["train/loss"])
     assert math.isfinite(metrics["shared/delta"])

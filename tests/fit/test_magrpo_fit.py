@@ -10,6 +10,7 @@ import torch
 
 from helpers import SGDRecordingMAGRPO, cli_fit, make_trainer, slogan_data, snapshot, tree_from_functions
 from lit_marl.algorithms import MAGRPO
+from lit_marl.generation import Sampling
 from lit_marl.returns import group_advantages
 
 
@@ -25,7 +26,7 @@ def test_fit_updates_every_agent(tmp_path):
     trainer = make_trainer(tmp_path)
     # 16 tokens, not 8: the random model's 8-token replies are all too short for the slogan's
     # length check, so every group gets equal rewards, zero advantages and no update at all
-    trainer.fit(module, datamodule=slogan_data(max_new_tokens=16))
+    trainer.fit(module, datamodule=slogan_data(sampling={"max_new_tokens": 16}))
 
     assert trainer.global_step == 2 * 2  # one optimizer step per agent per training step
     metrics = trainer.callback_metrics
@@ -57,7 +58,7 @@ def test_fit_logs_to_tensorboard(tmp_path):
     L.seed_everything(1)
     module = MAGRPO(model="tiny-random", num_agents=2, learning_rate=1e-3)
     trainer = make_trainer(tmp_path, limit_train_batches=1, limit_val_batches=0)
-    trainer.fit(module, datamodule=slogan_data(max_new_tokens=4))
+    trainer.fit(module, datamodule=slogan_data(sampling={"max_new_tokens": 4}))
     acc = EventAccumulator(str(tmp_path / "lightning_logs" / "version_0"))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
@@ -82,7 +83,12 @@ def test_single_agent_advantages_are_grpo(tiny_agent):
     torch.manual_seed(0)
     tasks = [{"topic": t} for t in ("tea", "bread", "rockets")]
     batch = tree_from_functions(
-        [tiny_agent], tasks, [[f"a slogan for {t['topic']}"] for t in tasks], _length_reward, 4, max_new_tokens=6
+        [tiny_agent],
+        tasks,
+        [[f"a slogan for {t['topic']}"] for t in tasks],
+        _length_reward,
+        4,
+        sampling=Sampling(max_new_tokens=6),
     )
     samples = batch.agents[0]
     assert torch.equal(samples.returns, batch.rewards)
@@ -102,7 +108,9 @@ def test_advantages_follow_the_settings(tiny_agents, baseline, scale):
     torch.manual_seed(2)
     tasks = [{"topic": "tea"}, {"topic": "bread"}]
     prompts = [[f"line {i} for {t['topic']}" for i in range(2)] for t in tasks]
-    batch = tree_from_functions(tiny_agents, tasks, prompts, _length_reward, 3, joint_mode="cross", max_new_tokens=5)
+    batch = tree_from_functions(
+        tiny_agents, tasks, prompts, _length_reward, 3, joint_mode="cross", sampling=Sampling(max_new_tokens=5)
+    )
     module = MAGRPO(model="tiny-random", advantage_mode=baseline, advantage_normalization=scale)
     for samples in batch.agents:
         expected = group_advantages(samples.returns.view(2, 3), baseline, scale, 1e-3).reshape(-1)
@@ -111,7 +119,7 @@ def test_advantages_follow_the_settings(tiny_agents, baseline, scale):
 
 # --------------------------------------------------------------------------- through the CLI
 def test_cli_fit_end_to_end(in_repo_root, tmp_path):
-    cli = cli_fit(tmp_path, "--trainer.limit_train_batches", "2", "--data.max_new_tokens", "8")
+    cli = cli_fit(tmp_path, "--trainer.limit_train_batches", "2", "--data.sampling.max_new_tokens", "8")
     assert cli.trainer.state.finished
     assert cli.trainer.global_step == 2 * 2
     assert isinstance(cli.model, MAGRPO) and len(cli.model.agents) == 2
@@ -148,9 +156,9 @@ def test_update_is_the_policy_gradient(tmp_path, forward_batch_size, forward_tok
         max_grad_norm=0.0,
         forward_batch_size=forward_batch_size,
         forward_token_budget=forward_token_budget,
-        logprob_reduction=reduction,
+        update={"logprob_reduction": reduction},
     )
-    data = slogan_data(max_new_tokens=16, num_generations=3, joint_mode=joint_mode, tasks_per_step=3)
+    data = slogan_data(sampling={"max_new_tokens": 16}, num_generations=3, joint_mode=joint_mode, tasks_per_step=3)
     make_trainer(tmp_path, limit_train_batches=1, limit_val_batches=0, logger=False).fit(module, datamodule=data)
     (batch,) = module.seen
     leaves_per_task = 3 if joint_mode == "aligned" else 3**2
@@ -180,7 +188,7 @@ def test_update_is_the_policy_gradient(tmp_path, forward_batch_size, forward_tok
 def test_gradient_norm_is_clipped_per_agent(tmp_path):
     L.seed_everything(3)
     module = SGDRecordingMAGRPO(model="tiny-random", num_agents=2, max_grad_norm=1e-3)
-    data = slogan_data(max_new_tokens=16, num_generations=3, tasks_per_step=3)
+    data = slogan_data(sampling={"max_new_tokens": 16}, num_generations=3, tasks_per_step=3)
     make_trainer(tmp_path, limit_train_batches=1, limit_val_batches=0, logger=False).fit(module, datamodule=data)
     for i, agent in enumerate(module.agents):
         step = torch.cat([(module.before[i][n] - p.detach()).flatten() for n, p in agent.model.named_parameters()])
@@ -200,7 +208,9 @@ def test_lora_fit_trains_only_adapters(tmp_path):
         assert names and all("lora_" in n for n in names)
         assert len(names) == 2 * 4 * 4  # A and B for q, k, v, o in each of the 4 layers
     before = [{n: p.detach().clone() for n, p in a.model.named_parameters()} for a in module.agents]
-    make_trainer(tmp_path, limit_val_batches=0, logger=False).fit(module, datamodule=slogan_data(max_new_tokens=16))
+    make_trainer(tmp_path, limit_val_batches=0, logger=False).fit(
+        module, datamodule=slogan_data(sampling={"max_new_tokens": 16})
+    )
     for i, agent in enumerate(module.agents):
         for name, p in agent.model.named_parameters():
             if "lora_" in name:
@@ -212,7 +222,9 @@ def test_lora_fit_trains_only_adapters(tmp_path):
 def test_single_agent_fit(tmp_path):
     L.seed_everything(0)
     module = MAGRPO(model="tiny-random", num_agents=1, learning_rate=1e-2)
-    data = slogan_data(agent_prompts=['Write a slogan for {topic} with "{word0}" and "{word1}".'], max_new_tokens=4)
+    data = slogan_data(
+        agent_prompts=['Write a slogan for {topic} with "{word0}" and "{word1}".'], sampling={"max_new_tokens": 4}
+    )
     trainer = make_trainer(tmp_path, limit_train_batches=1, limit_val_batches=0, logger=False)
     trainer.fit(module, datamodule=data)
     assert trainer.global_step == 1
@@ -221,7 +233,7 @@ def test_single_agent_fit(tmp_path):
 
 def test_validate_and_test_are_greedy_rollouts(tmp_path):
     module = MAGRPO(model="tiny-random", num_agents=2)
-    data = slogan_data(max_new_tokens=4, eval_tasks_per_step=8)
+    data = slogan_data(sampling={"max_new_tokens": 4}, eval_tasks_per_step=8)
     trainer = make_trainer(tmp_path, limit_val_batches=2, limit_test_batches=1, logger=False)
     (val,) = trainer.validate(module, datamodule=data, verbose=False)
     (test,) = trainer.test(module, datamodule=data, verbose=False)
@@ -246,7 +258,7 @@ def test_rollouts_come_from_the_current_weights(tmp_path):
             events.append(("train", _checksum(self.agents)))
             return super().training_step(batch, batch_idx)
 
-    data = slogan_data(max_new_tokens=16, tasks_per_step=2)
+    data = slogan_data(sampling={"max_new_tokens": 16}, tasks_per_step=2)
     rollout = data.rollout
 
     def recording_rollout(agents, tasks, greedy, **kwargs):
@@ -291,7 +303,7 @@ def test_non_finite_loss_stops_training_with_weights_untouched(tmp_path, monkeyp
     monkeypatch.setattr(MAGRPO, "loss", lambda self, mb, stats, i: original(self, mb, stats, i) * float("nan"))
     trainer = make_trainer(tmp_path, limit_val_batches=0)
     with pytest.raises(FloatingPointError, match="agent0: non-finite loss"):
-        trainer.fit(module, datamodule=slogan_data(max_new_tokens=16))
+        trainer.fit(module, datamodule=slogan_data(sampling={"max_new_tokens": 16}))
     _assert_unchanged(module, before, no_grad=True)
 
 
@@ -307,7 +319,7 @@ def test_non_finite_steps_are_skipped_and_counted_up_to_the_limit(tmp_path, monk
     trainer = make_trainer(tmp_path, limit_val_batches=0, limit_train_batches=5)
     with pytest.warns(RuntimeWarning, match="optimizer step skipped, weights unchanged"):
         with pytest.raises(FloatingPointError, match=r"3 such step\(s\), model.max_nonfinite_steps=2"):
-            trainer.fit(module, datamodule=slogan_data(max_new_tokens=16))
+            trainer.fit(module, datamodule=slogan_data(sampling={"max_new_tokens": 16}))
     assert module.nonfinite_skips == 3
     _assert_unchanged(module, before)
     assert all(not optimizer.state for optimizer in trainer.optimizers)  # AdamW never stepped
@@ -329,7 +341,7 @@ def test_a_non_finite_gradient_with_a_finite_loss_never_reaches_the_weights(tmp_
     monkeypatch.setattr(MAGRPO, "loss", inf_gradient)
     trainer = make_trainer(tmp_path, limit_val_batches=0)
     with pytest.raises(FloatingPointError, match="agent0: a non-finite gradient"):
-        trainer.fit(module, datamodule=slogan_data(max_new_tokens=16))
+        trainer.fit(module, datamodule=slogan_data(sampling={"max_new_tokens": 16}))
     _assert_unchanged(module, before)
 
 
@@ -371,7 +383,7 @@ def test_bf16_mixed_precision_runs_rollouts_and_updates_in_bf16(tmp_path, monkey
 
     L.seed_everything(0)
     # the buffer never fills within the 2 steps: the one update runs at the epoch's end (on_train_epoch_end)
-    module = MAGRPO(model="tiny-random", num_agents=2, learning_rate=1e-2, rollout_buffer_size=100)
+    module = MAGRPO(model="tiny-random", num_agents=2, learning_rate=1e-2, buffer={"size": 100})
     module.configure_model()
     before = [snapshot(agent.model) for agent in module.agents]
     decoded, trained = [], []
@@ -389,7 +401,7 @@ def test_bf16_mixed_precision_runs_rollouts_and_updates_in_bf16(tmp_path, monkey
         head = agent.model.get_output_embeddings()
         head.register_forward_hook(lambda m, i, out: heads.append(out.dtype) if torch.is_grad_enabled() else None)
     trainer = make_trainer(tmp_path, precision="bf16-mixed")
-    trainer.fit(module, datamodule=slogan_data(max_new_tokens=16))
+    trainer.fit(module, datamodule=slogan_data(sampling={"max_new_tokens": 16}))
     assert decoded and set(decoded) == {torch.bfloat16}
     assert trained and set(trained) == {torch.bfloat16}, "the update's passes ran outside autocast"
     assert heads and set(heads) == {torch.float32}, "the log-probs of the update came from a bf16 head"

@@ -65,7 +65,9 @@ def test_fit_the_reward_model_then_train_on_it(tmp_path):
     team_before = [{n: p.detach().clone() for n, p in a.model.named_parameters()} for a in module.agents]
     rm_before = snapshot(module.reward_net)
     trainer = make_trainer(tmp_path, limit_val_batches=0)
-    trainer.fit(module, datamodule=slogan_data(reward_fn=LENGTH_REWARD, num_generations=4, max_new_tokens=12))
+    trainer.fit(
+        module, datamodule=slogan_data(reward_fn=LENGTH_REWARD, num_generations=4, sampling={"max_new_tokens": 12})
+    )
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     assert metrics["train/pairs"] > 0 and math.isfinite(metrics["train/loss"])
     assert 0.0 <= metrics["train/rm_accuracy"] <= 1.0
@@ -76,7 +78,7 @@ def test_fit_the_reward_model_then_train_on_it(tmp_path):
     assert (folder / "reward_head.pt").exists()
 
     # phase 2: MAGRPO rewarded by the model; held-out evaluation keeps the task reward
-    data = slogan_data(reward_fn=LENGTH_REWARD, reward_model=str(folder), max_new_tokens=12)
+    data = slogan_data(reward_fn=LENGTH_REWARD, reward_model=str(folder), sampling={"max_new_tokens": 12})
     rm = data.train_env.model
     batch = data.rollout([module.agents[0], module.agents[1]], data.train_tasks[:2], greedy=False)
     texts = [

@@ -33,7 +33,9 @@ def _text(events: EventAccumulator, tag: str) -> list[tuple[int, str]]:
 def test_tree_fit_writes_grouped_scalars_a_rendered_tree_and_histograms(tmp_path):
     L.seed_everything(0)
     module = MAGRPO(model="tiny-random", num_agents=2, learning_rate=1e-2, log_samples_every_n_steps=2)
-    data = slogan_data(max_new_tokens=16, num_turns=2, transition=PLAIN, tasks_per_step=1, num_generations=2)
+    data = slogan_data(
+        sampling={"max_new_tokens": 16}, num_turns=2, transition=PLAIN, tasks_per_step=1, num_generations=2
+    )
     trainer = make_trainer(tmp_path, limit_train_batches=3, limit_val_batches=0)
     trainer.fit(module, datamodule=data)
     events = _events(tmp_path)
@@ -98,8 +100,7 @@ def test_episode_fit_writes_a_rendered_episode(tmp_path):
         tasks_per_step=2,
         num_generations=2,
         max_turns=3,
-        max_new_tokens=6,
-        temperature=1.5,
+        sampling={"max_new_tokens": 6, "temperature": 1.5},
     )
     trainer = make_trainer(tmp_path, limit_train_batches=1, limit_val_batches=0)
     trainer.fit(module, datamodule=data)
@@ -118,7 +119,7 @@ def test_logging_every_n_steps_writes_those_steps_only(tmp_path):
     L.seed_everything(0)
     module = MAGRPO(model="tiny-random", num_agents=2, log_samples_every_n_steps=0)
     trainer = make_trainer(tmp_path, limit_train_batches=4, limit_val_batches=0, log_every_n_steps=2)
-    trainer.fit(module, datamodule=slogan_data(max_new_tokens=4, tasks_per_step=1, num_generations=2))
+    trainer.fit(module, datamodule=slogan_data(sampling={"max_new_tokens": 4}, tasks_per_step=1, num_generations=2))
     events = _events(tmp_path)
     assert [e.step for e in events.Scalars("train/reward")] == [2, 4]
     assert not events.Tags()["histograms"] and "train/sample/text_summary" not in events.Tags()["tensors"]
@@ -149,16 +150,16 @@ def test_the_epoch_end_flush_is_written_and_log_every_0_writes_no_step(tmp_path)
     losses, whatever log_every_n_steps; log_every_n_steps 0 (Lightning: no step logging) writes no
     step's records and does not fail."""
     L.seed_everything(0)
-    module = MAGRPO(model="tiny-random", num_agents=2, rollout_buffer_size=1000, log_samples_every_n_steps=0)
+    module = MAGRPO(model="tiny-random", num_agents=2, buffer={"size": 1000}, log_samples_every_n_steps=0)
     trainer = make_trainer(tmp_path / "a", limit_train_batches=3, limit_val_batches=0, log_every_n_steps=2)
-    trainer.fit(module, datamodule=slogan_data(max_new_tokens=4, tasks_per_step=1, num_generations=2))
+    trainer.fit(module, datamodule=slogan_data(sampling={"max_new_tokens": 4}, tasks_per_step=1, num_generations=2))
     events = _events(tmp_path / "a")
     assert [e.step for e in events.Scalars("train/reward")] == [2]
     assert [e.step for e in events.Scalars("agent0/loss")] == [3] and "train/reward" in module.step_metrics
 
     module = MAGRPO(model="tiny-random", num_agents=2, log_samples_every_n_steps=0)
     trainer = make_trainer(tmp_path / "b", limit_train_batches=2, limit_val_batches=0, log_every_n_steps=0)
-    trainer.fit(module, datamodule=slogan_data(max_new_tokens=4, tasks_per_step=1, num_generations=2))
+    trainer.fit(module, datamodule=slogan_data(sampling={"max_new_tokens": 4}, tasks_per_step=1, num_generations=2))
     assert not list((tmp_path / "b").rglob("events.out.tfevents.*")) or "train/reward" not in set(
         _events(tmp_path / "b").Tags()["scalars"]
     )

@@ -10,7 +10,7 @@ from helpers import make_trainer, slogan_data, tree_from_functions
 from lit_marl import ConfigError
 from lit_marl.agents import LoraSettings
 from lit_marl.algorithms import MAGRPO
-from lit_marl.generation import generate
+from lit_marl.generation import Sampling, generate
 from lit_marl.logprobs import completion_logprobs
 from lit_marl.rollout.batch import AgentSamples
 
@@ -27,7 +27,7 @@ def _module(lora=None) -> MAGRPO:
 def _gen(module, index=0):
     agent = module.agents[index]
     torch.manual_seed(0)
-    return generate(agent, [agent.encode_prompt(p[index]) for p in PROMPTS], 3, 6)
+    return generate(agent, [agent.encode_prompt(p[index]) for p in PROMPTS], 3, sampling=Sampling(max_new_tokens=6))
 
 
 def _rows(gen):
@@ -80,7 +80,9 @@ def test_penalty_is_subtracted_from_each_agents_reward(tiny_agents):
         return [1.0] * len(tasks)
 
     penalties = [0.1 * torch.arange(4.0) + index for index in range(2)]  # row r of agent i costs 0.1 * r + i
-    batch = tree_from_functions(tiny_agents, TASKS, PROMPTS, reward, 2, max_new_tokens=2, penalties=penalties)
+    batch = tree_from_functions(
+        tiny_agents, TASKS, PROMPTS, reward, 2, sampling=Sampling(max_new_tokens=2), penalties=penalties
+    )
     torch.testing.assert_close(batch.agents[0].returns, 1.0 - 0.1 * torch.arange(4.0))
     torch.testing.assert_close(batch.agents[1].returns, 1.0 - 0.1 * torch.arange(4.0) - 1.0)
     assert batch.rewards.tolist() == [1.0] * 4  # logged rewards are the task's
@@ -91,7 +93,7 @@ def test_fit_with_reference_kl(tmp_path):
     L.seed_everything(0)
     module = MAGRPO(model="tiny-random", num_agents=2, learning_rate=1e-2, kl_coef=0.1, lora=LoraSettings(r=4))
     trainer = make_trainer(tmp_path, limit_train_batches=2, limit_val_batches=0)
-    trainer.fit(module, datamodule=slogan_data(max_new_tokens=16))
+    trainer.fit(module, datamodule=slogan_data(sampling={"max_new_tokens": 16}))
     metrics = trainer.callback_metrics
     assert torch.isfinite(metrics["train/penalty"]) and float(metrics["train/penalty"]) >= 0
     # the KL itself, per agent: the penalty is the coefficient times the agents' mean KL
@@ -149,8 +151,8 @@ def test_rl_start_after_sft_and_refused_without_a_kl_term(tmp_path):
 
     corridor = REPO_ROOT / "data" / "corridor"
     data = lambda: EpisodeDataModule(  # noqa: E731
-        train_path=str(corridor / "train.jsonl"), env="corridor", demo_path=str(corridor / "demos.jsonl"),
-        demo_batch_size=4, tasks_per_step=2, max_turns=2, max_new_tokens=4,
+        train_path=str(corridor / "train.jsonl"), env="corridor", tasks_per_step=2, max_turns=2,
+        demos={"path": str(corridor / "demos.jsonl"), "batch_size": 4}, sampling={"max_new_tokens": 4},
     )  # fmt: skip
     seen = {}
 

@@ -27,12 +27,12 @@ def test_a_changed_learning_rate_is_used_and_said(checkpoint, tmp_path, in_repo_
     """Lightning replaced the whole model section with the checkpoint's and the optimizer state
     carried the old rate: a new learning_rate on resume was ignored twice over. A changed data
     setting was used silently."""
-    config = _config(tmp_path, "resume.yaml", data={"max_new_tokens": 8}, learning_rate=5.0e-4)
+    config = _config(tmp_path, "resume.yaml", data={"sampling": {"max_new_tokens": 8}}, learning_rate=5.0e-4)
     cli = cli_fit(tmp_path, "--ckpt_path", str(checkpoint), "--trainer.max_epochs", "2", config=config)
     said = capsys.readouterr().err
     assert "lit-marl: resuming with model.learning_rate=0.0005 (the checkpoint had 0.001)\n" in said
-    assert "lit-marl: resuming with data.max_new_tokens=8 (the checkpoint had 16)\n" in said
-    assert cli.model.hparams.learning_rate == 5.0e-4 and cli.datamodule.hparams.max_new_tokens == 8
+    assert "lit-marl: resuming with data.sampling.max_new_tokens=8 (the checkpoint had 16)\n" in said
+    assert cli.model.hparams.learning_rate == 5.0e-4 and cli.datamodule.sampling.max_new_tokens == 8
     rates = {group["lr"] for optimizer in cli.trainer.optimizers for group in optimizer.param_groups}
     assert rates == {5.0e-4}
 

@@ -236,7 +236,7 @@ def test_sft_epochs_repeat_the_budgets_demonstrations(tmp_path):
     with pytest.raises(
         ConfigError,
         match=r"PhaseSwitch.sft_epochs=2 repeats the budget's 12 demonstrations, but "
-        r"data.demo_path holds 45",
+        r"data.demos.path holds 45",
     ):
         switch = PhaseSwitch(budget=28, split="12:16", sft_epochs=2)
         data = type("Data", (), {"demos": [{}] * 45})()
@@ -283,8 +283,7 @@ def test_sft_module_learns_the_demonstrations(tmp_path):
     data = EpisodeDataModule(
         train_path=str(CORRIDOR / "train.jsonl"),
         env="corridor",
-        demo_path=str(CORRIDOR / "demos.jsonl"),
-        demo_batch_size=8,
+        demos={"path": str(CORRIDOR / "demos.jsonl"), "batch_size": 8},
     )
     trainer = make_trainer(tmp_path, limit_train_batches=3, max_epochs=2, limit_val_batches=0, callbacks=[Losses()])
     trainer.fit(module, datamodule=data)
@@ -296,13 +295,13 @@ def test_sft_needs_demonstrations(tmp_path):
     from lit_marl.data import EpisodeDataModule
 
     data = EpisodeDataModule(train_path=str(CORRIDOR / "train.jsonl"), env="corridor")
-    with pytest.raises(ConfigError, match="data.demo_path"):
+    with pytest.raises(ConfigError, match="data.demos.path"):
         make_trainer(tmp_path).fit(SFT(model="tiny-random", num_agents=1), datamodule=data)
     trainer = make_trainer(tmp_path, callbacks=[PhaseSwitch(budget=10)])
-    with pytest.raises(ConfigError, match="data.demo_path"):
+    with pytest.raises(ConfigError, match="data.demos.path"):
         trainer.fit(PPO(model="tiny-random"), datamodule=data)
     demos = EpisodeDataModule(
-        train_path=str(CORRIDOR / "train.jsonl"), env="corridor", demo_path=str(CORRIDOR / "demos.jsonl")
+        train_path=str(CORRIDOR / "train.jsonl"), env="corridor", demos={"path": str(CORRIDOR / "demos.jsonl")}
     )
     trainer = make_trainer(tmp_path, callbacks=[PhaseSwitch(budget=10)])
     with pytest.raises(ConfigError, match="set model to an RL algorithm"):

@@ -9,6 +9,7 @@ import torch
 from helpers import make_trainer, slogan_data, tree_from_functions
 from lit_marl import ConfigError
 from lit_marl.algorithms import MAGRPO
+from lit_marl.generation import Sampling
 from lit_marl.rollout.transitions import plain
 
 TASKS = [{"topic": "tea"}, {"topic": "winter"}]
@@ -26,7 +27,7 @@ def test_one_generate_per_turn_for_all_roles(tiny_agent):
         PROMPTS,
         lambda agent_completions, tasks: [0.0] * len(tasks),
         2,
-        max_new_tokens=3,
+        sampling=Sampling(max_new_tokens=3),
         num_turns=2,
         transition=plain,
         engine=engine,
@@ -50,7 +51,7 @@ def test_shared_fit_updates_the_one_model(tmp_path):
     assert module.agents[0] is module.agents[1]
     before = {n: p.detach().clone() for n, p in module.agents[0].model.named_parameters()}
     trainer = make_trainer(tmp_path, limit_train_batches=2, limit_val_batches=0)
-    trainer.fit(module, datamodule=slogan_data(max_new_tokens=16))
+    trainer.fit(module, datamodule=slogan_data(sampling={"max_new_tokens": 16}))
     assert len(trainer.optimizers) == 1
     assert trainer.global_step == 2  # one optimizer step per training step for the one model
     changed = [n for n, p in module.agents[0].model.named_parameters() if not torch.equal(p.detach(), before[n])]

@@ -24,6 +24,7 @@ from lit_marl.envs.swe import scoring
 from lit_marl.envs.swe import workspace as workspace_module
 from lit_marl.envs.swe.env import SWEEnv, workspaces
 from lit_marl.envs.swe.instances import resolve_source
+from lit_marl.generation import Sampling
 from lit_marl.rollout.episode import EpisodeSettings, run_episodes
 from lit_marl.sandbox import bubblewrap_available, installed_package_folders
 
@@ -218,7 +219,8 @@ def test_workspaces_go_after_an_episode_that_raised(rows, root, monkeypatch):
     monkeypatch.setattr(SWEEnv, "act", broken)
     with pytest.raises(RuntimeError, match="broke mid-episode"):
         run_episodes([agent], [rows["lru"], rows["units"]], SWEEnv(workspace_root=root),
-                     EpisodeSettings(group_size=2, max_turns=2, max_new_tokens=4, max_context_tokens=4096))  # fmt: skip
+                     EpisodeSettings(group_size=2, max_turns=2, sampling=Sampling(max_new_tokens=4),
+                                     max_context_tokens=4096))  # fmt: skip
     assert workspaces(root) == []
 
 
@@ -253,7 +255,7 @@ def test_tiny_fits_on_the_bundled_repositories(tmp_path, root, algorithm, genera
         tasks_per_step=2,
         num_generations=generations,
         max_turns=2,
-        max_new_tokens=8,
+        sampling={"max_new_tokens": 8},
         max_context_tokens=4096,
         score_weight=0.5,
     )

@@ -20,7 +20,7 @@ spec.loader.exec_module(ablation)
 TINY = [
     "model.init_args.model=tiny-random",
     "model.init_args.lora=null",
-    "data.init_args.max_new_tokens=6",
+    "data.init_args.sampling.max_new_tokens=6",
     "data.init_args.max_turns=3",
     "data.init_args.tasks_per_step=2",
 ]
@@ -55,7 +55,7 @@ def test_the_grid_runs_every_cell_and_resumes(tmp_path, capsys):
     assert (rl_only["demos"], sft["demos"], sft_rl["demos"]) == (0, 2, 2)
     assert rl_only["train_episodes"] >= 4 and sft["train_episodes"] == 0 and sft_rl["train_episodes"] >= 2
     config = yaml.safe_load((out / "cells" / cells[2] / "config.yaml").read_text())
-    assert config["data"]["init_args"]["demo_path"] == "textworld:w2-o3-q4:validation:2"  # not the train/test games
+    assert config["data"]["init_args"]["demos"]["path"] == "textworld:w2-o3-q4:validation:2"  # not the train/test games
     assert config["trainer"]["callbacks"][0]["init_args"] == {"budget": 4.0, "split": "2:2", "demo_cost": 1.0,
                                                               "sft_epochs": 1}  # fmt: skip
     table = (out / "results.md").read_text()
@@ -173,7 +173,7 @@ def test_cells_of_one_seed_start_rl_from_one_sft_run(tmp_path, capsys):
         {"class_path": "lit_marl.callbacks.InitialWeights", "init_args": {"path": str(stage / "export")}},
         {"class_path": "lit_marl.callbacks.PhaseSwitch", "init_args": {"budget": 1, "split": "0:1"}},
     ]
-    assert cell["data"]["init_args"]["demo_path"] is None
+    assert cell["data"]["init_args"]["demos"]["path"] is None
     shutil.rmtree(stage / "export")  # a fresh clone: git holds the stage's rows, not its adapters
     ablation.main(["--algorithms", "rloo", *argv[3:]])
     capsys.readouterr()
@@ -201,7 +201,7 @@ def test_alfworld_cells_play_every_task_type():
     args = ablation.parse_args(["--env", "alfworld", "--splits", "48:48", "--budget", "96", "--train-games", "48"])
     config = ablation.cell_config(args, "ppo", "sparse", "48:48", "all", 0, REPO_ROOT)
     data = config["data"]["init_args"]
-    paths = (data["env"], data["train_path"], data["demo_path"])
+    paths = (data["env"], data["train_path"], data["demos"]["path"])
     assert paths == ("alfworld", "alfworld:train:8", "alfworld:validation:8")
     assert ablation.shared_settings(args)["env"] == "alfworld"
     assert "env" not in ablation.shared_settings(ablation.parse_args([]))  # TextWorld grids keep their cells' names

@@ -28,7 +28,7 @@ def fit(tmp_path, module, tasks, num_generations):
         tasks_per_step=2,
         num_generations=num_generations,
         max_turns=3,
-        max_new_tokens=6,
+        sampling={"max_new_tokens": 6},
         max_context_tokens=4096,
         reward_density="dense",
     )

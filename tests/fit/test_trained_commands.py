@@ -18,7 +18,7 @@ from helpers import SLOGAN_HELDOUT
 from lit_marl import ConfigError, chat
 from lit_marl.agents import Agent
 from lit_marl.export import exported_team
-from lit_marl.generation import generate
+from lit_marl.generation import Sampling, generate
 from lit_marl.trained import export_main, load_team
 
 TYPED = "Now shorter.\n\n"  # one line, then an empty one (skipped)
@@ -69,7 +69,7 @@ def test_chat_replies_are_each_agents_own_greedy_generate(
         ids, closed = [], True
         for turn, message in enumerate(messages):
             ids += agent.chat_continuation(message, closed) if ids else agent.encode_prompt(message)
-            reply = generate(agent, [ids], 1, 6, greedy=True)
+            reply = generate(agent, [ids], 1, sampling=Sampling(max_new_tokens=6, greedy=True))
             new = reply.completion_ids[0][reply.completion_mask[0].bool()].tolist()
             row = rows[2 * turn + i]
             assert (row["message"], row["reply"]) == (message, agent.tokenizer.decode(new, skip_special_tokens=True))
@@ -103,6 +103,8 @@ def test_a_run_without_the_chat_template_is_talked_to_without_it(
     rows = [json.loads(line) for line in said.out.splitlines()]
     (agent,) = exported_team(str(exported / "agent0"))
     for row in rows:
-        reply = generate(agent, [agent.encode_prompt(row["message"], raw=True)], 1, 6, greedy=True)
+        reply = generate(
+            agent, [agent.encode_prompt(row["message"], raw=True)], 1, sampling=Sampling(max_new_tokens=6, greedy=True)
+        )
         assert row["reply"] == agent.decode(reply.completion_ids, reply.completion_mask)[0]
     assert len(rows) == 2

@@ -9,17 +9,44 @@ import torch
 
 from helpers import make_trainer, snapshot, tree_from_functions, two_turn_data
 from lit_marl.algorithms import IAC, MAAC
+from lit_marl.generation import Sampling
 
 
 @pytest.mark.parametrize(
     "cls, settings",
     [
-        (IAC, dict(critic="head", critic_type="v")),
-        (IAC, dict(critic="model", critic_type="q", value_clip_range=0.1)),
-        (IAC, dict(critic="head", share_parameters=True, entropy_coef=0.01)),
-        (IAC, dict(critic="model", share_parameters=True, policy_loss="ppo")),
-        (MAAC, dict(critic_type="v")),
-        (MAAC, dict(critic_type="q", policy_loss="ppo", advantage_normalization=False)),
+        (
+            IAC,
+            dict(update={"logprob_reduction": "mean"}, critic={"kind": "head", "type": "v", "value_clip_range": None}),
+        ),
+        (
+            IAC,
+            dict(update={"logprob_reduction": "mean"}, critic={"kind": "model", "type": "q", "value_clip_range": 0.1}),
+        ),
+        (
+            IAC,
+            dict(
+                critic={"kind": "head", "value_clip_range": None},
+                update={"entropy_coef": 0.01, "logprob_reduction": "mean"},
+                share_parameters=True,
+            ),
+        ),
+        (
+            IAC,
+            dict(
+                update={"logprob_reduction": "mean"}, critic={"kind": "model"}, share_parameters=True, policy_loss="ppo"
+            ),
+        ),
+        (MAAC, dict(update={"logprob_reduction": "mean"}, critic={"type": "v", "value_clip_range": None})),
+        (
+            MAAC,
+            dict(
+                update={"logprob_reduction": "mean"},
+                critic={"type": "q"},
+                policy_loss="ppo",
+                advantage_normalization=False,
+            ),
+        ),
     ],
 )
 def test_update_in_one_pass_equals_the_two_pass_update(tmp_path, cls, settings):
@@ -68,12 +95,12 @@ def test_ppo_form_at_the_first_step_has_the_ratio_free_gradient(tiny_agents):
         [["a", "b"], ["c", "d"]],
         lambda agent_completions, tasks: [0.0] * len(tasks),
         1,
-        max_new_tokens=6,
+        sampling=Sampling(max_new_tokens=6),
     )
     samples = batch.agents[0]
     gradients = {}
     for form in ("reinforce", "ppo"):
-        module = IAC(model="tiny-random", num_agents=2, policy_loss=form, entropy_coef=0.0)
+        module = IAC(model="tiny-random", num_agents=2, policy_loss=form, update={"entropy_coef": 0.0})
         module.agents = torch.nn.ModuleList(tiny_agents)
         module.configure_model()
         with torch.no_grad():

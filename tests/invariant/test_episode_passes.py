@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from lit_marl.algorithms import GRPO, PPO
 from lit_marl.envs import make_env
+from lit_marl.generation import Sampling
 from lit_marl.logprobs import final_hidden_states, masked_logprobs
 from lit_marl.rollout.batch import length_passes, pass_rows
 from lit_marl.rollout.episode import EpisodeSettings, run_episodes
@@ -22,7 +23,7 @@ TASKS = [{"length": n, "key_room": 2} for n in (3, 4, 5, 6)]
 
 def _episodes(module):
     torch.manual_seed(0)
-    settings = EpisodeSettings(max_turns=3, max_new_tokens=6, temperature=1.5)
+    settings = EpisodeSettings(max_turns=3, sampling=Sampling(max_new_tokens=6, temperature=1.5))
     (batch,) = run_episodes([module.agents[0]], TASKS, make_env("corridor"), settings)
     ids, att, own = batch.input_ids.clone(), batch.attention_mask.clone(), batch.loss_mask.clone()
     for row, cut in enumerate((20, 0, 33, 7)):  # rows of different lengths: left padding, some common to a pass
@@ -52,7 +53,7 @@ def _whole_rows(module, batch):
 
 @pytest.mark.parametrize("critic", ["head", "model"])
 def test_ppo_behaviour_is_one_policy_forward_per_pass(critic):
-    module = PPO(model="tiny-random", critic=critic, forward_batch_size=2)
+    module = PPO(model="tiny-random", critic={"kind": critic}, forward_batch_size=2)
     module.configure_model()
     batch = _episodes(module)
     policy = _counted(module.model_of(0))

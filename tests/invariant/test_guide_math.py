@@ -71,8 +71,8 @@ def test_value_loss_is_verls():
 
 
 def test_settings_refuse_what_they_cannot_mean():
-    with pytest.raises(ConfigError, match=r"model\.dual_clip=1\.0: must be > 1"):
-        GRPO(model="tiny-random", dual_clip=1.0)
+    with pytest.raises(ConfigError, match=r"model\.update\.dual_clip=1\.0: must be > 1"):
+        GRPO(model="tiny-random", update={"dual_clip": 1.0})
     with pytest.raises(ConfigError, match=r"model\.kl_clamp=10\.0 caps the KL loss term.*kl_mode: loss"):
         GRPO(model="tiny-random", kl_coef=0.01, kl_mode="reward", kl_clamp=10.0)
 
@@ -97,7 +97,12 @@ def test_value_loss_coef_weighs_a_mean_over_value_positions_in_both_gae_modes(tm
     GAE the value loss is not divided by the number of action tokens."""
     L.seed_everything(0)
     module = SGDRecordingPPO(
-        model="tiny-random", gae=gae, ppo_epochs=1, max_grad_norm=0.0, forward_batch_size=1, value_loss_coef=0.7
+        model="tiny-random",
+        gae=gae,
+        update={"ppo_epochs": 1},
+        critic={"value_loss_coef": 0.7},
+        max_grad_norm=0.0,
+        forward_batch_size=1,
     )
     data = EpisodeDataModule(
         train_path=str(REPO_ROOT / "data" / "corridor" / "train.jsonl"),
@@ -105,8 +110,7 @@ def test_value_loss_coef_weighs_a_mean_over_value_positions_in_both_gae_modes(tm
         tasks_per_step=3,
         num_generations=1,
         max_turns=3,
-        max_new_tokens=6,
-        temperature=1.5,
+        sampling={"max_new_tokens": 6, "temperature": 1.5},
         reward_density="dense",
     )
     make_trainer(tmp_path, limit_train_batches=1, limit_val_batches=0, logger=False).fit(module, datamodule=data)
@@ -119,7 +123,8 @@ def test_value_loss_coef_weighs_a_mean_over_value_positions_in_both_gae_modes(tm
         for name, p in module.named_parameters():
             p.copy_(before[name])
     values = module.forward(samples, 0)[1]
-    mse = value_loss(values, samples.old_values, samples.returns, samples.value_mask, module.value_clip_range, "mean")
+    clip = module.critic.value_clip_range
+    mse = value_loss(values, samples.old_values, samples.returns, samples.value_mask, clip, "mean")
     grads = torch.autograd.grad(0.7 * 0.5 * mse, list(head.values()))
     for (name, _), grad in zip(head.items(), grads):
         assert grad.abs().sum() > 0, "no value gradient: the check is void"
@@ -131,7 +136,7 @@ def test_a_critic_is_clipped_apart_from_its_policy():
     does not shrink the policy's step (one optimizer holds both here, as param groups)."""
     from lit_marl.algorithms.updates import clipped_apart
 
-    module = PPO(model="tiny-random", critic="head")
+    module = PPO(model="tiny-random", critic={"kind": "head"})
     module.configure_model()
     policy, critic = clipped_apart(module.configure_optimizers()[0])
     assert {id(p) for p in critic} == {id(p) for p in module.value_heads[0].parameters()}

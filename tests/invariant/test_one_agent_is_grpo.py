@@ -18,7 +18,9 @@ def test_single_agent_step_equals_plain_grpo(tmp_path):
 
     L.seed_everything(5)
     module = SGDRecordingMAGRPO(model="tiny-random", num_agents=1, max_grad_norm=0.0)
-    data = slogan_data(agent_prompts=["Write a slogan for {topic} with {word0}."], max_new_tokens=16, tasks_per_step=2)
+    data = slogan_data(
+        agent_prompts=["Write a slogan for {topic} with {word0}."], sampling={"max_new_tokens": 16}, tasks_per_step=2
+    )
     make_trainer(tmp_path, limit_train_batches=1, limit_val_batches=0, logger=False).fit(module, datamodule=data)
     (batch,) = module.seen
     samples = batch.agents[0]
@@ -87,7 +89,9 @@ def test_magrpo_with_one_agent_and_one_turn_is_grpo_on_one_turn_episodes(tmp_pat
     for family in ("tree", "episodes"):
         L.seed_everything(5)
         if family == "tree":
-            module = SGDRecordingMAGRPO(model="tiny-random", num_agents=1, max_grad_norm=0.0, logprob_reduction="mean")
+            module = SGDRecordingMAGRPO(
+                model="tiny-random", num_agents=1, max_grad_norm=0.0, update={"logprob_reduction": "mean"}
+            )
             data = slogan_data(agent_prompts=prompt, reward_fn=LENGTH_REWARD, tasks_per_step=2, val_path=None)
         else:
             module = SGDRecordingGRPO(model="tiny-random", num_agents=1, max_grad_norm=0.0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from helpers import tree_from_functions
-from lit_marl.generation import generate
+from lit_marl.generation import Sampling, generate
 from lit_marl.rollout.transitions import plain
 
 TASKS = [{"topic": "tea"}, {"topic": "winter"}]
@@ -23,7 +23,14 @@ def test_single_response_tree_follows_sequential_turns(tiny_agents):
     """G=1 aligned, greedy: the tree is one path per task, identical to playing T turns by hand."""
     T = 3
     batch = tree_from_functions(
-        tiny_agents, TASKS, _prompts(2), _len_reward, 1, max_new_tokens=4, greedy=True, num_turns=T, transition=plain
+        tiny_agents,
+        TASKS,
+        _prompts(2),
+        _len_reward,
+        1,
+        sampling=Sampling(max_new_tokens=4, greedy=True),
+        num_turns=T,
+        transition=plain,
     )
     expected = [[], []]
     expected_rewards = []
@@ -34,7 +41,9 @@ def test_single_response_tree_follows_sequential_turns(tiny_agents):
         for turn in range(T):
             texts = []
             for i, agent in enumerate(tiny_agents):
-                g = generate(agent, [agent.encode_prompt(current[i])], 1, 4, greedy=True)
+                g = generate(
+                    agent, [agent.encode_prompt(current[i])], 1, sampling=Sampling(max_new_tokens=4, greedy=True)
+                )
                 texts.append(agent.decode(g.completion_ids, g.completion_mask)[0])
             expected_rewards.append((turn, t, _len_reward([[x] for x in texts], [TASKS[t]])[0]))
             for i in range(2):

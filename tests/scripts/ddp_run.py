@@ -49,7 +49,7 @@ def data_kwargs(algorithm: str, tasks_per_step: int) -> dict:
         num_generations=generations,
         num_turns=2,
         transition="lit_marl.rollout.transitions:plain",
-        max_new_tokens=10,
+        sampling={"max_new_tokens": 10},
         tasks_per_step=tasks_per_step,
         early_termination_threshold=0.99,
     )
@@ -143,15 +143,15 @@ def main() -> None:
         model="tiny-random",
         num_agents=2,
         learning_rate=1e-2,
-        train_batch_size=args.train_batch_size,
-        update_schedule=args.update_schedule,
+        update={"train_batch_size": args.train_batch_size},
+        buffer={"schedule": args.update_schedule},
     )
     module = {"magrpo": MAGRPO, "iac": IAC, "maac": MAAC}[args.algorithm](**kwargs)
     hparams = slogan_data(**data_kwargs(args.algorithm, args.tasks_per_step)).hparams
     if args.sample:
         # each rank decodes its own number of tokens (the random model seldom ends a response early)
         rank = int(os.environ.get("LOCAL_RANK", 0))
-        data = RolloutDataModule(**{**hparams, "max_new_tokens": 6 + 6 * rank})
+        data = RolloutDataModule(**{**hparams, "sampling": {"max_new_tokens": 6 + 6 * rank}})
     else:
         data = Replay(**hparams)
         data.rollouts = torch.load(args.out.parent / "rollouts.pt")

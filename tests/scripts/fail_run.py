@@ -82,7 +82,7 @@ def main() -> None:
     (ARGS.out / f"pid_rank{rank}").write_text(str(os.getpid()))
     L.seed_everything(0)
     module = FailingMAGRPO(model="tiny-random", num_agents=2, learning_rate=1e-2)
-    data = FailingData(**slogan_data(num_generations=2, max_new_tokens=4, tasks_per_step=1).hparams)
+    data = FailingData(**slogan_data(num_generations=2, sampling={"max_new_tokens": 4}, tasks_per_step=1).hparams)
     timeout = timedelta(seconds=ARGS.timeout_s)
     if ARGS.fsdp:
         strategy = TeamFSDPStrategy(mode="gathered", save_distributed_checkpoint=False, timeout=timeout)

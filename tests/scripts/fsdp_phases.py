@@ -85,11 +85,11 @@ class FixedBackend:
         for _ in weights:
             pass
 
-    def generate(self, prompts, sampling, adapter=None):
+    def generate(self, prompts, params, adapter=None):
         from lit_marl.generation.vllm import Sample
 
-        tokens = [40, 41, 42][: sampling.max_tokens]
-        return [[Sample(tokens, "length", [-1.0] * len(tokens)) for _ in range(sampling.n)] for _ in prompts]
+        tokens = [40, 41, 42][: params["max_tokens"]]
+        return [[Sample(tokens, "length", [-1.0] * len(tokens)) for _ in range(params["n"])] for _ in prompts]
 
 
 class Checksums(L.Callback):
@@ -121,7 +121,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     L.seed_everything(0)
     module = MAGRPO(model="tiny-random", num_agents=2, kl_coef=0.1, learning_rate=1e-3)
-    data = slogan_data(tasks_per_step=2, num_generations=2, max_new_tokens=3, eval_tasks_per_step=2)
+    data = slogan_data(tasks_per_step=2, num_generations=2, sampling={"max_new_tokens": 3}, eval_tasks_per_step=2)
     if args.engine == "vllm":
         from lit_marl.generation.vllm import VLLMEngine
 

@@ -48,10 +48,10 @@ class RecordingBackend:
             del tensor
         self.sync_calls = len(self.trace.calls)
 
-    def generate(self, prompts, sampling, adapter=None):
+    def generate(self, prompts, params, adapter=None):
         from lit_marl.generation.vllm import Sample
 
-        return [[Sample([5, 6], "length", [-1.0, -1.0]) for _ in range(sampling.n)] for _ in prompts]
+        return [[Sample([5, 6], "length", [-1.0, -1.0]) for _ in range(params["n"])] for _ in prompts]
 
 
 def worker(rank: int, world: int, folder: str, port: str) -> None:
@@ -59,6 +59,7 @@ def worker(rank: int, world: int, folder: str, port: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from lit_marl.agents import Agent
+    from lit_marl.generation import Sampling
     from lit_marl.generation.vllm import VLLMEngine
     from lit_marl.parallel.fsdp import TeamShards
 
@@ -78,7 +79,7 @@ def worker(rank: int, world: int, folder: str, port: str) -> None:
         engine = VLLMEngine(backend_factory=lambda a, dtype: backend)
         with torch.autocast("cpu", dtype=torch.bfloat16), shards.gathered([]), engine.rollout([agent]):
             for _ in range(3):
-                engine.generate(agent, [[5, 6, 7]], 2, 2)
+                engine.generate(agent, [[5, 6, 7]], 2, Sampling(max_new_tokens=2))
     report = {
         "rank": rank,
         "names_match": sorted(backend.received) == sorted(full),

@@ -81,12 +81,11 @@ def main() -> None:
     data = RecordingData(
         train_path=str(corridor / "train.jsonl"),
         env="corridor",
-        demo_path=demo_file(corridor / "demos.jsonl", args),
-        demo_batch_size=4,
+        demos={"path": demo_file(corridor / "demos.jsonl", args), "batch_size": 4},
         tasks_per_step=4,
         num_generations=1,
         max_turns=3,
-        max_new_tokens=6,
+        sampling={"max_new_tokens": 6},
         env_workers=1,
     )
     switch = PhaseSwitch(budget=28, split="12:16", sft_learning_rate=3e-3, sft_epochs=args.sft_epochs)

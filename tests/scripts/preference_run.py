@@ -65,7 +65,7 @@ def main() -> None:
     data = slogan_data(
         reward_fn=LENGTH_REWARD,
         num_generations=4,
-        max_new_tokens=12,
+        sampling={"max_new_tokens": 12},
         tasks_per_step=args.tasks_per_step,
         sampling_streams="per_task",
     )

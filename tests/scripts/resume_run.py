@@ -87,8 +87,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     L.seed_everything(0)
     if args.algorithm == "magrpo":
-        module = MAGRPO(model="tiny-random", num_agents=2, learning_rate=1e-2, rollout_buffer_size=3)
-        data_kwargs = dict(num_generations=2, max_new_tokens=12, tasks_per_step=2)
+        module = MAGRPO(model="tiny-random", num_agents=2, learning_rate=1e-2, buffer={"size": 3})
+        data_kwargs = dict(num_generations=2, sampling={"max_new_tokens": 12}, tasks_per_step=2)
     elif args.algorithm == "iterative":  # 2 iterations of 2 steps: the kill lands inside the second
         module = IterativeMADPO(
             model="tiny-random",
@@ -101,14 +101,14 @@ def main() -> None:
             preference_replay_mode="lambda_decay",
             preference_replay_lambda=0.5,
         )
-        data_kwargs = dict(num_generations=4, max_new_tokens=12, tasks_per_step=2)
+        data_kwargs = dict(num_generations=4, sampling={"max_new_tokens": 12}, tasks_per_step=2)
     else:
-        module = IAC(model="tiny-random", num_agents=2, learning_rate=1e-2, rollout_buffer_size=6)
+        module = IAC(model="tiny-random", num_agents=2, learning_rate=1e-2, buffer={"size": 6})
         data_kwargs = dict(
             num_generations=1,
             num_turns=2,
             transition="lit_marl.rollout.transitions:plain",
-            max_new_tokens=12,
+            sampling={"max_new_tokens": 12},
             tasks_per_step=2,
         )
     if args.engine == "vllm":  # 2 models x 2 ranks: 4 instances, each vLLM's CPU default of 1 GiB otherwise

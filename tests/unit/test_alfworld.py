@@ -112,7 +112,7 @@ def test_walkthrough_demonstrations_are_played_in_the_runs_env(rows, tmp_path):
     assert len(demos) == len(rows) and {d["task_id"].split("/")[0] for d in demos} == set(g.TASK_TYPES)
     (chat,) = demos[0]["messages"]
     assert all("Valid commands:" in m["content"] for m in chat if m["role"] == "user")
-    clash = r"data.demo_path='alfworld:test:2' draws from the games of data.val_path='alfworld:test:4'"
+    clash = r"data.demos.path='alfworld:test:2' draws from the games of data.val_path='alfworld:test:4'"
     with pytest.raises(ConfigError, match=clash):
         resolve_demo_source("alfworld:test:2", env, "alfworld", {}, {"data.val_path": "alfworld:test:4"})
     with pytest.raises(ConfigError, match="names alfworld walkthroughs, but data.env='textworld' does not play"):

@@ -94,7 +94,7 @@ def test_buffer_renumbers_next_node_links_with_the_nodes():
 
 def test_buffer_fills_across_steps_and_flushes_at_epoch_end(tmp_path):
     L.seed_everything(0)
-    module = MAGRPO(model="tiny-random", num_agents=2, learning_rate=1e-2, rollout_buffer_size=3)
+    module = MAGRPO(model="tiny-random", num_agents=2, learning_rate=1e-2, buffer={"size": 3})
     # 2 nodes per step: step 1 waits (2), step 2 updates (4), step 3 waits (2) until the epoch ends
     steps = []
     update_agent = module.update_agent
@@ -102,7 +102,7 @@ def test_buffer_fills_across_steps_and_flushes_at_epoch_end(tmp_path):
         steps.append((i, count)) or update_agent(i, samples, loss_fn, count, **kw)
     )
     trainer = make_trainer(tmp_path, limit_train_batches=3, limit_val_batches=0)
-    trainer.fit(module, datamodule=slogan_data(max_new_tokens=16, tasks_per_step=2))
+    trainer.fit(module, datamodule=slogan_data(sampling={"max_new_tokens": 16}, tasks_per_step=2))
     assert [i for i, _ in steps] == [0, 1, 0, 1]  # two updates x two agents, one optimizer step each
     assert all(len(b) == 0 for b in module.rollout_buffers)
     # Lightning counts the optimizer steps taken inside training_step only, not the epoch-end flush
@@ -111,9 +111,9 @@ def test_buffer_fills_across_steps_and_flushes_at_epoch_end(tmp_path):
 
 def test_one_optimizer_step_per_minibatch(tmp_path):
     L.seed_everything(0)
-    module = MAGRPO(model="tiny-random", num_agents=2, learning_rate=1e-2, train_batch_size=1)
+    module = MAGRPO(model="tiny-random", num_agents=2, learning_rate=1e-2, update={"train_batch_size": 1})
     data = slogan_data(
-        max_new_tokens=8,
+        sampling={"max_new_tokens": 8},
         tasks_per_step=2,
         num_generations=2,
         num_turns=2,

@@ -16,6 +16,7 @@ from helpers import RecordingEngine, ScriptedEngine
 from lit_marl import ConfigError
 from lit_marl.agents import Agent
 from lit_marl.envs import make_env
+from lit_marl.generation import Sampling
 from lit_marl.models import load_model_and_tokenizer
 from lit_marl.rollout.episode import EpisodeSettings, action_text, run_episodes
 
@@ -99,7 +100,7 @@ def test_a_template_that_drops_past_replies_is_refused(base):
 def test_each_turn_trains_on_exactly_the_tokens_it_was_generated_from(base, template):
     agent = _agent(base, template)
     engine = RecordingEngine(ScriptedEngine([[reply] for reply in REPLIES]))
-    settings = EpisodeSettings(max_turns=3, max_new_tokens=64)
+    settings = EpisodeSettings(max_turns=3, sampling=Sampling(max_new_tokens=64))
     env = make_env("corridor", {"instructions": False})
     if agent.rewrites_history:
         with pytest.warns(UserWarning, match="rewrites earlier turns"):
@@ -191,7 +192,7 @@ def test_episodes_with_reasoning_step_the_env_with_the_action_and_train_on_the_w
     agent = _agent(base, QWEN3_STYLE)
     for reasoning, expected in (("think", [["search"], ["wait"], ["fly"]]), ("none", [[r] for r in REPLIES])):
         seen.clear()
-        settings = EpisodeSettings(max_turns=3, max_new_tokens=64, reasoning=reasoning)
+        settings = EpisodeSettings(max_turns=3, sampling=Sampling(max_new_tokens=64), reasoning=reasoning)
         engine = ScriptedEngine([[reply] for reply in REPLIES])
         with pytest.warns(UserWarning, match="rewrites earlier turns"):
             (batch,) = run_episodes([agent], [{"length": 6, "key_room": 4}], Recorded(False), settings, engine=engine)
@@ -208,7 +209,7 @@ def test_strict_history_refuses_a_template_that_rewrites_earlier_turns(base, tem
     plays as before."""
     agent = _agent(base, template)
     engine = ScriptedEngine([[reply] for reply in REPLIES])
-    settings = EpisodeSettings(max_turns=3, max_new_tokens=64, history="strict")
+    settings = EpisodeSettings(max_turns=3, sampling=Sampling(max_new_tokens=64), history="strict")
     env = make_env("corridor", {"instructions": False})
     if agent.rewrites_history:
         with pytest.raises(

@@ -130,7 +130,7 @@ def test_lora_dropout_is_refused():
         dict(cls=MAGRPO, lora=None),
         dict(cls=MAGRPO, lora=LORA, lora_shared_base=True),
         dict(cls=MAGRPO, share_parameters=True),
-        dict(cls=IAC, critic="model"),
+        dict(cls=IAC, critic={"kind": "model"}),
     ],
     ids=["separate", "lora-shared-base", "shared", "iac-critic-models"],
 )
@@ -174,7 +174,7 @@ def test_a_checkpointed_fit_trains_as_the_plain_one(tmp_path):
         counting = lambda *_, k=checkpointing, f=in_backward: calls.__setitem__(k, calls.get(k, 0) + f[0])  # noqa: E731
         attention.register_forward_hook(counting)
         trainer = make_trainer(tmp_path / str(checkpointing), limit_train_batches=1, limit_val_batches=0)
-        trainer.fit(module, datamodule=slogan_data(max_new_tokens=16))
+        trainer.fit(module, datamodule=slogan_data(sampling={"max_new_tokens": 16}))
         assert all(torch.isfinite(v) for k, v in trainer.callback_metrics.items() if "loss" in k)
         for agent, old in zip(module.agents, before):
             assert any(not torch.equal(p.detach(), old[n]) for n, p in agent.model.named_parameters())
@@ -216,7 +216,9 @@ def test_an_actor_critic_fit_recomputes_in_its_one_pass_update(tmp_path):
     from helpers import two_turn_data, unchanged
 
     L.seed_everything(0)
-    module = IAC(model="tiny-random", num_agents=2, learning_rate=1e-3, critic="model", activation_checkpointing=True)
+    module = IAC(
+        model="tiny-random", num_agents=2, learning_rate=1e-3, critic={"kind": "model"}, activation_checkpointing=True
+    )
     module.configure_model()
     before = [snapshot(a.model) for a in module.agents] + [snapshot(c) for c in module.critics]
     in_backward, calls = [False], {}

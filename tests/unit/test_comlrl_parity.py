@@ -86,14 +86,15 @@ def test_magrpo_preset_reproduces_comlrl(case, monkeypatch):
     and optimizer steps per update and turn."""
     settings = preset("magrpo")
     data = settings["data"]["init_args"]
+    given = settings["model"]["init_args"]
     module = MAGRPO(
         **{
-            **settings["model"]["init_args"],
+            **given,
             "num_agents": N,
             "advantage_mode": case["advantage_mode"],
             "advantage_normalization": case["advantage_normalization"],
             # CoMLRL's null is the buffer size (here a whole tree): one step per turn
-            "train_batch_size": case["train_batch_size"],
+            "update": {**given.get("update", {}), "train_batch_size": case["train_batch_size"]},
         }
     )
     module.agents = fake_team(N)
@@ -213,8 +214,9 @@ def test_actor_critic_preset_reproduces_comlrl(case, monkeypatch):
     values gives CoMLRL's advantages, targets and losses, step by step, per update."""
     settings = preset(case["algorithm"])
     algorithm = IAC if case["algorithm"] == "iac" else MAAC
-    overrides = {"train_batch_size": case["train_batch_size"], "num_agents": 2}
-    module = algorithm(**{**settings["model"]["init_args"], **overrides})
+    given = settings["model"]["init_args"]
+    update = {**given.get("update", {}), "train_batch_size": case["train_batch_size"]}
+    module = algorithm(**{**given, "update": update, "num_agents": 2})
     module.agents, module.discount = fake_team(N), case["discount"]
     module.log = lambda *args, **kwargs: None
     inputs = {(row["task"], row["turn"]): row for row in case["inputs"]}
@@ -258,7 +260,7 @@ def test_actor_critic_preset_reproduces_comlrl(case, monkeypatch):
 
     for update in range(2):
         recorder.steps.clear()
-        module.update(ac_rows(case, update))
+        module.train_on(ac_rows(case, update))
         theirs = [s for s in case["steps"] if s["update"] == update]
         for kind in ("actor", "critic"):
             names = sorted({s["agent"] for s in theirs if s["kind"] == kind})

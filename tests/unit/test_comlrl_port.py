@@ -134,7 +134,7 @@ def test_the_port_trains_through_the_cli_with_the_preset(task_file, tmp_path, mo
         "    agent_prompts: [{formatter: comlrl_port:writer}, {formatter: comlrl_port:critic}]\n"
         "    reward_fn: comlrl_port:length_reward\n"
         "    transition: comlrl_port:custom_external\n"
-        "    num_turns: 2\n    num_generations: 2\n    tasks_per_step: 2\n    max_new_tokens: 8\n"
+        "    num_turns: 2\n    num_generations: 2\n    tasks_per_step: 2\n    sampling: {max_new_tokens: 8}\n"
         "    early_termination_threshold: null\n"
     )
     args = ["fit", "--config", "configs/comlrl/magrpo.yaml", "--config", str(config)]

@@ -23,7 +23,7 @@ def datamodule(**overrides) -> RolloutDataModule:
         reward_fn=REWARD,
         tasks_per_step=2,
         num_generations=2,
-        max_new_tokens=4,
+        sampling={"max_new_tokens": 4},
     )
     kwargs.update(overrides)
     return RolloutDataModule(**kwargs)
@@ -89,8 +89,8 @@ def test_learning_rate_and_clipping_bounds_in_every_algorithm(algorithm, kwargs,
 @pytest.mark.parametrize(
     "algorithm, kwargs, message",
     [
-        ("PPO", {"critic_learning_rate": -1e-3}, "model.critic_learning_rate=-0.001: must be > 0 (or null)"),
-        ("IAC", {"critic_learning_rate": 0.0}, "model.critic_learning_rate=0.0: must be > 0 (or null)"),
+        ("PPO", {"critic": {"learning_rate": -1e-3}}, "model.critic.learning_rate=-0.001: must be > 0 (or null)"),
+        ("IAC", {"critic": {"learning_rate": 0.0}}, "model.critic.learning_rate=0.0: must be > 0 (or null)"),
         ("MAGRPO", {"lora": {"r": 0}}, "model.lora.r=0: must be > 0"),
         ("GRPO", {"lora": {"dropout": 1.0}}, "model.lora.dropout=1.0: must be >= 0 and < 1"),
         ("PPO", {"lora": {"alpha": -8}}, "model.lora.alpha=-8: must be > 0"),
@@ -204,13 +204,13 @@ def test_bad_data_settings(overrides, field):
 @pytest.mark.parametrize(
     "overrides, field",
     [
-        ({"temperature": 0.0}, "data.temperature"),
-        ({"temperature": -1.0}, "data.temperature"),
-        ({"max_new_tokens": 0}, "data.max_new_tokens"),
-        ({"top_p": 1.5}, "data.top_p"),
-        ({"top_k": -1}, "data.top_k=-1: must be a positive integer k (0 or null: off)"),
-        ({"top_k": 2.5}, "data.top_k=2.5: must be a positive integer"),
-        ({"top_k": True}, "data.top_k=True: must be a positive integer"),
+        ({"temperature": 0.0}, "data.sampling.temperature"),
+        ({"temperature": -1.0}, "data.sampling.temperature"),
+        ({"max_new_tokens": 0}, "data.sampling.max_new_tokens"),
+        ({"top_p": 1.5}, "data.sampling.top_p"),
+        ({"top_k": -1}, "data.sampling.top_k=-1: must be >= 0"),
+        ({"top_k": 2.5}, "data.sampling.top_k=2.5: must be a positive integer"),
+        ({"top_k": True}, "data.sampling.top_k=True: must be a positive integer"),
     ],
     ids=["temperature=0", "temperature<0", "max_new_tokens=0", "top_p>1", "top_k<0", "top_k=2.5", "top_k=True"],
 )
@@ -218,7 +218,7 @@ def test_bad_sampling_settings_fail_at_config_time(overrides, field):
     """Sampling settings that generation rejects must fail here, naming the field, not at the
     first training step after the models have loaded (with a message that names no field)."""
     with pytest.raises(ConfigError) as err:
-        datamodule(**overrides)
+        datamodule(sampling=overrides)
     assert field in str(err.value)
 
 
@@ -255,8 +255,8 @@ def test_cli_bound_breaking_number_is_one_clear_line(in_repo_root, tmp_path, no_
     """A number outside its type's bounds fails at construction with the field, the value and the
     rule, not in a jsonargparse union report."""
     with pytest.raises(ValueError) as err:
-        _cli_fit(tmp_path, "--data.init_args.max_new_tokens", "0")
-    assert str(err.value) == "data.max_new_tokens=0: must be > 0"
+        _cli_fit(tmp_path, "--data.init_args.sampling.max_new_tokens", "0")
+    assert str(err.value) == "data.sampling.max_new_tokens=0: must be > 0"
     assert no_model_loads == []
 
 

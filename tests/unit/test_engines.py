@@ -12,10 +12,10 @@ from transformers.generation.logits_process import TopPLogitsWarper
 
 from lit_marl import ConfigError
 from lit_marl.agents import AdapterView, Agent, LoraSettings, lora_config
-from lit_marl.generation import HFEngine, TorchEngine, left_pad, make_engine, mask_through_first
+from lit_marl.generation import HFEngine, Sampling, TorchEngine, left_pad, make_engine, mask_through_first
 from lit_marl.generation.base import counter_uniforms
 from lit_marl.generation.decoder import Decoder, unsupported
-from lit_marl.generation.vllm import Sample, Sampling, VLLMEngine
+from lit_marl.generation.vllm import Sample, VLLMEngine, sampling_params
 from lit_marl.generation.weights import effective_weights
 from lit_marl.logprobs import completion_logprobs
 
@@ -67,11 +67,11 @@ def adapter_team(tokenizer) -> list[Agent]:
 
 
 def hf_greedy(agent, prompts, n, new):
-    return HFEngine().generate(agent, prompts, n, new, greedy=True).completion_ids
+    return HFEngine().generate(agent, prompts, n, sampling=Sampling(max_new_tokens=new, greedy=True)).completion_ids
 
 
 def torch_greedy(agent, prompts, n, new):
-    return TorchEngine().generate(agent, prompts, n, new, greedy=True).completion_ids
+    return TorchEngine().generate(agent, prompts, n, sampling=Sampling(max_new_tokens=new, greedy=True)).completion_ids
 
 
 # --------------------------------------------------------------------------- the torch decoder
@@ -89,7 +89,7 @@ def test_torch_decoder_logits_equal_the_training_forward(tiny_agent, prompts):
     tokens with (``completion_logprobs``): same positions, masks and RoPE under left padding."""
     agent = tiny_agent
     torch.manual_seed(0)
-    gen = TorchEngine().generate(agent, prompts, 2, 8)
+    gen = TorchEngine().generate(agent, prompts, 2, sampling=Sampling(max_new_tokens=8))
     decoder = Decoder(agent.model)
     seen = []
     original = decoder._sample
@@ -100,7 +100,9 @@ def test_torch_decoder_logits_equal_the_training_forward(tiny_agent, prompts):
 
     decoder._sample = record
     torch.manual_seed(0)
-    ids, _ = decoder.generate(gen.prompt_ids, gen.prompt_mask, 8, agent.eos_token_id, agent.pad_token_id)
+    ids, _ = decoder.generate(
+        gen.prompt_ids, gen.prompt_mask, agent.eos_token_id, agent.pad_token_id, Sampling(max_new_tokens=8)
+    )
     assert torch.equal(ids, gen.completion_ids)  # same seed, same samples
     ours = torch.stack(seen, 1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
     input_ids = torch.cat([gen.prompt_ids, gen.completion_ids], 1)
@@ -122,8 +124,8 @@ def test_torch_decoder_stops_and_pads_after_end_token(tiny_agent, prompts):
         eos_token_id = eos
 
     stopped = OtherEnd("tiny-random", loaded=(agent.model, agent.tokenizer))
-    ours = TorchEngine().generate(stopped, prompts, 1, 6, greedy=True)
-    theirs = HFEngine().generate(stopped, prompts, 1, 6, greedy=True)
+    ours = TorchEngine().generate(stopped, prompts, 1, sampling=Sampling(max_new_tokens=6, greedy=True))
+    theirs = HFEngine().generate(stopped, prompts, 1, sampling=Sampling(max_new_tokens=6, greedy=True))
     assert torch.equal(ours.completion_ids, theirs.completion_ids)
     end = first[0].tolist().index(eos)  # where row 0 now ends (the token may come earlier than third)
     width = ours.completion_ids.shape[1]
@@ -132,25 +134,29 @@ def test_torch_decoder_stops_and_pads_after_end_token(tiny_agent, prompts):
     assert torch.equal(ours.completion_mask, theirs.completion_mask)
 
 
+def _s(temperature: float, top_p: float, top_k: int | None, greedy: bool) -> Sampling:
+    return Sampling(temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy)
+
+
 def test_torch_sampling_follows_softmax_and_top_p():
     torch.manual_seed(0)
     logits = torch.randn(4, 12) * 2
     draws = 20000
-    samples = torch.stack([Decoder._sample(logits, 1.0, 1.0, None, False) for _ in range(draws)], 1)
+    samples = torch.stack([Decoder._sample(logits, _s(1.0, 1.0, None, False)) for _ in range(draws)], 1)
     freq = torch.stack([torch.bincount(row, minlength=12) for row in samples]).float() / draws
     probs = logits.softmax(-1)
     assert (freq - probs).abs().max() < 4 * math.sqrt(0.25 / draws) + 1e-3
     # temperature scales the logits; top-p keeps exactly transformers' nucleus
-    hot = torch.stack([Decoder._sample(logits, 2.0, 1.0, None, False) for _ in range(draws)], 1)
+    hot = torch.stack([Decoder._sample(logits, _s(2.0, 1.0, None, False)) for _ in range(draws)], 1)
     freq = torch.stack([torch.bincount(row, minlength=12) for row in hot]).float() / draws
     assert (freq - (logits / 2).softmax(-1)).abs().max() < 0.02
     nucleus = TopPLogitsWarper(0.7)(None, logits.clone()) > -float("inf")
     drawn = torch.zeros_like(nucleus)
     for _ in range(3000):
-        drawn[torch.arange(4), Decoder._sample(logits, 1.0, 0.7, None, False)] = True
+        drawn[torch.arange(4), Decoder._sample(logits, _s(1.0, 0.7, None, False))] = True
     assert torch.equal(drawn, nucleus)  # every nucleus token drawn, nothing outside it
-    assert torch.equal(Decoder._sample(logits, 1.0, 1.0, None, True), logits.argmax(-1))
-    assert torch.equal(Decoder._sample(logits, 0.5, 0.7, 3, True), logits.argmax(-1))  # greedy ignores them
+    assert torch.equal(Decoder._sample(logits, _s(1.0, 1.0, None, True)), logits.argmax(-1))
+    assert torch.equal(Decoder._sample(logits, _s(0.5, 0.7, 3, True)), logits.argmax(-1))  # greedy ignores them
 
 
 def test_torch_top_k_of_one_is_greedy():
@@ -158,7 +164,7 @@ def test_torch_top_k_of_one_is_greedy():
     logits = torch.randn(8, 50) * 3
     streams = counter_uniforms(torch.arange(8), 0)
     for temperature, top_p, uniforms in ((1.0, 1.0, None), (0.5, 0.9, None), (2.0, 1.0, streams)):
-        assert torch.equal(Decoder._sample(logits, temperature, top_p, 1, False, uniforms), logits.argmax(-1))
+        assert torch.equal(Decoder._sample(logits, _s(temperature, top_p, 1, False), uniforms), logits.argmax(-1))
 
 
 def test_torch_top_k_samples_only_the_k_most_likely():
@@ -168,10 +174,10 @@ def test_torch_top_k_samples_only_the_k_most_likely():
     logits = torch.linspace(2.0, -2.0, 20)[torch.randperm(20)]  # the most likely tokens scattered
     rows = logits.expand(4000, 20)
     top = set(torch.topk(logits, 5).indices.tolist())
-    assert set(Decoder._sample(rows, 1.0, 1.0, 5, False).tolist()) == top
-    assert set(Decoder._sample(rows, 1.0, 1.0, 5, False, counter_uniforms(torch.arange(4000), 3)).tolist()) == top
+    assert set(Decoder._sample(rows, _s(1.0, 1.0, 5, False)).tolist()) == top
+    assert set(Decoder._sample(rows, _s(1.0, 1.0, 5, False), counter_uniforms(torch.arange(4000), 3)).tolist()) == top
     for off in (None, 0):
-        assert len(set(Decoder._sample(rows, 1.0, 1.0, off, False).tolist())) == 20
+        assert len(set(Decoder._sample(rows, _s(1.0, 1.0, off, False)).tolist())) == 20
 
 
 @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 5, 1.0), (0.7, 10, 0.8), (1.5, 5, 0.6), (1.0, 100, 0.5)])
@@ -184,11 +190,11 @@ def test_torch_top_k_and_top_p_are_transformers_warpers_in_its_order(tiny_agent,
     logits[0, :12] = torch.tensor([3.0, 3, 3, 2, 2, 2, 1, 1, 1, 0, 0, 0])  # ties across the k-th token
     config = GenerationConfig(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p)
     expected = tiny_agent.model._get_logits_processor(config)(None, logits.clone())
-    ours = Decoder._warp(logits, temperature, top_p, top_k)
+    ours = Decoder._warp(logits, _s(temperature, top_p, top_k, False))
     assert torch.equal(torch.isfinite(ours), torch.isfinite(expected))  # the same tokens kept
     torch.testing.assert_close(ours.softmax(-1), expected.softmax(-1))  # renormalized alike
     grid = (torch.arange(2000, dtype=torch.float64) + 0.5) / 2000  # inverse CDF: shares to one grid step
-    drawn = Decoder._sample(logits.repeat_interleave(2000, 0), temperature, top_p, top_k, False, grid.repeat(6))
+    drawn = Decoder._sample(logits.repeat_interleave(2000, 0), _s(temperature, top_p, top_k, False), grid.repeat(6))
     shares = torch.stack([torch.bincount(row, minlength=50) for row in drawn.view(6, 2000)]) / 2000
     assert (shares - expected.softmax(-1)).abs().max() <= 1 / 2000 + 1e-4
     assert not (shares[~torch.isfinite(expected)] > 0).any()
@@ -227,8 +233,8 @@ def test_unsupported_models_are_refused_by_torch_and_sent_to_generate_by_auto(ti
     agent = Agent("gpt2-tiny", loaded=(gpt2.eval(), tiny_agent.tokenizer))
     assert "gpt2" in unsupported(agent.model)
     with pytest.raises(ValueError, match="torch engine cannot decode.*gpt2.*use engine: hf"):
-        TorchEngine().generate(agent, prompts, 1, 4)
-    auto = make_engine("auto").generate(agent, prompts, 1, 6, greedy=True)
+        TorchEngine().generate(agent, prompts, 1, sampling=Sampling(max_new_tokens=4))
+    auto = make_engine("auto").generate(agent, prompts, 1, sampling=Sampling(max_new_tokens=6, greedy=True))
     assert torch.equal(auto.completion_ids, hf_greedy(agent, prompts, 1, 6))
     assert unsupported(tiny_agent.model) is None
 
@@ -259,7 +265,7 @@ def test_rollouts_through_both_engines_agree_when_greedy(tiny_agents):
     def reward(agent_completions, tasks, **_):
         return [len(a) / (1 + len(b)) for a, b in zip(*agent_completions)]
 
-    kwargs = dict(num_generations=1, max_new_tokens=8, greedy=True, reward_fn=reward)
+    kwargs = dict(num_generations=1, sampling=Sampling(max_new_tokens=8, greedy=True), reward_fn=reward)
     tasks = [{"t": 0}, {"t": 1}]
     prompts = [["say hi", "say ho"], ["write a b", "write c"]]
     a = tree_from_functions(tiny_agents, tasks, prompts, engine=make_engine("torch"), **kwargs)
@@ -276,14 +282,17 @@ def test_every_engine_takes_top_k(tiny_agents, prompts):
     torch.manual_seed(0)
     for name in ("torch", "hf"):
         calls = [(agent, prompts, 2) for agent in tiny_agents]
-        sampled = make_engine(name).generate_team(calls, 6, temperature=1.5, top_k=1)
+        sampled = make_engine(name).generate_team(calls, sampling=Sampling(max_new_tokens=6, temperature=1.5, top_k=1))
         for (agent, _, _), gen in zip(calls, sampled):
             assert torch.equal(gen.completion_ids, hf_greedy(agent, prompts, 2, 6)), name
     assert torch.equal(
-        make_engine("auto").generate(gpt2, prompts, 2, 6, top_k=1).completion_ids, hf_greedy(gpt2, prompts, 2, 6)
+        make_engine("auto").generate(gpt2, prompts, 2, sampling=Sampling(max_new_tokens=6, top_k=1)).completion_ids,
+        hf_greedy(gpt2, prompts, 2, 6),
     )
     assert not torch.equal(
-        make_engine("torch").generate(tiny_agents[0], prompts, 2, 6, top_k=0).completion_ids,
+        make_engine("torch")
+        .generate(tiny_agents[0], prompts, 2, sampling=Sampling(max_new_tokens=6, top_k=0))
+        .completion_ids,
         hf_greedy(tiny_agents[0], prompts, 2, 6),
     )
 
@@ -315,19 +324,19 @@ class FakeBackend:
         self.events.append(f"add_adapter:{name}")
         return name, load_file(f"{folder}/adapter_model.safetensors")
 
-    def generate(self, prompts, sampling, adapter=None):
-        self.calls.append((prompts, sampling))
+    def generate(self, prompts, params, adapter=None):
+        self.calls.append((prompts, params))
         self.events.append("generate" if adapter is None else f"generate:{adapter[0]}")
-        eos = sampling.stop_token_ids[0]
+        eos, max_tokens = params["stop_token_ids"][0], params["max_tokens"]
         out = []
         for i in range(len(prompts)):
             samples = []
-            for k in range(sampling.n):
-                length = (i + k) % (sampling.max_tokens + 1)  # 0 .. max_tokens tokens
+            for k in range(params["n"]):
+                length = (i + k) % (max_tokens + 1)  # 0 .. max_tokens tokens
                 body = [100 + i * 10 + k] * length
-                ids = body if self.drop or length == sampling.max_tokens else body + [eos]
+                ids = body if self.drop or length == max_tokens else body + [eos]
                 logprobs = [-0.5 - 0.1 * j for j in range(len(ids))]
-                samples.append(Sample(ids, "stop" if length < sampling.max_tokens else "length", logprobs))
+                samples.append(Sample(ids, "stop" if length < max_tokens else "length", logprobs))
             out.append(samples)
         return out
 
@@ -339,17 +348,13 @@ def test_vllm_rows_masks_and_padding(tiny_agent, prompts, drop_stop_token):
         backend_factory=lambda a, dtype: backends.append(FakeBackend(a, drop_stop_token)) or backends[-1]
     )
     n, new = 3, 4
-    gen = engine.generate(tiny_agent, prompts, n, new, temperature=0.7, top_p=0.9, top_k=20)
-    eos, pad = tiny_agent.eos_token_id, tiny_agent.pad_token_id
-    sampling = backends[0].calls[0][1]
-    assert (sampling.n, sampling.max_tokens, sampling.temperature, sampling.top_p, sampling.top_k) == (
-        n,
-        new,
-        0.7,
-        0.9,
-        20,
+    gen = engine.generate(
+        tiny_agent, prompts, n, sampling=Sampling(max_new_tokens=new, temperature=0.7, top_p=0.9, top_k=20)
     )
-    assert sampling.stop_token_ids == [eos]
+    eos, pad = tiny_agent.eos_token_id, tiny_agent.pad_token_id
+    params = backends[0].calls[0][1]
+    assert [params[k] for k in ("n", "max_tokens", "temperature", "top_p", "top_k")] == [n, new, 0.7, 0.9, 20]
+    assert params["stop_token_ids"] == [eos]
     assert backends[0].calls[0][0] == prompts
     ids_ref, mask_ref = left_pad([p for p in prompts for _ in range(n)], pad, torch.device("cpu"))
     assert torch.equal(gen.prompt_ids, ids_ref) and torch.equal(gen.prompt_mask, mask_ref)
@@ -370,39 +375,41 @@ def test_vllm_rows_masks_and_padding(tiny_agent, prompts, drop_stop_token):
     else:  # each sampled token's log-prob in its column, 0 after the end
         expected = torch.tensor([-0.5 - 0.1 * j for j in range(new)]) * gen.completion_mask
         assert torch.allclose(gen.logprobs, expected)
-    greedy = engine.generate(tiny_agent, prompts, 1, new, top_k=20, greedy=True)
-    assert backends[0].calls[-1][1].temperature == 0.0 and greedy.completion_ids.shape[0] == len(prompts)
-    assert backends[0].calls[-1][1].top_k == 0  # greedy: no top-k
-    engine.generate(tiny_agent, prompts, 1, new)
-    assert backends[0].calls[-1][1].top_k == 0  # off: vLLM's 0 (every token)
+    greedy = engine.generate(tiny_agent, prompts, 1, sampling=Sampling(max_new_tokens=new, top_k=20, greedy=True))
+    assert backends[0].calls[-1][1]["temperature"] == 0.0 and greedy.completion_ids.shape[0] == len(prompts)
+    assert backends[0].calls[-1][1]["top_k"] == 0  # greedy: no top-k
+    engine.generate(tiny_agent, prompts, 1, sampling=Sampling(max_new_tokens=new))
+    assert backends[0].calls[-1][1]["top_k"] == 0  # off: vLLM's 0 (every token)
 
 
 def test_vllm_sampling_params_carry_every_setting():
-    """What ``SamplingParams`` gets (vLLM itself is tested in tests/vllm)."""
-    sampling = Sampling(n=2, max_tokens=5, temperature=0.7, top_p=0.9, top_k=20, stop_token_ids=[3])
-    assert sampling.params() == dict(
+    """What ``SamplingParams`` gets from the run's ``Sampling`` (vLLM itself is tested in tests/vllm)."""
+    sampling = Sampling(max_new_tokens=5, temperature=0.7, top_p=0.9, top_k=20)
+    assert sampling_params(sampling, 2, [3]) == dict(
         n=2, max_tokens=5, temperature=0.7, top_p=0.9, top_k=20, stop_token_ids=[3], detokenize=False, logprobs=0
     )
+    greedy = sampling_params(sampling.as_greedy(), 1, [3])  # vLLM's greedy: temperature 0, no top-p or top-k
+    assert (greedy["temperature"], greedy["top_p"], greedy["top_k"]) == (0.0, 1.0, 0)
 
 
 def test_vllm_weights_sync_once_per_update(tiny_agents, prompts):
     agent = Agent("tiny-random")
     backends = []
     engine = VLLMEngine(backend_factory=lambda a, dtype: backends.append(FakeBackend(a, dtype=dtype)) or backends[-1])
-    engine.generate(agent, prompts, 2, 3)
-    engine.generate(agent, prompts, 2, 3)
+    engine.generate(agent, prompts, 2, sampling=Sampling(max_new_tokens=3))
+    engine.generate(agent, prompts, 2, sampling=Sampling(max_new_tokens=3))
     assert engine.syncs == 1 and len(backends) == 1  # no update in between: no reload
     loaded = backends[0].loads[0]
     assert set(loaded) == set(agent.model.state_dict())
     optimizer = torch.optim.SGD(agent.model.parameters(), lr=0.1)
     agent.model(input_ids=torch.tensor([prompts[1]])).logits.sum().backward()
     optimizer.step()
-    engine.generate(agent, prompts, 2, 3)
+    engine.generate(agent, prompts, 2, sampling=Sampling(max_new_tokens=3))
     assert engine.syncs == 2
     name = "model.embed_tokens.weight"
     assert torch.equal(backends[0].loads[1][name], agent.model.state_dict()[name])
     assert not torch.equal(backends[0].loads[1][name], loaded[name])
-    engine.generate(tiny_agents[0], prompts, 1, 3)  # another model: its own backend
+    engine.generate(tiny_agents[0], prompts, 1, sampling=Sampling(max_new_tokens=3))  # another model: its own backend
     assert len(backends) == 2 and engine.syncs == 3
 
 
@@ -423,11 +430,11 @@ def test_vllm_weights_stream_in_the_rollouts_dtype(prompts):
     backends = []
     engine = VLLMEngine(backend_factory=lambda a, dtype: backends.append(FakeBackend(a, dtype=dtype)) or backends[-1])
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        engine.generate(agent, prompts, 1, 3)
+        engine.generate(agent, prompts, 1, sampling=Sampling(max_new_tokens=3))
     assert backends[0].dtype == "bfloat16"
     assert {t.dtype for t in backends[0].loads[0].values()} == {torch.bfloat16}
     with pytest.raises(RuntimeError, match="serves bfloat16, but this rollout computes in float32"):
-        engine.generate(agent, prompts, 1, 3)
+        engine.generate(agent, prompts, 1, sampling=Sampling(max_new_tokens=3))
 
 
 def test_effective_weights_merge_the_active_adapter(tiny_agent):
@@ -453,7 +460,7 @@ def test_vllm_rollouts_sync_first_and_sleep_mode_frees_the_engine_for_the_update
         for _ in range(2):
             with engine.rollout(team):
                 assert [b.agent for b in backends] == team and all("load" in b.events for b in backends)
-                engine.generate(team[1], prompts, 1, 3)
+                engine.generate(team[1], prompts, 1, sampling=Sampling(max_new_tokens=3))
         if sleeps:
             assert backends[1].events == [
                 "load",
@@ -483,7 +490,7 @@ def test_a_lora_team_shares_one_instance_each_agent_sending_its_adapter(tiny_age
     shared = team[0].model.shared
     with engine.rollout(team):
         for agent in team:
-            engine.generate(agent, prompts, 1, 3)
+            engine.generate(agent, prompts, 1, sampling=Sampling(max_new_tokens=3))
     assert len(backends) == 1 and engine.syncs == 1
     base = backends[0].loads[0]
     with shared.disable_adapter():
@@ -496,7 +503,7 @@ def test_a_lora_team_shares_one_instance_each_agent_sending_its_adapter(tiny_age
     team[1].model(input_ids=torch.tensor([prompts[1]])).logits.sum().backward()
     optimizer.step()
     with engine.rollout(team):
-        engine.generate(team[1], prompts, 1, 3)
+        engine.generate(team[1], prompts, 1, sampling=Sampling(max_new_tokens=3))
     assert sent[5:] == ["add_adapter:agent1-3", "generate:agent1-3"] and engine.syncs == 1  # no base reload
 
 
@@ -541,9 +548,9 @@ def test_team_decodes_stacked_and_equals_each_agent_alone(tiny_agent, prompts, s
     a, b = tiny_agent, perturbed(tiny_agent, 3)
     assert stackable([a.model, b.model])
     calls = [(a, prompts, samples[0]), (b, prompts[1:], samples[1])]  # b has fewer, narrower prompts
-    team = TorchEngine().generate_team(calls, 12, greedy=True)
+    team = TorchEngine().generate_team(calls, sampling=Sampling(max_new_tokens=12, greedy=True))
     for (agent, ps, n), out in zip(calls, team):
-        alone = HFEngine().generate(agent, ps, n, 12, greedy=True)
+        alone = HFEngine().generate(agent, ps, n, sampling=Sampling(max_new_tokens=12, greedy=True))
         assert torch.equal(out.prompt_ids, alone.prompt_ids) and torch.equal(out.prompt_mask, alone.prompt_mask)
         assert torch.equal(out.completion_ids, alone.completion_ids)
         assert torch.equal(out.completion_mask, alone.completion_mask)
@@ -556,7 +563,9 @@ def test_team_of_adapter_views_decodes_stacked(tiny_agent, prompts):
 
     agents = adapter_team(tiny_agent.tokenizer)
     assert stackable([agent.model for agent in agents])
-    team = TorchEngine().generate_team([(agent, prompts, 1) for agent in agents], 10, greedy=True)
+    team = TorchEngine().generate_team(
+        [(agent, prompts, 1) for agent in agents], sampling=Sampling(max_new_tokens=10, greedy=True)
+    )
     for agent, out in zip(agents, team):
         assert torch.equal(out.completion_ids, hf_greedy(agent, prompts, 1, 10))
 
@@ -575,11 +584,11 @@ def test_team_of_different_shapes_or_architectures_decodes_one_by_one(tiny_agent
     assert not stackable([tiny_agent.model, llama.model])  # qwen2 and llama shapes differ
     assert not stackable([tiny_agent.model, gpt2.model])
     calls = [(tiny_agent, prompts, 1), (llama, prompts, 1), (gpt2, prompts, 1)]
-    team = make_engine("auto").generate_team(calls, 8, greedy=True)
+    team = make_engine("auto").generate_team(calls, sampling=Sampling(max_new_tokens=8, greedy=True))
     for (agent, ps, n), out in zip(calls, team):
         assert torch.equal(out.completion_ids, hf_greedy(agent, ps, n, 8))
     with pytest.raises(ValueError, match="gpt2"):
-        TorchEngine().generate_team(calls, 8, greedy=True)
+        TorchEngine().generate_team(calls, sampling=Sampling(max_new_tokens=8, greedy=True))
 
 
 def test_team_sampling_draws_each_agent_from_its_own_model(tiny_agent, prompts):
@@ -587,7 +596,7 @@ def test_team_sampling_draws_each_agent_from_its_own_model(tiny_agent, prompts):
     forward are those the decoder sampled from, and every row of an agent is its own."""
     a, b = tiny_agent, perturbed(tiny_agent, 4)
     torch.manual_seed(0)
-    team = TorchEngine().generate_team([(a, prompts, 2), (b, prompts, 2)], 6)
+    team = TorchEngine().generate_team([(a, prompts, 2), (b, prompts, 2)], sampling=Sampling(max_new_tokens=6))
     for agent, other, out in ((a, b, team[0]), (b, a, team[1])):
         ids = torch.cat([out.prompt_ids, out.completion_ids], 1)
         mask = torch.cat([out.prompt_mask, out.completion_mask], 1)
@@ -631,10 +640,16 @@ def test_torch_decoder_under_bf16_autocast_computes_as_the_bf16_model(tiny_agent
     with torch.autocast("cpu", dtype=torch.bfloat16):
         decoder = Decoder(agent.model)
         assert decoder.embed.dtype == torch.bfloat16
-        under_autocast, _ = decoder.generate(ids, mask, 12, -1, tiny_agent.pad_token_id, greedy=True)
-    reference, _ = Decoder(stored).generate(ids, mask, 12, -1, tiny_agent.pad_token_id, greedy=True)
+        under_autocast, _ = decoder.generate(
+            ids, mask, -1, tiny_agent.pad_token_id, Sampling(max_new_tokens=12, greedy=True)
+        )
+    reference, _ = Decoder(stored).generate(
+        ids, mask, -1, tiny_agent.pad_token_id, Sampling(max_new_tokens=12, greedy=True)
+    )
     assert torch.equal(under_autocast, reference)
-    fp32_ids, _ = Decoder(agent.model).generate(ids, mask, 12, -1, tiny_agent.pad_token_id, greedy=True)
+    fp32_ids, _ = Decoder(agent.model).generate(
+        ids, mask, -1, tiny_agent.pad_token_id, Sampling(max_new_tokens=12, greedy=True)
+    )
     assert Decoder(agent.model).embed.dtype == torch.float32  # outside autocast: as stored
     assert all(torch.equal(a, b) for a, b in zip(fp32, agent.model.parameters()))
     assert fp32_ids.shape == under_autocast.shape
@@ -659,8 +674,12 @@ def test_torch_decoder_keeps_an_fp32_head_under_bf16_autocast(tiny_agent, prompt
     with torch.autocast("cpu", dtype=torch.bfloat16):
         decoder = Decoder(agent.model)
         assert decoder.embed.dtype == torch.bfloat16 and decoder.lm_head[0].dtype == torch.float32
-        under_autocast, _ = decoder.generate(ids, mask, 12, -1, tiny_agent.pad_token_id, greedy=True)
-    reference, _ = Decoder(stored).generate(ids, mask, 12, -1, tiny_agent.pad_token_id, greedy=True)
+        under_autocast, _ = decoder.generate(
+            ids, mask, -1, tiny_agent.pad_token_id, Sampling(max_new_tokens=12, greedy=True)
+        )
+    reference, _ = Decoder(stored).generate(
+        ids, mask, -1, tiny_agent.pad_token_id, Sampling(max_new_tokens=12, greedy=True)
+    )
     assert torch.equal(under_autocast, reference)
 
 
@@ -683,10 +702,16 @@ def test_seeded_samples_do_not_depend_on_the_batch(tiny_agent, prompts):
     or stacked with another agent's call; without seeds the global generator decides (shared)."""
     seeds = [11, 22, 33]
     engine = TorchEngine()
-    together = engine.generate_team([(tiny_agent, prompts, 3)], 10, seeds=[seeds])[0]
-    alone = engine.generate_team([(tiny_agent, prompts[1:2], 3)], 10, seeds=[seeds[1:2]])[0]
+    together = engine.generate_team([(tiny_agent, prompts, 3)], sampling=Sampling(max_new_tokens=10), seeds=[seeds])[0]
+    alone = engine.generate_team(
+        [(tiny_agent, prompts[1:2], 3)], sampling=Sampling(max_new_tokens=10), seeds=[seeds[1:2]]
+    )[0]
     other = perturbed(tiny_agent, 3)
-    stacked = engine.generate_team([(other, prompts[:1], 2), (tiny_agent, prompts[1:2], 3)], 10, seeds=[[5], [22]])[1]
+    stacked = engine.generate_team(
+        [(other, prompts[:1], 2), (tiny_agent, prompts[1:2], 3)],
+        sampling=Sampling(max_new_tokens=10),
+        seeds=[[5], [22]],
+    )[1]
     rows = slice(3, 6)  # prompt 1's three samples
 
     def texts(gen, rows=slice(None)):
@@ -694,10 +719,12 @@ def test_seeded_samples_do_not_depend_on_the_batch(tiny_agent, prompts):
 
     assert texts(together, rows) == texts(alone) == texts(stacked)
     assert len(set(texts(together))) > 3  # samples differ between prompts and within one
-    reseeded = engine.generate_team([(tiny_agent, prompts[1:2], 3)], 10, seeds=[[23]])[0]
+    reseeded = engine.generate_team(
+        [(tiny_agent, prompts[1:2], 3)], sampling=Sampling(max_new_tokens=10), seeds=[[23]]
+    )[0]
     assert texts(reseeded) != texts(alone)
     with pytest.raises(ValueError, match="per_task needs the lean decoder, not the hf engine"):
-        HFEngine().generate_team([(tiny_agent, prompts, 1)], 4, seeds=[seeds])
+        HFEngine().generate_team([(tiny_agent, prompts, 1)], sampling=Sampling(max_new_tokens=4), seeds=[seeds])
 
 
 def test_per_task_streams_make_a_task_sample_the_same_tree_in_any_batch(tiny_agents):
@@ -709,7 +736,9 @@ def test_per_task_streams_make_a_task_sample_the_same_tree_in_any_batch(tiny_age
     from helpers import LENGTH_REWARD, slogan_data
     from lit_marl.rollout.tree import build_tree
 
-    data = slogan_data(reward_fn=LENGTH_REWARD, num_generations=3, max_new_tokens=8, sampling_streams="per_task")
+    data = slogan_data(
+        reward_fn=LENGTH_REWARD, num_generations=3, sampling={"max_new_tokens": 8}, sampling_streams="per_task"
+    )
     tasks = data.train_tasks[:3]
     settings = replace(data.tree, sampling_seed=7)
     together = build_tree(tiny_agents, tasks, data.env, settings)
@@ -726,14 +755,14 @@ def test_data_top_k_reaches_the_tree_rollouts(tiny_agents):
     is the greedy one (the tiny models' distributions are near uniform: without it none would be)."""
     from helpers import LENGTH_REWARD, slogan_data
 
-    data = slogan_data(reward_fn=LENGTH_REWARD, num_generations=2, max_new_tokens=6, top_k=1)
-    assert data.tree.top_k == 1
+    data = slogan_data(reward_fn=LENGTH_REWARD, num_generations=2, sampling={"max_new_tokens": 6, "top_k": 1})
+    assert data.tree.sampling.top_k == 1
     tasks = data.train_tasks[:2]
     sampled, greedy = data.rollout(tiny_agents, tasks, greedy=False), data.rollout(tiny_agents, tasks, greedy=True)
     for agent_sampled, agent_greedy in zip(sampled.completions, greedy.completions):
         assert agent_sampled == [text for text in agent_greedy for _ in range(2)]
-    assert slogan_data(reward_fn=LENGTH_REWARD).tree.top_k is None  # off by default, or with 0
-    assert slogan_data(reward_fn=LENGTH_REWARD, top_k=0).tree.top_k == 0
+    assert slogan_data(reward_fn=LENGTH_REWARD).tree.sampling.top_k is None  # off by default, or with 0
+    assert slogan_data(reward_fn=LENGTH_REWARD, sampling={"top_k": 0}).tree.sampling.top_k == 0
 
 
 @pytest.mark.parametrize("name", ["torch", "hf"])
@@ -745,7 +774,12 @@ def test_engines_return_the_raw_log_probs_of_their_samples(tiny_agents, prompts,
 
     torch.manual_seed(0)
     calls = [(agent, prompts, 2) for agent in tiny_agents]
-    for agent, gen in zip(tiny_agents, make_engine(name).generate_team(calls, 8, temperature=0.7, top_p=0.9, top_k=20)):
+    for agent, gen in zip(
+        tiny_agents,
+        make_engine(name).generate_team(
+            calls, sampling=Sampling(max_new_tokens=8, temperature=0.7, top_p=0.9, top_k=20)
+        ),
+    ):
         ids = torch.cat([gen.prompt_ids, gen.completion_ids], 1)
         mask = torch.cat([gen.prompt_mask, gen.completion_mask], 1)
         with torch.no_grad():

@@ -12,6 +12,7 @@ import torch
 from helpers import make_trainer, slogan_data, tree_from_functions
 from lit_marl.algorithms import MAGRPO
 from lit_marl.envs.calls import CallTimeout, RewardError, call_reward, call_with_timeout
+from lit_marl.generation import Sampling
 from lit_marl.rollout.transitions import plain
 
 TASKS = [{"topic": "tea"}, {"topic": "winter"}]
@@ -86,7 +87,7 @@ def test_a_hanging_transition_stops_the_tree_naming_it(tiny_agents):
             _prompts(2),
             lambda agent_completions, tasks: [1.0] * len(tasks),
             2,
-            max_new_tokens=2,
+            sampling=Sampling(max_new_tokens=2),
             num_turns=2,
             transition=slow_transition,
             transition_timeout_s=0.3,

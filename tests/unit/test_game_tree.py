@@ -15,6 +15,7 @@ from lit_marl.data import RolloutDataModule
 from lit_marl.envs import make_env
 from lit_marl.envs.game import Game, RewardRule, StepResult
 from lit_marl.envs.textworld.games import write_tasks
+from lit_marl.generation import Sampling
 from lit_marl.rollout.tree import TreeSettings, build_tree
 from lit_marl.tasks import load_tasks
 
@@ -51,7 +52,9 @@ def test_a_tree_over_textworld_has_a_stateless_trees_sizes_and_calls(
     (random play does not finish a quest)."""
     env = make_env("textworld-team")
     engine = RecordingEngine()
-    settings = TreeSettings(num_generations=2, joint_mode=joint_mode, num_turns=turns, max_new_tokens=4)
+    settings = TreeSettings(
+        num_generations=2, joint_mode=joint_mode, num_turns=turns, sampling=Sampling(max_new_tokens=4)
+    )
     batch = build_tree(tiny_agents, rows(team_tasks["w2-o3-q4"]), env, settings, engine=engine)
     assert [batch.stats[f"turn_{t}/nodes"] for t in range(turns)] == [2 * per_node**t for t in range(turns)]
     assert len(engine.calls) == 2 * turns  # one batched generate per agent per turn
@@ -148,7 +151,7 @@ def test_a_tree_over_a_game_scores_the_branches_it_cuts_and_releases_every_state
     branches are ended by the rollout, so ``end`` scores them (sparse: the outcome, won); every game
     the tree started (roots, branches) is closed by the time it returns."""
     CountedGames.opened = CountedGames.closed = 0
-    settings = TreeSettings(num_generations=2, num_turns=2, max_new_tokens=2)
+    settings = TreeSettings(num_generations=2, num_turns=2, sampling=Sampling(max_new_tokens=2))
     batch = build_tree(tiny_agents, [{}, {}], CountedGames(), settings, engine=RecordingEngine())
     first, second = batch.turn_rewards
     assert first.tolist() == [0.0] * 4 and second.tolist() == [1.0] * 8  # 2 tasks x 2, then x 2 again

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lit_marl.agents import Agent
-from lit_marl.generation import generate, left_pad, mask_through_first
+from lit_marl.generation import Sampling, generate, left_pad, mask_through_first
 from lit_marl.logprobs import completion_logprobs
 
 EOS, PAD = 7, 0
@@ -88,7 +88,7 @@ def test_encode_prompt_with_system_prompt():
 def test_generate_shapes_and_grouping(tiny_agent, prompts):
     torch.manual_seed(0)
     G, max_new = 3, 5
-    gen = generate(tiny_agent, prompts, num_samples=G, max_new_tokens=max_new)
+    gen = generate(tiny_agent, prompts, num_samples=G, sampling=Sampling(max_new_tokens=max_new))
     B = len(prompts) * G
     width = max(len(p) for p in prompts)
     assert gen.prompt_ids.shape == gen.prompt_mask.shape == (B, width)
@@ -112,7 +112,7 @@ def test_sampling_is_not_truncated_to_top_k(tiny_agent):
     uniform over ~1000 tokens, so untruncated samples land beyond rank 50 almost every time; with a
     hidden top-k of 50 none ever does."""
     torch.manual_seed(0)
-    gen = generate(tiny_agent, [tiny_agent.encode_prompt("hi")], num_samples=32, max_new_tokens=4)
+    gen = generate(tiny_agent, [tiny_agent.encode_prompt("hi")], num_samples=32, sampling=Sampling(max_new_tokens=4))
     input_ids = torch.cat([gen.prompt_ids, gen.completion_ids], dim=1)
     attention_mask = torch.cat([gen.prompt_mask, gen.completion_mask], dim=1)
     C = gen.completion_ids.shape[1]
@@ -125,7 +125,7 @@ def test_sampling_is_not_truncated_to_top_k(tiny_agent):
 
 
 def test_generate_greedy_rows_of_a_group_agree(tiny_agent, prompts):
-    gen = generate(tiny_agent, prompts, num_samples=2, max_new_tokens=4, greedy=True)
+    gen = generate(tiny_agent, prompts, num_samples=2, sampling=Sampling(max_new_tokens=4, greedy=True))
     assert torch.equal(gen.completion_ids[0], gen.completion_ids[1])
     assert torch.equal(gen.completion_ids[2], gen.completion_ids[3])
     # the two prompts are different, so this would catch rows not grouped by prompt
@@ -135,7 +135,7 @@ def test_generate_greedy_rows_of_a_group_agree(tiny_agent, prompts):
 def test_generate_restores_training_mode(tiny_agent, prompts):
     tiny_agent.model.train()
     try:
-        generate(tiny_agent, prompts[:1], num_samples=1, max_new_tokens=2, greedy=True)
+        generate(tiny_agent, prompts[:1], num_samples=1, sampling=Sampling(max_new_tokens=2, greedy=True))
         assert tiny_agent.model.training
     finally:
         tiny_agent.model.eval()
@@ -144,12 +144,12 @@ def test_generate_restores_training_mode(tiny_agent, prompts):
 def test_generate_masks_and_pads_after_end_token(prompts):
     """Make a token the model greedily emits the end token: rows stop there and pad after."""
     agent = Agent("tiny-random")  # own copy: its tokenizer is changed below
-    first = generate(agent, prompts, num_samples=2, max_new_tokens=6, greedy=True)
+    first = generate(agent, prompts, num_samples=2, sampling=Sampling(max_new_tokens=6, greedy=True))
     stop = int(first.completion_ids[0, 0])
     assert stop not in first.completion_ids[2:].flatten().tolist(), "need a token only prompt 0 produces"
     agent.tokenizer.eos_token = agent.tokenizer.convert_ids_to_tokens(stop)
     assert agent.eos_token_id == stop
-    gen = generate(agent, prompts, num_samples=2, max_new_tokens=6, greedy=True)
+    gen = generate(agent, prompts, num_samples=2, sampling=Sampling(max_new_tokens=6, greedy=True))
     assert gen.completion_ids[:2, 0].tolist() == [stop, stop]
     assert gen.completion_mask[:2].tolist() == [[1, 0, 0, 0, 0, 0]] * 2
     assert (gen.completion_ids[:2, 1:] == agent.pad_token_id).all()
@@ -168,10 +168,10 @@ def _sampled_with_logits(agent, prompts, max_new_tokens, seed):
             input_ids=ids,
             attention_mask=mask,
             max_new_tokens=max_new_tokens,
-            do_sample=True,
             temperature=1.0,
             top_p=1.0,
             top_k=None,
+            do_sample=True,
             output_logits=True,
             return_dict_in_generate=True,
             eos_token_id=agent.eos_token_id,
@@ -225,7 +225,7 @@ def test_shared_prefix_logprobs_and_gradients_equal_full_forward(prompts):
     torch.manual_seed(0)
     for p in agent.trainable_parameters():  # peft starts B at zero: make the adapters matter
         p.data.normal_(0, 0.05)
-    gen = generate(agent, prompts, num_samples=3, max_new_tokens=7)
+    gen = generate(agent, prompts, num_samples=3, sampling=Sampling(max_new_tokens=7))
     input_ids = torch.cat([gen.prompt_ids, gen.completion_ids], dim=1)
     attention_mask = torch.cat([gen.prompt_mask, gen.completion_mask], dim=1)
     groups = torch.arange(len(prompts)).repeat_interleave(3)
@@ -248,7 +248,7 @@ def test_shared_prefix_logprobs_and_gradients_equal_full_forward(prompts):
 
 
 def test_shared_prefix_rejects_groups_with_different_prompts(tiny_agent, prompts):
-    gen = generate(tiny_agent, prompts, num_samples=1, max_new_tokens=3)
+    gen = generate(tiny_agent, prompts, num_samples=1, sampling=Sampling(max_new_tokens=3))
     input_ids = torch.cat([gen.prompt_ids, gen.completion_ids], dim=1)
     attention_mask = torch.cat([gen.prompt_mask, gen.completion_mask], dim=1)
     with pytest.raises(ValueError, match="same prompt"):
@@ -267,7 +267,7 @@ def test_masked_logprobs_and_gradients_equal_the_full_forward_at_the_masked_toke
     torch.manual_seed(0)
     for p in agent.trainable_parameters():
         p.data.normal_(0, 0.05)
-    gen = generate(agent, prompts, num_samples=2, max_new_tokens=7)
+    gen = generate(agent, prompts, num_samples=2, sampling=Sampling(max_new_tokens=7))
     input_ids = torch.cat([gen.prompt_ids, gen.completion_ids], dim=1)
     attention_mask = torch.cat([gen.prompt_mask, gen.completion_mask], dim=1)
     mask = torch.zeros_like(input_ids, dtype=torch.bool)

@@ -10,6 +10,7 @@ from helpers import comparator_server
 from lit_marl import ConfigError
 from lit_marl.agents import Agent
 from lit_marl.envs.centralized import TaggedAdapter
+from lit_marl.generation import Sampling
 from lit_marl.generation.api import ApiError, ApiSettings, ApiWriter
 from lit_marl.generation.text import TextEngine, TextRole, _tokens
 from lit_marl.rollout.batch import AgentSamples
@@ -120,8 +121,8 @@ def _generate(server, agent, path, top_k=None, **settings):
     tasks = [{"topic": "tea"}, {"topic": "snow"}]
     role = TextRole(agent, 1, tasks)
     prompts = [role.encode_prompt(f"slogan for {t['topic']}") for t in tasks]
-    sampling = dict(temperature=0.7, top_p=0.9, top_k=top_k)
-    return engine, engine.generate_team([(role, prompts, 3)], max_new_tokens=16, **sampling)[0]
+    sampling = Sampling(max_new_tokens=16, temperature=0.7, top_p=0.9, top_k=top_k)
+    return engine, engine.generate_team([(role, prompts, 3)], sampling)[0]
 
 
 def test_generic_format(server, agent, monkeypatch):
@@ -201,8 +202,8 @@ class ScriptedWriter:
     def __init__(self, answer):
         self.answer, self.asks = answer, []
 
-    def complete(self, prompts, role, tasks, n, max_new_tokens, temperature, top_p, top_k):
-        self.asks.append((list(prompts), role, n, max_new_tokens))
+    def complete(self, prompts, role, tasks, n, sampling):
+        self.asks.append((list(prompts), role, n, sampling.max_new_tokens))
         return [[self.answer(p, role, k) for k in range(n)] for p in prompts]
 
 
@@ -210,7 +211,7 @@ def _team(agent, engine, n=3):
     tasks = [{"topic": "tea"}, {"topic": "snow"}]
     roles = [TextRole(agent, i, tasks) for i in range(2)]
     calls = [(r, [r.encode_prompt(f"role {r.role} slogan for {t['topic']}") for t in tasks], n) for r in roles]
-    gens = engine.generate_team(calls, max_new_tokens=16)
+    gens = engine.generate_team(calls, sampling=Sampling(max_new_tokens=16))
     return [agent.decode(g.completion_ids, g.completion_mask) for g in gens], gens
 
 

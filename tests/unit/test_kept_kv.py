@@ -13,7 +13,7 @@ import torch
 from lit_marl.envs import make_env
 from lit_marl.envs.base import register
 from lit_marl.envs.game import Game, StepResult
-from lit_marl.generation import TorchEngine
+from lit_marl.generation import Sampling, TorchEngine
 from lit_marl.generation.kept import BLOCK, Kept, KeptCache
 from lit_marl.rollout.episode import EpisodeSettings, run_episodes
 from lit_marl.rollout.tree import TreeSettings, build_tree
@@ -89,7 +89,7 @@ def assert_same_episodes(kept, reread):
 
 @pytest.mark.parametrize("greedy", [True, False])
 def test_episodes_with_the_kept_cache_are_the_reread_ones(tiny_agent, greedy):
-    settings = EpisodeSettings(max_turns=4, max_new_tokens=6, greedy=greedy)
+    settings = EpisodeSettings(max_turns=4, sampling=Sampling(max_new_tokens=6, greedy=greedy))
     kept, engine = episodes([tiny_agent], "countdown-kv", settings)
     reread, off = episodes([tiny_agent], "countdown-kv", settings, kept_kv_gib=0)
     assert_same_episodes(kept, reread)
@@ -102,7 +102,7 @@ def test_episodes_with_the_kept_cache_are_the_reread_ones(tiny_agent, greedy):
 
 
 def test_two_stacked_models_keep_a_cache_each(tiny_agents):
-    settings = EpisodeSettings(max_turns=4, max_new_tokens=5, greedy=True)
+    settings = EpisodeSettings(max_turns=4, sampling=Sampling(max_new_tokens=5, greedy=True))
     kept, engine = episodes(tiny_agents, "countdown-kv-team", settings)
     reread, _ = episodes(tiny_agents, "countdown-kv-team", settings, kept_kv_gib=0)
     assert_same_episodes(kept, reread)
@@ -110,7 +110,7 @@ def test_two_stacked_models_keep_a_cache_each(tiny_agents):
 
 
 def test_a_budget_too_small_for_every_history_evicts_and_rereads(tiny_agent):
-    settings = EpisodeSettings(max_turns=4, max_new_tokens=6, greedy=True)
+    settings = EpisodeSettings(max_turns=4, sampling=Sampling(max_new_tokens=6, greedy=True))
     full, engine = episodes([tiny_agent], "countdown-kv", settings)
     per_token = _token_bytes(tiny_agent)
     small, tight = episodes([tiny_agent], "countdown-kv", settings, kept_kv_gib=120 * per_token / 2**30)
@@ -148,7 +148,7 @@ def test_trees_share_their_parents_cache(tiny_agents, joint_mode, turns):
     from helpers import LENGTH_REWARD, PLAIN, slogan_data
 
     data = slogan_data(reward_fn=LENGTH_REWARD, num_generations=2, num_turns=turns, transition=PLAIN,
-                       joint_mode=joint_mode, max_new_tokens=6, sampling_streams="per_task")  # fmt: skip
+                       joint_mode=joint_mode, sampling={"max_new_tokens": 6}, sampling_streams="per_task")  # fmt: skip
     settings = replace(data.tree, sampling_seed=3)
     kept, engine = trees(tiny_agents, data.train_tasks[:2], data.env, settings)
     reread, off = trees(tiny_agents, data.train_tasks[:2], data.env, settings, kept_kv_gib=0)
@@ -161,7 +161,7 @@ def test_trees_share_their_parents_cache(tiny_agents, joint_mode, turns):
 def test_game_state_trees(tiny_agents, branching):
     env = make_env("countdown-kv-team")
     env.branching = branching
-    settings = TreeSettings(num_generations=2, num_turns=3, max_new_tokens=5, temperature=1.0)
+    settings = TreeSettings(num_generations=2, num_turns=3, sampling=Sampling(max_new_tokens=5, temperature=1.0))
     kept, engine = trees(tiny_agents, TASKS[1:3], env, settings)
     reread, _ = trees(tiny_agents, TASKS[1:3], env, settings, kept_kv_gib=0)
     assert_same_trees(kept, reread)
@@ -172,16 +172,18 @@ def test_nothing_is_reused_after_the_weights_change(tiny_agent):
     prompts = [list(range(3, 3 + 2 * BLOCK))]
     engine = TorchEngine()
     with engine.rollout([tiny_agent]):
-        first = engine.generate(tiny_agent, prompts, 1, 4, greedy=True)
+        first = engine.generate(tiny_agent, prompts, 1, sampling=Sampling(max_new_tokens=4, greedy=True))
         again = [prompts[0] + first.completion_ids[0].tolist() + [5, 6]]
-        engine.generate(tiny_agent, again, 1, 4, greedy=True)
+        engine.generate(tiny_agent, again, 1, sampling=Sampling(max_new_tokens=4, greedy=True))
         assert engine.prefill[0] >= 2 * BLOCK
         reused = engine.prefill[0]
         with torch.no_grad():
             next(tiny_agent.model.parameters()).add_(0.0)  # an in-place change, as an optimizer step
-        engine.generate(tiny_agent, [again[0] + [7]], 1, 4, greedy=True)
+        engine.generate(tiny_agent, [again[0] + [7]], 1, sampling=Sampling(max_new_tokens=4, greedy=True))
         assert engine.prefill[0] == reused
-    engine.generate(tiny_agent, prompts, 1, 4, greedy=True)  # outside a block: nothing kept
+    engine.generate(
+        tiny_agent, prompts, 1, sampling=Sampling(max_new_tokens=4, greedy=True)
+    )  # outside a block: nothing kept
     assert engine.kept is None
 
 
@@ -222,7 +224,7 @@ def test_kept_rollout_logprobs_agree_with_the_trainers_forward(tiny_agent, bf16)
     re-reading shows (precision, not the cache)."""
     from lit_marl.logprobs import sequence_logprobs
 
-    settings = EpisodeSettings(max_turns=4, max_new_tokens=6, greedy=True)
+    settings = EpisodeSettings(max_turns=4, sampling=Sampling(max_new_tokens=6, greedy=True))
     gaps = []
     for gib in (4.0, 0):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
@@ -250,7 +252,7 @@ def test_cache_slots_never_written_cannot_poison_a_row(tiny_agent, monkeypatch):
             else empty(*args, **kwargs)
         )
 
-    settings = EpisodeSettings(max_turns=3, max_new_tokens=6, greedy=True)
+    settings = EpisodeSettings(max_turns=3, sampling=Sampling(max_new_tokens=6, greedy=True))
     tasks = [{"turns": t} for t in (3, 40, 500, 6000)]  # prompts, so kept prefixes, of different lengths
     monkeypatch.setattr(torch, "empty", poisoned)
     kept, engine = episodes([tiny_agent], "countdown-kv", settings, tasks=tasks)

@@ -11,6 +11,7 @@ from helpers import make_trainer, slogan_data
 from lit_marl import ConfigError
 from lit_marl.activations import _saved_bytes, activation_profile, update_pass_bytes
 from lit_marl.algorithms import MAGRPO
+from lit_marl.generation import Sampling
 from lit_marl.memory import GiB, kv_cache_bytes, plan, weight_parts
 from lit_marl.models import load_model_and_tokenizer
 
@@ -160,7 +161,7 @@ def test_an_actor_critic_pass_counts_policy_and_critic_together():
 
     alone = PPO(model="tiny-random", forward_token_budget=512)
     alone.configure_model()
-    with_critic = PPO(model="tiny-random", critic="model", forward_token_budget=512)
+    with_critic = PPO(model="tiny-random", critic={"kind": "model"}, forward_token_budget=512)
     with_critic.configure_model()
     policy = update_pass_bytes(alone, None, [])
     profile = activation_profile(with_critic.critic_backbones[0], None)
@@ -183,7 +184,7 @@ def test_an_episode_pass_holds_its_longest_row_and_scores_the_agents_tokens():
 
     module = PPO(model="tiny-random", forward_token_budget=512, forward_batch_size=2)
     module.configure_model()
-    episode = EpisodeSettings(max_turns=3, max_new_tokens=8, max_context_tokens=1024)
+    episode = EpisodeSettings(max_turns=3, sampling=Sampling(max_new_tokens=8), max_context_tokens=1024)
     rollout = RolloutSettings("episodes", 1, 4, 1, make_engine("torch"), episode=episode)
     profile = activation_profile(module.model_of(0), None)
     notes = []
@@ -228,7 +229,7 @@ def test_a_critic_model_carries_no_lm_head_and_reads_the_same_states():
     from lit_marl.algorithms import PPO
     from lit_marl.logprobs import final_hidden_states
 
-    module = PPO(model="tiny-random", critic="model")
+    module = PPO(model="tiny-random", critic={"kind": "model"})
     module.configure_model()
     backbone = module.critic_backbones[0]
     assert not any("lm_head" in name for name, _ in module.critic_backbones.named_parameters())

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lit_marl import models
+from lit_marl.generation import Sampling
 from lit_marl.models import check_source, load_model_and_tokenizer
 
 
@@ -181,7 +182,7 @@ def test_smollm2_answers_sensibly(monkeypatch):
 
     agent = Agent("smollm2-135m-instruct")
     prompt = agent.encode_prompt("What is the capital of France? Answer in one word.")
-    gen = generate(agent, [prompt], num_samples=1, max_new_tokens=24, greedy=True)
+    gen = generate(agent, [prompt], num_samples=1, sampling=Sampling(max_new_tokens=24, greedy=True))
     (reply,) = agent.decode(gen.completion_ids, gen.completion_mask)
     assert "Paris" in reply
     assert agent.eos_token_id in gen.completion_ids[0].tolist()  # stopped by itself, not by the budget

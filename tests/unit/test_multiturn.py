@@ -9,10 +9,17 @@ from helpers import COMLRL_DOCS, comlrl_docs_transition, make_trainer, slogan_da
 from lit_marl import ConfigError
 from lit_marl.algorithms import MAGRPO
 from lit_marl.envs.calls import RewardError
+from lit_marl.generation import Sampling
 from lit_marl.returns import tree_returns
 from lit_marl.rollout.transitions import plain
 
 TASKS = [{"topic": "tea"}, {"topic": "winter"}]
+TWO, THREE = Sampling(max_new_tokens=2), Sampling(max_new_tokens=3)  # tokens a reply
+
+
+def _len_tree(agents, **settings):
+    """A tree of the two tasks, 2 samples a node, replies of at most 2 tokens scored by their length."""
+    return tree_from_functions(agents, TASKS, _prompts(2), _len_reward, 2, sampling=TWO, **settings)
 
 
 def _prompts(num_agents: int) -> list[list[str]]:
@@ -69,7 +76,7 @@ def test_node_and_leaf_counts(tiny_agents, joint_mode, G, T):
         _len_reward,
         G,
         joint_mode,
-        max_new_tokens=2,
+        sampling=TWO,
         num_turns=T,
         transition=plain,
         engine=engine,
@@ -91,7 +98,7 @@ def test_early_termination_stops_branching(tiny_agents):
     def always_one(agent_completions, tasks):
         return [1.0] * len(tasks)
 
-    kwargs = dict(max_new_tokens=2, num_turns=3, transition=plain)
+    kwargs = dict(sampling={"max_new_tokens": 2}, num_turns=3, transition=plain)
     stopped = tree_from_functions(
         tiny_agents, TASKS, _prompts(2), always_one, 2, early_termination_threshold=0.5, **kwargs
     )
@@ -118,7 +125,15 @@ def test_transition_sees_its_own_branch(tiny_agents):
         return [f"{prompt_history_per_agent[i][0]} / revise: {agent_completions[i]}" for i in range(num_agents)]
 
     batch = tree_from_functions(
-        tiny_agents, TASKS, _prompts(2), _len_reward, 2, "cross", max_new_tokens=3, num_turns=2, transition=recording
+        tiny_agents,
+        TASKS,
+        _prompts(2),
+        _len_reward,
+        2,
+        "cross",
+        sampling=THREE,
+        num_turns=2,
+        transition=recording,
     )
     assert len(seen) == len(TASKS) * 4  # one per joint action of every non-terminal node
     assert all(completions == last for completions, last in seen)
@@ -147,7 +162,7 @@ def test_a_comlrl_transition_gets_the_task_prompt(tiny_agents, field):
         _prompts(2),
         _len_reward,
         2,
-        max_new_tokens=3,
+        sampling=THREE,
         num_turns=2,
         transition=Recording(),
         **settings,
@@ -167,7 +182,14 @@ def test_a_task_without_the_prompt_field_passes_the_empty_string(tiny_agents):
         return comlrl_docs_transition(**kwargs)
 
     tree_from_functions(
-        tiny_agents, TASKS, _prompts(2), _len_reward, 2, max_new_tokens=3, num_turns=2, transition=recording
+        tiny_agents,
+        TASKS,
+        _prompts(2),
+        _len_reward,
+        2,
+        sampling=THREE,
+        num_turns=2,
+        transition=recording,
     )
     assert set(seen) == {""}  # as CoMLRL's batch_item.get("prompt", "")
 
@@ -183,14 +205,12 @@ def test_bad_transition_output_names_turn_and_task(tiny_agents, bad):
         return bad
 
     with pytest.raises(ValueError, match=r"must return 2 strings.*after turn 0 of task \{'topic': 'tea'\}"):
-        tree_from_functions(
-            tiny_agents, TASKS, _prompts(2), _len_reward, 2, max_new_tokens=2, num_turns=2, transition=broken
-        )
+        _len_tree(tiny_agents, num_turns=2, transition=broken)
 
 
 def test_multi_turn_without_transition_is_rejected(tiny_agents):
     with pytest.raises(ValueError, match="needs a transition"):
-        tree_from_functions(tiny_agents, TASKS, _prompts(2), _len_reward, 2, max_new_tokens=2, num_turns=2)
+        tree_from_functions(tiny_agents, TASKS, _prompts(2), _len_reward, 2, sampling=TWO, num_turns=2)
 
 
 def test_raw_prompts_skip_the_chat_template(tiny_agents, monkeypatch):
@@ -202,7 +222,7 @@ def test_raw_prompts_skip_the_chat_template(tiny_agents, monkeypatch):
         return original(self, text, raw=raw)
 
     monkeypatch.setattr(type(tiny_agents[0]), "encode_prompt", spy)
-    kwargs = dict(max_new_tokens=2, num_turns=2, transition=plain)
+    kwargs = dict(sampling={"max_new_tokens": 2}, num_turns=2, transition=plain)
     tree_from_functions(tiny_agents, TASKS, _prompts(2), _len_reward, 2, chat_template=False, **kwargs)
     assert all(raw_flags) and len(raw_flags) > 2 * len(TASKS)  # every turn's prompts
     agent = tiny_agents[0]
@@ -236,7 +256,7 @@ def test_two_turn_fit_updates_every_agent(tmp_path, joint_mode):
         transition="lit_marl.rollout.transitions:plain",
         joint_mode=joint_mode,
         num_generations=2,
-        max_new_tokens=16,
+        sampling={"max_new_tokens": 16},
     )
     trainer = make_trainer(tmp_path, limit_train_batches=1, limit_val_batches=0)
     trainer.fit(module, datamodule=data)
@@ -257,7 +277,7 @@ def _raises_on_winter(agent_completions, tasks):
 
 def test_reward_that_raises_names_task_and_turn(tiny_agents):
     with pytest.raises(RewardError, match=r"raised RuntimeError: scorer crashed at turn 0 on tasks .*winter"):
-        tree_from_functions(tiny_agents, TASKS, _prompts(2), _raises_on_winter, 2, max_new_tokens=2)
+        tree_from_functions(tiny_agents, TASKS, _prompts(2), _raises_on_winter, 2, sampling=TWO)
 
 
 def test_nan_reward_names_task_and_turn(tiny_agents):
@@ -271,14 +291,18 @@ def test_nan_reward_names_task_and_turn(tiny_agents):
         RewardError,
         match=r"nan_later returned a non-finite reward \(NaN/inf\) .*at turn 1, e.g. for tasks \[\{'topic': 'tea'\}",
     ):
-        tree_from_functions(
-            tiny_agents, TASKS, _prompts(2), nan_later, 2, max_new_tokens=2, num_turns=2, transition=plain
-        )
+        tree_from_functions(tiny_agents, TASKS, _prompts(2), nan_later, 2, sampling=TWO, num_turns=2, transition=plain)
 
 
 def test_skip_mode_isolates_bad_rewards_and_keeps_training_data(tiny_agents):
     batch = tree_from_functions(
-        tiny_agents, TASKS, _prompts(2), _raises_on_winter, 2, max_new_tokens=2, on_reward_error="skip"
+        tiny_agents,
+        TASKS,
+        _prompts(2),
+        _raises_on_winter,
+        2,
+        sampling=TWO,
+        on_reward_error="skip",
     )
     # tea's joint actions were scored one by one (1.0 each), winter's all failed: neutral 0
     assert batch.rewards.tolist() == [1.0, 1.0, 0.0, 0.0]
@@ -290,7 +314,7 @@ def test_skip_mode_fills_a_nan_with_its_node_mean(tiny_agents):
     def one_nan(agent_completions, tasks):
         return [float("nan") if j == 1 else float(j) for j in range(len(tasks))]
 
-    batch = tree_from_functions(tiny_agents, TASKS, _prompts(2), one_nan, 3, max_new_tokens=2, on_reward_error="skip")
+    batch = tree_from_functions(tiny_agents, TASKS, _prompts(2), one_nan, 3, sampling=TWO, on_reward_error="skip")
     # node 0 (tea) scored [0, NaN, 2] -> the NaN becomes mean(0, 2) = 1: advantage 0, baseline unchanged
     assert batch.rewards.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
     assert batch.metrics["skipped_reward_frac"] == pytest.approx(1 / 6)
@@ -307,7 +331,7 @@ def _per_agent_reward(agent_completions, tasks):
 
 
 def test_per_agent_rewards_aligned(tiny_agents):
-    batch = tree_from_functions(tiny_agents, TASKS, _prompts(2), _per_agent_reward, 2, max_new_tokens=2)
+    batch = tree_from_functions(tiny_agents, TASKS, _prompts(2), _per_agent_reward, 2, sampling=TWO)
     assert batch.agents[0].returns.tolist() == [0.0, 1.0, 2.0, 3.0]
     assert batch.agents[1].returns.tolist() == [10.0, 12.0, 14.0, 16.0]
     assert batch.rewards.tolist() == [5.0, 6.5, 8.0, 9.5]  # the team mean, for logging
@@ -315,7 +339,7 @@ def test_per_agent_rewards_aligned(tiny_agents):
 
 def test_per_agent_rewards_cross(tiny_agents):
     G = 2
-    batch = tree_from_functions(tiny_agents, TASKS, _prompts(2), _per_agent_reward, G, "cross", max_new_tokens=2)
+    batch = tree_from_functions(tiny_agents, TASKS, _prompts(2), _per_agent_reward, G, "cross", sampling=TWO)
     # task 0's joint actions j = 0..3 pair (k0, k1) = (0,0), (0,1), (1,0), (1,1)
     # agent 0, response k0=0: mean of its rewards at j=0,1 -> 0.5; k0=1: j=2,3 -> 2.5
     # agent 1, response k1=0: mean of its rewards at j=0,2 -> (10 + 14) / 2 = 12; k1=1: j=1,3 -> 14
@@ -335,7 +359,12 @@ def test_per_agent_tree_returns():
 def test_per_agent_rewards_of_the_wrong_width(tiny_agents):
     with pytest.raises(ValueError, match=r"give one float \(joint reward\) or 2 floats"):
         tree_from_functions(
-            tiny_agents, TASKS, _prompts(2), lambda agent_completions, tasks: [[1.0]] * len(tasks), 2, max_new_tokens=2
+            tiny_agents,
+            TASKS,
+            _prompts(2),
+            lambda agent_completions, tasks: [[1.0]] * len(tasks),
+            2,
+            sampling=TWO,
         )
 
 
@@ -355,7 +384,7 @@ def test_batched_transition_is_called_once_per_turn(tiny_agents):
             for p, c, ph, rh in zip(prompt, agent_completions, prompt_history_per_agent, response_history_per_agent)
         ]
 
-    kwargs = dict(max_new_tokens=3, greedy=True, num_turns=3)
+    kwargs = dict(sampling=Sampling(max_new_tokens=3, greedy=True), num_turns=3)
     batched = tree_from_functions(
         tiny_agents, TASKS, _prompts(2), _len_reward, 2, transition=batched_plain, batched_transition=True, **kwargs
     )
@@ -369,17 +398,7 @@ def test_batched_transition_must_answer_every_branch(tiny_agents):
         return [["a", "b"]]
 
     with pytest.raises(ValueError, match="returned 1 results for 4 branches"):
-        tree_from_functions(
-            tiny_agents,
-            TASKS,
-            _prompts(2),
-            _len_reward,
-            2,
-            max_new_tokens=2,
-            num_turns=2,
-            transition=short,
-            batched_transition=True,
-        )
+        _len_tree(tiny_agents, num_turns=2, transition=short, batched_transition=True)
 
 
 def test_a_transitions_metrics_are_logged_per_turn(tiny_agents):
@@ -397,6 +416,6 @@ def test_a_transitions_metrics_are_logged_per_turn(tiny_agents):
             return {"transition_calls": float(self.calls)}
 
     env = Counting(["{topic} A", "{topic} B"], _len_reward, plain)
-    batch = build_tree(tiny_agents, TASKS, env, TreeSettings(num_generations=2, num_turns=3, max_new_tokens=2))
+    batch = build_tree(tiny_agents, TASKS, env, TreeSettings(num_generations=2, num_turns=3, sampling=TWO))
     assert batch.metrics["turn_0/transition_calls"] == 1.0 and batch.metrics["turn_1/transition_calls"] == 2.0
     assert "turn_2/transition_calls" not in batch.metrics  # the last turn opens no children

@@ -202,7 +202,7 @@ def test_plot_a_real_tiny_fit(tmp_path):
     L.seed_everything(0)
     module = MAGRPO(model="tiny-random", num_agents=2, learning_rate=1e-3)
     trainer = make_trainer(tmp_path, limit_train_batches=3, limit_val_batches=1)
-    trainer.fit(module, datamodule=slogan_data(max_new_tokens=4, eval_tasks_per_step=2))
+    trainer.fit(module, datamodule=slogan_data(sampling={"max_new_tokens": 4}, eval_tasks_per_step=2))
     logs = tmp_path / "lightning_logs"
     result = plot([str(logs)])
     assert result.out == logs / "curves.png"

@@ -11,6 +11,7 @@ import torch
 from helpers import SLOGAN_PROMPTS, slogan_data, tree_from_functions
 from lit_marl import ConfigError
 from lit_marl.envs.processors import RewardProcessor
+from lit_marl.generation import Sampling
 
 T = torch.tensor
 
@@ -90,7 +91,13 @@ def test_tree_returns_use_the_processed_reward_and_logs_the_task_reward(tiny_age
     processor = RewardProcessor.parse([{"kind": "scale", "factor": 10}, {"kind": "shift", "offset": 1}])
     torch.manual_seed(0)
     batch = tree_from_functions(
-        tiny_agents, tasks, prompts, reward, num_generations=4, max_new_tokens=4, reward_processor=processor
+        tiny_agents,
+        tasks,
+        prompts,
+        reward,
+        num_generations=4,
+        sampling=Sampling(max_new_tokens=4),
+        reward_processor=processor,
     )
     task_rewards = torch.tensor([0.0, 0.25, 0.5, 0.75] * 2)
     assert torch.allclose(batch.rewards, task_rewards)  # logged: the task reward

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lit_marl.algorithms import GRPO, MAGRPO
-from lit_marl.generation import TorchEngine
+from lit_marl.generation import Sampling, TorchEngine
 from lit_marl.logprobs import completion_logprobs, masked_logprobs
 from lit_marl.losses import clipped_surrogate, truncated_is_weights
 from lit_marl.metrics import StepLog, record_rollout_mismatch
@@ -38,7 +38,7 @@ def test_the_mismatch_is_logged_over_sampled_tokens_only():
 def _tree_samples(agent, shift: torch.Tensor) -> AgentSamples:
     torch.manual_seed(0)
     prompts = [agent.tokenizer("a b c")["input_ids"], agent.tokenizer("d e")["input_ids"]]
-    gen = TorchEngine().generate(agent, prompts, 2, 6)
+    gen = TorchEngine().generate(agent, prompts, 2, Sampling(max_new_tokens=6))
     width = gen.completion_ids.shape[1]
     return AgentSamples(
         input_ids=torch.cat([gen.prompt_ids, gen.completion_ids], 1),
@@ -54,7 +54,7 @@ def _tree_samples(agent, shift: torch.Tensor) -> AgentSamples:
 
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
 def test_magrpo_weighs_each_tokens_term_by_the_capped_ratio(reduction):
-    module = MAGRPO(model="tiny-random", num_agents=1, rollout_is_cap=2.0, logprob_reduction=reduction)
+    module = MAGRPO(model="tiny-random", num_agents=1, update={"rollout_is_cap": 2.0, "logprob_reduction": reduction})
     module.configure_model()
     model = module.agents[0].model
     shift = torch.tensor([0.0, 1.5, -0.7, 0.3, 2.0, -1.0])  # log pi - log pi_rollout per column
@@ -73,7 +73,7 @@ def test_magrpo_weighs_each_tokens_term_by_the_capped_ratio(reduction):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-4)
     # the engine's own distribution (ratio 1 everywhere): the plain REINFORCE gradient
     same = AgentSamples(**{**vars(samples), "rollout_logprobs": logp.detach() * mask})
-    plain = MAGRPO(model="tiny-random", num_agents=1, logprob_reduction=reduction)
+    plain = MAGRPO(model="tiny-random", num_agents=1, update={"logprob_reduction": reduction})
     plain.configure_model()
     plain.load_state_dict(module.state_dict())
     a = torch.autograd.grad(module.loss(same, None, 0), params)
@@ -83,7 +83,7 @@ def test_magrpo_weighs_each_tokens_term_by_the_capped_ratio(reduction):
 
 
 def test_episode_policy_terms_are_reweighted_and_nothing_else():
-    module = GRPO(model="tiny-random", rollout_is_cap=1.5, kl_coef=0.1, clip_range=0.2)
+    module = GRPO(model="tiny-random", update={"rollout_is_cap": 1.5, "clip_range": 0.2}, kl_coef=0.1)
     module.configure_model()
     model = module.agents[0].model
     torch.manual_seed(1)
@@ -128,7 +128,7 @@ def test_actor_critic_policy_terms_are_reweighted_and_the_value_term_is_not():
     from lit_marl.algorithms import IAC
     from lit_marl.losses import masked_sum
 
-    module = IAC(model="tiny-random", num_agents=1, rollout_is_cap=1.5, policy_loss="ppo")
+    module = IAC(model="tiny-random", num_agents=1, update={"rollout_is_cap": 1.5}, policy_loss="ppo")
     module.configure_model()
     samples = _tree_samples(module.agents[0], torch.zeros(6))
     logprobs, _, values = module.actor_forward(0, samples, entropy=False)
@@ -147,7 +147,7 @@ def test_actor_critic_policy_terms_are_reweighted_and_the_value_term_is_not():
     mask = samples.completion_mask.float()
     weights = truncated_is_weights(old, rollout, 1.5)
     assert (weights[mask.bool()] == 1.5).any() and (weights[mask.bool()] < 1).any()
-    surrogate = clipped_surrogate(logprobs, old, samples.advantages.unsqueeze(1), module.clip_range)
-    expected = masked_sum(surrogate * weights, mask, module.logprob_reduction).sum()
+    surrogate = clipped_surrogate(logprobs, old, samples.advantages.unsqueeze(1), module.update.clip_range)
+    expected = masked_sum(surrogate * weights, mask, module.update.logprob_reduction).sum()
     expected = expected + module.value_term(values, samples.old_values, samples.targets)
     torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-5)

@@ -171,7 +171,7 @@ def test_task_rows_are_written_per_split_and_games_are_cached(games):
 
 
 def test_a_named_game_set_and_its_walkthrough_demonstrations(monkeypatch, tmp_path):
-    """``textworld:<complexity>:<split>:<count>`` generates the games once; as ``data.demo_path`` it
+    """``textworld:<complexity>:<split>:<count>`` generates the games once; as ``data.demos.path`` it
     gives the walkthroughs played in the data module's own environment (its observations), cached."""
     from lit_marl.data import EpisodeDataModule
     from lit_marl.envs.sources import resolve_demo_source, resolve_source
@@ -197,25 +197,25 @@ def test_a_named_game_set_and_its_walkthrough_demonstrations(monkeypatch, tmp_pa
     assert other != path and "Valid commands:" not in Path(other).read_text()  # other settings, other observations
     assert len(load_demos(resolve_demo_source("textworld:w2-o3-q4:validation:1", env, "textworld", {}, {}), 1)) == 1
     assert len(load_demos(path, 1)) == 2  # a set of another count never overwrites this one's rows
-    with pytest.raises(ConfigError, match=r"data.demo_path='textworld:w2-o3-q4:validation:2' names textworld "
+    with pytest.raises(ConfigError, match=r"data.demos.path='textworld:w2-o3-q4:validation:2' names textworld "
                        r"walkthroughs, but data.env='corridor' does not play them"):  # fmt: skip
         resolve_demo_source("textworld:w2-o3-q4:validation:2", make_env("corridor", {}), "corridor", {}, {})
     with pytest.raises(ConfigError, match=r"a count of at least 1"):
         resolve_source("textworld:w2-o3-q4:train:0")
-    clash = r"data.demo_path='textworld:w2-o3-q4:validation:2' draws from the games of data.val_path"
+    clash = r"data.demos.path='textworld:w2-o3-q4:validation:2' draws from the games of data.val_path"
     with pytest.raises(ConfigError, match=clash):
         EpisodeDataModule(
             train_path="textworld:w2-o3-q4:train:1",
             val_path="textworld:w2-o3-q4:validation:2",
             env="textworld",
-            demo_path="textworld:w2-o3-q4:validation:2",
+            demos={"path": "textworld:w2-o3-q4:validation:2"},
         )
     unnamed = r"data.train_path='textworld:w2-o3-q4:train': name a game set as textworld:<complexity>:<split>:<count>"
     with pytest.raises(ConfigError, match=unnamed):
         resolve_source("textworld:w2-o3-q4:train")
-    with pytest.raises(ConfigError, match=r"data.demo_path='textworld:w2-o3-q4:validation:200': count=200: split "
+    with pytest.raises(ConfigError, match=r"data.demos.path='textworld:w2-o3-q4:validation:200': count=200: split "
                        r"'validation' has only 100 seeds"):  # fmt: skip
-        resolve_source("textworld:w2-o3-q4:validation:200", "data.demo_path")
+        resolve_source("textworld:w2-o3-q4:validation:200", "data.demos.path")
     with pytest.raises(ConfigError, match=r"data.train_path='textworld:w2-o3-q4:dev:2': split='dev': choose one of"):
         resolve_source("textworld:w2-o3-q4:dev:2")
     with pytest.raises(ConfigError, match=r"data.train_path=.w2-x3.: not a complexity"):

@@ -10,6 +10,7 @@ import torch
 
 from helpers import tree_from_functions
 from lit_marl.envs.calls import call_reward
+from lit_marl.generation import Sampling
 from lit_marl.rollout.tree import joint_indices
 
 TASKS = [{"topic": "tea"}, {"topic": "a rocket launch"}, {"topic": "winter"}]
@@ -73,7 +74,13 @@ def test_build_tree_two_agents(tiny_agents, joint_mode):
     G, N, T = 2, 2, len(TASKS)
     reward = CountingReward()
     batch = tree_from_functions(
-        tiny_agents, TASKS, _prompts(N), reward, num_generations=G, joint_mode=joint_mode, max_new_tokens=4
+        tiny_agents,
+        TASKS,
+        _prompts(N),
+        reward,
+        num_generations=G,
+        joint_mode=joint_mode,
+        sampling=Sampling(max_new_tokens=4),
     )
 
     assert reward.calls == 1, "one batched reward call per turn"
@@ -124,7 +131,7 @@ def test_build_tree_cross_three_agents(tiny_agents, tiny_agent):
     G, N, T = 2, 3, len(TASKS)
     reward = CountingReward()
     batch = tree_from_functions(
-        agents, TASKS, _prompts(N), reward, num_generations=G, joint_mode="cross", max_new_tokens=3
+        agents, TASKS, _prompts(N), reward, num_generations=G, joint_mode="cross", sampling=Sampling(max_new_tokens=3)
     )
     assert reward.calls == 1
     assert batch.rewards.shape == (T * G**N,)
@@ -142,7 +149,9 @@ def test_build_tree_passes_reward_metrics(tiny_agents):
         n = len(tasks)
         return {"reward": [float(j) for j in range(n)], "level": [1.0] * (n - 1) + [0.0]}
 
-    batch = tree_from_functions(tiny_agents, TASKS, _prompts(2), reward, num_generations=2, max_new_tokens=2)
+    batch = tree_from_functions(
+        tiny_agents, TASKS, _prompts(2), reward, num_generations=2, sampling=Sampling(max_new_tokens=2)
+    )
     assert batch.rewards.tolist() == [float(j) for j in range(6)]
     assert batch.metrics == {
         "level": pytest.approx(5 / 6),

@@ -81,7 +81,7 @@ def test_bf16_weights_fit_moves_the_trained_weights(tmp_path, lora):
     before = [snapshot(agent.model) for agent in module.agents]
     frozen = {n: p.detach().clone() for n, p in module.named_parameters() if not p.requires_grad}
     trainer = make_trainer(tmp_path, precision="bf16-mixed", limit_val_batches=0)
-    trainer.fit(module, datamodule=slogan_data(max_new_tokens=12))
+    trainer.fit(module, datamodule=slogan_data(sampling={"max_new_tokens": 12}))
     assert all(math.isfinite(float(v)) for k, v in trainer.callback_metrics.items() if "loss" in k)
     for agent, old in zip(module.agents, before):
         params = dict(agent.model.named_parameters())

@@ -72,7 +72,7 @@ def test_two_ranks_each_run_their_own_vllm(tmp_path, strategy):
 
 
 def test_ppo_on_episodes_fits_with_vllm_rollouts_and_truncated_is(tmp_path):
-    scalars = _fit(tmp_path, "configs/ppo/corridor_tiny.yaml", "--model.init_args.rollout_is_cap", "2.0")
+    scalars = _fit(tmp_path, "configs/ppo/corridor_tiny.yaml", "--model.init_args.update.rollout_is_cap", "2.0")
     diffs = scalars["train/rollout_logp_diff"]
     assert len(diffs) == 2 and max(diffs) < 1e-3
     assert "train/rollout_is_capped_frac" in scalars

@@ -19,7 +19,7 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
 from lit_marl.agents import Agent  # noqa: E402
-from lit_marl.generation import make_engine  # noqa: E402
+from lit_marl.generation import Sampling, make_engine  # noqa: E402
 from lit_marl.logprobs import completion_logprobs  # noqa: E402
 
 TEXTS = [
@@ -73,8 +73,8 @@ def trainer_logprobs(agent: Agent, gen) -> torch.Tensor:
 def agreement(engine, agent, prompts, new=16) -> tuple[int, float]:
     """Rows whose greedy output equals the lean decoder's, and the largest |log p| difference
     between vLLM's log-probs and the trainer's forward on vLLM's tokens."""
-    ours = engine.generate(agent, prompts, 1, new, greedy=True)
-    lean = make_engine("torch").generate(agent, prompts, 1, new, greedy=True)
+    ours = engine.generate(agent, prompts, 1, sampling=Sampling(max_new_tokens=new, greedy=True))
+    lean = make_engine("torch").generate(agent, prompts, 1, sampling=Sampling(max_new_tokens=new, greedy=True))
     equal = sum(
         torch.equal(a[m.bool()], b[n.bool()])
         for a, m, b, n in zip(ours.completion_ids, ours.completion_mask, lean.completion_ids, lean.completion_mask)
@@ -98,7 +98,9 @@ def test_greedy_outputs_and_log_probs_equal_the_lean_decoders(smollm2):
     equal, diff = agreement(engine, smollm2, encode(smollm2, TEXTS))
     assert equal == len(TEXTS)
     assert diff < 2e-3
-    sampled = engine.generate(smollm2, encode(smollm2, TEXTS[:2]), 3, 12, temperature=0.8, top_p=0.9)
+    sampled = engine.generate(
+        smollm2, encode(smollm2, TEXTS[:2]), 3, sampling=Sampling(max_new_tokens=12, temperature=0.8, top_p=0.9)
+    )
     assert sampled.completion_ids.shape[0] == 6 and sampled.logprobs is not None
     assert float((sampled.logprobs - trainer_logprobs(smollm2, sampled)).abs().max()) < 2e-3
 
@@ -108,9 +110,13 @@ def test_after_updates_vllm_serves_the_new_weights_also_for_cached_prefixes():
     engine = make_engine("vllm", OPTIONS)
     first = encode(agent, [PREFIX + t for t in TEXTS])
     assert agreement(engine, agent, first)[0] == len(TEXTS)  # the prefix is now in vLLM's cache
-    before = make_engine("torch").generate(agent, first, 1, 16, greedy=True).completion_ids
+    before = (
+        make_engine("torch").generate(agent, first, 1, sampling=Sampling(max_new_tokens=16, greedy=True)).completion_ids
+    )
     update(agent)
-    after = make_engine("torch").generate(agent, first, 1, 16, greedy=True).completion_ids
+    after = (
+        make_engine("torch").generate(agent, first, 1, sampling=Sampling(max_new_tokens=16, greedy=True)).completion_ids
+    )
     assert not torch.equal(before, after), "the update changed no greedy output: the check is void"
     again = encode(agent, [PREFIX + t + " Be brief." for t in TEXTS])
     for prompts in (first, again):
@@ -148,7 +154,7 @@ def test_repeated_syncs_do_not_grow_memory(smollm2):
     for _ in range(6):
         with torch.no_grad():
             smollm2.model.model.norm.weight.add_(1e-3)  # a new version: the next generate syncs
-        engine.generate(smollm2, prompts, 1, 8, greedy=True)
+        engine.generate(smollm2, prompts, 1, sampling=Sampling(max_new_tokens=8, greedy=True))
         sizes.append(_rss_mib())
     assert engine.syncs == 6
     # the first syncs settle vLLM's and the allocator's pools; after that no growth per sync
@@ -177,7 +183,9 @@ def test_lora_agents_on_one_base_share_one_instance_each_with_its_adapter():
     for agent in agents:
         equal, diff = agreement(engine, agent, prompts, new=10)
         assert equal == len(prompts) and diff < 2e-3
-        outputs.append(engine.generate(agent, prompts, 1, 10, greedy=True).completion_ids)
+        outputs.append(
+            engine.generate(agent, prompts, 1, sampling=Sampling(max_new_tokens=10, greedy=True)).completion_ids
+        )
     assert len(engine.backends) == 1 and engine.syncs == 1 and engine.adapter_syncs == 2
     assert not torch.equal(*outputs)
 
@@ -188,7 +196,7 @@ def test_without_emptying_the_prefix_cache_rows_would_come_from_old_weights():
     agent = Agent("smollm2-135m-instruct")
     engine = make_engine("vllm", OPTIONS)
     first = encode(agent, [PREFIX + t for t in TEXTS])
-    engine.generate(agent, first, 1, 16, greedy=True)
+    engine.generate(agent, first, 1, sampling=Sampling(max_new_tokens=16, greedy=True))
     backend = engine.backends[id(agent.model)]
     backend.llm.reset_prefix_cache = lambda *a, **k: True  # what the engine did before
     update(agent, steps=3, lr=1e-3)

@@ -30,7 +30,7 @@ import torch
 from lit_marl import ConfigError
 from lit_marl.agents import Agent
 from lit_marl.fields import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, check_dataclass
-from lit_marl.generation import generate
+from lit_marl.generation import Sampling, generate
 from lit_marl.tasks import template_fields
 
 EXPERT_PROMPT = (
@@ -205,15 +205,9 @@ class Expert:
             self._agent.model.requires_grad_(False)
         agent = self._agent
         greedy = not sample or self.retry_temperature == 0
+        sampling = Sampling(self.max_new_tokens, self.retry_temperature or 1.0, greedy=greedy)
         with torch.no_grad():
-            out = generate(
-                agent,
-                [agent.encode_prompt(m) for m in messages],
-                1,
-                self.max_new_tokens,
-                temperature=self.retry_temperature,
-                greedy=greedy,
-            )
+            out = generate(agent, [agent.encode_prompt(m) for m in messages], 1, sampling)
         return [text.strip() for text in agent.decode(out.completion_ids, out.completion_mask)]
 
     def _ask_endpoint(self, message: str, sample: bool = False) -> str:

@@ -1,0 +1,138 @@
+"""The settings groups of the RL families, each declared once and passed whole from YAML to the
+family that reads it: ``model.update`` (how rollouts become optimizer steps), ``model.buffer`` (when
+a buffered family updates, and in which order), ``model.critic`` (an actor-critic family's value
+function). A family reads only some fields of a group (``Family.update_fields``); a field it does
+not read, set away from its default, stops the run naming the family (``check_unread``), so no
+setting is ever silently ignored."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Literal
+
+from lit_marl import ConfigError
+from lit_marl.fields import (
+    AboveOne,
+    NonNegativeFloat,
+    NonNegativeInt,
+    OpenUnitInterval,
+    PositiveFloat,
+    PositiveInt,
+    check_dataclass,
+)
+from lit_marl.losses import Reduction
+from lit_marl.rollout.buffer import UpdateSchedule
+
+
+@dataclass(frozen=True)
+class UpdateSettings:
+    """How a batch of rollouts becomes optimizer steps (``model.update``): MAGRPO, IAC/MAAC and the
+    episode algorithms (PPO, GRPO, RLOO) read the fields their loss has."""
+
+    ppo_epochs: PositiveInt = 1
+    """Passes over each update's samples, the behaviour log-probs staying the rollout's (veRL's
+    ``ppo_epochs``; IAC/MAAC: with ``model.policy_loss: ppo`` only, the ratio-free loss being on-policy)."""
+    train_batch_size: PositiveInt | None = None
+    """Groups per mini-batch, one optimizer step each - a group is the samples that share a baseline: a tree
+    node's G responses (MAGRPO), one turn of one episode (IAC/MAAC), a task's G episodes (PPO, GRPO, RLOO);
+    None: the whole update in one step per pass."""
+    clip_range: OpenUnitInterval = 0.2
+    """PPO's ratio clipping epsilon (the episode algorithms; IAC/MAAC with ``policy_loss: ppo``)."""
+    dual_clip: AboveOne | None = None
+    """Dual-clip PPO's c (veRL's ``clip_ratio_c``, the guide's 3): a token with a negative advantage loses at
+    most c times it, however far its ratio grew; None: off (Schulman, TRL). The episode algorithms."""
+    target_kl: PositiveFloat | None = None
+    """Stop an update's remaining epochs once an epoch's mean approximate KL to the behaviour policy (on each
+    mini-batch's forward, before its step, as cleanrl) exceeds this; None: never. IAC/MAAC with ``ppo``."""
+    entropy_coef: NonNegativeFloat = 0.0
+    """Weight of the entropy bonus on the response tokens (0: none). IAC/MAAC."""
+    logprob_reduction: Reduction = "sum"
+    """A response's loss is the ``sum`` of its tokens' terms (the sequence log-likelihood: CoMLRL's) or their
+    ``mean`` (length-normalized). MAGRPO, IAC/MAAC; the episode algorithms sum over the agent's tokens."""
+    rollout_is_cap: PositiveFloat | None = None
+    """Truncated importance sampling against the rollout engine's log-probs (veRL's TIS, TRL's
+    ``vllm_importance_sampling_cap``): each token's term weighted by min(pi / pi_rollout, cap); None: off
+    (the mismatch is logged either way: docs/generation.md)."""
+    skip_signalless_steps: bool = False
+    """GRPO/RLOO: an optimizer step whose rows all have zero advantage on every rank (every group tied) is
+    not taken, weights and AdamW state untouched (taken, AdamW's momentum repeats the last informative step's
+    direction); ``train/skipped_steps`` counts them. Not with a critic or a KL term."""
+
+    def __post_init__(self):
+        check_dataclass("model.update", self)
+
+
+@dataclass(frozen=True)
+class BufferSettings:
+    """When a buffered family (MAGRPO, IAC/MAAC) updates and in which order (``model.buffer``)."""
+
+    size: PositiveInt | None = None
+    """An update fires when each agent's buffer holds this many groups (MAGRPO: tree nodes; IAC/MAAC: one
+    per turn of an episode); None: after every training step. What is left at an epoch's end is used then."""
+    schedule: UpdateSchedule = "joint"
+    """``joint``: mini-batches of every turn, shuffled; ``per_turn``: CoMLRL's order, each turn its own steps
+    in turn order (``model.update.train_batch_size: null``: one per turn)."""
+
+    def __post_init__(self):
+        check_dataclass("model.buffer", self)
+
+
+@dataclass(frozen=True)
+class CriticSettings:
+    """The value function of an actor-critic family (``model.critic``): IAC, MAAC, PPO."""
+
+    kind: Literal["head", "model"] | None = None
+    """``head``: a value head on each actor's last hidden state (trained with the actor's loss,
+    ``learning_rate`` on its own parameters); ``model``: a separate critic model with its own optimizer.
+    None: ``head``, but MAAC's centralized critic, which reads every agent's tokens, is always a model."""
+    model: str | None = None
+    """Source of the critic model (default: the agent's own); it must use the actors' tokenizer."""
+    type: Literal["v", "q"] = "v"
+    """IAC/MAAC: ``v``: V(h) read at the last prompt token; ``q``: Q(h, a) at the last token of prompt +
+    response."""
+    learning_rate: PositiveFloat | None = None
+    """Learning rate of the critic (default: the actors')."""
+    value_loss_coef: NonNegativeFloat = 0.5
+    """Weight of the value loss."""
+    value_clip_range: PositiveFloat | None = 0.2
+    """Clip the new value to the old one +- this in the value loss (PPO's, as TRL); None: no clipping
+    (CoMLRL's IAC/MAAC). With one pass over one mini-batch the clip never binds."""
+    warmup: NonNegativeInt = 0
+    """PPO: the first RL steps train only the critic (the policy rests: weights and AdamW state untouched)."""
+
+    def __post_init__(self):
+        check_dataclass("model.critic", self)
+
+
+BUFFER_FIELDS = frozenset({"size", "schedule"})
+"""The ``model.buffer`` fields: every buffered family reads them all."""
+
+
+def as_group(cls, value):
+    """A settings group from YAML (a dict) or Python (the dataclass itself, or None: the defaults)."""
+    if value is None:
+        return cls()
+    return cls(**value) if isinstance(value, dict) else value
+
+
+def read_groups(module, reads: dict[str, frozenset[str]], **given) -> None:
+    """Set each group of ``given`` (``name=(class, value)``) on ``module`` as its dataclass, its plain
+    values in the saved hyperparameters (checkpoints load ``weights_only``), and refuse the fields
+    ``module``'s family does not read (``reads[name]``)."""
+    for name, (cls, value) in given.items():
+        group = as_group(cls, value)
+        setattr(module, name, group)
+        module.hparams[name] = asdict(group)
+        check_unread(name, group, reads[name], type(module).__name__)
+
+
+def check_unread(group: str, settings, reads: frozenset[str], family: str) -> None:
+    """Refuse a field of ``settings`` (``model.<group>``) that ``family`` does not read, set away
+    from its default."""
+    default = type(settings)()
+    for f in fields(settings):
+        if f.name not in reads and getattr(settings, f.name) != getattr(default, f.name):
+            raise ConfigError(
+                f"model.{group}.{f.name}={getattr(settings, f.name)!r}: {family} does not read it (it reads "
+                f"{', '.join(sorted(reads)) or 'none of model.' + group}); remove it"
+            )
