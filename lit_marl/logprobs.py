@@ -2,7 +2,9 @@
 generation (position ids from the attention mask, as ``generate`` computes them for left-padded
 prompts), with entropies or hidden states for a value head when asked. Every log-prob a loss
 differentiates is computed here; an engine's own log-probs only measure and (optionally) correct
-the mismatch between its sampling and this forward (``losses.truncated_is_weights``)."""
+the mismatch between its sampling and this forward (``losses.truncated_is_weights``). Each takes
+a ``temperature`` that divides the logits first (``model.update.tempered_logprobs``: veRL's, TRL's
+and OpenRLHF's scoring under the sampling distribution); 1: the untempered policy."""
 
 from __future__ import annotations
 
@@ -19,21 +21,27 @@ def completion_logprobs(
     attention_mask: torch.Tensor,
     num_completion: int,
     prompt_groups: torch.Tensor | None = None,
+    temperature: float = 1.0,
 ) -> torch.Tensor:
     """Log-probs ``[B, num_completion]`` of the last ``num_completion`` tokens of each row,
     conditioned exactly as in generation (``completion_logits``)."""
     logits = completion_logits(model, input_ids, attention_mask, num_completion, prompt_groups)
-    return token_logprobs(logits, input_ids[:, -num_completion:])
+    return token_logprobs(logits, input_ids[:, -num_completion:], temperature)
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The logits divided by ``temperature`` (as they are at 1)."""
+    return logits if temperature == 1.0 else logits / temperature
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """``[B, C]``: the log-prob of each target token under its position's logits ``[B, C, V]``."""
-    return -F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+    return -F.cross_entropy(tempered(logits, temperature).transpose(1, 2), targets, reduction="none")
 
 
-def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """``[B, C]``: the entropy of each position's next-token distribution (nats)."""
-    log_p = F.log_softmax(logits, dim=-1)
+    log_p = F.log_softmax(tempered(logits, temperature), dim=-1)
     return -(log_p.exp() * log_p).sum(-1)
 
 
@@ -95,13 +103,14 @@ def completion_forward(
     num_completion: int,
     entropy: bool = False,
     hidden: bool = False,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """One forward: the log-probs ``[B, num_completion]`` of the last ``num_completion`` tokens (as
     ``completion_logprobs``), with ``entropy`` the policy's entropy at those positions (same shape),
     with ``hidden`` the last layer's hidden states ``[B, L, H]`` (for a value head)."""
     logits, states = _completion_pass(model, input_ids, attention_mask, num_completion, hidden)
-    logprobs = token_logprobs(logits, input_ids[:, -num_completion:])
-    return logprobs, token_entropy(logits) if entropy else None, states
+    logprobs = token_logprobs(logits, input_ids[:, -num_completion:], temperature)
+    return logprobs, token_entropy(logits, temperature) if entropy else None, states
 
 
 def _completion_pass(
@@ -150,6 +159,7 @@ def masked_logprobs(
     attention_mask: torch.Tensor,
     mask: torch.Tensor,
     hidden: bool = False,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs ``[B, L]`` of the tokens where ``mask`` is set, each given the tokens before it
     (0 elsewhere, and in column 0, which has no context), equal to ``sequence_logprobs`` there;
@@ -174,7 +184,7 @@ def masked_logprobs(
     logits = out.logits
     if logits.dim() == 3:  # a model that ignores a boolean logits_to_keep returns every position
         logits = logits[predict]
-    picked = -F.cross_entropy(logits.float(), input_ids[keep], reduction="none")
+    picked = -F.cross_entropy(tempered(logits.float(), temperature), input_ids[keep], reduction="none")
     logprobs = torch.zeros(input_ids.shape, dtype=picked.dtype, device=picked.device).masked_scatter(keep, picked)
     return logprobs, out.hidden_states[-1] if hidden else None
 

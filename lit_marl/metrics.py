@@ -158,12 +158,13 @@ def record_rollout_mismatch(
 
 
 def rollout_correction(
-    log: StepLog, behaviour: torch.Tensor, samples, mask: torch.Tensor, cap: float | None
+    log: StepLog, behaviour: torch.Tensor, samples, mask: torch.Tensor, cap: float | None, temperature: float = 1.0
 ) -> torch.Tensor | None:
     """Record the mismatch of the trainer's ``behaviour`` log-probs with the rollout engine's (the
     rows' ``rollout_logprobs``: ``record_rollout_mismatch``) and return the truncated
-    importance-sampling weights at ``cap`` (None: the correction is off)."""
-    rollout = samples.rollout_logprobs
+    importance-sampling weights at ``cap`` (None: the correction is off). Log-probs scored at another
+    ``temperature`` (``model.update.tempered_logprobs``) are not compared: the engines' are untempered."""
+    rollout = samples.rollout_logprobs if temperature == 1.0 else None
     if rollout is not None:
         record_rollout_mismatch(log, behaviour, rollout, mask, cap)
     if cap is None:

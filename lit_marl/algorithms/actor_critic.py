@@ -35,7 +35,14 @@ from lit_marl.algorithms.critics import (
     load_critic_backbone,
     read_positions,
 )
-from lit_marl.algorithms.settings import BUFFER_FIELDS, BufferSettings, CriticSettings, UpdateSettings, read_groups
+from lit_marl.algorithms.settings import (
+    BUFFER_FIELDS,
+    BufferSettings,
+    CriticSettings,
+    UpdateSettings,
+    logit_temperature,
+    read_groups,
+)
 from lit_marl.fields import check_fields
 from lit_marl.logprobs import completion_forward
 from lit_marl.losses import (
@@ -132,9 +139,11 @@ class ActorCritic(AgentTeamModule):
 
     update_fields = frozenset(
         {"ppo_epochs", "train_batch_size", "clip_range", "target_kl", "entropy_coef", "logprob_reduction"}
-        | {"rollout_is_cap"}
+        | {"rollout_is_cap", "tempered_logprobs"}
     )
     """The ``model.update`` fields IAC/MAAC read."""
+    logit_temperature = 1.0
+    """What the update divides the logits by before scoring (``model.update.tempered_logprobs``), set in ``setup``."""
     critic_fields = frozenset({"kind", "model", "type", "learning_rate", "value_loss_coef", "value_clip_range"})
     """The ``model.critic`` fields IAC/MAAC read."""
 
@@ -179,6 +188,7 @@ class ActorCritic(AgentTeamModule):
     def setup(self, stage: str) -> None:
         super().setup(stage)
         rollout = self.rollout_settings
+        self.logit_temperature = logit_temperature(self.update, rollout)
         if rollout is None or stage != "fit":
             return
         rollout.require("tree", type(self).__name__)
@@ -225,6 +235,7 @@ class ActorCritic(AgentTeamModule):
             samples.num_completion,
             entropy=entropy,
             hidden=head,
+            temperature=self.logit_temperature,
         )
         values = self.critics[learner].read(hidden, read_positions(samples, self.critic.type)) if head else None
         return logprobs, entropies, values
@@ -368,7 +379,9 @@ class ActorCritic(AgentTeamModule):
             per_token = clipped_surrogate(logprobs, samples.old_logprobs, advantages, self.update.clip_range)
         else:
             per_token = reinforce(logprobs, advantages)
-        weights = rollout_correction(self.step_log, samples.old_logprobs, samples, mask, self.update.rollout_is_cap)
+        weights = rollout_correction(
+            self.step_log, samples.old_logprobs, samples, mask, self.update.rollout_is_cap, self.logit_temperature
+        )
         per_token = per_token if weights is None else per_token * weights  # truncated importance sampling
         if entropies is not None:
             per_token = per_token - self.update.entropy_coef * entropies

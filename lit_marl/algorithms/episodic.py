@@ -11,7 +11,7 @@ import torch
 
 from lit_marl import ConfigError
 from lit_marl.algorithms.base import AgentTeamModule
-from lit_marl.algorithms.settings import UpdateSettings, read_groups
+from lit_marl.algorithms.settings import UpdateSettings, logit_temperature, read_groups
 from lit_marl.fields import NonNegativeFloat, PositiveFloat, check_fields
 from lit_marl.logprobs import masked_logprobs
 from lit_marl.losses import clip_fraction, clipped_surrogate, k3_kl
@@ -66,8 +66,11 @@ class EpisodicModule(AgentTeamModule):
 
     update_fields = frozenset(
         {"ppo_epochs", "train_batch_size", "clip_range", "dual_clip", "rollout_is_cap", "skip_signalless_steps"}
+        | {"tempered_logprobs"}
     )
     """The ``model.update`` fields the episode algorithms read."""
+    logit_temperature = 1.0
+    """What the update divides the logits by before scoring (``model.update.tempered_logprobs``), set in ``setup``."""
 
     def build_models(self) -> None:
         super().build_models()
@@ -78,6 +81,7 @@ class EpisodicModule(AgentTeamModule):
         super().setup(stage)
         if self.rollout_settings is not None:
             self.rollout_settings.require("episodes", type(self).__name__)
+        self.logit_temperature = logit_temperature(self.update, self.rollout_settings)
         critic = type(self).extra_loss is not EpisodicModule.extra_loss
         if self.update.skip_signalless_steps and (critic or self.kl_coef > 0):
             raise ConfigError(
@@ -103,7 +107,8 @@ class EpisodicModule(AgentTeamModule):
         """Per-token log-probs ``[B, L]`` of a learner's policy at its own tokens (``loss_mask``; 0
         elsewhere: no loss reads them); subclasses add values."""
         model = self.model_of(learner)
-        return masked_logprobs(model, samples.input_ids, samples.attention_mask, samples.loss_mask)[0], None
+        ids, mask, loss_mask = samples.input_ids, samples.attention_mask, samples.loss_mask
+        return masked_logprobs(model, ids, mask, loss_mask, temperature=self.logit_temperature)[0], None
 
     # ------------------------------------------------------------------ the step
     def signalless(self, mini: TrajectorySamples | None) -> bool:
@@ -138,7 +143,9 @@ class EpisodicModule(AgentTeamModule):
     @torch.no_grad()
     def reference_logprobs(self, batch: EpisodeBatch, learner: int) -> torch.Tensor:
         with self.reference_model(learner) as reference:
-            return self.chunked(lambda *rows: masked_logprobs(reference, *rows)[0], batch, reference)
+            return self.chunked(
+                lambda *rows: masked_logprobs(reference, *rows, temperature=self.logit_temperature)[0], batch, reference
+            )
 
     @torch.no_grad()
     def behaviour(self, batch: EpisodeBatch, learner: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -146,7 +153,9 @@ class EpisodicModule(AgentTeamModule):
         ratio's denominator), and the critic's values ``[B, L]`` where the algorithm has one (PPO:
         one pass gives both when the value head reads the policy's hidden states); None here."""
         model = self.model_of(learner)
-        return self.chunked(lambda *rows: masked_logprobs(model, *rows)[0], batch, model), None
+        return self.chunked(
+            lambda *rows: masked_logprobs(model, *rows, temperature=self.logit_temperature)[0], batch, model
+        ), None
 
     @torch.no_grad()
     def prepare(self, batch: EpisodeBatch, learner: int) -> TrajectorySamples:
@@ -186,7 +195,9 @@ class EpisodicModule(AgentTeamModule):
             self.update.clip_range,
             self.update.dual_clip,
         )
-        weights = rollout_correction(self.step_log, samples.old_logprobs, samples, mask, self.update.rollout_is_cap)
+        weights = rollout_correction(
+            self.step_log, samples.old_logprobs, samples, mask, self.update.rollout_is_cap, self.logit_temperature
+        )
         weight = mask if weights is None else mask * weights  # truncated importance sampling
         loss = (clipped_surrogate(*ratio_terms) * weight).sum()
         if samples.ref_logprobs is not None:

@@ -11,7 +11,7 @@ import torch
 
 from lit_marl import ConfigError
 from lit_marl.algorithms.base import AgentTeamModule
-from lit_marl.algorithms.settings import BUFFER_FIELDS, BufferSettings, UpdateSettings, read_groups
+from lit_marl.algorithms.settings import BUFFER_FIELDS, BufferSettings, UpdateSettings, logit_temperature, read_groups
 from lit_marl.fields import NonNegativeFloat, PositiveFloat, check_fields
 from lit_marl.logprobs import completion_logits, completion_logprobs, token_entropy, token_logprobs
 from lit_marl.losses import k3_kl, masked_sum, reinforce
@@ -69,8 +69,10 @@ class MAGRPO(AgentTeamModule):
         read_groups(self, groups, update=(UpdateSettings, update), buffer=(BufferSettings, buffer))
         self.kl_coef = kl_coef
 
-    update_fields = frozenset({"train_batch_size", "logprob_reduction", "rollout_is_cap"})
+    update_fields = frozenset({"train_batch_size", "logprob_reduction", "rollout_is_cap", "tempered_logprobs"})
     """The ``model.update`` fields MAGRPO reads."""
+    logit_temperature = 1.0
+    """What the update divides the logits by before scoring (``model.update.tempered_logprobs``), set in ``setup``."""
 
     def build_models(self) -> None:
         super().build_models()
@@ -99,9 +101,9 @@ class MAGRPO(AgentTeamModule):
             for rows in self.passes(samples, [model, frozen], shared_prompts=True):
                 part = samples.select(rows)
                 args = (part.input_ids, part.attention_mask, part.num_completion, self.prompt_groups(part))
-                logprobs = completion_logprobs(model, *args)
+                logprobs = completion_logprobs(model, *args, temperature=self.logit_temperature)
                 with self.reference_model(learner) as reference:
-                    d = completion_logprobs(reference, *args) - logprobs
+                    d = completion_logprobs(reference, *args, temperature=self.logit_temperature) - logprobs
                 out[rows] = (k3_kl(d) * part.completion_mask).sum(-1).float()
         self.record({f"agent{index}/kl_ref": float(out.mean())}, weight=len(out))
         return self.kl_coef * out
@@ -109,6 +111,7 @@ class MAGRPO(AgentTeamModule):
     def setup(self, stage: str) -> None:
         super().setup(stage)
         self.require_groups(stage, "each response with its siblings at a tree node")
+        self.logit_temperature = logit_temperature(self.update, self.rollout_settings)
 
     def advantages(self, samples: AgentSamples) -> AgentSamples:
         """``samples`` with each response's advantage against its siblings' baseline; rows come
@@ -130,14 +133,16 @@ class MAGRPO(AgentTeamModule):
         the policy's entropy over the response tokens (a diagnostic: no gradient)."""
         args = (samples.input_ids, samples.attention_mask, samples.num_completion)
         logits = completion_logits(self.model_of(learner), *args, prompt_groups=self.prompt_groups(samples))
-        logprobs = token_logprobs(logits, samples.input_ids[:, -samples.num_completion :])
+        logprobs = token_logprobs(logits, samples.input_ids[:, -samples.num_completion :], self.logit_temperature)
         if stats is not None:
             with torch.no_grad():
                 mask = samples.completion_mask.float()
-                stats["entropy"] += float((token_entropy(logits) * mask).sum())
+                stats["entropy"] += float((token_entropy(logits, self.logit_temperature) * mask).sum())
                 stats["tokens"] += float(mask.sum())
         mask = samples.completion_mask
-        weights = rollout_correction(self.step_log, logprobs.detach(), samples, mask, self.update.rollout_is_cap)
+        weights = rollout_correction(
+            self.step_log, logprobs.detach(), samples, mask, self.update.rollout_is_cap, self.logit_temperature
+        )
         if weights is not None:  # truncated importance sampling
             logprobs = logprobs * weights
         seq_logprob = masked_sum(logprobs, samples.completion_mask, self.update.logprob_reduction)

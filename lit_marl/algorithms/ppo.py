@@ -93,7 +93,10 @@ class PPO(EpisodicModule):
         ids, mask = samples.input_ids, samples.attention_mask
         shared = self.critic_backbones is None  # the value head reads the policy's hidden states
         if shared or not getattr(samples, "values_only", False):
-            logprobs, hidden = masked_logprobs(self.model_of(learner), ids, mask, samples.loss_mask, hidden=shared)
+            model, temperature = self.model_of(learner), self.logit_temperature
+            logprobs, hidden = masked_logprobs(
+                model, ids, mask, samples.loss_mask, hidden=shared, temperature=temperature
+            )
         else:  # the value pass with a critic of its own: the policy has nothing to give
             logprobs = torch.zeros(ids.shape, device=ids.device)
         if not shared:

@@ -57,9 +57,20 @@ class UpdateSettings:
     """GRPO/RLOO: an optimizer step whose rows all have zero advantage on every rank (every group tied) is
     not taken, weights and AdamW state untouched (taken, AdamW's momentum repeats the last informative step's
     direction); ``train/skipped_steps`` counts them. Not with a critic or a KL term."""
+    tempered_logprobs: bool = False
+    """Score every log-prob of the update (the policy's, the behaviour's, a KL reference's, the entropy) under
+    the sampling distribution, the logits divided by ``data.sampling.temperature``: veRL's, TRL's and
+    OpenRLHF's math. False: under the untempered policy (CoMLRL's); the two agree at temperature 1. The
+    engines report untempered log-probs, so with it the rollout mismatch is not measured and
+    ``rollout_is_cap`` is refused."""
 
     def __post_init__(self):
         check_dataclass("model.update", self)
+        if self.tempered_logprobs and self.rollout_is_cap is not None:
+            raise ConfigError(
+                "model.update.tempered_logprobs with model.update.rollout_is_cap: the engines report untempered "
+                "log-probs, so their ratio to tempered ones is no importance weight; drop one of the two"
+            )
 
 
 @dataclass(frozen=True)
@@ -102,6 +113,14 @@ class CriticSettings:
 
     def __post_init__(self):
         check_dataclass("model.critic", self)
+
+
+def logit_temperature(update: UpdateSettings, rollout) -> float:
+    """What an update divides the logits by before scoring: the rollouts' sampling temperature with
+    ``tempered_logprobs`` (``rollout``: the data module's ``RolloutSettings``), else 1."""
+    if not update.tempered_logprobs or rollout is None:
+        return 1.0
+    return (rollout.tree or rollout.episode).sampling.temperature
 
 
 BUFFER_FIELDS = frozenset({"size", "schedule"})

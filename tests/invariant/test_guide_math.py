@@ -141,3 +141,45 @@ def test_a_critic_is_clipped_apart_from_its_policy():
     policy, critic = clipped_apart(module.configure_optimizers()[0])
     assert {id(p) for p in critic} == {id(p) for p in module.value_heads[0].parameters()}
     assert {id(p) for p in policy} == {id(p) for p in module.agents[0].trainable_parameters()}
+
+
+def test_tempered_logprobs_score_every_update_under_the_sampling_distribution(tmp_path):
+    """``model.update.tempered_logprobs``: veRL's actor divides the logits by the rollout temperature
+    before its log-softmax (old, new and reference log-probs alike); so do GRPO's forward and its
+    reference pass here, at the data's sampling temperature, and only with the setting."""
+    from lit_marl.algorithms.settings import logit_temperature
+    from lit_marl.logprobs import sequence_logprobs, token_logprobs
+
+    logits, targets = torch.randn(2, 5, 11), torch.randint(0, 11, (2, 5))
+    verl = torch.log_softmax(logits / 0.7, -1).gather(-1, targets[..., None]).squeeze(-1)  # logprobs_from_logits
+    torch.testing.assert_close(token_logprobs(logits, targets, 0.7), verl)
+    data = EpisodeDataModule(
+        train_path=str(REPO_ROOT / "data" / "corridor" / "train.jsonl"),
+        env="corridor",
+        tasks_per_step=2,
+        num_generations=2,
+        max_turns=2,
+        sampling={"max_new_tokens": 4, "temperature": 0.7},
+    )
+    L.seed_everything(0)
+    module = GRPO(model="tiny-random", kl_coef=0.1, update={"tempered_logprobs": True})
+    make_trainer(tmp_path, limit_train_batches=1, limit_val_batches=0, logger=False).fit(module, datamodule=data)
+    assert module.logit_temperature == 0.7  # set from the data's sampling settings in setup
+    assert logit_temperature(GRPO().update, data.rollout_settings) == 1.0  # off by default
+    (batch,) = data.rollout(list(module.agents), data.train_tasks[:1], greedy=False)
+    model = module.agents[0].model
+    with torch.no_grad():
+        ours = module.forward(batch)[0]
+        module.logit_temperature = 1.0
+        untempered = module.forward(batch)[0]
+        ids, mask = batch.input_ids, batch.attention_mask
+        full = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+        by_hand = torch.log_softmax(full[:, :-1].float() / 0.7, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    keep = batch.loss_mask[:, 1:].bool()
+    torch.testing.assert_close(ours[:, 1:][keep], by_hand[keep], atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(ours[:, 1:][keep], untempered[:, 1:][keep], atol=1e-3)
+    torch.testing.assert_close(
+        untempered[:, 1:][keep], sequence_logprobs(model, ids, mask)[:, 1:][keep], atol=1e-4, rtol=1e-4
+    )
+    with pytest.raises(ConfigError, match="tempered_logprobs with model.update.rollout_is_cap"):
+        GRPO(update={"tempered_logprobs": True, "rollout_is_cap": 2.0})
