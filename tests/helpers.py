@@ -53,6 +53,15 @@ def slogan_data(**overrides):
     return RolloutDataModule(**kwargs)
 
 
+def corridor_data(**settings):
+    """An EpisodeDataModule on the Corridor game's training tasks, with ``settings``."""
+    from lit_marl.data import EpisodeDataModule
+
+    return EpisodeDataModule(
+        train_path=str(REPO_ROOT / "data" / "corridor" / "train.jsonl"), env="corridor", **settings
+    )
+
+
 def make_trainer(tmp_path, **overrides):
     """A small CPU trainer that writes only under ``tmp_path`` (TensorBoard logger by default)."""
     import lightning as L

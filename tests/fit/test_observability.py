@@ -11,9 +11,8 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from helpers import PLAIN, make_trainer, slogan_data
+from helpers import PLAIN, corridor_data, make_trainer, slogan_data
 from lit_marl.algorithms import GRPO, MAGRPO
-from lit_marl.data import EpisodeDataModule
 from lit_marl.metrics import StepLog
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -94,13 +93,8 @@ def test_tree_fit_writes_grouped_scalars_a_rendered_tree_and_histograms(tmp_path
 def test_episode_fit_writes_a_rendered_episode(tmp_path):
     L.seed_everything(0)
     module = GRPO(model="tiny-random", learning_rate=1e-3, log_samples_every_n_steps=1)
-    data = EpisodeDataModule(
-        train_path=str(REPO_ROOT / "data" / "corridor" / "train.jsonl"),
-        env="corridor",
-        tasks_per_step=2,
-        num_generations=2,
-        max_turns=3,
-        sampling={"max_new_tokens": 6, "temperature": 1.5},
+    data = corridor_data(
+        tasks_per_step=2, num_generations=2, max_turns=3, sampling={"max_new_tokens": 6, "temperature": 1.5}
     )
     trainer = make_trainer(tmp_path, limit_train_batches=1, limit_val_batches=0)
     trainer.fit(module, datamodule=data)

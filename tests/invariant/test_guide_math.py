@@ -11,10 +11,9 @@ import lightning as L
 import pytest
 import torch
 
-from helpers import REPO_ROOT, make_trainer
+from helpers import REPO_ROOT, corridor_data, make_trainer
 from lit_marl import ConfigError
 from lit_marl.algorithms import GRPO, PPO
-from lit_marl.data import EpisodeDataModule
 from lit_marl.losses import clipped_surrogate, k3_kl, value_loss
 from lit_marl.returns import episode_advantages, group_advantages
 
@@ -104,15 +103,8 @@ def test_value_loss_coef_weighs_a_mean_over_value_positions_in_both_gae_modes(tm
         max_grad_norm=0.0,
         forward_batch_size=1,
     )
-    data = EpisodeDataModule(
-        train_path=str(REPO_ROOT / "data" / "corridor" / "train.jsonl"),
-        env="corridor",
-        tasks_per_step=3,
-        num_generations=1,
-        max_turns=3,
-        sampling={"max_new_tokens": 6, "temperature": 1.5},
-        reward_density="dense",
-    )
+    sampling = {"max_new_tokens": 6, "temperature": 1.5}
+    data = corridor_data(tasks_per_step=3, num_generations=1, max_turns=3, sampling=sampling, reward_density="dense")
     make_trainer(tmp_path, limit_train_batches=1, limit_val_batches=0, logger=False).fit(module, datamodule=data)
     samples, _, before = module.seen
     positions, tokens = float(samples.value_mask.sum()), float(samples.loss_mask.sum())
@@ -153,13 +145,8 @@ def test_tempered_logprobs_score_every_update_under_the_sampling_distribution(tm
     logits, targets = torch.randn(2, 5, 11), torch.randint(0, 11, (2, 5))
     verl = torch.log_softmax(logits / 0.7, -1).gather(-1, targets[..., None]).squeeze(-1)  # logprobs_from_logits
     torch.testing.assert_close(token_logprobs(logits, targets, 0.7), verl)
-    data = EpisodeDataModule(
-        train_path=str(REPO_ROOT / "data" / "corridor" / "train.jsonl"),
-        env="corridor",
-        tasks_per_step=2,
-        num_generations=2,
-        max_turns=2,
-        sampling={"max_new_tokens": 4, "temperature": 0.7},
+    data = corridor_data(
+        tasks_per_step=2, num_generations=2, max_turns=2, sampling={"max_new_tokens": 4, "temperature": 0.7}
     )
     L.seed_everything(0)
     module = GRPO(model="tiny-random", kl_coef=0.1, update={"tempered_logprobs": True})
