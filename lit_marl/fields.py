@@ -15,7 +15,7 @@ from __future__ import annotations
 import operator
 import types
 import typing
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Annotated, Literal, Union
 
 from lit_marl import ConfigError
@@ -59,6 +59,20 @@ def check_fields(prefix: str, function, arguments: dict) -> None:
             problem = _violation(hints[name], value)
             if problem is not None:
                 raise ConfigError(f"{prefix}.{name}={value!r}: {problem}")
+
+
+def as_group(cls, value):
+    """A settings group from YAML (a dict) or Python (the dataclass itself, or None: the defaults)."""
+    if value is None:
+        return cls()
+    return cls(**value) if isinstance(value, dict) else value
+
+
+def saved_groups(module, **groups) -> None:
+    """Each settings group's plain values into ``module``'s saved hyperparameters under its config key
+    (checkpoints load ``weights_only``: no dataclass in them)."""
+    for name, group in groups.items():
+        module.hparams[name] = asdict(group)
 
 
 def check_dataclass(prefix: str, instance) -> None:

@@ -7,7 +7,7 @@ setting is ever silently ignored."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Literal
 
 from lit_marl import ConfigError
@@ -18,7 +18,9 @@ from lit_marl.fields import (
     OpenUnitInterval,
     PositiveFloat,
     PositiveInt,
+    as_group,
     check_dataclass,
+    saved_groups,
 )
 from lit_marl.losses import Reduction
 from lit_marl.rollout.buffer import UpdateSchedule
@@ -127,13 +129,6 @@ BUFFER_FIELDS = frozenset({"size", "schedule"})
 """The ``model.buffer`` fields: every buffered family reads them all."""
 
 
-def as_group(cls, value):
-    """A settings group from YAML (a dict) or Python (the dataclass itself, or None: the defaults)."""
-    if value is None:
-        return cls()
-    return cls(**value) if isinstance(value, dict) else value
-
-
 def read_groups(module, reads: dict[str, frozenset[str]], **given) -> None:
     """Set each group of ``given`` (``name=(class, value)``) on ``module`` as its dataclass, its plain
     values in the saved hyperparameters (checkpoints load ``weights_only``), and refuse the fields
@@ -141,7 +136,7 @@ def read_groups(module, reads: dict[str, frozenset[str]], **given) -> None:
     for name, (cls, value) in given.items():
         group = as_group(cls, value)
         setattr(module, name, group)
-        module.hparams[name] = asdict(group)
+        saved_groups(module, **{name: group})
         check_unread(name, group, reads[name], type(module).__name__)
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict
 from typing import Literal, NamedTuple
 
 import lightning as L
@@ -22,7 +21,7 @@ from lit_marl.envs.base import Env, FunctionEnv, TextEnv
 from lit_marl.envs.calls import CallSettings
 from lit_marl.envs.game import Game, RewardRule
 from lit_marl.envs.sources import resolve_demo_source
-from lit_marl.fields import PositiveInt, UnitIntervalRightOpen, check_fields
+from lit_marl.fields import PositiveInt, UnitIntervalRightOpen, as_group, check_fields, saved_groups
 from lit_marl.generation import Sampling, make_engine
 from lit_marl.metrics import EvalMeans, PassAtK
 from lit_marl.rollout.demos import DemoSettings, load_demos, render_demos
@@ -148,12 +147,9 @@ class TaskDataModule(L.LightningDataModule):
         self.engine = build_engine(engine, engine_options)
         text = (agent_prompts, reward_fn, transition, transition_kwargs, batched_transition)
         self.env = self.train_env = build_env(env, env_kwargs, *text)
-        self.sampling = Sampling(**sampling) if isinstance(sampling, dict) else sampling
-        self.call_settings = CallSettings(**reward_calls) if isinstance(reward_calls, dict) else reward_calls
-        self.demo_settings = DemoSettings(**demos) if isinstance(demos, dict) else demos
-        groups = {"sampling": self.sampling, "reward_calls": self.call_settings, "demos": self.demo_settings}
-        for name, group in groups.items():
-            self.hparams[name] = asdict(group)  # plain values: checkpoints load weights_only
+        self.sampling, self.call_settings = as_group(Sampling, sampling), as_group(CallSettings, reward_calls)
+        self.demo_settings = as_group(DemoSettings, demos)
+        saved_groups(self, sampling=self.sampling, reward_calls=self.call_settings, demos=self.demo_settings)
         self.configure_envs(self.env)
         self._skipped_steps = 0
         env_name = env if isinstance(env, str) else type(self.env).__qualname__
