@@ -167,6 +167,16 @@ _GROUPS = {
             "skip_signalless_steps",
         )
     },
+    "model.advantage": {
+        "normalization": "advantage_normalization",
+        "mode": "advantage_mode",
+        "normalization_form": "advantage_normalization_form",
+        "std_floor": "advantage_std_floor",
+        "turn_level": "turn_level_advantages",
+        "step_weight": "step_advantage_weight",
+        "gae": "gae",
+        "gae_lambda": "gae_lambda",
+    },
     "model.buffer": {"size": "rollout_buffer_size", "schedule": "update_schedule"},
     "model.critic": {
         "kind": "critic",

@@ -8,7 +8,7 @@ First (once per output folder) the start: SmolLM2 fine-tuned on ``--sft-demos`` 
 validation-seed games (``--sft-demos 0``: the base model), exported as a plain HF folder and
 evaluated greedily on the held-out test-seed games (the "0 episodes" point of every curve). Then a
 cell per algorithm x seed: ``configs/<env>/grpo_cpu.yaml`` (GRPO, RLOO and the step-level variant,
-``model.step_advantage_weight``) or ``ppo_cpu.yaml`` with the start as its model, fresh LoRA
+``model.advantage.step_weight``) or ``ppo_cpu.yaml`` with the start as its model, fresh LoRA
 adapters, ``--episodes-per-step`` episodes a step (G = ``--group-size`` per task for the group
 methods, one per task for PPO), evaluated greedily on the held-out games every ``--eval-every``
 episodes. Every run's config is written under ``<out>/cells/<cell>/config.yaml`` (rerun with
@@ -72,7 +72,7 @@ def base_config(args, algorithm: str, seed: int, out: Path) -> dict:
     if algorithm in ("grpo_step", "rloo"):
         model["class_path"] = "lit_marl.algorithms.RLOO" if algorithm == "rloo" else "lit_marl.algorithms.GRPO"
     if algorithm == "grpo_step":
-        model["init_args"]["step_advantage_weight"] = args.step_weight
+        model["init_args"].setdefault("advantage", {})["step_weight"] = args.step_weight
     trainer = config["trainer"]
     trainer.update(max_epochs=-1, limit_train_batches=None, limit_val_batches=0, check_val_every_n_epoch=None)
     trainer["callbacks"] = []
@@ -285,7 +285,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eval-every", type=int, default=24, help="evaluate every n training episodes")
     parser.add_argument("--episodes-per-step", type=int, default=8)
     parser.add_argument("--group-size", type=int, default=4, help="G of the group methods")
-    parser.add_argument("--step-weight", type=float, default=1.0, help="grpo_step's step_advantage_weight")
+    parser.add_argument("--step-weight", type=float, default=1.0, help="grpo_step's model.advantage.step_weight")
     parser.add_argument(
         "--sft-demos",
         type=int,

@@ -37,6 +37,7 @@ from lit_marl.algorithms.critics import (
 )
 from lit_marl.algorithms.settings import (
     BUFFER_FIELDS,
+    AdvantageSettings,
     BufferSettings,
     CriticSettings,
     UpdateSettings,
@@ -88,7 +89,7 @@ class ActorCritic(AgentTeamModule):
     def __init__(
         self,
         critic: CriticSettings = CriticSettings(),
-        advantage_normalization: bool = True,
+        advantage: AdvantageSettings = AdvantageSettings(),
         policy_loss: Literal["reinforce", "ppo"] = "reinforce",
         update: UpdateSettings = UpdateSettings(),
         buffer: BufferSettings = BufferSettings(),
@@ -100,7 +101,8 @@ class ActorCritic(AgentTeamModule):
                 critic ``model`` (MAAC's centralized critic always is one), its ``type`` (``v``: V(h) at the last
                 prompt token; ``q``: Q(h, a) at the last token of prompt + response), learning rate, value loss
                 weight and clipping. IAC/MAAC read every field but ``warmup``.
-            advantage_normalization: z-score the advantages per (agent, turn) group of an update.
+            advantage: How TD errors become advantages (``algorithms.settings.AdvantageSettings``): IAC/MAAC read
+                ``normalization`` (z-scored per (agent, turn) group of an update).
             policy_loss: ``reinforce``: CoMLRL's ratio-free -log pi(a) * A; ``ppo``: the clipped
                 surrogate with the importance ratio against the behaviour log-probs.
             update: How the buffered samples become optimizer steps (``algorithms.settings.UpdateSettings``):
@@ -114,7 +116,8 @@ class ActorCritic(AgentTeamModule):
         check_fields("model", ActorCritic.__init__, locals())
         groups = {"update": self.update_fields, "buffer": BUFFER_FIELDS, "critic": self.critic_fields}
         given = {"update": (UpdateSettings, update), "buffer": (BufferSettings, buffer)}
-        read_groups(self, groups, critic=(CriticSettings, critic), **given)
+        given |= {"critic": (CriticSettings, critic), "advantage": (AdvantageSettings, advantage)}
+        read_groups(self, groups | {"advantage": self.advantage_fields}, **given)
         kind = self.critic.kind or ("model" if self.centralized else "head")
         if self.centralized and kind == "head":
             raise ConfigError(
@@ -134,7 +137,7 @@ class ActorCritic(AgentTeamModule):
             )
         self.critic_kind = kind
         self.critic_learning_rate = self.critic.learning_rate or self.hparams.learning_rate
-        self.advantage_normalization, self.policy_form = advantage_normalization, policy_loss
+        self.policy_form = policy_loss
         self.critics: nn.ModuleList | None = None
 
     update_fields = frozenset(
@@ -142,6 +145,8 @@ class ActorCritic(AgentTeamModule):
         | {"rollout_is_cap", "tempered_logprobs"}
     )
     """The ``model.update`` fields IAC/MAAC read."""
+    advantage_fields = frozenset({"normalization"})
+    """The ``model.advantage`` fields IAC/MAAC read."""
     logit_temperature = 1.0
     """What the update divides the logits by before scoring (``model.update.tempered_logprobs``), set in ``setup``."""
     critic_fields = frozenset({"kind", "model", "type", "learning_rate", "value_loss_coef", "value_clip_range"})
@@ -345,7 +350,7 @@ class ActorCritic(AgentTeamModule):
         """``samples`` with A = y - V(h) (their ``targets`` and ``old_values``), z-scored within each
         turn over every rank's rows if set (a turn of one row keeps its raw advantage)."""
         advantages = td_advantages(samples.targets, samples.old_values)
-        if self.advantage_normalization:
+        if self.advantage.normalized():
             advantages = z_score_per_group(advantages, samples.turn_ids)
         return samples.with_advantages(advantages)
 

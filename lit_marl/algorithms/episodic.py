@@ -11,7 +11,7 @@ import torch
 
 from lit_marl import ConfigError
 from lit_marl.algorithms.base import AgentTeamModule
-from lit_marl.algorithms.settings import UpdateSettings, logit_temperature, read_groups
+from lit_marl.algorithms.settings import AdvantageSettings, UpdateSettings, logit_temperature, read_groups
 from lit_marl.fields import NonNegativeFloat, PositiveFloat, check_fields
 from lit_marl.logprobs import masked_logprobs
 from lit_marl.losses import clip_fraction, clipped_surrogate, k3_kl
@@ -39,6 +39,7 @@ class EpisodicModule(AgentTeamModule):
     def __init__(
         self,
         update: UpdateSettings = UpdateSettings(),
+        advantage: AdvantageSettings = AdvantageSettings(),
         kl_coef: NonNegativeFloat = 0.0,
         kl_mode: Literal["loss", "reward"] = "loss",
         kl_clamp: PositiveFloat | None = None,
@@ -50,6 +51,8 @@ class EpisodicModule(AgentTeamModule):
                 episode algorithms read ``ppo_epochs`` (passes over the step's episodes), ``train_batch_size``
                 (groups: a task's G episodes; None: one step per pass), ``clip_range``, ``dual_clip``,
                 ``rollout_is_cap`` and ``skip_signalless_steps`` (GRPO, RLOO without a KL term).
+            advantage: How returns become advantages (``algorithms.settings.AdvantageSettings``): each family
+                reads its estimator's fields (``advantage_fields``: PPO's GAE, GRPO's and RLOO's group baselines).
             kl_coef: Weight of KL(policy || reference); 0 disables.
             kl_mode: ``loss``: a loss term (k3 per token); ``reward``: k1 subtracted from each token's reward.
             kl_clamp: With ``kl_mode: loss``, cap each token's k3 at this (its log-ratio at +-20), as veRL's
@@ -61,7 +64,8 @@ class EpisodicModule(AgentTeamModule):
         super().__init__(**kwargs)
         check_fields("model", EpisodicModule.__init__, locals())
         check_kl_clamp(kl_clamp, kl_mode, kl_coef)
-        read_groups(self, {"update": self.update_fields}, update=(UpdateSettings, update))
+        groups = {"update": self.update_fields, "advantage": self.advantage_fields}
+        read_groups(self, groups, update=(UpdateSettings, update), advantage=(AdvantageSettings, advantage))
         self.kl_coef, self.kl_mode, self.kl_clamp = kl_coef, kl_mode, kl_clamp
 
     update_fields = frozenset(
@@ -69,6 +73,8 @@ class EpisodicModule(AgentTeamModule):
         | {"tempered_logprobs"}
     )
     """The ``model.update`` fields the episode algorithms read."""
+    advantage_fields: frozenset[str] = frozenset()
+    """The ``model.advantage`` fields the family reads."""
     logit_temperature = 1.0
     """What the update divides the logits by before scoring (``model.update.tempered_logprobs``), set in ``setup``."""
 

@@ -10,41 +10,21 @@ import torch
 
 from lit_marl import ConfigError
 from lit_marl.algorithms.episodic import EpisodicModule
-from lit_marl.fields import NonNegativeFloat, check_fields
 from lit_marl.returns import anchor_groups, episode_advantages
 
 
 class GRPO(EpisodicModule):
     """GRPO on multi-turn episodes: G episodes per task, each return baselined by its group's mean (optionally
-    per turn, ``turn_level_advantages``; optionally plus step-level groups, ``step_advantage_weight``)."""
+    per turn, ``model.advantage.turn_level``; optionally plus step-level groups, ``step_weight``)."""
 
     baseline = "grpo"
 
-    def __init__(
-        self,
-        turn_level_advantages: bool = False,
-        advantage_normalization: bool = True,
-        step_advantage_weight: NonNegativeFloat = 0.0,
-        **kwargs,
-    ):
-        """
-        Args:
-            turn_level_advantages: Each turn's advantage from its return-to-go, baselined across the
-                group at that turn (a finished episode counting 0; for dense rewards); otherwise the
-                episode's return for every turn.
-            advantage_normalization: Divide by the group's sample std (GRPO's scaling, veRL's and TRL's;
-                also the step-level part's, by its anchor group's).
-            step_advantage_weight: GiGPO's omega: add this times the step-level advantage - the
-                step's return-to-go against the other episodes' steps from the same anchor state
-                (``data.anchor``) - to the episode-level one; a step no other episode shares keeps
-                the episode-level part only (0: off, plain GRPO/RLOO).
-            **kwargs: The shared settings of ``EpisodicModule`` (model, clip_range, ppo_epochs, ...).
-        """
-        super().__init__(**kwargs)
-        check_fields("model", GRPO.__init__, locals())
-        self.turn_level_advantages = turn_level_advantages
-        self.advantage_normalization = advantage_normalization
-        self.step_advantage_weight = step_advantage_weight
+    advantage_fields = frozenset({"normalization", "turn_level", "step_weight"})
+    """The ``model.advantage`` fields GRPO and RLOO read: ``normalization`` divides by the group's sample
+    std (GRPO's scaling; also the step-level part's, by its anchor group's), ``turn_level`` baselines each
+    turn's return-to-go (dense rewards), ``step_weight`` adds GiGPO's step-level groups."""
+    normalizes = True
+    """Whether ``model.advantage.normalization: null`` scales by the group's std."""
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
@@ -53,17 +33,18 @@ class GRPO(EpisodicModule):
     def advantages(self, samples, learner, batch, token_rewards, values=None):
         alive = batch.alive
         group_size = int((batch.group_ids == batch.group_ids[0]).sum())
-        if self.step_advantage_weight > 0:
+        settings = self.advantage
+        if settings.step_weight > 0:
             self.record_anchors(batch, group_size)
         turn_adv = episode_advantages(
             batch.per_turn(token_rewards.cpu()),  # a KL-in-reward term included
             alive,
             group_size,
             self.baseline,
-            self.advantage_normalization,
-            turn_level=self.turn_level_advantages,
+            settings.normalized(self.normalizes),
+            turn_level=settings.turn_level,
             anchors=batch.anchors,
-            step_weight=self.step_advantage_weight,
+            step_weight=settings.step_weight,
             discount=self.discount,
         )
         device = batch.input_ids.device
@@ -79,7 +60,7 @@ class GRPO(EpisodicModule):
     def record_anchors(self, batch, group_size: int) -> None:
         """How many steps found another episode's step from the same anchor state, and the groups' size."""
         if batch.anchors is None:
-            raise ConfigError("model.step_advantage_weight > 0 needs episodes that record anchor states")
+            raise ConfigError("model.advantage.step_weight > 0 needs episodes that record anchor states")
         alive = batch.alive
         shared = anchor_groups(batch.anchors, alive, group_size)
         grouped = shared > 0
@@ -93,6 +74,4 @@ class RLOO(GRPO):
     """Leave-one-out baseline (unbiased), no std scaling by default."""
 
     baseline = "rloo"
-
-    def __init__(self, advantage_normalization: bool = False, **kwargs):
-        super().__init__(advantage_normalization=advantage_normalization, **kwargs)
+    normalizes = False

@@ -7,19 +7,41 @@ Each agent then takes one policy-gradient step on its own samples with its own o
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from lit_marl import ConfigError
 from lit_marl.algorithms.base import AgentTeamModule
-from lit_marl.algorithms.settings import BUFFER_FIELDS, BufferSettings, UpdateSettings, logit_temperature, read_groups
-from lit_marl.fields import NonNegativeFloat, PositiveFloat, check_fields
+from lit_marl.algorithms.settings import (
+    BUFFER_FIELDS,
+    AdvantageSettings,
+    BufferSettings,
+    UpdateSettings,
+    logit_temperature,
+    read_groups,
+)
+from lit_marl.fields import NonNegativeFloat, as_group, check_fields
 from lit_marl.logprobs import completion_logits, completion_logprobs, token_entropy, token_logprobs
 from lit_marl.losses import k3_kl, masked_sum, reinforce
 from lit_marl.metrics import Timer, rollout_correction
 from lit_marl.parallel.collectives import all_ranks_max, padded_steps
-from lit_marl.returns import AdvantageMode, NormalizationForm, group_advantages
+from lit_marl.returns import AdvantageMode, group_advantages
 from lit_marl.rollout.batch import AgentSamples, RolloutBatch
 from lit_marl.rollout.buffer import RolloutBuffer, batch_turns, minibatches
+
+
+def fixed_mode(family: type, advantage: AdvantageSettings) -> AdvantageSettings:
+    """``advantage`` with the baseline a named variant fixes (``family.baseline``); another mode
+    given to it is refused."""
+    if family.baseline is None or advantage.mode == family.baseline:
+        return advantage
+    if advantage.mode != AdvantageSettings.mode:
+        raise ConfigError(
+            f"model.advantage.mode={advantage.mode!r}: {family.__name__} is MAGRPO with mode {family.baseline!r}; "
+            f"remove it, or use MAGRPO with model.advantage.mode: {advantage.mode}"
+        )
+    return replace(advantage, mode=family.baseline)
 
 
 class MAGRPO(AgentTeamModule):
@@ -29,10 +51,7 @@ class MAGRPO(AgentTeamModule):
 
     def __init__(
         self,
-        advantage_mode: AdvantageMode = "mean",
-        advantage_normalization: bool = True,
-        advantage_normalization_form: NormalizationForm = "rms",
-        advantage_std_floor: PositiveFloat = 1e-3,
+        advantage: AdvantageSettings = AdvantageSettings(),
         update: UpdateSettings = UpdateSettings(),
         buffer: BufferSettings = BufferSettings(),
         kl_coef: NonNegativeFloat = 0.0,
@@ -40,14 +59,9 @@ class MAGRPO(AgentTeamModule):
     ):
         """
         Args:
-            advantage_mode: Baseline within each node's G siblings: ``mean`` (MAGRPO), ``raw``
-                (MAREINFORCE), ``max`` (MAReMax) or ``rloo`` (MARLOO, leave-one-out).
-            advantage_normalization: Rescale each node's advantages (``advantage_normalization_form``).
-            advantage_normalization_form: ``rms``: divide by their root mean square (for ``mean``
-                the returns' sample std; no advantage exceeds sqrt(G-1), a tie never becomes a large
-                signal); ``zscore``: CoMLRL's re-centring and division by the population std (every
-                mode becomes ``mean``; a near-tie becomes a unit signal). See ``returns.group_advantages``.
-            advantage_std_floor: Lower bound of the divisor (CoMLRL's: 1e-6).
+            advantage: How each node's returns become advantages (``algorithms.settings.AdvantageSettings``):
+                MAGRPO reads ``mode`` (the baseline within a node's G siblings; the named variants fix it),
+                ``normalization``, ``normalization_form`` and ``std_floor``.
             update: How the buffered samples become optimizer steps (``algorithms.settings.UpdateSettings``):
                 MAGRPO reads ``train_batch_size`` (groups: a tree node's G responses), ``logprob_reduction``
                 (REINFORCE on the sum or the mean of a response's token log-probs) and ``rollout_is_cap``.
@@ -59,18 +73,23 @@ class MAGRPO(AgentTeamModule):
         """
         super().__init__(**kwargs)
         check_fields("model", MAGRPO.__init__, locals())
-        # kept as attributes: under LightningCLI, hparams hold only the keys the config gave, and the
-        # named variants (MARLOO, ...) fix advantage_mode without exposing it
-        self.advantage_mode = advantage_mode
-        self.advantage_normalization = advantage_normalization
-        self.advantage_std_floor = advantage_std_floor
-        self.advantage_normalization_form = advantage_normalization_form
-        groups = {"update": self.update_fields, "buffer": BUFFER_FIELDS}
-        read_groups(self, groups, update=(UpdateSettings, update), buffer=(BufferSettings, buffer))
+        advantage = fixed_mode(type(self), as_group(AdvantageSettings, advantage))
+        groups = {"advantage": self.advantage_fields, "update": self.update_fields, "buffer": BUFFER_FIELDS}
+        read_groups(
+            self,
+            groups,
+            advantage=(AdvantageSettings, advantage),
+            update=(UpdateSettings, update),
+            buffer=(BufferSettings, buffer),
+        )
         self.kl_coef = kl_coef
 
     update_fields = frozenset({"train_batch_size", "logprob_reduction", "rollout_is_cap", "tempered_logprobs"})
     """The ``model.update`` fields MAGRPO reads."""
+    advantage_fields = frozenset({"mode", "normalization", "normalization_form", "std_floor"})
+    """The ``model.advantage`` fields MAGRPO reads."""
+    baseline: AdvantageMode | None = None
+    """The baseline a named variant fixes (MAREINFORCE ``raw``, MAReMax ``max``, MARLOO ``rloo``)."""
     logit_temperature = 1.0
     """What the update divides the logits by before scoring (``model.update.tempered_logprobs``), set in ``setup``."""
 
@@ -118,12 +137,9 @@ class MAGRPO(AgentTeamModule):
         grouped by node, all groups of one size (one per tree node)."""
         num_groups = int(samples.group_ids.max()) + 1
         grouped = samples.returns.view(num_groups, -1)
+        settings = self.advantage
         adv = group_advantages(
-            grouped,
-            self.advantage_mode,
-            self.advantage_normalization,
-            self.advantage_std_floor,
-            self.advantage_normalization_form,
+            grouped, settings.mode, settings.normalized(), settings.std_floor, settings.normalization_form
         )
         return samples.with_advantages(adv.reshape(-1))
 
@@ -205,22 +221,19 @@ class MAGRPO(AgentTeamModule):
 class MAREINFORCE(MAGRPO):
     """MAGRPO without a baseline: each response's advantage is its return."""
 
-    def __init__(self, **kwargs):
-        super().__init__(advantage_mode="raw", **kwargs)
+    baseline = "raw"
 
 
 class MAReMax(MAGRPO):
     """MAGRPO with the group's best return as the baseline."""
 
-    def __init__(self, **kwargs):
-        super().__init__(advantage_mode="max", **kwargs)
+    baseline = "max"
 
 
 class MARLOO(MAGRPO):
     """MAGRPO with the leave-one-out baseline (the mean of the other G-1 siblings)."""
 
-    def __init__(self, **kwargs):
-        super().__init__(advantage_mode="rloo", **kwargs)
+    baseline = "rloo"
 
 
 class CentralizedMAGRPO(MAGRPO):

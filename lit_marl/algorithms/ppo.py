@@ -5,8 +5,6 @@ read where the turn's reply starts; its advantage broadcast to the turn's tokens
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -15,7 +13,7 @@ from lit_marl import ConfigError
 from lit_marl.algorithms.critics import ValueHead, load_critic_backbone
 from lit_marl.algorithms.episodic import EpisodicModule
 from lit_marl.algorithms.settings import CriticSettings, read_groups
-from lit_marl.fields import ClosedUnitInterval, check_fields
+from lit_marl.fields import check_fields
 from lit_marl.logprobs import final_hidden_states, masked_logprobs
 from lit_marl.losses import explained_variance, value_loss
 from lit_marl.parallel.collectives import whiten
@@ -28,9 +26,6 @@ class PPO(EpisodicModule):
     def __init__(
         self,
         critic: CriticSettings = CriticSettings(),
-        gae: Literal["token", "turn"] = "token",
-        gae_lambda: ClosedUnitInterval = 0.95,
-        advantage_normalization: bool = True,
         **kwargs,
     ):
         """
@@ -40,10 +35,9 @@ class PPO(EpisodicModule):
                 source) with its own head, its learning rate, value loss weight and clipping, and ``warmup``: the
                 first n RL steps train the critic only (veRL's ``trainer.critic_warmup``; the policy keeps its
                 weights and optimizer state, a value head learns on its features without moving them).
-            gae: ``token``: GAE over the agent's tokens; ``turn``: one value and advantage per turn.
-            gae_lambda: GAE lambda.
-            advantage_normalization: Whiten the advantages over the step's action tokens.
-            **kwargs: The shared settings of ``EpisodicModule`` (model, update, discount, kl_coef, ...).
+            **kwargs: The shared settings of ``EpisodicModule`` (model, update, advantage, discount, kl_coef, ...):
+                PPO reads ``model.advantage``'s ``gae`` (token- or turn-level), ``gae_lambda`` and
+                ``normalization`` (whitening over the step's action tokens).
         """
         super().__init__(**kwargs)
         check_fields("model", PPO.__init__, locals())
@@ -52,11 +46,12 @@ class PPO(EpisodicModule):
         if self.critic_kind == "head" and self.critic.model is not None:
             raise ConfigError("model.critic.model is for critic.kind: model; a value head lives on the policy")
         self.critic_learning_rate = self.critic.learning_rate or self.hparams.learning_rate
-        self.gae_mode, self.gae_lambda = gae, gae_lambda
-        self.advantage_normalization, self.rl_steps = advantage_normalization, 0
+        self.rl_steps = 0
         self.value_heads: nn.ModuleList | None = None  # one critic per learner
         self.critic_backbones: nn.ModuleList | None = None
 
+    advantage_fields = frozenset({"gae", "gae_lambda", "normalization"})
+    """The ``model.advantage`` fields PPO reads."""
     critic_fields = frozenset({"kind", "model", "learning_rate", "value_loss_coef", "value_clip_range", "warmup"})
     """The ``model.critic`` fields PPO reads."""
 
@@ -120,22 +115,24 @@ class PPO(EpisodicModule):
     @torch.no_grad()
     def advantages(self, samples, learner, batch, token_rewards, values):
         mask = batch.loss_mask.float()
-        if self.gae_mode == "token":
-            advantages, returns = token_gae(token_rewards, values * mask, mask, self.discount, self.gae_lambda)
+        if self.advantage.gae == "token":
+            advantages, returns = token_gae(
+                token_rewards, values * mask, mask, self.discount, self.advantage.gae_lambda
+            )
             value_mask = mask
         else:
             alive = batch.alive
             first = batch.turn_starts()  # the value of a turn is read where its reply starts
             turn_values = values.gather(1, first) * alive
             per_turn = batch.per_turn(token_rewards)
-            turn_adv, turn_ret = turn_gae(per_turn, turn_values, alive, self.discount, self.gae_lambda)
+            turn_adv, turn_ret = turn_gae(per_turn, turn_values, alive, self.discount, self.advantage.gae_lambda)
             advantages = batch.to_tokens(turn_adv)
             value_mask = torch.zeros_like(values)
             returns = torch.zeros_like(values)
             rows, turns = torch.nonzero(alive, as_tuple=True)
             value_mask[rows, first[rows, turns]] = 1.0
             returns[rows, first[rows, turns]] = turn_ret[rows, turns]
-        if self.advantage_normalization:
+        if self.advantage.normalized():
             advantages = whiten(advantages, mask)
         returns_v, values_v = returns[value_mask.bool()], values[value_mask.bool()]
         critic = {"value_mean": values_v.mean(), "explained_variance": explained_variance(returns_v, values_v)}

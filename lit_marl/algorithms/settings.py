@@ -1,9 +1,9 @@
 """The settings groups of the RL families, each declared once and passed whole from YAML to the
-family that reads it: ``model.update`` (how rollouts become optimizer steps), ``model.buffer`` (when
-a buffered family updates, and in which order), ``model.critic`` (an actor-critic family's value
-function). A family reads only some fields of a group (``Family.update_fields``); a field it does
-not read, set away from its default, stops the run naming the family (``check_unread``), so no
-setting is ever silently ignored."""
+family that reads it: ``model.update`` (how rollouts become optimizer steps), ``model.advantage``
+(how returns become advantages), ``model.buffer`` (when a buffered family updates, and in which
+order), ``model.critic`` (an actor-critic family's value function). A family reads only some
+fields of a group (``Family.update_fields``); a field it does not read, set away from its default,
+stops the run naming the family (``check_unread``), so no setting is ever silently ignored."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Literal
 from lit_marl import ConfigError
 from lit_marl.fields import (
     AboveOne,
+    ClosedUnitInterval,
     NonNegativeFloat,
     NonNegativeInt,
     OpenUnitInterval,
@@ -23,6 +24,7 @@ from lit_marl.fields import (
     saved_groups,
 )
 from lit_marl.losses import Reduction
+from lit_marl.returns import AdvantageMode, NormalizationForm
 from lit_marl.rollout.buffer import UpdateSchedule
 
 
@@ -73,6 +75,46 @@ class UpdateSettings:
                 "model.update.tempered_logprobs with model.update.rollout_is_cap: the engines report untempered "
                 "log-probs, so their ratio to tempered ones is no importance weight; drop one of the two"
             )
+
+
+@dataclass(frozen=True)
+class AdvantageSettings:
+    """How returns become advantages (``model.advantage``): each family reads the fields of its
+    estimator (``Family.advantage_fields``); docs/credit.md compares them."""
+
+    normalization: bool | None = None
+    """Rescale the advantages: MAGRPO each tree node's (``normalization_form``), GRPO/RLOO each task's
+    group by its sample std (veRL's and TRL's; also the step-level part's, by its anchor group's), PPO
+    whitened over the step's action tokens, IAC/MAAC z-scored per (agent, turn) group. None: on, but
+    off for RLOO, whose leave-one-out baseline is the unbiased estimator only unscaled."""
+    mode: AdvantageMode = "mean"
+    """MAGRPO's baseline within each node's G siblings: ``mean`` (MAGRPO), ``raw`` (MAREINFORCE),
+    ``max`` (MAReMax) or ``rloo`` (MARLOO, leave-one-out); the named variants set it themselves."""
+    normalization_form: NormalizationForm = "rms"
+    """MAGRPO: ``rms`` divides each node's advantages by their root mean square (for ``mean`` the
+    returns' sample std; no advantage exceeds sqrt(G-1), a tie never becomes a large signal);
+    ``zscore``: CoMLRL's re-centring and division by the population std (every mode becomes ``mean``;
+    a near-tie becomes a unit signal). See ``returns.group_advantages``."""
+    std_floor: PositiveFloat = 1e-3
+    """MAGRPO: lower bound of the normalization's divisor (CoMLRL's: 1e-6)."""
+    turn_level: bool = False
+    """GRPO/RLOO: each turn's advantage from its return-to-go, baselined across the group at that turn
+    (a finished episode counting 0; for dense rewards); otherwise the episode's return for every turn."""
+    step_weight: NonNegativeFloat = 0.0
+    """GRPO/RLOO: GiGPO's omega: add this times the step-level advantage - the step's return-to-go
+    against the other episodes' steps from the same anchor state (``data.anchor``) - to the
+    episode-level one; a step no other episode shares keeps the episode-level part only (0: off)."""
+    gae: Literal["token", "turn"] = "token"
+    """PPO: ``token``: GAE over the agent's tokens; ``turn``: one value and advantage per turn."""
+    gae_lambda: ClosedUnitInterval = 0.95
+    """PPO: GAE's lambda (veRL's ``lam``; 1: Monte Carlo returns against the critic's values)."""
+
+    def __post_init__(self):
+        check_dataclass("model.advantage", self)
+
+    def normalized(self, default: bool = True) -> bool:
+        """Whether to rescale: ``normalization``, or the family's ``default`` when it is None."""
+        return default if self.normalization is None else self.normalization
 
 
 @dataclass(frozen=True)

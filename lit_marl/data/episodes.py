@@ -34,7 +34,7 @@ class EpisodeDataModule(TaskDataModule):
             many as the most common (the guide's mixture experiment). None: every row as given. Evaluation
             reports the success of every task type either way.
         anchor: What makes two turns of a task's episodes one anchor state for step-level groups
-            (``model.step_advantage_weight``): ``state``, the env's canonical state (TextWorld's and
+            (``model.advantage.step_weight``): ``state``, the env's canonical state (TextWorld's and
             ALFWorld's facts, Corridor's room and items; the observation where an env has none);
             ``observation``, the agent's observation text.
         reasoning: ``think``: a reply's ``<think>...</think>`` block is the agent's reasoning (Qwen3): the env

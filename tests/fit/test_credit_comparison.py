@@ -66,7 +66,7 @@ def test_the_comparison_runs_every_cell_from_one_start_and_resumes(tmp_path, cap
     assert start["demos"] == 2 and start["model"].startswith(str(settings / "start" / "model"))
     config = yaml.safe_load((settings / "cells" / rows[0]["cell"] / "config.yaml").read_text())
     assert config["model"]["init_args"]["model"] == start["model"]  # every cell starts from the SFT'd model
-    assert config["model"]["init_args"]["step_advantage_weight"] == 1.0
+    assert config["model"]["init_args"]["advantage"]["step_weight"] == 1.0
     ppo = yaml.safe_load((settings / "cells" / rows[2]["cell"] / "config.yaml").read_text())
     assert ppo["data"]["init_args"]["num_generations"] == 1 and ppo["data"]["init_args"]["tasks_per_step"] == 2
     assert "| grpo_step |" in (out / "results.md").read_text()

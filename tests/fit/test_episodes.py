@@ -231,11 +231,17 @@ def _fit(tmp_path, module, env, num_generations, precision="32-true", **data_kwa
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {"critic": {"kind": "head"}, "gae": "token"},
-        {"critic": {"kind": "model", "learning_rate": 1e-3}, "gae": "turn"},
-        {"critic": {"kind": "head"}, "gae": "token", "kl_coef": 0.1, "kl_mode": "reward"},
+        {"critic": {"kind": "head"}, "advantage": {"gae": "token"}},
+        {"critic": {"kind": "model", "learning_rate": 1e-3}, "advantage": {"gae": "turn"}},
+        {"critic": {"kind": "head"}, "advantage": {"gae": "token"}, "kl_coef": 0.1, "kl_mode": "reward"},
         # LoRA: the KL reference is the base with the adapters disabled (no copy of the weights)
-        {"critic": {"kind": "head"}, "gae": "turn", "kl_coef": 0.1, "kl_mode": "loss", "lora": {"r": 4, "alpha": 8}},
+        {
+            "critic": {"kind": "head"},
+            "advantage": {"gae": "turn"},
+            "kl_coef": 0.1,
+            "kl_mode": "loss",
+            "lora": {"r": 4, "alpha": 8},
+        },
     ],
 )
 def test_ppo_fit_moves_policy_and_critic(tmp_path, kwargs):
@@ -267,7 +273,7 @@ def test_ppo_fit_moves_policy_and_critic(tmp_path, kwargs):
 def test_ppo_values_are_fp32_under_bf16_autocast(tmp_path, gae):
     """Under bf16-mixed (a CPU with bf16 units picks it) the value head still computes in fp32: its
     values sit beside GAE's fp32 returns (turn-level GAE writes them into one tensor)."""
-    module = PPO(model="tiny-random", learning_rate=1e-2, gae=gae)
+    module = PPO(model="tiny-random", learning_rate=1e-2, advantage={"gae": gae})
     metrics, moved = _fit(tmp_path, module, "corridor", 1, precision="bf16-mixed", reward_density="dense")
     assert torch.isfinite(metrics["agent0/explained_variance"])
     assert any(n.startswith("value_heads.0.") for n in moved)
@@ -282,9 +288,8 @@ def test_ppo_values_are_fp32_under_bf16_autocast(tmp_path, gae):
     [(GRPO, False, 0.0), (RLOO, False, 0.0), (GRPO, True, 0.0), (RLOO, True, 0.0), (GRPO, False, 1.0)],
 )
 def test_group_fits_move_the_policy(tmp_path, cls, turn_level, step_weight):
-    module = cls(
-        model="tiny-random", learning_rate=1e-2, turn_level_advantages=turn_level, step_advantage_weight=step_weight
-    )
+    advantage = {"turn_level": turn_level, "step_weight": step_weight}
+    module = cls(model="tiny-random", learning_rate=1e-2, advantage=advantage)
     metrics, moved = _fit(tmp_path, module, "letter-count", 4, reward_density="dense")
     for key in ("train/loss", "turn_0/reward", "turn_1/advantage", "train/reward"):
         assert key in metrics and torch.isfinite(metrics[key]), key
@@ -341,7 +346,7 @@ def test_each_agent_has_its_own_sequence(agent):
 def test_two_agent_fits(tmp_path, share):
     """Step-level groups per agent: each agent's steps group over its own observations."""
     module = GRPO(
-        model="tiny-random", num_agents=2, share_parameters=share, learning_rate=1e-2, step_advantage_weight=1.0
+        model="tiny-random", num_agents=2, share_parameters=share, learning_rate=1e-2, advantage={"step_weight": 1.0}
     )
     metrics, moved = _fit(tmp_path, module, "two-letters", 4, reward_density="dense")
     names = ["shared"] if share else ["agent0", "agent1"]
@@ -405,7 +410,11 @@ def test_critic_warmup_trains_the_critic_only(tmp_path, critic):
     AdamW does not step at all: weight decay would move its weights, and a step count advanced on
     zero gradients would shrink its first real updates (bias correction)."""
     module = PPO(
-        model="tiny-random", learning_rate=1e-2, weight_decay=0.1, critic={"kind": critic, "warmup": 1}, gae="turn"
+        model="tiny-random",
+        learning_rate=1e-2,
+        weight_decay=0.1,
+        critic={"kind": critic, "warmup": 1},
+        advantage={"gae": "turn"},
     )
     metrics, moved = _fit(tmp_path, module, "corridor", 1, reward_density="dense")
     assert not any(n.startswith("agents.") for n in moved), sorted(n for n in moved if n.startswith("agents."))[:3]

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from helpers import SGDRecordingMAGRPO, cli_fit, make_trainer, slogan_data, snapshot, tree_from_functions
+from lit_marl import ConfigError
 from lit_marl.algorithms import MAGRPO
 from lit_marl.generation import Sampling
 from lit_marl.returns import group_advantages
@@ -94,7 +95,7 @@ def test_single_agent_advantages_are_grpo(tiny_agent):
     assert torch.equal(samples.returns, batch.rewards)
     expected = _per_group_minus_mean(batch.rewards, samples.group_ids)
     assert expected.abs().sum() > 0, "rewards equal within every group: the check below is void"
-    module = MAGRPO(model="tiny-random", num_agents=1, advantage_normalization=False)
+    module = MAGRPO(model="tiny-random", num_agents=1, advantage={"normalization": False})
     torch.testing.assert_close(module.advantages(samples).advantages, expected)
     # GRPO's scaling: the same, divided by the group's std
     scaled = MAGRPO(model="tiny-random", num_agents=1).advantages(samples).advantages
@@ -111,7 +112,7 @@ def test_advantages_follow_the_settings(tiny_agents, baseline, scale):
     batch = tree_from_functions(
         tiny_agents, tasks, prompts, _length_reward, 3, joint_mode="cross", sampling=Sampling(max_new_tokens=5)
     )
-    module = MAGRPO(model="tiny-random", advantage_mode=baseline, advantage_normalization=scale)
+    module = MAGRPO(model="tiny-random", advantage={"mode": baseline, "normalization": scale})
     for samples in batch.agents:
         expected = group_advantages(samples.returns.view(2, 3), baseline, scale, 1e-3).reshape(-1)
         torch.testing.assert_close(module.advantages(samples).advantages, expected)
@@ -351,11 +352,15 @@ def test_named_variants_fix_the_advantage_mode(name, mode, in_repo_root):
     from lit_marl.cli import build_cli
 
     cls = getattr(algorithms, name)
-    assert cls(model="tiny-random").advantage_mode == mode
+    assert cls(model="tiny-random").advantage.mode == mode
+    with pytest.raises(ConfigError, match=f"{name} is MAGRPO with mode '{mode}'"):
+        cls(model="tiny-random", advantage={"mode": "max" if mode != "max" else "raw"})
     cli = build_cli(
         args=["--config", "configs/magrpo/slogan_tiny.yaml", "--model", f"lit_marl.algorithms.{name}"], run=False
     )
-    assert type(cli.model) is cls and cli.model.advantage_mode == mode
+    assert (
+        type(cli.model) is cls and cli.model.advantage.mode == mode and cli.model.hparams["advantage"]["mode"] == mode
+    )
 
 
 def test_a_step_of_zero_advantages_still_steps_the_optimizer(tmp_path):

@@ -44,7 +44,7 @@ from lit_marl.generation import Sampling
                 update={"logprob_reduction": "mean"},
                 critic={"type": "q"},
                 policy_loss="ppo",
-                advantage_normalization=False,
+                advantage={"normalization": False},
             ),
         ),
     ],

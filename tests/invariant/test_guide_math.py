@@ -97,7 +97,7 @@ def test_value_loss_coef_weighs_a_mean_over_value_positions_in_both_gae_modes(tm
     L.seed_everything(0)
     module = SGDRecordingPPO(
         model="tiny-random",
-        gae=gae,
+        advantage={"gae": gae},
         update={"ppo_epochs": 1},
         critic={"value_loss_coef": 0.7},
         max_grad_norm=0.0,

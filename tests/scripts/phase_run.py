@@ -77,7 +77,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     L.seed_everything(0)
     corridor = REPO_ROOT / "data" / "corridor"
-    module = PPO(model="tiny-random", learning_rate=1e-3, gae="turn")
+    module = PPO(model="tiny-random", learning_rate=1e-3, advantage={"gae": "turn"})
     data = RecordingData(
         train_path=str(corridor / "train.jsonl"),
         env="corridor",

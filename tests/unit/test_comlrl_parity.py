@@ -91,8 +91,11 @@ def test_magrpo_preset_reproduces_comlrl(case, monkeypatch):
         **{
             **given,
             "num_agents": N,
-            "advantage_mode": case["advantage_mode"],
-            "advantage_normalization": case["advantage_normalization"],
+            "advantage": {
+                **given.get("advantage", {}),
+                "mode": case["advantage_mode"],
+                "normalization": case["advantage_normalization"],
+            },
             # CoMLRL's null is the buffer size (here a whole tree): one step per turn
             "update": {**given.get("update", {}), "train_batch_size": case["train_batch_size"]},
         }

@@ -56,7 +56,7 @@ def test_model_list_length_must_match_num_agents():
         ({"num_agents": 0}, "model.num_agents=0"),
         ({"forward_batch_size": 0}, "model.forward_batch_size=0"),
         ({"forward_token_budget": 0}, "model.forward_token_budget=0"),
-        ({"advantage_mode": "median"}, "model.advantage_mode='median'"),
+        ({"advantage": {"mode": "median"}}, "model.advantage.mode='median'"),
     ],
 )
 def test_bad_model_settings(kwargs, field):

@@ -15,17 +15,14 @@ import yaml
 import lit_marl.algorithms as algorithms
 from helpers import REPO_ROOT
 from lit_marl import ConfigError
-from lit_marl.algorithms import GRPO, IAC, MAAC, MAGRPO, PPO
+from lit_marl.algorithms import GRPO, IAC, MAAC, MAGRPO, PPO, RLOO
 from lit_marl.algorithms.settings import BufferSettings, CriticSettings, UpdateSettings
 from lit_marl.cli import build_cli
 from lit_marl.fields import regroup_moved
 
-GROUPS = {"update", "buffer", "critic", "lora"}
+GROUPS = {"update", "advantage", "buffer", "critic", "lora"}
 """Group parameters: each family that reads a group declares it (its fields are declared once)."""
 STILL_SHARED = {
-    # each family's own meaning and default (RLOO's leave-one-out baseline is unscaled): an
-    # advantages group is the next step
-    "advantage_normalization",
     "kl_coef",  # MAGRPO's is a reward penalty, the episodes' a loss term or a reward one (kl_mode)
     "pair_selection",  # the preference trainers: MADPO's, the iterative one's and the reward model's own
     "preference_pairs_per_sample",
@@ -42,6 +39,10 @@ STILL_SHARED = {
         (lambda: MAAC(critic={"kind": "head"}), "model.critic.kind=head: the centralized critic of MAAC"),
         (lambda: PPO(update={"clip_range": 1.5}), "model.update.clip_range=1.5: must be > 0 and < 1"),
         (lambda: MAGRPO(buffer={"size": 0}), "model.buffer.size=0: must be > 0"),
+        (lambda: PPO(advantage={"turn_level": True}), "model.advantage.turn_level=True: PPO does not read it"),
+        (lambda: GRPO(advantage={"gae": "turn"}), "model.advantage.gae='turn': GRPO does not read it"),
+        (lambda: IAC(advantage={"mode": "max"}), "model.advantage.mode='max': IAC does not read it"),
+        (lambda: MAGRPO(advantage={"gae_lambda": 1.5}), "model.advantage.gae_lambda=1.5: must be >= 0 and <= 1"),
     ],
 )
 def test_a_field_the_family_does_not_read_is_refused(build, message, no_model_loads):
@@ -80,15 +81,25 @@ def test_a_checkpoint_saved_before_the_move_is_regrouped():
         "ppo_epochs": 2,
         "policy_loss": "ppo",
     }
-    saved |= {"rollout_buffer_size": 4, "update_schedule": "per_turn"}
+    saved |= {"rollout_buffer_size": 4, "update_schedule": "per_turn", "advantage_normalization": False}
     assert regroup_moved("model", saved) == {
         "model": "tiny-random",
         "policy_loss": "ppo",
         "critic": {"kind": "model", "learning_rate": 1e-3},
         "update": {"ppo_epochs": 2},
         "buffer": {"size": 4, "schedule": "per_turn"},
+        "advantage": {"normalization": False},
     }
     assert IAC(**regroup_moved("model", saved)).buffer == BufferSettings(4, "per_turn")
+
+
+def test_advantage_normalization_defaults_to_each_familys_own(no_model_loads):
+    """One default (None) for every family: on, but off for RLOO, whose leave-one-out baseline is
+    the unbiased estimator only unscaled; an explicit value wins in both."""
+    assert GRPO().advantage.normalized(GRPO.normalizes) and not RLOO().advantage.normalized(RLOO.normalizes)
+    assert RLOO(advantage={"normalization": True}).advantage.normalized(RLOO.normalizes)
+    assert not GRPO(advantage={"normalization": False}).advantage.normalized(GRPO.normalizes)
+    assert PPO().advantage.normalized() and MAGRPO().advantage.normalized() and IAC().advantage.normalized()
 
 
 def test_no_setting_is_declared_by_two_algorithm_classes():
