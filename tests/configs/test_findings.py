@@ -121,6 +121,18 @@ def test_every_grid_command_on_the_page_parses():
         args = ablation.parse_args(argv)
         ablation.check_grid(args)
         made.setdefault(args.out, set()).update(name for name, _ in ablation.grid_cells(args))
+        stages = {r["cell"]: r.get("sft_stage") for r in ablation.load_rows(REPO_ROOT / args.out / "results.jsonl")}
+        for name, key in ablation.grid_cells(args):  # a setting moved into a group keeps the stage a cell started from
+            if key is not None and stages.get(name):
+                assert sft_stage_name(ablation, args, key) == stages[name], name
     for out, names in made.items():  # every finished cell is one of a command's cells: its exact command is here
         finished = {row["cell"] for row in ablation.load_rows(REPO_ROOT / out / "results.jsonl")}
         assert finished <= names, f"{out}: cells no command on the page makes: {sorted(finished - names)}"
+
+
+def sft_stage_name(ablation, args, key: dict) -> str:
+    """The SFT stage a grid's cell starts from, as the grid computes it from today's configs."""
+    config = ablation.cell_config(args, key["algorithm"], key["density"], key["split"], key["train"], key["seed"], None)
+    (phase,) = [c for c in config["trainer"]["callbacks"] if c["class_path"].endswith("PhaseSwitch")]
+    switch = {**phase["init_args"], "budget": ablation.budget(args, key["split"])[0] * args.demo_cost, "split": "1:0"}
+    return ablation.sft_stage_id(args, config, switch, key["train"], key["seed"])
