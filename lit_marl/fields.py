@@ -177,6 +177,7 @@ _GROUPS = {
         "gae": "gae",
         "gae_lambda": "gae_lambda",
     },
+    "model.kl": {"coef": "kl_coef", "mode": "kl_mode", "clamp": "kl_clamp"},
     "model.buffer": {"size": "rollout_buffer_size", "schedule": "update_schedule"},
     "model.critic": {
         "kind": "critic",

@@ -91,7 +91,7 @@ def ppo_step(out: Path, model: str, device: str, tasks: int = 16, turns: int = 6
         activation_checkpointing=True,
         forward_token_budget=4096,
         weights_dtype="bfloat16",
-        kl_coef=0.01,
+        kl={"coef": 0.01},
     )
     data = EpisodeDataModule(
         env="corridor",

@@ -171,8 +171,8 @@ class AgentTeamModule(OptimizerSteps, StepLogging, L.LightningModule):
         if self.memory_check:
             check_memory(self, self.rollout_settings)
         if self.kl_reference == "rl_start" and (self.shards is not None or not self.has_reference):
-            why = "under FSDP (not supported yet)" if self.shards is not None else "without a KL term (kl_coef: 0)"
-            raise ConfigError(f"model.kl_reference: rl_start {why}: leave kl_reference out, or set model.kl_coef > 0")
+            why = "under FSDP (not supported yet)" if self.shards is not None else "without a KL term (kl.coef: 0)"
+            raise ConfigError(f"model.kl_reference: rl_start {why}: leave kl_reference out, or set model.kl.coef > 0")
         if self.phase == "rl" and self.trainer.ckpt_path is None:  # resumed: the checkpoint holds the reference
             self.start_rl()
 

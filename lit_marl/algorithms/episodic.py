@@ -5,14 +5,19 @@ metrics. Subclasses say how advantages (and, for PPO, values) are made."""
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
 from lit_marl import ConfigError
 from lit_marl.algorithms.base import AgentTeamModule
-from lit_marl.algorithms.settings import AdvantageSettings, UpdateSettings, logit_temperature, read_groups
-from lit_marl.fields import NonNegativeFloat, PositiveFloat, check_fields
+from lit_marl.algorithms.settings import (
+    KL_FIELDS,
+    AdvantageSettings,
+    KLSettings,
+    UpdateSettings,
+    logit_temperature,
+    read_groups,
+)
+from lit_marl.fields import check_fields
 from lit_marl.logprobs import masked_logprobs
 from lit_marl.losses import clip_fraction, clipped_surrogate, k3_kl
 from lit_marl.metrics import Timer, record_stats, rollout_correction
@@ -20,14 +25,6 @@ from lit_marl.parallel.collectives import all_ranks_sum, padded_steps
 from lit_marl.rollout.batch import TrajectorySamples, length_passes
 from lit_marl.rollout.buffer import minibatches
 from lit_marl.rollout.episode import EpisodeBatch, render_episode
-
-
-def check_kl_clamp(kl_clamp: float | None, kl_mode: str, kl_coef: float) -> None:
-    if kl_clamp is not None and (kl_mode != "loss" or kl_coef == 0):
-        raise ConfigError(
-            f"model.kl_clamp={kl_clamp} caps the KL loss term: it needs model.kl_mode: loss and model.kl_coef > 0 "
-            f"(got kl_mode: {kl_mode}, kl_coef: {kl_coef}); remove kl_clamp otherwise"
-        )
 
 
 class EpisodicModule(AgentTeamModule):
@@ -40,9 +37,7 @@ class EpisodicModule(AgentTeamModule):
         self,
         update: UpdateSettings = UpdateSettings(),
         advantage: AdvantageSettings = AdvantageSettings(),
-        kl_coef: NonNegativeFloat = 0.0,
-        kl_mode: Literal["loss", "reward"] = "loss",
-        kl_clamp: PositiveFloat | None = None,
+        kl: KLSettings = KLSettings(),
         **kwargs,
     ):
         """
@@ -53,20 +48,17 @@ class EpisodicModule(AgentTeamModule):
                 ``rollout_is_cap`` and ``skip_signalless_steps`` (GRPO, RLOO without a KL term).
             advantage: How returns become advantages (``algorithms.settings.AdvantageSettings``): each family
                 reads its estimator's fields (``advantage_fields``: PPO's GAE, GRPO's and RLOO's group baselines).
-            kl_coef: Weight of KL(policy || reference); 0 disables.
-            kl_mode: ``loss``: a loss term (k3 per token); ``reward``: k1 subtracted from each token's reward.
-            kl_clamp: With ``kl_mode: loss``, cap each token's k3 at this (its log-ratio at +-20), as veRL's
-                ``low_var_kl`` does with 10; None: not capped (k3 itself, its log-ratio still held at +-20).
+            kl: A KL(policy || reference) term (``algorithms.settings.KLSettings``): its ``coef`` (0: none), ``mode``
+                (a loss term or a per-token reward penalty) and ``clamp``.
             **kwargs: The team's settings (model, lora, learning_rate, discount, forward_token_budget, ...): see
                 ``AgentTeamModule``; each agent plays its own token sequence.
         """
         kwargs.setdefault("num_agents", 1)  # one agent unless given (the CLI links it to the environment's)
         super().__init__(**kwargs)
         check_fields("model", EpisodicModule.__init__, locals())
-        check_kl_clamp(kl_clamp, kl_mode, kl_coef)
-        groups = {"update": self.update_fields, "advantage": self.advantage_fields}
-        read_groups(self, groups, update=(UpdateSettings, update), advantage=(AdvantageSettings, advantage))
-        self.kl_coef, self.kl_mode, self.kl_clamp = kl_coef, kl_mode, kl_clamp
+        groups = {"update": self.update_fields, "advantage": self.advantage_fields, "kl": KL_FIELDS}
+        given = {"update": (UpdateSettings, update), "advantage": (AdvantageSettings, advantage)}
+        read_groups(self, groups, kl=(KLSettings, kl), **given)
 
     update_fields = frozenset(
         {"ppo_epochs", "train_batch_size", "clip_range", "dual_clip", "rollout_is_cap", "skip_signalless_steps"}
@@ -80,7 +72,7 @@ class EpisodicModule(AgentTeamModule):
 
     def build_models(self) -> None:
         super().build_models()
-        if self.kl_coef > 0:
+        if self.kl.coef > 0:
             self.build_references()
 
     def setup(self, stage: str) -> None:
@@ -89,10 +81,10 @@ class EpisodicModule(AgentTeamModule):
             self.rollout_settings.require("episodes", type(self).__name__)
         self.logit_temperature = logit_temperature(self.update, self.rollout_settings)
         critic = type(self).extra_loss is not EpisodicModule.extra_loss
-        if self.update.skip_signalless_steps and (critic or self.kl_coef > 0):
+        if self.update.skip_signalless_steps and (critic or self.kl.coef > 0):
             raise ConfigError(
                 f"model.update.skip_signalless_steps: {type(self).__name__}'s steps all carry a gradient (a critic's "
-                "value loss or a KL term): use it with GRPO or RLOO without kl_coef, or leave it out"
+                "value loss or a KL term): use it with GRPO or RLOO without model.kl.coef, or leave it out"
             )
 
     # ------------------------------------------------------------------ what subclasses provide
@@ -169,20 +161,20 @@ class EpisodicModule(AgentTeamModule):
         token_rewards = batch.token_rewards(batch.rewards).to(old_logprobs.device)
         rollout = None if batch.rollout_logprobs is None else batch.rollout_logprobs.to(old_logprobs.device)
         ref = None
-        if self.kl_coef > 0:
+        if self.kl.coef > 0:
             ref = self.reference_logprobs(batch, learner)
             tokens = batch.loss_mask.sum().clamp(min=1)  # KL(policy || reference) per sampled token
             kl = float((k3_kl(ref - old_logprobs) * batch.loss_mask).sum() / tokens)
             self.record({f"{self.learner_name(learner)}/kl_ref": kl}, weight=float(tokens))
-            if self.kl_mode == "reward":
+            if self.kl.mode == "reward":
                 delta = old_logprobs - ref  # the per-token KL estimate of the sampled tokens
-                token_rewards = token_rewards - self.kl_coef * delta * batch.loss_mask
+                token_rewards = token_rewards - self.kl.coef * delta * batch.loss_mask
         fields = dict(
             input_ids=batch.input_ids,
             attention_mask=batch.attention_mask,
             loss_mask=batch.loss_mask,
             old_logprobs=old_logprobs,
-            ref_logprobs=ref if self.kl_mode == "loss" else None,
+            ref_logprobs=ref if self.kl.mode == "loss" else None,
             rollout_logprobs=rollout,
             group_ids=batch.group_ids.to(batch.input_ids.device),
             turn_ids=torch.zeros_like(batch.group_ids).to(batch.input_ids.device),
@@ -207,7 +199,7 @@ class EpisodicModule(AgentTeamModule):
         weight = mask if weights is None else mask * weights  # truncated importance sampling
         loss = (clipped_surrogate(*ratio_terms) * weight).sum()
         if samples.ref_logprobs is not None:
-            loss = loss + self.kl_coef * (k3_kl(samples.ref_logprobs - logprobs, self.kl_clamp) * mask).sum()
+            loss = loss + self.kl.coef * (k3_kl(samples.ref_logprobs - logprobs, self.kl.clamp) * mask).sum()
         with torch.no_grad():
             log_ratio = logprobs - samples.old_logprobs
             stats["approx_kl"] += float((k3_kl(log_ratio) * mask).sum())

@@ -17,11 +17,12 @@ from lit_marl.algorithms.settings import (
     BUFFER_FIELDS,
     AdvantageSettings,
     BufferSettings,
+    KLSettings,
     UpdateSettings,
     logit_temperature,
     read_groups,
 )
-from lit_marl.fields import NonNegativeFloat, as_group, check_fields
+from lit_marl.fields import as_group, check_fields
 from lit_marl.logprobs import completion_logits, completion_logprobs, token_entropy, token_logprobs
 from lit_marl.losses import k3_kl, masked_sum, reinforce
 from lit_marl.metrics import Timer, rollout_correction
@@ -54,7 +55,7 @@ class MAGRPO(AgentTeamModule):
         advantage: AdvantageSettings = AdvantageSettings(),
         update: UpdateSettings = UpdateSettings(),
         buffer: BufferSettings = BufferSettings(),
-        kl_coef: NonNegativeFloat = 0.0,
+        kl: KLSettings = KLSettings(),
         **kwargs,
     ):
         """
@@ -66,23 +67,18 @@ class MAGRPO(AgentTeamModule):
                 MAGRPO reads ``train_batch_size`` (groups: a tree node's G responses), ``logprob_reduction``
                 (REINFORCE on the sum or the mean of a response's token log-probs) and ``rollout_is_cap``.
             buffer: When an update fires and in which order (``algorithms.settings.BufferSettings``).
-            kl_coef: Weight of KL(policy || reference) (the initial weights; with LoRA the base model
-                with adapters disabled, no copy), estimated per response as the summed k3 estimate and
-                subtracted from the agent's reward before returns (the episodes' ``kl_mode: reward``).
+            kl: A KL(policy || reference) term (``algorithms.settings.KLSettings``): MAGRPO reads ``coef``, the weight
+                of each response's summed k3 estimate, subtracted from the agent's reward before returns (the
+                reference: the initial weights; with LoRA the base model with adapters disabled, no copy).
             **kwargs: The team's settings (model, lora, learning_rate, ...): see ``AgentTeamModule``.
         """
         super().__init__(**kwargs)
         check_fields("model", MAGRPO.__init__, locals())
         advantage = fixed_mode(type(self), as_group(AdvantageSettings, advantage))
         groups = {"advantage": self.advantage_fields, "update": self.update_fields, "buffer": BUFFER_FIELDS}
-        read_groups(
-            self,
-            groups,
-            advantage=(AdvantageSettings, advantage),
-            update=(UpdateSettings, update),
-            buffer=(BufferSettings, buffer),
-        )
-        self.kl_coef = kl_coef
+        given = {"advantage": (AdvantageSettings, advantage), "update": (UpdateSettings, update)}
+        given |= {"buffer": (BufferSettings, buffer), "kl": (KLSettings, kl)}
+        read_groups(self, groups | {"kl": frozenset({"coef"})}, **given)
 
     update_fields = frozenset({"train_batch_size", "logprob_reduction", "rollout_is_cap", "tempered_logprobs"})
     """The ``model.update`` fields MAGRPO reads."""
@@ -95,12 +91,12 @@ class MAGRPO(AgentTeamModule):
 
     def build_models(self) -> None:
         super().build_models()
-        if self.kl_coef > 0:
+        if self.kl.coef > 0:
             self.build_references()
 
     def response_penalties(self, batch: RolloutBatch) -> list[torch.Tensor] | None:
-        """kl_coef x KL(policy || reference) of every agent's responses (None without a KL term)."""
-        if self.kl_coef == 0:
+        """kl.coef x KL(policy || reference) of every agent's responses (None without a KL term)."""
+        if self.kl.coef == 0:
             return None
         with Timer() as timer:
             penalties = [self.reference_kl(i, samples) for i, samples in enumerate(batch.agents)]
@@ -109,7 +105,7 @@ class MAGRPO(AgentTeamModule):
 
     @torch.no_grad()
     def reference_kl(self, index: int, samples: AgentSamples) -> torch.Tensor:
-        """kl_coef x KL(policy || reference) of each response (row): the k3 estimate exp(d) - d - 1
+        """kl.coef x KL(policy || reference) of each response (row): the k3 estimate exp(d) - d - 1
         with d = log p_ref - log p, summed over the response's tokens. Scored as the update scores
         (``computing(update=True)``): per-layer FSDP gathers layer by layer in lockstep passes, neither
         model whole."""
@@ -125,7 +121,7 @@ class MAGRPO(AgentTeamModule):
                     d = completion_logprobs(reference, *args, temperature=self.logit_temperature) - logprobs
                 out[rows] = (k3_kl(d) * part.completion_mask).sum(-1).float()
         self.record({f"agent{index}/kl_ref": float(out.mean())}, weight=len(out))
-        return self.kl_coef * out
+        return self.kl.coef * out
 
     def setup(self, stage: str) -> None:
         super().setup(stage)

@@ -35,7 +35,7 @@ class PPO(EpisodicModule):
                 source) with its own head, its learning rate, value loss weight and clipping, and ``warmup``: the
                 first n RL steps train the critic only (veRL's ``trainer.critic_warmup``; the policy keeps its
                 weights and optimizer state, a value head learns on its features without moving them).
-            **kwargs: The shared settings of ``EpisodicModule`` (model, update, advantage, discount, kl_coef, ...):
+            **kwargs: The shared settings of ``EpisodicModule`` (model, update, advantage, kl, discount, ...):
                 PPO reads ``model.advantage``'s ``gae`` (token- or turn-level), ``gae_lambda`` and
                 ``normalization`` (whitening over the step's action tokens).
         """

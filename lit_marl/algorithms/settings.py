@@ -1,9 +1,10 @@
 """The settings groups of the RL families, each declared once and passed whole from YAML to the
 family that reads it: ``model.update`` (how rollouts become optimizer steps), ``model.advantage``
-(how returns become advantages), ``model.buffer`` (when a buffered family updates, and in which
-order), ``model.critic`` (an actor-critic family's value function). A family reads only some
-fields of a group (``Family.update_fields``); a field it does not read, set away from its default,
-stops the run naming the family (``check_unread``), so no setting is ever silently ignored."""
+(how returns become advantages), ``model.kl`` (a KL term to the reference), ``model.buffer`` (when
+a buffered family updates, and in which order), ``model.critic`` (an actor-critic family's value
+function). A family reads only some fields of a group (``Family.update_fields``); a field it does
+not read, set away from its default, stops the run naming the family (``check_unread``), so no
+setting is ever silently ignored."""
 
 from __future__ import annotations
 
@@ -118,6 +119,30 @@ class AdvantageSettings:
 
 
 @dataclass(frozen=True)
+class KLSettings:
+    """A KL(policy || reference) term (``model.kl``), the reference named by ``model.kl_reference``:
+    MAGRPO reads ``coef`` (always a reward penalty: each response's summed k3 estimate subtracted
+    from its agent's reward before returns); the episode algorithms read every field."""
+
+    coef: NonNegativeFloat = 0.0
+    """Weight of the term; 0: none (no reference is built)."""
+    mode: Literal["loss", "reward"] = "loss"
+    """The episode algorithms: ``loss``, a loss term (k3 per token, veRL's ``use_kl_loss``); ``reward``, k1
+    subtracted from each token's reward (veRL's ``use_kl_in_reward``)."""
+    clamp: PositiveFloat | None = None
+    """With ``mode: loss``, cap each token's k3 at this (its log-ratio at +-20), as veRL's ``low_var_kl``
+    does with 10; None: not capped (k3 itself, its log-ratio still held at +-20)."""
+
+    def __post_init__(self):
+        check_dataclass("model.kl", self)
+        if self.clamp is not None and (self.mode != "loss" or self.coef == 0):
+            raise ConfigError(
+                f"model.kl.clamp={self.clamp} caps the KL loss term: it needs model.kl.mode: loss and "
+                f"model.kl.coef > 0 (got mode: {self.mode}, coef: {self.coef}); remove clamp otherwise"
+            )
+
+
+@dataclass(frozen=True)
 class BufferSettings:
     """When a buffered family (MAGRPO, IAC/MAAC) updates and in which order (``model.buffer``)."""
 
@@ -169,6 +194,8 @@ def logit_temperature(update: UpdateSettings, rollout) -> float:
 
 BUFFER_FIELDS = frozenset({"size", "schedule"})
 """The ``model.buffer`` fields: every buffered family reads them all."""
+KL_FIELDS = frozenset({"coef", "mode", "clamp"})
+"""The ``model.kl`` fields the episode algorithms read (MAGRPO reads ``coef``)."""
 
 
 def read_groups(module, reads: dict[str, frozenset[str]], **given) -> None:

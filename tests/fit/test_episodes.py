@@ -233,13 +233,12 @@ def _fit(tmp_path, module, env, num_generations, precision="32-true", **data_kwa
     [
         {"critic": {"kind": "head"}, "advantage": {"gae": "token"}},
         {"critic": {"kind": "model", "learning_rate": 1e-3}, "advantage": {"gae": "turn"}},
-        {"critic": {"kind": "head"}, "advantage": {"gae": "token"}, "kl_coef": 0.1, "kl_mode": "reward"},
+        {"critic": {"kind": "head"}, "advantage": {"gae": "token"}, "kl": {"coef": 0.1, "mode": "reward"}},
         # LoRA: the KL reference is the base with the adapters disabled (no copy of the weights)
         {
             "critic": {"kind": "head"},
             "advantage": {"gae": "turn"},
-            "kl_coef": 0.1,
-            "kl_mode": "loss",
+            "kl": {"coef": 0.1, "mode": "loss"},
             "lora": {"r": 4, "alpha": 8},
         },
     ],
@@ -259,7 +258,7 @@ def test_ppo_fit_moves_policy_and_critic(tmp_path, kwargs):
         "train/truncated",
     ):
         assert key in metrics and torch.isfinite(metrics[key]), key
-    if kwargs.get("kl_coef"):  # the KL to the reference per sampled token (k3, >= 0)
+    if kwargs.get("kl"):  # the KL to the reference per sampled token (k3, >= 0)
         assert float(metrics["agent0/kl_ref"]) >= 0.0
     assert any(n.startswith("agents.0.") for n in moved)
     assert any(n.startswith("value_heads.0.") for n in moved)
@@ -486,7 +485,9 @@ def test_skip_signalless_steps_is_refused_where_every_step_has_a_gradient(tmp_pa
     with pytest.raises(ConfigError, match="model.update.skip_signalless_steps: PPO's steps all carry a gradient"):
         _fit(tmp_path, PPO(model="tiny-random", update={"skip_signalless_steps": True}), "corridor", 1)
     with pytest.raises(ConfigError, match="model.update.skip_signalless_steps: GRPO's steps"):
-        _fit(tmp_path, GRPO(model="tiny-random", kl_coef=0.1, update={"skip_signalless_steps": True}), "corridor", 2)
+        _fit(
+            tmp_path, GRPO(model="tiny-random", kl={"coef": 0.1}, update={"skip_signalless_steps": True}), "corridor", 2
+        )
 
 
 def test_a_step_is_signalless_when_its_advantages_tie_up_to_rounding():

@@ -119,7 +119,7 @@ def test_a_run_starts_from_an_exported_adapter(tmp_path, shared_base):
             seen.update(adapters(pl_module))
 
     L.seed_everything(1)  # with a KL term whose reference is the policy as RL starts: the loaded adapters
-    second = MAGRPO(**settings, lora_shared_base=shared_base, kl_coef=0.1, kl_reference="rl_start")
+    second = MAGRPO(**settings, lora_shared_base=shared_base, kl={"coef": 0.1}, kl_reference="rl_start")
     callbacks = [InitialWeights(str(tmp_path / "export")), Snapshot()]
     make_trainer(tmp_path, limit_train_batches=1, limit_val_batches=0, callbacks=callbacks).fit(
         second, datamodule=slogan_data(sampling={"max_new_tokens": 8})

@@ -19,7 +19,7 @@ PROMPTS = [[f"agent {i}: write about {t['topic']}" for i in range(2)] for t in T
 
 
 def _module(lora=None) -> MAGRPO:
-    module = MAGRPO(model="tiny-random", num_agents=2, kl_coef=0.5, lora=lora)
+    module = MAGRPO(model="tiny-random", num_agents=2, kl={"coef": 0.5}, lora=lora)
     module.configure_model()
     return module
 
@@ -45,7 +45,7 @@ def _rows(gen):
 @pytest.mark.parametrize("lora", [None, LoraSettings(r=4)])
 def test_kl_is_zero_before_training(lora):
     module = _module(lora)
-    assert module.kl_coef > 0
+    assert module.kl.coef > 0
     assert (module.references is None) == (lora is not None)  # LoRA: the base is the reference, no copy
     torch.testing.assert_close(module.reference_kl(0, _rows(_gen(module))), torch.zeros(6), atol=1e-6, rtol=0)
 
@@ -91,7 +91,7 @@ def test_penalty_is_subtracted_from_each_agents_reward(tiny_agents):
 
 def test_fit_with_reference_kl(tmp_path):
     L.seed_everything(0)
-    module = MAGRPO(model="tiny-random", num_agents=2, learning_rate=1e-2, kl_coef=0.1, lora=LoraSettings(r=4))
+    module = MAGRPO(model="tiny-random", num_agents=2, learning_rate=1e-2, kl={"coef": 0.1}, lora=LoraSettings(r=4))
     trainer = make_trainer(tmp_path, limit_train_batches=2, limit_val_batches=0)
     trainer.fit(module, datamodule=slogan_data(sampling={"max_new_tokens": 16}))
     metrics = trainer.callback_metrics
@@ -116,7 +116,7 @@ def test_a_reference_at_rl_start_is_the_policy_then(lora, shared_base):
     weights, each learner its own) and grows again as the policy moves; under LoRA the reference is
     a frozen second adapter that no optimizer holds, and the agent's own adapter stays trainable."""
     torch.manual_seed(0)
-    module = MAGRPO(model="tiny-random", num_agents=2, kl_coef=0.5, lora=lora, lora_shared_base=shared_base,
+    module = MAGRPO(model="tiny-random", num_agents=2, kl={"coef": 0.5}, lora=lora, lora_shared_base=shared_base,
                     kl_reference="rl_start")  # fmt: skip
     module.configure_model()
     _nudge(module)
@@ -162,7 +162,7 @@ def test_rl_start_after_sft_and_refused_without_a_kl_term(tmp_path):
                 seen.update({n: p.detach().clone() for n, p in pl_module.agents.named_parameters() if "lora_" in n})
 
     L.seed_everything(0)
-    module = PPO(model="tiny-random", learning_rate=1e-2, kl_coef=0.1, lora={"r": 4, "alpha": 8},
+    module = PPO(model="tiny-random", learning_rate=1e-2, kl={"coef": 0.1}, lora={"r": 4, "alpha": 8},
                  kl_reference="rl_start")  # fmt: skip
     initial = {}
     switch = PhaseSwitch(budget=6, split="4:2", sft_learning_rate=5e-2)

@@ -72,8 +72,8 @@ def test_value_loss_is_verls():
 def test_settings_refuse_what_they_cannot_mean():
     with pytest.raises(ConfigError, match=r"model\.update\.dual_clip=1\.0: must be > 1"):
         GRPO(model="tiny-random", update={"dual_clip": 1.0})
-    with pytest.raises(ConfigError, match=r"model\.kl_clamp=10\.0 caps the KL loss term.*kl_mode: loss"):
-        GRPO(model="tiny-random", kl_coef=0.01, kl_mode="reward", kl_clamp=10.0)
+    with pytest.raises(ConfigError, match=r"model\.kl\.clamp=10\.0 caps the KL loss term.*kl\.mode: loss"):
+        GRPO(model="tiny-random", kl={"coef": 0.01, "mode": "reward", "clamp": 10.0})
 
 
 class SGDRecordingPPO(PPO):
@@ -149,7 +149,7 @@ def test_tempered_logprobs_score_every_update_under_the_sampling_distribution(tm
         tasks_per_step=2, num_generations=2, max_turns=2, sampling={"max_new_tokens": 4, "temperature": 0.7}
     )
     L.seed_everything(0)
-    module = GRPO(model="tiny-random", kl_coef=0.1, update={"tempered_logprobs": True})
+    module = GRPO(model="tiny-random", kl={"coef": 0.1}, update={"tempered_logprobs": True})
     make_trainer(tmp_path, limit_train_batches=1, limit_val_batches=0, logger=False).fit(module, datamodule=data)
     assert module.logit_temperature == 0.7  # set from the data's sampling settings in setup
     assert logit_temperature(GRPO().update, data.rollout_settings) == 1.0  # off by default

@@ -120,7 +120,7 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     L.seed_everything(0)
-    module = MAGRPO(model="tiny-random", num_agents=2, kl_coef=0.1, learning_rate=1e-3)
+    module = MAGRPO(model="tiny-random", num_agents=2, kl={"coef": 0.1}, learning_rate=1e-3)
     data = slogan_data(tasks_per_step=2, num_generations=2, sampling={"max_new_tokens": 3}, eval_tasks_per_step=2)
     if args.engine == "vllm":
         from lit_marl.generation.vllm import VLLMEngine
@@ -142,7 +142,7 @@ def main() -> None:
     (args.out / f"phases_rank{trainer.global_rank}.json").write_text(json.dumps(report))
     if trainer.global_rank == 0:  # the weights as one process loads them (the same seed)
         L.seed_everything(0)
-        alone = MAGRPO(model="tiny-random", num_agents=2, kl_coef=0.1)
+        alone = MAGRPO(model="tiny-random", num_agents=2, kl={"coef": 0.1})
         alone.configure_model()
         sums = {n: float(p.detach().double().sum()) for n, p in alone.named_parameters()}
         (args.out / "loaded_alone.json").write_text(json.dumps(sums))

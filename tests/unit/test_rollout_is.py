@@ -83,7 +83,7 @@ def test_magrpo_weighs_each_tokens_term_by_the_capped_ratio(reduction):
 
 
 def test_episode_policy_terms_are_reweighted_and_nothing_else():
-    module = GRPO(model="tiny-random", update={"rollout_is_cap": 1.5, "clip_range": 0.2}, kl_coef=0.1)
+    module = GRPO(model="tiny-random", update={"rollout_is_cap": 1.5, "clip_range": 0.2}, kl={"coef": 0.1})
     module.configure_model()
     model = module.agents[0].model
     torch.manual_seed(1)

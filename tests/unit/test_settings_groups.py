@@ -20,10 +20,9 @@ from lit_marl.algorithms.settings import BufferSettings, CriticSettings, UpdateS
 from lit_marl.cli import build_cli
 from lit_marl.fields import regroup_moved
 
-GROUPS = {"update", "advantage", "buffer", "critic", "lora"}
+GROUPS = {"update", "advantage", "kl", "buffer", "critic", "lora"}
 """Group parameters: each family that reads a group declares it (its fields are declared once)."""
 STILL_SHARED = {
-    "kl_coef",  # MAGRPO's is a reward penalty, the episodes' a loss term or a reward one (kl_mode)
     "pair_selection",  # the preference trainers: MADPO's, the iterative one's and the reward model's own
     "preference_pairs_per_sample",
 }
@@ -42,6 +41,7 @@ STILL_SHARED = {
         (lambda: PPO(advantage={"turn_level": True}), "model.advantage.turn_level=True: PPO does not read it"),
         (lambda: GRPO(advantage={"gae": "turn"}), "model.advantage.gae='turn': GRPO does not read it"),
         (lambda: IAC(advantage={"mode": "max"}), "model.advantage.mode='max': IAC does not read it"),
+        (lambda: MAGRPO(kl={"mode": "reward"}), "model.kl.mode='reward': MAGRPO does not read it (it reads coef)"),
         (lambda: MAGRPO(advantage={"gae_lambda": 1.5}), "model.advantage.gae_lambda=1.5: must be >= 0 and <= 1"),
     ],
 )

@@ -51,7 +51,7 @@ def test_references_are_bf16_and_score_as_the_policy_at_the_start():
     autocast the policy's fp32 weights are cast to bf16 per op, so at the start the reference's
     log-probs equal the policy's to bf16's rounding of the residual stream (a test that fails if the
     reference's head were bf16 or the policy's weights were changed)."""
-    module = MAGRPO(model="tiny-random", num_agents=1, kl_coef=0.1, weights_dtype="bfloat16")
+    module = MAGRPO(model="tiny-random", num_agents=1, kl={"coef": 0.1}, weights_dtype="bfloat16")
     module.configure_model()
     policy, reference = module.agents[0].model, module.references[0]
     assert _dtypes(policy) == {"trainable": {torch.float32}, "frozen": set(), "head": {torch.float32}}
@@ -75,7 +75,7 @@ def test_bf16_weights_need_bf16_mixed_autocast(tmp_path):
 def test_bf16_weights_fit_moves_the_trained_weights(tmp_path, lora):
     """A bf16-mixed fit with bf16 frozen weights: finite losses, the trained (fp32) weights move, the
     frozen (bf16) ones do not."""
-    kwargs = {"lora": LORA} if lora else {"kl_coef": 0.1}
+    kwargs = {"lora": LORA} if lora else {"kl": {"coef": 0.1}}
     module = MAGRPO(model="tiny-random", num_agents=2, learning_rate=1e-2, weights_dtype="bfloat16", **kwargs)
     module.configure_model()
     before = [snapshot(agent.model) for agent in module.agents]
