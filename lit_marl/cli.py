@@ -4,12 +4,10 @@ plot|export|chat` are commands of their own (``COMMANDS``), run before Lightning
 from __future__ import annotations
 
 import importlib
-import inspect
 import logging
 import os
 import sys
 import warnings
-from contextlib import contextmanager
 
 import torch
 import yaml
@@ -18,7 +16,6 @@ from lit_marl import ConfigError, checkpoint_files, config_error_in, cpu
 from lit_marl.envs.calls import RewardError  # checkpoint_files loads torch already: no start-up to save
 from lit_marl.fields import refuse_moved, regroup_moved
 from lit_marl.parallel import failure
-from lit_marl.tasks import import_object
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -87,11 +84,7 @@ def build_cli(args: list[str] | None = None, run: bool = True):
         def parse_arguments(self, parser, args) -> None:
             _refuse_moved_settings(args)
             _say_overridden(args)
-            switches: list[tuple[str, str, dict]] = []
-            with _class_switches(switches):
-                super().parse_arguments(parser, args)
-            subcommand = self.config.get("subcommand")
-            _say_carried_over(switches, self.config[subcommand]["model"] if subcommand else self.config["model"])
+            super().parse_arguments(parser, args)
 
         def instantiate_classes(self) -> None:
             try:
@@ -176,60 +169,6 @@ def _check_checkpoint_settings(subcommand: str, config) -> None:
         checkpoint_files.check_model_settings(saved_model, config["model"], verb)
         saved_data = regroup_moved("data", saved.get("datamodule_hyper_parameters") or {})
         checkpoint_files.check_data_settings(saved_data, config["data"], verb)
-
-
-@contextmanager
-def _class_switches(found: list):
-    """Record, while the block parses, each class_path switch jsonargparse makes and the init_args it
-    carries over from the old class to the new one (every one the new class accepts: a config's
-    setting for GRPO stays when ``--model RLOO`` follows it). jsonargparse decides this in one
-    private function, wrapped here for the block; without it nothing is recorded."""
-    from jsonargparse import _typehints  # deferred: CLI start-up cost
-
-    name = "discard_init_args_on_class_path_change"
-    original = getattr(_typehints, name, None)
-    if original is None:
-        yield
-        return
-
-    def recording(parser_or_action, prev_val, value):
-        original(parser_or_action, prev_val, value)
-        if prev_val and prev_val.get("init_args") and prev_val["class_path"] != value["class_path"]:
-            found.append((prev_val["class_path"], value["class_path"], checkpoint_files.plain(prev_val["init_args"])))
-
-    setattr(_typehints, name, recording)
-    try:
-        yield
-    finally:
-        setattr(_typehints, name, original)
-
-
-def _default(cls: type, key: str):
-    """The default of ``cls``'s init argument ``key`` (the first class in its MRO that declares it)."""
-    for klass in cls.__mro__:
-        parameter = inspect.signature(klass.__init__).parameters.get(key) if "__init__" in vars(klass) else None
-        if parameter is not None and parameter.default is not inspect.Parameter.empty:
-            return parameter.default
-    return None
-
-
-def _say_carried_over(switches: list[tuple[str, str, dict]], model) -> None:
-    """A model setting the config gave for another class and jsonargparse kept for the class the
-    command line named is said on stderr when the two classes' defaults for it differ."""
-    config = checkpoint_files.plain(model) or {}
-    now, said = config.get("init_args") or {}, set()
-    for old_path, new_path, carried in switches:
-        if new_path != config.get("class_path"):
-            continue
-        old, new = import_object(old_path, "model.class_path"), import_object(new_path, "model.class_path")
-        for key, value in carried.items():
-            default = _default(new, key)
-            if now.get(key) == value != default and _default(old, key) != default and key not in said:
-                said.add(key)
-                sys.stderr.write(
-                    f"lit-marl: model.{key}={value!r} carried over from the config's {old.__name__} ({new.__name__}'s "
-                    f"own default: {default!r}; set --model.{key} to choose)\n"
-                )
 
 
 def _leaves(tree, prefix: str = "") -> dict:

@@ -179,6 +179,7 @@ _GROUPS = {
     },
     "model.kl": {"coef": "kl_coef", "mode": "kl_mode", "clamp": "kl_clamp"},
     "model.buffer": {"size": "rollout_buffer_size", "schedule": "update_schedule"},
+    "model.pairs": {"selection": "pair_selection", "per_task": "preference_pairs_per_sample"},
     "model.critic": {
         "kind": "critic",
         "model": "critic_model",

@@ -45,7 +45,7 @@ from lit_marl.generation.text import GenerationMode, ModelWriter, TextEngine, Te
 from lit_marl.metrics import Timer
 from lit_marl.models import prepare_models, store_frozen
 from lit_marl.rollout.batch import RolloutBatch
-from lit_marl.rollout.pairs import ComparisonSelection, PairSettings, comparison_rows
+from lit_marl.rollout.pairs import comparison_rows
 from lit_marl.rollout.replay import PreferenceReplay, ReplayMode, ReplaySettings
 from lit_marl.tasks import import_object
 
@@ -99,6 +99,9 @@ def check_comparator(settings: dict, num_agents: int | None) -> None:
 class IterativeMADPO(MADPO):
     """MADPO on pairs of the policy's candidates against a comparator's, with preference replay."""
 
+    comparator = True
+    """Its pairs are the policy's candidates against the comparator's (``model.pairs.selection``)."""
+
     def __init__(
         self,
         num_iterations: PositiveInt = 4,
@@ -111,8 +114,6 @@ class IterativeMADPO(MADPO):
         comparator_centralized_agent_index: NonNegativeInt = 0,
         comparator_adapter: str = "lit_marl.envs.centralized:TaggedAdapter",
         max_skipped_comparator_steps: PositiveInt = 3,
-        pair_selection: ComparisonSelection = "comparator_reward",
-        preference_pairs_per_sample: PositiveInt | None = 4,
         preference_replay_mode: ReplayMode = "current",
         preference_replay_k: PositiveInt | None = None,
         preference_replay_lambda: ClosedUnitInterval | None = None,
@@ -140,10 +141,6 @@ class IterativeMADPO(MADPO):
             comparator_adapter: ``centralized`` modes: import path of the adapter (``build_prompt`` /
                 ``parse_completion``, ``build_sequential_prompt`` / ``parse_sequential_completion``).
             max_skipped_comparator_steps: Stop after this many steps in a row with every comparator candidate skipped.
-            pair_selection: Order of a task's pairs before the cap: ``comparator_reward`` (CoMLRL's default
-                here: the best comparator candidates first, then the largest gaps), ``reward_gap``,
-                ``random`` or ``all`` (needs ``preference_pairs_per_sample: null``).
-            preference_pairs_per_sample: At most this many pairs per task (CoMLRL's default 4); null: all K.
             preference_replay_mode: ``current`` (each step's new pairs), ``nearest_k``, ``all_history`` or
                 ``lambda_decay`` (a sample of recent iterations' pairs: ``lit_marl/rollout/replay.py``).
             preference_replay_k: ``nearest_k`` only: the newest k iterations (the current one included).
@@ -152,11 +149,12 @@ class IterativeMADPO(MADPO):
             preference_replay_dir: Folder of the replay shards (default: ``<log dir>/preference_replay``).
             policy_checkpoint_dir: Folder of the per-iteration snapshots for ``history`` / ``current_copy``
                 (default: ``<log dir>/policy_history``).
-            **kwargs: MADPO's and the team's settings (dpo_beta, dpo_reference, model, lora, ...).
+            **kwargs: MADPO's and the team's settings (dpo_beta, dpo_reference, pairs, model, lora, ...): ``pairs``
+                are the policy's candidates against the comparator's, index by index (``comparator_reward``
+                first by default; CoMLRL caps them at 4 per task).
         """
         super().__init__(candidate_policy="current", **kwargs)
         check_fields("model", IterativeMADPO.__init__, locals())
-        self.pair_settings = PairSettings(pair_selection, preference_pairs_per_sample)
         self.replay_settings = ReplaySettings(
             preference_replay_mode, preference_replay_k, preference_replay_lambda, preference_replay_sample_size
         )

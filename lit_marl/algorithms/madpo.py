@@ -22,13 +22,14 @@ from typing import Literal
 import torch
 
 from lit_marl.algorithms.base import AgentTeamModule
-from lit_marl.fields import PositiveFloat, PositiveInt, check_fields
+from lit_marl.algorithms.settings import read_groups
+from lit_marl.fields import PositiveFloat, check_fields
 from lit_marl.logprobs import completion_logprobs
 from lit_marl.losses import joint_dpo, masked_sum, reinforce
 from lit_marl.metrics import Timer
 from lit_marl.rollout.batch import AgentSamples, RolloutBatch
 from lit_marl.rollout.buffer import RolloutBuffer
-from lit_marl.rollout.pairs import PairSelection, PairSettings, check_candidate_rollouts, rollout_pairs
+from lit_marl.rollout.pairs import PAIR_FIELDS, PairSettings, check_candidate_rollouts, rollout_pairs
 
 
 class MADPO(AgentTeamModule):
@@ -37,8 +38,7 @@ class MADPO(AgentTeamModule):
     def __init__(
         self,
         dpo_beta: PositiveFloat = 0.1,
-        pair_selection: PairSelection = "reward_gap",
-        preference_pairs_per_sample: PositiveInt | None = 16,
+        pairs: PairSettings = PairSettings(),
         dpo_reference: Literal["none", "initial"] = "none",
         candidate_policy: Literal["initial", "current"] = "initial",
         **kwargs,
@@ -46,10 +46,8 @@ class MADPO(AgentTeamModule):
         """
         Args:
             dpo_beta: DPO's beta: how sharply the joint log-ratio is pushed apart (CoMLRL's default 0.1).
-            pair_selection: ``reward_gap`` (largest gaps first), ``random`` (a seeded random subset)
-                or ``all`` (every pair; needs ``preference_pairs_per_sample: null``).
-            preference_pairs_per_sample: At most this many pairs per task (CoMLRL's name: a "sample"
-                is one task); null: no cap.
+            pairs: Which pairs a task's candidates give (``rollout.pairs.PairSettings``): their order
+                (``selection``: the largest reward gaps first by default) and cap (``per_task``).
             dpo_reference: ``none`` (CoMLRL's, reference-free: D_i is the policy's log-ratio) or
                 ``initial`` (DPO's reference-anchored form: D_i minus the same log-ratio under the
                 initial weights; with LoRA the base with adapters off, no copy).
@@ -60,7 +58,8 @@ class MADPO(AgentTeamModule):
         """
         super().__init__(**kwargs)
         check_fields("model", MADPO.__init__, locals())
-        self.pair_settings = PairSettings(pair_selection, preference_pairs_per_sample)
+        read_groups(self, {"pairs": PAIR_FIELDS}, pairs=(PairSettings, pairs))
+        self.pair_settings = self.pairs.of(type(self))
         self.dpo_beta = dpo_beta
         self.dpo_reference = dpo_reference
         self.candidate_policy = candidate_policy

@@ -16,13 +16,14 @@ from pathlib import Path
 import torch
 
 from lit_marl.algorithms.base import AgentTeamModule
+from lit_marl.algorithms.settings import read_groups
 from lit_marl.envs.learned import JointRewardModel, joint_text
 from lit_marl.fields import PositiveFloat, PositiveInt, check_fields
 from lit_marl.losses import bradley_terry
 from lit_marl.metrics import Timer
 from lit_marl.models import check_source
 from lit_marl.rollout.batch import RolloutBatch
-from lit_marl.rollout.pairs import PairSelection, PairSettings, check_candidate_rollouts, rollout_pairs
+from lit_marl.rollout.pairs import PAIR_FIELDS, PairSettings, check_candidate_rollouts, rollout_pairs
 
 
 @dataclass
@@ -58,8 +59,7 @@ class RewardModelFit(AgentTeamModule):
         reward_learning_rate: PositiveFloat = 1e-5,
         reward_freeze_backbone: bool = False,
         reward_max_length: PositiveInt = 1024,
-        pair_selection: PairSelection = "reward_gap",
-        preference_pairs_per_sample: PositiveInt | None = 16,
+        pairs: PairSettings = PairSettings(),
         **kwargs,
     ):
         """
@@ -71,14 +71,14 @@ class RewardModelFit(AgentTeamModule):
             reward_learning_rate: AdamW learning rate of the reward model (CoMLRL's default 1e-5).
             reward_freeze_backbone: Train the linear head only.
             reward_max_length: Tokens of a joint answer the reward model reads (its end is kept).
-            pair_selection: ``reward_gap``, ``random`` or ``all``, as in ``MADPO``.
-            preference_pairs_per_sample: At most this many pairs per task; null: no cap.
+            pairs: Which pairs a task's candidates give (``rollout.pairs.PairSettings``), as in ``MADPO``.
             **kwargs: The team that samples the candidates (model, lora, ...; it is not trained): see
                 ``AgentTeamModule``.
         """
         super().__init__(**kwargs)
         check_fields("model", RewardModelFit.__init__, locals())
-        self.pair_settings = PairSettings(pair_selection, preference_pairs_per_sample)
+        read_groups(self, {"pairs": PAIR_FIELDS}, pairs=(PairSettings, pairs))
+        self.pair_settings = self.pairs.of(type(self))
         team = self.hparams.model  # its sources are checked already
         self.reward_source = reward_model_name or (team if isinstance(team, str) else team[0])
         if reward_model_name is not None:

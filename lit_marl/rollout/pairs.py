@@ -13,6 +13,7 @@ from typing import Literal
 import torch
 
 from lit_marl import ConfigError
+from lit_marl.fields import PositiveInt, check_dataclass
 from lit_marl.rollout.batch import AgentSamples, RolloutBatch
 
 PairSelection = Literal["reward_gap", "random", "all"]
@@ -36,7 +37,9 @@ def select_pairs(
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be [K] (one task's candidates), got shape {tuple(rewards.shape)}")
     if selection == "all" and max_pairs is not None:
-        raise ValueError(f"pair_selection='all' keeps every pair: max_pairs_per_task must be null, got {max_pairs}")
+        raise ValueError(
+            f"selection='all' keeps every pair: max_pairs must be None (model.pairs.per_task: null), not {max_pairs}"
+        )
     values = rewards.double().tolist()
     pairs = [
         (win, lose)
@@ -50,7 +53,7 @@ def select_pairs(
         order = torch.randperm(len(pairs), generator=generator).tolist()
         pairs = [pairs[i] for i in order]
     elif selection != "all":
-        raise ValueError(f"pair_selection={selection!r}: choose reward_gap, random or all")
+        raise ValueError(f"model.pairs.selection={selection!r}: choose reward_gap, random or all")
     return pairs if max_pairs is None else pairs[:max_pairs]
 
 
@@ -73,7 +76,9 @@ def comparison_pairs(
     if target.dim() != 1 or target.shape != comparator.shape:
         raise ValueError(f"rewards must be two [K] tensors, got {tuple(target.shape)} and {tuple(comparator.shape)}")
     if selection == "all" and max_pairs is not None:
-        raise ValueError(f"pair_selection='all' keeps every pair: max_pairs_per_task must be null, got {max_pairs}")
+        raise ValueError(
+            f"selection='all' keeps every pair: max_pairs must be None (model.pairs.per_task: null), not {max_pairs}"
+        )
     mine, theirs = target.double().tolist(), comparator.double().tolist()
     pairs = [k for k in range(len(mine)) if mine[k] != theirs[k] and _finite(mine[k]) and _finite(theirs[k])]
     gap = {k: abs(mine[k] - theirs[k]) for k in pairs}
@@ -84,7 +89,7 @@ def comparison_pairs(
     elif selection == "random":
         pairs = [pairs[i] for i in torch.randperm(len(pairs), generator=generator).tolist()]
     elif selection != "all":
-        raise ValueError(f"pair_selection={selection!r}: choose comparator_reward, reward_gap, random or all")
+        raise ValueError(f"model.pairs.selection={selection!r}: choose comparator_reward, reward_gap, random or all")
     pairs = pairs if max_pairs is None else pairs[:max_pairs]
     return [(k, mine[k] > theirs[k]) for k in pairs]
 
@@ -93,19 +98,43 @@ def _finite(x: float) -> bool:
     return x == x and abs(x) != float("inf")
 
 
+PAIR_FIELDS = frozenset({"selection", "per_task"})
+"""The ``model.pairs`` fields: every preference family reads both."""
+
+
 @dataclass(frozen=True)
 class PairSettings:
-    """How a preference algorithm (MADPO, RewardModelFit) picks its pairs: ``select_pairs``'s settings."""
+    """Which preference pairs a task's candidates give (``model.pairs``): MADPO, IterativeMADPO and
+    the reward model of MARLHF (``RewardModelFit``)."""
 
-    selection: PairSelection = "reward_gap"
-    max_pairs: int | None = 16
+    selection: ComparisonSelection | None = None
+    """Order of a task's pairs before the cap: ``reward_gap`` (the largest reward gaps first), ``random``
+    (a seeded random subset), ``all`` (every pair; needs ``per_task: null``) or, for IterativeMADPO's
+    policy against its comparator, ``comparator_reward`` (the best comparator candidates first, then the
+    largest gaps). None: ``comparator_reward`` for IterativeMADPO (CoMLRL's default there), else ``reward_gap``."""
+    per_task: PositiveInt | None = 16
+    """At most this many pairs per task (CoMLRL's ``preference_pairs_per_sample``: a "sample" is a task; its
+    iterative trainer's default is 4, where each of K candidates is in one pair at most); null: every pair."""
 
     def __post_init__(self):
-        if self.selection == "all" and self.max_pairs is not None:
+        check_dataclass("model.pairs", self)
+        if self.selection == "all" and self.per_task is not None:
             raise ConfigError(
-                f"model.pair_selection=all keeps every pair, but model.preference_pairs_per_sample="
-                f"{self.max_pairs}: set it to null (or choose reward_gap / random)"
+                f"model.pairs.selection=all keeps every pair, but model.pairs.per_task={self.per_task}: set it to "
+                "null (or choose reward_gap / random)"
             )
+
+    def of(self, family: type) -> PairSettings:
+        """The settings with ``family``'s selection where none is given (``family.comparator``: IterativeMADPO's
+        ``comparator_reward``, else ``reward_gap``); ``comparator_reward`` is refused without a comparator."""
+        comparator = getattr(family, "comparator", False)
+        if self.selection == "comparator_reward" and not comparator:
+            raise ConfigError(
+                f"model.pairs.selection=comparator_reward orders pairs against a comparator's candidates, which "
+                f"{family.__name__} does not have: choose reward_gap, random or all (or use IterativeMADPO)"
+            )
+        default = "comparator_reward" if comparator else "reward_gap"
+        return self if self.selection is not None else replace(self, selection=default)
 
 
 @dataclass
@@ -126,7 +155,7 @@ def rollout_pairs(batch: RolloutBatch, settings: PairSettings, generator: torch.
     K = rewards.shape[1]
     chosen, rejected, without = [], [], 0
     for task in range(num_tasks):
-        pairs = select_pairs(rewards[task], settings.selection, settings.max_pairs, generator)
+        pairs = select_pairs(rewards[task], settings.selection, settings.per_task, generator)
         without += not pairs
         chosen += [task * K + win for win, _ in pairs]
         rejected += [task * K + lose for _, lose in pairs]
@@ -233,7 +262,7 @@ def comparison_rows(
             )
     rows, wins, without = [], [], 0
     for task in range(num_tasks):
-        pairs = comparison_pairs(mine[task], theirs[task], settings.selection, settings.max_pairs, generator)
+        pairs = comparison_pairs(mine[task], theirs[task], settings.selection, settings.per_task, generator)
         without += not pairs
         for k, target_wins in sorted(pairs):  # by k: a task's rows stay together (one prompt pass)
             row = task * K + k

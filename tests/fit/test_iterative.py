@@ -129,7 +129,7 @@ def test_centralized_comparators_fit(tmp_path):
         ({"comparator_policy": "model"}, r"comparator_model is needed by, and only by"),
         ({"comparator_api": {"url": "http://127.0.0.1:1"}}, r"comparator_api is needed by, and only by"),
         ({"preference_replay_mode": "nearest_k"}, r"needs model.preference_replay_k"),
-        ({"pair_selection": "all"}, r"pair_selection=all keeps every pair"),
+        ({"pairs": {"selection": "all"}}, r"pairs.selection=all keeps every pair"),
         ({"preference_replay_lambda": 1.5}, r"preference_replay_lambda=1.5: must be >= 0 and <= 1"),
         ({"comparator_centralized_agent_index": 2}, r"comparator_centralized_agent_index=2: there are 2 agents"),
         ({"comparator_adapter": "nowhere:Adapter"}, r"model.comparator_adapter"),

@@ -169,9 +169,9 @@ def test_a_parameter_shared_team_learns(tmp_path):
     "model_kwargs, data_kwargs, message",
     [
         (
-            {"pair_selection": "all"},
+            {"pairs": {"selection": "all"}},
             {},
-            r"model.pair_selection=all keeps every pair, but model.preference_pairs_per_sample=16",
+            r"model.pairs.selection=all keeps every pair, but model.pairs.per_task=16",
         ),
         ({}, {"num_turns": 2, "transition": "lit_marl.rollout.transitions:plain"}, r"data.num_turns=2"),
         ({}, {"joint_mode": "cross"}, r"data.joint_mode='cross'"),

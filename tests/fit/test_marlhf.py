@@ -94,8 +94,10 @@ def test_fit_the_reward_model_then_train_on_it(tmp_path):
 
 
 def test_reward_model_fit_refuses_multi_turn_and_a_capped_all(tmp_path):
-    with pytest.raises(ConfigError, match="model.pair_selection=all keeps every pair"):
-        RewardModelFit(model="tiny-random", num_agents=2, pair_selection="all")
+    with pytest.raises(ConfigError, match="model.pairs.selection=all keeps every pair"):
+        RewardModelFit(model="tiny-random", num_agents=2, pairs={"selection": "all"})
+    with pytest.raises(ConfigError, match="model.pairs.selection=comparator_reward orders pairs against a comparator"):
+        RewardModelFit(model="tiny-random", num_agents=2, pairs={"selection": "comparator_reward"})
     with pytest.raises(
         ConfigError, match="RewardModelFit compares whole joint candidates of one turn: data.num_turns=2"
     ):

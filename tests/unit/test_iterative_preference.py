@@ -30,7 +30,7 @@ def test_comparison_pairs_by_index_with_ties_and_nan_dropped():
     draws = [comparison_pairs(target, comparator, "random", 2, torch.Generator().manual_seed(s)) for s in range(8)]
     assert draws[0] == comparison_pairs(target, comparator, "random", 2, torch.Generator().manual_seed(0))
     assert len({tuple(d) for d in draws}) > 1 and all(len(d) == 2 for d in draws)
-    with pytest.raises(ValueError, match="max_pairs_per_task must be null"):
+    with pytest.raises(ValueError, match=r"max_pairs must be None \(model.pairs.per_task: null\)"):
         comparison_pairs(target, comparator, "all", 4)
 
 

@@ -43,5 +43,5 @@ def test_non_finite_rewards_never_pair():
 
 
 def test_all_with_a_cap_is_refused_naming_the_field():
-    with pytest.raises(ValueError, match="max_pairs_per_task must be null"):
+    with pytest.raises(ValueError, match=r"max_pairs must be None \(model.pairs.per_task: null\)"):
         select_pairs(T([1.0, 0.0]), "all", 4)

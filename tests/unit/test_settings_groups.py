@@ -20,12 +20,8 @@ from lit_marl.algorithms.settings import BufferSettings, CriticSettings, UpdateS
 from lit_marl.cli import build_cli
 from lit_marl.fields import regroup_moved
 
-GROUPS = {"update", "advantage", "kl", "buffer", "critic", "lora"}
+GROUPS = {"update", "advantage", "kl", "buffer", "critic", "pairs", "lora"}
 """Group parameters: each family that reads a group declares it (its fields are declared once)."""
-STILL_SHARED = {
-    "pair_selection",  # the preference trainers: MADPO's, the iterative one's and the reward model's own
-    "preference_pairs_per_sample",
-}
 
 
 @pytest.mark.parametrize(
@@ -104,8 +100,7 @@ def test_advantage_normalization_defaults_to_each_familys_own(no_model_loads):
 
 def test_no_setting_is_declared_by_two_algorithm_classes():
     """A setting name in the signatures of two classes of ``lit_marl.algorithms`` is declared twice,
-    possibly with two defaults: it belongs in a group (or the base). The names still shared are
-    listed with their reason."""
+    possibly with two defaults: it belongs in a group (or the base)."""
     where = defaultdict(list)
     for info in pkgutil.walk_packages(algorithms.__path__, "lit_marl.algorithms."):
         module = importlib.import_module(info.name)
@@ -117,4 +112,4 @@ def test_no_setting_is_declared_by_two_algorithm_classes():
                     if param not in ("kwargs", "args"):
                         where[param].append(name)
     shared = {p: classes for p, classes in where.items() if len(classes) > 1 and p not in GROUPS}
-    assert set(shared) == STILL_SHARED, shared
+    assert shared == {}, shared
