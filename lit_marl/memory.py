@@ -317,21 +317,27 @@ def plan(
         options = vllm_options if vllm_options is not None else engine.options(device.type)
         _vllm_parts(result, options, models, rollout, vllm_share, dtype, gpu, sharded and mode == "per_layer")
     elif rollout is not None and agents:
-        if engine.name in ("torch", "auto") and (dtype is not None or len(models) > 1):
-            # the lean decoder reads each model once per call into its own layout: cast to the autocast
-            # dtype, or stacked over the agents (the fp32 head stays the model's)
-            copy = sum(p.numel() for m in models for p in m.parameters()) * (2 if dtype is not None else 4)
-            result.parts["decoder's working weights"] = float(copy)
-            result.phases["decoder's working weights"] = GENERATION
-        for phase, evaluation in ((ROLLOUT, False), (EVALUATION, True)):
-            rows, length, assumed = rollout.generation_shape(evaluation)
-            name = "evaluation KV cache" if evaluation else "generation KV cache"
-            # the lean decoder stacks every agent's call of a turn into one: all roles' rows at once
-            result.parts[name] = kv_cache_bytes(agents[0].model, rows * len(agents), length, dtype or torch.float32)
-            result.phases[name] = (phase,)
-            result.notes.append(f"{phase}: {len(agents)} agents x {rows} rows x {length} tokens ({assumed})")
-        _kept_cache(result, engine, rollout)
+        _engine_parts(result, agents, models, engine, rollout, dtype)
     return result
+
+
+def _engine_parts(result: MemoryPlan, agents: list, models: list, engine, rollout, dtype) -> None:
+    """A colocated engine's (lean decoder, transformers') generation memory: its working copy of the
+    weights, the rollout's and the evaluation's KV caches, and a cache kept across turns."""
+    if engine.name in ("torch", "auto") and (dtype is not None or len(models) > 1):
+        # the lean decoder reads each model once per call into its own layout: cast to the autocast
+        # dtype, or stacked over the agents (the fp32 head stays the model's)
+        copy = sum(p.numel() for m in models for p in m.parameters()) * (2 if dtype is not None else 4)
+        result.parts["decoder's working weights"] = float(copy)
+        result.phases["decoder's working weights"] = GENERATION
+    for phase, evaluation in ((ROLLOUT, False), (EVALUATION, True)):
+        rows, length, assumed = rollout.generation_shape(evaluation)
+        name = "evaluation KV cache" if evaluation else "generation KV cache"
+        # the lean decoder stacks every agent's call of a turn into one: all roles' rows at once
+        result.parts[name] = kv_cache_bytes(agents[0].model, rows * len(agents), length, dtype or torch.float32)
+        result.phases[name] = (phase,)
+        result.notes.append(f"{phase}: {len(agents)} agents x {rows} rows x {length} tokens ({assumed})")
+    _kept_cache(result, engine, rollout)
 
 
 def _kept_cache(result: MemoryPlan, engine, rollout) -> None:

@@ -105,24 +105,7 @@ class OptimizerSteps:
         broken = sum(int(p.grad is not None and not torch.isfinite(p.grad).all()) for p in params)
         broken = all_ranks_sum(float(broken), self.device)  # every rank decides alike (FSDP: each its shards)
         if not math.isfinite(loss_sum) or broken:
-            # a NaN/inf loss or gradient would write NaN into the weights: skip the step, weights untouched
-            optimizer.zero_grad(set_to_none=True)
-            what = f"non-finite loss {loss_sum}" if not math.isfinite(loss_sum) else "a non-finite gradient"
-            self.nonfinite_skips += 1
-            limit = self.hparams.get("max_nonfinite_steps", 0)
-            if self.nonfinite_skips > limit:
-                raise FloatingPointError(
-                    f"{name}: {what} at global step {self.global_step}; the optimizer step was skipped and the "
-                    f"weights are unchanged ({self.nonfinite_skips} such step(s), model.max_nonfinite_steps={limit}). "
-                    "Lower model.learning_rate or check the rewards."
-                )
-            warnings.warn(
-                f"{name}: {what} at global step {self.global_step}: optimizer step skipped, weights unchanged "
-                f"({self.nonfinite_skips} of model.max_nonfinite_steps={limit})",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            self.record({"train/nonfinite_skips": float(self.nonfinite_skips)}, reduce="max")
+            self.skip_nonfinite_step(optimizer, name, loss_sum)
             return loss_sum
         clip = torch.nn.utils.clip_grad_norm_ if self.shards is None else self.shards.clip_grad_norm_
         for part in clipped_apart(optimizer) if self.hparams.max_grad_norm > 0 else ():
@@ -132,6 +115,28 @@ class OptimizerSteps:
         if self.shards is not None:
             self.shards.refresh(params)
         return loss_sum
+
+    def skip_nonfinite_step(self, optimizer, name: str, loss_sum: float) -> None:
+        """A NaN/inf loss or gradient would write NaN into the weights: the step is skipped (its
+        gradients dropped, weights and optimizer state untouched), counted, and the run stopped once
+        more than ``model.max_nonfinite_steps`` were."""
+        optimizer.zero_grad(set_to_none=True)
+        what = f"non-finite loss {loss_sum}" if not math.isfinite(loss_sum) else "a non-finite gradient"
+        self.nonfinite_skips += 1
+        limit = self.hparams.get("max_nonfinite_steps", 0)
+        if self.nonfinite_skips > limit:
+            raise FloatingPointError(
+                f"{name}: {what} at global step {self.global_step}; the optimizer step was skipped and the "
+                f"weights are unchanged ({self.nonfinite_skips} such step(s), model.max_nonfinite_steps={limit}). "
+                "Lower model.learning_rate or check the rewards."
+            )
+        warnings.warn(
+            f"{name}: {what} at global step {self.global_step}: optimizer step skipped, weights unchanged "
+            f"({self.nonfinite_skips} of model.max_nonfinite_steps={limit})",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        self.record({"train/nonfinite_skips": float(self.nonfinite_skips)}, reduce="max")
 
     def micro_batches(self, rows, shared_prompts: bool = False) -> list[torch.Tensor]:
         """Row indices of the forward/backward passes over ``rows`` (``rollout.batch.pass_rows``)."""

@@ -121,6 +121,11 @@ def _apply(x: torch.Tensor, parts: list[tuple]) -> torch.Tensor:
     return torch.cat([_linear3(x, *part) for part in parts], dim=-1)
 
 
+def _repeat(n: int, dim: int, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Each of ``tensors`` with every entry along ``dim`` repeated ``n`` times in place."""
+    return [x.repeat_interleave(n, dim) for x in tensors]
+
+
 @dataclass
 class _Layer:
     attn_norm: torch.Tensor  # [A, 1, hidden]
@@ -350,10 +355,8 @@ class Decoder:
                                               cache_k, cache_v, keys)  # fmt: skip
         if num_samples > 1:  # the samples of a prompt continue from its one cache
             B, rows = B * num_samples, rows * num_samples
-            cache_k, cache_v = cache_k.repeat_interleave(num_samples, 1), cache_v.repeat_interleave(num_samples, 1)
-            keys, next_position = keys.repeat_interleave(num_samples, 0), next_position.repeat_interleave(num_samples)
-            hidden = hidden.repeat_interleave(num_samples, 1)
-            eos, pad = eos.repeat_interleave(num_samples), pad.repeat_interleave(num_samples)
+            cache_k, cache_v, hidden = _repeat(num_samples, 1, cache_k, cache_v, hidden)
+            keys, next_position, eos, pad = _repeat(num_samples, 0, keys, next_position, eos, pad)
         unfinished = torch.ones(rows, dtype=torch.bool, device=device)
         if active is not None:
             unfinished &= active.reshape(rows).bool()
