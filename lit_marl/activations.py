@@ -5,7 +5,7 @@ architecture (same widths, LoRA adapters and autocast dtype, a 256-token vocabul
 tensors autograd saves for the backward; the difference is one layer's bytes per token, the rest
 the embedding and norms. The LM head's logits are analytic (fp32: the logits, their log-softmax,
 and its gradient: 12 bytes per scored position and vocabulary entry). A pass of
-``forward_token_budget`` tokens (or of one longer episode: ``update_pass_bytes``) then needs
+``memory.forward_token_budget`` tokens (or of one longer episode: ``update_pass_bytes``) then needs
 ``tokens x (layers x per_layer + other)`` plus the scored positions' logits; with activation
 checkpointing, only each layer's input (the residual stream) and one layer's recompute at a time.
 """
@@ -117,7 +117,7 @@ def _measure(model: nn.Module, lm: nn.Module, config, peft, autocast: torch.dtyp
 
 
 def _match_dtypes(small: nn.Module, model: nn.Module) -> None:
-    """The small copy stores its frozen weights as ``model`` does (``model.weights_dtype``)."""
+    """The small copy stores its frozen weights as ``model`` does (``model.memory.weights_dtype``)."""
     if any(p.dtype == torch.bfloat16 for p in model.parameters() if not p.requires_grad):
         store_frozen(small, "bfloat16")
 
@@ -125,21 +125,22 @@ def _match_dtypes(small: nn.Module, model: nn.Module) -> None:
 def update_pass_bytes(module, dtype: torch.dtype | None, notes: list[str], rollout=None) -> float:
     """One update pass (the memory plan's): the largest policy pass plus every other trained model's
     (critic backbones, reward models: no logits; an actor-critic update runs policy and critic in one
-    graph). A pass holds ``forward_token_budget`` tokens or one longer row (an episode of up to
+    graph). A pass holds ``memory.forward_token_budget`` tokens or one longer row (an episode of up to
     ``max_context_tokens``); the LM head scores every position, or in an episode update (demonstrations
-    aside) the agent's own tokens only: ``max_turns x sampling.max_new_tokens`` a row, ``forward_batch_size`` rows."""
-    tokens = module.forward_token_budget
+    aside) the agent's own tokens only: ``max_turns x sampling.max_new_tokens`` a row,
+    ``memory.forward_batch_size`` rows."""
+    tokens = module.memory.forward_token_budget
     if tokens is None:
-        notes.append("model.forward_token_budget is null: a pass's activations are unbounded, not counted")
+        notes.append("model.memory.forward_token_budget is null: a pass's activations are unbounded, not counted")
         return 0.0
-    episode, rows = rollout.episode if rollout is not None else None, module.forward_batch_size
+    episode, rows = rollout.episode if rollout is not None else None, module.memory.forward_batch_size
     tokens = max(tokens, episode.max_context_tokens) if episode is not None else tokens
     scored, what = tokens, "every position scored (an upper bound on the logits)"
     if episode is not None and not rollout.demos and rows is not None:
         scored = min(tokens, rows * episode.max_turns * episode.sampling.max_new_tokens)
         what = f"at most {scored} scored (the agent's own tokens)"
     policies = {id(agent.model) for agent in module.agents or []}
-    checkpointing = module.activation_checkpointing
+    checkpointing = module.memory.activation_checkpointing
     policy, others = [0.0], 0.0
     for model in shardable_models(module):
         if not any(trained(n, p) for n, p in model.named_parameters()):

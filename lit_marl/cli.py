@@ -141,7 +141,8 @@ def _unset_precision(accelerator, model) -> str | None:
     """``trainer.precision`` when a config leaves it unset: bf16 weights need bf16 autocast; else a CPU
     run's is the CPU's (``cpu.auto_precision``) and other accelerators keep Lightning's default."""
     init_args = getattr(model, "init_args", None) or {}
-    if init_args.get("weights_dtype", "float32") != "float32":
+    memory = checkpoint_files.plain(init_args.get("memory")) or {}
+    if memory.get("weights_dtype", "float32") != "float32":
         return "bf16-mixed"
     name = (accelerator if isinstance(accelerator, str) else getattr(accelerator, "class_path", "")) or "auto"
     if name == "auto":  # Lightning's own order: a GPU, Apple's MPS, else the CPU

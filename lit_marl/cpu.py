@@ -257,8 +257,15 @@ def configure(trainer) -> None:
             f"{report['wait_policy']}",
             file=sys.stderr,
         )
-        bf16_weights = getattr(trainer.lightning_module, "weights_dtype", "float32") == "bfloat16"
-        why = "model.weights_dtype: bfloat16 needs it; weights_dtype: float32 computes in fp32" if bf16_weights else ""
+        bf16_weights = (
+            getattr(trainer.lightning_module, "memory", None) is not None
+            and trainer.lightning_module.memory.weights_dtype == "bfloat16"
+        )
+        why = (
+            "model.memory.weights_dtype: bfloat16 needs it; weights_dtype: float32 computes in fp32"
+            if bf16_weights
+            else ""
+        )
         notice = slow_precision_notice(report["precision"], flags, why)
         if notice:
             print(notice, file=sys.stderr)

@@ -179,6 +179,10 @@ _GROUPS = {
     },
     "model.kl": {"coef": "kl_coef", "mode": "kl_mode", "clamp": "kl_clamp"},
     "model.buffer": {"size": "rollout_buffer_size", "schedule": "update_schedule"},
+    "model.memory": {
+        name: "memory_check" if name == "check" else name
+        for name in ("forward_token_budget", "forward_batch_size", "activation_checkpointing", "weights_dtype", "check")
+    },
     "model.pairs": {"selection": "pair_selection", "per_task": "preference_pairs_per_sample"},
     "model.critic": {
         "kind": "critic",

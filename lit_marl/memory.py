@@ -278,7 +278,7 @@ def plan(
     gpu = device.type == "cuda" if gpu is None else gpu
     if autocast is None:
         precision = str(module._trainer.precision) if module._trainer is not None else "32-true"
-        autocast = precision.startswith("bf16") or getattr(module, "weights_dtype", "float32") == "bfloat16"
+        autocast = precision.startswith("bf16") or module.memory.weights_dtype == "bfloat16"
     dtype = torch.bfloat16 if autocast else None
     if capacity is None:
         trainer = module._trainer
@@ -452,20 +452,22 @@ def check_memory(module, rollout=None) -> MemoryPlan:
     result = plan(module, rollout)
     rank_zero_info(result.table())
     if result.short:  # the same on every rank (the options and models are)
-        raise ConfigError("; ".join(result.short) + " (model.memory_check: false skips this check)")
+        raise ConfigError("; ".join(result.short) + " (model.memory.check: false skips this check)")
     # every rank decides alike (one rank stopping alone would leave the others waiting in a collective)
     over = all_ranks_max(result.peak - result.capacity if result.capacity is not None else -1.0, module.device)
     if over <= 0:
         return result
     fixes = {
-        "activations of one update pass": "lower model.forward_token_budget, or model.activation_checkpointing: true",
+        "activations of one update pass": (
+            "lower model.memory.forward_token_budget, or model.memory.activation_checkpointing: true"
+        ),
         "gradients": "train LoRA adapters (model.lora) or shard over more ranks (TeamFSDPStrategy)",
         "AdamW state": "train LoRA adapters (model.lora) or shard over more ranks (TeamFSDPStrategy)",
-        "weights": "set model.weights_dtype: bfloat16, model.lora_shared_base: true, or shard over more ranks",
+        "weights": "set model.memory.weights_dtype: bfloat16, model.lora_shared_base: true, or shard over more ranks",
         "generation KV cache": "lower data.tasks_per_step, data.num_generations or the context",
         "evaluation KV cache": "lower data.eval_tasks_per_step or the context",
         "KV cache kept between turns": "lower kept_kv_gib in data.engine_options (0: re-read every history)",
-        "whole models on rank 0 (setup)": "more memory for rank 0, or set model.weights_dtype: bfloat16",
+        "whole models on rank 0 (setup)": "more memory for rank 0, or set model.memory.weights_dtype: bfloat16",
         "vLLM engines (gpu_memory_utilization)": "lower gpu_memory_utilization in data.engine_options",
         "vLLM engines (KV budget, weights)": "lower kv_cache_memory_bytes in data.engine_options",
         "weights gathered for a step": "use per-layer FSDP2 (trainer.strategy.init_args.mode: per_layer)",
@@ -478,5 +480,5 @@ def check_memory(module, rollout=None) -> MemoryPlan:
     raise ConfigError(
         f"the memory plan needs {result.peak / GiB:.2f} GiB on this rank at its peak (the {result.fullest}; the fullest"
         f" rank {over / GiB:.2f} GiB more than its device), the device has {(result.capacity or 0) / GiB:.2f} GiB. "
-        f"Largest: {advice}. (model.memory_check: false skips this check)\n" + result.table()
+        f"Largest: {advice}. (model.memory.check: false skips this check)\n" + result.table()
     )

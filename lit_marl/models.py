@@ -174,7 +174,7 @@ def fp32_heads(module: torch.nn.Module) -> int:
 
 
 WeightsDtype = Literal["float32", "bfloat16"]
-"""How a team stores the weights no optimizer updates (``model.weights_dtype``)."""
+"""How a team stores the weights no optimizer updates (``model.memory.weights_dtype``)."""
 
 
 def store_frozen(module: torch.nn.Module, dtype: WeightsDtype) -> int:

@@ -3,7 +3,7 @@ with overrides), reads the plan it prints before the first step, and compares th
 the child's peak RSS (``getrusage``). Prints one line per run.
 
     .venv/bin/python scripts/bench_memory.py --config configs/magrpo/slogan_tiny.yaml \\
-        --set model.init_args.model=smollm2-135m-instruct --set model.init_args.forward_token_budget=4096
+        --set model.init_args.model=smollm2-135m-instruct --set model.init_args.memory.forward_token_budget=4096
 
 On CPU, glibc keeps freed heap memory mapped (its mmap threshold grows after each large free), so
 the RSS exceeds the live bytes; ``--malloc-return`` runs the child with ``MALLOC_MMAP_THRESHOLD_=131072``,

@@ -112,7 +112,11 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     L.seed_everything(0)
-    module = GRPO(model=args.model, kl={"coef": 0.05}, weights_dtype="bfloat16", forward_token_budget=args.token_budget)
+    module = GRPO(
+        model=args.model,
+        kl={"coef": 0.05},
+        memory={"weights_dtype": "bfloat16", "forward_token_budget": args.token_budget},
+    )
     heldout = args.out / "heldout.jsonl"
     heldout.write_text("".join((ROOT / "data/corridor/heldout.jsonl").read_text().splitlines(True)[:4]))
     data = EpisodeDataModule(

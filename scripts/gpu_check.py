@@ -88,9 +88,7 @@ def ppo_step(out: Path, model: str, device: str, tasks: int = 16, turns: int = 6
     module = PPO(
         model=model,
         critic={"kind": "model"},
-        activation_checkpointing=True,
-        forward_token_budget=4096,
-        weights_dtype="bfloat16",
+        memory={"activation_checkpointing": True, "forward_token_budget": 4096, "weights_dtype": "bfloat16"},
         kl={"coef": 0.01},
     )
     data = EpisodeDataModule(

@@ -17,6 +17,7 @@ from torch import nn
 from lit_marl import ConfigError, checkpoint_files, cpu
 from lit_marl.agents import Agent, LoraSettings, Team, roles_by_model, team_sources
 from lit_marl.algorithms.references import build_reference_adapters, reference_adapter, take_policy
+from lit_marl.algorithms.settings import MemorySettings
 from lit_marl.algorithms.updates import OptimizerSteps
 from lit_marl.callbacks.progress import RunProgressBar
 from lit_marl.fields import (
@@ -25,14 +26,15 @@ from lit_marl.fields import (
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
+    as_group,
     check_fields,
+    saved_groups,
 )
 from lit_marl.logprobs import sft_loss
 from lit_marl.memory import check_memory, fsdp_settings
 from lit_marl.metrics import StepLogging, Timer
 from lit_marl.models import (
     AttentionKernel,
-    WeightsDtype,
     built_empty,
     frozen_copy,
     prepare_models,
@@ -64,16 +66,12 @@ class AgentTeamModule(OptimizerSteps, StepLogging, L.LightningModule):
         learning_rate: PositiveFloat = 1e-5,
         max_grad_norm: NonNegativeFloat = 1.0,
         weight_decay: NonNegativeFloat = 0.0,
-        forward_batch_size: PositiveInt | None = None,
-        forward_token_budget: PositiveInt | None = 2048,
         share_parameters: bool = False,
         lora_shared_base: bool = False,
         max_nonfinite_steps: NonNegativeInt = 0,
         log_samples_every_n_steps: NonNegativeInt = 10,
         attn_implementation: AttentionKernel | None = None,
-        activation_checkpointing: bool = False,
-        weights_dtype: WeightsDtype = "float32",
-        memory_check: bool = True,
+        memory: MemorySettings = MemorySettings(),
         discount: ClosedUnitInterval = 1.0,
         kl_reference: Literal["base", "rl_start"] = "base",
     ):
@@ -88,12 +86,6 @@ class AgentTeamModule(OptimizerSteps, StepLogging, L.LightningModule):
             learning_rate: AdamW learning rate of every agent.
             max_grad_norm: Gradient norm clipping per agent, a critic's apart from its policy's (0 disables).
             weight_decay: AdamW's decoupled weight decay (CoMLRL's: torch's default 0.01); 0: none.
-            forward_batch_size: At most this many rows per forward/backward pass (None: no row cap); memory only,
-                like ``forward_token_budget``: a mini-batch's gradients accumulate over its passes.
-            forward_token_budget: At most this many tokens per forward/backward pass (None: no cap): a row
-                counts its padded width, or where a node's G responses share one prompt pass (MAGRPO) its
-                response plus the prompt once per node. Fewer, larger passes are faster; memory grows with
-                it (SmolLM2-135M, fp32: 2048 tokens ~4 GB peak, 8192 ~15 GB): lower it if a pass runs out.
             share_parameters: One model plays every role (one set of weights, one optimizer, one
                 batched generate per turn for all roles); needs one model source.
             lora_shared_base: With ``lora``, every agent is an adapter on ONE frozen copy of the base
@@ -107,13 +99,8 @@ class AgentTeamModule(OptimizerSteps, StepLogging, L.LightningModule):
                 episode, each branch's reward shown, to TensorBoard's text tab, rewards and advantages to histograms.
             attn_implementation: transformers' attention kernel (None: ``sdpa``); ``eager`` with ``trainer.precision:
                 bf16-mixed`` on CPU, where sdpa's bf16 backward is slow (docs/quickstart.md).
-            activation_checkpointing: Recompute each decoder layer in the backward pass instead of keeping its
-                activations (every trainable model: actors, critics): less memory, one more forward (~1/3 more FLOPs).
-            weights_dtype: How weights no optimizer updates are stored (references, LoRA bases, frozen backbones,
-                snapshots); ``bfloat16`` halves them and needs ``trainer.precision: bf16-mixed``. Trained weights and
-                AdamW's state stay fp32 (the master copy), LM heads too (fp32 log-probs) (docs/scale.md).
-            memory_check: Print the memory plan per rank before the first step and stop when its peak exceeds
-                the device (docs/scale.md); false: neither.
+            memory: What the passes and the stored weights hold (``algorithms.settings.MemorySettings``): tokens
+                and rows per forward/backward pass, activation checkpointing, the frozen weights' dtype, the check.
             discount: Gamma between turns: tree returns (r + gamma x the child node's mean return), TD targets,
                 episode returns and GAE; 1.0 (CoMLRL's, and the practitioner guide's finding).
             kl_reference: A KL term's reference: ``base`` (as loaded) or ``rl_start`` (as RL starts: veRL's).
@@ -127,11 +114,11 @@ class AgentTeamModule(OptimizerSteps, StepLogging, L.LightningModule):
         self.sources, self.rollout_buffers = None, []  # per agent, once the team's size is known: size_team
         if num_agents is not None:
             AgentTeamModule.size_team(self, num_agents)  # the base part: subclasses are not set up yet
-        self.forward_batch_size, self.forward_token_budget = forward_batch_size, forward_token_budget
         self.lora, self.system_prompt = LoraSettings(**lora) if isinstance(lora, dict) else lora, system_prompt
         self.share_parameters, self.lora_shared_base = share_parameters, lora_shared_base
-        self.attn_implementation, self.activation_checkpointing = attn_implementation, activation_checkpointing
-        self.weights_dtype, self.memory_check, self.discount = weights_dtype, memory_check, discount
+        self.attn_implementation, self.discount = attn_implementation, discount
+        self.memory = as_group(MemorySettings, memory)
+        saved_groups(self, memory=self.memory)
         self.weight_decay, self.kl_reference, self.automatic_optimization = weight_decay, kl_reference, False
         self.agents = self.references = self.shards = self.rollout_settings = None  # built by configure_model
         self.shuffle_generator = torch.Generator().manual_seed(torch.initial_seed() % 2**63)  # batch order, own RNG
@@ -142,7 +129,7 @@ class AgentTeamModule(OptimizerSteps, StepLogging, L.LightningModule):
         sharding = self.device_mesh is not None and self.shards is None  # ModelParallelStrategy: FSDP2
         with built_empty() if sharding and self.global_rank != 0 else nullcontext():
             self.build_models()
-        prepare_models(self, self.activation_checkpointing, self.weights_dtype)
+        prepare_models(self, self.memory.activation_checkpointing, self.memory.weights_dtype)
         if sharding:
             self.shard(self.device_mesh)
 
@@ -168,7 +155,7 @@ class AgentTeamModule(OptimizerSteps, StepLogging, L.LightningModule):
         warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode.*")
         if self.rollout_settings is not None:  # what the engine would refuse at the first rollout
             self.rollout_settings.engine.check_team(list(self.agents), self.device.type)
-        if self.memory_check:
+        if self.memory.check:
             check_memory(self, self.rollout_settings)
         if self.kl_reference == "rl_start" and (self.shards is not None or not self.has_reference):
             why = "under FSDP (not supported yet)" if self.shards is not None else "without a KL term (kl.coef: 0)"
@@ -203,9 +190,9 @@ class AgentTeamModule(OptimizerSteps, StepLogging, L.LightningModule):
         """The KL reference of each learner (``kl_reference``): a frozen copy of its initial weights;
         with LoRA none is copied: the base with the adapters disabled, or at ``rl_start`` a frozen
         second adapter (``reference_model``)."""
-        if self.lora is None and self.references is None:  # stored in weights_dtype from the start
+        if self.lora is None and self.references is None:  # stored in memory.weights_dtype from the start
             self.references = nn.ModuleList(
-                frozen_copy(self.model_of(i), self.weights_dtype) for i in range(len(self.learners))
+                frozen_copy(self.model_of(i), self.memory.weights_dtype) for i in range(len(self.learners))
             )
         elif self.lora is not None and self.kl_reference == "rl_start":
             build_reference_adapters([self.model_of(i) for i in range(len(self.learners))])
@@ -345,11 +332,12 @@ class AgentTeamModule(OptimizerSteps, StepLogging, L.LightningModule):
                         f"trainer.{name}=0: no training step would run, and the run would end as if it had trained; "
                         "give a number > 0 (max_epochs/max_steps: -1 for no limit), or use `lit-marl validate`"
                     )
-        if self.weights_dtype != "float32" and self.trainer.precision != "bf16-mixed":
+        if self.memory.weights_dtype != "float32" and self.trainer.precision != "bf16-mixed":
             raise ConfigError(
-                f"model.weights_dtype={self.weights_dtype} computes in bf16 under autocast: set trainer.precision: "
-                f"bf16-mixed (got {self.trainer.precision}; trained weights and AdamW's state stay fp32), or "
-                "model.weights_dtype: float32"
+                f"model.memory.weights_dtype={self.memory.weights_dtype} computes in bf16 under autocast: set "
+                f"trainer.precision: bf16-mixed (got {self.trainer.precision}; trained weights and AdamW's state stay "
+                "fp32), or "
+                "model.memory.weights_dtype: float32"
             )
         strategy = self.trainer.strategy
         if isinstance(strategy, DDPStrategy) and not isinstance(strategy, TeamDDPStrategy):

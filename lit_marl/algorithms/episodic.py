@@ -50,7 +50,7 @@ class EpisodicModule(AgentTeamModule):
                 reads its estimator's fields (``advantage_fields``: PPO's GAE, GRPO's and RLOO's group baselines).
             kl: A KL(policy || reference) term (``algorithms.settings.KLSettings``): its ``coef`` (0: none), ``mode``
                 (a loss term or a per-token reward penalty) and ``clamp``.
-            **kwargs: The team's settings (model, lora, learning_rate, discount, forward_token_budget, ...): see
+            **kwargs: The team's settings (model, lora, learning_rate, discount, memory, ...): see
                 ``AgentTeamModule``; each agent plays its own token sequence.
         """
         kwargs.setdefault("num_agents", 1)  # one agent unless given (the CLI links it to the environment's)
@@ -119,7 +119,10 @@ class EpisodicModule(AgentTeamModule):
         """Episodes of similar length share a pass (``rollout.batch.length_passes``): a pass is trimmed
         to its longest episode, so this computes the fewest padding tokens the budget allows."""
         lengths = rows.attention_mask.sum(-1)  # left-padded: a row spans its length
-        return [r.to(self.device) for r in length_passes(lengths, self.forward_token_budget, self.forward_batch_size)]
+        return [
+            r.to(self.device)
+            for r in length_passes(lengths, self.memory.forward_token_budget, self.memory.forward_batch_size)
+        ]
 
     def chunked(self, fn, batch: EpisodeBatch, model: torch.nn.Module):
         """``fn(input_ids, attention_mask, loss_mask)`` over the batch in the passes of

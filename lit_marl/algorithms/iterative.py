@@ -261,7 +261,7 @@ class IterativeMADPO(MADPO):
         for role, source in enumerate(self.comparator_sources):
             if source not in loaded:
                 loaded[source] = Agent(source, None, self.system_prompt).requires_grad_(False).to(self.device)
-                prepare_models(loaded[source], False, self.weights_dtype)
+                prepare_models(loaded[source], False, self.memory.weights_dtype)
             policy, theirs = self.agents[role].tokenizer, loaded[source].tokenizer
             if policy.get_vocab() != theirs.get_vocab() or policy.chat_template != theirs.chat_template:
                 raise ConfigError(
@@ -285,7 +285,7 @@ class IterativeMADPO(MADPO):
         wanted = max(self.iteration + 1 - self.history_k, 0)
         if "copy" not in self._frozen:
             self._frozen["copy"] = copy.deepcopy(self.agents).requires_grad_(False)
-            store_frozen(self._frozen["copy"], self.weights_dtype)
+            store_frozen(self._frozen["copy"], self.memory.weights_dtype)
         if self._frozen.get("loaded") != wanted:
             state = torch.load(self.snapshots[wanted], weights_only=True, map_location=self.device)
             unknown = self._frozen["copy"].load_state_dict(state, strict=False).unexpected_keys

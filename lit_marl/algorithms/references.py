@@ -1,7 +1,7 @@
 """The KL reference of each learner: which weights ``model.kl_reference`` names, and how they are held.
 
 - ``base`` (the default): the model as loaded (``model.model``). Full fine-tuning keeps a frozen copy
-  (in ``weights_dtype``); under LoRA the reference is the base itself with the adapters off (no copy).
+  (in ``memory.weights_dtype``); under LoRA the reference is the base itself with the adapters off (no copy).
 - ``rl_start``: the policy as RL starts: at the switch from SFT (``PhaseSwitch``), or at the start of a
   run that begins in RL (after ``InitialWeights`` loaded an earlier run's adapters). This is veRL's
   reference (the actor's initial weights, the SFT checkpoint where RL follows SFT): a KL term then
@@ -54,7 +54,7 @@ def take_policy(module) -> None:
     """Every learner's reference becomes its policy as it is now (``kl_reference: rl_start``)."""
     for n in range(len(module.learners)):
         model = module.model_of(n)
-        if module.references is not None:  # a frozen full copy (stored in weights_dtype: copy_ casts)
+        if module.references is not None:  # a frozen full copy (stored in memory.weights_dtype: copy_ casts)
             module.references[n].load_state_dict(model.state_dict())
             continue
         peft, adapter = peft_of(model)

@@ -2,9 +2,10 @@
 family that reads it: ``model.update`` (how rollouts become optimizer steps), ``model.advantage``
 (how returns become advantages), ``model.kl`` (a KL term to the reference), ``model.buffer`` (when
 a buffered family updates, and in which order), ``model.critic`` (an actor-critic family's value
-function). A family reads only some fields of a group (``Family.update_fields``); a field it does
-not read, set away from its default, stops the run naming the family (``check_unread``), so no
-setting is ever silently ignored."""
+function), ``model.memory`` (what a team's passes and stored weights hold: every family). A family
+reads only some fields of a group (``Family.update_fields``); a field it does not read, set away
+from its default, stops the run naming the family (``check_unread``), so no setting is ever
+silently ignored."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from lit_marl.fields import (
     saved_groups,
 )
 from lit_marl.losses import Reduction
+from lit_marl.models import WeightsDtype
 from lit_marl.returns import AdvantageMode, NormalizationForm
 from lit_marl.rollout.buffer import UpdateSchedule
 
@@ -182,6 +184,34 @@ class CriticSettings:
 
     def __post_init__(self):
         check_dataclass("model.critic", self)
+
+
+@dataclass(frozen=True)
+class MemorySettings:
+    """What a team's passes and stored weights hold (``model.memory``): memory only, the same gradients
+    whatever they are; the plan (``plan``) reads them and says which to change when a phase does not fit."""
+
+    forward_token_budget: PositiveInt | None = 2048
+    """At most this many tokens per forward/backward pass (None: no cap): a row counts its padded width, or where a
+    node's G responses share one prompt pass (MAGRPO) its response plus the prompt once per node. Fewer, larger
+    passes are faster; memory grows with it (SmolLM2-135M, fp32: 2048 tokens ~4 GB peak, 8192 ~15 GB): lower it if
+    a pass runs out."""
+    forward_batch_size: PositiveInt | None = None
+    """At most this many rows per forward/backward pass (None: no row cap); a mini-batch's gradients accumulate
+    over its passes."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer in the backward pass instead of keeping its activations (every trainable model:
+    actors, critics): less memory, one more forward (~1/3 more FLOPs)."""
+    weights_dtype: WeightsDtype = "float32"
+    """How weights no optimizer updates are stored (references, LoRA bases, frozen backbones, snapshots);
+    ``bfloat16`` halves them and needs ``trainer.precision: bf16-mixed``. Trained weights and AdamW's state stay
+    fp32 (the master copy), LM heads too (fp32 log-probs) (docs/scale.md)."""
+    check: bool = True
+    """Print the memory plan per rank before the first step and stop when its peak exceeds the device
+    (docs/scale.md); false: neither."""
+
+    def __post_init__(self):
+        check_dataclass("model.memory", self)
 
 
 def logit_temperature(update: UpdateSettings, rollout) -> float:

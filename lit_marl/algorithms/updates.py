@@ -78,7 +78,7 @@ class OptimizerSteps:
         decay act, as in CoMLRL). ``parameters``: the model's, for ``perf/train_flops`` (6 per
         parameter and token the passes compute). Returns that loss."""
         # full rows under checkpointing (a checkpointed layer drops the shared cache) and per-layer FSDP
-        shared_prompts = shared_prompts and not self.activation_checkpointing and not self.per_layer_fsdp
+        shared_prompts = shared_prompts and not self.memory.activation_checkpointing and not self.per_layer_fsdp
         local = count if isinstance(count, tuple) else (count if count is not None else len(rows or ()),)
         totals = [all_ranks_sum(float(c), self.device) for c in local]
         loss_sum, tokens = 0.0, 0
@@ -140,5 +140,5 @@ class OptimizerSteps:
 
     def micro_batches(self, rows, shared_prompts: bool = False) -> list[torch.Tensor]:
         """Row indices of the forward/backward passes over ``rows`` (``rollout.batch.pass_rows``)."""
-        cap, budget = self.forward_batch_size, self.forward_token_budget
+        cap, budget = self.memory.forward_batch_size, self.memory.forward_token_budget
         return [r.to(self.device) for r in pass_rows(rows, budget, cap, shared_prompts)]

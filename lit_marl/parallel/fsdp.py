@@ -215,7 +215,7 @@ class TeamShards:
                 zero.backward()
 
     def _autocast(self, root: nn.Module):
-        # weights stored in several dtypes (model.weights_dtype) compute only under autocast
+        # weights stored in several dtypes (model.memory.weights_dtype) compute only under autocast
         low = {p.dtype for p in root.parameters()} - {torch.float32}
         return torch.autocast(self.device.type, dtype=min(low, key=str), cache_enabled=False) if low else nullcontext()
 

@@ -153,7 +153,7 @@ def test_fsdp_gradients_equal_one_process_bit_for_bit(tmp_path, mode):
     and generates 20; the reduced gradient shards equal one process's gradients of all 4 passes, also
     when the sharded model recomputes its layers in the backward (activation checkpointing under FSDP2),
     and when its units hold bf16 frozen and fp32 trained weights together under bf16 autocast
-    (``model.weights_dtype: bfloat16``)."""
+    (``model.memory.weights_dtype: bfloat16``)."""
     run_script(TEST_SCRIPTS / "fsdp_grads.py", str(tmp_path), str(free_port()), *([mode] if mode else []))
     reports = [json.loads((tmp_path / f"report_rank{r}.json").read_text()) for r in range(2)]
     assert [r["generated"] for r in reports] == [4, 20]

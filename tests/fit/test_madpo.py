@@ -57,7 +57,9 @@ def _direct_gradient(module, batch, role, chosen, rejected):
 @pytest.mark.parametrize("dpo_reference", ["none", "initial"])
 def test_update_gradient_equals_the_joint_dpo_loss_gradient(dpo_reference):
     L.seed_everything(0)
-    module = MADPO(model="tiny-random", num_agents=2, dpo_beta=0.5, dpo_reference=dpo_reference, forward_batch_size=3)
+    module = MADPO(
+        model="tiny-random", num_agents=2, dpo_beta=0.5, dpo_reference=dpo_reference, memory={"forward_batch_size": 3}
+    )
     module.configure_model()
     for p in module.agents[0].model.parameters():  # the policy moves away from its reference
         p.data.add_(0.02 * torch.randn_like(p))

@@ -155,8 +155,7 @@ def test_update_is_the_policy_gradient(tmp_path, forward_batch_size, forward_tok
         model="tiny-random",
         num_agents=2,
         max_grad_norm=0.0,
-        forward_batch_size=forward_batch_size,
-        forward_token_budget=forward_token_budget,
+        memory={"forward_batch_size": forward_batch_size, "forward_token_budget": forward_token_budget},
         update={"logprob_reduction": reduction},
     )
     data = slogan_data(sampling={"max_new_tokens": 16}, num_generations=3, joint_mode=joint_mode, tasks_per_step=3)

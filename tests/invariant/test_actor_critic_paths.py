@@ -55,7 +55,7 @@ def test_update_in_one_pass_equals_the_two_pass_update(tmp_path, cls, settings):
     and the logged values, targets and advantages equal those of the two-pass path (forced here by
     one row per pass, which accumulates the same gradient)."""
     runs = {}
-    for name, passes in (("one", {}), ("two", dict(forward_batch_size=1))):
+    for name, passes in (("one", {}), ("two", dict(memory={"forward_batch_size": 1}))):
         L.seed_everything(5)
         module = cls(model="tiny-random", num_agents=2, learning_rate=1e-3, **settings, **passes)
         module.configure_model()

@@ -53,7 +53,7 @@ def _whole_rows(module, batch):
 
 @pytest.mark.parametrize("critic", ["head", "model"])
 def test_ppo_behaviour_is_one_policy_forward_per_pass(critic):
-    module = PPO(model="tiny-random", critic={"kind": critic}, forward_batch_size=2)
+    module = PPO(model="tiny-random", critic={"kind": critic}, memory={"forward_batch_size": 2})
     module.configure_model()
     batch = _episodes(module)
     policy = _counted(module.model_of(0))
@@ -72,7 +72,7 @@ def test_ppo_behaviour_is_one_policy_forward_per_pass(critic):
 
 
 def test_group_algorithms_take_one_pass_and_no_values():
-    module = GRPO(model="tiny-random", forward_batch_size=2)
+    module = GRPO(model="tiny-random", memory={"forward_batch_size": 2})
     module.configure_model()
     batch = _episodes(module)
     calls = _counted(module.model_of(0))
@@ -108,7 +108,7 @@ def _gradients(module, samples) -> dict:
 
 def test_passes_of_similar_length_give_the_gradient_of_one_pass():
     """Episodes cut into passes by length give the gradient of one pass over them all."""
-    module = PPO(model="tiny-random", forward_batch_size=2, forward_token_budget=None)
+    module = PPO(model="tiny-random", memory={"forward_batch_size": 2, "forward_token_budget": None})
     module.configure_model()
     batch = _episodes(module)
     rewards = torch.linspace(-1, 1, batch.end_positions.numel()).view(batch.end_positions.shape)
@@ -116,7 +116,7 @@ def test_passes_of_similar_length_give_the_gradient_of_one_pass():
     passes = module.micro_batches(samples)
     assert [p.tolist() for p in passes] == [[1, 3], [0, 2]]  # the rows, longest first
     cut = _gradients(module, samples)
-    module.forward_batch_size = None
+    module.memory = replace(module.memory, forward_batch_size=None)
     assert len(module.micro_batches(samples)) == 1
     whole = _gradients(module, samples)
     assert whole.keys() == cut.keys() and any(n.startswith("value_heads") for n in whole)

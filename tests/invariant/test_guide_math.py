@@ -101,7 +101,7 @@ def test_value_loss_coef_weighs_a_mean_over_value_positions_in_both_gae_modes(tm
         update={"ppo_epochs": 1},
         critic={"value_loss_coef": 0.7},
         max_grad_norm=0.0,
-        forward_batch_size=1,
+        memory={"forward_batch_size": 1},
     )
     sampling = {"max_new_tokens": 6, "temperature": 1.5}
     data = corridor_data(tasks_per_step=3, num_generations=1, max_turns=3, sampling=sampling, reward_density="dense")

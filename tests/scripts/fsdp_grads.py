@@ -3,7 +3,7 @@ of forward/backward passes, and generate different numbers of tokens, inside ``g
 ``reduce_gradients`` each rank's gradient shards must equal the gradients of one process that ran
 every pass. With ``checkpointing`` the sharded model recomputes its layers in the backward
 (``lit_marl.models.checkpoint_layers``; the one process does not). With ``bf16`` the MLP weights are
-frozen and stored in bf16 (``store_frozen``, as ``model.weights_dtype: bfloat16`` does), so each layer's
+frozen and stored in bf16 (``store_frozen``, as ``model.memory.weights_dtype: bfloat16`` does), so each layer's
 FSDP unit gathers bf16 and fp32 parameters together, and every pass runs under bf16 autocast (both
 sides).
 

@@ -138,7 +138,7 @@ def test_one_optimizer_step_per_minibatch(tmp_path):
     ],
 )
 def test_micro_batches_respect_the_token_budget_and_row_cap(rows, width, budget, cap, sizes):
-    module = MAGRPO(forward_batch_size=cap, forward_token_budget=budget)
+    module = MAGRPO(memory={"forward_batch_size": cap, "forward_token_budget": budget})
     samples = _samples(rows, 1, turns=[0] * rows, prompt_len=width - 2, completion_len=2)
     passes = module.micro_batches(samples)
     assert [len(p) for p in passes] == sizes
@@ -152,7 +152,7 @@ def test_micro_batches_respect_the_token_budget_and_row_cap(rows, width, budget,
 def test_micro_batches_count_a_shared_prompt_once_per_node(budget, sizes, unshared_sizes):
     """5 nodes x G=4 rows, prompt 8 + completion 2 tokens: with shared prompts a whole node costs
     8 + 4 x 2 = 16 tokens (not 4 x 10), and a pass cut inside a node runs that prompt again."""
-    module = MAGRPO(forward_token_budget=budget)
+    module = MAGRPO(memory={"forward_token_budget": budget})
     samples = _samples(5, 4, turns=[0] * 5, prompt_len=8, completion_len=2)
     passes = module.micro_batches(samples, shared_prompts=True)
     assert [len(p) for p in passes] == sizes

@@ -1,4 +1,4 @@
-"""Activation checkpointing (``model.activation_checkpointing``): which models it reaches, that a
+"""Activation checkpointing (``model.memory.activation_checkpointing``): which models it reaches, that a
 checkpointed backward recomputes the layers and gives the plain backward's gradients, and that the
 shared-prompt pass (one KV cache for a node's G rows) stays exact although a checkpointed layer drops
 any cache it is given."""
@@ -137,7 +137,7 @@ def test_lora_dropout_is_refused():
 def test_the_setting_reaches_every_trainable_model(settings):
     settings = dict(settings)
     cls = settings.pop("cls")
-    module = cls(model="tiny-random", num_agents=2, activation_checkpointing=True, **settings)
+    module = cls(model="tiny-random", num_agents=2, memory={"activation_checkpointing": True}, **settings)
     module.configure_model()
     checked = 0
     for model in module.modules():
@@ -158,7 +158,9 @@ def test_a_checkpointed_fit_trains_as_the_plain_one(tmp_path):
     ends, calls = [], {}
     for checkpointing in (False, True):
         L.seed_everything(0)
-        module = SGDRecordingMAGRPO(model="tiny-random", num_agents=2, activation_checkpointing=checkpointing)
+        module = SGDRecordingMAGRPO(
+            model="tiny-random", num_agents=2, memory={"activation_checkpointing": checkpointing}
+        )
         module.configure_model()
         before = [snapshot(agent.model) for agent in module.agents]
         in_backward = [False]  # layer passes run during a backward are recomputations
@@ -217,7 +219,11 @@ def test_an_actor_critic_fit_recomputes_in_its_one_pass_update(tmp_path):
 
     L.seed_everything(0)
     module = IAC(
-        model="tiny-random", num_agents=2, learning_rate=1e-3, critic={"kind": "model"}, activation_checkpointing=True
+        model="tiny-random",
+        num_agents=2,
+        learning_rate=1e-3,
+        critic={"kind": "model"},
+        memory={"activation_checkpointing": True},
     )
     module.configure_model()
     before = [snapshot(a.model) for a in module.agents] + [snapshot(c) for c in module.critics]

@@ -128,7 +128,7 @@ def test_the_port_trains_through_the_cli_with_the_preset(task_file, tmp_path, mo
     config = tmp_path / "port.yaml"
     config.write_text(
         "trainer: {max_steps: 1, logger: false, enable_checkpointing: false, accelerator: cpu}\n"
-        "model:\n  class_path: lit_marl.algorithms.MAGRPO\n  init_args: {model: tiny-random, memory_check: false}\n"
+        "model:\n  class_path: lit_marl.algorithms.MAGRPO\n  init_args: {model: tiny-random, memory: {check: false}}\n"
         "data:\n  class_path: lit_marl.data.RolloutDataModule\n  init_args:\n"
         f"    train_path: {task_file}\n"
         "    agent_prompts: [{formatter: comlrl_port:writer}, {formatter: comlrl_port:critic}]\n"

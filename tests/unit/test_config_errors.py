@@ -54,8 +54,8 @@ def test_model_list_length_must_match_num_agents():
     "kwargs, field",
     [
         ({"num_agents": 0}, "model.num_agents=0"),
-        ({"forward_batch_size": 0}, "model.forward_batch_size=0"),
-        ({"forward_token_budget": 0}, "model.forward_token_budget=0"),
+        ({"memory": {"forward_batch_size": 0}}, "model.memory.forward_batch_size=0"),
+        ({"memory": {"forward_token_budget": 0}}, "model.memory.forward_token_budget=0"),
         ({"advantage": {"mode": "median"}}, "model.advantage.mode='median'"),
     ],
 )

@@ -75,8 +75,8 @@ def test_arm_bf16_is_native_and_an_unreadable_cpu_gets_fp32_without_a_notice():
 
 
 def test_a_precision_asked_for_by_bf16_weights_names_that_setting():
-    notice = cpu.slow_precision_notice("bf16-mixed", AVX2_ONLY, "model.weights_dtype: bfloat16 needs it")
-    assert notice.endswith("model.weights_dtype: bfloat16 needs it") and "unset" not in notice
+    notice = cpu.slow_precision_notice("bf16-mixed", AVX2_ONLY, "model.memory.weights_dtype: bfloat16 needs it")
+    assert notice.endswith("model.memory.weights_dtype: bfloat16 needs it") and "unset" not in notice
 
 
 def write(path, text):
@@ -191,6 +191,8 @@ def test_the_cli_gives_an_unset_precision_by_accelerator_and_weights(
     monkeypatch.setattr(cli.torch.cuda, "is_available", lambda: cuda)
     monkeypatch.setattr(cli.torch.backends.mps, "is_available", lambda: False)
     monkeypatch.delenv(cpu.PRECISION_ENV, raising=False)
-    model = Namespace(class_path="lit_marl.algorithms.GRPO", init_args=Namespace(weights_dtype=weights_dtype))
+    model = Namespace(
+        class_path="lit_marl.algorithms.GRPO", init_args=Namespace(memory={"weights_dtype": weights_dtype})
+    )
     got = cli._unset_precision(accelerator, model)
     assert got == (cpu.auto_precision("cpu", environ={}) if expected == "CPU" else expected)

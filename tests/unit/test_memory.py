@@ -50,7 +50,7 @@ def test_profile_predicts_the_whole_models_saved_activations(lora, autocast):
 
 
 def test_parts_are_the_models_bytes_and_a_plan_is_printed(tmp_path, capsys):
-    module = MAGRPO(model="tiny-random", num_agents=2, lora=LORA, weights_dtype="bfloat16")
+    module = MAGRPO(model="tiny-random", num_agents=2, lora=LORA, memory={"weights_dtype": "bfloat16"})
     module.configure_model()
     parts, phases = weight_parts(module)
     steps = ("rollout", "evaluation", "update")  # AdamW's state exists from the first step on, not at setup
@@ -149,7 +149,7 @@ def test_a_plan_that_does_not_fit_stops_before_the_first_step(tmp_path, monkeypa
     with pytest.raises(ConfigError, match=r"(?s)memory plan needs .* GiB on this rank.*forward_token_budget"):
         make_trainer(tmp_path).fit(module, datamodule=slogan_data())
     assert module.global_step == 0
-    skipped = MAGRPO(model="tiny-random", num_agents=2, memory_check=False)
+    skipped = MAGRPO(model="tiny-random", num_agents=2, memory={"check": False})
     make_trainer(tmp_path, limit_train_batches=1, limit_val_batches=0).fit(skipped, datamodule=slogan_data())
     assert skipped.global_step >= 1
 
@@ -159,13 +159,13 @@ def test_an_actor_critic_pass_counts_policy_and_critic_together():
     critic's without logits (it scores values, not tokens)."""
     from lit_marl.algorithms import PPO
 
-    alone = PPO(model="tiny-random", forward_token_budget=512)
+    alone = PPO(model="tiny-random", memory={"forward_token_budget": 512})
     alone.configure_model()
-    with_critic = PPO(model="tiny-random", critic={"kind": "model"}, forward_token_budget=512)
+    with_critic = PPO(model="tiny-random", critic={"kind": "model"}, memory={"forward_token_budget": 512})
     with_critic.configure_model()
     policy = update_pass_bytes(alone, None, [])
     profile = activation_profile(with_critic.critic_backbones[0], None)
-    critic = profile.pass_bytes(with_critic.forward_token_budget, 0, False)
+    critic = profile.pass_bytes(with_critic.memory.forward_token_budget, 0, False)
     assert update_pass_bytes(with_critic, None, []) == pytest.approx(policy + critic)
     assert critic < policy  # no 12 bytes per vocabulary entry and scored position
 
@@ -173,7 +173,7 @@ def test_an_actor_critic_pass_counts_policy_and_critic_together():
 def test_an_episode_pass_holds_its_longest_row_and_scores_the_agents_tokens():
     """A row longer than the token budget gets a pass of its own, so a pass holds up to an episode's
     ``max_context_tokens``; the LM head runs only at the agent's own tokens (``masked_logprobs``):
-    at most ``max_turns x max_new_tokens`` a row, ``forward_batch_size`` rows. With demonstrations
+    at most ``max_turns x max_new_tokens`` a row, ``memory.forward_batch_size`` rows. With demonstrations
     (an SFT phase) every position counts."""
     from dataclasses import replace
 
@@ -182,7 +182,7 @@ def test_an_episode_pass_holds_its_longest_row_and_scores_the_agents_tokens():
     from lit_marl.rollout.episode import EpisodeSettings
     from lit_marl.rollout.settings import RolloutSettings
 
-    module = PPO(model="tiny-random", forward_token_budget=512, forward_batch_size=2)
+    module = PPO(model="tiny-random", memory={"forward_token_budget": 512, "forward_batch_size": 2})
     module.configure_model()
     episode = EpisodeSettings(max_turns=3, sampling=Sampling(max_new_tokens=8), max_context_tokens=1024)
     rollout = RolloutSettings("episodes", 1, 4, 1, make_engine("torch"), episode=episode)

@@ -56,7 +56,7 @@ def test_scale_config_builds_with_a_tiny_stand_in(config, tmp_path, monkeypatch)
     assert "PLAN_" not in header and re.search(r"Memory per GPU.*GiB", header)
     cli = build_cli(args=_stand_in(config), run=False)
     module = cli.model
-    assert module.activation_checkpointing and module.weights_dtype == "bfloat16"
+    assert module.memory.activation_checkpointing and module.memory.weights_dtype == "bfloat16"
     module.configure_model()
     assert module.references is not None and {p.dtype for p in module.references.parameters()} >= {torch.bfloat16}
 
@@ -65,7 +65,7 @@ def test_two_nodes_overlay_builds(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert yaml.safe_load((ROOT / "configs" / "scale" / "two_nodes.yaml").read_text()) == {"trainer": {"num_nodes": 2}}
     cli = build_cli(args=_stand_in(CONFIGS[-1], "two_nodes.yaml"), run=False)
-    assert cli.model.weights_dtype == "bfloat16"
+    assert cli.model.memory.weights_dtype == "bfloat16"
 
 
 @pytest.mark.slow  # ~30 s a config: the plan measures the architecture's layers on CPU copies

@@ -1,4 +1,4 @@
-"""``model.weights_dtype: bfloat16``: the weights no optimizer updates (KL references, LoRA bases,
+"""``model.memory.weights_dtype: bfloat16``: the weights no optimizer updates (KL references, LoRA bases,
 snapshots) are stored in bf16, the trained ones stay fp32 (the master copy) and so do LM heads;
 the setting needs bf16-mixed autocast, and fits stay finite and move the trained weights."""
 
@@ -29,7 +29,7 @@ def _dtypes(model: torch.nn.Module) -> dict[str, set[torch.dtype]]:
 
 
 def test_lora_base_is_stored_in_bf16_adapters_and_head_stay_fp32():
-    module = MAGRPO(model="tiny-random", num_agents=2, lora=LORA, weights_dtype="bfloat16")
+    module = MAGRPO(model="tiny-random", num_agents=2, lora=LORA, memory={"weights_dtype": "bfloat16"})
     module.configure_model()
     for agent in module.agents:
         assert _dtypes(agent.model) == {
@@ -51,7 +51,7 @@ def test_references_are_bf16_and_score_as_the_policy_at_the_start():
     autocast the policy's fp32 weights are cast to bf16 per op, so at the start the reference's
     log-probs equal the policy's to bf16's rounding of the residual stream (a test that fails if the
     reference's head were bf16 or the policy's weights were changed)."""
-    module = MAGRPO(model="tiny-random", num_agents=1, kl={"coef": 0.1}, weights_dtype="bfloat16")
+    module = MAGRPO(model="tiny-random", num_agents=1, kl={"coef": 0.1}, memory={"weights_dtype": "bfloat16"})
     module.configure_model()
     policy, reference = module.agents[0].model, module.references[0]
     assert _dtypes(policy) == {"trainable": {torch.float32}, "frozen": set(), "head": {torch.float32}}
@@ -66,7 +66,7 @@ def test_references_are_bf16_and_score_as_the_policy_at_the_start():
 
 
 def test_bf16_weights_need_bf16_mixed_autocast(tmp_path):
-    module = MAGRPO(model="tiny-random", num_agents=2, lora=LORA, weights_dtype="bfloat16")
+    module = MAGRPO(model="tiny-random", num_agents=2, lora=LORA, memory={"weights_dtype": "bfloat16"})
     with pytest.raises(ConfigError, match=r"trainer.precision: bf16-mixed"):
         make_trainer(tmp_path).fit(module, datamodule=slogan_data())
 
@@ -76,7 +76,9 @@ def test_bf16_weights_fit_moves_the_trained_weights(tmp_path, lora):
     """A bf16-mixed fit with bf16 frozen weights: finite losses, the trained (fp32) weights move, the
     frozen (bf16) ones do not."""
     kwargs = {"lora": LORA} if lora else {"kl": {"coef": 0.1}}
-    module = MAGRPO(model="tiny-random", num_agents=2, learning_rate=1e-2, weights_dtype="bfloat16", **kwargs)
+    module = MAGRPO(
+        model="tiny-random", num_agents=2, learning_rate=1e-2, memory={"weights_dtype": "bfloat16"}, **kwargs
+    )
     module.configure_model()
     before = [snapshot(agent.model) for agent in module.agents]
     frozen = {n: p.detach().clone() for n, p in module.named_parameters() if not p.requires_grad}
@@ -102,7 +104,9 @@ def test_vllm_computes_in_the_trainers_dtype():
 def test_every_agents_adapter_stays_fp32_on_a_shared_base():
     """peft turns grad on for the active adapter only, so on one shared base the other agents'
     adapters look frozen when the team is built: they are trained all the same and stay fp32."""
-    module = MAGRPO(model="tiny-random", num_agents=3, lora=LORA, lora_shared_base=True, weights_dtype="bfloat16")
+    module = MAGRPO(
+        model="tiny-random", num_agents=3, lora=LORA, lora_shared_base=True, memory={"weights_dtype": "bfloat16"}
+    )
     module.configure_model()
     for agent in module.agents:
         own = agent.trainable_parameters()
