@@ -17,6 +17,8 @@ from torch import nn
 from lit_marl import ConfigError
 from lit_marl.fields import PositiveFloat, PositiveInt, UnitIntervalRightOpen, check_fields
 from lit_marl.models import check_source, load_model_and_tokenizer
+from lit_marl.tools.calls import ToolResults
+from lit_marl.tools.formats import ParsedReply, ToolFormat, parse_reply, result_messages, system_block, tool_format
 
 REPLY_MARKER = "\u2063REPLY\u2063"
 """A reply text no template rewrites, to find where a reply sits in a template's rendering."""
@@ -131,6 +133,9 @@ class Agent(nn.Module):
         self.model = model
         self.source = source
         self.system_prompt = system_prompt
+        self.tools: list[dict] = []
+        """The schemas of the tools this agent may call (``use_tools``); none by default."""
+        self.tool_format: ToolFormat | None = None
 
     @staticmethod
     def team_on_shared_base(
@@ -147,23 +152,54 @@ class Agent(nn.Module):
             Agent(source, None, system_prompt, (AdapterView(shared, f"agent{i}"), tokenizer)) for i in range(num_agents)
         ]
 
+    def use_tools(self, tools: list, parser: str = "auto") -> ToolFormat | None:
+        """Let this agent call ``tools`` (``lit_marl.tools.Tool``): rendered and read in its model's own
+        format (``tools.formats.tool_format``); an empty list: none. Returns the format."""
+        self.tools = [tool.schema for tool in tools]
+        self.tool_format = tool_format(self.tokenizer, parser) if tools else None
+        return self.tool_format
+
+    def _system(self) -> list[dict]:
+        """The system message: the system prompt and, where the template ignores ``tools=``, the tools."""
+        parts = [] if self.system_prompt is None else [self.system_prompt]
+        if self.tool_format is not None and self.tool_format.render == "system":
+            parts.append(system_block(self.tools))
+        return [{"role": "system", "content": "\n\n".join(parts)}] if parts else []
+
+    def _render(self, messages: list[dict], **kwargs):
+        tools = {"tools": self.tools} if self.tool_format is not None and self.tool_format.render == "template" else {}
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **tools, **kwargs)
+
     def encode_prompt(self, text: str, raw: bool = False) -> list[int]:
-        """Render one user message with the model's chat template, ready for the assistant's reply;
-        ``raw`` tokenizes the text as it is instead, with the tokenizer's own special tokens (a BOS
-        where the tokenizer adds one), as CoMLRL tokenizes a formatter's text."""
+        """Render one user message with the model's chat template, ready for the assistant's reply (with
+        the agent's tools, ``use_tools``); ``raw`` tokenizes the text as it is instead, with the tokenizer's
+        own special tokens (a BOS where the tokenizer adds one), as CoMLRL tokenizes a formatter's text."""
         if raw:
             return self.tokenizer(text)["input_ids"]
-        messages = [{"role": "user", "content": text}]
-        if self.system_prompt is not None:
-            messages.insert(0, {"role": "system", "content": self.system_prompt})
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = self._render([*self._system(), {"role": "user", "content": text}], tokenize=True)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
-    def chat_continuation(self, text: str, closed: bool = True) -> list[int]:
-        """Token ids that follow an assistant reply to add the user message ``text`` and open the
-        next reply: only the new chat segment, rendered by the chat template (the reply's own
-        tokens are never re-tokenized). ``closed``: the reply ended with its end-of-turn token;
-        otherwise (cut by the token budget) the segment starts with the template's closing.
+    def observation_messages(self, observation: str | ToolResults) -> list[dict]:
+        """The messages an observation is: a user message, or tool results as this agent's format renders them."""
+        if isinstance(observation, ToolResults):
+            if self.tool_format is None:
+                raise ValueError("tool results for an agent without tools (use_tools)")
+            return result_messages([(r.call.name, r.text) for r in observation.results], self.tool_format)
+        return [{"role": "user", "content": observation}]
+
+    def read_reply(self, reply_ids: list[int]) -> ParsedReply:
+        """A reply as generated (special tokens kept, its end-of-turn token dropped) read into text and calls."""
+        if reply_ids and reply_ids[-1] == self.eos_token_id:
+            reply_ids = reply_ids[:-1]
+        text = self.tokenizer.decode(reply_ids, skip_special_tokens=False)
+        return parse_reply(text, self.tool_format, self.tokenizer, self.tools)
+
+    def chat_continuation(self, text: str | ToolResults, closed: bool = True) -> list[int]:
+        """Token ids that follow an assistant reply to add the user message ``text`` (or the tool
+        messages of ``ToolResults``) and open the next reply: only the new chat segment, rendered by
+        the chat template (the reply's own tokens are never re-tokenized). ``closed``: the reply ended
+        with its end-of-turn token; otherwise (cut by the token budget) the segment starts with the
+        template's closing.
 
         The segment is what the template writes after a reply that is history (followed by a user
         message), so templates that render the latest reply differently from earlier ones work too:
@@ -171,9 +207,7 @@ class Agent(nn.Module):
         think blocks. Every reply stays in the context as generated (``rewrites_history`` tells
         whether the template's own rendering of the dialogue would differ: docs/scale.md)."""
         head = self._one_exchange(REPLY_MARKER)
-        full = self.tokenizer.apply_chat_template(
-            [*head, {"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
-        )
+        full = self._render([*head, *self.observation_messages(text)], tokenize=False)
         marker = REPLY_MARKER
         if full.count(marker) != 1:
             raise ValueError(
@@ -201,8 +235,7 @@ class Agent(nn.Module):
 
     def _one_exchange(self, reply: str) -> list[dict]:
         """A probe dialogue for reading the chat template: (the system prompt,) a user turn, ``reply``."""
-        system = [] if self.system_prompt is None else [{"role": "system", "content": self.system_prompt}]
-        return [*system, {"role": "user", "content": "x"}, {"role": "assistant", "content": reply}]
+        return [*self._system(), {"role": "user", "content": "x"}, {"role": "assistant", "content": reply}]
 
     @functools.cached_property
     def opens_reasoning(self) -> bool:

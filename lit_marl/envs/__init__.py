@@ -7,6 +7,7 @@ from lit_marl.envs import (
     corridor,  # noqa: F401  (registers "corridor")
     swe,  # noqa: F401  (registers "swe")
     textworld,  # noqa: F401  (registers "textworld")
+    tool_task,  # noqa: F401  (registers "tools")
 )
 from lit_marl.envs.base import REGISTRY, Env
 from lit_marl.tasks import import_object

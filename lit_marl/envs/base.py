@@ -78,6 +78,12 @@ class Env(ABC):
     ``textworld:<complexity>:<split>:<count>``)."""
     demo_packages: tuple[str, ...] = ()
     """Packages whose versions key the cached walkthrough demonstrations of a named set."""
+    tools: tuple = ()
+    """The tools the agents may call (``lit_marl.tools.Tool``): the rollout renders them in each agent's
+    own format, hands ``step`` each reply parsed into calls (``ParsedReply``) instead of its text, and
+    renders the results an observation carries (``ToolResults``) as tool messages."""
+    tool_parser: str = "auto"
+    """How replies are read (``lit_marl.tools.formats.tool_format``): ``auto`` or a parser's name."""
 
     @property
     @abstractmethod

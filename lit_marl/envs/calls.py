@@ -5,7 +5,6 @@ raising or NaN reward does is decided here, once, for every environment and roll
 
 from __future__ import annotations
 
-import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -14,6 +13,7 @@ from typing import Literal
 import torch
 
 from lit_marl.fields import PositiveFloat, PositiveInt, check_dataclass
+from lit_marl.timeouts import TimedOut, timed
 
 RewardFn = Callable[..., Sequence[float] | Mapping[str, Sequence[float]]]
 
@@ -64,28 +64,12 @@ class CallTimeout(RewardError):
 
 
 def call_with_timeout(fn: Callable, timeout_s: float | None, what: str, fix: str, **kwargs):
-    """``fn(**kwargs)``, but raise ``CallTimeout`` when it has not returned after ``timeout_s``
-    seconds (None: wait for ever). The call runs in a daemon thread, which Python cannot stop: a
-    call that never returns keeps it (and what it holds) until the process ends; the run itself
-    goes on or stops, as the caller's policy says."""
-    if timeout_s is None:
-        return fn(**kwargs)
-    box: dict = {}
-
-    def target():
-        try:
-            box["value"] = fn(**kwargs)
-        except BaseException as err:  # handed to the caller's thread
-            box["error"] = err
-
-    worker = threading.Thread(target=target, name=f"lit_marl {what}", daemon=True)
-    worker.start()
-    worker.join(timeout_s)
-    if worker.is_alive():
-        raise CallTimeout(f"{what} did not return within {timeout_s:g} s: {fix}")
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
+    """``fn(**kwargs)``, but raise ``CallTimeout`` (saying ``fix``) when it has not returned after
+    ``timeout_s`` seconds (None: wait for ever): ``timeouts.timed``."""
+    try:
+        return timed(fn, timeout_s, what, **kwargs)
+    except TimedOut as err:
+        raise CallTimeout(f"{err}: {fix}") from None
 
 
 def _reward_once(

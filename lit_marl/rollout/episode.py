@@ -15,6 +15,7 @@ sequence: when the next observation plus a reply would not fit, the episode ends
 from __future__ import annotations
 
 import functools
+import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -166,6 +167,7 @@ def run_episodes(
     if env.num_agents != len(agents):
         raise ValueError(f"{type(env).__name__} has {env.num_agents} agents, the team {len(agents)}")
     _check_templates(agents, settings)
+    _use_tools(agents, env)
     prefill = prefill_counts(engine)
     states: list = []
     try:
@@ -211,6 +213,19 @@ def _check_templates(agents, settings: EpisodeSettings) -> None:
                 "what it was generated from, but the context is not the template's own rendering of the dialogue",
                 stacklevel=3,
             )
+
+
+_said: set[str] = set()
+
+
+def _use_tools(agents, env: Env) -> None:
+    """Each agent gets the environment's tools in its own format; the run says which format, once."""
+    for i, agent in enumerate(agents):
+        fmt = agent.use_tools(list(env.tools), env.tool_parser)
+        line = f"lit-marl: agent {i} ({agent.source}): {fmt.describe()}" if fmt is not None else None
+        if line is not None and line not in _said:
+            _said.add(line)
+            print(line, file=sys.stderr)
 
 
 def _start(agents, states: list, env: Env, settings: EpisodeSettings) -> list[_Live]:
@@ -290,7 +305,11 @@ def _generate_replies(agents, live: list[_Live], settings: EpisodeSettings, engi
             e.mask[i] += [1] * len(reply)
             e.ends[i].append(len(e.ids[i]) - 1)
             e.replies[i].append(decoded[k])
-            texts[b][i] = action_text(decoded[k], settings.reasoning, agent.opens_reasoning)
+            texts[b][i] = (
+                agent.read_reply(reply)  # the calls, read from the reply as generated
+                if agent.tool_format is not None
+                else action_text(decoded[k], settings.reasoning, agent.opens_reasoning)
+            )
             closed[b][i] = reply[-1] == agent.eos_token_id
             clock["generated"] += len(reply)
     return texts, closed

@@ -10,9 +10,16 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lit_marl.envs.calls import CallTimeout, call_with_timeout
+from lit_marl.timeouts import TimedOut, timed
 from lit_marl.tools.formats import ToolCall
 from lit_marl.tools.spec import Tool
+
+
+@dataclass(frozen=True)
+class ToolResults:
+    """An observation of tool results: each agent reads them as its template's tool messages."""
+
+    results: tuple
 
 
 @dataclass(frozen=True)
@@ -42,8 +49,8 @@ def run_call(call: ToolCall, tools: dict[str, Tool], timeout_s: float | None) ->
     if wrong:
         return ToolResult(call, f"error: {call.name}: {wrong}", True)
     try:
-        value = call_with_timeout(lambda: tool.fn(**call.arguments), timeout_s, f"tool {call.name!r}", "")
-    except CallTimeout:
+        value = timed(lambda: tool.fn(**call.arguments), timeout_s, f"tool {call.name!r}")
+    except TimedOut:
         return ToolResult(call, f"error: {call.name} did not return within {timeout_s:g} s", True)
     except (Exception, SystemExit) as err:  # the tool's own failure: the agent reads it
         return ToolResult(call, f"error: {call.name}: {type(err).__name__}: {err}", True)

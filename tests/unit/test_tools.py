@@ -11,6 +11,7 @@ import time
 import pytest
 from transformers.utils import get_json_schema
 
+from helpers import QWEN25_TOOLS
 from lit_marl import ConfigError
 from lit_marl.models import load_model_and_tokenizer
 from lit_marl.tools import ToolCall, ToolFormat, load_tools, parse_reply, run_calls, tool_format
@@ -21,28 +22,6 @@ from lit_marl.tools.formats import (
     parse_mistral,
     result_messages,
     system_block,
-)
-
-# Qwen 2.5's tools section and tool-response grouping, trimmed to what they render
-QWEN25_TOOLS = (
-    "{%- if tools %}{{- '<|im_start|>system\\n' }}"
-    "{%- if messages[0].role == 'system' %}{{- messages[0].content }}{%- else %}{{- 'You are Qwen.' }}{%- endif %}"
-    "{{- '\\n\\n# Tools\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
-    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
-    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within "
-    '<tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name>, "arguments": '
-    "<args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
-    "{%- elif messages[0].role == 'system' %}{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
-    "{%- else %}{{- '<|im_start|>system\\nYou are Qwen.<|im_end|>\\n' }}{%- endif %}"
-    "{%- for m in messages %}"
-    "{%- if m.role == 'tool' %}"
-    "{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
-    "{{- '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' }}"
-    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
-    "{%- elif not (m.role == 'system' and loop.first) %}"
-    "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
 
@@ -197,3 +176,19 @@ def test_calls_run_in_order_and_every_failure_is_a_result():
     assert results[3].text == "error: no tool named 'divide' (tools: add, lookup, slow)"
     assert results[4].text == "error: slow did not return within 0.3 s"
     assert results[5].text == "error: not run: at most 5 tool calls per turn"
+
+
+def test_the_calculator_computes_and_never_runs_python():
+    from lit_marl.envs.tool_task import calculator, number_answer
+
+    assert (calculator("37 * 91"), calculator("2 ** 10"), calculator("7 / 2"), calculator("-(3 - 5)")) == (
+        "3367",
+        "1024",
+        "3.5",
+        "2",
+    )
+    for attack in ("__import__('os').system('id')", "().__class__", "[1] * 10", "9 ** 9999", "x"):
+        with pytest.raises((ValueError, SyntaxError)):
+            calculator(attack)
+    assert number_answer({"answer": 3367}, "The answer is 3,367.", []) == 1.0
+    assert number_answer({"answer": 3367}, "3367? no: 3368", []) == 0.0 and number_answer({"answer": 1}, "", []) == 0.0

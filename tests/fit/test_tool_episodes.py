@@ -1,0 +1,133 @@
+"""Agents calling tools in their model's own format through whole episodes: the prompt is the
+template's rendering with tools=, each tool result comes back as tool messages (environment tokens,
+mask 0), only the agent's tokens are trained, and a GRPO fit with tools runs from the CLI and from
+Python."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from helpers import QWEN25_TOOLS, REPO_ROOT, ScriptedEngine
+from lit_marl.agents import Agent
+from lit_marl.envs import make_env
+from lit_marl.envs.tool_task import calculator
+from lit_marl.generation import Sampling
+from lit_marl.models import load_model_and_tokenizer
+from lit_marl.rollout.episode import EpisodeSettings, run_episodes
+from lit_marl.tools import load_tools
+
+TASK = {"prompt": "What is 37 * 91?", "answer": 3367}
+CALL = '<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{}"}}}}\n</tool_call>'
+REPLIES = [CALL.format("37 * 91"), CALL.format("3367 + 0") + "\n" + CALL.format("1 / 0"), "{broken", "3367"]
+
+
+@pytest.fixture(scope="module")
+def base():
+    return load_model_and_tokenizer("tiny-random")
+
+
+def _agent(base, template: str | None) -> Agent:
+    model, tokenizer = base
+    tokenizer = copy.deepcopy(tokenizer)
+    if template is not None:
+        tokenizer.chat_template = template
+    return Agent("tiny-random", loaded=(model, tokenizer))
+
+
+def _env():
+    return make_env(
+        "tools",
+        {"tools": ["lit_marl.envs.tool_task:calculator"], "reward": "lit_marl.envs.tool_task:number_answer"},
+    )
+
+
+@pytest.mark.parametrize("template", [QWEN25_TOOLS, None], ids=["template-tools", "system-fallback"])
+def test_the_agent_trains_on_its_own_tokens_across_three_tool_turns(base, template):
+    agent, env = _agent(base, template), _env()
+    replies = [REPLIES[0], REPLIES[1], "<tool_call>\n{broken\n</tool_call>", "The answer is 3367."]
+    settings = EpisodeSettings(max_turns=4, sampling=Sampling(max_new_tokens=64))
+    (batch,) = run_episodes([agent], [TASK], env, settings, engine=ScriptedEngine([[r] for r in replies]))
+    ids, mask = batch.input_ids[0][batch.attention_mask[0].bool()].tolist(), batch.loss_mask[0]
+    mask = mask[batch.attention_mask[0].bool()].tolist()
+    tokenizer = agent.tokenizer
+    # the prompt is the template's own rendering with the tools (or the documented system message)
+    (tool,) = load_tools([calculator])
+    prompt = agent.encode_prompt(TASK["prompt"])
+    if template is not None:
+        expected = tokenizer.apply_chat_template(
+            [{"role": "user", "content": TASK["prompt"]}], tools=[tool.schema], add_generation_prompt=True
+        )
+        assert prompt == list(expected["input_ids"] if hasattr(expected, "keys") else expected)
+    else:
+        assert "<tools>\n" + json.dumps(tool.schema) in tokenizer.decode(prompt)
+    assert ids[: len(prompt)] == prompt and not any(mask[: len(prompt)])
+    # exactly the replies' tokens (each with its end-of-turn token) carry the loss
+    trained = [tok for tok, m in zip(ids, mask) if m]
+    expected_replies = [tokenizer.encode(r, add_special_tokens=False) + [agent.eos_token_id] for r in replies]
+    assert trained == [tok for reply in expected_replies for tok in reply]
+    runs, start = [], None
+    for k, m in enumerate(mask + [0]):
+        if m and start is None:
+            start = k
+        if not m and start is not None:
+            runs.append(ids[start:k])
+            start = None
+    assert runs == expected_replies  # four replies, each one run of mask 1 between environment tokens
+    text = tokenizer.decode(ids)
+    assert "3367" in text and "error: calculator: ZeroDivisionError: division by zero" in text
+    assert "error: tool call 1: not JSON" in text  # the malformed call is an observation the agent reads
+    if template is not None:
+        assert text.count("<tool_response>") == 4 and text.count("<|im_start|>user\n<tool_response>") == 3
+    assert float(batch.rewards.sum()) == 1.0 and bool(batch.won[0])
+    info_counts = batch.stats
+    assert info_counts["env/calls"] == 3.0 and info_counts["env/malformed"] == 1.0
+    assert info_counts["env/tool_errors"] == 1.0
+
+
+def test_a_grpo_fit_with_tools_moves_the_policy(tmp_path, in_repo_root):
+    from lit_marl.cli import build_cli
+
+    cli = build_cli(
+        args=[
+            *("--config", "configs/grpo/tools_tiny.yaml", "--trainer.logger", "false"),
+            *("--trainer.limit_val_batches", "0", "--data.env_kwargs.reward", "helpers:answer_length"),
+            *("--data.reward_density", "dense"),  # the answer's score, not only a win: the episodes differ
+        ],
+        run=False,
+    )
+    cli.model.configure_model()
+    before = {n: p.detach().clone() for n, p in cli.model.named_parameters() if p.requires_grad}
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    moved = [n for n, p in cli.model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
+    assert moved and torch.isfinite(cli.trainer.callback_metrics["train/loss"])
+    assert "env/calls" in cli.trainer.callback_metrics
+
+
+def test_tools_as_python_functions_through_the_python_api(tmp_path):
+    """The same fit from Python: the tools handed over as functions, the reward as a function too."""
+    import lightning as L
+
+    from helpers import answer_length, make_trainer
+    from lit_marl.algorithms import GRPO
+    from lit_marl.data import EpisodeDataModule
+
+    L.seed_everything(0)
+    module = GRPO(model="tiny-random", learning_rate=1e-3)
+    module.configure_model()
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    data = EpisodeDataModule(
+        env="tools",
+        env_kwargs={"tools": [calculator], "reward": answer_length},
+        train_path=str(REPO_ROOT / "data" / "tools" / "train.jsonl"),
+        tasks_per_step=2,
+        num_generations=4,
+        max_turns=3,
+        sampling={"max_new_tokens": 16},
+        reward_density="dense",
+    )
+    make_trainer(tmp_path, limit_train_batches=1, limit_val_batches=0).fit(module, datamodule=data)
+    assert any(not torch.equal(p.detach(), before[n]) for n, p in module.named_parameters())
