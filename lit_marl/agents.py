@@ -155,8 +155,9 @@ class Agent(nn.Module):
     def use_tools(self, tools: list, parser: str = "auto") -> ToolFormat | None:
         """Let this agent call ``tools`` (``lit_marl.tools.Tool``): rendered and read in its model's own
         format (``tools.formats.tool_format``); an empty list: none. Returns the format."""
-        self.tools = [tool.schema for tool in tools]
-        self.tool_format = tool_format(self.tokenizer, parser) if tools else None
+        schemas = [tool.schema for tool in tools]
+        if schemas != self.tools or (self.tool_format is None) == bool(schemas):
+            self.tools, self.tool_format = schemas, tool_format(self.tokenizer, parser) if schemas else None
         return self.tool_format
 
     def _system(self) -> list[dict]:

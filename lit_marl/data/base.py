@@ -208,6 +208,8 @@ class TaskDataModule(L.LightningDataModule):
         rollouts of the current weights otherwise (greedy outside training)."""
         team = self.trainer.lightning_module.team()  # the one handshake of the step
         if self.trainer.training and team.phase == "sft":
+            for agent in team.agents:  # the demonstrations' prompts show the tools the episodes will
+                agent.use_tools(list(self.env.tools), self.env.tool_parser)
             return render_demos(team.agents, batch, self.demo_settings.loss_on)
         with self.generating(team):
             return self.rollout_batch(team, batch, training=self.trainer.training)

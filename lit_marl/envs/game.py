@@ -30,6 +30,15 @@ from lit_marl.envs.base import Ended, Env, Steps
 from lit_marl.envs.sources import family, named_set
 from lit_marl.returns import step_reward
 from lit_marl.tasks import load_tasks
+from lit_marl.tools.calls import ToolResults
+
+
+def observation_messages(observation) -> list[dict]:
+    """An observation as chat messages in no model's format yet: a user message, or one ``tool``
+    message per tool result (an agent renders them in its own: ``Agent.observation_messages``)."""
+    if isinstance(observation, ToolResults):
+        return [{"role": "tool", "name": r.call.name, "content": r.text} for r in observation.results]
+    return [{"role": "user", "content": observation}]
 
 
 @dataclass
@@ -143,15 +152,15 @@ class Game(Env):
 
     def demonstration(self, task: dict) -> list[list[dict]]:
         """The expert's episode, played in a fresh game, as one chat per agent: the observations as
-        user messages, the actions as assistant messages - the turns an RL episode renders. An
-        expert that does not win is an error, never a demonstration."""
+        user messages (tool results as ``tool`` messages), the actions as assistant messages - the
+        turns an RL episode renders. An expert that does not win is an error, never a demonstration."""
         game = self.spawn()
         try:
             observations, turns = game.start(task), game.expert_turns(task)
             chats: list[list[dict]] = [[] for _ in range(game.num_agents)]
             for t, actions in enumerate(turns):
                 for chat, observation, action in zip(chats, observations, actions):
-                    chat += [{"role": "user", "content": observation}, {"role": "assistant", "content": action}]
+                    chat += [*observation_messages(observation), {"role": "assistant", "content": action}]
                 result = game.act(actions)
                 if result.terminated or result.truncated:
                     if not result.info.get("won") or t != len(turns) - 1:

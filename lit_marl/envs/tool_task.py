@@ -2,12 +2,13 @@
 results come back as tool messages in its own chat format - or answers; a reply without a call is
 the answer, and the reward function scores it with every call the episode made.
 
-A task row holds the prompt (``prompt_field``) and whatever the reward reads (``{"prompt": "What
-is 37 * 91?", "answer": 3367}``). ``reward`` is ``module:function`` called as
-``fn(task=..., answer=..., calls=[{"name", "arguments", "result", "error"}, ...])`` and returns a
-score in [0, 1] (1: solved). Counted per episode (``env/`` metrics): ``calls``, ``malformed``
-(calls that did not parse: the agent read why), ``tool_errors`` (calls that failed: no such tool,
-wrong arguments, an exception, a timeout)."""
+A task row holds the prompt (``prompt_field``), whatever the reward reads (``{"prompt": "What is
+37 * 91?", "answer": 3367}``) and, to be demonstrated, an ``expert`` (its calls and its answer).
+``reward`` is a function (or ``module:function``) called as ``fn(task=..., answer=...,
+calls=[{"name", "arguments", "result", "error"}, ...])`` returning a score in [0, 1] (1: solved).
+Counted per episode (``env/`` metrics): ``calls``, ``malformed`` (calls that did not parse: the
+agent read why), ``tool_errors`` (calls that failed: no such tool, wrong arguments, an exception,
+a timeout)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from lit_marl.envs.base import register
 from lit_marl.envs.game import Game, StepResult
 from lit_marl.tasks import import_object
 from lit_marl.tools.calls import ToolResult, ToolResults, run_calls
-from lit_marl.tools.formats import ParsedReply, ToolCall
+from lit_marl.tools.formats import PARSERS, ParsedReply, ToolCall, format_calls
 from lit_marl.tools.spec import load_tools
 
 
@@ -63,7 +64,9 @@ class ToolTask(Game):
         return [str(task[self.prompt_field])]
 
     def act(self, actions: list) -> StepResult:
-        reply = actions[0] if isinstance(actions[0], ParsedReply) else ParsedReply(str(actions[0]))
+        reply = actions[0]
+        if not isinstance(reply, ParsedReply):  # a text (an expert's): read as the game writes calls
+            reply = PARSERS["hermes" if self.tool_parser in ("auto", "template") else self.tool_parser](str(reply))
         if not (reply.calls or reply.errors):
             score = float(self.reward_fn(task=self.task, answer=reply.content, calls=list(self.calls)))
             return StepResult([""], terminated=True, info=self._info(score, ended=True))
@@ -75,6 +78,17 @@ class ToolTask(Game):
         self.counts["malformed"] += len(reply.errors)
         self.counts["tool_errors"] += sum(r.error for r in results[len(malformed) :])
         return StepResult([ToolResults(tuple(results))], info=self._info(0.0, ended=False))
+
+    def expert_turns(self, task: dict) -> list[list[str]]:
+        """A task with an ``expert`` field (``{"calls": [{"name", "arguments"}, ...], "answer": text}``):
+        its calls in one reply, written in the format this game reads (Hermes's where ``parser`` is
+        ``auto``), then its answer."""
+        expert = task.get("expert")
+        if not isinstance(expert, dict):
+            raise NotImplementedError("a tool task demonstrates only with an 'expert' field: {calls, answer}")
+        calls = [ToolCall(c["name"], dict(c.get("arguments") or {})) for c in expert.get("calls", [])]
+        written = format_calls(calls, self.tool_parser)
+        return [*([[written]] if calls else []), [str(expert["answer"])]]
 
     def _info(self, score: float, ended: bool) -> dict:
         won = ended and score >= 1.0

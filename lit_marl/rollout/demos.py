@@ -20,6 +20,7 @@ only the last.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -31,6 +32,8 @@ from lit_marl.fields import PositiveInt, check_dataclass
 from lit_marl.generation import left_pad
 from lit_marl.rollout.batch import Rows
 from lit_marl.tasks import load_tasks
+from lit_marl.tools.calls import ToolResult, ToolResults
+from lit_marl.tools.formats import ToolCall
 
 LossOn = Literal["all", "last"]
 
@@ -54,29 +57,57 @@ def agent_chats(row: dict, num_agents: int, where: str) -> list[list[dict]]:
         raise ConfigError(f"{where}: 'messages' holds {len(chats)} chats for a team of {num_agents} agents")
     for i, chat in enumerate(chats):
         roles = [m.get("role") if isinstance(m, dict) else None for m in chat]
-        expected = ["user", "assistant"] * (len(chat) // 2)
-        if not chat or roles != expected or any(not isinstance(m.get("content"), str) for m in chat):
+        if not chat or not _well_formed(roles) or any(not isinstance(m.get("content"), str) for m in chat):
             raise ConfigError(
-                f"{where}: agent {i}'s chat has roles {roles}; it must alternate user/assistant messages with "
-                "string contents, starting with the user and ending with the assistant (no system message: the "
-                "agent's system_prompt applies)"
+                f"{where}: agent {i}'s chat has roles {roles}; it must alternate user and assistant messages with "
+                "string contents (tool messages in place of a user message after a reply that called tools), "
+                "starting with the user and ending with the assistant (no system message: the agent's "
+                "system_prompt applies)"
             )
     return chats
 
 
+def _well_formed(roles: list) -> bool:
+    """User, then assistant replies each followed by a user message or a run of tool messages, ending on a reply."""
+    if not roles or roles[0] != "user" or roles[-1] != "assistant":
+        return False
+    turns = "".join("u" if r == "user" else "a" if r == "assistant" else "t" if r == "tool" else "?" for r in roles)
+    return re.fullmatch(r"u(a(u|t+))*a", turns) is not None
+
+
+def _turns(chat: list[dict]) -> list[tuple[list[dict], str]]:
+    """(the observation's messages, the reply) per turn of a well-formed chat."""
+    turns, observation = [], []
+    for message in chat:
+        if message["role"] == "assistant":
+            turns.append((observation, message["content"]))
+            observation = []
+        else:
+            observation.append(message)
+    return turns
+
+
+def _observation(messages: list[dict]) -> str | ToolResults:
+    """A turn's observation messages as ``chat_continuation`` takes them."""
+    if messages[0]["role"] == "user":
+        return messages[0]["content"]
+    return ToolResults(tuple(ToolResult(ToolCall(m.get("name") or "tool", {}), m["content"]) for m in messages))
+
+
 def render_chat(agent: Agent, chat: list[dict], loss_on: LossOn = "all") -> tuple[list[int], list[int]]:
     """Token ids of a chat as the agent would have lived it, and the loss mask over them."""
-    ids = agent.encode_prompt(chat[0]["content"])
-    mask = [0] * len(ids)
-    last = len(chat) - 1
-    for k in range(1, len(chat), 2):
-        reply = agent.tokenizer(chat[k]["content"], add_special_tokens=False)["input_ids"] + [agent.eos_token_id]
+    turns = _turns(chat)
+    ids, mask = [], []
+    for k, (observation, reply_text) in enumerate(turns):
+        if k == 0:
+            segment = agent.encode_prompt(observation[0]["content"])
+        else:
+            segment = agent.chat_continuation(_observation(observation), closed=True)
+        ids += segment
+        mask += [0] * len(segment)
+        reply = agent.tokenizer(reply_text, add_special_tokens=False)["input_ids"] + [agent.eos_token_id]
         ids += reply
-        mask += [int(loss_on == "all" or k == last)] * len(reply)
-        if k < last:
-            segment = agent.chat_continuation(chat[k + 1]["content"], closed=True)
-            ids += segment
-            mask += [0] * len(segment)
+        mask += [int(loss_on == "all" or k == len(turns) - 1)] * len(reply)
     return ids, mask
 
 

@@ -235,6 +235,17 @@ def parse_reply(text: str, fmt: ToolFormat, tokenizer=None, tools: Sequence[dict
     return reply
 
 
+def format_calls(calls: Sequence[ToolCall], parser: str = "hermes") -> str:
+    """``calls`` written as a reply in ``parser``'s format (``auto``/``template``: Hermes's), which
+    that parser reads back as the same calls: an expert's demonstration."""
+    payload = [{"name": c.name, "arguments": c.arguments} for c in calls]
+    if parser == "llama3_json":
+        return "; ".join(json.dumps({"name": c.name, "parameters": c.arguments}) for c in calls)
+    if parser == "mistral":
+        return "[TOOL_CALLS]" + json.dumps(payload)
+    return "\n".join(f"<tool_call>\n{json.dumps(p)}\n</tool_call>" for p in payload)
+
+
 def system_block(tools: Sequence[dict]) -> str:
     """``FALLBACK_SYSTEM`` for ``tools`` (their schemas, one JSON line each)."""
     return FALLBACK_SYSTEM.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))

@@ -131,3 +131,23 @@ def test_tools_as_python_functions_through_the_python_api(tmp_path):
     )
     make_trainer(tmp_path, limit_train_batches=1, limit_val_batches=0).fit(module, datamodule=data)
     assert any(not torch.equal(p.detach(), before[n]) for n, p in module.named_parameters())
+
+
+@pytest.mark.parametrize("template", [QWEN25_TOOLS, None], ids=["template-tools", "system-fallback"])
+def test_a_tool_demonstration_renders_as_the_episode_it_shows(base, template):
+    """The expert's chat (its call, the result as a tool message, its answer) renders to the very
+    tokens and loss mask an episode with the same replies has: SFT trains what RL will play."""
+    from lit_marl.rollout.demos import agent_chats, render_chat
+
+    agent, env = _agent(base, template), _env()
+    row = json.loads((REPO_ROOT / "data" / "tools" / "demo_tasks.jsonl").read_text().splitlines()[0])
+    (chat,) = agent_chats({"messages": env.demonstration(row)}, 1, "demo 0")
+    assert [m["role"] for m in chat] == ["user", "assistant", "tool", "assistant"]
+    agent.use_tools(list(env.tools))
+    ids, mask = render_chat(agent, chat)
+    replies = [[chat[1]["content"]], [chat[3]["content"]]]
+    settings = EpisodeSettings(max_turns=3, sampling=Sampling(max_new_tokens=64))
+    (batch,) = run_episodes([agent], [row], env, settings, engine=ScriptedEngine(replies))
+    keep = batch.attention_mask[0].bool()
+    assert ids == batch.input_ids[0][keep].tolist() and mask == batch.loss_mask[0][keep].tolist()
+    assert bool(batch.won[0])

@@ -192,3 +192,12 @@ def test_the_calculator_computes_and_never_runs_python():
             calculator(attack)
     assert number_answer({"answer": 3367}, "The answer is 3,367.", []) == 1.0
     assert number_answer({"answer": 3367}, "3367? no: 3368", []) == 0.0 and number_answer({"answer": 1}, "", []) == 0.0
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json", "mistral"])
+def test_calls_written_in_a_format_read_back_as_the_same_calls(parser):
+    from lit_marl.tools.formats import PARSERS, format_calls
+
+    calls = [ToolCall("add", {"a": 1, "b": 2}), ToolCall("lookup", {"key": "tea"})]
+    reply = PARSERS[parser](format_calls(calls, parser))
+    assert reply.calls == calls and not reply.errors
