@@ -24,9 +24,11 @@ from lit_marl.envs.swe import scoring
 from lit_marl.envs.swe import workspace as workspace_module
 from lit_marl.envs.swe.env import SWEEnv, workspaces
 from lit_marl.envs.swe.instances import resolve_source
+from lit_marl.envs.swe.tool_mode import from_text_call
 from lit_marl.generation import Sampling
 from lit_marl.rollout.episode import EpisodeSettings, run_episodes
 from lit_marl.sandbox import bubblewrap_available, installed_package_folders
+from lit_marl.tools.formats import format_calls
 
 BASELINE = {"textkit": 2 / 4, "intervals": 2 / 4, "shop": 2 / 4, "lru": 2 / 3, "csvlite": 2 / 3, "units": 1 / 3}
 """The fraction of listed tests that pass on each base commit (its PASS_TO_PASS), by hand."""
@@ -41,6 +43,13 @@ def rows():
 @pytest.fixture
 def root(tmp_path):
     return str(tmp_path / "workspaces")
+
+
+def in_mode(replies: list[str], mode: str) -> list[str]:
+    """Text-mode replies as the same calls in ``mode`` (``tools``: each written as a Hermes tool call)."""
+    if mode == "text":
+        return replies
+    return [format_calls([from_text_call(reply)], "hermes") for reply in replies]
 
 
 def play(env: SWEEnv, row: dict, replies: list[str]):
@@ -60,6 +69,18 @@ def test_known_fix_resolves_and_doing_nothing_earns_the_baseline(rows, root, nam
     fixed = play(env, rows[name], [turn[0] for turn in env.expert_turns(rows[name])])
     assert fixed.info["score"] == 1.0 and fixed.info["won"] and "(resolved)" in fixed.observations[0]
     assert fixed.info["counts"]["tool_errors"] == 0 and workspaces(root) == []
+
+
+@pytest.mark.parametrize("name", sorted(BASELINE))
+def test_known_fix_resolves_through_tool_calls_in_tools_mode(rows, root, name):
+    """``tool_mode: tools``: the expert's calls written in the model's tool-call format (Hermes's here)
+    run through the same code and sandbox and resolve every bundled repository."""
+    env = SWEEnv(workspace_root=root, tool_mode="tools", expert_view_context=3)
+    turns = [turn[0] for turn in env.expert_turns(rows[name])]
+    assert all(t.startswith("<tool_call>\n{") for t in turns) and '"name": "view"' in turns[0]
+    fixed = play(env, rows[name], turns)
+    assert fixed.info["score"] == 1.0 and fixed.info["won"] and fixed.info["counts"]["tool_errors"] == 0
+    assert "(resolved)" in fixed.observations[0] and workspaces(root) == []
 
 
 def test_the_expert_gives_a_demonstration_of_tool_calls(rows, root):
@@ -85,7 +106,8 @@ def test_the_expert_can_look_before_it_edits(rows, root):
         SWEEnv(workspace_root=root, expert_view_context=-1)
 
 
-def test_editing_deleting_or_plugging_the_tests_and_writing_outside_earn_nothing(rows, root, tmp_path):
+@pytest.mark.parametrize("mode", ["text", "tools"])
+def test_editing_deleting_or_plugging_the_tests_and_writing_outside_earn_nothing(rows, root, tmp_path, mode):
     outside = tmp_path / "outside.txt"
     attacks = [
         "run rm -rf tests",
@@ -99,8 +121,8 @@ def test_editing_deleting_or_plugging_the_tests_and_writing_outside_earn_nothing
         "create escape/tmp/lit_marl_pwned\n<<<<<<< CONTENT\nx\n>>>>>>> END",
         "submit",
     ]
-    env = SWEEnv(workspace_root=root)
-    result = play(env, rows["textkit"], attacks)
+    env = SWEEnv(workspace_root=root, tool_mode=mode)
+    result = play(env, rows["textkit"], in_mode(attacks, mode))
     assert result.info["score"] == pytest.approx(BASELINE["textkit"]) and not result.info["won"]
     assert (
         not outside.exists() and not os.path.exists("/etc/lit_marl_pwned") and not os.path.exists("/tmp/lit_marl_pwned")
@@ -117,11 +139,12 @@ def test_editing_deleting_or_plugging_the_tests_and_writing_outside_earn_nothing
         'create .pytest.toml\n<<<<<<< CONTENT\n[pytest]\naddopts = ["-p", "no:python"]\n>>>>>>> END',
     ],
 )
-def test_a_file_in_the_tests_place_or_another_pytest_config_earns_nothing(rows, root, attack):
-    """Probes through the env's own parser: scoring restores the tests and every pytest config name
-    and never crashes; the episode earns the do-nothing baseline, not resolved."""
-    env = SWEEnv(workspace_root=root)
-    result = play(env, rows["textkit"], [attack, "submit"])
+@pytest.mark.parametrize("mode", ["text", "tools"])
+def test_a_file_in_the_tests_place_or_another_pytest_config_earns_nothing(rows, root, attack, mode):
+    """Probes through the env's own parser (in both tool modes): scoring restores the tests and every
+    pytest config name and never crashes; the episode earns the do-nothing baseline, not resolved."""
+    env = SWEEnv(workspace_root=root, tool_mode=mode)
+    result = play(env, rows["textkit"], in_mode([attack, "submit"], mode))
     assert result.info["score"] == pytest.approx(BASELINE["textkit"]) and not result.info["won"]
 
 

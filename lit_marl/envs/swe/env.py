@@ -25,11 +25,26 @@ from lit_marl.envs.base import register
 from lit_marl.envs.game import Game, StepResult
 from lit_marl.envs.swe.instances import normalize, parse_patch, resolve_source, snapshot
 from lit_marl.envs.swe.scoring import SITE, Score, TestSettings, changed_lines, run_tests, score
-from lit_marl.envs.swe.tools import FILE_TOOLS, HELP, ToolCall, ToolError, as_calls, parse
+from lit_marl.envs.swe.tool_mode import SWE_TOOLS, TOOLS_HELP, arguments_of, from_text_call
+from lit_marl.envs.swe.tools import (
+    FILE_TOOLS,
+    HELP,
+    ToolCall,
+    ToolError,
+    as_calls,
+    create_text,
+    insert_text,
+    parse,
+    replace_text,
+    search_text,
+)
 from lit_marl.envs.swe.tools_site import tools_site
 from lit_marl.envs.swe.workspace import Workspace, default_root, sweep
 from lit_marl.fields import NonNegativeInt, PositiveFloat, PositiveInt, check_fields
 from lit_marl.sandbox import Limits, run_in
+from lit_marl.tools.calls import ToolResult, ToolResults
+from lit_marl.tools.formats import PARSERS, ParsedReply, format_calls
+from lit_marl.tools.formats import ToolCall as Call
 
 _swept: set[str] = set()
 _sweep_lock = threading.Lock()
@@ -80,6 +95,8 @@ class SWEEnv(Game):
         workspace_root: str | None = None,
         tests: TestSettings | dict | None = None,
         command_limits: dict | None = None,
+        tool_mode: Literal["text", "tools"] = "text",
+        tool_parser: str = "auto",
     ):
         """
         Args:
@@ -103,6 +120,10 @@ class SWEEnv(Game):
                 processes, file and disk sizes, retries of a run that gives no report).
             command_limits: The sandbox of a ``run`` command (``sandbox.Limits`` fields: ``memory_mb``
                 1024, ``processes`` 64, ``file_mb`` 16, ``disk_mb`` 64); its time is ``command_timeout_s``.
+            tool_mode: ``text``: one command per reply in the format the first observation shows (``HELP``);
+                ``tools``: the same tools in the model's own tool-call format (``tool_mode.SWE_TOOLS``,
+                docs/tools.md), several calls per reply, each one of the ``max_steps``.
+            tool_parser: ``tools`` mode: how replies are read (``auto`` or a parser's name).
         """
         check_fields("data.env_kwargs", SWEEnv.__init__, locals())
         if not SITE:
@@ -117,6 +138,8 @@ class SWEEnv(Game):
         self.max_observation_chars, self.max_output_chars = max_observation_chars, max_output_chars
         self.command_timeout_s, self.workspace_mb, self.list_tests = command_timeout_s, workspace_mb, list_tests
         self.expert_view_context = expert_view_context
+        if tool_mode == "tools":
+            self.tools, self.tool_parser = SWE_TOOLS, tool_parser
         self.root = Path(workspace_root) if workspace_root else default_root()
         self.tests = tests if isinstance(tests, TestSettings) else TestSettings(**(tests or {}))
         with _sweep_lock:  # workspaces of killed runs go before this process makes its own
@@ -148,7 +171,7 @@ class SWEEnv(Game):
         head = f"Fix the repository {self.row['repo']} so that its tests pass."
         kept = [f"Tests that must keep passing: {', '.join(visible) or 'none'}. {hidden} more, hidden until your "
                 "changes are scored, check the fix the problem describes."] if self.list_tests else []  # fmt: skip
-        kept += [HELP, f"You have {self.max_steps} tool calls."]
+        kept += [TOOLS_HELP if self.tools else HELP, f"You have {self.max_steps} tool calls."]
         problem = self.row["problem_statement"].strip()
         room = self.max_observation_chars - sum(len(p) + 2 for p in [head, *kept]) - len("Problem:\n\n\nFiles: ")
         reserve = min(len(problem), 300) + 40  # the problem's first lines outrank the rest of the file list
@@ -169,9 +192,11 @@ class SWEEnv(Game):
         value = (done.fraction if self.reward == "fraction" else float(resolved)) if done else 0.0
         return {"won": resolved, "lost": False, "score": value, "max_score": 1, "counts": dict(self.counts)}
 
-    def act(self, actions: list[str]) -> StepResult:
+    def act(self, actions: list) -> StepResult:
         if self.ws is None or self.result is not None:
             raise RuntimeError("SWEEnv.step before reset or after the episode ended")
+        if self.tools:
+            return self._act_tools(actions[0])
         self.steps += 1
         ended, call = "", None
         try:
@@ -193,6 +218,61 @@ class SWEEnv(Game):
             return self._end(ended, terminated=False, last=text)
         observation = self._observe(text) + f"\n[tool call {self.steps} of {self.max_steps}]"
         return StepResult([observation], info=self._info())
+
+    def _act_tools(self, reply) -> StepResult:
+        """``tool_mode: tools``: each call of the reply in order, each one step, each result a tool message."""
+        if not isinstance(reply, ParsedReply):  # a text (an expert's): read as this environment writes calls
+            reply = PARSERS["hermes" if self.tool_parser in ("auto", "template") else self.tool_parser](str(reply))
+        results = [ToolResult(Call("error", {}), f"error: {error}", True) for error in reply.errors]
+        if not reply.calls and not reply.errors:
+            results.append(ToolResult(Call("error", {}), "error: no tool call: call a tool (submit when done)", True))
+        self.counts["tool_errors"] += len(results)
+        for call in reply.calls:
+            self.steps += 1
+            if call.name == "submit":
+                self.counts["submitted"] = 1.0
+                return self._end("submitted", terminated=True)
+            try:
+                text, failed = self._run_call(call), False
+            except ToolError as err:
+                self.counts["tool_errors"] += 1
+                text, failed = f"error: {err}", True
+            results.append(ToolResult(call, self._observe(text), failed))
+            ended = self._ended(call.name)
+            if ended:
+                return self._end(ended, terminated=False)
+        if results:
+            last = results[-1]
+            results[-1] = replace(last, text=f"{last.text}\n[tool call {self.steps} of {self.max_steps}]")
+        return StepResult([ToolResults(tuple(results))], info=self._info())
+
+    def _ended(self, tool: str) -> str:
+        """Why the episode ends after a call of ``tool`` ("": it goes on)."""
+        if tool == "run" and self.ws.size_bytes() > self.workspace_mb * 1024 * 1024:
+            return f"the workspace passed {self.workspace_mb} MB"
+        if self.steps >= self.max_steps:
+            return f"that was tool call {self.steps} of {self.max_steps}"
+        if self.output > self.max_output_chars:
+            return f"the episode's output passed {self.max_output_chars} characters"
+        return ""
+
+    def _run_call(self, call) -> str:
+        """A tools-mode call run by the same code as its text command."""
+        args = arguments_of(call)
+        if call.name == "view":
+            numbers = [str(args.get("start", 1))] + ([str(args["end"])] if args.get("end") is not None else [])
+            return FILE_TOOLS["view"](self.ws, ToolCall("view", [args["path"], *numbers], "", []))
+        if call.name == "search":
+            return search_text(self.ws, args["text"], args.get("path"))
+        if call.name == "replace":
+            return replace_text(self.ws, args["path"], args["search"], args["replace"])
+        if call.name == "insert":
+            return insert_text(self.ws, args["path"], int(args["line"]), args["content"])
+        if call.name == "create":
+            return create_text(self.ws, args["path"], args["content"])
+        if call.name == "run":
+            return self._run_tool(ToolCall("run", [], str(args["command"]).strip(), []))
+        return self._run_tool(ToolCall("test", [], "", []))
 
     def _run_tool(self, call: ToolCall) -> str:
         if call.name in FILE_TOOLS:
@@ -257,7 +337,11 @@ class SWEEnv(Game):
         if not row["patch"]:
             raise ValueError(f"instance {row['instance_id']}: no patch, so no expert")
         base = {path: data for path, (data, _) in snapshot(row, self.repos_dir).items()}
-        return [[call] for call in as_calls(parse_patch(row["patch"]), base, self.expert_view_context)]
+        calls = as_calls(parse_patch(row["patch"]), base, self.expert_view_context)
+        if self.tools:  # the same calls in the format this environment reads
+            parser = "hermes" if self.tool_parser in ("auto", "template") else self.tool_parser
+            return [[format_calls([from_text_call(call)], parser)] for call in calls]
+        return [[call] for call in calls]
 
     def clone(self) -> "SWEEnv":
         twin = object.__new__(SWEEnv)

@@ -120,6 +120,11 @@ def search(ws: Workspace, call: ToolCall) -> str:
         needle = rest
         if head and (ws.path / last).is_file():
             needle, path = head, last
+    return search_text(ws, needle, path)
+
+
+def search_text(ws: Workspace, needle: str, path: str | None = None) -> str:
+    """The lines holding ``needle``, in ``path`` or in every file."""
     if not needle:
         raise ToolError("search: give the TEXT to look for, e.g. 'search def merge'")
     files = {path: _read(ws, path, "search")[1].encode()} if path else ws.files()
@@ -137,11 +142,15 @@ def search(ws: Workspace, call: ToolCall) -> str:
 def replace(ws: Workspace, call: ToolCall) -> str:
     if len(call.args) != 1:
         raise ToolError("replace: give one FILE on the tool's line, the SEARCH/REPLACE block below it")
-    target, text = _read(ws, call.args[0], "replace")
-    body = call.body
-    old = _block(body, "<<<<<<< SEARCH", "=======", "replace")
-    new = _block(body, "=======", ">>>>>>> REPLACE", "replace")
-    old_text, new_text = _text(old), _text(new)
+    old = _block(call.body, "<<<<<<< SEARCH", "=======", "replace")
+    new = _block(call.body, "=======", ">>>>>>> REPLACE", "replace")
+    return replace_text(ws, call.args[0], _text(old), _text(new))
+
+
+def replace_text(ws: Workspace, path: str, old_text: str, new_text: str) -> str:
+    """``old_text`` (it must occur once in ``path``) replaced by ``new_text``."""
+    target, text = _read(ws, path, "replace")
+    old, new = old_text.splitlines(), new_text.splitlines()
     if not old_text.strip():
         raise ToolError("replace: the SEARCH part is empty; use insert to add lines")
     count = text.count(old_text)
@@ -150,38 +159,50 @@ def replace(ws: Workspace, call: ToolCall) -> str:
         count = 1
     if count != 1:
         where = "does not occur" if count == 0 else f"occurs {count} times"
-        raise ToolError(f"replace: the SEARCH lines {where} in {call.args[0]} (view the file, copy them exactly)")
+        raise ToolError(f"replace: the SEARCH lines {where} in {path} (view the file, copy them exactly)")
     _write(ws, target, text.replace(old_text, new_text, 1))
-    return f"replaced {len(old)} line(s) of {call.args[0]} with {len(new)}"
+    return f"replaced {len(old)} line(s) of {path} with {len(new)}"
 
 
 def insert(ws: Workspace, call: ToolCall) -> str:
     if len(call.args) != 2 or not call.args[1].lstrip("-").isdigit():
         raise ToolError("insert: give FILE LINE on the tool's line, e.g. 'insert app.py 12'")
-    target, text = _read(ws, call.args[0], "insert")
     new = _block(call.body, "<<<<<<< INSERT", ">>>>>>> END", "insert")
+    return insert_text(ws, call.args[0], int(call.args[1]), _text(new))
+
+
+def insert_text(ws: Workspace, path: str, at: int, new_text: str) -> str:
+    """``new_text``'s lines inserted after line ``at`` of ``path`` (0: at the top)."""
+    target, text = _read(ws, path, "insert")
+    new = new_text.splitlines()
+    new_text = _text(new)
     lines = text.splitlines(keepends=True)
-    at = int(call.args[1])
     if not 0 <= at <= len(lines):
-        raise ToolError(f"insert: LINE must be in 0..{len(lines)} for {call.args[0]}")
+        raise ToolError(f"insert: LINE must be in 0..{len(lines)} for {path}")
     if lines and not lines[-1].endswith("\n"):
         lines[-1] += "\n"
-    _write(ws, target, "".join(lines[:at]) + _text(new) + "".join(lines[at:]))
-    return f"inserted {len(new)} line(s) after line {at} of {call.args[0]}"
+    _write(ws, target, "".join(lines[:at]) + new_text + "".join(lines[at:]))
+    return f"inserted {len(new)} line(s) after line {at} of {path}"
 
 
 def create(ws: Workspace, call: ToolCall) -> str:
     if len(call.args) != 1:
         raise ToolError("create: give one FILE on the tool's line, the CONTENT block below it")
+    lines = _block(call.body, "<<<<<<< CONTENT", ">>>>>>> END", "create")
+    return create_text(ws, call.args[0], _text(lines))
+
+
+def create_text(ws: Workspace, path: str, content: str) -> str:
+    """A new file ``path`` holding ``content``'s lines."""
     try:
-        target = ws.resolve(call.args[0])
+        target = ws.resolve(path)
     except ValueError as err:
         raise ToolError(f"create: {err}") from err
     if target.exists():
-        raise ToolError(f"create: {call.args[0]} exists; use replace or insert")
-    lines = _block(call.body, "<<<<<<< CONTENT", ">>>>>>> END", "create")
+        raise ToolError(f"create: {path} exists; use replace or insert")
+    lines = content.splitlines()
     ws.write(str(target.relative_to(ws.path.resolve())), _text(lines).encode())
-    return f"created {call.args[0]} ({len(lines)} lines)"
+    return f"created {path} ({len(lines)} lines)"
 
 
 FILE_TOOLS = {"view": view, "search": search, "replace": replace, "insert": insert, "create": create}
