@@ -95,6 +95,11 @@ class RolloutDataModule(TaskDataModule):
         super().__init__(**kwargs)
         check_fields("data", RolloutDataModule.__init__, locals())
         hp = self.hparams
+        if self.env.tools:
+            raise ConfigError(
+                f"data.env offers tools ({', '.join(t.name for t in self.env.tools)}): tool calls are played in "
+                "episodes (lit_marl.data.EpisodeDataModule, docs/tools.md); joint rollout trees do not render them"
+            )
         if num_turns > 1 and isinstance(self.env, FunctionEnv) and not self.env.has_transition:
             raise ConfigError(
                 f"data.num_turns={num_turns} needs data.transition (e.g. lit_marl.rollout.transitions:plain) "

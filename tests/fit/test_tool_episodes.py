@@ -151,3 +151,15 @@ def test_a_tool_demonstration_renders_as_the_episode_it_shows(base, template):
     keep = batch.attention_mask[0].bool()
     assert ids == batch.input_ids[0][keep].tolist() and mask == batch.loss_mask[0][keep].tolist()
     assert bool(batch.won[0])
+
+
+def test_trees_refuse_an_environment_with_tools():
+    from lit_marl import ConfigError
+    from lit_marl.data import RolloutDataModule
+
+    with pytest.raises(ConfigError, match=r"data.env offers tools \(calculator\): tool calls are played in episodes"):
+        RolloutDataModule(
+            env="tools",
+            env_kwargs={"tools": [calculator], "reward": "lit_marl.envs.tool_task:number_answer"},
+            train_path=str(REPO_ROOT / "data" / "tools" / "train.jsonl"),
+        )
