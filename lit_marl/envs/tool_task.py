@@ -19,8 +19,8 @@ from collections.abc import Callable
 from lit_marl.envs.base import register
 from lit_marl.envs.game import Game, StepResult
 from lit_marl.tasks import import_object
-from lit_marl.tools.calls import ToolResult, ToolResults, run_calls
-from lit_marl.tools.formats import PARSERS, ParsedReply, ToolCall, format_calls
+from lit_marl.tools.calls import ToolResults, failed, run_calls
+from lit_marl.tools.formats import ToolCall, format_calls, read_text
 from lit_marl.tools.spec import load_tools
 
 
@@ -64,13 +64,11 @@ class ToolTask(Game):
         return [str(task[self.prompt_field])]
 
     def act(self, actions: list) -> StepResult:
-        reply = actions[0]
-        if not isinstance(reply, ParsedReply):  # a text (an expert's): read as the game writes calls
-            reply = PARSERS["hermes" if self.tool_parser in ("auto", "template") else self.tool_parser](str(reply))
+        reply = read_text(actions[0], self.tool_parser)
         if not (reply.calls or reply.errors):
             score = float(self.reward_fn(task=self.task, answer=reply.content, calls=list(self.calls)))
             return StepResult([""], terminated=True, info=self._info(score, ended=True))
-        malformed = [ToolResult(ToolCall("error", {}), f"error: {error}", True) for error in reply.errors]
+        malformed = [failed(error) for error in reply.errors]
         results = malformed + run_calls(reply.calls, self.tools, self.timeout_s, self.max_calls)
         for result in results[len(malformed) :]:
             self.calls.append({**vars(result.call), "result": result.text, "error": result.error})

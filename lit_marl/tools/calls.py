@@ -31,6 +31,11 @@ class ToolResult:
     error: bool = False
 
 
+def failed(text: str) -> ToolResult:
+    """A result that is no call's: a malformed call, or a reply that called nothing."""
+    return ToolResult(ToolCall("error", {}), f"error: {text}", True)
+
+
 def as_text(value) -> str:
     """A tool's return value as the text the agent reads (JSON for data, ``str`` otherwise)."""
     if isinstance(value, str):

@@ -198,7 +198,7 @@ def tool_format(tokenizer, parser: ParserName = "auto", field: str = "data.tool_
     one, else the parser its chat template names (its tool-call markers); a template that ignores
     ``tools=`` renders them in the system message and is read by ``hermes``."""
     if not renders_tools(tokenizer):
-        return ToolFormat("system", "hermes" if parser in ("auto", "template") else parser)
+        return ToolFormat("system", written_as(parser))
     if parser == "template" and getattr(tokenizer, "response_template", None) is None:
         raise ConfigError(f"{field}=template: this tokenizer has no response template; name a parser ({_names()})")
     if parser != "auto":
@@ -235,10 +235,21 @@ def parse_reply(text: str, fmt: ToolFormat, tokenizer=None, tools: Sequence[dict
     return reply
 
 
+def written_as(parser: str) -> str:
+    """The named format a text call is written and read in: ``parser``, Hermes's for ``auto``/``template``."""
+    return "hermes" if parser in ("auto", "template") else parser
+
+
+def read_text(reply, parser: str) -> ParsedReply:
+    """A reply as an environment gets it: parsed already by the rollout, or a text (an expert's) read
+    in ``written_as(parser)``."""
+    return reply if isinstance(reply, ParsedReply) else PARSERS[written_as(parser)](str(reply))
+
+
 def format_calls(calls: Sequence[ToolCall], parser: str = "hermes") -> str:
     """``calls`` written as a reply in ``parser``'s format (``auto``/``template``: Hermes's), which
     that parser reads back as the same calls: an expert's demonstration."""
-    payload = [{"name": c.name, "arguments": c.arguments} for c in calls]
+    payload, parser = [{"name": c.name, "arguments": c.arguments} for c in calls], written_as(parser)
     if parser == "llama3_json":
         return "; ".join(json.dumps({"name": c.name, "parameters": c.arguments}) for c in calls)
     if parser == "mistral":

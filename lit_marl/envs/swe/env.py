@@ -42,9 +42,8 @@ from lit_marl.envs.swe.tools_site import tools_site
 from lit_marl.envs.swe.workspace import Workspace, default_root, sweep
 from lit_marl.fields import NonNegativeInt, PositiveFloat, PositiveInt, check_fields
 from lit_marl.sandbox import Limits, run_in
-from lit_marl.tools.calls import ToolResult, ToolResults
-from lit_marl.tools.formats import PARSERS, ParsedReply, format_calls
-from lit_marl.tools.formats import ToolCall as Call
+from lit_marl.tools.calls import ToolResult, ToolResults, failed
+from lit_marl.tools.formats import format_calls, read_text
 
 _swept: set[str] = set()
 _sweep_lock = threading.Lock()
@@ -221,11 +220,10 @@ class SWEEnv(Game):
 
     def _act_tools(self, reply) -> StepResult:
         """``tool_mode: tools``: each call of the reply in order, each one step, each result a tool message."""
-        if not isinstance(reply, ParsedReply):  # a text (an expert's): read as this environment writes calls
-            reply = PARSERS["hermes" if self.tool_parser in ("auto", "template") else self.tool_parser](str(reply))
-        results = [ToolResult(Call("error", {}), f"error: {error}", True) for error in reply.errors]
+        reply = read_text(reply, self.tool_parser)
+        results = [failed(error) for error in reply.errors]
         if not reply.calls and not reply.errors:
-            results.append(ToolResult(Call("error", {}), "error: no tool call: call a tool (submit when done)", True))
+            results.append(failed("no tool call: call a tool (submit when done)"))
         self.counts["tool_errors"] += len(results)
         for call in reply.calls:
             self.steps += 1
@@ -233,11 +231,11 @@ class SWEEnv(Game):
                 self.counts["submitted"] = 1.0
                 return self._end("submitted", terminated=True)
             try:
-                text, failed = self._run_call(call), False
+                text, broken = self._run_call(call), False
             except ToolError as err:
                 self.counts["tool_errors"] += 1
-                text, failed = f"error: {err}", True
-            results.append(ToolResult(call, self._observe(text), failed))
+                text, broken = f"error: {err}", True
+            results.append(ToolResult(call, self._observe(text), broken))
             ended = self._ended(call.name)
             if ended:
                 return self._end(ended, terminated=False)
@@ -339,8 +337,7 @@ class SWEEnv(Game):
         base = {path: data for path, (data, _) in snapshot(row, self.repos_dir).items()}
         calls = as_calls(parse_patch(row["patch"]), base, self.expert_view_context)
         if self.tools:  # the same calls in the format this environment reads
-            parser = "hermes" if self.tool_parser in ("auto", "template") else self.tool_parser
-            return [[format_calls([from_text_call(call)], parser)] for call in calls]
+            return [[format_calls([from_text_call(call)], self.tool_parser)] for call in calls]
         return [[call] for call in calls]
 
     def clone(self) -> "SWEEnv":
