@@ -15,9 +15,35 @@ from __future__ import annotations
 import re
 
 from lit_marl.envs.base import register
+from lit_marl.envs.commands import commands
 from lit_marl.envs.game import Game, StepResult
 
 COMMANDS = ("take key", "open door", "go out", "east", "west")
+
+
+def east() -> str:
+    """Walk one room east."""
+
+
+def west() -> str:
+    """Walk one room west."""
+
+
+def take_key() -> str:
+    """Take the key lying in this room."""
+
+
+def open_door() -> str:
+    """Unlock the door of the last room with the key you carry."""
+
+
+def go_out() -> str:
+    """Leave through the open door: the game is won."""
+
+
+CORRIDOR_COMMANDS = commands(
+    (east, "east"), (west, "west"), (take_key, "take key"), (open_door, "open door"), (go_out, "go out")
+)
 
 
 def parse_command(text: str) -> str | None:
@@ -32,13 +58,18 @@ class Corridor(Game):
 
     num_agents = 1
     cloneable = True
+    commands = CORRIDOR_COMMANDS
 
-    def __init__(self, instructions: bool = True):
+    def __init__(self, instructions: bool = True, tool_mode: str = "text", tool_parser: str = "auto"):
         """
         Args:
             instructions: Start the first observation with the rules and the commands.
+            tool_mode: ``text``: one command per reply; ``tools``: the commands as tools in the model's own
+                tool-call format, one call a turn (docs/tools.md).
+            tool_parser: ``tools`` mode: how replies are read (``auto`` or a parser's name).
         """
         self.instructions = instructions
+        self.use_tool_mode(tool_mode, tool_parser)
 
     def start(self, task: dict) -> list[str]:
         self.length = int(task["length"])
@@ -50,12 +81,13 @@ class Corridor(Game):
             raise ValueError(f"corridor task {task!r}: the key must lie east of the start and inside the corridor")
         self.room, self.has_key, self.door_open = start, False, False
         self.score, self.steps = 0, 0
-        intro = (
-            "You are in a corridor of rooms. Find the key, open the door in the last room and go out. "
-            "Commands: east, west, take key, open door, go out. Reply with one command.\n"
-            if self.instructions
-            else ""
+        how = (
+            "Act by calling one of the tools, one a turn."
+            if self.tools
+            else "Commands: east, west, take key, open door, go out. Reply with one command."
         )
+        goal = "You are in a corridor of rooms. Find the key, open the door in the last room and go out."
+        intro = f"{goal} {how}\n" if self.instructions else ""
         return [intro + self.describe()]
 
     def describe(self) -> str:

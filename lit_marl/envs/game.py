@@ -27,6 +27,7 @@ import torch
 
 from lit_marl import ConfigError
 from lit_marl.envs.base import Ended, Env, Steps
+from lit_marl.envs.commands import expert_replies, play_calls
 from lit_marl.envs.sources import family, named_set
 from lit_marl.returns import step_reward
 from lit_marl.tasks import load_tasks
@@ -103,6 +104,9 @@ class Game(Env):
     replaying the branch's commands); None: clone where the game can, else replay."""
     reward_rule: RewardRule = RewardRule()
     """How the outcome becomes rewards (set by the data module from ``data.reward_density``)."""
+    commands: tuple = ()
+    """The game's actions as tools (``lit_marl.envs.commands.Command``), offered in ``tool_mode:
+    tools``: a call writes the command a text-mode reply would be."""
 
     def __new__(cls, *args, **kwargs):
         game = super().__new__(cls)
@@ -122,6 +126,42 @@ class Game(Env):
     @abstractmethod
     def act(self, actions: list[str]) -> StepResult:
         """One turn: each agent's action text."""
+
+    def use_tool_mode(self, tool_mode: str, tool_parser: str = "auto") -> None:
+        """``tools``: the game's actions (``commands``) become the agent's tools, its replies read in
+        ``tool_parser``'s format (``play``); ``text``: commands as plain text."""
+        if tool_mode not in ("text", "tools"):
+            raise ConfigError(
+                f"data.env_kwargs.tool_mode={tool_mode!r}: choose text (commands as plain text) or tools (the game's "
+                "actions as tools in the model's own format)"
+            )
+        if tool_mode == "tools":
+            if not self.commands or self.num_agents != 1:
+                raise ConfigError(
+                    f"data.env_kwargs.tool_mode=tools: {type(self).__name__} has no tools mode (it is offered by "
+                    "one-agent games that declare their actions as tools); use tool_mode: text"
+                )
+            self.tools, self.tool_parser = tuple(c.tool for c in self.commands), tool_parser
+
+    def play(self, actions: list) -> StepResult:
+        """One turn from the agents' replies: as they are (text mode, or a game that reads its own
+        tool calls), or, in tools mode, the reply's call written as its command
+        (``commands.play_calls``)."""
+        if not (self.tools and self.commands):
+            return self.act(actions)
+        observation, played, counts = play_calls(self, actions[0], getattr(self, "_tool_counts", None))
+        self._tool_counts = counts  # replaced, never changed in place: a shallow clone keeps its own
+        if played is not None:
+            self._tool_info = played.info
+        info = {**getattr(self, "_tool_info", {}), "counts": counts}
+        ended = {"terminated": played.terminated, "truncated": played.truncated} if played is not None else {}
+        return StepResult([observation], info=info, **ended)
+
+    def expert_replies(self, task: dict) -> list[list[str]]:
+        """The expert's turns as the agent would write them: its commands, or in tools mode the tool
+        calls that write them."""
+        turns = self.expert_turns(task)
+        return expert_replies(self, turns) if self.tools and self.commands else turns
 
     def state_key(self) -> str | None:
         """A canonical key of the current state: equal for equal states whatever led to them (the
@@ -156,12 +196,12 @@ class Game(Env):
         turns an RL episode renders. An expert that does not win is an error, never a demonstration."""
         game = self.spawn()
         try:
-            observations, turns = game.start(task), game.expert_turns(task)
+            observations, turns = game.start(task), game.expert_replies(task)
             chats: list[list[dict]] = [[] for _ in range(game.num_agents)]
             for t, actions in enumerate(turns):
                 for chat, observation, action in zip(chats, observations, actions):
                     chat += [*observation_messages(observation), {"role": "assistant", "content": action}]
-                result = game.act(actions)
+                result = game.play(actions)
                 if result.terminated or result.truncated:
                     if not result.info.get("won") or t != len(turns) - 1:
                         raise ValueError(f"task {task!r}: the expert's play ended at turn {t + 1} without a win")
@@ -195,7 +235,7 @@ class Game(Env):
         """Every state's game plays its joint action (in parallel); ``keep`` is not needed: a game
         observes every state anyway."""
         start = time.perf_counter()
-        results: list[StepResult] = self._map(lambda pair: pair[0].game.act(pair[1]), list(zip(states, actions)))
+        results: list[StepResult] = self._map(lambda pair: pair[0].game.play(pair[1]), list(zip(states, actions)))
         for state, joint, result in zip(states, actions, results):
             state.played.append(list(joint))
             state.previous_score = state.score
@@ -222,7 +262,7 @@ class Game(Env):
             game = self.spawn()
             game.start(state.task)
             for earlier in state.played:
-                game.act(earlier)
+                game.play(earlier)
         else:
             raise ConfigError(f"{type(self).__name__}.branching={how!r}: choose clone or replay")
         return GameState(game, state.task, list(state.observations), [list(p) for p in state.played], dict(state.info))

@@ -163,3 +163,28 @@ def test_trees_refuse_an_environment_with_tools():
             env_kwargs={"tools": [calculator], "reward": "lit_marl.envs.tool_task:number_answer"},
             train_path=str(REPO_ROOT / "data" / "tools" / "train.jsonl"),
         )
+
+
+@pytest.mark.parametrize("template", [QWEN25_TOOLS, None], ids=["template-tools", "system-fallback"])
+def test_a_textworld_walkthrough_as_tool_calls_wins_and_renders_as_its_demonstration(base, template, tmp_path):
+    """TextWorld in tools mode: the walkthrough's commands as tool calls win the game through the
+    rollout, only the calls' tokens are trained, and the demonstration of the same game renders to the
+    episode's very tokens and mask."""
+    from lit_marl.envs.textworld.games import write_tasks
+    from lit_marl.rollout.demos import agent_chats, render_chat
+
+    agent, env = _agent(base, template), make_env("textworld", {"tool_mode": "tools"})
+    row = json.loads(write_tasks("w1-o1-q2", "train", 1, tmp_path).read_text().splitlines()[0])
+    (chat,) = agent_chats({"messages": env.demonstration(row)}, 1, "demo 0")
+    calls = [m["content"] for m in chat if m["role"] == "assistant"]
+    assert all(c.startswith("<tool_call>\n{") for c in calls)
+    agent.use_tools(list(env.tools))
+    ids, mask = render_chat(agent, chat)
+    settings = EpisodeSettings(max_turns=len(calls) + 1, sampling=Sampling(max_new_tokens=64), max_context_tokens=8192)
+    (batch,) = run_episodes([agent], [row], env, settings, engine=ScriptedEngine([[c] for c in calls]))
+    keep = batch.attention_mask[0].bool()
+    assert ids == batch.input_ids[0][keep].tolist() and mask == batch.loss_mask[0][keep].tolist()
+    trained = [tok for tok, m in zip(ids, mask) if m]
+    tokenizer = agent.tokenizer
+    assert trained == [t for c in calls for t in tokenizer.encode(c, add_special_tokens=False) + [agent.eos_token_id]]
+    assert bool(batch.won[0]) and batch.stats["env/calls"] == len(calls) and batch.stats["env/tool_errors"] == 0

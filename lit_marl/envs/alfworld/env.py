@@ -18,6 +18,7 @@ import re
 import threading
 from pathlib import Path
 
+from lit_marl.envs.alfworld.actions import ALFWORLD_COMMANDS
 from lit_marl.envs.alfworld.games import resolve_source, start_game
 from lit_marl.envs.base import register
 from lit_marl.envs.game import Game, StepResult
@@ -67,16 +68,27 @@ class AlfWorldEnv(Game):
 
     num_agents = 1
     cloneable = False
+    commands = ALFWORLD_COMMANDS
 
-    def __init__(self, admissible_commands: bool = False, max_feedback_chars: int = 2000):
+    def __init__(
+        self,
+        admissible_commands: bool = False,
+        max_feedback_chars: int = 2000,
+        tool_mode: str = "text",
+        tool_parser: str = "auto",
+    ):
         """
         Args:
             admissible_commands: Append the game's list of valid commands to every observation
                 (ALFWorld's text agents often see it; off by default, as in the guide).
             max_feedback_chars: Cut the game's text of one turn at this many characters.
+            tool_mode: ``text``: one command per reply; ``tools``: the game's verbs as tools in the model's own
+                tool-call format (``alfworld.actions``), one call a turn (docs/tools.md).
+            tool_parser: ``tools`` mode: how replies are read (``auto`` or a parser's name).
         """
         self.admissible_commands = admissible_commands
         self.max_feedback_chars = max_feedback_chars
+        self.use_tool_mode(tool_mode, tool_parser)
         self._game = None
         self._task: dict | None = None
 

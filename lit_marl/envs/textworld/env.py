@@ -22,6 +22,7 @@ from pathlib import Path
 
 from lit_marl.envs.base import register
 from lit_marl.envs.game import Game, StepResult
+from lit_marl.envs.textworld.actions import TEXTWORLD_COMMANDS
 from lit_marl.envs.textworld.games import resolve_source
 
 _PROMPT_LINE = re.compile(r"^\s*>")  # the parser's prompt (and the status line printed after it)
@@ -106,16 +107,27 @@ class TextWorldEnv(Game):
 
     num_agents = 1
     cloneable = True
+    commands = TEXTWORLD_COMMANDS
 
-    def __init__(self, admissible_commands: bool = False, objective: bool = True):
+    def __init__(
+        self,
+        admissible_commands: bool = False,
+        objective: bool = True,
+        tool_mode: str = "text",
+        tool_parser: str = "auto",
+    ):
         """
         Args:
             admissible_commands: Append the game's list of valid commands to every observation (the
                 guide plays without it: the agent must write commands from the text alone).
             objective: Start the first observation with the game's objective.
+            tool_mode: ``text``: one command per reply; ``tools``: the game's verbs as tools in the model's own
+                tool-call format (``textworld.actions``), one call a turn (docs/tools.md).
+            tool_parser: ``tools`` mode: how replies are read (``auto`` or a parser's name).
         """
         self.admissible_commands = admissible_commands
         self.objective = objective
+        self.use_tool_mode(tool_mode, tool_parser)
         self._game = None
         self._path: str | None = None
         self._played: list[str] = []
