@@ -14,11 +14,12 @@ import torch
 from helpers import QWEN25_TOOLS, REPO_ROOT, ScriptedEngine
 from lit_marl.agents import Agent
 from lit_marl.envs import make_env
-from lit_marl.envs.tool_task import calculator
+from lit_marl.envs.game import StepResult
+from lit_marl.envs.tool_task import ToolTask, calculator, number_answer
 from lit_marl.generation import Sampling
 from lit_marl.models import load_model_and_tokenizer
 from lit_marl.rollout.episode import EpisodeSettings, run_episodes
-from lit_marl.tools import load_tools
+from lit_marl.tools import ToolCall, ToolResult, ToolResults, load_tools
 
 TASK = {"prompt": "What is 37 * 91?", "answer": 3367}
 CALL = '<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{}"}}}}\n</tool_call>'
@@ -188,3 +189,35 @@ def test_a_textworld_walkthrough_as_tool_calls_wins_and_renders_as_its_demonstra
     tokenizer = agent.tokenizer
     assert trained == [t for c in calls for t in tokenizer.encode(c, add_special_tokens=False) + [agent.eos_token_id]]
     assert bool(batch.won[0]) and batch.stats["env/calls"] == len(calls) and batch.stats["env/tool_errors"] == 0
+
+
+class ToolTurns(ToolTask):
+    """Every reply gets a tool result back (what it called, or that it called nothing), so each
+    episode runs its turns through tool messages whatever the untrained model writes."""
+
+    def act(self, actions):
+        reply = actions[0]
+        text = f"{len(reply.calls)} call(s), {len(reply.errors)} malformed; you wrote: {reply.content[:40]}"
+        return StepResult([ToolResults((ToolResult(ToolCall("calculator", {}), text),))], info=self._info(0.0, False))
+
+
+@pytest.mark.parametrize("template", [QWEN25_TOOLS, None], ids=["template-tools", "system-fallback"])
+def test_a_tool_trajectory_through_hf_generate_equals_the_lean_decoders(base, template):
+    """Greedy, three turns whose observations are tool results: transformers' generate and the lean
+    decoder give the same token ids and loss masks (vLLM's: tests/vllm/test_tool_trajectories.py)."""
+    from lit_marl.generation import make_engine
+
+    agent = _agent(base, template)
+    settings = EpisodeSettings(max_turns=3, sampling=Sampling(max_new_tokens=12, greedy=True))
+
+    tasks = [TASK, {**TASK, "prompt": "What is 12 * 64?"}]
+
+    def trajectories(engine):
+        (batch,) = run_episodes([agent], tasks, ToolTurns([calculator], number_answer), settings, engine=engine)
+        keep = batch.attention_mask.bool()
+        return [(ids[k].tolist(), mask[k].tolist()) for ids, mask, k in zip(batch.input_ids, batch.loss_mask, keep)]
+
+    lean = trajectories(make_engine("torch"))
+    assert trajectories(make_engine("hf")) == lean
+    for _, mask in lean:  # three replies, each its own run of trained tokens between tool messages
+        assert sum(1 for k in range(len(mask)) if mask[k] and (k == 0 or not mask[k - 1])) == 3
