@@ -53,7 +53,10 @@ def read_positions(samples: AgentSamples, critic_type: CriticType) -> torch.Tens
     prompt_width = samples.input_ids.shape[1] - samples.num_completion
     if critic_type == "v":
         return torch.full((len(samples),), prompt_width - 1, device=samples.input_ids.device)
-    return prompt_width - 1 + samples.completion_mask.sum(-1).clamp(min=1)
+    # the last trained token (a tool round's results inside a completion are not trained)
+    mask = samples.completion_mask.long()
+    last = (mask * torch.arange(1, mask.shape[1] + 1, device=mask.device)).amax(-1)
+    return prompt_width - 1 + last.clamp(min=1)
 
 
 def critic_inputs(samples: AgentSamples, critic_type: CriticType) -> CriticInputs:

@@ -18,12 +18,13 @@ from lit_marl.envs.centralized import CentralizedEnv
 from lit_marl.envs.game import Game
 from lit_marl.envs.learned import JointRewardModel, LearnedRewardEnv
 from lit_marl.envs.processors import RewardProcessor, check_range
-from lit_marl.fields import PositiveInt, check_fields
+from lit_marl.fields import PositiveInt, as_group, check_fields, saved_groups
 from lit_marl.generation.base import stream_seed
 from lit_marl.returns import CrossReduce, JointMode
 from lit_marl.rollout.batch import RolloutBatch
 from lit_marl.rollout.settings import RolloutSettings
 from lit_marl.rollout.tree import TreeSettings, build_tree
+from lit_marl.rollout.tree_tools import TreeTools
 from lit_marl.tasks import import_object
 
 
@@ -73,6 +74,11 @@ class RolloutDataModule(TaskDataModule):
             ``torch`` with a Llama-family model).
         branch: How a game's joint action gets its own game (``env`` a game): ``clone`` copies the node's state,
             ``replay`` starts the game again and replays the branch's commands; default: clone where it can.
+        tools: Tools every agent may call within its turn (a text environment's; ``rollout.tree_tools.TreeTools``):
+            ``{functions: [module:function, ...], parser, max_rounds, max_calls_per_turn, call_timeout_s,
+            share}``. A reply with calls gets their results back in the agent's own format and the agent
+            replies again, up to ``max_rounds`` times; its last reply is the answer the reward reads. Every reply
+            is trained, the results are not (docs/tools.md).
     """
 
     def __init__(
@@ -90,6 +96,7 @@ class RolloutDataModule(TaskDataModule):
         reward_model: str | None = None,
         sampling_streams: Literal["shared", "per_task"] = "shared",
         branch: Literal["clone", "replay"] | None = None,
+        tools: dict | TreeTools | None = None,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -97,9 +104,20 @@ class RolloutDataModule(TaskDataModule):
         hp = self.hparams
         if self.env.tools:
             raise ConfigError(
-                f"data.env offers tools ({', '.join(t.name for t in self.env.tools)}): tool calls are played in "
-                "episodes (lit_marl.data.EpisodeDataModule, docs/tools.md); joint rollout trees do not render them"
+                f"data.env offers tools ({', '.join(t.name for t in self.env.tools)}): a game's tool calls are played "
+                "in episodes (lit_marl.data.EpisodeDataModule, docs/tools.md); in a tree, give a text environment's "
+                "agents tools with data.tools"
             )
+        tools = None if tools is None else as_group(TreeTools, tools)
+        if tools is not None:
+            saved_groups(self, tools=tools)
+        if tools is not None and not isinstance(self.env, TextEnv):
+            raise ConfigError(
+                f"data.tools: tools in a tree are a text environment's (a reward function and transition); "
+                f"{type(self.env).__name__} is not one: play a game's tools in episodes (tool_mode: tools)"
+            )
+        if tools is not None and not chat_template:
+            raise ConfigError("data.tools needs data.chat_template: true (the chat template renders the tools)")
         if num_turns > 1 and isinstance(self.env, FunctionEnv) and not self.env.has_transition:
             raise ConfigError(
                 f"data.num_turns={num_turns} needs data.transition (e.g. lit_marl.rollout.transitions:plain) "
@@ -135,6 +153,7 @@ class RolloutDataModule(TaskDataModule):
             early_termination_threshold=early_termination_threshold,
             chat_template=chat_template,
             reward_processor=RewardProcessor.parse(reward_processor),
+            tools=tools,
         )
         self._warn_missing_prompt_field(num_turns)
 

@@ -56,6 +56,9 @@ class Generation:
     # [B, C] the engine's log-prob of each sampled token under the raw model distribution (before
     # temperature, top-k and top-p, as the trainer's forward computes it), 0 after the end; None: not given
     logprobs: torch.Tensor | None = None
+    # [B, C] the completion's real tokens (what attention sees) where they are not all trained: a tool
+    # round's results sit between replies with completion_mask 0 (``rollout/tree_tools.py``); None: the mask
+    completion_attention: torch.Tensor | None = None
 
     def rows(self, index: slice) -> "Generation":
         return Generation(
@@ -65,7 +68,13 @@ class Generation:
             self.completion_mask[index],
             self.num_samples,
             None if self.logprobs is None else self.logprobs[index],
+            None if self.completion_attention is None else self.completion_attention[index],
         )
+
+    @property
+    def attention(self) -> torch.Tensor:
+        """The completion's attention mask: its real tokens, trained or not."""
+        return self.completion_mask if self.completion_attention is None else self.completion_attention
 
     @property
     def num_generated_tokens(self) -> int:

@@ -23,6 +23,7 @@ from lit_marl.generation.base import Sampling, prefill_counts, prefill_stats, st
 from lit_marl.metrics import markdown_line
 from lit_marl.returns import CrossReduce, JointMode, joint_indices, neutral_fill
 from lit_marl.rollout.batch import AgentSamples, RolloutBatch, TreeLevels
+from lit_marl.rollout.tree_tools import TreeTools, team_block, tool_rounds
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class TreeSettings:
     # None: samples draw from torch's generator; an int: every response its own stream, seeded by it,
     # the task, the tree node, the role and the sample index (``data.sampling_streams: per_task``)
     sampling_seed: int | None = None
+    tools: TreeTools | None = None  # ``data.tools``: tool rounds within each agent's turn (``tree_tools.py``)
 
 
 @dataclass
@@ -104,6 +106,11 @@ def build_tree(
     if settings.num_turns > 1 and not env.multi_turn:
         raise ValueError(f"num_turns={settings.num_turns} needs a transition that builds the next turn's prompts")
     engine = engine or make_engine("auto")
+    if settings.tools is not None:
+        for i, agent in enumerate(agents):
+            fmt = agent.use_tools(list(settings.tools.tools), settings.tools.parser)
+            if i == 0 or agent.tokenizer is not agents[0].tokenizer:
+                print(f"lit-marl: agent {i} ({agent.source}): {fmt.describe()}", flush=True)
     combos = joint_indices(len(agents), settings.num_generations, settings.joint_mode)
     nodes = [_Node(t, state) for t, state in enumerate(env.reset(tasks))]
     try:
@@ -120,9 +127,9 @@ def _grow(agents, tasks, env: Env, settings: TreeSettings, engine: Engine, combo
     levels: list[_Level] = []
     for turn in range(settings.num_turns):
         t0 = time.perf_counter()
-        gens, texts = _generate(agents, tasks, nodes, settings, engine, not settings.chat_template)
+        gens, texts, calls = _generate(agents, tasks, nodes, settings, engine, not settings.chat_template)
         t1 = time.perf_counter()
-        rewards, children, next_nodes = _step(env, nodes, texts, combos, turn, settings, tally)
+        rewards, children, next_nodes = _step(env, nodes, texts, combos, turn, settings, tally, calls)
         shaped = rewards  # what returns are built from; logs and early termination use the task reward
         if settings.reward_processor:
             shaped = settings.reward_processor(rewards, _answer_lengths(texts, combos, len(nodes), settings))
@@ -132,6 +139,8 @@ def _grow(agents, tasks, env: Env, settings: TreeSettings, engine: Engine, combo
         stats = tally.stats
         stats["perf/generate_s"] += t1 - t0
         stats["perf/generated_tokens"] += sum(g.num_generated_tokens for g in gens)
+        if calls is not None:
+            stats["train/tool_calls"] = stats.get("train/tool_calls", 0.0) + sum(len(c) for a in calls for c in a)
         stats[f"turn_{turn}/nodes"] = float(len(nodes))
         stats["train/tree_nodes"] += float(len(nodes))
         stats["train/episodes"] += float((children < 0).sum())  # joint actions that end a branch: leaves
@@ -148,9 +157,10 @@ def _grow(agents, tasks, env: Env, settings: TreeSettings, engine: Engine, combo
 
 def _generate(
     agents: list[Agent], tasks: list[dict], nodes: list[_Node], settings: TreeSettings, engine: Engine, raw: bool
-) -> tuple[list[Generation], list[list[str]]]:
+) -> tuple[list[Generation], list[list[str]], list | None]:
     """ONE batched generation per model over all open nodes (the models together): each agent's
-    generation (row n * G + k: response k at node n) and its decoded texts."""
+    generation (row n * G + k: response k at node n), its decoded texts, and with ``tools`` each
+    row's calls (the turn's tool rounds: ``tree_tools.tool_rounds``; its texts are the answers)."""
     G = settings.num_generations
     gens: list[Generation] = [None] * len(agents)
     groups = roles_by_model(agents)
@@ -170,15 +180,19 @@ def _generate(
     for roles, generated in zip(groups, outputs):
         for r, i in enumerate(roles):  # a parameter-shared model played several roles at once
             gens[i] = generated.rows(slice(r * len(nodes) * G, (r + 1) * len(nodes) * G))
+    if settings.tools is not None:
+        return tool_rounds(agents, gens, settings.tools, settings.sampling, engine)
     texts = [agent.decode(g.completion_ids, g.completion_mask) for agent, g in zip(agents, gens)]
-    return gens, texts
+    return gens, texts, None
 
 
-def _step(env: Env, nodes, texts, combos, turn, settings: TreeSettings, tally: _Tally):
+def _step(env: Env, nodes, texts, combos, turn, settings: TreeSettings, tally: _Tally, calls=None):
     """Every joint action of the turn steps its own branch of its node's state, in ONE ``env.step``:
     the ``[nodes, J, agents]`` rewards (the env's; a skipped one its node's mean), each joint
     action's child (``[nodes, J]``, -1: none - the branch ended, the last turn, or early termination
-    stopped the node: its mean reward exceeded ``early_termination_threshold``) and the children."""
+    stopped the node: its mean reward exceeded ``early_termination_threshold``) and the children.
+    ``calls`` (with ``data.tools``: each agent's row's calls) go into the children's prompts with
+    ``share: team``."""
     G, J, N = settings.num_generations, len(combos), len(tally.completions)
     last = turn + 1 >= settings.num_turns
     threshold = settings.early_termination_threshold
@@ -222,6 +236,10 @@ def _step(env: Env, nodes, texts, combos, turn, settings: TreeSettings, tally: _
     for s, state in enumerate(states):
         n, j = divmod(s, J)
         if not (last or halted[n] or steps.done[s]):
+            if calls is not None and settings.tools.share == "team":
+                rows = [n * G + k for k in combos[j]]
+                block = team_block([calls[i][row] for i, row in enumerate(rows)])
+                state.observations = [observation + block for observation in state.observations]
             children[n, j] = len(next_nodes)
             next_nodes.append(_Node(nodes[n].task, state, f"{nodes[n].label}.{j}"))
     return rewards, children, next_nodes
@@ -293,7 +311,7 @@ def _assemble(agents: list[Agent], levels: list[_Level], settings: TreeSettings,
             samples_per_agent[i].append(
                 AgentSamples(
                     input_ids=torch.cat([g.prompt_ids, g.completion_ids], dim=1),
-                    attention_mask=torch.cat([g.prompt_mask, g.completion_mask], dim=1),
+                    attention_mask=torch.cat([g.prompt_mask, g.attention], dim=1),
                     completion_mask=g.completion_mask,
                     returns=None,
                     group_ids=node_offset + torch.arange(num_nodes, device=device).repeat_interleave(G),
