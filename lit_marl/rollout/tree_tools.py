@@ -1,7 +1,8 @@
 """Tools in a joint rollout tree (``data.tools``): within its turn, each agent's reply may call tools;
 the calls run, their results come back in the agent's own format (tool messages, or the fallback's
 ``<tool_response>`` blocks) and the agent replies again, for at most ``max_rounds`` rounds, until a
-reply without a call: its answer, the action the joint reward and the transition read. Every reply
+reply without a call: its answer, the action the joint reward and the transition read (an
+``Answer``: a string whose ``calls`` hold the turn's calls and results, for a reward that reads them). Every reply
 of the turn is trained (loss mask 1, its end-of-turn token included); the results and the template's
 glue between replies are environment tokens (mask 0) inside the same row, so a response's return
 and group are the tree's as ever. The result reaches the agent that called it; with ``share: team``
@@ -21,7 +22,7 @@ import torch
 from lit_marl import ConfigError
 from lit_marl.fields import PositiveInt, check_dataclass
 from lit_marl.generation.base import Generation, left_pad
-from lit_marl.tools.calls import ToolResults, failed, run_calls
+from lit_marl.tools.calls import Answer, ToolResults, failed, run_calls
 from lit_marl.tools.formats import ParserName
 from lit_marl.tools.spec import Tool, load_tools
 
@@ -102,7 +103,7 @@ def _run_round(agent, rows: list[_Row], settings: TreeTools) -> list[int]:
 def tool_rounds(agents, gens: list[Generation], settings: TreeTools, sampling, engine) -> tuple[list, list, list]:
     """The turn's tool rounds for every agent's rows: ONE batched generation per round over every row
     that called a tool. Returns each agent's generation (the whole turn as its completion), its
-    answers (the last reply's text without calls) and the calls of each row."""
+    answers (the last reply's text without calls, with the turn's ``calls``: ``Answer``) and the calls of each row."""
     rows = [_rows(g) for g in gens]
     for _ in range(settings.max_rounds):
         going = [_run_round(agent, agent_rows, settings) for agent, agent_rows in zip(agents, rows)]
@@ -121,7 +122,10 @@ def tool_rounds(agents, gens: list[Generation], settings: TreeTools, sampling, e
     for agent_rows in rows:
         for row in agent_rows:
             row.done = True
-    answers = [[agent.read_reply(row.last).content for row in agent_rows] for agent, agent_rows in zip(agents, rows)]
+    answers = [
+        [Answer(agent.read_reply(row.last).content, row.calls) for row in agent_rows]
+        for agent, agent_rows in zip(agents, rows)
+    ]
     turn = [_generation(agent, g, agent_rows) for agent, g, agent_rows in zip(agents, gens, rows)]
     return turn, answers, [[row.calls for row in agent_rows] for agent_rows in rows]
 

@@ -31,6 +31,19 @@ class ToolResult:
     error: bool = False
 
 
+class Answer(str):
+    """An agent's answer after its turn's tool rounds (a tree with ``data.tools``): the text, which a
+    reward and a transition read as any answer, and ``calls``, every call of the turn in order
+    (``{"name", "arguments", "result", "error"}``), for a reward that scores how it was reached."""
+
+    calls: tuple = ()
+
+    def __new__(cls, text: str, calls=()):
+        answer = super().__new__(cls, text)
+        answer.calls = tuple(calls)
+        return answer
+
+
 def failed(text: str) -> ToolResult:
     """A result that is no call's: a malformed call, or a reply that called nothing."""
     return ToolResult(ToolCall("error", {}), f"error: {text}", True)

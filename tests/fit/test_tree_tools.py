@@ -66,7 +66,7 @@ SEEN = []
 
 
 def five_reward(agent_completions, tasks):
-    SEEN.append([list(c) for c in agent_completions])
+    SEEN.append([[(a, [c["result"] for c in a.calls]) for a in answers] for answers in agent_completions])
     return [float(a == "5") for a in agent_completions[0]]
 
 
@@ -80,7 +80,8 @@ def test_a_turn_with_a_tool_round_trains_both_replies_and_rewards_the_answer(bas
         agents, [{"q": "2+3?"}], [["What is 2 + 3?", "Say ok."]], five_reward, num_generations=2, engine=engine,
         tools=TOOLS, sampling={"max_new_tokens": 64},
     )  # fmt: skip
-    assert SEEN == [[["5", "7"], ["ok", "ok"]]]  # the reward reads the answers, never the calls
+    # the reward reads the answers as text, and the calls that led to them (``Answer.calls``)
+    assert SEEN == [[[("5", ["5"]), ("7", [])], [("ok", []), ("ok", [])]]]
     assert batch.rewards.tolist() == [1.0, 0.0]
     rows = batch.agents[0]
     tok, eos = agents[0].tokenizer, agents[0].eos_token_id
