@@ -92,6 +92,19 @@ def cli_fit(tmp_path, *extra, config: str = "configs/magrpo/slogan_tiny.yaml"):
     return build_cli(args=["fit", "--config", config, "--trainer.logger.init_args.save_dir", str(tmp_path), *extra])
 
 
+def fit_moves(config: str, *extra: str):
+    """``lit-marl fit --config <config> <extra>`` without a logger, from Python: its callback metrics
+    and the names of the trainable parameters the fit changed."""
+    from lit_marl.cli import build_cli
+
+    cli = build_cli(args=["--config", config, "--trainer.logger", "false", *extra], run=False)
+    cli.model.configure_model()
+    before = {n: p.detach().clone() for n, p in cli.model.named_parameters() if p.requires_grad}
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    moved = {n for n, p in cli.model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])}
+    return cli.trainer.callback_metrics, moved
+
+
 def checkpointed_config(tmp_path, name: str, model: dict | None = None, data: dict | None = None) -> str:
     """``configs/magrpo/slogan_tiny.yaml`` for one training step, checkpointed by StepCheckpoint into
     ``tmp_path/ckpt``, with ``model`` and ``data`` settings changed; written to ``tmp_path/name``."""

@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from helpers import QWEN25_TOOLS, REPO_ROOT, tree_from_functions
+from helpers import QWEN25_TOOLS, REPO_ROOT, fit_moves, tree_from_functions
 from lit_marl import ConfigError
 from lit_marl.agents import Agent
 from lit_marl.generation.base import Generation, left_pad
@@ -126,23 +126,12 @@ def test_share_team_shows_the_turns_calls_to_every_agent_next_turn(base):
 
 
 def test_a_magrpo_fit_with_tools_moves_both_policies(tmp_path, in_repo_root):
-    from lit_marl.cli import build_cli
-
-    cli = build_cli(
-        args=[
-            *("--config", "configs/magrpo/slogan_tiny.yaml", "--trainer.logger", "false"),
-            *("--trainer.max_steps", "1", "--trainer.limit_val_batches", "0"),
-            *("--data.tools", '{"functions": ["lit_marl.envs.tool_task:calculator"], "max_rounds": 1}'),
-        ],
-        run=False,
+    metrics, moved = fit_moves(
+        "configs/magrpo/slogan_tiny.yaml",
+        *("--trainer.max_steps", "1", "--trainer.limit_val_batches", "0"),
+        *("--data.tools", '{"functions": ["lit_marl.envs.tool_task:calculator"], "max_rounds": 1}'),
     )
-    cli.model.configure_model()
-    before = {n: p.detach().clone() for n, p in cli.model.named_parameters() if p.requires_grad}
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
-    moved = {
-        n.split(".")[1] for n, p in cli.model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])
-    }
-    assert moved == {"0", "1"} and torch.isfinite(cli.trainer.callback_metrics["train/loss"])
+    assert {n.split(".")[1] for n in moved} == {"0", "1"} and torch.isfinite(metrics["train/loss"])
 
 
 def test_tools_in_a_tree_are_refused_where_they_cannot_render():
