@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import functools
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -263,6 +264,27 @@ class Agent(nn.Module):
     @torch.no_grad()
     def decode(self, ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
         return [self.tokenizer.decode(row[m.bool()], skip_special_tokens=True) for row, m in zip(ids, mask)]
+
+
+_said: set[str] = set()
+
+
+def give_tools(agents: list, tools, parser: str = "auto") -> None:
+    """Each agent gets ``tools`` (none: an empty list) in its own format (``Agent.use_tools``); the run
+    says which format each model uses, once."""
+    for i, agent in enumerate(agents):
+        if not hasattr(agent, "use_tools"):
+            if tools:
+                raise ConfigError(
+                    f"agent {i} ({type(agent).__name__}) cannot call tools: it writes through an API or a text "
+                    "engine; drop data.tools or give every role a model"
+                )
+            continue
+        fmt = agent.use_tools(list(tools), parser)
+        line = f"lit-marl: agent {i} ({agent.source}): {fmt.describe()}" if fmt is not None else None
+        if line is not None and line not in _said:
+            _said.add(line)
+            print(line, file=sys.stderr)
 
 
 def roles_by_model(agents: list[Agent]) -> list[list[int]]:

@@ -136,7 +136,7 @@ def _combine(old: tuple[str, float, float], new: tuple[str, float, float]) -> tu
 
 TURN_KEY = re.compile(r"turn_(\d+)/")
 # rollout stats that count (summed over ranks); the others are seconds, rates and fractions (means)
-COUNTS = re.compile(r"(perf/generated_tokens|train/(episodes|tree_nodes|env_steps)|turn_\d+/nodes)$")
+COUNTS = re.compile(r"(perf/generated_tokens|train/(episodes|tree_nodes|env_steps|tool_\w+)|turn_\d+/nodes)$")
 
 
 def record_rollout_mismatch(

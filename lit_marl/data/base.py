@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lit_marl import ConfigError
-from lit_marl.agents import Team
+from lit_marl.agents import Team, give_tools
 from lit_marl.envs import make_env
 from lit_marl.envs.base import Env, FunctionEnv, TextEnv
 from lit_marl.envs.calls import CallSettings
@@ -203,13 +203,16 @@ class TaskDataModule(L.LightningDataModule):
         self.train_loader.end_after(self.demo_rows if phase == "sft" else None)
         return self.train_loader
 
+    def agent_tools(self) -> tuple[tuple, str]:
+        """The tools the agents may call and how their replies are read: the environment's."""
+        return tuple(self.env.tools), self.env.tool_parser
+
     def on_after_batch_transfer(self, batch: list[dict], dataloader_idx: int):
         """Rows become what the training step consumes: rendered demonstrations in the SFT phase,
         rollouts of the current weights otherwise (greedy outside training)."""
         team = self.trainer.lightning_module.team()  # the one handshake of the step
         if self.trainer.training and team.phase == "sft":
-            for agent in team.agents:  # the demonstrations' prompts show the tools the episodes will
-                agent.use_tools(list(self.env.tools), self.env.tool_parser)
+            give_tools(team.agents, *self.agent_tools())  # the demonstrations' prompts show the rollouts' tools
             return render_demos(team.agents, batch, self.demo_settings.loss_on)
         with self.generating(team):
             return self.rollout_batch(team, batch, training=self.trainer.training)

@@ -18,7 +18,7 @@ from lit_marl.envs.centralized import CentralizedEnv
 from lit_marl.envs.game import Game
 from lit_marl.envs.learned import JointRewardModel, LearnedRewardEnv
 from lit_marl.envs.processors import RewardProcessor, check_range
-from lit_marl.fields import PositiveInt, as_group, check_fields, saved_groups
+from lit_marl.fields import PositiveInt, as_group, check_fields
 from lit_marl.generation.base import stream_seed
 from lit_marl.returns import CrossReduce, JointMode
 from lit_marl.rollout.batch import RolloutBatch
@@ -96,7 +96,7 @@ class RolloutDataModule(TaskDataModule):
         reward_model: str | None = None,
         sampling_streams: Literal["shared", "per_task"] = "shared",
         branch: Literal["clone", "replay"] | None = None,
-        tools: dict | TreeTools | None = None,
+        tools: TreeTools | None = None,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -110,7 +110,12 @@ class RolloutDataModule(TaskDataModule):
             )
         tools = None if tools is None else as_group(TreeTools, tools)
         if tools is not None:
-            saved_groups(self, tools=tools)
+            self.hparams["tools"] = tools.saved()
+        if tools is not None and sampling_streams == "per_task":
+            raise ConfigError(
+                "data.sampling_streams=per_task with data.tools: a tool round's replies have no per-task stream yet; "
+                "use data.sampling_streams: shared"
+            )
         if tools is not None and not isinstance(self.env, TextEnv):
             raise ConfigError(
                 f"data.tools: tools in a tree are a text environment's (a reward function and transition); "
@@ -186,6 +191,12 @@ class RolloutDataModule(TaskDataModule):
         if raw_range is None and isinstance(inner, FunctionEnv):
             raw_range = check_range(getattr(inner.reward_fn, "reward_range", None), f"{inner.reward_name}.reward_range")
         return raw_range
+
+    def agent_tools(self) -> tuple[tuple, str]:
+        """``data.tools``' tools and parser (a tree's tools are the data module's, not the environment's)."""
+        if self.tree.tools is not None:
+            return self.tree.tools.tools, self.tree.tools.parser
+        return super().agent_tools()
 
     def _warn_missing_prompt_field(self, num_turns: int) -> None:
         """A user's transition reads the task prompt (an env's own, or one marked like ``plain``, may not)."""

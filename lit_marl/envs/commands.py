@@ -23,6 +23,9 @@ from lit_marl.tools.calls import ToolResult, ToolResults, failed
 from lit_marl.tools.formats import ToolCall, format_calls, read_text
 from lit_marl.tools.spec import Tool, as_tool
 
+_SEPARATOR = re.compile(r"[.,;]|\bthen\b", re.I)
+"""What separates commands in a game's parser (Inform's ``open box. take key``)."""
+
 
 class CommandError(ValueError):
     """A call that writes no command (the agent is told why)."""
@@ -66,6 +69,8 @@ class Command:
         for key, value in given.items():
             if not isinstance(value, str) or not value.strip():
                 raise CommandError(f"{self.name}: {key} must be a non-empty text, got {value!r}")
+            if _SEPARATOR.search(value):  # the game's parser would play a second command: one action a turn
+                raise CommandError(f"{self.name}: {key} must name one thing, without . , ; or 'then', got {value!r}")
             allowed = self._allowed(key)
             if allowed and value not in allowed:
                 raise CommandError(f"{self.name}: {key} must be one of {', '.join(allowed)}, got {value!r}")

@@ -17,6 +17,7 @@ import re
 from lit_marl.envs.base import register
 from lit_marl.envs.commands import commands
 from lit_marl.envs.game import Game, StepResult
+from lit_marl.tools.formats import ParserName
 
 COMMANDS = ("take key", "open door", "go out", "east", "west")
 
@@ -60,7 +61,7 @@ class Corridor(Game):
     cloneable = True
     commands = CORRIDOR_COMMANDS
 
-    def __init__(self, instructions: bool = True, tool_mode: str = "text", tool_parser: str = "auto"):
+    def __init__(self, instructions: bool = True, tool_mode: str = "text", tool_parser: ParserName = "auto"):
         """
         Args:
             instructions: Start the first observation with the rules and the commands.
@@ -104,6 +105,9 @@ class Corridor(Game):
     def state_key(self) -> str:
         """Where the player is and what it has done; not the step count (GiGPO's grouping)."""
         return f"room={self.room} key={self.has_key} door={self.door_open}"
+
+    def outcome(self) -> dict:
+        return self.info()
 
     def info(self, won: bool = False, lost: bool = False) -> dict:
         return {"won": won, "lost": lost, "score": self.score, "max_score": 3}

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import time
+import typing
 from abc import abstractmethod
 from dataclasses import dataclass, field
 from typing import Literal
@@ -32,6 +33,7 @@ from lit_marl.envs.sources import family, named_set
 from lit_marl.returns import step_reward
 from lit_marl.tasks import load_tasks
 from lit_marl.tools.calls import ToolResults
+from lit_marl.tools.formats import ParserName
 
 
 def observation_messages(observation) -> list[dict]:
@@ -136,6 +138,9 @@ class Game(Env):
                 "actions as tools in the model's own format)"
             )
         if tool_mode == "tools":
+            if tool_parser not in typing.get_args(ParserName):
+                names = ", ".join(typing.get_args(ParserName))
+                raise ConfigError(f"data.env_kwargs.tool_parser={tool_parser!r}: choose one of {names}")
             if not self.commands or self.num_agents != 1:
                 raise ConfigError(
                     f"data.env_kwargs.tool_mode=tools: {type(self).__name__} has no tools mode (it is offered by "
@@ -151,11 +156,15 @@ class Game(Env):
             return self.act(actions)
         observation, played, counts = play_calls(self, actions[0], getattr(self, "_tool_counts", None))
         self._tool_counts = counts  # replaced, never changed in place: a shallow clone keeps its own
-        if played is not None:
-            self._tool_info = played.info
-        info = {**getattr(self, "_tool_info", {}), "counts": counts}
-        ended = {"terminated": played.terminated, "truncated": played.truncated} if played is not None else {}
-        return StepResult([observation], info=info, **ended)
+        if played is None:  # nothing played: the outcome as it stands
+            return StepResult([observation], info={**self.outcome(), "counts": counts})
+        info = {**played.info, "counts": counts}
+        return StepResult([observation], terminated=played.terminated, truncated=played.truncated, info=info)
+
+    def outcome(self) -> dict:
+        """The outcome as it stands (``won``, ``lost``, ``score``, ``max_score``): what a tools-mode turn
+        that played nothing reports. A game with a score says its own; by default nothing is scored yet."""
+        return {"won": False, "lost": False, "score": 0, "max_score": 1}
 
     def expert_replies(self, task: dict) -> list[list[str]]:
         """The expert's turns as the agent would write them: its commands, or in tools mode the tool

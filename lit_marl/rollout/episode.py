@@ -15,7 +15,6 @@ sequence: when the next observation plus a reply would not fit, the episode ends
 from __future__ import annotations
 
 import functools
-import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ from typing import Literal
 import torch
 
 from lit_marl import ConfigError
-from lit_marl.agents import Agent, roles_by_model
+from lit_marl.agents import Agent, give_tools, roles_by_model
 from lit_marl.envs.base import Env
 from lit_marl.generation import Engine, left_pad, make_engine
 from lit_marl.generation.base import Sampling, prefill_counts, prefill_stats
@@ -167,7 +166,7 @@ def run_episodes(
     if env.num_agents != len(agents):
         raise ValueError(f"{type(env).__name__} has {env.num_agents} agents, the team {len(agents)}")
     _check_templates(agents, settings)
-    _use_tools(agents, env)
+    give_tools(agents, env.tools, env.tool_parser)
     prefill = prefill_counts(engine)
     states: list = []
     try:
@@ -213,19 +212,6 @@ def _check_templates(agents, settings: EpisodeSettings) -> None:
                 "what it was generated from, but the context is not the template's own rendering of the dialogue",
                 stacklevel=3,
             )
-
-
-_said: set[str] = set()
-
-
-def _use_tools(agents, env: Env) -> None:
-    """Each agent gets the environment's tools in its own format; the run says which format, once."""
-    for i, agent in enumerate(agents):
-        fmt = agent.use_tools(list(env.tools), env.tool_parser)
-        line = f"lit-marl: agent {i} ({agent.source}): {fmt.describe()}" if fmt is not None else None
-        if line is not None and line not in _said:
-            _said.add(line)
-            print(line, file=sys.stderr)
 
 
 def _start(agents, states: list, env: Env, settings: EpisodeSettings) -> list[_Live]:

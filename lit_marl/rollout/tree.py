@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lit_marl.agents import Agent, roles_by_model
+from lit_marl.agents import Agent, give_tools, roles_by_model
 from lit_marl.envs.base import Env
 from lit_marl.envs.processors import RewardProcessor
 from lit_marl.generation import Engine, Generation, make_engine
@@ -23,7 +23,7 @@ from lit_marl.generation.base import Sampling, prefill_counts, prefill_stats, st
 from lit_marl.metrics import markdown_line
 from lit_marl.returns import CrossReduce, JointMode, joint_indices, neutral_fill
 from lit_marl.rollout.batch import AgentSamples, RolloutBatch, TreeLevels
-from lit_marl.rollout.tree_tools import TreeTools, team_block, tool_rounds
+from lit_marl.rollout.tree_tools import TreeTools, team_block, tool_rounds, turn_counts
 
 
 @dataclass(frozen=True)
@@ -107,10 +107,7 @@ def build_tree(
         raise ValueError(f"num_turns={settings.num_turns} needs a transition that builds the next turn's prompts")
     engine = engine or make_engine("auto")
     if settings.tools is not None:
-        for i, agent in enumerate(agents):
-            fmt = agent.use_tools(list(settings.tools.tools), settings.tools.parser)
-            if i == 0 or agent.tokenizer is not agents[0].tokenizer:
-                print(f"lit-marl: agent {i} ({agent.source}): {fmt.describe()}", flush=True)
+        give_tools(agents, settings.tools.tools, settings.tools.parser)
     combos = joint_indices(len(agents), settings.num_generations, settings.joint_mode)
     nodes = [_Node(t, state) for t, state in enumerate(env.reset(tasks))]
     try:
@@ -127,9 +124,9 @@ def _grow(agents, tasks, env: Env, settings: TreeSettings, engine: Engine, combo
     levels: list[_Level] = []
     for turn in range(settings.num_turns):
         t0 = time.perf_counter()
-        gens, texts, calls = _generate(agents, tasks, nodes, settings, engine, not settings.chat_template)
+        gens, texts, rows = _generate(agents, tasks, nodes, settings, engine, not settings.chat_template)
         t1 = time.perf_counter()
-        rewards, children, next_nodes = _step(env, nodes, texts, combos, turn, settings, tally, calls)
+        rewards, children, next_nodes = _step(env, nodes, texts, combos, turn, settings, tally, rows)
         shaped = rewards  # what returns are built from; logs and early termination use the task reward
         if settings.reward_processor:
             shaped = settings.reward_processor(rewards, _answer_lengths(texts, combos, len(nodes), settings))
@@ -139,13 +136,18 @@ def _grow(agents, tasks, env: Env, settings: TreeSettings, engine: Engine, combo
         stats = tally.stats
         stats["perf/generate_s"] += t1 - t0
         stats["perf/generated_tokens"] += sum(g.num_generated_tokens for g in gens)
-        if calls is not None:
-            stats["train/tool_calls"] = stats.get("train/tool_calls", 0.0) + sum(len(c) for a in calls for c in a)
         stats[f"turn_{turn}/nodes"] = float(len(nodes))
         stats["train/tree_nodes"] += float(len(nodes))
         stats["train/episodes"] += float((children < 0).sum())  # joint actions that end a branch: leaves
-        # a response without its end token hit max_new_tokens
-        tally.truncated += sum(int((~(g.completion_ids == a.eos_token_id).any(-1)).sum()) for a, g in zip(agents, gens))
+        if rows is None:  # a response without its end token hit max_new_tokens
+            unclosed = [~(g.completion_ids == a.eos_token_id).any(-1) for a, g in zip(agents, gens)]
+            tally.truncated += sum(int(u.sum()) for u in unclosed)
+        else:  # its answer (the last reply) did: earlier replies closed with theirs
+            counts = turn_counts(agents, rows)
+            tally.truncated += int(counts.pop("truncated"))
+            stats["perf/generate_s"] -= counts["perf/tool_s"]  # the calls ran between the rounds' generations
+            for key, value in counts.items():
+                stats[key] = stats.get(key, 0.0) + value
         tally.responses += len(agents) * len(nodes) * settings.num_generations
         env.release([node.state for node in nodes])
         nodes[:] = next_nodes  # in place: build_tree releases what is open if a turn raises
@@ -160,7 +162,7 @@ def _generate(
 ) -> tuple[list[Generation], list[list[str]], list | None]:
     """ONE batched generation per model over all open nodes (the models together): each agent's
     generation (row n * G + k: response k at node n), its decoded texts, and with ``tools`` each
-    row's calls (the turn's tool rounds: ``tree_tools.tool_rounds``; its texts are the answers)."""
+    agent's rows (the turn's tool rounds: ``tree_tools.tool_rounds``; its texts are the answers)."""
     G = settings.num_generations
     gens: list[Generation] = [None] * len(agents)
     groups = roles_by_model(agents)
@@ -186,13 +188,13 @@ def _generate(
     return gens, texts, None
 
 
-def _step(env: Env, nodes, texts, combos, turn, settings: TreeSettings, tally: _Tally, calls=None):
+def _step(env: Env, nodes, texts, combos, turn, settings: TreeSettings, tally: _Tally, rows=None):
     """Every joint action of the turn steps its own branch of its node's state, in ONE ``env.step``:
     the ``[nodes, J, agents]`` rewards (the env's; a skipped one its node's mean), each joint
     action's child (``[nodes, J]``, -1: none - the branch ended, the last turn, or early termination
     stopped the node: its mean reward exceeded ``early_termination_threshold``) and the children.
-    ``calls`` (with ``data.tools``: each agent's row's calls) go into the children's prompts with
-    ``share: team``."""
+    ``rows`` (with ``data.tools``: each agent's rows, with their calls) go into the children's prompts
+    with ``share: team``."""
     G, J, N = settings.num_generations, len(combos), len(tally.completions)
     last = turn + 1 >= settings.num_turns
     threshold = settings.early_termination_threshold
@@ -236,9 +238,8 @@ def _step(env: Env, nodes, texts, combos, turn, settings: TreeSettings, tally: _
     for s, state in enumerate(states):
         n, j = divmod(s, J)
         if not (last or halted[n] or steps.done[s]):
-            if calls is not None and settings.tools.share == "team":
-                rows = [n * G + k for k in combos[j]]
-                block = team_block([calls[i][row] for i, row in enumerate(rows)])
+            if rows is not None and settings.tools.share == "team":
+                block = team_block([rows[i][n * G + k].calls for i, k in enumerate(combos[j])])
                 state.observations = [observation + block for observation in state.observations]
             children[n, j] = len(next_nodes)
             next_nodes.append(_Node(nodes[n].task, state, f"{nodes[n].label}.{j}"))

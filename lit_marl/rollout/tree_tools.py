@@ -12,14 +12,16 @@ prompts."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 from typing import Literal
 
 import torch
 
 from lit_marl import ConfigError
+from lit_marl.agents import roles_by_model
 from lit_marl.fields import PositiveInt, check_dataclass
 from lit_marl.generation.base import Generation, left_pad
 from lit_marl.tools.calls import Answer, ToolResults, failed, run_calls
@@ -41,6 +43,9 @@ class TreeTools:
     """Calls run per reply, in order; the rest are answered as not run."""
     call_timeout_s: float = 10.0
     """Time limit of one call."""
+    max_result_chars: PositiveInt = 2000
+    """Characters of one result the agent reads (the rest is cut, marked): each round's prompt holds
+    every earlier reply and result."""
     share: Literal["caller", "team"] = "caller"
     """Who reads a result: the agent that called (in its turn), or also the whole team (in the next
     turn's prompts: each agent's calls and results listed after its prompt)."""
@@ -56,6 +61,11 @@ class TreeTools:
         """The functions as tools (their schemas read once)."""
         return tuple(load_tools(self.functions, "data.tools.functions"))
 
+    def saved(self) -> dict:
+        """The settings as a checkpoint keeps them: each function as its ``module:function`` path."""
+        named = [f if isinstance(f, str) else f"{f.__module__}:{f.__qualname__}" for f in self.functions]
+        return {**asdict(self), "functions": named}
+
 
 @dataclass
 class _Row:
@@ -67,7 +77,9 @@ class _Row:
     logprobs: list[float]
     last: list[int]  # the latest reply's tokens
     calls: list[dict] = field(default_factory=list)
+    malformed: int = 0
     done: bool = False
+    tool_s: float = 0.0  # its calls' time
 
 
 def _rows(g: Generation) -> list[_Row]:
@@ -78,6 +90,12 @@ def _rows(g: Generation) -> list[_Row]:
         logprobs = [0.0] * len(reply) if g.logprobs is None else g.logprobs[k][keep].tolist()
         rows.append(_Row(g.prompt_ids[k][g.prompt_mask[k].bool()].tolist(), reply, [1] * len(reply), logprobs, reply))
     return rows
+
+
+def _cut(result, limit: int):
+    if len(result.text) <= limit:
+        return result
+    return replace(result, text=f"{result.text[:limit]}\n[... {len(result.text) - limit} more characters cut]")
 
 
 def _run_round(agent, rows: list[_Row], settings: TreeTools) -> list[int]:
@@ -91,9 +109,12 @@ def _run_round(agent, rows: list[_Row], settings: TreeTools) -> list[int]:
         if not (reply.calls or reply.errors) or row.last[-1:] != [agent.eos_token_id]:
             row.done = True
             continue
-        results = [failed(e) for e in reply.errors]
-        results += run_calls(reply.calls, settings.tools, settings.call_timeout_s, settings.max_calls_per_turn)
-        row.calls += [{**vars(x.call), "result": x.text, "error": x.error} for x in results]
+        start = time.perf_counter()
+        ran = run_calls(reply.calls, settings.tools, settings.call_timeout_s, settings.max_calls_per_turn)
+        row.tool_s += time.perf_counter() - start
+        results = [failed(e) for e in reply.errors] + [_cut(x, settings.max_result_chars) for x in ran]
+        row.calls += [{**vars(x.call), "result": x.text, "error": x.error} for x in results[len(reply.errors) :]]
+        row.malformed += len(reply.errors)
         glue = agent.chat_continuation(ToolResults(tuple(results)))
         row.ids, row.mask, row.logprobs = row.ids + glue, row.mask + [0] * len(glue), row.logprobs + [0.0] * len(glue)
         going.append(r)
@@ -101,36 +122,40 @@ def _run_round(agent, rows: list[_Row], settings: TreeTools) -> list[int]:
 
 
 def tool_rounds(agents, gens: list[Generation], settings: TreeTools, sampling, engine) -> tuple[list, list, list]:
-    """The turn's tool rounds for every agent's rows: ONE batched generation per round over every row
-    that called a tool. Returns each agent's generation (the whole turn as its completion), its
-    answers (the last reply's text without calls, with the turn's ``calls``: ``Answer``) and the calls of each row."""
+    """The turn's tool rounds for every agent's rows: ONE batched generation per model per round over
+    every row that called a tool (roles of one model together, as the first generation). Returns each
+    agent's generation (the whole turn as its completion), its answers (the last reply's text without
+    calls, with the turn's ``calls``: ``Answer``) and the rows (``_Row``: calls, malformed, last reply)."""
     rows = [_rows(g) for g in gens]
+    complete = [g.logprobs is not None for g in gens]  # every reply of the agent came with log-probs
+    groups = roles_by_model(agents)
     for _ in range(settings.max_rounds):
         going = [_run_round(agent, agent_rows, settings) for agent, agent_rows in zip(agents, rows)]
-        calls = [(agents[i], [rows[i][r].prompt + rows[i][r].ids for r in going[i]], 1) for i in range(len(agents))]
-        live = [i for i, c in enumerate(calls) if c[1]]
-        if not live:
+        calls, placed = [], []
+        for roles in groups:
+            live = [(i, r) for i in roles for r in going[i]]
+            if live:
+                calls.append((agents[roles[0]], [rows[i][r].prompt + rows[i][r].ids for i, r in live], 1))
+                placed.append(live)
+        if not calls:
             break
-        outputs = engine.generate_team([calls[i] for i in live], sampling)
-        for i, out in zip(live, outputs):
-            for k, r in enumerate(going[i]):
+        for live, out in zip(placed, engine.generate_team(calls, sampling)):
+            for k, (i, r) in enumerate(live):
                 row, keep = rows[i][r], out.completion_mask[k].bool()
                 reply = out.completion_ids[k][keep].tolist()
+                complete[i] = complete[i] and out.logprobs is not None
                 logprobs = [0.0] * len(reply) if out.logprobs is None else out.logprobs[k][keep].tolist()
                 row.ids, row.mask, row.logprobs = row.ids + reply, row.mask + [1] * len(reply), row.logprobs + logprobs
                 row.last = reply
-    for agent_rows in rows:
-        for row in agent_rows:
-            row.done = True
     answers = [
         [Answer(agent.read_reply(row.last).content, row.calls) for row in agent_rows]
         for agent, agent_rows in zip(agents, rows)
     ]
-    turn = [_generation(agent, g, agent_rows) for agent, g, agent_rows in zip(agents, gens, rows)]
-    return turn, answers, [[row.calls for row in agent_rows] for agent_rows in rows]
+    turn = [_generation(a, g, agent_rows, ok) for a, g, agent_rows, ok in zip(agents, gens, rows, complete)]
+    return turn, answers, rows
 
 
-def _generation(agent, first: Generation, rows: list[_Row]) -> Generation:
+def _generation(agent, first: Generation, rows: list[_Row], logprobs_given: bool) -> Generation:
     """The rows' whole turns as one generation: the first prompts, completions right-padded."""
     width = max(len(row.ids) for row in rows)
     ids = torch.full((len(rows), width), agent.pad_token_id, dtype=torch.long)
@@ -147,9 +172,22 @@ def _generation(agent, first: Generation, rows: list[_Row]) -> Generation:
         ids.to(device),
         mask.to(device),
         first.num_samples,
-        None if first.logprobs is None else logprobs.to(device, first.logprobs.dtype),
+        logprobs.to(device, first.logprobs.dtype) if logprobs_given else None,
         attention.to(device),
     )
+
+
+def turn_counts(agents, rows: list[list[_Row]]) -> dict[str, float]:
+    """The turn's tool metrics: calls made, malformed ones, failed ones, and answers cut by the token budget."""
+    every = [row for agent_rows in rows for row in agent_rows]
+    closed = [row.last[-1:] == [agent.eos_token_id] for agent, agent_rows in zip(agents, rows) for row in agent_rows]
+    return {
+        "train/tool_calls": float(sum(len(row.calls) for row in every)),
+        "train/tool_malformed": float(sum(row.malformed for row in every)),
+        "train/tool_errors": float(sum(c["error"] for row in every for c in row.calls)),
+        "truncated": float(sum(not c for c in closed)),
+        "perf/tool_s": sum(row.tool_s for row in every),
+    }
 
 
 def team_block(calls_by_agent: list[list[dict]]) -> str:

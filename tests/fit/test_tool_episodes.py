@@ -20,6 +20,7 @@ from lit_marl.generation import Sampling
 from lit_marl.models import load_model_and_tokenizer
 from lit_marl.rollout.episode import EpisodeSettings, run_episodes
 from lit_marl.tools import ToolCall, ToolResult, ToolResults, load_tools
+from lit_marl.tools.formats import format_calls
 
 TASK = {"prompt": "What is 37 * 91?", "answer": 3367}
 CALL = '<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{}"}}}}\n</tool_call>'
@@ -214,3 +215,17 @@ def test_a_tool_trajectory_through_hf_generate_equals_the_lean_decoders(base, te
     assert trajectories(make_engine("hf")) == lean
     for _, mask in lean:  # three replies, each its own run of trained tokens between tool messages
         assert sum(1 for k in range(len(mask)) if mask[k] and (k == 0 or not mask[k - 1])) == 3
+
+
+def test_a_game_episode_whose_first_reply_plays_nothing_goes_on(base):
+    """Corridor in tools mode: a first reply without a call (the untrained model's usual reply) is an
+    error the agent reads; the game's outcome as it stands is the turn's, and the next calls play."""
+    agent, env = _agent(base, None), make_env("corridor", {"tool_mode": "tools"})
+    replies = ["I walk east.", format_calls([ToolCall("east", {})]), format_calls([ToolCall("take_key", {})])]
+    settings = EpisodeSettings(max_turns=3, sampling=Sampling(max_new_tokens=64))
+    (batch,) = run_episodes(
+        [agent], [{"length": 3, "key_room": 1}], env, settings, engine=ScriptedEngine([[r] for r in replies])
+    )
+    assert batch.scores[0].tolist() == [0.0, 0.0, 1.0] and float(batch.max_score[0]) == 3.0
+    assert batch.stats["env/tool_errors"] == 1.0 and batch.stats["env/calls"] == 2.0
+    assert "error: no tool call: act by calling one of east" in agent.tokenizer.decode(batch.input_ids[0])

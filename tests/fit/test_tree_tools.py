@@ -12,7 +12,8 @@ import torch
 
 from helpers import QWEN25_TOOLS, REPO_ROOT, fit_moves, tree_from_functions
 from lit_marl import ConfigError
-from lit_marl.agents import Agent
+from lit_marl.agents import Agent, give_tools
+from lit_marl.envs.tool_task import calculator
 from lit_marl.generation.base import Generation, left_pad
 from lit_marl.models import load_model_and_tokenizer
 from lit_marl.rollout.transitions import plain
@@ -29,8 +30,10 @@ class TeamScript:
 
     def __init__(self, agents, script: list[list[str]]):
         self.agents, self.script, self.prompts = agents, [list(s) for s in script], [[] for _ in agents]
+        self.calls: list[int] = []  # how many calls each generate_team held
 
     def generate_team(self, calls, sampling, seeds=None):
+        self.calls.append(len(calls))
         out = []
         for agent, prompts, n in calls:
             i = next(k for k, a in enumerate(self.agents) if a is agent)
@@ -98,7 +101,22 @@ def test_a_turn_with_a_tool_round_trains_both_replies_and_rewards_the_answer(bas
     assert engine.prompts[0][-1] == prompt + call_ids + env_tokens
     assert "5" in tok.decode(env_tokens) and ("<tool_response>" in tok.decode(env_tokens))
     assert rows.completion_mask[1].sum() == len(tok.encode("7", add_special_tokens=False)) + 1
-    assert batch.stats["train/tool_calls"] == 1.0
+    assert batch.stats["train/tool_calls"] == 1.0 and batch.stats["train/tool_malformed"] == 0.0
+    assert batch.stats["train/truncated_frac"] == 0.0 and batch.stats["perf/tool_s"] >= 0.0
+
+
+def test_a_parameter_shared_team_takes_each_tool_round_in_one_call(base):
+    """Two roles of one model: the first generation and every tool round are one call over both."""
+    (agent,) = _agents(base, None)[:1]
+    engine = TeamScript([agent], [[CALL, CALL, "5", "6"]])
+    SEEN.clear()
+    batch = tree_from_functions(
+        [agent, agent], [{"q": "2+3?"}], [["What is 2 + 3?", "And again?"]], five_reward, engine=engine,
+        tools=TOOLS, sampling={"max_new_tokens": 64},
+    )  # fmt: skip
+    assert engine.calls == [1, 1] and len(engine.prompts[0]) == 4  # 2 first prompts, then 2 continuations
+    assert [[a for a, _ in answers] for answers in SEEN[0]] == [["5"], ["6"]]
+    assert batch.stats["train/tool_calls"] == 2.0
 
 
 def _results(text):
@@ -146,7 +164,19 @@ def test_tools_in_a_tree_are_refused_where_they_cannot_render():
             tools={"functions": TOOLS.functions},
             train_path=slogans,
         )
+    with pytest.raises(ConfigError, match=r"data.sampling_streams=per_task with data.tools"):
+        RolloutDataModule(
+            reward_fn="helpers:constant_reward",
+            agent_prompts=["{topic}", "{topic}"],
+            sampling_streams="per_task",
+            tools={"functions": TOOLS.functions},
+            train_path=slogans,
+        )
+    with pytest.raises(ConfigError, match=r"agent 0 \(object\) cannot call tools"):  # a writer through an API
+        give_tools([object()], TOOLS.tools)
     with pytest.raises(ConfigError, match=r"data.tools.functions is empty"):
         TreeTools()
     with pytest.raises(ConfigError, match=r"data.tools.share"):
         TreeTools(functions=TOOLS.functions, share="all")
+    # a checkpoint keeps each function by its path, never the function itself
+    assert TreeTools(functions=[calculator]).saved()["functions"] == ["lit_marl.envs.tool_task:calculator"]

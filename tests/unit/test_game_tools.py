@@ -64,6 +64,10 @@ def test_a_call_with_wrong_arguments_writes_no_command():
         by_name["take"].write({"item": 3})
     with pytest.raises(CommandError, match=r"eat: got an unexpected keyword argument 'with'"):
         by_name["eat"].write({"item": "apple", "with": "fork"})
+    # one action a turn: an argument cannot smuggle a second command past the game's parser
+    for smuggled in ("trunk. take cd from trunk", "trunk, take cd", "trunk then take cd", "trunk; eat cd"):
+        with pytest.raises(CommandError, match=r"open: thing must name one thing, without \. , ; or 'then'"):
+            by_name["open"].write({"thing": smuggled})
     assert by_name["take"].write({"item": "apple", "source": None}) == "take apple"
     assert by_name["take"].write({"item": " red  apple "}) == "take red apple"
 
@@ -132,5 +136,7 @@ def test_expert_demonstrations_play_as_tool_calls_and_win():
 def test_tools_mode_is_refused_where_a_game_has_none():
     with pytest.raises(ConfigError, match=r"data.env_kwargs.tool_mode='tool': choose text .* or tools"):
         make_env("corridor", {"tool_mode": "tool"})
+    with pytest.raises(ConfigError, match=r"data.env_kwargs.tool_parser='bogus': choose one of auto, template"):
+        make_env("corridor", {"tool_mode": "tools", "tool_parser": "bogus"})
     with pytest.raises(ConfigError, match=r"tool_mode=tools: PlannerActorTextWorld has no tools mode"):
         make_env("textworld-team", {"tool_mode": "tools"})

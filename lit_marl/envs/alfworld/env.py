@@ -23,6 +23,7 @@ from lit_marl.envs.alfworld.games import resolve_source, start_game
 from lit_marl.envs.base import register
 from lit_marl.envs.game import Game, StepResult
 from lit_marl.envs.textworld.env import sanitize, state_digest
+from lit_marl.tools.formats import ParserName
 
 _BANNER = re.compile(r"^\s*-= Welcome to TextWorld, ALFRED! =-\s*")
 _OLD_PUT = re.compile(r"^put (.+?) (?:in on|in|on|into|onto) (.+)$")  # "in/on" arrives sanitized
@@ -75,7 +76,7 @@ class AlfWorldEnv(Game):
         admissible_commands: bool = False,
         max_feedback_chars: int = 2000,
         tool_mode: str = "text",
-        tool_parser: str = "auto",
+        tool_parser: ParserName = "auto",
     ):
         """
         Args:

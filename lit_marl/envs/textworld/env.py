@@ -24,6 +24,7 @@ from lit_marl.envs.base import register
 from lit_marl.envs.game import Game, StepResult
 from lit_marl.envs.textworld.actions import TEXTWORLD_COMMANDS
 from lit_marl.envs.textworld.games import resolve_source
+from lit_marl.tools.formats import ParserName
 
 _PROMPT_LINE = re.compile(r"^\s*>")  # the parser's prompt (and the status line printed after it)
 _RESTART = re.compile(r"Would you like to RESTART, RESTORE a saved game, QUIT or UNDO the last command\?")
@@ -114,7 +115,7 @@ class TextWorldEnv(Game):
         admissible_commands: bool = False,
         objective: bool = True,
         tool_mode: str = "text",
-        tool_parser: str = "auto",
+        tool_parser: ParserName = "auto",
     ):
         """
         Args:
@@ -185,6 +186,9 @@ class TextWorldEnv(Game):
         if self.admissible_commands and state["admissible_commands"]:
             parts.append("Valid commands: " + ", ".join(state["admissible_commands"]))
         return "\n\n".join(p for p in parts if p)
+
+    def outcome(self) -> dict:
+        return self.info(self._state)
 
     def info(self, state) -> dict:
         return {
