@@ -76,9 +76,9 @@ class RolloutDataModule(TaskDataModule):
             ``replay`` starts the game again and replays the branch's commands; default: clone where it can.
         tools: Tools every agent may call within its turn (a text environment's; ``rollout.tree_tools.TreeTools``):
             ``{functions: [module:function, ...], parser, max_rounds, max_calls_per_turn, call_timeout_s,
-            share}``. A reply with calls gets their results back in the agent's own format and the agent
-            replies again, up to ``max_rounds`` times; its last reply is the answer the reward reads. Every reply
-            is trained, the results are not (docs/tools.md).
+            max_result_chars, share}``. A reply with calls gets their results back in the agent's own format and
+            the agent replies again, up to ``max_rounds`` times; its last reply is the answer the reward reads.
+            Every reply is trained, the results are not (docs/tools.md).
     """
 
     def __init__(
@@ -108,21 +108,7 @@ class RolloutDataModule(TaskDataModule):
                 "in episodes (lit_marl.data.EpisodeDataModule, docs/tools.md); in a tree, give a text environment's "
                 "agents tools with data.tools"
             )
-        tools = None if tools is None else as_group(TreeTools, tools)
-        if tools is not None:
-            self.hparams["tools"] = tools.saved()
-        if tools is not None and sampling_streams == "per_task":
-            raise ConfigError(
-                "data.sampling_streams=per_task with data.tools: a tool round's replies have no per-task stream yet; "
-                "use data.sampling_streams: shared"
-            )
-        if tools is not None and not isinstance(self.env, TextEnv):
-            raise ConfigError(
-                f"data.tools: tools in a tree are a text environment's (a reward function and transition); "
-                f"{type(self.env).__name__} is not one: play a game's tools in episodes (tool_mode: tools)"
-            )
-        if tools is not None and not chat_template:
-            raise ConfigError("data.tools needs data.chat_template: true (the chat template renders the tools)")
+        tools = None if tools is None else self._tools(as_group(TreeTools, tools), chat_template, sampling_streams)
         if num_turns > 1 and isinstance(self.env, FunctionEnv) and not self.env.has_transition:
             raise ConfigError(
                 f"data.num_turns={num_turns} needs data.transition (e.g. lit_marl.rollout.transitions:plain) "
@@ -191,6 +177,23 @@ class RolloutDataModule(TaskDataModule):
         if raw_range is None and isinstance(inner, FunctionEnv):
             raw_range = check_range(getattr(inner.reward_fn, "reward_range", None), f"{inner.reward_name}.reward_range")
         return raw_range
+
+    def _tools(self, tools: TreeTools, chat_template: bool, sampling_streams: str) -> TreeTools:
+        """``data.tools`` checked against the rest of the settings, and saved with each function by its path."""
+        if sampling_streams == "per_task":
+            raise ConfigError(
+                "data.sampling_streams=per_task with data.tools: a tool round's replies have no per-task stream yet; "
+                "use data.sampling_streams: shared"
+            )
+        if not isinstance(self.env, TextEnv):
+            raise ConfigError(
+                f"data.tools: tools in a tree are a text environment's (a reward function and transition); "
+                f"{type(self.env).__name__} is not one: play a game's tools in episodes (tool_mode: tools)"
+            )
+        if not chat_template:
+            raise ConfigError("data.tools needs data.chat_template: true (the chat template renders the tools)")
+        self.hparams["tools"] = tools.saved()
+        return tools
 
     def agent_tools(self) -> tuple[tuple, str]:
         """``data.tools``' tools and parser (a tree's tools are the data module's, not the environment's)."""

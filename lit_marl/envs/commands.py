@@ -21,7 +21,7 @@ from functools import cached_property
 
 from lit_marl.tools.calls import ToolResult, ToolResults, failed
 from lit_marl.tools.formats import ToolCall, format_calls, read_text
-from lit_marl.tools.spec import Tool, as_tool
+from lit_marl.tools.spec import Tool, as_tool, call_problem
 
 _SEPARATOR = re.compile(r"[.,;]|\bthen\b", re.I)
 """What separates commands in a game's parser (Inform's ``open box. take key``)."""
@@ -122,15 +122,17 @@ def play_calls(game, reply, counts: dict | None) -> tuple[ToolResults, object, d
         results.append(failed(f"no tool call: act by calling one of {', '.join(a.name for a in game.commands)}"))
         errors += 1
     by_name = {action.name: action for action in game.commands}
+    tools = {action.name: action.tool for action in game.commands}
     for call in reply.calls:
         if played is not None:
             results.append(ToolResult(call, "error: not played: the game takes one action a turn", True))
             errors += 1
             continue
         try:
-            if call.name not in by_name:
-                raise CommandError(f"no tool named {call.name!r} (tools: {', '.join(by_name)})")
-            command = by_name[call.name].write(call.arguments)
+            problem = call_problem(call, tools)
+            if problem:
+                raise CommandError(problem)
+            command = by_name[call.name].write(call.arguments)  # and the game's own rules for its arguments
         except CommandError as err:
             results.append(ToolResult(call, f"error: {err}", True))
             errors += 1

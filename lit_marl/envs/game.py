@@ -129,9 +129,10 @@ class Game(Env):
     def act(self, actions: list[str]) -> StepResult:
         """One turn: each agent's action text."""
 
-    def use_tool_mode(self, tool_mode: str, tool_parser: str = "auto") -> None:
-        """``tools``: the game's actions (``commands``) become the agent's tools, its replies read in
-        ``tool_parser``'s format (``play``); ``text``: commands as plain text."""
+    def use_tool_mode(self, tool_mode: str, tool_parser: str = "auto", tools: tuple = ()) -> None:
+        """``tools``: the game's actions (``commands``, or ``tools`` for a game that runs its own calls)
+        become the agent's tools, its replies read in ``tool_parser``'s format (``play``); ``text``:
+        commands as plain text."""
         if tool_mode not in ("text", "tools"):
             raise ConfigError(
                 f"data.env_kwargs.tool_mode={tool_mode!r}: choose text (commands as plain text) or tools (the game's "
@@ -141,12 +142,13 @@ class Game(Env):
             if tool_parser not in typing.get_args(ParserName):
                 names = ", ".join(typing.get_args(ParserName))
                 raise ConfigError(f"data.env_kwargs.tool_parser={tool_parser!r}: choose one of {names}")
-            if not self.commands or self.num_agents != 1:
+            tools = tools or tuple(c.tool for c in self.commands)
+            if not tools or self.num_agents != 1:
                 raise ConfigError(
                     f"data.env_kwargs.tool_mode=tools: {type(self).__name__} has no tools mode (it is offered by "
                     "one-agent games that declare their actions as tools); use tool_mode: text"
                 )
-            self.tools, self.tool_parser = tuple(c.tool for c in self.commands), tool_parser
+            self.tools, self.tool_parser = tuple(tools), tool_parser
 
     def play(self, actions: list) -> StepResult:
         """One turn from the agents' replies: as they are (text mode, or a game that reads its own

@@ -71,7 +71,7 @@ class ToolTask(Game):
         malformed = [failed(error) for error in reply.errors]
         results = malformed + run_calls(reply.calls, self.tools, self.timeout_s, self.max_calls)
         for result in results[len(malformed) :]:
-            self.calls.append({**vars(result.call), "result": result.text, "error": result.error})
+            self.calls.append(result.record())
         self.counts["calls"] += len(reply.calls)
         self.counts["malformed"] += len(reply.errors)
         self.counts["tool_errors"] += sum(r.error for r in results[len(malformed) :])

@@ -113,7 +113,7 @@ def _run_round(agent, rows: list[_Row], settings: TreeTools) -> list[int]:
         ran = run_calls(reply.calls, settings.tools, settings.call_timeout_s, settings.max_calls_per_turn)
         row.tool_s += time.perf_counter() - start
         results = [failed(e) for e in reply.errors] + [_cut(x, settings.max_result_chars) for x in ran]
-        row.calls += [{**vars(x.call), "result": x.text, "error": x.error} for x in results[len(reply.errors) :]]
+        row.calls += [result.record() for result in results[len(reply.errors) :]]
         row.malformed += len(reply.errors)
         glue = agent.chat_continuation(ToolResults(tuple(results)))
         row.ids, row.mask, row.logprobs = row.ids + glue, row.mask + [0] * len(glue), row.logprobs + [0.0] * len(glue)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from lit_marl.timeouts import TimedOut, timed
 from lit_marl.tools.formats import ToolCall
-from lit_marl.tools.spec import Tool
+from lit_marl.tools.spec import Tool, call_problem
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,10 @@ class ToolResult:
     call: ToolCall
     text: str
     error: bool = False
+
+    def record(self) -> dict:
+        """The call as a reward reads it: ``{"name", "arguments", "result", "error"}``."""
+        return {**vars(self.call), "result": self.text, "error": self.error}
 
 
 class Answer(str):
@@ -60,14 +64,11 @@ def as_text(value) -> str:
 
 
 def run_call(call: ToolCall, tools: dict[str, Tool], timeout_s: float | None) -> ToolResult:
-    tool = tools.get(call.name)
-    if tool is None:
-        return ToolResult(call, f"error: no tool named {call.name!r} (tools: {', '.join(tools) or 'none'})", True)
-    wrong = tool.check_arguments(call.arguments)
-    if wrong:
-        return ToolResult(call, f"error: {call.name}: {wrong}", True)
+    problem = call_problem(call, tools)
+    if problem:
+        return ToolResult(call, f"error: {problem}", True)
     try:
-        value = timed(lambda: tool.fn(**call.arguments), timeout_s, f"tool {call.name!r}")
+        value = timed(lambda: tools[call.name].fn(**call.arguments), timeout_s, f"tool {call.name!r}")
     except TimedOut:
         return ToolResult(call, f"error: {call.name} did not return within {timeout_s:g} s", True)
     except (Exception, SystemExit) as err:  # the tool's own failure: the agent reads it

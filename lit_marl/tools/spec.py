@@ -32,6 +32,16 @@ class Tool:
         return None
 
 
+def call_problem(call, tools: dict[str, Tool]) -> str | None:
+    """What stops ``call`` (its ``name`` and ``arguments``) from running among ``tools`` (by name): no
+    tool of its name, or arguments its function cannot take; None: nothing."""
+    tool = tools.get(call.name)
+    if tool is None:
+        return f"no tool named {call.name!r} (tools: {', '.join(tools) or 'none'})"
+    wrong = tool.check_arguments(call.arguments)
+    return f"{call.name}: {wrong}" if wrong else None
+
+
 def as_tool(item: Callable | str | Tool, field: str) -> Tool:
     """``item`` (a function, a ``module:function`` path or a ``Tool``) as a ``Tool``, or a
     ``ConfigError`` naming ``field`` and what the function lacks."""

@@ -43,7 +43,7 @@ from lit_marl.envs.swe.workspace import Workspace, default_root, sweep
 from lit_marl.fields import NonNegativeInt, PositiveFloat, PositiveInt, check_fields
 from lit_marl.sandbox import Limits, run_in
 from lit_marl.tools.calls import ToolResult, ToolResults, failed
-from lit_marl.tools.formats import format_calls, read_text
+from lit_marl.tools.formats import ParserName, format_calls, read_text
 
 _swept: set[str] = set()
 _sweep_lock = threading.Lock()
@@ -95,7 +95,7 @@ class SWEEnv(Game):
         tests: TestSettings | dict | None = None,
         command_limits: dict | None = None,
         tool_mode: Literal["text", "tools"] = "text",
-        tool_parser: str = "auto",
+        tool_parser: ParserName = "auto",
     ):
         """
         Args:
@@ -137,8 +137,7 @@ class SWEEnv(Game):
         self.max_observation_chars, self.max_output_chars = max_observation_chars, max_output_chars
         self.command_timeout_s, self.workspace_mb, self.list_tests = command_timeout_s, workspace_mb, list_tests
         self.expert_view_context = expert_view_context
-        if tool_mode == "tools":
-            self.tools, self.tool_parser = SWE_TOOLS, tool_parser
+        self.use_tool_mode(tool_mode, tool_parser, SWE_TOOLS)  # its calls run here (``act``), not as commands
         self.root = Path(workspace_root) if workspace_root else default_root()
         self.tests = tests if isinstance(tests, TestSettings) else TestSettings(**(tests or {}))
         with _sweep_lock:  # workspaces of killed runs go before this process makes its own

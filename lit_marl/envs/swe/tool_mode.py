@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from lit_marl.envs.swe.tools import ToolError, parse
 from lit_marl.tools.formats import ToolCall
-from lit_marl.tools.spec import load_tools
+from lit_marl.tools.spec import call_problem, load_tools
 
 
 def view(path: str, start: int = 1, end: int | None = None) -> str:
@@ -85,12 +85,9 @@ TOOLS_HELP = (
 
 def arguments_of(call: ToolCall) -> dict:
     """A call's arguments checked against its tool (``ToolError`` says what is wrong)."""
-    tool = next((t for t in SWE_TOOLS if t.name == call.name), None)
-    if tool is None:
-        raise ToolError(f"no tool named {call.name!r}: call one of {', '.join(t.name for t in SWE_TOOLS)}")
-    wrong = tool.check_arguments(call.arguments)
-    if wrong:
-        raise ToolError(f"{call.name}: {wrong}")
+    problem = call_problem(call, {tool.name: tool for tool in SWE_TOOLS})
+    if problem:
+        raise ToolError(problem)
     return call.arguments
 
 
