@@ -88,11 +88,13 @@ class TaskDataModule(L.LightningDataModule):
         eval_tasks_per_step: Tasks per batch in validation/test (greedy, one response each).
         seed: Seed of the task order.
         engine: What generates: ``auto`` (default: the lean ``torch`` decoder for Llama/Qwen2 models,
-            transformers' ``generate`` for the rest), ``torch``, ``hf`` or ``vllm`` (GPU, installed separately;
-            weights synced from the trainer before each rollout).
-        engine_options: Settings of the engine: vllm's (e.g. ``gpu_memory_utilization``); for ``torch`` and
-            ``auto``, ``kept_kv_gib`` (default 4): the KV cache kept between a rollout's turns (0: re-read each
-            history).
+            transformers' ``generate`` for the rest), ``torch``, ``hf``, ``vllm`` (GPU, installed separately;
+            colocated, weights synced from the trainer before each rollout) or ``vllm_server`` (vLLM servers on
+            GPUs of their own, started by the run or running; weights sent by vLLM's transfer protocol).
+        engine_options: Settings of the engine: vllm's (e.g. ``gpu_memory_utilization``); vllm_server's
+            (``generation.server.ServerSettings``: servers, tensor_parallel_size, transport, timeout_s...); for
+            ``torch`` and ``auto``, ``kept_kv_gib`` (default 4): the KV cache kept between a rollout's turns (0:
+            re-read each history).
         demos: The demonstrations of SFT (the ``SFT`` module, or the first phase of ``callbacks.PhaseSwitch``):
             their ``path`` (a JSONL file, or the walkthroughs of a named game set), ``batch_size`` and
             ``loss_on`` (``rollout.demos.DemoSettings``).
@@ -242,6 +244,9 @@ class TaskDataModule(L.LightningDataModule):
             self.train_loader.consumed += 1  # this batch now reaches the training step
             self.train_loader.epoch_length = int(min(self.trainer.num_training_batches, len(self.train_loader)))
         return batch
+
+    def teardown(self, stage: str) -> None:
+        self.engine.close()  # servers the run started stop with it (a later rollout starts them again)
 
     def val_dataloader(self) -> DataLoader:
         return task_loader(self.val_tasks, self.hparams.eval_tasks_per_step, False, self.hparams.seed)

@@ -12,8 +12,10 @@ sampling) -> Generation`` (``sampling``: the ``Sampling`` group, ``data.sampling
   rollout block it keeps each sequence's KV cache for the next turn (``generation/kept.py``,
   ``data.engine_options: {kept_kv_gib: ...}``);
 - ``auto`` (default): ``torch`` where the model supports it, else ``hf``, decided per call;
-- ``vllm``: ``generation/vllm.py`` (optional: ``make vllm`` on CPU, a vLLM build on GPU), weights
-  synced from the trainer.
+- ``vllm``: ``generation/vllm.py`` (optional: ``make vllm`` on CPU, a vLLM build on GPU), colocated in
+  the trainer's ranks, weights synced from the trainer;
+- ``vllm_server``: ``generation/server.py``, vLLM servers on GPUs of their own (tensor/data parallel),
+  started by the run or running already, weights sent by vLLM's weight transfer protocol.
 
 Engines return token ids and the log-prob they computed for each sampled token. The log-probs a
 loss differentiates are always recomputed by the trainer's own forward (``lit_marl/logprobs.py``);
@@ -51,7 +53,7 @@ __all__ = [
 ]
 
 
-ENGINES = ("auto", "torch", "hf", "vllm")
+ENGINES = ("auto", "torch", "hf", "vllm", "vllm_server")
 
 
 def make_engine(name: str = "auto", options: dict | None = None, field: str = "data.engine") -> Engine:
@@ -61,6 +63,10 @@ def make_engine(name: str = "auto", options: dict | None = None, field: str = "d
         from lit_marl.generation.vllm import VLLMEngine  # deferred: vLLM is an optional engine
 
         return VLLMEngine(**options)
+    if name == "vllm_server":
+        from lit_marl.generation.server import VLLMServerEngine  # deferred: its HTTP and process parts load on use
+
+        return VLLMServerEngine(**options)
     if name == "hf":
         if options:
             raise ValueError(f"{field}_options={options}: the hf engine takes none")

@@ -126,6 +126,9 @@ class Engine(Protocol):
         the settings its instances would be refused only when they start, at the first rollout;
         nothing for engines that serve no copy of their own (``TrainerWeights``)."""
 
+    def close(self) -> None:
+        """Stop what the engine started (the vllm_server engine's servers; nothing for the others)."""
+
     def generate(self, agent: Agent, prompts: list[list[int]], num_samples: int, sampling: Sampling) -> Generation: ...
 
     def generate_team(
@@ -143,6 +146,9 @@ class TrainerWeights:
         return nullcontext()
 
     def check_team(self, agents: list[Agent], device_type: str) -> None:
+        return None
+
+    def close(self) -> None:
         return None
 
 

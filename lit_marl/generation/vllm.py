@@ -375,6 +375,9 @@ class VLLMEngine:
                     backend.sleep()
                     self.asleep.add(key)
 
+    def close(self) -> None:
+        return None  # its instances live in this process, freed with the engine
+
     def generate_team(self, calls, sampling, seeds=None):
         if seeds is not None:
             raise ValueError(f"data.sampling_streams=per_task needs the lean decoder, not the {self.name} engine")
@@ -383,40 +386,48 @@ class VLLMEngine:
     @torch.no_grad()
     def generate(self, agent, prompts, num_samples, sampling):
         backend, adapter = self.sync(agent)
-        max_new_tokens = sampling.max_new_tokens
         outputs = backend.generate(prompts, sampling_params(sampling, num_samples, [agent.eos_token_id]), adapter)
-        if len(outputs) != len(prompts) or any(len(o) != num_samples for o in outputs):
-            raise RuntimeError(
-                f"vllm returned {[len(o) for o in outputs]} samples for {len(prompts)} prompts × {num_samples}"
-            )
-        eos = agent.eos_token_id
-        rows, row_logprobs = [], []
-        for samples in outputs:
-            for sample in samples:
-                ids = list(sample.token_ids)[:max_new_tokens]
-                logprobs = list(sample.logprobs or [])[: len(ids)]
-                if sample.finish_reason == "stop" and (not ids or ids[-1] != eos) and len(ids) < max_new_tokens:
-                    ids.append(eos)  # the end token that stopped the sample is part of the response
-                rows.append(ids)
-                row_logprobs.append(logprobs if sample.logprobs is not None and len(logprobs) == len(ids) else None)
-        device = next(agent.model.parameters()).device
-        prompt_ids, prompt_mask = left_pad([p for p in prompts for _ in range(num_samples)], agent.pad_token_id, device)
-        width = max(1, max(len(r) for r in rows))
-        completion_ids = torch.full((len(rows), width), agent.pad_token_id, dtype=torch.long, device=device)
-        completion_logprobs = torch.zeros((len(rows), width), dtype=torch.float32, device=device)
-        for i, (ids, logprobs) in enumerate(zip(rows, row_logprobs)):
-            completion_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long, device=device)
-            if logprobs is not None:
-                completion_logprobs[i, : len(ids)] = torch.tensor(logprobs, dtype=torch.float32, device=device)
-        completion_mask = mask_through_first(completion_ids, eos)
-        lengths = torch.tensor([len(r) for r in rows], device=device)
-        completion_mask &= (torch.arange(width, device=device)[None, :] < lengths[:, None]).long()
-        complete = all(lp is not None for lp in row_logprobs)  # a dropped end token has no log-prob of its own
-        return Generation(
-            prompt_ids,
-            prompt_mask,
-            completion_ids,
-            completion_mask,
-            num_samples,
-            completion_logprobs * completion_mask if complete else None,
+        return generation_of(agent, prompts, num_samples, outputs, sampling.max_new_tokens)
+
+
+def generation_of(
+    agent: Agent, prompts: list[list[int]], num_samples: int, outputs: list[list[Sample]], max_new_tokens: int
+) -> Generation:
+    """The ``Generation`` of vLLM's samples (per prompt, in order, its ``num_samples``): rows ``i * n + k``,
+    the end token that stopped a sample kept (vLLM drops a stop token it was given), right padding
+    after it, left-padded prompts; the log-probs where every sample has one per token."""
+    if len(outputs) != len(prompts) or any(len(o) != num_samples for o in outputs):
+        raise RuntimeError(
+            f"vllm returned {[len(o) for o in outputs]} samples for {len(prompts)} prompts × {num_samples}"
         )
+    eos = agent.eos_token_id
+    rows, row_logprobs = [], []
+    for samples in outputs:
+        for sample in samples:
+            ids = list(sample.token_ids)[:max_new_tokens]
+            logprobs = list(sample.logprobs or [])[: len(ids)]
+            if sample.finish_reason == "stop" and (not ids or ids[-1] != eos) and len(ids) < max_new_tokens:
+                ids.append(eos)  # the end token that stopped the sample is part of the response
+            rows.append(ids)
+            row_logprobs.append(logprobs if sample.logprobs is not None and len(logprobs) == len(ids) else None)
+    device = next(agent.model.parameters()).device
+    prompt_ids, prompt_mask = left_pad([p for p in prompts for _ in range(num_samples)], agent.pad_token_id, device)
+    width = max(1, max(len(r) for r in rows))
+    completion_ids = torch.full((len(rows), width), agent.pad_token_id, dtype=torch.long, device=device)
+    completion_logprobs = torch.zeros((len(rows), width), dtype=torch.float32, device=device)
+    for i, (ids, logprobs) in enumerate(zip(rows, row_logprobs)):
+        completion_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long, device=device)
+        if logprobs is not None:
+            completion_logprobs[i, : len(ids)] = torch.tensor(logprobs, dtype=torch.float32, device=device)
+    completion_mask = mask_through_first(completion_ids, eos)
+    lengths = torch.tensor([len(r) for r in rows], device=device)
+    completion_mask &= (torch.arange(width, device=device)[None, :] < lengths[:, None]).long()
+    complete = all(lp is not None for lp in row_logprobs)  # a dropped end token has no log-prob of its own
+    return Generation(
+        prompt_ids,
+        prompt_mask,
+        completion_ids,
+        completion_mask,
+        num_samples,
+        completion_logprobs * completion_mask if complete else None,
+    )

@@ -33,27 +33,48 @@ def effective_weights(model: nn.Module, dtype: torch.dtype | None = None) -> Ite
     7B's largest, its embedding, is 1.0 GiB in bf16); a model gathered whole is read as it is,
     without a collective or a reshard; a weight shared by two names (tied embeddings) is made once
     and sent under both (vLLM's CPU kernels keep the LM head packed apart from the embedding: it
-    must receive its weight)."""
+    must receive its weight). ``served_metadata`` lists the same names, in the same order, without
+    reading a value."""
+    tied: dict[int, torch.Tensor] = {}
+    for name, tensor, owner, shared in _served_entries(model):
+        if owner is not None:
+            weight, bias = _linear(owner)
+            yield name, _served(weight if name.endswith(".weight") else bias, dtype)
+        elif shared:
+            if id(tensor) not in tied:
+                tied[id(tensor)] = _served(tensor, dtype)
+            yield name, tied[id(tensor)]
+        else:
+            yield name, _served(tensor, dtype)
+
+
+def served_metadata(model: nn.Module, dtype: torch.dtype | None = None) -> list[tuple[str, torch.dtype, tuple]]:
+    """``(name, dtype, shape)`` of every tensor ``effective_weights`` yields, in its order, read from the
+    parameters (a sharded one's global shape) without gathering or merging anything: what a transfer
+    protocol declares before it streams the tensors (vLLM's ``update_info``)."""
+    return [
+        (name, dtype or tensor.dtype, tuple(tensor.shape)) for name, tensor, _owner, _shared in _served_entries(model)
+    ]
+
+
+def _served_entries(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, nn.Module | None, bool]]:
+    """Per served weight: its name, the trainer's tensor (a LoRA layer's base weight or bias: the
+    merged one has its shape), the LoRA layer that merges it (None: served as it is), and whether
+    another name shares the tensor (tied weights)."""
     lm = _causal_lm(model)
     adapted = {name: module for name, module in lm.named_modules() if hasattr(module, "base_layer")}
     state = _state(lm)
     names_of: dict[int, int] = {}
     for tensor in state.values():
         names_of[id(tensor)] = names_of.get(id(tensor), 0) + 1
-    tied: dict[int, torch.Tensor] = {}
     for name, tensor in state.items():
         if ".lora_" in name:
             continue
         owner = next((m for prefix, m in adapted.items() if name.startswith(prefix + ".base_layer.")), None)
         if owner is not None:
-            weight, bias = _linear(owner)
-            yield name.replace(".base_layer.", "."), _served(weight if name.endswith(".weight") else bias, dtype)
-        elif names_of[id(tensor)] > 1:
-            if id(tensor) not in tied:
-                tied[id(tensor)] = _served(tensor, dtype)
-            yield name, tied[id(tensor)]
+            yield name.replace(".base_layer.", "."), tensor, owner, False
         else:
-            yield name, _served(tensor, dtype)
+            yield name, tensor, None, names_of[id(tensor)] > 1
 
 
 def _state(lm: nn.Module) -> dict[str, torch.Tensor]:

@@ -1,0 +1,275 @@
+"""Rollouts on vLLM servers (``data.engine: vllm_server``): generation on GPUs (or nodes) of their own,
+with tensor and data parallelism, the trainer's weights sent by vLLM's weight transfer protocol.
+
+One server per distinct model of the team: started by the run on this machine (``server_process.py``;
+``tensor_parallel_size``, ``data_parallel_size``, ``gpus``), or running already (``servers``: their
+addresses, in the order the team's models first appear; each started with ``VLLM_SERVER_DEV_MODE=1``,
+``--tokens-only``, ``--generation-config vllm`` and ``--weight-transfer-config`` naming the transport's
+backend). Every prompt of a call is its own request, all in flight at once (up to ``max_concurrency``
+per engine): the server batches them. A request is token ids in, token ids and each sampled token's
+log-prob out (vLLM's raw distribution, what the trainer's forward recomputes), every sampling field sent
+(vLLM's defaults never apply) with a seed drawn from the run's generator, so a seeded run samples the
+same rollouts again.
+
+Before each rollout every model whose parameters changed since its last sync is sent whole
+(``transfer.py``: vLLM's four phases, its version the sync's count) and its server's prefix cache
+emptied; under several trainer ranks every rank takes part in the gathers of a sharded model, rank 0
+starts the servers and sends, and no rank generates before the sync has finished. A server that dies,
+refuses or does not answer within ``timeout_s`` raises ``ServerError`` naming it (a server the run
+started: its exit code and the end of its log), which stops the run before the step's update, with the
+last checkpoint as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, fields
+from typing import Literal
+from urllib.parse import urlparse
+
+import torch
+
+from lit_marl import ConfigError
+from lit_marl.agents import AdapterView, Agent
+from lit_marl.fields import PositiveFloat, PositiveInt, check_dataclass
+from lit_marl.generation.base import Generation, Sampling, generate_each
+from lit_marl.generation.server_http import ServerClient, ServerError
+from lit_marl.generation.server_process import ServerProcess, start_server
+from lit_marl.generation.transfer import GLOO_BACKEND, free_port, make_sender, reachable_address
+from lit_marl.generation.vllm import Sample, compute_dtype, generation_of, sampling_params
+from lit_marl.generation.weights import effective_weights, served_metadata, weight_version
+
+SERVED_NAME = "lit_marl"  # the model name a started server answers to
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """``data.engine_options`` of ``engine: vllm_server``."""
+
+    servers: list[str] | None = None
+    """Running servers' addresses (http://host:port), one per distinct model of the team; null: the run starts them."""
+    tensor_parallel_size: PositiveInt = 1
+    """GPUs (CPU: processes) each started server splits its model over."""
+    data_parallel_size: PositiveInt = 1
+    """Replicas in each started server (vLLM balances requests over them)."""
+    gpus: str | None = None
+    """CUDA_VISIBLE_DEVICES of started servers (e.g. "4,5,6,7": GPUs the trainer does not use); null: inherited."""
+    transport: Literal["auto", "nccl", "gloo"] = "auto"
+    """How weights travel: nccl (vLLM's, GPU), gloo (CPU: lit_marl's backend in the server); auto: by device."""
+    timeout_s: PositiveFloat = 600.0
+    """Seconds a request or a weight transfer may take before the run stops with an error naming the server."""
+    start_timeout_s: PositiveFloat = 1200.0
+    """Seconds a started server may take to answer its health check."""
+    max_concurrency: PositiveInt = 256
+    """Requests in flight at once (every prompt of a call is one)."""
+    server_args: dict = field(default_factory=dict)
+    """More flags of started servers, e.g. {max_model_len: 8192, gpu_memory_utilization: 0.9}."""
+    python: str | None = None
+    """The interpreter that starts servers (one with vLLM installed); null: this one."""
+    host: str = "127.0.0.1"
+    """The address started servers listen on."""
+    log_dir: str | None = None
+    """Where started servers write their logs; null: beside their temporary model folder."""
+
+    def __post_init__(self):
+        check_dataclass("data.engine_options", self)
+        if self.servers is not None and (not self.servers or any(not str(s).startswith("http") for s in self.servers)):
+            raise ConfigError(f"data.engine_options.servers={self.servers!r}: give http://host:port addresses, or null")
+
+
+def server_settings(options: dict) -> ServerSettings:
+    known = {f.name for f in fields(ServerSettings)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(f"data.engine_options: {unknown} unknown to the vllm_server engine (it takes {sorted(known)})")
+    return ServerSettings(**options)
+
+
+class _Server:
+    """One model's server as the engine uses it: its client, its transfer sender (rank 0), the process the
+    run started (if any), the dtype it serves and the version of the weights it holds."""
+
+    def __init__(self, client: ServerClient, process: ServerProcess | None, dtype: str):
+        self.client, self.process, self.dtype = client, process, dtype
+        self.sender = None
+        self.version = None
+
+
+class VLLMServerEngine:
+    name = "vllm_server"
+    own_weights = True
+    kept_kv_bytes = 0
+
+    def __init__(self, **options):
+        self.settings = server_settings(options)
+        self.servers: dict[int, _Server] = {}  # id(model) -> its server
+        self.syncs = 0  # weight transfers so far (all models)
+        self.pool = ThreadPoolExecutor(self.settings.max_concurrency, thread_name_prefix="lit_marl_requests")
+
+    def check_team(self, agents: list[Agent], device_type: str) -> None:
+        """Before step 1: one address per distinct model, and no team of adapters on one base (each agent
+        would need its own merged copy)."""
+        if any(isinstance(agent.model, AdapterView) for agent in agents):
+            raise ConfigError(
+                "data.engine=vllm_server serves merged weights, one server per model: a team of LoRA adapters on "
+                "one base (model.lora_shared_base) needs data.engine: vllm (its instance applies each agent's adapter)"
+            )
+        models = _models(agents)
+        if self.settings.servers is not None and len(self.settings.servers) != len(models):
+            raise ConfigError(
+                f"data.engine_options.servers lists {len(self.settings.servers)} addresses for {len(models)} distinct "
+                f"models of the team ({[a.source for a in models.values()]}): give one per model, in the team's order"
+            )
+
+    def transport(self, device_type: str) -> str:
+        if self.settings.transport != "auto":
+            return self.settings.transport
+        return "nccl" if device_type == "cuda" else "gloo"
+
+    def server(self, agent: Agent) -> _Server:
+        """The server of ``agent``'s model, started or reached the first time it is asked for."""
+        key = id(agent.model)
+        if key in self.servers:
+            return self.servers[key]
+        device = next(agent.model.parameters()).device
+        dtype = compute_dtype(device.type)
+        index = len(self.servers)
+        process = None
+        if _rank() == 0:
+            if self.settings.servers is not None:
+                url = self.settings.servers[index]
+            else:
+                backend = GLOO_BACKEND if self.transport(device.type) == "gloo" else "nccl"
+                config = agent.model.config
+                process = start_server(config, self.settings, dtype, backend, device.type, free_port())
+                url = process.url
+        else:
+            url = None
+        url = _shared(url)
+        client = ServerClient(url, self.settings.timeout_s, process.describe if process else None)
+        if process is not None:
+            process.wait_healthy(client, self.settings.start_timeout_s)
+        _barrier()
+        self.servers[key] = _Server(client, process, dtype)
+        return self.servers[key]
+
+    def sync(self, agent: Agent) -> _Server:
+        """``agent``'s server holding its current weights (every rank: the same gathers; rank 0 sends)."""
+        server = self.server(agent)
+        model = agent.model
+        dtype = compute_dtype(next(model.parameters()).device.type)
+        if dtype != server.dtype:
+            raise RuntimeError(
+                f"the vllm_server engine of {agent.source} serves {server.dtype}, but this rollout computes in "
+                f"{dtype}: one server cannot change dtype; roll out in one precision"
+            )
+        version = weight_version(model)
+        if server.version == version:
+            return server
+        torch_dtype = getattr(torch, dtype)
+        tensors = effective_weights(model, torch_dtype)
+        if _rank() == 0:
+            if server.sender is None:
+                device_type = next(model.parameters()).device.type
+                host = urlparse(server.client.url).hostname
+                server.sender = make_sender(
+                    self.transport(device_type), server.client, reachable_address(host), self.settings.timeout_s
+                )
+                server.sender.connect()
+            server.sender.send(served_metadata(model, torch_dtype), tensors, str(self.syncs + 1))
+            reply = server.client.post("/reset_prefix_cache")
+            if isinstance(reply, dict) and reply.get("success") is False:
+                raise server.client.error("/reset_prefix_cache", "the prefix cache was not emptied (requests running)")
+        else:
+            for _ in tensors:  # the gathers rank 0's stream runs, in the same order
+                pass
+        server.version = version
+        self.syncs += 1
+        return server
+
+    @contextlib.contextmanager
+    def rollout(self, agents):
+        """Every distinct model synced, in order, then the rollout (no rank starts before every sync ended)."""
+        for agent in _models(agents).values():
+            self.sync(agent)
+        _barrier()
+        yield
+
+    def generate_team(self, calls, sampling, seeds=None):
+        if seeds is not None:
+            raise ValueError(f"data.sampling_streams=per_task needs the lean decoder, not the {self.name} engine")
+        return generate_each(self, calls, sampling)
+
+    @torch.no_grad()
+    def generate(self, agent: Agent, prompts: list[list[int]], num_samples: int, sampling: Sampling) -> Generation:
+        server = self.sync(agent)
+        params = sampling_params(sampling, num_samples, [agent.eos_token_id])
+        params.update(min_p=0.0, skip_special_tokens=False)
+        copies = 1
+        if sampling.greedy and num_samples > 1:  # the server refuses n > 1 when greedy: one sample, copied
+            params["n"], copies = 1, num_samples
+        base = int(torch.randint(0, 2**62, ()))  # from the run's generator: a seeded run samples alike
+        bodies = [
+            {"model": SERVED_NAME, "token_ids": prompt, "sampling_params": dict(params, seed=base + i)}
+            for i, prompt in enumerate(prompts)
+        ]
+        replies = list(self.pool.map(lambda body: server.client.post("/inference/v1/generate", body), bodies))
+        outputs = [[sample for sample in _samples(server.client, reply) for _ in range(copies)] for reply in replies]
+        return generation_of(agent, prompts, num_samples, outputs, sampling.max_new_tokens)
+
+    def close(self) -> None:
+        """Stop the servers the run started (they are started again if a later rollout asks)."""
+        for server in self.servers.values():
+            if server.process is not None:
+                server.process.stop()
+        self.servers.clear()
+
+
+def _samples(client: ServerClient, reply) -> list[Sample]:
+    try:
+        return [
+            Sample(
+                list(choice["token_ids"]),
+                choice["finish_reason"],
+                [entry["logprob"] for entry in (choice.get("logprobs") or {}).get("content") or []] or None,
+            )
+            for choice in reply["choices"]
+        ]
+    except (KeyError, TypeError) as error:
+        raise client.error(
+            "/inference/v1/generate", f"a reply without token ids ({error!r}): {str(reply)[:300]}"
+        ) from error
+
+
+def _models(agents: list[Agent]) -> dict[int, Agent]:
+    """The first agent of each distinct model, in the team's order."""
+    models: dict[int, Agent] = {}
+    for agent in agents:
+        models.setdefault(id(agent.model), agent)
+    return models
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if _distributed() else 0
+
+
+def _barrier() -> None:
+    if _distributed():
+        torch.distributed.barrier()
+
+
+def _shared(value):
+    """Rank 0's ``value`` on every rank."""
+    if not _distributed():
+        return value
+    box = [value]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+__all__ = ["ServerError", "ServerSettings", "VLLMServerEngine"]

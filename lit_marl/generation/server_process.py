@@ -1,0 +1,127 @@
+"""A vLLM server started by the run (``engine: vllm_server`` without ``servers``): one per distinct model
+of the team, on this machine, stopped with the run.
+
+It serves the model's architecture alone (a temporary folder holding its ``config.json``, vLLM's
+``--load-format dummy``): the trainer's weights are sent before the first generation, as after every
+update. Token ids in and out (``--skip-tokenizer-init --tokens-only``), no sampling defaults but ours
+(``--generation-config vllm``), the weight transfer routes on (``VLLM_SERVER_DEV_MODE=1``, the transfer
+backend in ``--weight-transfer-config``). It is started as ``python -m
+vllm.entrypoints.openai.api_server`` (the ``vllm serve`` command of vLLM's CPU build 0.32 does not
+start: it asks for the version of a package named ``vllm``) by this interpreter unless ``python`` names
+another (a vLLM environment beside a lean trainer's), in a session of its own, so that stopping it
+stops its workers; its output goes to a log file whose end every error quotes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from lit_marl.generation.server_http import ServerClient, ServerError
+
+LOG_TAIL_LINES = 30
+
+
+class ServerProcess:
+    """One started server: its process, address and log."""
+
+    def __init__(self, command: list[str], env: dict, url: str, folder: tempfile.TemporaryDirectory, log: Path):
+        self.command, self.url, self.folder, self.log = command, url, folder, log
+        self.handle = open(log, "wb")
+        self.process = subprocess.Popen(
+            command, env=env, stdout=self.handle, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        atexit.register(self.stop)
+
+    def describe(self) -> str:
+        """Its state and the end of its log, for an error about it."""
+        code = self.process.poll()
+        state = f"the server the run started (pid {self.process.pid}) " + (
+            "is running" if code is None else f"exited with code {code}"
+        )
+        return f"{state}; the end of its log {self.log}:\n{tail(self.log)}"
+
+    def wait_healthy(self, client: ServerClient, timeout_s: float) -> None:
+        """Until ``/health`` answers; a server that exits or takes longer than ``timeout_s`` raises."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise ServerError(f"vLLM server {self.url} did not start: {self.describe()}")
+            if client.healthy(timeout_s=2.0):
+                return
+            time.sleep(1.0)
+        self.stop()
+        raise ServerError(
+            f"vLLM server {self.url} was not healthy within {timeout_s:g} s (data.engine_options.start_timeout_s); "
+            f"{self.describe()}"
+        )
+
+    def stop(self) -> None:
+        """Stop it and its workers (the whole session: a SIGTERM, a SIGKILL after 30 s)."""
+        if self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, signal.SIGTERM)
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+            except ProcessLookupError:
+                pass
+        self.handle.close()
+        self.folder.cleanup()
+
+
+def tail(log: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def server_command(python: str, folder: str, port: int, dtype: str, backend: str, settings) -> list[str]:
+    """The command line of one server (``settings``: ``ServerSettings``; its ``server_args`` last, as
+    flags: ``{max_model_len: 4096}`` -> ``--max-model-len 4096``, true -> the bare flag)."""
+    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", folder]
+    command += ["--served-model-name", "lit_marl", "--host", settings.host, "--port", str(port)]
+    command += ["--dtype", dtype, "--load-format", "dummy", "--skip-tokenizer-init", "--tokens-only"]
+    command += ["--generation-config", "vllm", "--enable-prefix-caching", "--seed", "0"]
+    command += ["--weight-transfer-config", json.dumps({"backend": backend})]
+    command += ["--tensor-parallel-size", str(settings.tensor_parallel_size)]
+    command += ["--data-parallel-size", str(settings.data_parallel_size)]
+    for key, value in settings.server_args.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            command.append(flag)
+        elif value is not False and value is not None:
+            command += [flag, json.dumps(value) if isinstance(value, dict | list) else str(value)]
+    return command
+
+
+def server_env(settings, device_type: str) -> dict:
+    """The server's environment: this one's, the transfer routes on, and on CPU its OpenMP threads left
+    unpinned (the trainer shares the cores) with a KV cache budget unless the user set one."""
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
+    if settings.gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = settings.gpus
+    if device_type == "cpu":
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    return env
+
+
+def start_server(model_config, settings, dtype: str, backend: str, device_type: str, port: int) -> ServerProcess:
+    """Start a server for a model of this ``model_config`` (transformers'), serving ``dtype``."""
+    folder = tempfile.TemporaryDirectory(prefix="lit_marl_server_")
+    model_config.save_pretrained(folder.name)  # the architecture only: weights come by transfer
+    python = settings.python or sys.executable
+    command = server_command(python, folder.name, port, dtype, backend, settings)
+    log = Path(settings.log_dir or folder.name) / f"vllm_server_{port}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    return ServerProcess(command, server_env(settings, device_type), f"http://{settings.host}:{port}", folder, log)

@@ -1,0 +1,307 @@
+"""The vllm_server engine against a stand-in server in this process: vLLM's HTTP routes (generation by
+token ids, the weight transfer protocol's four phases, the prefix cache), its "worker" a thread that
+joins the trainer's gloo group, receives every tensor and decodes with what it received. So the
+engine's side of the protocol, its bookkeeping and its errors are tested without vLLM; the real server
+(vLLM's CPU build) is ``tests/vllm/test_server.py``."""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from datetime import timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from torch.distributed import TCPStore
+
+from lit_marl import ConfigError
+from lit_marl.agents import Agent
+from lit_marl.generation import Sampling, make_engine
+from lit_marl.generation.server import ServerSettings
+from lit_marl.generation.server_http import ServerClient, ServerError
+from lit_marl.generation.server_process import ServerProcess, server_command
+from lit_marl.generation.transfer import free_port, gloo_group
+from lit_marl.generation.weights import effective_weights, served_metadata
+
+GREEDY = Sampling(max_new_tokens=8, greedy=True)
+PROMPTS = [[5, 17, 33, 101], [7, 8, 9], [300, 301, 302, 303, 304], [11, 12]]
+
+
+class StandIn(ThreadingHTTPServer):
+    """vLLM's routes over a tiny model that starts with zero weights (``--load-format dummy``) and serves
+    what the transfer sends it; it records every request and the most in flight at once."""
+
+    daemon_threads = True
+
+    def __init__(self, delay_s: float = 0.0):
+        super().__init__(("127.0.0.1", 0), Handler)
+        self.agent = Agent("tiny-random")
+        with torch.no_grad():
+            for p in self.agent.model.parameters():
+                p.zero_()
+        self.delay_s, self.events, self.bodies = delay_s, [], []
+        self.group, self.in_flight, self.most_in_flight, self.lock = None, 0, 0, threading.Lock()
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def route(self, path: str, body: dict):
+        self.events.append(path.split("?")[0])
+        if path == "/init_weight_transfer_engine":
+            info = body["init_info"]
+            store = TCPStore(info["master_address"], info["master_port"], info["world_size"], False)
+            self.group = gloo_group(store, info["rank_offset"], info["world_size"], 30)
+            self.store = store
+        elif path == "/update_weights":
+            info = body["update_info"]
+            state = self.agent.model.state_dict()
+            for name, dtype, shape in zip(info["names"], info["dtype_names"], info["shapes"]):
+                tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+                self.group.broadcast(tensor, 0).wait()
+                state[name].copy_(tensor)
+        elif path == "/finish_weight_update":
+            self.events[-1] += f":{body['weight_version']}"
+        elif path == "/reset_prefix_cache":
+            return {"success": True}
+        elif path == "/inference/v1/generate":
+            return self.generate(body)
+        return {}
+
+    def generate(self, body: dict) -> dict:
+        with self.lock:
+            self.bodies.append(body)
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        time.sleep(self.delay_s)
+        params = body["sampling_params"]
+        greedy = params["temperature"] == 0
+        sampling = Sampling(max_new_tokens=params["max_tokens"], greedy=greedy, temperature=params["temperature"] or 1)
+        engine = make_engine("torch")
+        seeds = None if greedy else [[params["seed"] % 2**31]]
+        gen = engine.generate_team([(self.agent, [body["token_ids"]], params["n"])], sampling, seeds=seeds)[0]
+        choices = []
+        for row in range(params["n"]):
+            mask = gen.completion_mask[row].bool()
+            ids, logprobs = gen.completion_ids[row][mask].tolist(), gen.logprobs[row][mask].tolist()
+            stopped = bool(ids) and ids[-1] == params["stop_token_ids"][0]
+            choices.append(
+                {
+                    "token_ids": ids,
+                    "finish_reason": "stop" if stopped else "length",
+                    "logprobs": {"content": [{"token_id": t, "logprob": lp} for t, lp in zip(ids, logprobs)]},
+                }
+            )
+        with self.lock:
+            self.in_flight -= 1
+        return {"choices": choices}
+
+
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+    def answer(self, reply):
+        data = json.dumps(reply).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        self.answer({"world_size": 1} if self.path.startswith("/get_world_size") else {})
+
+    def do_POST(self):
+        length = int(self.headers.get("Content-Length") or 0)
+        body = json.loads(self.rfile.read(length)) if length else {}
+        self.answer(self.server.route(self.path, body))
+
+
+@pytest.fixture
+def stand_in():
+    server = StandIn()
+    yield server
+    server.shutdown()
+
+
+def lean(agent, prompts, sampling=GREEDY):
+    return make_engine("torch").generate(agent, prompts, 1, sampling)
+
+
+def same_rows(a, b) -> bool:
+    return torch.equal(a.completion_ids * a.completion_mask, b.completion_ids * b.completion_mask)
+
+
+def test_weights_go_by_the_four_phases_and_the_server_decodes_the_trainers_policy(stand_in):
+    """The first rollout sends every weight (the stand-in starts from zeros: its greedy rows equal the
+    trainer's only once they arrived), then empties the prefix cache; an unchanged model is not sent
+    again; after an optimizer step the next rollout sends version 2 and the rows follow the new
+    weights; the engine's log-probs are the served model's."""
+    agent = Agent("tiny-random")
+    engine = make_engine("vllm_server", {"servers": [stand_in.url]})
+    engine.check_team([agent], "cpu")
+    with engine.rollout([agent]):
+        served = engine.generate(agent, PROMPTS, 1, GREEDY)
+    assert same_rows(served, lean(agent, PROMPTS))
+    phases = ["/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update:1"]
+    assert stand_in.events[:5] == phases + ["/reset_prefix_cache"]
+    with engine.rollout([agent]):
+        engine.generate(agent, PROMPTS, 1, GREEDY)
+    assert stand_in.events.count("/update_weights") == 1  # nothing changed: nothing sent
+    before = lean(agent, PROMPTS)
+    optimizer = torch.optim.AdamW(agent.model.parameters(), lr=0.05)
+    ids = torch.tensor([PROMPTS[0] + PROMPTS[1]])
+    agent.model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    after = lean(agent, PROMPTS)
+    assert not same_rows(before, after), "the step changed no greedy row: the check is void"
+    with engine.rollout([agent]):
+        served = engine.generate(agent, PROMPTS, 1, GREEDY)
+    assert same_rows(served, after) and "/finish_weight_update:2" in stand_in.events
+    assert torch.allclose(served.logprobs, after.logprobs, atol=1e-5)
+
+
+def test_every_prompt_is_a_request_in_flight_at_once_with_every_sampling_field(stand_in):
+    """Each prompt its own request, all in flight together; every sampling field sent (vLLM's defaults
+    never apply) with a seed per request drawn from the run's generator: a seeded run samples the same
+    rows again; greedy samples are asked once and copied (vLLM refuses n > 1 when greedy)."""
+    stand_in.delay_s = 0.3
+    agent = Agent("tiny-random")
+    engine = make_engine("vllm_server", {"servers": [stand_in.url]})
+    sampling = Sampling(max_new_tokens=6, temperature=0.7, top_p=0.9, top_k=20)
+    torch.manual_seed(3)
+    first = engine.generate(agent, PROMPTS, 2, sampling)
+    assert stand_in.most_in_flight == len(PROMPTS)
+    params = stand_in.bodies[-1]["sampling_params"]
+    assert {k: params[k] for k in ("n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "logprobs")} == {
+        "n": 2,
+        "max_tokens": 6,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 20,
+        "min_p": 0.0,
+        "logprobs": 0,
+    }
+    assert params["stop_token_ids"] == [agent.eos_token_id] and params["detokenize"] is False
+    assert len({b["sampling_params"]["seed"] for b in stand_in.bodies}) == len(PROMPTS)
+    torch.manual_seed(3)
+    again = engine.generate(agent, PROMPTS, 2, sampling)
+    assert torch.equal(first.completion_ids, again.completion_ids)
+    greedy = engine.generate(agent, PROMPTS[:1], 3, GREEDY)
+    assert stand_in.bodies[-1]["sampling_params"]["n"] == 1 and greedy.completion_ids.shape[0] == 3
+    assert torch.equal(greedy.completion_ids[0], greedy.completion_ids[2])
+
+
+def test_a_server_that_is_gone_or_silent_is_named_within_the_timeout(stand_in):
+    agent = Agent("tiny-random")
+    stand_in.delay_s = 5.0
+    engine = make_engine("vllm_server", {"servers": [stand_in.url], "timeout_s": 0.5})
+    engine.servers[id(agent.model)] = engine.server(agent)  # reached, weights aside
+    engine.servers[id(agent.model)].version = None
+    started = time.monotonic()
+    with pytest.raises(ServerError, match=rf"{stand_in.url}/inference/v1/generate: no reply within 0.5 s"):
+        engine.generate(agent, PROMPTS[:1], 1, GREEDY)
+    assert time.monotonic() - started < 3.0
+    gone = ServerClient("http://127.0.0.1:9", 1.0)
+    with pytest.raises(ServerError, match="127.0.0.1:9/health: unreachable"):
+        gone.request("/health", method="GET")
+
+
+def test_a_started_server_that_dies_mid_rollout_is_named_with_its_exit_and_log(tmp_path):
+    """A server the run started, killed while a request waits: the error names it, its exit code and
+    the end of its log, well within the request's timeout; one that exits at start is named so too."""
+    script = tmp_path / "server.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import sys, time
+            from http.server import BaseHTTPRequestHandler, HTTPServer
+            class H(BaseHTTPRequestHandler):
+                def do_GET(self):
+                    self.send_response(200); self.send_header("Content-Length", "2"); self.end_headers()
+                    self.wfile.write(b"{}")
+                def do_POST(self):
+                    print("generating, forever", flush=True); time.sleep(600)
+            HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+            """
+        )
+    )
+    port = free_port()
+    process = ServerProcess(
+        [sys.executable, str(script), str(port)],
+        {},
+        f"http://127.0.0.1:{port}",
+        tempfile.TemporaryDirectory(),
+        tmp_path / "server.log",
+    )
+    client = ServerClient(process.url, 60.0, process.describe)
+    process.wait_healthy(client, 30)
+    threading.Timer(1.0, lambda: process.process.kill()).start()
+    started = time.monotonic()
+    with pytest.raises(ServerError, match=r"(?s)exited with code -9.*generating, forever"):
+        client.post("/inference/v1/generate", {"token_ids": [1]})
+    assert time.monotonic() - started < 10
+    process.stop()
+    failing = ServerProcess(
+        [sys.executable, "-c", "print('no such model'); raise SystemExit(3)"],
+        {},
+        "http://127.0.0.1:9",
+        tempfile.TemporaryDirectory(),
+        tmp_path / "failing.log",
+    )
+    with pytest.raises(ServerError, match=r"(?s)did not start.*exited with code 3.*no such model"):
+        failing.wait_healthy(ServerClient(failing.url, 1.0), 30)
+
+
+def test_the_declared_metadata_is_what_the_stream_sends():
+    """What ``update_info`` declares (names, dtypes, shapes, in order) is what the stream produces, for
+    tied weights and a LoRA model alike, without reading a value."""
+    agent = Agent("tiny-random")
+    lm = agent.model
+    lm.lm_head.weight = lm.model.embed_tokens.weight
+    lora = get_peft_model(Agent("tiny-random").model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    for model in (lm, lora):
+        for dtype in (None, torch.bfloat16):
+            declared = served_metadata(model, dtype)
+            produced = [(n, t.dtype, tuple(t.shape)) for n, t in effective_weights(model, dtype)]
+            assert declared == produced
+    assert not any("lora" in name or "base_layer" in name for name, _, _ in served_metadata(lora))
+
+
+def test_settings_are_checked_by_name():
+    with pytest.raises(ValueError, match=r"\['tp'\] unknown to the vllm_server engine"):
+        make_engine("vllm_server", {"tp": 2})
+    with pytest.raises(ConfigError, match="servers"):
+        ServerSettings(servers=["localhost:8000"])
+    with pytest.raises(ConfigError, match="tensor_parallel_size"):
+        ServerSettings(tensor_parallel_size=0)
+    engine = make_engine("vllm_server", {"servers": ["http://a:1"]})
+    with pytest.raises(ConfigError, match="1 addresses for 2 distinct models"):
+        engine.check_team([Agent("tiny-random"), Agent("tiny-random")], "cpu")
+    command = server_command(
+        "py",
+        "/m",
+        8001,
+        "bfloat16",
+        "nccl",
+        ServerSettings(tensor_parallel_size=4, server_args={"max_model_len": 8192, "enforce_eager": True}),
+    )
+    assert command[command.index("--tensor-parallel-size") + 1] == "4"
+    assert command[-3:] == ["--max-model-len", "8192", "--enforce-eager"]
+    assert json.loads(command[command.index("--weight-transfer-config") + 1]) == {"backend": "nccl"}
+
+
+def test_the_trainer_side_group_times_out_rather_than_hangs():
+    """A gloo group whose other ranks never come raises within its timeout (the transfer's bound)."""
+    store = TCPStore("127.0.0.1", 0, 2, True, timedelta(seconds=2), wait_for_workers=False)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError):
+        gloo_group(store, 0, 2, 2)
+    assert time.monotonic() - started < 30
