@@ -316,6 +316,9 @@ def plan(
     if engine is not None and engine.name == "vllm":
         options = vllm_options if vllm_options is not None else engine.options(device.type)
         _vllm_parts(result, options, models, rollout, vllm_share, dtype, gpu, sharded and mode == "per_layer")
+    elif engine is not None and engine.name == "vllm_server":
+        _sync_stream(result, models, dtype, "weights in flight (server sync)")
+        result.notes.append("rollout: generation on the vLLM servers' own GPUs, not the trainer's")
     elif rollout is not None and agents:
         _engine_parts(result, agents, models, engine, rollout, dtype)
     return result
@@ -409,10 +412,18 @@ def _vllm_parts(result: MemoryPlan, options: dict, models: list, rollout, share,
         result.parts["vLLM asleep (graphs, pools)"] = VLLM_ASLEEP * len(models)
         result.phases["vLLM asleep (graphs, pools)"] = (UPDATE,)
         result.outside.add("vLLM asleep (graphs, pools)")
-    if streamed and models:  # the tied embedding made once and the current weight: two whole weights
+    if streamed:
+        _sync_stream(result, models, dtype, "weights in flight (vLLM sync)")
+
+
+def _sync_stream(result: MemoryPlan, models: list, dtype, name: str) -> None:
+    """Weights streamed to an engine's own copy, one at a time: the tied embedding made once and the
+    current weight, two whole weights at most (the vllm_server engine's only part on the trainer: its
+    generation runs on the servers' own GPUs)."""
+    if models:
         largest = max(p.numel() for m in models for p in m.parameters()) * (2 if dtype is not None else 4)
-        result.parts["weights in flight (vLLM sync)"] = 2.0 * largest
-        result.phases["weights in flight (vLLM sync)"] = GENERATION
+        result.parts[name] = 2.0 * largest
+        result.phases[name] = GENERATION
 
 
 def fsdp_settings(module, strategy, ranks: int) -> tuple[str, str]:

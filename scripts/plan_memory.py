@@ -140,6 +140,10 @@ def plan_config(
             from lit_marl.generation.vllm import VLLMEngine
 
             data.engine = VLLMEngine(backend_factory=lambda agent, dtype: None)
+        elif init.get("engine") == "vllm_server":  # generation on the servers' GPUs: nothing started here
+            from lit_marl.generation import make_engine
+
+            data.engine = make_engine("vllm_server", init.get("engine_options"))
         return plan(
             cli.model,
             data.rollout_settings,
@@ -177,7 +181,7 @@ def main() -> None:
     parser.add_argument("--summary", action="store_true", help="one line per layout: update / rollout / peak")
     parser.add_argument("--gpu-memory-utilization", type=float, help="vLLM's share (default: the config's)")
     parser.add_argument(
-        "--vllm-tp", type=int, help="plan vLLM with this tensor_parallel_size (lit_marl's engine has none yet)"
+        "--vllm-tp", type=int, help="plan colocated vLLM with this tensor_parallel_size (a what-if: it has none)"
     )
     args = parser.parse_args()
     from lit_marl.memory import PHASES
@@ -193,7 +197,7 @@ def main() -> None:
             result.device = f"{args.model}, {ranks} ranks of {args.capacity_gib:g} GiB"
             if args.vllm_tp:
                 result.notes.append(
-                    f"vLLM at tensor_parallel_size {args.vllm_tp}: a what-if, lit_marl's engine has no TP"
+                    f"colocated vLLM at tensor_parallel_size {args.vllm_tp}: a what-if (engine vllm_server serves TP)"
                 )
             if args.summary:
                 phases = "  ".join(f"{p} {result.phase(p) / 2**30:5.1f}" for p in PHASES)

@@ -23,6 +23,7 @@ last checkpoint as it was.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from typing import Literal
@@ -114,6 +115,11 @@ class VLLMServerEngine:
             raise ConfigError(
                 "data.engine=vllm_server serves merged weights, one server per model: a team of LoRA adapters on "
                 "one base (model.lora_shared_base) needs data.engine: vllm (its instance applies each agent's adapter)"
+            )
+        if self.transport(device_type) == "nccl" and importlib.util.find_spec("vllm") is None:
+            raise ConfigError(
+                "data.engine_options.transport=nccl drives vLLM's NCCL transfer from the trainer, and vllm is not "
+                "installed here: install the vLLM build the servers run beside lit_marl, or use transport: gloo"
             )
         models = _models(agents)
         if self.settings.servers is not None and len(self.settings.servers) != len(models):

@@ -42,7 +42,10 @@ class ServerProcess:
 
     def describe(self) -> str:
         """Its state and the end of its log, for an error about it."""
-        code = self.process.poll()
+        try:
+            code = self.process.wait(timeout=2)  # one killed a moment ago is reaped before it is described
+        except subprocess.TimeoutExpired:
+            code = None
         state = f"the server the run started (pid {self.process.pid}) " + (
             "is running" if code is None else f"exited with code {code}"
         )
@@ -85,9 +88,10 @@ def tail(log: Path, lines: int = LOG_TAIL_LINES) -> str:
         return "(no log)"
 
 
-def server_command(python: str, folder: str, port: int, dtype: str, backend: str, settings) -> list[str]:
+def server_command(python: str, folder: str, port: int, dtype: str, backend: str, settings, cpu: bool = False):
     """The command line of one server (``settings``: ``ServerSettings``; its ``server_args`` last, as
-    flags: ``{max_model_len: 4096}`` -> ``--max-model-len 4096``, true -> the bare flag)."""
+    flags: ``{max_model_len: 4096}`` -> ``--max-model-len 4096``, true -> the bare flag). On CPU it runs
+    eagerly unless told otherwise: vLLM's graph compilation there takes minutes at every start."""
     command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", folder]
     command += ["--served-model-name", "lit_marl", "--host", settings.host, "--port", str(port)]
     command += ["--dtype", dtype, "--load-format", "dummy", "--skip-tokenizer-init", "--tokens-only"]
@@ -95,7 +99,8 @@ def server_command(python: str, folder: str, port: int, dtype: str, backend: str
     command += ["--weight-transfer-config", json.dumps({"backend": backend})]
     command += ["--tensor-parallel-size", str(settings.tensor_parallel_size)]
     command += ["--data-parallel-size", str(settings.data_parallel_size)]
-    for key, value in settings.server_args.items():
+    args = {"enforce_eager": True, **settings.server_args} if cpu else settings.server_args
+    for key, value in args.items():
         flag = "--" + key.replace("_", "-")
         if value is True:
             command.append(flag)
@@ -121,7 +126,7 @@ def start_server(model_config, settings, dtype: str, backend: str, device_type: 
     folder = tempfile.TemporaryDirectory(prefix="lit_marl_server_")
     model_config.save_pretrained(folder.name)  # the architecture only: weights come by transfer
     python = settings.python or sys.executable
-    command = server_command(python, folder.name, port, dtype, backend, settings)
+    command = server_command(python, folder.name, port, dtype, backend, settings, cpu=device_type == "cpu")
     log = Path(settings.log_dir or folder.name) / f"vllm_server_{port}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     return ServerProcess(command, server_env(settings, device_type), f"http://{settings.host}:{port}", folder, log)

@@ -223,6 +223,26 @@ def test_vllm_engines_are_planned_by_their_share_or_their_kv_budget():
     )
 
 
+def test_a_server_engines_generation_is_not_planned_on_the_trainer():
+    """Rollouts on vLLM servers: no KV cache or engine copy on the trainer's device, only the weights
+    streamed to the servers (two at most: a tied embedding and the current one); the plan says where
+    generation runs."""
+    from types import SimpleNamespace
+
+    from lit_marl.generation import make_engine
+
+    module = MAGRPO(model="tiny-random", num_agents=2)
+    module.configure_model()
+    data = SimpleNamespace(
+        engine=make_engine("vllm_server"), episode=None, generation_shape=lambda evaluation=False: None
+    )
+    result = plan(module, data, capacity=64 * GiB)
+    assert not any("KV" in name or "vLLM engines" in name for name in result.parts)
+    largest = max(p.numel() for p in module.parameters())
+    assert result.parts["weights in flight (server sync)"] == 2 * largest * 4
+    assert any("vLLM servers' own GPUs" in note for note in result.notes)
+
+
 def test_a_critic_model_carries_no_lm_head_and_reads_the_same_states():
     """A critic model is the decoder under the causal LM: no vocabulary x hidden head (nor its
     gradients and AdamW state), and the value head reads exactly the causal LM's final states."""

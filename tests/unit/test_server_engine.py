@@ -6,6 +6,7 @@ engine's side of the protocol, its bookkeeping and its errors are tested without
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 import tempfile
@@ -285,6 +286,9 @@ def test_settings_are_checked_by_name():
     engine = make_engine("vllm_server", {"servers": ["http://a:1"]})
     with pytest.raises(ConfigError, match="1 addresses for 2 distinct models"):
         engine.check_team([Agent("tiny-random"), Agent("tiny-random")], "cpu")
+    if importlib.util.find_spec("vllm") is None:  # the trainer drives vLLM's NCCL engine: it needs vLLM
+        with pytest.raises(ConfigError, match="transport=nccl"):
+            make_engine("vllm_server", {"transport": "nccl"}).check_team([Agent("tiny-random")], "cuda")
     command = server_command(
         "py",
         "/m",

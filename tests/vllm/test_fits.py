@@ -7,8 +7,10 @@ log-probs equal the trainer's (fp32)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -77,3 +79,50 @@ def test_ppo_on_episodes_fits_with_vllm_rollouts_and_truncated_is(tmp_path):
     assert len(diffs) == 2 and max(diffs) < 1e-3
     assert "train/rollout_is_capped_frac" in scalars
     assert all(torch.isfinite(torch.tensor(scalars["train/loss"])))
+
+
+SERVER_OPTIONS = "{server_args: {max_model_len: 1024, max_num_seqs: 16}, timeout_s: 120}"
+
+
+def test_ppo_on_episodes_fits_with_a_vllm_server(tmp_path):
+    """The run starts a vLLM server, sends the weights before each rollout (lit_marl_gloo) and stops it at
+    the end: step 2 samples from the weights step 1's update produced."""
+    extra = ["--data.init_args.engine", "vllm_server", "--data.init_args.engine_options", SERVER_OPTIONS]
+    scalars = _fit(tmp_path, "configs/ppo/corridor_tiny.yaml", *extra)
+    diffs = scalars["train/rollout_logp_diff"]
+    assert len(diffs) == 2 and max(diffs) < 1e-3
+    assert scalars["log"].count("Creating weight transfer engine: GlooWeightTransferEngine") == 0  # in its own log
+    assert not subprocess.run(["pgrep", "-f", "lit_marl_server_"], capture_output=True).stdout  # stopped with the run
+
+
+def test_a_server_killed_mid_run_stops_it_named_and_a_resume_continues(tmp_path):
+    """The server killed after step 1's checkpoint: the run stops with an error naming the server (not a
+    stall), the checkpoint of step 1 stays whole, and a resume from it starts a new server and trains on."""
+    lit_marl = Path(sys.executable).parent / "lit-marl"
+    folder = tmp_path / "checkpoints"
+    callbacks = f"[{{class_path: lit_marl.callbacks.StepCheckpoint, init_args: {{dirpath: {folder}}}}}]"
+    args = [str(lit_marl), "fit", "--config", "configs/ppo/corridor_tiny.yaml", "--trainer.limit_train_batches", "6"]
+    args += ["--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.callbacks", callbacks]
+    args += ["--data.init_args.engine", "vllm_server", "--data.init_args.engine_options", SERVER_OPTIONS]
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    run = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 600
+    while not (folder / "last.ckpt").exists() and time.monotonic() < deadline and run.poll() is None:
+        time.sleep(0.5)
+    assert (folder / "last.ckpt").exists(), "no checkpoint after step 1"
+    subprocess.run(["pkill", "-9", "-f", "lit_marl_server_"], check=True)
+    output, _ = run.communicate(timeout=300)
+    assert run.returncode != 0
+    assert re.search(r"vLLM server http://127\.0\.0\.1:\d+/\S+: .*", output) and "exited with code -9" in output
+    saved = torch.load(folder / "last.ckpt", map_location="cpu", weights_only=False)
+    step = saved["global_step"]
+    assert step >= 1
+    resumed = (
+        args[:5]
+        + ["--trainer.limit_train_batches", str(step + 1)]
+        + args[7:]
+        + ["--ckpt_path", str(folder / "last.ckpt")]
+    )
+    done = subprocess.run(resumed, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert torch.load(folder / "last.ckpt", map_location="cpu", weights_only=False)["global_step"] == step + 1
