@@ -222,6 +222,15 @@ class TaskLoader:
             rows = order[b * step : (b + 1) * step][self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
             yield [self.tasks[i] for i in rows]
 
+    def upcoming(self) -> list[dict] | None:
+        """This rank's rows of the batch after the last consumed one, if this epoch trains it (None: the
+        epoch ends first): what a rollout generated ahead plays (``data.max_staleness``)."""
+        if self.consumed >= min(self.epoch_length, len(self)):
+            return None
+        step = self.batch_size * self.world_size
+        rows = self.order(self.epoch)[self.consumed * step : (self.consumed + 1) * step]
+        return [self.tasks[i] for i in rows[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]]
+
     def state_dict(self) -> dict:
         done = self.consumed >= min(self.epoch_length, len(self))
         return {

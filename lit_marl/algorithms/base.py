@@ -155,6 +155,7 @@ class AgentTeamModule(OptimizerSteps, StepLogging, L.LightningModule):
         warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode.*")
         if self.rollout_settings is not None:  # what the engine would refuse at the first rollout
             self.rollout_settings.engine.check_team(list(self.agents), self.device.type)
+            self.rollout_settings.check_overlap(self)
         if self.memory.check:
             check_memory(self, self.rollout_settings)
         if self.kl_reference == "rl_start" and (self.shards is not None or not self.has_reference):
@@ -232,6 +233,10 @@ class AgentTeamModule(OptimizerSteps, StepLogging, L.LightningModule):
                 kept = model is agent.model
                 team.append(agent if kept else Agent(agent.source, None, agent.system_prompt, (model, agent.tokenizer)))
             yield [team[self.learner_of(role)] for role in range(len(self.agents))]
+
+    overlaps_rollouts = True
+    """Training rollouts sample the current agents alone: one may be generated during the update
+    (``data.max_staleness``)."""
 
     def team(self) -> Team:
         """What this module hands the data module for a step (the one handshake at run time)."""

@@ -80,6 +80,8 @@ class MADPO(AgentTeamModule):
         initial = list(self.references or []) if self.candidate_policy == "initial" else []
         return super().generation_models() + initial
 
+    overlaps_rollouts = False  # its rollouts may sample the initial weights, an iterative one's a comparator
+
     @contextmanager
     def rollout_team(self):
         """Candidates come from the initial weights (``candidate_policy: initial``) or the current ones."""

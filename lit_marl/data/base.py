@@ -16,12 +16,13 @@ from torch.utils.data import DataLoader
 
 from lit_marl import ConfigError
 from lit_marl.agents import Team, give_tools
+from lit_marl.data.ahead import RolloutsAhead
 from lit_marl.envs import make_env
 from lit_marl.envs.base import Env, FunctionEnv, TextEnv
 from lit_marl.envs.calls import CallSettings
 from lit_marl.envs.game import Game, RewardRule
 from lit_marl.envs.sources import resolve_demo_source
-from lit_marl.fields import PositiveInt, UnitIntervalRightOpen, as_group, check_fields, saved_groups
+from lit_marl.fields import NonNegativeInt, PositiveInt, UnitIntervalRightOpen, as_group, check_fields, saved_groups
 from lit_marl.generation import Sampling, make_engine
 from lit_marl.metrics import EvalMeans, PassAtK
 from lit_marl.rollout.demos import DemoSettings, load_demos, render_demos
@@ -105,6 +106,9 @@ class TaskDataModule(L.LightningDataModule):
         reward_calls: How a text environment's reward function and transition are called: what a failing
             reward does (``on_reward_error``), time limits, the transition's prompt field, how many
             all-skipped steps stop the run (``envs.calls.CallSettings``).
+        max_staleness: Updates a training rollout's weights may lag behind: 0, generated with the weights
+            it trains (on-policy); 1, step k+1's rollout generated while step k updates (``data/ahead.py``;
+            engine vllm_server, model.update.rollout_is_cap weighing the one-update-old rows).
     """
 
     train_tasks: list[dict]
@@ -138,6 +142,7 @@ class TaskDataModule(L.LightningDataModule):
         reward_density: Literal["sparse", "dense"] = "sparse",
         score_weight: UnitIntervalRightOpen | None = None,
         reward_calls: CallSettings = CallSettings(),
+        max_staleness: NonNegativeInt = 0,
     ):
         super().__init__()
         check_fields("data", TaskDataModule.__init__, locals())
@@ -147,6 +152,13 @@ class TaskDataModule(L.LightningDataModule):
         objects += ["agent_prompts"] if any(callable(p) for p in agent_prompts or []) else []
         self.save_hyperparameters(ignore=objects)
         self.engine = build_engine(engine, engine_options)
+        if max_staleness > 1 or (max_staleness and not self.engine.remote):
+            why = "only 1 (one step ahead) is built" if max_staleness > 1 else f"data.engine={engine} generates with"
+            raise ConfigError(
+                f"data.max_staleness={max_staleness}: {why}"
+                + ("" if max_staleness > 1 else " the trainer's devices and weights; use data.engine: vllm_server")
+            )
+        self.ahead = RolloutsAhead() if max_staleness else None
         text = (agent_prompts, reward_fn, transition, transition_kwargs, batched_transition)
         self.env = self.train_env = build_env(env, env_kwargs, *text)
         self.sampling, self.call_settings = as_group(Sampling, sampling), as_group(CallSettings, reward_calls)
@@ -216,14 +228,40 @@ class TaskDataModule(L.LightningDataModule):
         if self.trainer.training and team.phase == "sft":
             give_tools(team.agents, *self.agent_tools())  # the demonstrations' prompts show the rollouts' tools
             return render_demos(team.agents, batch, self.demo_settings.loss_on)
-        with self.generating(team):
-            return self.rollout_batch(team, batch, training=self.trainer.training)
+        if self.ahead is None or not self.trainer.training:
+            with self.generating(team):
+                return self.rollout_batch(team, batch, training=self.trainer.training)
+        return self.rollout_ahead(team, batch)
+
+    def rollout_ahead(self, team: Team, tasks: list[dict]):
+        """This step's training rollout, generated during the last update where it could be, and the next
+        step's started in the background with the weights this update starts from (``data/ahead.py``)."""
+
+        def now():
+            with self.generating(team):
+                return self.rollout_batch(team, tasks, training=True)
+
+        batch, stats = self.ahead.take(tasks, now)
+        self.batch_stats(batch).update(stats)
+        upcoming = self.train_loader.upcoming()
+        if upcoming is not None:
+            with self.generating(team):  # the current weights sent (every rank, in this thread)
+                pass
+        self.ahead.start(upcoming, lambda rows: self.rollout_batch(team, rows, training=True))
+        return batch
+
+    def batch_stats(self, batch) -> dict:
+        """The stats a training step records of ``batch`` (a rollout's)."""
+        raise NotImplementedError
 
     @contextmanager
     def generating(self, team: Team) -> Iterator[None]:
         """The block of a rollout or an evaluation by ``team``: its passes' context for this module's
         engine (precision; under FSDP only what the engine needs whole) and the engine's own (vLLM
-        syncs every model first and sleeps after)."""
+        syncs every model first and sleeps after). A rollout generated ahead finishes first: the
+        engine's weights change here."""
+        if self.ahead is not None:
+            self.ahead.settle()
         with team.computing(self.engine), self.engine.rollout(team.agents):
             yield
 
@@ -246,6 +284,9 @@ class TaskDataModule(L.LightningDataModule):
         return batch
 
     def teardown(self, stage: str) -> None:
+        if self.ahead is not None:  # a rollout in flight at the end: finished, never trained
+            self.ahead.settle()
+            self.ahead.pending = None
         self.engine.close()  # servers the run started stop with it (a later rollout starts them again)
 
     def val_dataloader(self) -> DataLoader:

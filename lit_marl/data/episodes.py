@@ -109,7 +109,11 @@ class EpisodeDataModule(TaskDataModule):
             episode=self.episode,
             demos=len(self.demos),
             eval_tasks_per_step=self.hparams.eval_tasks_per_step,
+            max_staleness=self.hparams.max_staleness,
         )
+
+    def batch_stats(self, batch) -> dict:
+        return batch[0].stats  # the agents' batches share one stats dict
 
     def rollout_batch(self, team: Team, tasks: list[dict], training: bool):
         return self.rollout(team.agents, tasks, greedy=not training)

@@ -248,7 +248,11 @@ class RolloutDataModule(TaskDataModule):
             on_reward_error=self.call_settings.on_reward_error,
             demos=len(self.demos),
             eval_tasks_per_step=self.hparams.eval_tasks_per_step,
+            max_staleness=self.hparams.max_staleness,
         )
+
+    def batch_stats(self, batch) -> dict:
+        return batch.stats
 
     def rollout_batch(self, team: Team, tasks: list[dict], training: bool) -> RolloutBatch:
         if not training:

@@ -116,6 +116,7 @@ class Engine(Protocol):
 
     name: str
     own_weights: bool  # the engine serves its own copy of the weights (vLLM), synced from the trainer's
+    remote: bool  # it generates off the trainer's devices (vLLM servers): a rollout may overlap the update
 
     def rollout(self, agents: list[Agent]) -> AbstractContextManager:
         """The block of one rollout by ``agents`` (every rank enters it for every batch): vLLM syncs
@@ -140,6 +141,7 @@ class TrainerWeights:
     """For engines that generate with the trainer's own weights: no copy to sync, nothing to free."""
 
     own_weights = False
+    remote = False
     kept_kv_bytes = 0  # the KV cache kept between calls of a rollout (the lean engine's budget)
 
     def rollout(self, agents: list[Agent]) -> AbstractContextManager:

@@ -11,7 +11,8 @@ log-prob out (vLLM's raw distribution, what the trainer's forward recomputes), e
 (vLLM's defaults never apply) with a seed drawn from the run's generator, so a seeded run samples the
 same rollouts again.
 
-Before each rollout every model whose parameters changed since its last sync is sent whole
+At the start of each rollout block (``rollout``; a generation outside one only sends a model never
+sent) every model whose parameters changed since its last sync is sent whole
 (``transfer.py``: vLLM's four phases, its version the sync's count) and its server's prefix cache
 emptied; under several trainer ranks every rank takes part in the gathers of a sharded model, rank 0
 starts the servers and sends, and no rank generates before the sync has finished. A server that dies,
@@ -100,6 +101,7 @@ class _Server:
 class VLLMServerEngine:
     name = "vllm_server"
     own_weights = True
+    remote = True
     kept_kv_bytes = 0
 
     def __init__(self, **options):
@@ -107,6 +109,7 @@ class VLLMServerEngine:
         self.servers: dict[int, _Server] = {}  # id(model) -> its server
         self.syncs = 0  # weight transfers so far (all models)
         self.pool = ThreadPoolExecutor(self.settings.max_concurrency, thread_name_prefix="lit_marl_requests")
+        self.seeds: torch.Generator | None = None  # the requests' seeds, drawn from the run's at each rollout
 
     def check_team(self, agents: list[Agent], device_type: str) -> None:
         """Before step 1: one address per distinct model, and no team of adapters on one base (each agent
@@ -196,9 +199,12 @@ class VLLMServerEngine:
 
     @contextlib.contextmanager
     def rollout(self, agents):
-        """Every distinct model synced, in order, then the rollout (no rank starts before every sync ended)."""
+        """Every distinct model synced, in order, then the rollout (no rank starts before every sync ended).
+        The requests' seeds come from a generator of the engine's, seeded here from the run's: a rollout
+        generated in the background (``data.max_staleness``) draws nothing from the run's generators."""
         for agent in _models(agents).values():
             self.sync(agent)
+        self.seeds = torch.Generator().manual_seed(int(torch.randint(0, 2**62, ())))
         _barrier()
         yield
 
@@ -209,13 +215,15 @@ class VLLMServerEngine:
 
     @torch.no_grad()
     def generate(self, agent: Agent, prompts: list[list[int]], num_samples: int, sampling: Sampling) -> Generation:
-        server = self.sync(agent)
+        server = self.servers.get(id(agent.model))
+        if server is None or server.version is None:  # never sent: now (else the last rollout's sync holds)
+            server = self.sync(agent)
         params = sampling_params(sampling, num_samples, [agent.eos_token_id])
         params.update(min_p=0.0, skip_special_tokens=False)
         copies = 1
         if sampling.greedy and num_samples > 1:  # the server refuses n > 1 when greedy: one sample, copied
             params["n"], copies = 1, num_samples
-        base = int(torch.randint(0, 2**62, ()))  # from the run's generator: a seeded run samples alike
+        base = int(torch.randint(0, 2**62, (), generator=self.seeds))  # a seeded run samples alike
         bodies = [
             {"model": SERVED_NAME, "token_ids": prompt, "sampling_params": dict(params, seed=base + i)}
             for i, prompt in enumerate(prompts)

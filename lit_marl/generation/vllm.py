@@ -264,6 +264,7 @@ def served_adapters(agent: Agent) -> dict:
 class VLLMEngine:
     name = "vllm"
     own_weights = True
+    remote = False
 
     def __init__(self, backend_factory: Callable[[Agent, str], VLLMBackend] | None = None, **llm_kwargs):
         """``backend_factory(agent, dtype)`` makes the backend for one model (default: a ``vllm.LLM``

@@ -30,6 +30,25 @@ class RolloutSettings:
     """Demonstrations loaded for an SFT phase."""
     eval_tasks_per_step: int = 16
     """Held-out tasks per evaluation batch (greedy, one response each)."""
+    max_staleness: int = 0
+    """Updates a training rollout's weights may lag behind (``data.max_staleness``: 1, generated ahead)."""
+
+    def check_overlap(self, module) -> None:
+        """With ``max_staleness``, the training module must sample its current agents alone (a rollout
+        runs beside its update) and weigh the one-update-old rows (``model.update.rollout_is_cap``)."""
+        if not self.max_staleness:
+            return
+        name = type(module).__name__
+        if not module.overlaps_rollouts:
+            raise ConfigError(
+                f"data.max_staleness={self.max_staleness}: {name} samples others than its current agents "
+                "(a reference, a comparator): set data.max_staleness: 0"
+            )
+        if module.update.rollout_is_cap is None:
+            raise ConfigError(
+                f"data.max_staleness={self.max_staleness}: rows are sampled by weights one update old; set "
+                "model.update.rollout_is_cap (e.g. 2.0) to weigh them by the truncated importance ratio"
+            )
 
     def require(self, family: Literal["tree", "episodes"], algorithm: str, what: str | None = None) -> None:
         """Fail, naming the data module to use, when the rollouts are of the other family."""
