@@ -72,7 +72,7 @@ class ServerSettings:
     host: str = "127.0.0.1"
     """The address started servers listen on."""
     log_dir: str | None = None
-    """Where started servers write their logs; null: beside their temporary model folder."""
+    """Where started servers write their logs (vllm_server_<port>.log); null: <temp dir>/lit_marl_server_logs."""
 
     def __post_init__(self):
         check_dataclass("data.engine_options", self)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from lit_marl.generation.server_http import ServerClient, ServerError
 
-LOG_TAIL_LINES = 30
+LOG_TAIL_LINES = 40
 
 
 class ServerProcess:
@@ -67,25 +67,42 @@ class ServerProcess:
         )
 
     def stop(self) -> None:
-        """Stop it and its workers (the whole session: a SIGTERM, a SIGKILL after 30 s)."""
-        if self.process.poll() is None:
+        """Stop it and its workers: the whole session, also when the server itself is dead already (its
+        workers outlive it, holding their memory), a SIGTERM, then a SIGKILL after 30 s."""
+        for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, None)):
             try:
-                os.killpg(self.process.pid, signal.SIGTERM)
-                self.process.wait(timeout=30)
+                os.killpg(self.process.pid, sig)
+            except ProcessLookupError:  # nothing of the session is left
+                break
+            try:
+                self.process.wait(timeout=wait_s)
             except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-            except ProcessLookupError:
-                pass
+                continue
+            if not _session_alive(self.process.pid):
+                break
         self.handle.close()
         self.folder.cleanup()
 
 
-def tail(log: Path, lines: int = LOG_TAIL_LINES) -> str:
+def _session_alive(session: int) -> bool:
+    """Whether a process of the session ``session`` (its leader's pid) still runs."""
     try:
-        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+        os.killpg(session, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def tail(log: Path, lines: int = LOG_TAIL_LINES) -> str:
+    """The end of a server's log, led by its first error line where that is further up (vLLM's root
+    cause comes before the tracebacks of the processes it stopped)."""
+    try:
+        text = log.read_text(errors="replace").splitlines()
     except OSError:
         return "(no log)"
+    first = next((line for line in text if "Error: " in line), None)
+    end = text[-lines:]
+    return "\n".join(([first, "..."] if first is not None and first not in end else []) + end)
 
 
 def server_command(python: str, folder: str, port: int, dtype: str, backend: str, settings, cpu: bool = False):
@@ -127,6 +144,6 @@ def start_server(model_config, settings, dtype: str, backend: str, device_type: 
     model_config.save_pretrained(folder.name)  # the architecture only: weights come by transfer
     python = settings.python or sys.executable
     command = server_command(python, folder.name, port, dtype, backend, settings, cpu=device_type == "cpu")
-    log = Path(settings.log_dir or folder.name) / f"vllm_server_{port}.log"
+    log = Path(settings.log_dir or Path(tempfile.gettempdir()) / "lit_marl_server_logs") / f"vllm_server_{port}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     return ServerProcess(command, server_env(settings, device_type), f"http://{settings.host}:{port}", folder, log)

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
 import tempfile
 import textwrap
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -126,13 +128,16 @@ def test_a_server_that_is_gone_or_silent_is_named_within_the_timeout(stand_in):
 
 def test_a_started_server_that_dies_mid_rollout_is_named_with_its_exit_and_log(tmp_path):
     """A server the run started, killed while a request waits: the error names it, its exit code and
-    the end of its log, well within the request's timeout; one that exits at start is named so too."""
+    the end of its log, well within the request's timeout, and stopping it stops the workers it left
+    (vLLM's outlive their server, holding memory); one that exits at start is named so too."""
     script = tmp_path / "server.py"
     script.write_text(
         textwrap.dedent(
             """
-            import sys, time
+            import subprocess, sys, time
             from http.server import BaseHTTPRequestHandler, HTTPServer
+            worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # vLLM's workers
+            print(f"worker {worker.pid}", flush=True)
             class H(BaseHTTPRequestHandler):
                 def do_GET(self):
                     self.send_response(200); self.send_header("Content-Length", "2"); self.end_headers()
@@ -158,7 +163,10 @@ def test_a_started_server_that_dies_mid_rollout_is_named_with_its_exit_and_log(t
     with pytest.raises(ServerError, match=r"(?s)exited with code -9.*generating, forever"):
         client.post("/inference/v1/generate", {"token_ids": [1]})
     assert time.monotonic() - started < 10
-    process.stop()
+    worker = int(re.search(r"worker (\d+)", process.log.read_text()).group(1))
+    process.stop()  # the server is dead; its worker, in its session, is stopped with it
+    time.sleep(0.5)
+    assert not Path(f"/proc/{worker}").exists() or "zombie" in Path(f"/proc/{worker}/status").read_text().lower()
     failing = ServerProcess(
         [sys.executable, "-c", "print('no such model'); raise SystemExit(3)"],
         {},
