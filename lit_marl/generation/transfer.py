@@ -67,15 +67,28 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-class GlooSender:
-    """The trainer's end of the ``lit_marl_gloo`` transport to one server."""
+class Sender:
+    """The trainer's end of a transport to one server: ``connect`` once (phase 1), ``send`` per sync
+    (phases 2-4) the declared ``metadata`` and the tensors in its order, at ``address`` (the trainer's,
+    as the server reaches it)."""
 
-    backend = GLOO_BACKEND
+    backend: str
 
     def __init__(self, client: ServerClient, address: str, timeout_s: float):
         self.client, self.address, self.timeout_s = client, address, timeout_s
-        self.group = None
-        self.store = None
+
+    def connect(self) -> None:
+        raise NotImplementedError
+
+    def send(self, metadata: Metadata, tensors: Iterable[tuple[str, torch.Tensor]], version: str) -> None:
+        raise NotImplementedError
+
+
+class GlooSender(Sender):
+    """The trainer's end of the ``lit_marl_gloo`` transport to one server."""
+
+    backend = GLOO_BACKEND
+    group = store = None
 
     def connect(self) -> None:
         world = 1 + self.client.world_size()
@@ -118,16 +131,12 @@ def _root():
     return options
 
 
-class NCCLSender:
+class NCCLSender(Sender):
     """The trainer's end of vLLM's ``nccl`` transport to one server (GPU): vLLM's own trainer engine,
     driven through this client's routes, reading the stream this sync produces."""
 
     backend = "nccl"
-
-    def __init__(self, client: ServerClient, address: str, timeout_s: float):
-        self.client, self.address, self.timeout_s = client, address, timeout_s
-        self.engine = None
-        self.source = None
+    engine = source = None
 
     def connect(self) -> None:
         # deferred: vLLM is optional, and only the nccl transport needs it in the trainer's environment
@@ -181,5 +190,5 @@ def _stream_source():
     return Stream()
 
 
-def make_sender(transport: str, client: ServerClient, address: str, timeout_s: float):
+def make_sender(transport: str, client: ServerClient, address: str, timeout_s: float) -> Sender:
     return (GlooSender if transport == "gloo" else NCCLSender)(client, address, timeout_s)
