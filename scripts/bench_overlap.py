@@ -8,8 +8,8 @@ turn waits (a simulated slow tool: Corridor with a sleep in each step).
 One server for every fit (started here, the address given to each fit), PPO on Corridor with
 ``rollout_is_cap`` 2.0; the settings alternate within each repeat (0, 1, 0, 1, ...). Each fit's time
 counts from the end of its first step (which rolls out on the spot in both settings) to the end of
-its last. Prints one JSON line per fit (steps per minute, the staleness and importance-ratio metrics
-it logged) and a summary line per setting (medians) with the ratio.
+its last. Prints one JSON line per fit (steps per minute, each step's staleness, the last step's
+importance-ratio and time-split metrics) and a summary line per setting (medians) with the ratio.
 """
 
 from __future__ import annotations
@@ -62,7 +62,10 @@ def main() -> None:
 
     class Clock(L.Callback):
         def __init__(self):
-            self.ends = []
+            self.ends, self.staleness = [], []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.staleness.append(batch[0].stats.get("train/staleness", 0.0))
 
         def on_train_batch_end(self, trainer, *rest):
             self.ends.append(time.perf_counter())
@@ -99,9 +102,10 @@ def main() -> None:
                 trainer.fit(module, datamodule=data)
                 per_minute = 60 * (len(clock.ends) - 1) / (clock.ends[-1] - clock.ends[0])
                 results[staleness].append(per_minute)
-                metrics = {k: round(float(v), 4) for k, v in trainer.callback_metrics.items() if "rollout" in k}
-                metrics.update({k: float(v) for k, v in trainer.callback_metrics.items() if "staleness" in k})
+                logged = trainer.callback_metrics
+                metrics = {k: float(f"{float(v):.4g}") for k, v in logged.items() if "rollout" in k or "perf/" in k}
                 line = {"repeat": repeat, "max_staleness": staleness, "steps_per_minute": round(per_minute, 3)}
+                line["staleness_per_step"] = clock.staleness
                 print(json.dumps(line | metrics), flush=True)
     finally:
         server.stop()
