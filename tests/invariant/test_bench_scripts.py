@@ -7,8 +7,9 @@ Scripts that compute in their own process run as forked children of tests/script
 setting, ranks, a ``lit-marl fit``) and the other venvs' run as plain subprocesses.
 
 bench_magrpo.py's worker is run by test_bench.py. What needs something optional is skipped only when
-that thing is absent: CoMLRL's worker (.venv-comlrl) and bench_engines.py's vLLM engine (the vllm
-marker: run with .venv-vllm/bin/python -m pytest -m vllm tests/invariant/test_bench_scripts.py).
+that thing is absent: CoMLRL's worker (.venv-comlrl), bench_engines.py's vLLM engine and
+bench_overlap.py's server (the vllm marker: run with .venv-vllm/bin/python -m pytest -m vllm
+tests/invariant/test_bench_scripts.py).
 """
 
 from __future__ import annotations
@@ -357,6 +358,20 @@ def test_bench_engines_runs_vllm(tmp_path):
     )
     (result,) = json_lines(out)[-1]["results"]
     assert result["engine"] == "vllm" and finite(result["median_s"], result["tokens_per_s"], result["logp_diff_max"])
+
+
+@pytest.mark.vllm
+def test_bench_overlap_runs_both_settings_on_a_cpu_server(tmp_path):
+    """bench_overlap.py on the tiny model: a fit per setting on one CPU server, each step's staleness
+    (0 then 1s when generated ahead), steps per minute and the summary ratio."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (.venv-vllm: make vllm)")
+    args = ("--model", "tiny-random", "--steps", "3", "--repeats", "1", "--turn-sleep", "0.1", "--max-turns", "2")
+    out = run_script("bench_overlap.py", *args, cwd=tmp_path, timeout=900)
+    fits = {row["max_staleness"]: row for row in json_lines(out)}
+    assert fits[0]["staleness_per_step"] == [0.0, 0.0, 0.0] and fits[1]["staleness_per_step"] == [0.0, 1.0, 1.0]
+    assert finite(fits[0]["steps_per_minute"], fits[1]["steps_per_minute"])
+    (summary,) = lines_with(out, "median steps/min")
+    assert len(numbers(summary)) >= 3
 
 
 # --------------------------------------------------------------------------- environments and the sandbox
