@@ -36,6 +36,7 @@ from lit_marl.generation.base import (
 )
 from lit_marl.generation.hf import HFEngine, generate
 from lit_marl.generation.lean import TorchEngine
+from lit_marl.generation.server import VLLMServerEngine
 
 __all__ = [
     "ENGINES",
@@ -45,6 +46,7 @@ __all__ = [
     "HFEngine",
     "Sampling",
     "TorchEngine",
+    "VLLMServerEngine",
     "generate",
     "generate_each",
     "left_pad",
@@ -64,8 +66,6 @@ def make_engine(name: str = "auto", options: dict | None = None, field: str = "d
 
         return VLLMEngine(**options)
     if name == "vllm_server":
-        from lit_marl.generation.server import VLLMServerEngine  # deferred: its HTTP and process parts load on use
-
         return VLLMServerEngine(**options)
     if name == "hf":
         if options:

@@ -41,6 +41,7 @@ from lit_marl.generation.server_process import ServerProcess, start_server
 from lit_marl.generation.transfer import GLOO_BACKEND, free_port, make_sender, reachable_address
 from lit_marl.generation.vllm import Sample, compute_dtype, generation_of, sampling_params
 from lit_marl.generation.weights import effective_weights, served_metadata, weight_version
+from lit_marl.parallel.collectives import barrier, from_rank0, rank
 
 SERVED_NAME = "lit_marl"  # the model name a started server answers to
 
@@ -145,7 +146,7 @@ class VLLMServerEngine:
         dtype = compute_dtype(device.type)
         index = len(self.servers)
         process = None
-        if _rank() == 0:
+        if rank() == 0:
             if self.settings.servers is not None:
                 url = self.settings.servers[index]
             else:
@@ -155,11 +156,11 @@ class VLLMServerEngine:
                 url = process.url
         else:
             url = None
-        url = _shared(url)
+        url = from_rank0(url)
         client = ServerClient(url, self.settings.timeout_s, process.describe if process else None)
         if process is not None:
             process.wait_healthy(client, self.settings.start_timeout_s)
-        _barrier()
+        barrier()
         self.servers[key] = _Server(client, process, dtype)
         return self.servers[key]
 
@@ -178,7 +179,7 @@ class VLLMServerEngine:
             return server
         torch_dtype = getattr(torch, dtype)
         tensors = effective_weights(model, torch_dtype)
-        if _rank() == 0:
+        if rank() == 0:
             if server.sender is None:
                 device_type = next(model.parameters()).device.type
                 host = urlparse(server.client.url).hostname
@@ -205,7 +206,7 @@ class VLLMServerEngine:
         for agent in _models(agents).values():
             self.sync(agent)
         self.seeds = torch.Generator().manual_seed(int(torch.randint(0, 2**62, ())))
-        _barrier()
+        barrier()
         yield
 
     def generate_team(self, calls, sampling, seeds=None):
@@ -262,28 +263,6 @@ def _models(agents: list[Agent]) -> dict[int, Agent]:
     for agent in agents:
         models.setdefault(id(agent.model), agent)
     return models
-
-
-def _distributed() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
-
-
-def _rank() -> int:
-    return torch.distributed.get_rank() if _distributed() else 0
-
-
-def _barrier() -> None:
-    if _distributed():
-        torch.distributed.barrier()
-
-
-def _shared(value):
-    """Rank 0's ``value`` on every rank."""
-    if not _distributed():
-        return value
-    box = [value]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 __all__ = ["ServerError", "ServerSettings", "VLLMServerEngine"]

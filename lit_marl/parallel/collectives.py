@@ -17,6 +17,26 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def rank() -> int:
+    """This process's rank in the default process group (0 without one)."""
+    return dist.get_rank() if world_size() > 1 else 0
+
+
+def barrier() -> None:
+    """Every rank waits for the others (nothing in one process)."""
+    if world_size() > 1:
+        dist.barrier()
+
+
+def from_rank0(obj):
+    """Rank 0's ``obj`` on every rank (``obj`` itself in one process)."""
+    if world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def all_ranks_sum(value: float, device: torch.device) -> float:
     return _all_ranks(value, dist.ReduceOp.SUM, device)
 
