@@ -56,6 +56,11 @@ class RolloutsAhead:
             self.pending = _Pending(tasks, self.handed, self.pool.submit(roll_out, tasks))
         self.handed += 1
 
+    def drop(self) -> None:
+        """Forget the rollout in flight once it has finished (the run ends: it is never trained)."""
+        self.settle()
+        self.pending = None
+
     def settle(self) -> None:
         """Wait until no rollout is in flight (before the engine's weights change, or the run ends); its
         result, or its error, stays for the step that takes it."""

@@ -152,11 +152,12 @@ class TaskDataModule(L.LightningDataModule):
         objects += ["agent_prompts"] if any(callable(p) for p in agent_prompts or []) else []
         self.save_hyperparameters(ignore=objects)
         self.engine = build_engine(engine, engine_options)
-        if max_staleness > 1 or (max_staleness and not self.engine.remote):
-            why = "only 1 (one step ahead) is built" if max_staleness > 1 else f"data.engine={engine} generates with"
+        if max_staleness > 1:
+            raise ConfigError(f"data.max_staleness={max_staleness}: only 1 (one step ahead) is built; set 0 or 1")
+        if max_staleness and not self.engine.remote:
             raise ConfigError(
-                f"data.max_staleness={max_staleness}: {why}"
-                + ("" if max_staleness > 1 else " the trainer's devices and weights; use data.engine: vllm_server")
+                f"data.max_staleness={max_staleness}: data.engine={engine} generates with the trainer's devices "
+                "and weights; use data.engine: vllm_server"
             )
         self.ahead = RolloutsAhead() if max_staleness else None
         text = (agent_prompts, reward_fn, transition, transition_kwargs, batched_transition)
@@ -285,8 +286,7 @@ class TaskDataModule(L.LightningDataModule):
 
     def teardown(self, stage: str) -> None:
         if self.ahead is not None:  # a rollout in flight at the end: finished, never trained
-            self.ahead.settle()
-            self.ahead.pending = None
+            self.ahead.drop()
         self.engine.close()  # servers the run started stop with it (a later rollout starts them again)
 
     def val_dataloader(self) -> DataLoader:

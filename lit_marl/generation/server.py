@@ -39,7 +39,7 @@ from lit_marl.generation.base import Generation, Sampling, generate_each
 from lit_marl.generation.server_http import ServerClient, ServerError
 from lit_marl.generation.server_process import ServerProcess, start_server
 from lit_marl.generation.transfer import GLOO_BACKEND, free_port, make_sender, reachable_address
-from lit_marl.generation.vllm import Sample, compute_dtype, generation_of, sampling_params
+from lit_marl.generation.vllm import Sample, check_serving_dtype, compute_dtype, generation_of, sampling_params
 from lit_marl.generation.weights import effective_weights, served_metadata, weight_version
 from lit_marl.parallel.collectives import barrier, from_rank0, rank
 
@@ -168,16 +168,11 @@ class VLLMServerEngine:
         """``agent``'s server holding its current weights (every rank: the same gathers; rank 0 sends)."""
         server = self.server(agent)
         model = agent.model
-        dtype = compute_dtype(next(model.parameters()).device.type)
-        if dtype != server.dtype:
-            raise RuntimeError(
-                f"the vllm_server engine of {agent.source} serves {server.dtype}, but this rollout computes in "
-                f"{dtype}: one server cannot change dtype; roll out in one precision"
-            )
+        check_serving_dtype(self.name, agent, server.dtype)
         version = weight_version(model)
         if server.version == version:
             return server
-        torch_dtype = getattr(torch, dtype)
+        torch_dtype = getattr(torch, server.dtype)
         tensors = effective_weights(model, torch_dtype)
         if rank() == 0:
             if server.sender is None:

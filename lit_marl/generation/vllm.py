@@ -245,6 +245,17 @@ def compute_dtype(device_type: str) -> str:
     return "float32"
 
 
+def check_serving_dtype(engine: str, agent: Agent, serves: str) -> None:
+    """Raise where this rollout computes in another dtype than the copy ``agent``'s model is served in
+    (an engine's copy keeps the dtype it started with)."""
+    now = compute_dtype(next(agent.model.parameters()).device.type)
+    if now != serves:
+        raise RuntimeError(
+            f"the {engine} engine of {agent.source} serves {serves}, but this rollout computes in {now}: one "
+            "engine cannot change dtype; roll out in one precision"
+        )
+
+
 def served(agent: Agent) -> tuple[torch.nn.Module, str | None]:
     """The model an instance serves for ``agent`` and the LoRA adapter its requests apply: the agents of
     a team's adapters on one base (``AdapterView``) share the base's instance, each its own adapter."""
@@ -318,11 +329,8 @@ class VLLMEngine:
         if key not in self.backends:
             self.dtypes[key] = compute_dtype(device.type)
             self.backends[key] = self.backend_factory(agent, self.dtypes[key])
-        elif compute_dtype(device.type) != self.dtypes[key]:
-            raise RuntimeError(
-                f"the vllm engine of {agent.source} serves {self.dtypes[key]}, but this rollout computes in "
-                f"{compute_dtype(device.type)}: one engine cannot change dtype; roll out in one precision"
-            )
+        else:
+            check_serving_dtype(self.name, agent, self.dtypes[key])
         backend = self.backends[key]
         if key in self.asleep:  # level-2 sleep dropped the weights: wake them, sync, then the KV cache
             free_cached_memory(device.type)
