@@ -41,6 +41,13 @@ class EpisodeDataModule(TaskDataModule):
             acts on the text after it (nothing while unclosed); trained on whole either way. ``none``: all of it.
         history: For chat templates that rewrite earlier turns (Qwen3's think blocks): ``verbatim`` keeps each
             reply as generated in the context (exact training; a warning); ``strict`` refuses such templates.
+        turns: ``lockstep``: turn t of every live episode is one batched generation and one environment step,
+            so an episode waits for the slowest of the turn. ``independent``: each episode plays its own turns,
+            its next request sent as soon as its environment has stepped (the server batches whatever is in
+            flight); each request seeded by episode, agent and turn, so the rollout does not depend on the order
+            replies arrive in. Needs an engine that generates off the trainer's devices (``vllm_server``), and
+            an environment whose ``step`` may run for several episodes at once (games: each its own instance;
+            a text environment: its reward function and transition called from several threads).
     """
 
     def __init__(
@@ -52,6 +59,7 @@ class EpisodeDataModule(TaskDataModule):
         anchor: Literal["state", "observation"] = "state",
         reasoning: Literal["none", "think"] = "none",
         history: Literal["verbatim", "strict"] = "verbatim",
+        turns: Literal["lockstep", "independent"] = "lockstep",
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -61,6 +69,12 @@ class EpisodeDataModule(TaskDataModule):
             raise ConfigError(
                 f"data.max_context_tokens={max_context_tokens}: must exceed data.sampling.max_new_tokens="
                 f"{self.sampling.max_new_tokens}"
+            )
+        if turns == "independent" and not self.engine.remote:
+            raise ConfigError(
+                f"data.turns=independent: data.engine={self.engine.name} generates one batch at a time on the "
+                "trainer's devices, so an episode on its own would decode alone; use data.engine: vllm_server "
+                "(requests of every episode in flight at once), or data.turns: lockstep"
             )
         if task_types:
             self._keep_types([ALFWORLD_ALIASES.get(kind, kind) for kind in task_types])  # ALFWorld's short names
@@ -74,6 +88,7 @@ class EpisodeDataModule(TaskDataModule):
             anchor=anchor,
             reasoning=reasoning,
             history=history,
+            turns=turns,
         )
         self.env.pool = ThreadPoolExecutor(max_workers=env_workers)
 

@@ -70,8 +70,8 @@ class RolloutDataModule(TaskDataModule):
         sampling_streams: ``shared`` (default): training samples draw from torch's random generator, so a
             response depends on the other prompts of its batch and rank; ``per_task``: each response has its
             own counter-based stream (the run's seed, the step, the task, its tree node, role and sample
-            index), so a task samples the same responses on 1 rank or N. Lean decoder only (``engine: auto`` /
-            ``torch`` with a Llama-family model).
+            index), so a task samples the same responses on 1 rank or N. The lean decoder (``engine: auto`` /
+            ``torch`` with a Llama-family model) and ``vllm_server`` (each request seeded with its stream's seed).
         branch: How a game's joint action gets its own game (``env`` a game): ``clone`` copies the node's state,
             ``replay`` starts the game again and replays the branch's commands; default: clone where it can.
         tools: Tools every agent may call within its turn (a text environment's; ``rollout.tree_tools.TreeTools``):
@@ -114,10 +114,11 @@ class RolloutDataModule(TaskDataModule):
                 f"data.num_turns={num_turns} needs data.transition (e.g. lit_marl.rollout.transitions:plain) "
                 "to build the next turn's prompts"
             )
-        if sampling_streams == "per_task" and hp.engine not in ("auto", "torch"):
+        if sampling_streams == "per_task" and hp.engine not in ("auto", "torch", "vllm_server"):
             raise ConfigError(
-                f"data.sampling_streams=per_task samples with the lean decoder; data.engine={hp.engine!r} cannot: "
-                "use data.engine: auto (or torch), or data.sampling_streams: shared"
+                f"data.sampling_streams=per_task samples with the lean decoder or seeds vllm_server's requests; "
+                f"data.engine={hp.engine!r} cannot: use data.engine: auto, torch or vllm_server, or "
+                "data.sampling_streams: shared"
             )
         if isinstance(self.env, FunctionEnv):
             self.env.passthrough = external_prompt_passthrough  # its call_settings name the prompt field

@@ -9,7 +9,9 @@ backend). Every prompt of a call is its own request, all in flight at once (up t
 per engine): the server batches them. A request is token ids in, token ids and each sampled token's
 log-prob out (vLLM's raw distribution, what the trainer's forward recomputes), every sampling field sent
 (vLLM's defaults never apply) with a seed drawn from the run's generator, so a seeded run samples the
-same rollouts again.
+same rollouts again; seeds handed in (``generate_team``'s, one per prompt: ``data.sampling_streams: per_task``,
+``data.turns: independent``) are the requests' own, so a response depends on its seed alone, not on which
+requests share the server's batch or in which order they arrive.
 
 At the start of each rollout block (``rollout``; a generation outside one only sends a model never
 sent) every model whose parameters changed since its last sync is sent whole
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from typing import Literal
@@ -35,7 +38,7 @@ import torch
 from lit_marl import ConfigError
 from lit_marl.agents import AdapterView, Agent
 from lit_marl.fields import PositiveFloat, PositiveInt, check_dataclass
-from lit_marl.generation.base import Generation, Sampling, generate_each
+from lit_marl.generation.base import Generation, Sampling
 from lit_marl.generation.server_http import ServerClient, ServerError
 from lit_marl.generation.server_process import ServerProcess, start_server
 from lit_marl.generation.transfer import GLOO_BACKEND, free_port, make_sender, reachable_address
@@ -111,6 +114,7 @@ class VLLMServerEngine:
         self.syncs = 0  # weight transfers so far (all models)
         self.pool = ThreadPoolExecutor(self.settings.max_concurrency, thread_name_prefix="lit_marl_requests")
         self.seeds: torch.Generator | None = None  # the requests' seeds, drawn from the run's at each rollout
+        self.lock = threading.Lock()  # episodes playing their own turns call generate from threads of their own
 
     def check_team(self, agents: list[Agent], device_type: str) -> None:
         """Before step 1: one address per distinct model, and no team of adapters on one base (each agent
@@ -204,25 +208,45 @@ class VLLMServerEngine:
         barrier()
         yield
 
+    def draw_seed(self) -> int:
+        """A seed from the engine's generator (seeded from the run's at each rollout): the base of a rollout's
+        per-episode sampling streams (``data.turns: independent``), drawn by the thread the rollout runs in."""
+        with self.lock:
+            return int(torch.randint(0, 2**31, (), generator=self.seeds))
+
     def generate_team(self, calls, sampling, seeds=None):
-        if seeds is not None:
-            raise ValueError(f"data.sampling_streams=per_task needs the lean decoder, not the {self.name} engine")
-        return generate_each(self, calls, sampling)
+        """One ``generate`` per call; ``seeds`` (per call, one per prompt) are the requests' seeds."""
+        return [
+            self.generate(agent, prompts, n, sampling, None if seeds is None else seeds[k])
+            for k, (agent, prompts, n) in enumerate(calls)
+        ]
 
     @torch.no_grad()
-    def generate(self, agent: Agent, prompts: list[list[int]], num_samples: int, sampling: Sampling) -> Generation:
-        server = self.servers.get(id(agent.model))
-        if server is None or server.version is None:  # never sent: now (else the last rollout's sync holds)
-            server = self.sync(agent)
+    def generate(
+        self,
+        agent: Agent,
+        prompts: list[list[int]],
+        num_samples: int,
+        sampling: Sampling,
+        seeds: list[int] | None = None,
+    ) -> Generation:
+        """Every prompt one request, all in flight at once; request i seeded ``seeds[i]``, else from the
+        engine's generator."""
+        with self.lock:
+            server = self.servers.get(id(agent.model))
+            if server is None or server.version is None:  # never sent: now (else the last rollout's sync holds)
+                server = self.sync(agent)
+            if seeds is None:
+                base = int(torch.randint(0, 2**62, (), generator=self.seeds))  # a seeded run samples alike
+                seeds = [base + i for i in range(len(prompts))]
         params = sampling_params(sampling, num_samples, [agent.eos_token_id])
         params.update(min_p=0.0, skip_special_tokens=False)
         copies = 1
         if sampling.greedy and num_samples > 1:  # the server refuses n > 1 when greedy: one sample, copied
             params["n"], copies = 1, num_samples
-        base = int(torch.randint(0, 2**62, (), generator=self.seeds))  # a seeded run samples alike
         bodies = [
-            {"model": SERVED_NAME, "token_ids": prompt, "sampling_params": dict(params, seed=base + i)}
-            for i, prompt in enumerate(prompts)
+            {"model": SERVED_NAME, "token_ids": prompt, "sampling_params": dict(params, seed=int(seed))}
+            for prompt, seed in zip(prompts, seeds, strict=True)
         ]
         replies = list(self.pool.map(lambda body: server.client.post("/inference/v1/generate", body), bodies))
         outputs = [[sample for sample in _samples(server.client, reply) for _ in range(copies)] for reply in replies]

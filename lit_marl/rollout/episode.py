@@ -5,7 +5,10 @@ per turn the sampled reply tokens exactly as generated (end-of-turn token includ
 observation as the chat template's new segment only (``Agent.chat_continuation``). What training
 sees is therefore exactly what the model conditioned on and produced; the assistant's text is
 never re-tokenized. Per turn there is ONE batched generate over all live episodes of the step and
-the environments step in parallel.
+the environments step in parallel (``turns: lockstep``); with ``turns: independent`` (an engine that
+generates remotely) each episode plays its own turns in a thread of its own, its next request sent as
+soon as its environment has stepped: no episode waits for another's turn, and the server batches the
+requests of every live episode as they come.
 
 Budgets: ``max_turns``; ``sampling.max_new_tokens`` per reply; ``max_context_tokens`` for the whole
 sequence: when the next observation plus a reply would not fit, the episode ends as
@@ -15,8 +18,10 @@ sequence: when the next observation plus a reply would not fit, the episode ends
 from __future__ import annotations
 
 import functools
+import threading
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -26,7 +31,7 @@ from lit_marl import ConfigError
 from lit_marl.agents import Agent, give_tools, roles_by_model
 from lit_marl.envs.base import Env
 from lit_marl.generation import Engine, left_pad, make_engine
-from lit_marl.generation.base import Sampling, prefill_counts, prefill_stats
+from lit_marl.generation.base import Sampling, prefill_counts, prefill_stats, stream_seed
 from lit_marl.metrics import markdown_line
 from lit_marl.returns import neutral_fill
 
@@ -116,6 +121,7 @@ class _Live:
     info: dict = field(default_factory=dict)
     done: bool = False
     truncated: bool = False
+    seed: int | None = None  # the episode's sampling stream (``turns: independent``): request seeds per agent and turn
 
 
 @dataclass(frozen=True)
@@ -136,6 +142,10 @@ class EpisodeSettings:
     """A chat template that rewrites earlier turns (``Agent.rewrites_history``): ``verbatim`` keeps every
     reply as generated in the context (a warning says so); ``strict`` refuses it, so the context is
     always the template's own rendering of the dialogue."""
+    turns: Literal["lockstep", "independent"] = "lockstep"
+    """``lockstep``: turn t of every live episode is one batched generate and one ``env.step``;
+    ``independent``: each episode plays its turns on its own (a thread each; an engine that generates
+    remotely, its requests seeded per episode, agent and turn from the engine's ``draw_seed``)."""
 
 
 def action_text(reply: str, reasoning: Literal["none", "think"], opened: bool = False) -> str:
@@ -160,7 +170,8 @@ def run_episodes(
     """``settings.group_size`` episodes per task from the same start; one batch per agent (agent i's
     own token sequences: its observations and its replies), sharing the outcome fields. Agents that
     are one model (a parameter-shared team) generate in one batched call per turn, and ONE
-    ``env.step`` plays the turn of every live episode; ``engine`` generates (default: ``auto``)."""
+    ``env.step`` plays the turn of every live episode (``turns: independent``: each episode its own
+    turns, ``env.step`` over its state alone); ``engine`` generates (default: ``auto``)."""
     start = time.perf_counter()
     engine = engine or make_engine("auto")
     if env.num_agents != len(agents):
@@ -173,11 +184,15 @@ def run_episodes(
         states += env.reset([task for task in tasks for _ in range(settings.group_size)])
         episodes = _start(agents, states, env, settings)
         clock = dict.fromkeys(("generate_s", "env_s", "generated"), 0.0)
-        for turn in range(settings.max_turns):
-            live = [e for e in episodes if not e.done]
-            if not live:
-                break
-            _play_turn(agents, env, live, turn, settings, engine, clock)
+        independent = settings.turns == "independent"
+        if independent:
+            _play_independently(agents, env, episodes, settings, engine, clock)
+        else:
+            for turn in range(settings.max_turns):
+                live = [e for e in episodes if not e.done]
+                if not live:
+                    break
+                _play_turn(agents, env, live, turn, settings, engine, clock)
     finally:  # also when an episode raised: no workspace or process outlives its rollout
         env.release(states)
     steps = sum(len(e.scores) for e in episodes)
@@ -187,7 +202,8 @@ def run_episodes(
         "perf/env_s": clock["env_s"],
         "perf/rollout_s": seconds,
         "perf/generated_tokens": float(clock["generated"]),
-        "perf/tokens_per_s": clock["generated"] / max(clock["generate_s"], 1e-9),
+        # independent turns: generate_s and env_s are sums over episodes (they overlap): the rate is per wall second
+        "perf/tokens_per_s": clock["generated"] / max(seconds if independent else clock["generate_s"], 1e-9),
         "train/env_steps": float(steps),
         "perf/env_steps_per_s": steps / max(seconds, 1e-9),
         **prefill_stats(engine, prefill),
@@ -230,11 +246,43 @@ def _start(agents, states: list, env: Env, settings: EpisodeSettings) -> list[_L
     return episodes
 
 
+def _play_independently(agents, env: Env, episodes: list[_Live], settings: EpisodeSettings, engine, clock: dict):
+    """``turns: independent``: every episode plays its turns in a thread of its own (``_play_turn`` over it
+    alone), so its next request leaves as soon as its environment has stepped. Each episode's requests are
+    seeded from its own stream (the engine's ``draw_seed``, the episode's index, the agent, the turn): the
+    rollout is the same whatever order the replies arrive in. An episode that raises stops the others at
+    their next turn; its error is raised once every thread has ended."""
+    base = engine.draw_seed()
+    for index, e in enumerate(episodes):
+        e.seed = stream_seed(base, index)
+    stop, lock = threading.Event(), threading.Lock()
+
+    def play(e: _Live) -> None:
+        mine = dict.fromkeys(clock, 0.0)
+        try:
+            for turn in range(settings.max_turns):
+                if e.done or stop.is_set():
+                    return
+                _play_turn(agents, env, [e], turn, settings, engine, mine)
+        except BaseException:
+            stop.set()
+            raise
+        finally:
+            with lock:
+                for key, value in mine.items():
+                    clock[key] += value
+
+    with ThreadPoolExecutor(len(episodes), thread_name_prefix="lit_marl_episode") as pool:
+        futures = [pool.submit(play, e) for e in episodes]
+    for future in futures:
+        future.result()
+
+
 def _play_turn(agents, env: Env, live: list[_Live], turn: int, settings: EpisodeSettings, engine, clock: dict) -> None:
     """ONE batched generation per model over the live episodes (the models together), then ONE
     ``env.step`` over their states; the next observations are appended, or the episode ends."""
     t0 = time.perf_counter()
-    texts, closed = _generate_replies(agents, live, settings, engine, clock)
+    texts, closed = _generate_replies(agents, live, turn, settings, engine, clock)
     t1 = time.perf_counter()
     last = turn == settings.max_turns - 1
     steps = env.step([e.state for e in live], texts, turn, last=last)
@@ -271,15 +319,19 @@ def _play_turn(agents, env: Env, live: list[_Live], turn: int, settings: Episode
     clock["env_s"] += time.perf_counter() - t1
 
 
-def _generate_replies(agents, live: list[_Live], settings: EpisodeSettings, engine, clock: dict):
+def _generate_replies(agents, live: list[_Live], turn: int, settings: EpisodeSettings, engine, clock: dict):
     """ONE batched generation per model over the live episodes: each episode's action texts (one per
-    agent) and whether each reply closed with the end token; the reply tokens appended."""
+    agent) and whether each reply closed with the end token; the reply tokens appended. Episodes with a
+    sampling stream (``turns: independent``) seed each request by episode, agent and turn."""
     n = len(agents)
     texts: list[list[str]] = [[""] * n for _ in live]  # [episode][agent]
     closed: list[list[bool]] = [[True] * n for _ in live]
     groups = roles_by_model(agents)
     calls = [(agents[roles[0]], [e.ids[i] for i in roles for e in live], 1) for roles in groups]
-    outputs = engine.generate_team(calls, settings.sampling)
+    seeds = None
+    if all(e.seed is not None for e in live):
+        seeds = [[stream_seed(e.seed, i, turn) for i in roles for e in live] for roles in groups]
+    outputs = engine.generate_team(calls, settings.sampling, seeds)
     for roles, out in zip(groups, outputs):
         agent = agents[roles[0]]
         decoded = agent.decode(out.completion_ids, out.completion_mask)

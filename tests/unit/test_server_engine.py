@@ -106,6 +106,9 @@ def test_every_prompt_is_a_request_in_flight_at_once_with_every_sampling_field(s
     torch.manual_seed(3)
     again = engine.generate(agent, PROMPTS, 2, sampling)
     assert torch.equal(first.completion_ids, again.completion_ids)
+    sent = len(stand_in.bodies)  # seeds handed in (per-task streams, independent turns) are the requests' own
+    engine.generate_team([(agent, PROMPTS, 2)], sampling, seeds=[[11, 12, 13, 14]])
+    assert sorted(b["sampling_params"]["seed"] for b in stand_in.bodies[sent:]) == [11, 12, 13, 14]
     greedy = engine.generate(agent, PROMPTS[:1], 3, GREEDY)
     assert stand_in.bodies[-1]["sampling_params"]["n"] == 1 and greedy.completion_ids.shape[0] == 3
     assert torch.equal(greedy.completion_ids[0], greedy.completion_ids[2])
