@@ -105,10 +105,15 @@ def tail(log: Path, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(([first, "..."] if first is not None and first not in end else []) + end)
 
 
-def server_command(python: str, folder: str, port: int, dtype: str, backend: str, settings, cpu: bool = False):
+def server_command(
+    python: str, folder: str, port: int, dtype: str, backend: str, settings, cpu: bool = False, max_len: int = 0
+):
     """The command line of one server (``settings``: ``ServerSettings``; its ``server_args`` last, as
-    flags: ``{max_model_len: 4096}`` -> ``--max-model-len 4096``, true -> the bare flag). On CPU it runs
-    eagerly unless told otherwise: vLLM's graph compilation there takes minutes at every start."""
+    flags: ``{max_model_len: 4096}`` -> ``--max-model-len 4096``, true -> the bare flag). On CPU, unless
+    told otherwise, it runs eagerly (vLLM's graph compilation there takes minutes at every start) and
+    without chunked prefill (its batch budget raised to the model's length ``max_len``): vLLM 0.32 on CPU
+    rewinds a seeded request's generator after a partial prefill, which a CPU generator cannot do, and its
+    engine dies ("CPU Generator does not use offset") as soon as a batch's prompts outgrow the budget."""
     command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", folder]
     command += ["--served-model-name", "lit_marl", "--host", settings.host, "--port", str(port)]
     command += ["--dtype", dtype, "--load-format", "dummy", "--skip-tokenizer-init", "--tokens-only"]
@@ -116,7 +121,13 @@ def server_command(python: str, folder: str, port: int, dtype: str, backend: str
     command += ["--weight-transfer-config", json.dumps({"backend": backend})]
     command += ["--tensor-parallel-size", str(settings.tensor_parallel_size)]
     command += ["--data-parallel-size", str(settings.data_parallel_size)]
-    args = {"enforce_eager": True, **settings.server_args} if cpu else settings.server_args
+    args = settings.server_args
+    if cpu:
+        defaults: dict = {"enforce_eager": True}
+        if "enable_chunked_prefill" not in args:
+            command.append("--no-enable-chunked-prefill")
+            defaults["max_num_batched_tokens"] = max(int(args.get("max_model_len") or max_len), 2048)
+        args = {**defaults, **args}
     for key, value in args.items():
         flag = "--" + key.replace("_", "-")
         if value is True:
@@ -143,7 +154,8 @@ def start_server(model_config, settings, dtype: str, backend: str, device_type: 
     folder = tempfile.TemporaryDirectory(prefix="lit_marl_server_")
     model_config.save_pretrained(folder.name)  # the architecture only: weights come by transfer
     python = settings.python or sys.executable
-    command = server_command(python, folder.name, port, dtype, backend, settings, cpu=device_type == "cpu")
+    max_len = getattr(model_config, "max_position_embeddings", 0) or 0
+    command = server_command(python, folder.name, port, dtype, backend, settings, device_type == "cpu", max_len)
     log = Path(settings.log_dir or Path(tempfile.gettempdir()) / "lit_marl_server_logs") / f"vllm_server_{port}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     return ServerProcess(command, server_env(settings, device_type), f"http://{settings.host}:{port}", folder, log)

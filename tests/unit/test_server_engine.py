@@ -220,6 +220,13 @@ def test_settings_are_checked_by_name():
     assert command[command.index("--tensor-parallel-size") + 1] == "4"
     assert command[-3:] == ["--max-model-len", "8192", "--enforce-eager"]
     assert json.loads(command[command.index("--weight-transfer-config") + 1]) == {"backend": "nccl"}
+    assert "--no-enable-chunked-prefill" not in command  # on GPU vLLM's defaults
+    # on CPU: eager, and no partial prefill (vLLM's CPU build cannot rewind a seeded request's generator)
+    cpu = server_command("py", "/m", 8001, "float32", "lit_marl_gloo", ServerSettings(), cpu=True, max_len=8192)
+    assert "--no-enable-chunked-prefill" in cpu and "--enforce-eager" in cpu
+    assert cpu[cpu.index("--max-num-batched-tokens") + 1] == "8192"
+    mine = ServerSettings(server_args={"enable_chunked_prefill": True, "max_model_len": 1024})
+    assert "--no-enable-chunked-prefill" not in server_command("py", "/m", 1, "float32", "g", mine, cpu=True)
 
 
 def test_the_trainer_side_group_times_out_rather_than_hangs():
