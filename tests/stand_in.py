@@ -1,10 +1,12 @@
 """A stand-in for a vLLM server in this process: vLLM's HTTP routes (generation by token ids, the weight
-transfer protocol's four phases, the prefix cache, the world size), its "worker" the handler thread,
-which joins the trainer's gloo group, receives every tensor and decodes with what it received (a tiny
-model that starts from zeros, as a server with dummy weights does)."""
+transfer protocol's four phases, the prefix cache, the world size, runtime LoRA loading), its "worker" the
+handler thread, which joins the trainer's gloo group, receives every tensor and decodes with what it
+received (a tiny model that starts from zeros, as a server with dummy weights does); a LoRA adapter loaded
+by path is merged into a copy of the received base, and a request naming it decodes with that copy."""
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
 import time
@@ -32,6 +34,7 @@ class StandIn(ThreadingHTTPServer):
                 p.zero_()
         self.delay_s, self.events, self.bodies = delay_s, [], []
         self.version, self.generated_with = None, []  # the weights' version, and each request's
+        self.adapters: dict[str, Agent] = {}  # runtime LoRA adapters by name: the base with each merged
         self.group, self.in_flight, self.most_in_flight, self.lock = None, 0, 0, threading.Lock()
         threading.Thread(target=self.serve_forever, daemon=True).start()
 
@@ -58,6 +61,13 @@ class StandIn(ThreadingHTTPServer):
             self.version = body["weight_version"]
         elif path == "/reset_prefix_cache":
             return {"success": True}
+        elif path == "/v1/load_lora_adapter":
+            from peft import PeftModel
+
+            merged = PeftModel.from_pretrained(copy.deepcopy(self.agent.model), body["lora_path"]).merge_and_unload()
+            self.adapters[body["lora_name"]] = Agent("tiny-random", loaded=(merged, self.agent.tokenizer))
+            self.events[-1] += f":{body['lora_name']}"
+            return "Success"
         elif path == "/inference/v1/generate":
             return self.generate(body)
         return {}
@@ -74,7 +84,8 @@ class StandIn(ThreadingHTTPServer):
         sampling = Sampling(max_new_tokens=params["max_tokens"], greedy=greedy, temperature=params["temperature"] or 1)
         engine = make_engine("torch")
         seeds = None if greedy else [[params["seed"] % 2**31]]
-        gen = engine.generate_team([(self.agent, [body["token_ids"]], params["n"])], sampling, seeds=seeds)[0]
+        agent = self.adapters.get(body["model"], self.agent)
+        gen = engine.generate_team([(agent, [body["token_ids"]], params["n"])], sampling, seeds=seeds)[0]
         choices = []
         for row in range(params["n"]):
             mask = gen.completion_mask[row].bool()
@@ -99,6 +110,7 @@ class Handler(BaseHTTPRequestHandler):
     def answer(self, reply):
         data = json.dumps(reply).encode()
         self.send_response(200)
+        self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)

@@ -5,7 +5,12 @@ One server per distinct model of the team: started by the run on this machine (`
 ``tensor_parallel_size``, ``data_parallel_size``, ``gpus``), or running already (``servers``: their
 addresses, in the order the team's models first appear; each started with ``VLLM_SERVER_DEV_MODE=1``,
 ``--tokens-only``, ``--generation-config vllm`` and ``--weight-transfer-config`` naming the transport's
-backend). Every prompt of a call is its own request, all in flight at once (up to ``max_concurrency``
+backend). A team of LoRA adapters on one base (``model.lora_shared_base``) is one server: the base sent
+by the transfer protocol once (it is frozen), each agent's adapter saved (peft's format) and loaded by
+path through vLLM's runtime LoRA route after each update that changed it (``--enable-lora``,
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING``), each request naming its agent's adapter.
+
+Every prompt of a call is its own request, all in flight at once (up to ``max_concurrency``
 per engine): the server batches them. A request is token ids in, token ids and each sampled token's
 log-prob out (vLLM's raw distribution, what the trainer's forward recomputes), every sampling field sent
 (vLLM's defaults never apply) with a seed drawn from the run's generator, so a seeded run samples the
@@ -27,22 +32,35 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
+import shutil
+import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Literal
 from urllib.parse import urlparse
 
 import torch
 
 from lit_marl import ConfigError
-from lit_marl.agents import AdapterView, Agent
+from lit_marl.agents import Agent
 from lit_marl.fields import PositiveFloat, PositiveInt, check_dataclass
 from lit_marl.generation.base import Generation, Sampling
 from lit_marl.generation.server_http import ServerClient, ServerError
 from lit_marl.generation.server_process import ServerProcess, start_server
 from lit_marl.generation.transfer import GLOO_BACKEND, free_port, make_sender, reachable_address
-from lit_marl.generation.vllm import Sample, check_serving_dtype, compute_dtype, generation_of, sampling_params
+from lit_marl.generation.vllm import (
+    Sample,
+    check_serving_dtype,
+    compute_dtype,
+    generation_of,
+    lora_slots,
+    sampling_params,
+    served,
+    served_adapters,
+)
 from lit_marl.generation.weights import effective_weights, served_metadata, weight_version
 from lit_marl.parallel.collectives import barrier, from_rank0, rank
 
@@ -77,6 +95,9 @@ class ServerSettings:
     """The address started servers listen on."""
     log_dir: str | None = None
     """Where started servers write their logs (vllm_server_<port>.log); null: <temp dir>/lit_marl_server_logs."""
+    adapter_dir: str | None = None
+    """Where a LoRA team's adapters are saved for the servers to load by path (servers on other nodes: a
+    shared file system); null: a temporary folder on this machine."""
 
     def __post_init__(self):
         check_dataclass("data.engine_options", self)
@@ -100,6 +121,7 @@ class _Server:
         self.client, self.process, self.dtype = client, process, dtype
         self.sender = None
         self.version = None
+        self.adapters: dict[str, tuple] = {}  # a LoRA team's adapter -> (the version loaded, its folder)
 
 
 class VLLMServerEngine:
@@ -115,15 +137,15 @@ class VLLMServerEngine:
         self.pool = ThreadPoolExecutor(self.settings.max_concurrency, thread_name_prefix="lit_marl_requests")
         self.seeds: torch.Generator | None = None  # the requests' seeds, drawn from the run's at each rollout
         self.lock = threading.Lock()  # episodes playing their own turns call generate from threads of their own
+        self.adapter_syncs = 0  # adapters saved and loaded so far (LoRA teams on one base)
+        self.folder: tempfile.TemporaryDirectory | None = None  # their saved versions (no adapter_dir)
 
     def check_team(self, agents: list[Agent], device_type: str) -> None:
-        """Before step 1: one address per distinct model, and no team of adapters on one base (each agent
-        would need its own merged copy)."""
-        if any(isinstance(agent.model, AdapterView) for agent in agents):
-            raise ConfigError(
-                "data.engine=vllm_server serves merged weights, one server per model: a team of LoRA adapters on "
-                "one base (model.lora_shared_base) needs data.engine: vllm (its instance applies each agent's adapter)"
-            )
+        """Before step 1: one address per distinct model (a LoRA team on one base is one), and vLLM's NCCL
+        engine where the transport is nccl."""
+        for agent in _models(agents).values():
+            if served_adapters(agent):
+                lora_slots(served_adapters(agent))  # a rank vLLM cannot serve is named now
         if self.transport(device_type) == "nccl" and importlib.util.find_spec("vllm") is None:
             raise ConfigError(
                 "data.engine_options.transport=nccl drives vLLM's NCCL transfer from the trainer, and vllm is not "
@@ -142,11 +164,13 @@ class VLLMServerEngine:
         return "nccl" if device_type == "cuda" else "gloo"
 
     def server(self, agent: Agent) -> _Server:
-        """The server of ``agent``'s model, started or reached the first time it is asked for."""
-        key = id(agent.model)
+        """The server of ``agent``'s model (a LoRA team's: its base), started or reached the first time it is
+        asked for."""
+        model = served(agent)[0]
+        key = id(model)
         if key in self.servers:
             return self.servers[key]
-        device = next(agent.model.parameters()).device
+        device = next(model.parameters()).device
         dtype = compute_dtype(device.type)
         index = len(self.servers)
         process = None
@@ -155,8 +179,9 @@ class VLLMServerEngine:
                 url = self.settings.servers[index]
             else:
                 backend = GLOO_BACKEND if self.transport(device.type) == "gloo" else "nccl"
-                config = agent.model.config
-                process = start_server(config, self.settings, dtype, backend, device.type, free_port())
+                adapters = served_adapters(agent)
+                lora = lora_slots(adapters) if adapters else None
+                process = start_server(model.config, self.settings, dtype, backend, device.type, free_port(), lora)
                 url = process.url
         else:
             url = None
@@ -169,40 +194,72 @@ class VLLMServerEngine:
         return self.servers[key]
 
     def sync(self, agent: Agent) -> _Server:
-        """``agent``'s server holding its current weights (every rank: the same gathers; rank 0 sends)."""
+        """``agent``'s server holding its current weights (every rank: the same gathers; rank 0 sends): the
+        model's, or for an adapter of a LoRA team its base's and its adapter; the prefix cache emptied after
+        any change."""
         server = self.server(agent)
-        model = agent.model
+        model, adapter = served(agent)
         check_serving_dtype(self.name, agent, server.dtype)
-        version = weight_version(model)
-        if server.version == version:
-            return server
-        torch_dtype = getattr(torch, server.dtype)
-        tensors = effective_weights(model, torch_dtype)
-        if rank() == 0:
-            if server.sender is None:
-                device_type = next(model.parameters()).device.type
-                host = urlparse(server.client.url).hostname
-                server.sender = make_sender(
-                    self.transport(device_type), server.client, reachable_address(host), self.settings.timeout_s
-                )
-                server.sender.connect()
-            server.sender.send(served_metadata(model, torch_dtype), tensors, str(self.syncs + 1))
+        version = weight_version(model, (lambda n: "lora_" not in n) if adapter else None)
+        changed = server.version != version
+        if changed:
+            with model.disable_adapter() if adapter else contextlib.nullcontext():  # a LoRA team: the base alone
+                self._send(server, model)
+            server.version = version
+            self.syncs += 1
+        if adapter is not None:
+            changed |= self._load_adapter(agent, server, adapter)
+        if changed and rank() == 0:
             reply = server.client.post("/reset_prefix_cache")
             if isinstance(reply, dict) and reply.get("success") is False:
                 raise server.client.error("/reset_prefix_cache", "the prefix cache was not emptied (requests running)")
-        else:
+        return server
+
+    def _send(self, server: _Server, model: torch.nn.Module) -> None:
+        """``model``'s weights by the transfer protocol (rank 0 sends; the others run the same gathers)."""
+        torch_dtype = getattr(torch, server.dtype)
+        tensors = effective_weights(model, torch_dtype)
+        if rank() != 0:
             for _ in tensors:  # the gathers rank 0's stream runs, in the same order
                 pass
-        server.version = version
-        self.syncs += 1
-        return server
+            return
+        if server.sender is None:
+            device_type = next(model.parameters()).device.type
+            host = urlparse(server.client.url).hostname
+            server.sender = make_sender(
+                self.transport(device_type), server.client, reachable_address(host), self.settings.timeout_s
+            )
+            server.sender.connect()
+        server.sender.send(served_metadata(model, torch_dtype), tensors, str(self.syncs + 1))
+
+    def _load_adapter(self, agent: Agent, server: _Server, adapter: str) -> bool:
+        """``agent``'s adapter on its base's server, saved and loaded (in place, under the adapter's name)
+        when its weights changed since it was last loaded; whether it was."""
+        version = weight_version(agent.model.shared, lambda n: f".{adapter}." in n)
+        known = server.adapters.get(adapter)
+        if known is not None and known[0] == version:
+            return False
+        self.adapter_syncs += 1
+        folder = None
+        if rank() == 0:
+            if self.settings.adapter_dir is None and self.folder is None:
+                self.folder = tempfile.TemporaryDirectory(prefix="lit_marl_server_adapters_")
+            root = self.settings.adapter_dir or self.folder.name
+            folder = os.path.join(root, f"{adapter}-{self.adapter_syncs}")
+            agent.model.save_adapter(Path(folder))
+            body = {"lora_name": adapter, "lora_path": os.path.abspath(folder), "load_inplace": True}
+            server.client.post("/v1/load_lora_adapter", body)
+            if known is not None and known[1] is not None:  # the version before: replaced, not read again
+                shutil.rmtree(known[1], ignore_errors=True)
+        server.adapters[adapter] = (version, folder)
+        return True
 
     @contextlib.contextmanager
     def rollout(self, agents):
         """Every distinct model synced, in order, then the rollout (no rank starts before every sync ended).
         The requests' seeds come from a generator of the engine's, seeded here from the run's: a rollout
         generated in the background (``data.max_staleness``) draws nothing from the run's generators."""
-        for agent in _models(agents).values():
+        for agent in {(id(served(a)[0]), served(a)[1]): a for a in agents}.values():  # each model, each adapter
             self.sync(agent)
         self.seeds = torch.Generator().manual_seed(int(torch.randint(0, 2**62, ())))
         barrier()
@@ -232,10 +289,11 @@ class VLLMServerEngine:
     ) -> Generation:
         """Every prompt one request, all in flight at once; request i seeded ``seeds[i]``, else from the
         engine's generator."""
+        model, adapter = served(agent)
         with self.lock:
-            server = self.servers.get(id(agent.model))
-            if server is None or server.version is None:  # never sent: now (else the last rollout's sync holds)
-                server = self.sync(agent)
+            server = self.servers.get(id(model))
+            if server is None or server.version is None or (adapter is not None and adapter not in server.adapters):
+                server = self.sync(agent)  # never sent: now (else the last rollout's sync holds)
             if seeds is None:
                 base = int(torch.randint(0, 2**62, (), generator=self.seeds))  # a seeded run samples alike
                 seeds = [base + i for i in range(len(prompts))]
@@ -245,7 +303,7 @@ class VLLMServerEngine:
         if sampling.greedy and num_samples > 1:  # the server refuses n > 1 when greedy: one sample, copied
             params["n"], copies = 1, num_samples
         bodies = [
-            {"model": SERVED_NAME, "token_ids": prompt, "sampling_params": dict(params, seed=int(seed))}
+            {"model": adapter or SERVED_NAME, "token_ids": prompt, "sampling_params": dict(params, seed=int(seed))}
             for prompt, seed in zip(prompts, seeds, strict=True)
         ]
         replies = list(self.pool.map(lambda body: server.client.post("/inference/v1/generate", body), bodies))
@@ -253,10 +311,14 @@ class VLLMServerEngine:
         return generation_of(agent, prompts, num_samples, outputs, sampling.max_new_tokens)
 
     def close(self) -> None:
-        """Stop the servers the run started (they are started again if a later rollout asks)."""
+        """Stop the servers the run started (they are started again if a later rollout asks) and delete the
+        adapters saved for them."""
         for server in self.servers.values():
             if server.process is not None:
                 server.process.stop()
+            for _, folder in server.adapters.values():
+                if folder is not None:
+                    shutil.rmtree(folder, ignore_errors=True)
         self.servers.clear()
 
 
@@ -277,10 +339,10 @@ def _samples(client: ServerClient, reply) -> list[Sample]:
 
 
 def _models(agents: list[Agent]) -> dict[int, Agent]:
-    """The first agent of each distinct model, in the team's order."""
+    """The first agent of each distinct served model (a LoRA team's base: one), in the team's order."""
     models: dict[int, Agent] = {}
     for agent in agents:
-        models.setdefault(id(agent.model), agent)
+        models.setdefault(id(served(agent)[0]), agent)
     return models
 
 

@@ -37,7 +37,8 @@ class ServerClient:
         return ServerError(f"vLLM server {self.url}{route}: {cause}" + (f"\n{extra}" if extra else ""))
 
     def request(self, route: str, body: dict | None = None, method: str = "POST", timeout_s: float | None = None):
-        """The decoded JSON reply of ``route`` (None for an empty one)."""
+        """The decoded JSON reply of ``route`` (None for an empty one; its text where it is plain text, as vLLM's
+        LoRA routes answer)."""
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(
             self.url + route, data=data, method=method, headers={"Content-Type": "application/json"}
@@ -45,7 +46,7 @@ class ServerClient:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         try:
             with urllib.request.urlopen(request, timeout=timeout) as reply:
-                raw = reply.read()
+                raw, kind = reply.read(), reply.headers.get("Content-Type") or ""
         except urllib.error.HTTPError as error:
             detail = error.read().decode(errors="replace")[:2000]
             hint = ""
@@ -55,6 +56,8 @@ class ServerClient:
                 hint = " (this route needs VLLM_SERVER_DEV_MODE=1 where the server runs)"
             elif error.code == 403 and route == "/inference/v1/generate":
                 hint = " (start the server with --tokens-only or --enable-scale-out)"
+            elif error.code in (400, 404) and route == "/v1/load_lora_adapter":
+                hint = " (start the server with --enable-lora, --max-loras and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)"
             raise self.error(route, f"HTTP {error.code}{hint}: {detail}") from error
         except (TimeoutError, socket.timeout) as error:
             raise self.error(route, f"no reply within {timeout:g} s (data.engine_options.timeout_s)") from error
@@ -63,6 +66,8 @@ class ServerClient:
             raise self.error(route, f"unreachable ({reason})") from error
         if not raw:
             return None
+        if kind.startswith("text/plain"):
+            return raw.decode(errors="replace")
         try:
             return json.loads(raw)
         except ValueError as error:

@@ -106,14 +106,23 @@ def tail(log: Path, lines: int = LOG_TAIL_LINES) -> str:
 
 
 def server_command(
-    python: str, folder: str, port: int, dtype: str, backend: str, settings, cpu: bool = False, max_len: int = 0
+    python: str,
+    folder: str,
+    port: int,
+    dtype: str,
+    backend: str,
+    settings,
+    cpu: bool = False,
+    max_len: int = 0,
+    lora: dict | None = None,
 ):
     """The command line of one server (``settings``: ``ServerSettings``; its ``server_args`` last, as
     flags: ``{max_model_len: 4096}`` -> ``--max-model-len 4096``, true -> the bare flag). On CPU, unless
     told otherwise, it runs eagerly (vLLM's graph compilation there takes minutes at every start) and
     without chunked prefill (its batch budget raised to the model's length ``max_len``): vLLM 0.32 on CPU
     rewinds a seeded request's generator after a partial prefill, which a CPU generator cannot do, and its
-    engine dies ("CPU Generator does not use offset") as soon as a batch's prompts outgrow the budget."""
+    engine dies ("CPU Generator does not use offset") as soon as a batch's prompts outgrow the budget.
+    ``lora``: the LoRA slots of a team of adapters on the model (``vllm.lora_slots``), loaded at run time."""
     command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", folder]
     command += ["--served-model-name", "lit_marl", "--host", settings.host, "--port", str(port)]
     command += ["--dtype", dtype, "--load-format", "dummy", "--skip-tokenizer-init", "--tokens-only"]
@@ -121,7 +130,7 @@ def server_command(
     command += ["--weight-transfer-config", json.dumps({"backend": backend})]
     command += ["--tensor-parallel-size", str(settings.tensor_parallel_size)]
     command += ["--data-parallel-size", str(settings.data_parallel_size)]
-    args = settings.server_args
+    args = {**(lora or {}), **settings.server_args}
     if cpu:
         defaults: dict = {"enforce_eager": True}
         if "enable_chunked_prefill" not in args:
@@ -137,10 +146,13 @@ def server_command(
     return command
 
 
-def server_env(settings, device_type: str) -> dict:
-    """The server's environment: this one's, the transfer routes on, and on CPU its OpenMP threads left
-    unpinned (the trainer shares the cores) with a KV cache budget unless the user set one."""
+def server_env(settings, device_type: str, lora: bool = False) -> dict:
+    """The server's environment: this one's, the transfer routes on (with ``lora`` the route that loads
+    adapters at run time too), and on CPU its OpenMP threads left unpinned (the trainer shares the cores)
+    with a KV cache budget unless the user set one."""
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
+    if lora:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     if settings.gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = settings.gpus
     if device_type == "cpu":
@@ -149,13 +161,17 @@ def server_env(settings, device_type: str) -> dict:
     return env
 
 
-def start_server(model_config, settings, dtype: str, backend: str, device_type: str, port: int) -> ServerProcess:
-    """Start a server for a model of this ``model_config`` (transformers'), serving ``dtype``."""
+def start_server(
+    model_config, settings, dtype: str, backend: str, device_type: str, port: int, lora: dict | None = None
+) -> ServerProcess:
+    """Start a server for a model of this ``model_config`` (transformers'), serving ``dtype`` (with ``lora``
+    slots: adapters loaded at run time)."""
     folder = tempfile.TemporaryDirectory(prefix="lit_marl_server_")
     model_config.save_pretrained(folder.name)  # the architecture only: weights come by transfer
     python = settings.python or sys.executable
     max_len = getattr(model_config, "max_position_embeddings", 0) or 0
-    command = server_command(python, folder.name, port, dtype, backend, settings, device_type == "cpu", max_len)
+    command = server_command(python, folder.name, port, dtype, backend, settings, device_type == "cpu", max_len, lora)
     log = Path(settings.log_dir or Path(tempfile.gettempdir()) / "lit_marl_server_logs") / f"vllm_server_{port}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    return ServerProcess(command, server_env(settings, device_type), f"http://{settings.host}:{port}", folder, log)
+    env = server_env(settings, device_type, lora=bool(lora))
+    return ServerProcess(command, env, f"http://{settings.host}:{port}", folder, log)

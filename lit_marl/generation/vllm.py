@@ -108,6 +108,16 @@ GPU_DEFAULTS = dict(gpu_memory_utilization=0.3, enable_sleep_mode=True, max_num_
 CPU_DEFAULTS = dict(kv_cache_memory_bytes=1 << 30, enforce_eager=True)
 
 
+def lora_slots(adapters: dict) -> dict:
+    """vLLM's settings that serve ``adapters`` (their LoRA configs by name) beside one base: LoRA on, a
+    slot per adapter, the smallest of vLLM's slot ranks that holds the largest."""
+    rank = max(config.r for config in adapters.values())
+    allowed = [r for r in LORA_RANKS if r >= rank]  # vLLM's slots come in these sizes
+    if not allowed:
+        raise ValueError(f"model.lora.r={rank}: vLLM serves LoRA ranks up to {LORA_RANKS[-1]}")
+    return dict(enable_lora=True, max_lora_rank=allowed[0], max_loras=len(adapters))
+
+
 class LLMBackend:
     """A real ``vllm.LLM`` for one model, in this process (V1 multiprocessing off so that the weights
     stream in without leaving it). ``external_launcher``: the trainer's ranks are the launcher
@@ -142,11 +152,7 @@ class LLMBackend:
             kwargs.update(distributed_executor_backend="external_launcher", seed=rank)
         adapters = served_adapters(agent)
         if adapters:  # a team of LoRA agents on one base: one instance, each agent's adapter per request
-            rank = max(config.r for config in adapters.values())
-            allowed = [r for r in LORA_RANKS if r >= rank]  # vLLM's slots come in these sizes
-            if not allowed:
-                raise ValueError(f"model.lora.r={rank}: vLLM serves LoRA ranks up to {LORA_RANKS[-1]}")
-            kwargs.update(enable_lora=True, max_lora_rank=allowed[0], max_loras=len(adapters))
+            kwargs.update(lora_slots(adapters))
         kwargs.update(llm_kwargs)
         self.sleeps = bool(kwargs.get("enable_sleep_mode", False))
         self.adapters = 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import sys
 import tempfile
@@ -179,6 +180,62 @@ def test_a_started_server_that_dies_mid_rollout_is_named_with_its_exit_and_log(t
     )
     with pytest.raises(ServerError, match=r"(?s)did not start.*exited with code 3.*no such model"):
         failing.wait_healthy(ServerClient(failing.url, 1.0), 30)
+
+
+def lora_team():
+    """Two agents as LoRA adapters on one tiny base, their adapters apart (B not zero)."""
+    from peft import get_peft_model
+
+    from lit_marl.agents import AdapterView, LoraSettings, lora_config
+
+    base, tokenizer = Agent("tiny-random").model, Agent("tiny-random").tokenizer
+    shared = get_peft_model(base, lora_config(LoraSettings(r=4, alpha=8)), adapter_name="agent0")
+    shared.add_adapter("agent1", lora_config(LoraSettings(r=4, alpha=8)))
+    with torch.no_grad():
+        for name, p in shared.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    return [Agent("tiny-random", loaded=(AdapterView(shared, f"agent{i}"), tokenizer)) for i in (0, 1)], shared
+
+
+def test_a_lora_team_on_one_base_is_one_server_its_base_sent_once_each_adapter_loaded_when_it_changed(stand_in):
+    """The base goes by the transfer protocol once (adapters off), each agent's adapter is saved and loaded
+    by path under its name, and each agent's requests name it: the server's greedy rows are each agent's
+    own policy. After agent 0's adapter changes only it is loaded again (in place), and rows follow."""
+    agents, shared = lora_team()
+    engine = make_engine("vllm_server", {"servers": [stand_in.url]})
+    engine.check_team(agents, "cpu")  # one address for the team: one base
+    with engine.rollout(agents):
+        rows = [engine.generate(agent, PROMPTS, 1, GREEDY) for agent in agents]
+    for agent, served in zip(agents, rows):
+        assert same_rows(served, lean(agent, PROMPTS))
+    assert not same_rows(*rows), "the two adapters decode alike: the check is void"
+    loads = [e for e in stand_in.events if e.startswith("/v1/load_lora_adapter")]
+    assert loads == ["/v1/load_lora_adapter:agent0", "/v1/load_lora_adapter:agent1"]
+    assert stand_in.events.count("/update_weights") == 1 and {b["model"] for b in stand_in.bodies} == {
+        "agent0",
+        "agent1",
+    }
+    base_names = {name for name, *_ in served_metadata(shared)}  # sent with the adapters off: the base's names
+    assert not any("lora" in name for name in base_names)
+    before = lean(agents[0], PROMPTS)
+    with torch.no_grad():
+        for name, p in shared.named_parameters():
+            if "lora_B" in name and ".agent0." in name:
+                p.add_(torch.randn_like(p))
+    assert not same_rows(before, lean(agents[0], PROMPTS)), "the change moved no greedy row: the check is void"
+    with engine.rollout(agents):
+        rows = [engine.generate(agent, PROMPTS, 1, GREEDY) for agent in agents]
+    for agent, served in zip(agents, rows):
+        assert same_rows(served, lean(agent, PROMPTS))
+    loads = [e for e in stand_in.events if e.startswith("/v1/load_lora_adapter")]
+    assert loads[2:] == ["/v1/load_lora_adapter:agent0"] and stand_in.events.count("/update_weights") == 1
+    assert stand_in.events[-1] == "/inference/v1/generate" and "/reset_prefix_cache" in stand_in.events[-12:]
+    folders = [folder for _, folder in next(iter(engine.servers.values())).adapters.values()]
+    assert len(folders) == 2 and all(os.path.isdir(f) for f in folders)  # the versions before: deleted
+    assert len(os.listdir(os.path.dirname(folders[0]))) == 2
+    engine.close()
+    assert not any(os.path.isdir(f) for f in folders)
 
 
 def test_the_declared_metadata_is_what_the_stream_sends():

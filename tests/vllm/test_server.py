@@ -14,6 +14,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
@@ -91,6 +92,45 @@ def test_tensor_parallel_servers_give_the_same_tokens(tmp_path):
     assert rows(outputs[0]) == rows(outputs[1])
     assert float((outputs[0].logprobs - outputs[1].logprobs).abs().max()) < 1e-4
     assert float((outputs[1].logprobs - trainer_logprobs(agent, outputs[1])).abs().max()) < 2e-3
+
+
+def test_a_lora_team_on_one_base_is_served_as_runtime_adapters(tmp_path):
+    """Two agents as LoRA adapters on one base: one server (the base sent once by the transfer protocol),
+    each adapter loaded by path at run time and named by its agent's requests; greedy rows equal the
+    colocated engine's (its instance applies the same adapters) and follow each agent's policy, also after
+    agent 0's adapter changed and was loaded again in place."""
+    from peft import get_peft_model
+
+    from lit_marl.agents import AdapterView, LoraSettings, lora_config
+
+    base, tokenizer = Agent("tiny-random").model, Agent("tiny-random").tokenizer
+    shared = get_peft_model(base, lora_config(LoraSettings(r=4, alpha=8)), adapter_name="agent0")
+    shared.add_adapter("agent1", lora_config(LoraSettings(r=4, alpha=8)))
+    with torch.no_grad():
+        for name, p in shared.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    agents = [Agent("tiny-random", loaded=(AdapterView(shared, f"agent{i}"), tokenizer)) for i in (0, 1)]
+    prompts = [[5, 17, 33, 101], [7, 8, 9], [300, 301, 302, 303, 304], [11, 12]]
+    server = make_engine("vllm_server", {**SERVER, "log_dir": str(tmp_path)})
+    colocated = make_engine("vllm", OPTIONS)
+    try:
+        for change in range(2):
+            if change:
+                with torch.no_grad():
+                    for name, p in shared.named_parameters():
+                        if "lora_B" in name and ".agent0." in name:
+                            p.add_(torch.randn_like(p))
+            outputs = []
+            for agent in agents:
+                ours, theirs = served(server, agent, prompts), served(colocated, agent, prompts)
+                assert rows(ours) == rows(theirs), f"{agent.model.adapter} after {change} changes"
+                assert float((ours.logprobs - trainer_logprobs(agent, ours)).abs().max()) < 2e-3
+                outputs.append(rows(ours))
+            assert outputs[0] != outputs[1], "the two adapters decode alike: the check is void"
+        assert len(server.servers) == 1 and server.syncs == 1 and server.adapter_syncs == 3
+    finally:
+        server.close()
 
 
 def test_a_server_killed_mid_rollout_is_named_within_the_timeout(smollm2, tmp_path):
