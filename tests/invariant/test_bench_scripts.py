@@ -8,7 +8,7 @@ setting, ranks, a ``lit-marl fit``) and the other venvs' run as plain subprocess
 
 bench_magrpo.py's worker is run by test_bench.py. What needs something optional is skipped only when
 that thing is absent: CoMLRL's worker (.venv-comlrl), bench_engines.py's vLLM engine and
-bench_overlap.py's server (the vllm marker: run with .venv-vllm/bin/python -m pytest -m vllm
+bench_overlap.py's and bench_turns.py's server (the vllm marker: run with .venv-vllm/bin/python -m pytest -m vllm
 tests/invariant/test_bench_scripts.py).
 """
 
@@ -372,6 +372,20 @@ def test_bench_overlap_runs_both_settings_on_a_cpu_server(tmp_path):
     assert finite(fits[0]["steps_per_minute"], fits[1]["steps_per_minute"])
     (summary,) = lines_with(out, "median steps/min")
     assert len(numbers(summary)) >= 3
+
+
+@pytest.mark.vllm
+def test_bench_turns_plays_the_same_episodes_lockstep_and_independent_on_a_cpu_server(tmp_path):
+    """bench_turns.py on the tiny model: a rollout per setting on one CPU server, the same episodes, both
+    times, the sleep floors and the ratio."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (.venv-vllm: make vllm)")
+    args = ("--model", "tiny-random", "--episodes", "3", "--max-turns", "2", "--repeats", "1", "--mean-sleep", "0.1")
+    out = run_script("bench_turns.py", *args, cwd=tmp_path, timeout=900)
+    rollouts = {row["turns"]: row for row in json_lines(out)}
+    assert rollouts["lockstep"]["turns_played"] == rollouts["independent"]["turns_played"] > 0
+    assert finite(rollouts["lockstep"]["rollout_s"], rollouts["independent"]["rollout_s"])
+    (summary,) = lines_with(out, "median rollout s")
+    assert "same episodes: True" in summary and len(numbers(summary)) >= 5
 
 
 # --------------------------------------------------------------------------- environments and the sandbox
