@@ -10,8 +10,9 @@ starts one CPU server per agent's model), ``model.update.rollout_is_cap: 2.0`` i
 seed; the settings alternate within a seed. A finished cell is a row of ``results.jsonl`` and is not run
 again; ``results.md`` is written after each: per cell the held-out success and reward before and after
 training (the quickstart's HeldOutEvaluation), the training reward's mean over the last 10 steps, the
-mean staleness and the training time; per setting the mean ± std over seeds. Budgets are in steps
-(the config's 30), never wall time.
+mean staleness and the training time; per setting the mean ± std over seeds; and curves.png, each
+setting's curves averaged over its seeds (``lit-marl plot --average``). Budgets are in steps (the
+config's 30), never wall time.
 """
 
 from __future__ import annotations
@@ -96,6 +97,21 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def figure(out: Path) -> None:
+    """curves.png: each setting's training reward, held-out success and staleness per step, the mean over
+    its seeds with the band from the lowest to the highest (``lit-marl plot --average``)."""
+    from lit_marl import ConfigError
+    from lit_marl.plots import plot
+
+    tags = ["train/reward", "eval/success", "train/staleness"]
+    cells = out / "cells"
+    cells = str(cells.relative_to(Path.cwd()) if cells.is_relative_to(Path.cwd()) else cells)  # the figure's title
+    try:
+        plot([cells], out / "curves.png", tags, average="-seed[0-9]+")
+    except ConfigError:  # one cell per setting so far: nothing to average
+        plot([cells], out / "curves.png", tags)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -115,6 +131,7 @@ def main() -> None:
             with open(results, "a") as handle:
                 handle.write(json.dumps(row) + "\n")
             (out / "results.md").write_text(table(rows))
+            figure(out)
             print(json.dumps({k: v for k, v in row.items() if k != "command"}), flush=True)
 
 
