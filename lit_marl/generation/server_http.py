@@ -37,8 +37,8 @@ class ServerClient:
         return ServerError(f"vLLM server {self.url}{route}: {cause}" + (f"\n{extra}" if extra else ""))
 
     def request(self, route: str, body: dict | None = None, method: str = "POST", timeout_s: float | None = None):
-        """The decoded JSON reply of ``route`` (None for an empty one; its text where it is plain text, as vLLM's
-        LoRA routes answer)."""
+        """The decoded JSON reply of ``route`` (None for an empty one; its text where it is not JSON and not
+        declared JSON, as vLLM's LoRA routes answer)."""
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(
             self.url + route, data=data, method=method, headers={"Content-Type": "application/json"}
@@ -66,11 +66,11 @@ class ServerClient:
             raise self.error(route, f"unreachable ({reason})") from error
         if not raw:
             return None
-        if kind.startswith("text/plain"):
-            return raw.decode(errors="replace")
         try:
             return json.loads(raw)
         except ValueError as error:
+            if "json" not in kind:  # vLLM's LoRA routes answer plain text, without a content type
+                return raw.decode(errors="replace")
             raise self.error(route, f"a reply that is not JSON: {raw[:200]!r}") from error
 
     def healthy(self, timeout_s: float = 5.0) -> bool:

@@ -293,3 +293,32 @@ def test_the_trainer_side_group_times_out_rather_than_hangs():
     with pytest.raises(RuntimeError):
         gloo_group(store, 0, 2, 2)
     assert time.monotonic() - started < 30
+
+
+def test_replies_are_json_or_named_and_vllms_plain_text_answers_are_read_as_text():
+    """vLLM's LoRA routes answer plain text without a content type: read as text; a reply declared JSON that
+    is not raises naming the route."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            body = b"Success: LoRA adapter 'a' added successfully." if self.path == "/text" else b"{broken"
+            self.send_response(200)
+            if self.path != "/text":
+                self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = ServerClient(f"http://127.0.0.1:{server.server_address[1]}", 5.0)
+        assert client.post("/text", {}) == "Success: LoRA adapter 'a' added successfully."
+        with pytest.raises(ServerError, match="/json: a reply that is not JSON"):
+            client.post("/json", {})
+    finally:
+        server.shutdown()
