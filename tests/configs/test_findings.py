@@ -136,3 +136,22 @@ def sft_stage_name(ablation, args, key: dict) -> str:
     (phase,) = [c for c in config["trainer"]["callbacks"] if c["class_path"].endswith("PhaseSwitch")]
     switch = {**phase["init_args"], "budget": ablation.budget(args, key["split"])[0] * args.demo_cost, "split": "1:0"}
     return ablation.sft_stage_id(args, config, switch, key["train"], key["seed"])
+
+
+def test_the_overlap_table_in_generation_md_is_its_grids_results():
+    """docs/generation.md's table of the quickstart on vLLM servers (on-policy against one step off-policy)
+    is the committed results.md, and that is overlap_curves.py's table of the grid's rows."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("overlap_curves", REPO_ROOT / "scripts" / "overlap_curves.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    page = (REPO_ROOT / "docs" / "generation.md").read_text()
+    blocks = re.findall(r"<!-- overlap results: (\S+) -->\n(.*?)<!-- end overlap results -->", page, re.S)
+    assert blocks, "docs/generation.md quotes no overlap results"
+    for path, block in blocks:
+        results = REPO_ROOT / path
+        assert table_lines(block) == table_lines(results.read_text()), f"docs/generation.md's copy of {path} differs"
+        rows = [json.loads(line) for line in (results.parent / "results.jsonl").read_text().splitlines()]
+        assert table_lines(results.read_text()) == table_lines(script.table(rows)), f"{path} is not its rows' table"
