@@ -505,6 +505,10 @@ def test_a_lora_team_shares_one_instance_each_agent_sending_its_adapter(tiny_age
     with engine.rollout(team):
         engine.generate(team[1], prompts, 1, sampling=Sampling(max_new_tokens=3))
     assert sent[5:] == ["add_adapter:agent1-3", "generate:agent1-3"] and engine.syncs == 1  # no base reload
+    with shared.disable_adapter():  # the initial policy (MADPO's candidates): the base alone, adapters kept off
+        with engine.rollout(team):
+            engine.generate(team[0], prompts, 1, sampling=Sampling(max_new_tokens=3))
+        assert sent[-1] == "generate" and all(m.disable_adapters for m in shared.modules() if hasattr(m, "lora_A"))
 
 
 def test_a_kl_reference_adapter_is_not_served(tiny_agent):
