@@ -24,6 +24,7 @@ from peft import LoraConfig, get_peft_model
 from stand_in import StandIn
 from torch.distributed import TCPStore
 
+from helpers import lora_team
 from lit_marl import ConfigError
 from lit_marl.agents import Agent
 from lit_marl.generation import Sampling, make_engine
@@ -183,27 +184,12 @@ def test_a_started_server_that_dies_mid_rollout_is_named_with_its_exit_and_log(t
         failing.wait_healthy(ServerClient(failing.url, 1.0), 30)
 
 
-def lora_team():
-    """Two agents as LoRA adapters on one tiny base, their adapters apart (B not zero)."""
-    from peft import get_peft_model
-
-    from lit_marl.agents import AdapterView, LoraSettings, lora_config
-
-    base, tokenizer = Agent("tiny-random").model, Agent("tiny-random").tokenizer
-    shared = get_peft_model(base, lora_config(LoraSettings(r=4, alpha=8)), adapter_name="agent0")
-    shared.add_adapter("agent1", lora_config(LoraSettings(r=4, alpha=8)))
-    with torch.no_grad():
-        for name, p in shared.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.5)
-    return [Agent("tiny-random", loaded=(AdapterView(shared, f"agent{i}"), tokenizer)) for i in (0, 1)], shared
-
-
 def test_a_lora_team_on_one_base_is_one_server_its_base_sent_once_each_adapter_loaded_when_it_changed(stand_in):
     """The base goes by the transfer protocol once (adapters off), each agent's adapter is saved and loaded
     by path under its name, and each agent's requests name it: the server's greedy rows are each agent's
     own policy. After agent 0's adapter changes only it is loaded again (in place), and rows follow."""
-    agents, shared = lora_team()
+    agents = lora_team(Agent("tiny-random").model, "tiny-random", Agent("tiny-random").tokenizer)
+    shared = agents[0].model.shared
     engine = make_engine("vllm_server", {"servers": [stand_in.url]})
     engine.check_team(agents, "cpu")  # one address for the team: one base
     with engine.rollout(agents):
