@@ -419,3 +419,20 @@ QWEN25_TOOLS = (
 def answer_length(task: dict, answer: str, calls: list[dict]) -> float:
     """A tool task's reward that varies with every answer (a random model's too): its length, capped at 1."""
     return min(len(answer) / 40.0, 1.0)
+
+
+def lora_team(base: torch.nn.Module, source: str, tokenizer) -> list:
+    """Two agents as LoRA adapters ``agent0``/``agent1`` on one ``base`` (``source``'s architecture), with
+    trained-looking (random, non-zero) adapters so that the two differ from the base and from each other;
+    their peft model is ``agents[0].model.shared``."""
+    from peft import get_peft_model
+
+    from lit_marl.agents import AdapterView, Agent, LoraSettings, lora_config
+
+    shared = get_peft_model(base, lora_config(LoraSettings(r=4, alpha=8)), adapter_name="agent0")
+    shared.add_adapter("agent1", lora_config(LoraSettings(r=4, alpha=8)))
+    with torch.no_grad():
+        for name, p in shared.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    return [Agent(source, loaded=(AdapterView(shared, f"agent{i}"), tokenizer)) for i in (0, 1)]

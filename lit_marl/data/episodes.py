@@ -46,8 +46,8 @@ class EpisodeDataModule(TaskDataModule):
             its next request sent as soon as its environment has stepped (the server batches whatever is in
             flight); each request seeded by episode, agent and turn, so the rollout does not depend on the order
             replies arrive in. Needs an engine that generates off the trainer's devices (``vllm_server``), and
-            an environment whose ``step`` may run for several episodes at once (games: each its own instance;
-            a text environment: its reward function and transition called from several threads).
+            an environment whose ``step`` may run for several episodes at once, up to ``env_workers`` (games:
+            each its own instance; a text environment: its reward function and transition from several threads).
     """
 
     def __init__(

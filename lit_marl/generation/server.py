@@ -14,9 +14,10 @@ Every prompt of a call is its own request, all in flight at once (up to ``max_co
 per engine): the server batches them. A request is token ids in, token ids and each sampled token's
 log-prob out (vLLM's raw distribution, what the trainer's forward recomputes), every sampling field sent
 (vLLM's defaults never apply) with a seed drawn from the run's generator, so a seeded run samples the
-same rollouts again; seeds handed in (``generate_team``'s, one per prompt: ``data.sampling_streams: per_task``,
-``data.turns: independent``) are the requests' own, so a response depends on its seed alone, not on which
-requests share the server's batch or in which order they arrive.
+same rollouts again (each rank its own streams); seeds handed in (``generate_team``'s, one per prompt:
+``data.sampling_streams: per_task``, ``data.turns: independent``) are the requests' own, so a response does
+not depend on the order requests arrive in (vLLM samples a seeded request from a generator of its own), up
+to the float differences a batch's other rows make in its logits.
 
 At the start of each rollout block (``rollout``; a generation outside one only sends a model never
 sent) every model whose parameters changed since its last sync is sent whole
@@ -47,16 +48,18 @@ import torch
 from lit_marl import ConfigError
 from lit_marl.agents import Agent
 from lit_marl.fields import PositiveFloat, PositiveInt, check_dataclass
-from lit_marl.generation.base import Generation, Sampling
+from lit_marl.generation.base import Generation, Sampling, stream_seed
 from lit_marl.generation.server_http import ServerClient, ServerError
 from lit_marl.generation.server_process import ServerProcess, start_server
 from lit_marl.generation.transfer import GLOO_BACKEND, free_port, make_sender, reachable_address
 from lit_marl.generation.vllm import (
     Sample,
+    base_alone,
     check_serving_dtype,
     compute_dtype,
     generation_of,
     lora_slots,
+    request_adapter,
     sampling_params,
     served,
     served_adapters,
@@ -203,7 +206,7 @@ class VLLMServerEngine:
         version = weight_version(model, (lambda n: "lora_" not in n) if adapter else None)
         changed = server.version != version
         if changed:
-            with model.disable_adapter() if adapter else contextlib.nullcontext():  # a LoRA team: the base alone
+            with base_alone(model) if adapter else contextlib.nullcontext():  # a LoRA team: the base alone
                 self._send(server, model)
             server.version = version
             self.syncs += 1
@@ -245,10 +248,15 @@ class VLLMServerEngine:
             if self.settings.adapter_dir is None and self.folder is None:
                 self.folder = tempfile.TemporaryDirectory(prefix="lit_marl_server_adapters_")
             root = self.settings.adapter_dir or self.folder.name
-            folder = os.path.join(root, f"{adapter}-{self.adapter_syncs}")
-            agent.model.save_adapter(Path(folder))
-            body = {"lora_name": adapter, "lora_path": os.path.abspath(folder), "load_inplace": True}
-            server.client.post("/v1/load_lora_adapter", body)
+            os.makedirs(root, exist_ok=True)
+            folder = tempfile.mkdtemp(prefix=f"{adapter}-", dir=root)  # a run's own, beside other runs' in adapter_dir
+            try:
+                agent.model.save_adapter(Path(folder))
+                body = {"lora_name": adapter, "lora_path": os.path.abspath(folder), "load_inplace": True}
+                server.client.post("/v1/load_lora_adapter", body)
+            except BaseException:
+                shutil.rmtree(folder, ignore_errors=True)
+                raise
             if known is not None and known[1] is not None:  # the version before: replaced, not read again
                 shutil.rmtree(known[1], ignore_errors=True)
         server.adapters[adapter] = (version, folder)
@@ -261,7 +269,7 @@ class VLLMServerEngine:
         generated in the background (``data.max_staleness``) draws nothing from the run's generators."""
         for agent in {(id(served(a)[0]), served(a)[1]): a for a in agents}.values():  # each model, each adapter
             self.sync(agent)
-        self.seeds = torch.Generator().manual_seed(int(torch.randint(0, 2**62, ())))
+        self.seeds = torch.Generator().manual_seed(stream_seed(int(torch.randint(0, 2**62, ())), rank()))
         barrier()
         yield
 
@@ -290,20 +298,21 @@ class VLLMServerEngine:
         """Every prompt one request, all in flight at once; request i seeded ``seeds[i]``, else from the
         engine's generator."""
         model, adapter = served(agent)
+        name = request_adapter(agent) or SERVED_NAME  # an adapter of a LoRA team, or the base (adapters off)
         with self.lock:
             server = self.servers.get(id(model))
             if server is None or server.version is None or (adapter is not None and adapter not in server.adapters):
                 server = self.sync(agent)  # never sent: now (else the last rollout's sync holds)
-            if seeds is None:
-                base = int(torch.randint(0, 2**62, (), generator=self.seeds))  # a seeded run samples alike
-                seeds = [base + i for i in range(len(prompts))]
+            if seeds is None:  # a seeded run samples alike; vLLM seeds sample k of a request seed + k
+                base = int(torch.randint(0, 2**62, (), generator=self.seeds))
+                seeds = [base + i * num_samples for i in range(len(prompts))]
         params = sampling_params(sampling, num_samples, [agent.eos_token_id])
         params.update(min_p=0.0, skip_special_tokens=False)
         copies = 1
         if sampling.greedy and num_samples > 1:  # the server refuses n > 1 when greedy: one sample, copied
             params["n"], copies = 1, num_samples
         bodies = [
-            {"model": adapter or SERVED_NAME, "token_ids": prompt, "sampling_params": dict(params, seed=int(seed))}
+            {"model": name, "token_ids": prompt, "sampling_params": dict(params, seed=int(seed))}
             for prompt, seed in zip(prompts, seeds, strict=True)
         ]
         replies = list(self.pool.map(lambda body: server.client.post("/inference/v1/generate", body), bodies))
@@ -320,6 +329,9 @@ class VLLMServerEngine:
                 if folder is not None:
                     shutil.rmtree(folder, ignore_errors=True)
         self.servers.clear()
+        if self.folder is not None:
+            self.folder.cleanup()
+            self.folder = None
 
 
 def _samples(client: ServerClient, reply) -> list[Sample]:

@@ -18,6 +18,8 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable
 
+TEXT_ROUTES = ("/v1/load_lora_adapter",)  # vLLM answers them in plain text, without a content type
+
 
 class ServerError(RuntimeError):
     """A vLLM server did not answer as the rollout needs: dead, unreachable, too slow, or refusing."""
@@ -37,8 +39,8 @@ class ServerClient:
         return ServerError(f"vLLM server {self.url}{route}: {cause}" + (f"\n{extra}" if extra else ""))
 
     def request(self, route: str, body: dict | None = None, method: str = "POST", timeout_s: float | None = None):
-        """The decoded JSON reply of ``route`` (None for an empty one; its text where it is not JSON and not
-        declared JSON, as vLLM's LoRA routes answer)."""
+        """The decoded JSON reply of ``route`` (None for an empty one; the text of a route that answers plain
+        text, ``TEXT_ROUTES``)."""
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(
             self.url + route, data=data, method=method, headers={"Content-Type": "application/json"}
@@ -69,7 +71,7 @@ class ServerClient:
         try:
             return json.loads(raw)
         except ValueError as error:
-            if "json" not in kind:  # vLLM's LoRA routes answer plain text, without a content type
+            if route in TEXT_ROUTES and "json" not in kind:  # plain text, without a content type
                 return raw.decode(errors="replace")
             raise self.error(route, f"a reply that is not JSON: {raw[:200]!r}") from error
 

@@ -133,17 +133,35 @@ def server_command(
     args = {**(lora or {}), **settings.server_args}
     if cpu:
         defaults: dict = {"enforce_eager": True}
-        if "enable_chunked_prefill" not in args:
-            command.append("--no-enable-chunked-prefill")
-            defaults["max_num_batched_tokens"] = max(int(args.get("max_model_len") or max_len), 2048)
+        if not args.get("enable_chunked_prefill"):  # off (ours, or the user's): a budget that holds a whole prompt
+            args["enable_chunked_prefill"] = False
+            defaults["max_num_batched_tokens"] = max(tokens(args.get("max_model_len")) or max_len, 2048)
         args = {**defaults, **args}
     for key, value in args.items():
         flag = "--" + key.replace("_", "-")
         if value is True:
             command.append(flag)
+        elif value is False and key in SWITCHED_ON:  # on by default or by this command: switched off
+            command.append("--no-" + key.replace("_", "-"))
         elif value is not False and value is not None:
             command += [flag, json.dumps(value) if isinstance(value, dict | list) else str(value)]
     return command
+
+
+SWITCHED_ON = ("enable_chunked_prefill", "enable_prefix_caching")  # false: --no-<flag> (else a false flag is left out)
+
+
+def tokens(value) -> int:
+    """A token count as vLLM reads it: 8192, "8192", "8k" (1000s), "8K" (1024s), "1m", "1M"; 0 if none."""
+    if value is None or isinstance(value, bool):
+        return 0
+    text = str(value).strip()
+    scale = {"k": 1000, "K": 1024, "m": 1000**2, "M": 1024**2}.get(text[-1:], 1)
+    number = text[:-1] if scale > 1 else text
+    try:
+        return int(float(number) * scale)
+    except ValueError:
+        return 0
 
 
 def server_env(settings, device_type: str, lora: bool = False) -> dict:

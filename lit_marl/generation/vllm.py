@@ -269,6 +269,29 @@ def served(agent: Agent) -> tuple[torch.nn.Module, str | None]:
     return (model.shared, model.adapter) if isinstance(model, AdapterView) else (model, None)
 
 
+def adapters_off(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s LoRA layers are switched off (``disable_adapter``: the initial policy)."""
+    return any(m.disable_adapters for m in model.modules() if hasattr(m, "lora_A"))
+
+
+def request_adapter(agent: Agent) -> str | None:
+    """The adapter a generation by ``agent`` applies on its base's instance: its own, or None (the base
+    alone) while the adapters are switched off (a LoRA team's initial policy: MADPO's candidates)."""
+    model, adapter = served(agent)
+    return None if adapter is None or adapters_off(model) else adapter
+
+
+@contextlib.contextmanager
+def base_alone(model: torch.nn.Module):
+    """``model`` with its adapters off for the block (peft's ``disable_adapter`` switches them on again at its
+    end: entered only where they are on, so an outer block that switched them off keeps them off)."""
+    if adapters_off(model):
+        yield
+        return
+    with model.disable_adapter():
+        yield
+
+
 def served_adapters(agent: Agent) -> dict:
     """The LoRA configs an instance serving ``agent``'s base applies (none: it serves merged weights); a
     KL reference adapter kept beside a policy's is never sampled from."""
@@ -346,11 +369,13 @@ class VLLMEngine:
         version = weight_version(model, (lambda n: "lora_" not in n) if adapter else None)
         if self.versions.get(key) != version:
             dtype = getattr(torch, self.dtypes[key])
-            with model.disable_adapter() if adapter else contextlib.nullcontext():  # the base alone
+            with base_alone(model) if adapter else contextlib.nullcontext():
                 backend.load_weights(effective_weights(model, dtype))
             self.versions[key] = version
             self.syncs += 1
         handle = self._adapter(agent, key, adapter) if adapter else None
+        if request_adapter(agent) is None:  # the adapters off: the base alone
+            handle = None
         if key in self.asleep:
             free_cached_memory(device.type)  # the gathered and merged tensors of the sync, cached
             backend.wake_up(["kv_cache"])

@@ -248,14 +248,16 @@ def _start(agents, states: list, env: Env, settings: EpisodeSettings) -> list[_L
 
 def _play_independently(agents, env: Env, episodes: list[_Live], settings: EpisodeSettings, engine, clock: dict):
     """``turns: independent``: every episode plays its turns in a thread of its own (``_play_turn`` over it
-    alone), so its next request leaves as soon as its environment has stepped. Each episode's requests are
-    seeded from its own stream (the engine's ``draw_seed``, the episode's index, the agent, the turn): the
-    rollout is the same whatever order the replies arrive in. An episode that raises stops the others at
-    their next turn; its error is raised once every thread has ended."""
+    alone), so its next request leaves as soon as its environment has stepped; the environment's work runs
+    in its pool (``data.env_workers`` at once). Each episode's requests are seeded from its own stream (the
+    engine's ``draw_seed``, the episode's index, the agent, the turn): the rollout does not depend on the
+    order replies arrive in. The first episode to raise stops the others at their next turn (an interrupt
+    of the caller too); its error is raised once every thread has ended."""
     base = engine.draw_seed()
     for index, e in enumerate(episodes):
         e.seed = stream_seed(base, index)
-    stop, lock = threading.Event(), threading.Lock()
+    stop, lock, errors = threading.Event(), threading.Lock(), []
+    env_call = (lambda fn: env.pool.submit(fn).result()) if env.pool is not None else (lambda fn: fn())
 
     def play(e: _Live) -> None:
         mine = dict.fromkeys(clock, 0.0)
@@ -263,29 +265,39 @@ def _play_independently(agents, env: Env, episodes: list[_Live], settings: Episo
             for turn in range(settings.max_turns):
                 if e.done or stop.is_set():
                     return
-                _play_turn(agents, env, [e], turn, settings, engine, mine)
-        except BaseException:
+                _play_turn(agents, env, [e], turn, settings, engine, mine, env_call)
+        except BaseException as error:
+            with lock:
+                errors.append(error)
             stop.set()
-            raise
         finally:
             with lock:
                 for key, value in mine.items():
                     clock[key] += value
 
     with ThreadPoolExecutor(len(episodes), thread_name_prefix="lit_marl_episode") as pool:
-        futures = [pool.submit(play, e) for e in episodes]
-    for future in futures:
-        future.result()
+        try:
+            for future in [pool.submit(play, e) for e in episodes]:
+                future.result()
+        except BaseException:  # the caller interrupted: the episodes stop at their next turn
+            stop.set()
+            raise
+    if errors:
+        raise errors[0]
 
 
-def _play_turn(agents, env: Env, live: list[_Live], turn: int, settings: EpisodeSettings, engine, clock: dict) -> None:
+def _play_turn(
+    agents, env: Env, live: list[_Live], turn: int, settings: EpisodeSettings, engine, clock: dict, env_call=None
+) -> None:
     """ONE batched generation per model over the live episodes (the models together), then ONE
-    ``env.step`` over their states; the next observations are appended, or the episode ends."""
+    ``env.step`` over their states; the next observations are appended, or the episode ends. ``env_call``
+    runs the environment's work (independent turns: in its pool)."""
+    env_call = env_call or (lambda fn: fn())
     t0 = time.perf_counter()
     texts, closed = _generate_replies(agents, live, turn, settings, engine, clock)
     t1 = time.perf_counter()
     last = turn == settings.max_turns - 1
-    steps = env.step([e.state for e in live], texts, turn, last=last)
+    steps = env_call(lambda: env.step([e.state for e in live], texts, turn, last=last))
     ended, going = [], []  # ended: cut short by the rollout's budgets, the env may score them now
     for k, (e, was_closed) in enumerate(zip(live, closed)):
         e.info = steps.infos[k]
@@ -308,9 +320,9 @@ def _play_turn(agents, env: Env, live: list[_Live], turn: int, settings: Episode
             e.ids[i] += seg
             e.mask[i] += [0] * len(seg)
         going.append(e)
-    for e, keys in zip(going, _anchor_keys(env, going, settings)):
+    for e, keys in zip(going, env_call(lambda: _anchor_keys(env, going, settings))):
         _add_keys(e, e.state.observations, keys, settings.anchor)
-    for e, ending in zip(ended, env.end([e.state for e in ended])):
+    for e, ending in zip(ended, env_call(lambda: env.end([e.state for e in ended]))):
         if ending is not None:
             e.info = ending.info
             e.scores[-1] = float(ending.info["score"])

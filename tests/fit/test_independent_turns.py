@@ -9,6 +9,7 @@ import json
 import random
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -115,6 +116,29 @@ def test_no_episode_waits_for_a_slow_episodes_turn(served):
         else:
             assert others_done > slow[1]  # the others' later turns waited for the slow one's
     assert server.most_in_flight >= 2
+
+
+def test_the_environments_work_runs_in_its_pool(served):
+    """With independent turns every episode steps on its own, but no more games at once than the env's pool
+    has threads (``data.env_workers``)."""
+    agent, engine, _ = served
+
+    class Counted(Known):
+        now, most, lock = 0, 0, threading.Lock()
+
+        def play(self, actions):
+            with Counted.lock:
+                Counted.now += 1
+                Counted.most = max(Counted.most, Counted.now)
+            time.sleep(0.05)
+            with Counted.lock:
+                Counted.now -= 1
+            return super().play(actions)
+
+    env = Counted()
+    env.pool = ThreadPoolExecutor(2)
+    play(agent, engine, EpisodeSettings(**{**SAMPLED.__dict__, "turns": "independent"}), env=env)
+    assert Counted.most == 2  # 8 episodes, 2 games at once
 
 
 def test_an_episodes_error_reaches_the_caller_and_every_state_is_released(served):

@@ -10,8 +10,9 @@ import torch
 from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 from transformers.generation.logits_process import TopPLogitsWarper
 
+from helpers import lora_team
 from lit_marl import ConfigError
-from lit_marl.agents import AdapterView, Agent, LoraSettings, lora_config
+from lit_marl.agents import Agent, LoraSettings, lora_config
 from lit_marl.generation import HFEngine, Sampling, TorchEngine, left_pad, make_engine, mask_through_first
 from lit_marl.generation.base import counter_uniforms
 from lit_marl.generation.decoder import Decoder, unsupported
@@ -52,18 +53,8 @@ def llama_agent(tokenizer, **config) -> Agent:
 
 
 def adapter_team(tokenizer) -> list[Agent]:
-    """Two agents as LoRA adapters ``agent0``/``agent1`` on one tiny Llama, with trained-looking
-    (random, non-zero) adapters so that the two differ from the base and from each other."""
-    from peft import get_peft_model
-
-    base = llama_agent(tokenizer).model
-    shared = get_peft_model(base, lora_config(LoraSettings(r=4, alpha=8)), adapter_name="agent0")
-    shared.add_adapter("agent1", lora_config(LoraSettings(r=4, alpha=8)))
-    with torch.no_grad():
-        for name, p in shared.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.5)
-    return [Agent("llama-tiny", loaded=(AdapterView(shared, f"agent{i}"), tokenizer)) for i in (0, 1)]
+    """Two agents as LoRA adapters ``agent0``/``agent1`` on one tiny Llama (``helpers.lora_team``)."""
+    return lora_team(llama_agent(tokenizer).model, "llama-tiny", tokenizer)
 
 
 def hf_greedy(agent, prompts, n, new):
@@ -505,6 +496,10 @@ def test_a_lora_team_shares_one_instance_each_agent_sending_its_adapter(tiny_age
     with engine.rollout(team):
         engine.generate(team[1], prompts, 1, sampling=Sampling(max_new_tokens=3))
     assert sent[5:] == ["add_adapter:agent1-3", "generate:agent1-3"] and engine.syncs == 1  # no base reload
+    with shared.disable_adapter():  # the initial policy (MADPO's candidates): the base alone, adapters kept off
+        with engine.rollout(team):
+            engine.generate(team[0], prompts, 1, sampling=Sampling(max_new_tokens=3))
+        assert sent[-1] == "generate" and all(m.disable_adapters for m in shared.modules() if hasattr(m, "lora_A"))
 
 
 def test_a_kl_reference_adapter_is_not_served(tiny_agent):

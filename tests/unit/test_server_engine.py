@@ -24,6 +24,7 @@ from peft import LoraConfig, get_peft_model
 from stand_in import StandIn
 from torch.distributed import TCPStore
 
+from helpers import lora_team
 from lit_marl import ConfigError
 from lit_marl.agents import Agent
 from lit_marl.generation import Sampling, make_engine
@@ -103,7 +104,8 @@ def test_every_prompt_is_a_request_in_flight_at_once_with_every_sampling_field(s
         "logprobs": 0,
     }
     assert params["stop_token_ids"] == [agent.eos_token_id] and params["detokenize"] is False
-    assert len({b["sampling_params"]["seed"] for b in stand_in.bodies}) == len(PROMPTS)
+    seeds = sorted(b["sampling_params"]["seed"] for b in stand_in.bodies)
+    assert len(seeds) == len(PROMPTS) and min(b - a for a, b in zip(seeds, seeds[1:])) >= 2  # vLLM: sample k, seed + k
     torch.manual_seed(3)
     again = engine.generate(agent, PROMPTS, 2, sampling)
     assert torch.equal(first.completion_ids, again.completion_ids)
@@ -182,27 +184,12 @@ def test_a_started_server_that_dies_mid_rollout_is_named_with_its_exit_and_log(t
         failing.wait_healthy(ServerClient(failing.url, 1.0), 30)
 
 
-def lora_team():
-    """Two agents as LoRA adapters on one tiny base, their adapters apart (B not zero)."""
-    from peft import get_peft_model
-
-    from lit_marl.agents import AdapterView, LoraSettings, lora_config
-
-    base, tokenizer = Agent("tiny-random").model, Agent("tiny-random").tokenizer
-    shared = get_peft_model(base, lora_config(LoraSettings(r=4, alpha=8)), adapter_name="agent0")
-    shared.add_adapter("agent1", lora_config(LoraSettings(r=4, alpha=8)))
-    with torch.no_grad():
-        for name, p in shared.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.5)
-    return [Agent("tiny-random", loaded=(AdapterView(shared, f"agent{i}"), tokenizer)) for i in (0, 1)], shared
-
-
 def test_a_lora_team_on_one_base_is_one_server_its_base_sent_once_each_adapter_loaded_when_it_changed(stand_in):
     """The base goes by the transfer protocol once (adapters off), each agent's adapter is saved and loaded
     by path under its name, and each agent's requests name it: the server's greedy rows are each agent's
     own policy. After agent 0's adapter changes only it is loaded again (in place), and rows follow."""
-    agents, shared = lora_team()
+    agents = lora_team(Agent("tiny-random").model, "tiny-random", Agent("tiny-random").tokenizer)
+    shared = agents[0].model.shared
     engine = make_engine("vllm_server", {"servers": [stand_in.url]})
     engine.check_team(agents, "cpu")  # one address for the team: one base
     with engine.rollout(agents):
@@ -234,6 +221,11 @@ def test_a_lora_team_on_one_base_is_one_server_its_base_sent_once_each_adapter_l
     folders = [folder for _, folder in next(iter(engine.servers.values())).adapters.values()]
     assert len(folders) == 2 and all(os.path.isdir(f) for f in folders)  # the versions before: deleted
     assert len(os.listdir(os.path.dirname(folders[0]))) == 2
+    with shared.disable_adapter():  # the initial policy (MADPO's candidates): the base alone, adapters kept off
+        with engine.rollout(agents):
+            base_rows = engine.generate(agents[1], PROMPTS, 1, GREEDY)
+        assert stand_in.bodies[-1]["model"] == "lit_marl" and same_rows(base_rows, lean(agents[1], PROMPTS))
+        assert all(m.disable_adapters for m in shared.modules() if hasattr(m, "lora_A"))
     engine.close()
     assert not any(os.path.isdir(f) for f in folders)
 
@@ -284,6 +276,12 @@ def test_settings_are_checked_by_name():
     assert cpu[cpu.index("--max-num-batched-tokens") + 1] == "8192"
     mine = ServerSettings(server_args={"enable_chunked_prefill": True, "max_model_len": 1024})
     assert "--no-enable-chunked-prefill" not in server_command("py", "/m", 1, "float32", "g", mine, cpu=True)
+    mine = ServerSettings(server_args={"enable_chunked_prefill": False, "max_model_len": "8k"})  # vLLM's 8000
+    cpu = server_command("py", "/m", 1, "float32", "g", mine, cpu=True, max_len=131072)
+    assert "--no-enable-chunked-prefill" in cpu and cpu[cpu.index("--max-num-batched-tokens") + 1] == "8000"
+    no_cache = ServerSettings(server_args={"enable_prefix_caching": False})
+    off = server_command("py", "/m", 1, "bfloat16", "nccl", no_cache)
+    assert off.index("--no-enable-prefix-caching") > off.index("--enable-prefix-caching")  # the last one counts
 
 
 def test_the_trainer_side_group_times_out_rather_than_hangs():
@@ -305,9 +303,9 @@ def test_replies_are_json_or_named_and_vllms_plain_text_answers_are_read_as_text
             pass
 
         def do_POST(self):
-            body = b"Success: LoRA adapter 'a' added successfully." if self.path == "/text" else b"{broken"
+            body = b"{broken" if self.path == "/json" else b"Success: LoRA adapter 'a' added successfully."
             self.send_response(200)
-            if self.path != "/text":
+            if self.path == "/json":
                 self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
@@ -317,8 +315,10 @@ def test_replies_are_json_or_named_and_vllms_plain_text_answers_are_read_as_text
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         client = ServerClient(f"http://127.0.0.1:{server.server_address[1]}", 5.0)
-        assert client.post("/text", {}) == "Success: LoRA adapter 'a' added successfully."
+        assert client.post("/v1/load_lora_adapter", {}) == "Success: LoRA adapter 'a' added successfully."
         with pytest.raises(ServerError, match="/json: a reply that is not JSON"):
             client.post("/json", {})
+        with pytest.raises(ServerError, match="/reset_prefix_cache: a reply that is not JSON"):  # not a text route
+            client.post("/reset_prefix_cache", {})
     finally:
         server.shutdown()

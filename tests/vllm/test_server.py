@@ -99,18 +99,10 @@ def test_a_lora_team_on_one_base_is_served_as_runtime_adapters(tmp_path):
     each adapter loaded by path at run time and named by its agent's requests; greedy rows equal the
     colocated engine's (its instance applies the same adapters) and follow each agent's policy, also after
     agent 0's adapter changed and was loaded again in place."""
-    from peft import get_peft_model
+    from helpers import lora_team
 
-    from lit_marl.agents import AdapterView, LoraSettings, lora_config
-
-    base, tokenizer = Agent("tiny-random").model, Agent("tiny-random").tokenizer
-    shared = get_peft_model(base, lora_config(LoraSettings(r=4, alpha=8)), adapter_name="agent0")
-    shared.add_adapter("agent1", lora_config(LoraSettings(r=4, alpha=8)))
-    with torch.no_grad():
-        for name, p in shared.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.5)
-    agents = [Agent("tiny-random", loaded=(AdapterView(shared, f"agent{i}"), tokenizer)) for i in (0, 1)]
+    agents = lora_team(Agent("tiny-random").model, "tiny-random", Agent("tiny-random").tokenizer)
+    shared = agents[0].model.shared
     prompts = [[5, 17, 33, 101], [7, 8, 9], [300, 301, 302, 303, 304], [11, 12]]
     server = make_engine("vllm_server", {**SERVER, "log_dir": str(tmp_path)})
     colocated = make_engine("vllm", OPTIONS)

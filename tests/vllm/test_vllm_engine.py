@@ -165,18 +165,9 @@ def test_lora_agents_on_one_base_share_one_instance_each_with_its_adapter():
     """Two agents as LoRA adapters on one base: one vLLM instance (the base loaded once), each agent's
     requests name its adapter; greedy outputs and log-probs follow each agent's own policy, and
     differ between the two."""
-    from peft import get_peft_model
+    from helpers import lora_team
 
-    from lit_marl.agents import AdapterView, LoraSettings, lora_config
-
-    base, tokenizer = Agent("tiny-random").model, Agent("tiny-random").tokenizer
-    shared = get_peft_model(base, lora_config(LoraSettings(r=4, alpha=8)), adapter_name="agent0")
-    shared.add_adapter("agent1", lora_config(LoraSettings(r=4, alpha=8)))
-    with torch.no_grad():
-        for name, p in shared.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.5)
-    agents = [Agent("tiny-random", loaded=(AdapterView(shared, f"agent{i}"), tokenizer)) for i in (0, 1)]
+    agents = lora_team(Agent("tiny-random").model, "tiny-random", Agent("tiny-random").tokenizer)
     engine = make_engine("vllm", OPTIONS)
     prompts = encode(agents[0], ["def f(x):", "x = [1, 2"])
     outputs = []
