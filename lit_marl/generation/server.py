@@ -54,9 +54,12 @@ from lit_marl.generation.server_process import ServerProcess, start_server
 from lit_marl.generation.transfer import GLOO_BACKEND, free_port, make_sender, reachable_address
 from lit_marl.generation.vllm import (
     Sample,
+    adapter_version,
     base_alone,
+    base_version,
     check_serving_dtype,
     compute_dtype,
+    each_served,
     generation_of,
     lora_slots,
     request_adapter,
@@ -64,7 +67,7 @@ from lit_marl.generation.vllm import (
     served,
     served_adapters,
 )
-from lit_marl.generation.weights import effective_weights, served_metadata, weight_version
+from lit_marl.generation.weights import effective_weights, served_metadata
 from lit_marl.parallel.collectives import barrier, from_rank0, rank
 
 SERVED_NAME = "lit_marl"  # the model name a started server answers to
@@ -146,19 +149,19 @@ class VLLMServerEngine:
     def check_team(self, agents: list[Agent], device_type: str) -> None:
         """Before step 1: one address per distinct model (a LoRA team on one base is one), and vLLM's NCCL
         engine where the transport is nccl."""
-        for agent in _models(agents).values():
-            if served_adapters(agent):
-                lora_slots(served_adapters(agent))  # a rank vLLM cannot serve is named now
+        models = each_served(agents, per_adapter=False)
+        for agent in models:
+            if adapters := served_adapters(agent):
+                lora_slots(adapters)  # a rank vLLM cannot serve is named now
         if self.transport(device_type) == "nccl" and importlib.util.find_spec("vllm") is None:
             raise ConfigError(
                 "data.engine_options.transport=nccl drives vLLM's NCCL transfer from the trainer, and vllm is not "
                 "installed here: install the vLLM build the servers run beside lit_marl, or use transport: gloo"
             )
-        models = _models(agents)
         if self.settings.servers is not None and len(self.settings.servers) != len(models):
             raise ConfigError(
                 f"data.engine_options.servers lists {len(self.settings.servers)} addresses for {len(models)} distinct "
-                f"models of the team ({[a.source for a in models.values()]}): give one per model, in the team's order"
+                f"models of the team ({[a.source for a in models]}): give one per model, in the team's order"
             )
 
     def transport(self, device_type: str) -> str:
@@ -203,15 +206,16 @@ class VLLMServerEngine:
         server = self.server(agent)
         model, adapter = served(agent)
         check_serving_dtype(self.name, agent, server.dtype)
-        version = weight_version(model, (lambda n: "lora_" not in n) if adapter else None)
+        version = base_version(agent)
         changed = server.version != version
         if changed:
             with base_alone(model) if adapter else contextlib.nullcontext():  # a LoRA team: the base alone
                 self._send(server, model)
             server.version = version
             self.syncs += 1
-        if adapter is not None:
-            changed |= self._load_adapter(agent, server, adapter)
+        applied = request_adapter(agent)  # None: the base alone (no adapter, or the adapters off)
+        if applied is not None:
+            changed |= self._load_adapter(agent, server, applied)
         if changed and rank() == 0:
             reply = server.client.post("/reset_prefix_cache")
             if isinstance(reply, dict) and reply.get("success") is False:
@@ -238,7 +242,7 @@ class VLLMServerEngine:
     def _load_adapter(self, agent: Agent, server: _Server, adapter: str) -> bool:
         """``agent``'s adapter on its base's server, saved and loaded (in place, under the adapter's name)
         when its weights changed since it was last loaded; whether it was."""
-        version = weight_version(agent.model.shared, lambda n: f".{adapter}." in n)
+        version = adapter_version(agent, adapter)
         known = server.adapters.get(adapter)
         if known is not None and known[0] == version:
             return False
@@ -267,7 +271,7 @@ class VLLMServerEngine:
         """Every distinct model synced, in order, then the rollout (no rank starts before every sync ended).
         The requests' seeds come from a generator of the engine's, seeded here from the run's: a rollout
         generated in the background (``data.max_staleness``) draws nothing from the run's generators."""
-        for agent in {(id(served(a)[0]), served(a)[1]): a for a in agents}.values():  # each model, each adapter
+        for agent in each_served(agents):
             self.sync(agent)
         self.seeds = torch.Generator().manual_seed(stream_seed(int(torch.randint(0, 2**62, ())), rank()))
         barrier()
@@ -297,11 +301,10 @@ class VLLMServerEngine:
     ) -> Generation:
         """Every prompt one request, all in flight at once; request i seeded ``seeds[i]``, else from the
         engine's generator."""
-        model, adapter = served(agent)
-        name = request_adapter(agent) or SERVED_NAME  # an adapter of a LoRA team, or the base (adapters off)
+        applied = request_adapter(agent)  # an adapter of a LoRA team, or None: the base alone
         with self.lock:
-            server = self.servers.get(id(model))
-            if server is None or server.version is None or (adapter is not None and adapter not in server.adapters):
+            server = self.servers.get(id(served(agent)[0]))
+            if server is None or server.version is None or (applied is not None and applied not in server.adapters):
                 server = self.sync(agent)  # never sent: now (else the last rollout's sync holds)
             if seeds is None:  # a seeded run samples alike; vLLM seeds sample k of a request seed + k
                 base = int(torch.randint(0, 2**62, (), generator=self.seeds))
@@ -312,7 +315,7 @@ class VLLMServerEngine:
         if sampling.greedy and num_samples > 1:  # the server refuses n > 1 when greedy: one sample, copied
             params["n"], copies = 1, num_samples
         bodies = [
-            {"model": name, "token_ids": prompt, "sampling_params": dict(params, seed=int(seed))}
+            {"model": applied or SERVED_NAME, "token_ids": prompt, "sampling_params": dict(params, seed=int(seed))}
             for prompt, seed in zip(prompts, seeds, strict=True)
         ]
         replies = list(self.pool.map(lambda body: server.client.post("/inference/v1/generate", body), bodies))
@@ -348,14 +351,6 @@ def _samples(client: ServerClient, reply) -> list[Sample]:
         raise client.error(
             "/inference/v1/generate", f"a reply without token ids ({error!r}): {str(reply)[:300]}"
         ) from error
-
-
-def _models(agents: list[Agent]) -> dict[int, Agent]:
-    """The first agent of each distinct served model (a LoRA team's base: one), in the team's order."""
-    models: dict[int, Agent] = {}
-    for agent in agents:
-        models.setdefault(id(served(agent)[0]), agent)
-    return models
 
 
 __all__ = ["ServerError", "ServerSettings", "VLLMServerEngine"]

@@ -281,6 +281,28 @@ def request_adapter(agent: Agent) -> str | None:
     return None if adapter is None or adapters_off(model) else adapter
 
 
+def each_served(agents: list[Agent], per_adapter: bool = True) -> list[Agent]:
+    """The first agent of each distinct served model (with ``per_adapter``: of each model and adapter), in
+    the team's order: what an engine keeps a copy of, and the syncs a rollout makes."""
+    first: dict[tuple, Agent] = {}
+    for agent in agents:
+        model, adapter = served(agent)
+        first.setdefault((id(model), adapter if per_adapter else None), agent)
+    return list(first.values())
+
+
+def base_version(agent: Agent) -> tuple:
+    """The version of the weights an engine's copy of ``agent``'s served model holds (a LoRA team's: the
+    base's alone, its adapters apart)."""
+    model, adapter = served(agent)
+    return weight_version(model, (lambda n: "lora_" not in n) if adapter else None)
+
+
+def adapter_version(agent: Agent, adapter: str) -> tuple:
+    """The version of ``adapter``'s weights on ``agent``'s LoRA team base."""
+    return weight_version(agent.model.shared, lambda n: f".{adapter}." in n)
+
+
 @contextlib.contextmanager
 def base_alone(model: torch.nn.Module):
     """``model`` with its adapters off for the block (peft's ``disable_adapter`` switches them on again at its
@@ -366,16 +388,15 @@ class VLLMEngine:
             backend.wake_up(["weights"])
             self.versions.pop(key, None)
             self.adapters = {k: v for k, v in self.adapters.items() if k[0] != key}
-        version = weight_version(model, (lambda n: "lora_" not in n) if adapter else None)
+        version = base_version(agent)
         if self.versions.get(key) != version:
             dtype = getattr(torch, self.dtypes[key])
             with base_alone(model) if adapter else contextlib.nullcontext():
                 backend.load_weights(effective_weights(model, dtype))
             self.versions[key] = version
             self.syncs += 1
-        handle = self._adapter(agent, key, adapter) if adapter else None
-        if request_adapter(agent) is None:  # the adapters off: the base alone
-            handle = None
+        applied = request_adapter(agent)  # None: the base alone (no adapter, or the adapters off)
+        handle = self._adapter(agent, key, applied) if applied else None
         if key in self.asleep:
             free_cached_memory(device.type)  # the gathered and merged tensors of the sync, cached
             backend.wake_up(["kv_cache"])
@@ -385,7 +406,7 @@ class VLLMEngine:
     def _adapter(self, agent: Agent, key: int, adapter: str):
         """The handle of the current version of ``agent``'s adapter in its base's instance: saved
         (peft's format, a few MB) and registered anew when its weights changed."""
-        version = weight_version(agent.model.shared, lambda n: f".{adapter}." in n)
+        version = adapter_version(agent, adapter)
         known = self.adapters.get((key, adapter))
         if known is not None and known[0] == version:
             return known[1]
@@ -405,7 +426,7 @@ class VLLMEngine:
         """Every distinct model of ``agents`` synced first, in order (every rank reaches the same
         syncs, whose sharded weights gather tensor by tensor), then the rollout; after it, instances
         with sleep mode free their weights and KV cache for the update."""
-        for agent in {(id(served(a)[0]), served(a)[1]): a for a in agents}.values():
+        for agent in each_served(agents):
             self.sync(agent)
         try:
             yield
