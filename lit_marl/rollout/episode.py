@@ -246,6 +246,10 @@ def _start(agents, states: list, env: Env, settings: EpisodeSettings) -> list[_L
     return episodes
 
 
+def _now(fn):
+    return fn()
+
+
 def _play_independently(agents, env: Env, episodes: list[_Live], settings: EpisodeSettings, engine, clock: dict):
     """``turns: independent``: every episode plays its turns in a thread of its own (``_play_turn`` over it
     alone), so its next request leaves as soon as its environment has stepped; the environment's work runs
@@ -257,7 +261,7 @@ def _play_independently(agents, env: Env, episodes: list[_Live], settings: Episo
     for index, e in enumerate(episodes):
         e.seed = stream_seed(base, index)
     stop, lock, errors = threading.Event(), threading.Lock(), []
-    env_call = (lambda fn: env.pool.submit(fn).result()) if env.pool is not None else (lambda fn: fn())
+    env_call = (lambda fn: env.pool.submit(fn).result()) if env.pool is not None else _now
 
     def play(e: _Live) -> None:
         mine = dict.fromkeys(clock, 0.0)
@@ -291,8 +295,8 @@ def _play_turn(
 ) -> None:
     """ONE batched generation per model over the live episodes (the models together), then ONE
     ``env.step`` over their states; the next observations are appended, or the episode ends. ``env_call``
-    runs the environment's work (independent turns: in its pool)."""
-    env_call = env_call or (lambda fn: fn())
+    runs the environment's work (independent turns: in its pool; else here)."""
+    env_call = env_call or _now
     t0 = time.perf_counter()
     texts, closed = _generate_replies(agents, live, turn, settings, engine, clock)
     t1 = time.perf_counter()

@@ -10,6 +10,7 @@ import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import pytest
 import torch
@@ -82,11 +83,11 @@ def test_independent_turns_play_what_lockstep_plays_and_whatever_order_replies_a
     agent, engine, server = served
     greedy = EpisodeSettings(group_size=1, max_turns=3, sampling=Sampling(max_new_tokens=6, greedy=True))
     lockstep = play(agent, engine, greedy)
-    independent = play(agent, engine, EpisodeSettings(**{**greedy.__dict__, "turns": "independent"}))
+    independent = play(agent, engine, replace(greedy, turns="independent"))
     assert same(lockstep, independent)  # greedy: the same episodes, turn by turn
     assert int(independent.num_turns.sum()) >= len(TASKS) * 2  # several turns were played
 
-    settings = EpisodeSettings(**{**SAMPLED.__dict__, "turns": "independent"})
+    settings = replace(SAMPLED, turns="independent")
     sent = len(server.bodies)
     first = play(agent, engine, settings)
     seeds = [body["sampling_params"]["seed"] for body in server.bodies[sent:]]
@@ -107,7 +108,7 @@ def test_no_episode_waits_for_a_slow_episodes_turn(served):
     env, SlowFirst.slow_s = SlowFirst(), 0.8
     for turns in ("independent", "lockstep"):
         SlowFirst.log = []
-        batch = play(agent, engine, EpisodeSettings(**{**greedy.__dict__, "turns": turns}), env=env)
+        batch = play(agent, engine, replace(greedy, turns=turns), env=env)
         assert int(batch.num_turns[0]) >= 2  # the slow episode played at least two turns
         slow = [t for task, t in SlowFirst.log if task == 0]
         others_done = max(t for task, t in SlowFirst.log if task != 0)
@@ -137,7 +138,7 @@ def test_the_environments_work_runs_in_its_pool(served):
 
     env = Counted()
     env.pool = ThreadPoolExecutor(2)
-    play(agent, engine, EpisodeSettings(**{**SAMPLED.__dict__, "turns": "independent"}), env=env)
+    play(agent, engine, replace(SAMPLED, turns="independent"), env=env)
     assert Counted.most == 2  # 8 episodes, 2 games at once
 
 
@@ -156,7 +157,7 @@ def test_an_episodes_error_reaches_the_caller_and_every_state_is_released(served
             Broken.released += states
             super().release(states)
 
-    settings = EpisodeSettings(**{**SAMPLED.__dict__, "turns": "independent"})
+    settings = replace(SAMPLED, turns="independent")
     with pytest.raises(RuntimeError, match="the game broke"):
         play(agent, engine, settings, env=Broken())
     assert len(Broken.released) == len(TASKS) * SAMPLED.group_size
