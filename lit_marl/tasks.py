@@ -217,19 +217,29 @@ class TaskLoader:
         else:
             start, self._resume_at = self._resume_at, None
         self.consumed = start
-        order, step = self.order(self.epoch), self.batch_size * self.world_size
+        order = self.order(self.epoch)
         for b in range(start, len(self)):
-            rows = order[b * step : (b + 1) * step][self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
-            yield [self.tasks[i] for i in rows]
+            yield self.rows_of(order, b)
+
+    def rows_of(self, order: list[int], batch: int) -> list[dict]:
+        """This rank's rows of batch ``batch`` of an epoch visiting the rows in ``order``."""
+        step = self.batch_size * self.world_size
+        rows = order[batch * step : (batch + 1) * step]
+        return [self.tasks[i] for i in rows[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]]
+
+    def drawn(self, draw: int) -> list[dict]:
+        """This rank's rows of batch ``draw`` of an endless walk through the rows, epoch after epoch each
+        in its seeded order: batches named by their count rather than iterated, so whoever keeps the count
+        (in its checkpoint) resumes the same walk."""
+        epoch, batch = divmod(draw, self.num_batches)
+        return self.rows_of(self.order(epoch), batch)
 
     def upcoming(self) -> list[dict] | None:
         """This rank's rows of the batch after the last consumed one, if this epoch trains it (None: the
         epoch ends first): what a rollout generated ahead plays (``data.max_staleness``)."""
         if self.consumed >= min(self.epoch_length, len(self)):
             return None
-        step = self.batch_size * self.world_size
-        rows = self.order(self.epoch)[self.consumed * step : (self.consumed + 1) * step]
-        return [self.tasks[i] for i in rows[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]]
+        return self.rows_of(self.order(self.epoch), self.consumed)
 
     def state_dict(self) -> dict:
         done = self.consumed >= min(self.epoch_length, len(self))

@@ -80,11 +80,15 @@ def table(rows: list[dict]) -> str:
     lines += ["|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["max_staleness"], r["seed"])):
         lines.append(
-            f"| {r['max_staleness']} | {r['seed']} | {r['steps']} | {r['success_before']:.3f} → {r['success_after']:.3f} "
+            f"| {r['max_staleness']} | {r['seed']} | {r['steps']} "
+            f"| {r['success_before']:.3f} → {r['success_after']:.3f} "
             f"| {r['heldout_reward_before']:.3f} → {r['heldout_reward_after']:.3f} | {r['train_reward_last10']:.3f} "
             f"| {r['mean_staleness']:.2f} | {r['seconds']:.0f} |"
         )
-    lines += ["", "| max_staleness | seeds | held-out success after (mean ± std) | train reward, last 10 (mean ± std) |"]
+    lines += [
+        "",
+        "| max_staleness | seeds | held-out success after (mean ± std) | train reward, last 10 (mean ± std) |",
+    ]
     lines += ["|---|---|---|---|"]
     for staleness in sorted({r["max_staleness"] for r in rows}):
         mine = [r for r in rows if r["max_staleness"] == staleness]

@@ -260,6 +260,7 @@ RL_ONLY = {  # max_new_tokens is not: the evaluation after SFT reads it
     "data": ("train_path", "reward_density", "tasks_per_step", "num_generations", "temperature", "top_p", "top_k",
              "score_weight", "anchor"),
 }  # fmt: skip
+RL_ONLY_GROUPED = {"update": ("sft_coef",)}  # settings born in a group (no name before a move)
 
 
 def sft_stage_id(args, config: dict, switch: dict, train: str, seed: int) -> str:
@@ -271,6 +272,9 @@ def sft_stage_id(args, config: dict, switch: dict, train: str, seed: int) -> str
     rl_only = (*RL_ONLY["model"], *(["learning_rate"] if switch.get("sft_learning_rate") else []))  # SFT's own
     # settings read by their names before any move into a group: a stage run before a move is still found
     model = {k: v for k, v in ungroup_moved("model", config["model"]["init_args"]).items() if k not in rl_only}
+    for group, fields in RL_ONLY_GROUPED.items():
+        kept = {k: v for k, v in model.pop(group, {}).items() if k not in fields}
+        model.update({group: kept} if kept else {})
     data = {k: v for k, v in ungroup_moved("data", config["data"]["init_args"]).items() if k not in RL_ONLY["data"]}
     trainer = {k: v for k, v in config["trainer"].items() if k not in ("logger", "callbacks")}
     reads = [model, data, trainer, switch, config["seed_everything"], sorted(args.eval), args.eval_games]
@@ -318,7 +322,8 @@ def run_after_shared_sft(args, key: dict, config: dict, out: Path) -> list[dict]
     after = [{**row, **key, "demos": demos, "train_s": sft_s, "sft_stage": stage.name} for row in sft_rows]
     if not episodes:  # SFT only: the end is where SFT left it
         return after + [{**row, "stage": "end"} for row in after]
-    config["data"]["init_args"]["demos"]["path"] = None
+    if not config["model"]["init_args"].get("update", {}).get("sft_coef"):  # RL learning demonstrations keeps them
+        config["data"]["init_args"]["demos"]["path"] = None
     config["trainer"]["callbacks"] = [
         {"class_path": "lit_marl.callbacks.InitialWeights", "init_args": {"path": str(stage / "export")}},
         {"class_path": "lit_marl.callbacks.PhaseSwitch", "init_args": {"budget": episodes, "split": "0:1"}},

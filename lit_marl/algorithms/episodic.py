@@ -18,12 +18,13 @@ from lit_marl.algorithms.settings import (
     read_groups,
 )
 from lit_marl.fields import check_fields
-from lit_marl.logprobs import masked_logprobs
+from lit_marl.logprobs import masked_logprobs, sft_loss
 from lit_marl.losses import clip_fraction, clipped_surrogate, k3_kl
 from lit_marl.metrics import Timer, record_stats, rollout_correction
 from lit_marl.parallel.collectives import all_ranks_sum, padded_steps
 from lit_marl.rollout.batch import TrajectorySamples, length_passes
 from lit_marl.rollout.buffer import minibatches
+from lit_marl.rollout.demos import DemoSamples
 from lit_marl.rollout.episode import EpisodeBatch, render_episode
 
 
@@ -45,7 +46,8 @@ class EpisodicModule(AgentTeamModule):
             update: How a step's episodes become optimizer steps (``algorithms.settings.UpdateSettings``): the
                 episode algorithms read ``ppo_epochs`` (passes over the step's episodes), ``train_batch_size``
                 (groups: a task's G episodes; None: one step per pass), ``clip_range``, ``dual_clip``,
-                ``rollout_is_cap`` and ``skip_signalless_steps`` (GRPO, RLOO without a KL term).
+                ``rollout_is_cap``, ``skip_signalless_steps`` (GRPO, RLOO without a KL term) and ``sft_coef``
+                (each step also learns a batch of ``data.demos``).
             advantage: How returns become advantages (``algorithms.settings.AdvantageSettings``): each family
                 reads its estimator's fields (``advantage_fields``: PPO's GAE, GRPO's and RLOO's group baselines).
             kl: A KL(policy || reference) term (``algorithms.settings.KLSettings``): its ``coef`` (0: none), ``mode``
@@ -62,11 +64,13 @@ class EpisodicModule(AgentTeamModule):
 
     update_fields = frozenset(
         {"ppo_epochs", "train_batch_size", "clip_range", "dual_clip", "rollout_is_cap", "skip_signalless_steps"}
-        | {"tempered_logprobs"}
+        | {"tempered_logprobs", "sft_coef"}
     )
     """The ``model.update`` fields the episode algorithms read."""
     advantage_fields: frozenset[str] = frozenset()
     """The ``model.advantage`` fields the family reads."""
+    demo_draws = 0
+    """Batches of demonstrations RL steps have learned so far (``model.update.sft_coef``; in checkpoints)."""
     logit_temperature = 1.0
     """What the update divides the logits by before scoring (``model.update.tempered_logprobs``), set in ``setup``."""
 
@@ -81,10 +85,17 @@ class EpisodicModule(AgentTeamModule):
             self.rollout_settings.require("episodes", type(self).__name__)
         self.logit_temperature = logit_temperature(self.update, self.rollout_settings)
         critic = type(self).extra_loss is not EpisodicModule.extra_loss
-        if self.update.skip_signalless_steps and (critic or self.kl.coef > 0):
+        if self.update.skip_signalless_steps and (critic or self.kl.coef > 0 or self.update.sft_coef > 0):
             raise ConfigError(
                 f"model.update.skip_signalless_steps: {type(self).__name__}'s steps all carry a gradient (a critic's "
-                "value loss or a KL term): use it with GRPO or RLOO without model.kl.coef, or leave it out"
+                "value loss, a KL term or demonstrations: model.update.sft_coef): use it with GRPO or RLOO without "
+                "model.kl.coef and model.update.sft_coef, or leave it out"
+            )
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        if stage == "fit" and self.update.sft_coef > 0 and not getattr(datamodule, "demos", None):
+            raise ConfigError(
+                f"model.update.sft_coef={self.update.sft_coef:g}: RL steps learn demonstrations too, and there are "
+                "none; set data.demos.path (the SFT phase's: scripts/make_demos.py) or model.update.sft_coef: 0"
             )
 
     # ------------------------------------------------------------------ what subclasses provide
@@ -214,13 +225,13 @@ class EpisodicModule(AgentTeamModule):
         """Each learner (a model) updates on the sequences of every agent it plays."""
         with Timer() as train_time, self.computing(update=True):
             stats = dict.fromkeys(("approx_kl", "clip_frac", "tokens", "skipped_steps"), 0.0)
-            first, all_losses = None, []
+            first, all_losses, all_demo_losses, drawn = None, [], [], {}
             for index, roles in enumerate(self.learners):
                 parts = [self.prepare(batches[role], index) for role in roles]
                 if first is None:
                     first = parts[0]
                 samples = TrajectorySamples.cat(parts, self.agents[roles[0]].pad_token_id)
-                losses = []
+                losses, demo_losses = [], []
                 for _ in range(self.update.ppo_epochs):
                     order = minibatches(samples, self.update.train_batch_size, self.shuffle_generator)
                     for rows in padded_steps(order, self.device):
@@ -231,23 +242,55 @@ class EpisodicModule(AgentTeamModule):
                         # the policy terms a mean over the action tokens, the extra term over the value positions
                         counts = (0.0, 0.0) if mini is None else mini.loss_counts()
                         loss_fn = lambda mb, i=index: self.loss(mb, stats, i)  # noqa: E731
-                        losses.append(self.update_agent(index, mini, loss_fn, count=counts))
+                        also = self.demo_term(index, roles, len(losses), drawn)
+                        loss = self.update_agent(index, mini, loss_fn, count=counts, also=also)
+                        if also is not None:
+                            loss, demo_loss = loss
+                            demo_losses.append(demo_loss / self.update.sft_coef)
+                        losses.append(loss)
                 all_losses += losses
                 name = self.learner_name(index)
                 self.record({f"{name}/optimizer_steps": len(losses)})
                 if losses:  # every step skipped: no loss to report
                     self.record({f"{name}/loss": sum(losses) / len(losses)})
+                if demo_losses:
+                    self.record({f"{name}/sft_loss": sum(demo_losses) / len(demo_losses)})
+                    all_demo_losses += demo_losses
+            self.demo_draws += len(drawn)
         if all_losses:  # empty only where every step was skipped, alike on every rank (a collective decided)
             tokens = max(stats["tokens"], 1)  # over this rank's tokens: averaged over ranks by them
             kl, clipped = stats["approx_kl"] / tokens, stats["clip_frac"] / tokens
             self.record({"train/approx_kl": kl, "train/clip_frac": clipped}, tokens)
             self.record({"train/loss": sum(all_losses) / len(all_losses)})
+        if all_demo_losses:  # the SFT phase's key: one curve over both phases
+            self.record({"train/sft_loss": sum(all_demo_losses) / len(all_demo_losses)})
         self.record({"perf/train_s": train_time.seconds})
         if self.update.skip_signalless_steps:
             self.record({"train/skipped_steps": stats["skipped_steps"]})
         self.log_episodes(batches[0], "train", first)
         if self.sample_step():
             self.step_log.text("train/sample", render_episode(batches, list(self.agents)))
+
+    def demo_term(self, learner: int, roles: list[int], step: int, drawn: dict) -> tuple | None:
+        """The demonstrations' term of this update's ``step``-th optimizer step of ``learner``
+        (``optimizer_step_on``'s ``also``): ``sft_coef`` times the negative log-likelihood of the next batch
+        of ``data.demos`` (every learner's step ``step`` learns the same batch: rendered once, in ``drawn``),
+        a mean over its tokens; None without ``sft_coef``."""
+        if self.update.sft_coef <= 0:
+            return None
+        if step not in drawn:
+            drawn[step] = self.trainer.datamodule.rl_demos(list(self.agents), self.demo_draws + step)
+        agent = self.agents[roles[0]]
+        demos = DemoSamples.cat([drawn[step][r] for r in roles], agent.pad_token_id)
+        coef = self.update.sft_coef
+        return demos, lambda mb, m=agent.model: coef * sft_loss(m, mb), float(demos.loss_mask.sum())
+
+    def rank_state(self) -> dict:
+        return {**super().rank_state(), "demo_draws": self.demo_draws}
+
+    def load_rank_state(self, state: dict) -> None:
+        super().load_rank_state(state)
+        self.demo_draws = state.get("demo_draws", 0)
 
     def log_episodes(self, batch: EpisodeBatch, prefix: str, samples: TrajectorySamples | None = None) -> None:
         """The team's outcomes (the same in every agent's batch): a training step records them

@@ -49,12 +49,13 @@ class OptimizerSteps:
         count: float | None = None,
         shared_prompts: bool = False,
         skipped_zero_loss: bool = False,
+        also: tuple | None = None,
     ) -> float:
         """One optimizer step for learner ``index`` (see ``learners``); see ``optimizer_step_on``."""
         optimizers = self.optimizers()
         optimizer = optimizers[index] if isinstance(optimizers, list) else optimizers
         step = (count, shared_prompts, skipped_zero_loss, sum(p.numel() for p in self.model_of(index).parameters()))
-        return self.optimizer_step_on(optimizer, samples, loss_fn, self.learner_name(index), *step)
+        return self.optimizer_step_on(optimizer, samples, loss_fn, self.learner_name(index), *step, also=also)
 
     def optimizer_step_on(
         self,
@@ -66,6 +67,7 @@ class OptimizerSteps:
         shared_prompts: bool = False,
         skipped_zero_loss: bool = False,
         parameters: int = 0,
+        also: tuple | None = None,
     ) -> float:
         """One step of ``optimizer`` on ``rows`` (anything with ``len``, ``select`` and ``input_ids``; None: this rank
         has nothing for this step but joins it). ``loss_fn`` returns the summed loss of a
@@ -76,22 +78,32 @@ class OptimizerSteps:
         out rows whose loss (and gradient) is exactly zero; parameters still without a gradient get a zero
         one, so the optimizer steps as it would after their backward (AdamW's momentum and weight
         decay act, as in CoMLRL). ``parameters``: the model's, for ``perf/train_flops`` (6 per
-        parameter and token the passes compute). Returns that loss."""
+        parameter and token the passes compute). ``also``: ``(rows, loss_fn, count)`` of a second term
+        of the same step (RL's demonstrations: ``model.update.sft_coef``), its summed loss divided by its
+        own count summed over ranks, its passes after the first's; every rank gives one or none. Returns
+        the loss of ``rows``, and with ``also`` the pair."""
         # full rows under checkpointing (a checkpointed layer drops the shared cache) and per-layer FSDP
         shared_prompts = shared_prompts and not self.memory.activation_checkpointing and not self.per_layer_fsdp
         local = count if isinstance(count, tuple) else (count if count is not None else len(rows or ()),)
         totals = [all_ranks_sum(float(c), self.device) for c in local]
-        loss_sum, tokens = 0.0, 0
+        tokens = 0
         params = [p for group in optimizer.param_groups for p in group["params"]]
         models = self.shards.roots_of(params) if self.shards is not None else []
+        terms = [(rows, loss_fn, totals, shared_prompts)]
+        if also is not None:
+            extra_rows, extra_fn, extra_count = also
+            terms.append((extra_rows, extra_fn, [all_ranks_sum(float(extra_count), self.device)], False))
+        sums = []
         with checkpointed_passes(self):
-            mine = rows if rows is not None and len(rows) and max(totals) > 0 else None
-            for chunk in self.passes(mine, models, True, shared_prompts):
-                micro = rows.select(chunk)
-                loss = sum(term / n for term, n in zip(loss_fn(micro).reshape(-1), totals) if n > 0)
-                self.manual_backward(loss)
-                loss_sum += float(loss.detach())
-                tokens += pass_tokens(micro, shared_prompts)
+            for term_rows, term_fn, term_totals, shared in terms:
+                sums.append(0.0)
+                mine = term_rows if term_rows is not None and len(term_rows) and max(term_totals) > 0 else None
+                for chunk in self.passes(mine, models, True, shared):
+                    micro = term_rows.select(chunk)
+                    loss = sum(term / n for term, n in zip(term_fn(micro).reshape(-1), term_totals) if n > 0)
+                    self.manual_backward(loss)
+                    sums[-1] += float(loss.detach())
+                    tokens += pass_tokens(micro, shared)
         self.record({"perf/train_tokens": float(tokens), "perf/train_flops": 6.0 * parameters * tokens}, reduce="sum")
         if skipped_zero_loss:
             for p in params:
@@ -101,12 +113,14 @@ class OptimizerSteps:
             self.shards.reduce_gradients(params)  # the sharded weights' gradients, summed over ranks
         sum_gradients(params, self.device)  # the module is not wrapped in DDP: parallel/strategies.py
         rest(optimizer, self.resting_roles)  # before the checks: a resting group's gradient is not used
-        loss_sum = all_ranks_sum(loss_sum, self.device)
+        sums = [all_ranks_sum(value, self.device) for value in sums]
+        loss_sum = sum(sums)
+        result = sums[0] if also is None else tuple(sums)
         broken = sum(int(p.grad is not None and not torch.isfinite(p.grad).all()) for p in params)
         broken = all_ranks_sum(float(broken), self.device)  # every rank decides alike (FSDP: each its shards)
         if not math.isfinite(loss_sum) or broken:
             self.skip_nonfinite_step(optimizer, name, loss_sum)
-            return loss_sum
+            return result
         clip = torch.nn.utils.clip_grad_norm_ if self.shards is None else self.shards.clip_grad_norm_
         for part in clipped_apart(optimizer) if self.hparams.max_grad_norm > 0 else ():
             clip(part, self.hparams.max_grad_norm)
@@ -114,7 +128,7 @@ class OptimizerSteps:
         optimizer.zero_grad(set_to_none=True)
         if self.shards is not None:
             self.shards.refresh(params)
-        return loss_sum
+        return result
 
     def skip_nonfinite_step(self, optimizer, name: str, loss_sum: float) -> None:
         """A NaN/inf loss or gradient would write NaN into the weights: the step is skipped (its

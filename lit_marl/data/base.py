@@ -25,7 +25,7 @@ from lit_marl.envs.sources import resolve_demo_source
 from lit_marl.fields import NonNegativeInt, PositiveInt, UnitIntervalRightOpen, as_group, check_fields, saved_groups
 from lit_marl.generation import Sampling, make_engine
 from lit_marl.metrics import EvalMeans, PassAtK
-from lit_marl.rollout.demos import DemoSettings, load_demos, render_demos
+from lit_marl.rollout.demos import DemoSamples, DemoSettings, load_demos, render_demos
 from lit_marl.rollout.settings import RolloutSettings
 from lit_marl.tasks import TaskLoader, import_object, task_loader
 
@@ -217,6 +217,20 @@ class TaskDataModule(L.LightningDataModule):
         self.train_loader = cached[1]
         self.train_loader.end_after(self.demo_rows if phase == "sft" else None)
         return self.train_loader
+
+    def rl_demos(self, agents: list, draw: int) -> list[DemoSamples]:
+        """Per agent, this rank's share of batch ``draw`` of the demonstrations an RL step also learns
+        (``model.update.sft_coef``): ``data.demos.batch_size`` rows over all ranks, the batches walking
+        through the demonstrations epoch after epoch in a seeded order (``TaskLoader.drawn``), rendered as
+        the SFT phase renders them."""
+        trainer = self.trainer
+        rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        walk = self._loaders.get("rl_demos")
+        if walk is None or walk[0] is not trainer:
+            loader = TaskLoader(self.demos, self.demo_settings.batch_size, self.hparams.seed, rank, world, "demos")
+            self._loaders["rl_demos"] = walk = (trainer, loader)
+        give_tools(agents, *self.agent_tools())  # the demonstrations' prompts show the rollouts' tools
+        return render_demos(agents, walk[1].drawn(draw), self.demo_settings.loss_on)
 
     def agent_tools(self) -> tuple[tuple, str]:
         """The tools the agents may call and how their replies are read: the environment's."""

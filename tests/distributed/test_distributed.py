@@ -456,6 +456,42 @@ def test_episodic_algorithms_train_on_two_fsdp_ranks(tmp_path, repo_root, algori
     assert moved > 1e-4 if algorithm.startswith("ppo") else moved == 0.0
 
 
+@pytest.mark.slow  # a 2-rank run and a 1-process run, ~1.5 min: make test-slow
+def test_rl_steps_learning_demonstrations_on_two_ranks_match_one_process(tmp_path, repo_root):
+    """GRPO with model.update.sft_coef on sparse Corridor (the tiny model wins nothing: only the
+    demonstrations move the weights): two gathered-FSDP ranks drawing 2 demonstrations each end where one
+    process drawing 4 ends (the same rows, the gradients and token counts summed over the ranks)."""
+    import yaml
+    from transformers import AutoModelForCausalLM
+
+    from lit_marl.models import load_model_and_tokenizer
+
+    exports = {}
+    for devices in (1, 2):
+        config = yaml.safe_load((repo_root / "configs" / "grpo" / "corridor_tiny.yaml").read_text())
+        config["model"]["init_args"]["update"] = {"sft_coef": 1.0}
+        config["data"]["init_args"].update(
+            tasks_per_step=2 // devices, demos={"path": "data/corridor/demos.jsonl", "batch_size": 4 // devices}
+        )
+        root = tmp_path / f"devices{devices}"
+        export = root / "export"
+        config["trainer"].update(
+            devices=devices,
+            limit_val_batches=0,
+            logger=False,
+            default_root_dir=str(root),
+            callbacks=[{"class_path": "lit_marl.callbacks.HFExport", "init_args": {"dirpath": str(export)}}],
+        )
+        if devices == 2:
+            config["trainer"]["strategy"] = {"class_path": "lit_marl.parallel.strategies.TeamFSDPStrategy"}
+        root.mkdir()
+        fit_cli(root, repo_root, config)
+        exports[devices] = dict(AutoModelForCausalLM.from_pretrained(export / "agent0").named_parameters())
+    initial = dict(load_model_and_tokenizer("tiny-random")[0].named_parameters())
+    assert max(float((exports[1][n] - p).abs().max()) for n, p in initial.items()) > 1e-4  # the demonstrations
+    assert max(float((exports[2][n] - p).abs().max()) for n, p in exports[1].items()) < 1e-5
+
+
 @pytest.mark.slow  # a 2-rank run of ~45-55 s: make test-slow
 def test_phase_switch_counts_both_ranks(tmp_path, repo_root):
     """SFT -> PPO on 2 FSDP ranks: the demonstrations and the episodes of both ranks count toward the

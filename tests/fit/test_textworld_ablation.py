@@ -175,9 +175,13 @@ def test_cells_of_one_seed_start_rl_from_one_sft_run(tmp_path, capsys):
     ]
     assert cell["data"]["init_args"]["demos"]["path"] is None
     shutil.rmtree(stage / "export")  # a fresh clone: git holds the stage's rows, not its adapters
-    ablation.main(["--algorithms", "rloo", *argv[3:]])
+    ablation.main(["--algorithms", "rloo", *argv[3:], "model.init_args.update.sft_coef=0.5"])  # an RL-only setting
     capsys.readouterr()
     assert (stage / "export" / "team.json").exists()  # the stage ran again rather than start RL from nothing
+    assert [path.name for path in (out / "sft").iterdir()] == [stage.name]
+    (learning,) = [r["cell"] for r in ablation.load_rows(out / "results.jsonl") if r["algorithm"] == "rloo"][-1:]
+    cell = yaml.safe_load((out / "cells" / learning / "config.yaml").read_text())
+    assert cell["data"]["init_args"]["demos"]["path"] == "textworld:w2-o3-q4:validation:1"  # RL learns them too
 
 
 def test_sft_stages_are_shared_only_where_sft_reads_the_same():
