@@ -112,6 +112,13 @@ class PhaseSwitch(L.Callback):
                 f"data.demos.path holds {len(data.demos)}: give a file of exactly {self.demos} (e.g. the TextWorld "
                 f"walkthroughs textworld:<complexity>:validation:{self.demos}), or sft_epochs: 1"
             )
+        learns_demos = getattr(getattr(pl_module, "update", None), "sft_coef", 0) > 0
+        if self.demos > 0 and learns_demos and len(data.demos) != self.demos:
+            raise ConfigError(
+                f"model.update.sft_coef: RL keeps learning data.demos.path's {len(data.demos)} demonstrations, but "
+                f"the budget counts {self.demos}: give a file of exactly {self.demos}, so RL learns the ones SFT "
+                "was charged for"
+            )
         trainer.reload_dataloaders_every_n_epochs = 1  # the data module hands out the phase's loader each epoch
 
     def on_fit_start(self, trainer: L.Trainer, pl_module) -> None:

@@ -322,7 +322,7 @@ def run_after_shared_sft(args, key: dict, config: dict, out: Path) -> list[dict]
     after = [{**row, **key, "demos": demos, "train_s": sft_s, "sft_stage": stage.name} for row in sft_rows]
     if not episodes:  # SFT only: the end is where SFT left it
         return after + [{**row, "stage": "end"} for row in after]
-    if not config["model"]["init_args"].get("update", {}).get("sft_coef"):  # RL learning demonstrations keeps them
+    if not (config["model"]["init_args"].get("update") or {}).get("sft_coef"):  # RL learning demos keeps them
         config["data"]["init_args"]["demos"]["path"] = None
     config["trainer"]["callbacks"] = [
         {"class_path": "lit_marl.callbacks.InitialWeights", "init_args": {"path": str(stage / "export")}},
@@ -497,9 +497,18 @@ def check_grid(args) -> None:
     from lit_marl.callbacks.phase_switch import parse_split
     from lit_marl.envs.textworld.games import Complexity, split_seeds
 
+    learns_demos = any(
+        key.endswith("update.sft_coef") and (yaml.safe_load(value) or 0) > 0
+        for key, _, value in (item.partition("=") for item in args.set)
+    )
     for split in args.splits:
         parse_split(split)
         demos, _ = budget(args, split)
+        if learns_demos and not demos:
+            raise ConfigError(
+                f"--splits {split} has no demonstrations for model.update.sft_coef to keep learning in RL: leave "
+                "the split out, or run it in a grid of its own without sft_coef"
+            )
         if demos and args.env == "alfworld" and demos % ALFWORLD_TYPES:
             raise ConfigError(
                 f"--budget {args.budget:g} --splits {split}: {demos} demonstrations: give a multiple of 6"

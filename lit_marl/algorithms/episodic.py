@@ -275,15 +275,16 @@ class EpisodicModule(AgentTeamModule):
         """The demonstrations' term of this update's ``step``-th optimizer step of ``learner``
         (``optimizer_step_on``'s ``also``): ``sft_coef`` times the negative log-likelihood of the next batch
         of ``data.demos`` (every learner's step ``step`` learns the same batch: rendered once, in ``drawn``),
-        a mean over its tokens; None without ``sft_coef``."""
-        if self.update.sft_coef <= 0:
+        a mean over its tokens; None without ``sft_coef``, or while the policy rests (PPO's critic warm-up:
+        the batch is not learned, so not drawn)."""
+        if self.update.sft_coef <= 0 or "policy" in self.resting_roles:
             return None
         if step not in drawn:
             drawn[step] = self.trainer.datamodule.rl_demos(list(self.agents), self.demo_draws + step)
         agent = self.agents[roles[0]]
         demos = DemoSamples.cat([drawn[step][r] for r in roles], agent.pad_token_id)
         coef = self.update.sft_coef
-        return demos, lambda mb, m=agent.model: coef * sft_loss(m, mb), float(demos.loss_mask.sum())
+        return demos, lambda mb, m=agent.model: coef * sft_loss(m, mb), float(demos.loss_mask.sum()), agent.model
 
     def rank_state(self) -> dict:
         return {**super().rank_state(), "demo_draws": self.demo_draws}

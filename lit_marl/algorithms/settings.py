@@ -66,9 +66,9 @@ class UpdateSettings:
     direction); ``train/skipped_steps`` counts them. Not with a critic or a KL term."""
     sft_coef: NonNegativeFloat = 0.0
     """The episode algorithms: each optimizer step of RL also learns a batch of the demonstrations
-    (``data.demos``: its ``path``, ``batch_size`` rows a step, ``loss_on``), this weight times their mean
-    negative log-likelihood per token added to the step's loss (InstructGPT's PPO-ptx, OpenRLHF's
-    ``ptx_coef``): RL after SFT kept near what SFT taught. 0: off."""
+    (``data.demos``: its ``path``, ``batch_size`` rows a step and rank, ``loss_on``), this weight times
+    their mean negative log-likelihood per token (at temperature 1, as the SFT phase) added to the step's
+    loss (InstructGPT's PPO-ptx, OpenRLHF's ``ptx_coef``): RL after SFT kept near what SFT taught. 0: off."""
     tempered_logprobs: bool = False
     """Score every log-prob of the update (the policy's, the behaviour's, a KL reference's, the entropy) under
     the sampling distribution, the logits divided by ``data.sampling.temperature``: veRL's, TRL's and

@@ -78,9 +78,10 @@ class OptimizerSteps:
         out rows whose loss (and gradient) is exactly zero; parameters still without a gradient get a zero
         one, so the optimizer steps as it would after their backward (AdamW's momentum and weight
         decay act, as in CoMLRL). ``parameters``: the model's, for ``perf/train_flops`` (6 per
-        parameter and token the passes compute). ``also``: ``(rows, loss_fn, count)`` of a second term
-        of the same step (RL's demonstrations: ``model.update.sft_coef``), its summed loss divided by its
-        own count summed over ranks, its passes after the first's; every rank gives one or none. Returns
+        parameter and token the passes compute). ``also``: ``(rows, loss_fn, count, model)`` of a second
+        term of the same step (RL's demonstrations: ``model.update.sft_coef``), its summed loss divided by
+        its own count summed over ranks, its passes (forwarding ``model`` alone) after the first's; every
+        rank gives one or none. Returns
         the loss of ``rows``, and with ``also`` the pair."""
         # full rows under checkpointing (a checkpointed layer drops the shared cache) and per-layer FSDP
         shared_prompts = shared_prompts and not self.memory.activation_checkpointing and not self.per_layer_fsdp
@@ -91,14 +92,15 @@ class OptimizerSteps:
         models = self.shards.roots_of(params) if self.shards is not None else []
         terms = [(rows, loss_fn, totals, shared_prompts)]
         if also is not None:
-            extra_rows, extra_fn, extra_count = also
-            terms.append((extra_rows, extra_fn, [all_ranks_sum(float(extra_count), self.device)], False))
+            extra_rows, extra_fn, extra_count, extra_model = also
+            extra_total = [all_ranks_sum(float(extra_count), self.device)]
+            terms.append((extra_rows, extra_fn, extra_total, False, [extra_model] if self.shards is not None else []))
         sums = []
         with checkpointed_passes(self):
-            for term_rows, term_fn, term_totals, shared in terms:
+            for term_rows, term_fn, term_totals, shared, *forwarded in terms:
                 sums.append(0.0)
                 mine = term_rows if term_rows is not None and len(term_rows) and max(term_totals) > 0 else None
-                for chunk in self.passes(mine, models, True, shared):
+                for chunk in self.passes(mine, forwarded[0] if forwarded else models, True, shared):
                     micro = term_rows.select(chunk)
                     loss = sum(term / n for term, n in zip(term_fn(micro).reshape(-1), term_totals) if n > 0)
                     self.manual_backward(loss)

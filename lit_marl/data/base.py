@@ -220,7 +220,7 @@ class TaskDataModule(L.LightningDataModule):
 
     def rl_demos(self, agents: list, draw: int) -> list[DemoSamples]:
         """Per agent, this rank's share of batch ``draw`` of the demonstrations an RL step also learns
-        (``model.update.sft_coef``): ``data.demos.batch_size`` rows over all ranks, the batches walking
+        (``model.update.sft_coef``): ``data.demos.batch_size`` rows a rank, the batches walking
         through the demonstrations epoch after epoch in a seeded order (``TaskLoader.drawn``), rendered as
         the SFT phase renders them."""
         trainer = self.trainer

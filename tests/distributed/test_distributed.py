@@ -429,7 +429,8 @@ def test_fsdp_refuses_what_it_cannot_shard():
 def test_episodic_algorithms_train_on_two_fsdp_ranks(tmp_path, repo_root, algorithm, mode):
     """PPO and GRPO on stateful corridor episodes (each rank's episodes end at their own turns:
     other row counts, other pass counts), sharded with FSDP2 in both modes through the console
-    script: no hang; the gathered export is finite."""
+    script: no hang; the gathered export is finite. PPO with a critic model also learns demonstrations
+    (model.update.sft_coef: passes that forward the policy alone, in the step the critic's passes share)."""
     import yaml
     from transformers import AutoModelForCausalLM
 
@@ -437,7 +438,10 @@ def test_episodic_algorithms_train_on_two_fsdp_ranks(tmp_path, repo_root, algori
 
     config = yaml.safe_load((repo_root / "configs" / algorithm.split("_")[0] / "corridor_tiny.yaml").read_text())
     if algorithm == "ppo_critic_model":  # a critic model of its own: its value passes forward it alone
-        config["model"]["init_args"]["critic"] = "model"
+        config["model"]["init_args"]["critic"]["kind"] = "model"
+        # and the policy keeps learning demonstrations: their passes forward the policy alone
+        config["model"]["init_args"]["update"]["sft_coef"] = 0.5
+        config["data"]["init_args"]["demos"] = {"path": "data/corridor/demos.jsonl", "batch_size": 2}
     config["trainer"].update(
         devices=2,
         strategy={"class_path": "lit_marl.parallel.strategies.TeamFSDPStrategy", "init_args": {"mode": mode}},

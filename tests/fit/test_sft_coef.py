@@ -28,7 +28,7 @@ def test_demonstration_draws_walk_epoch_after_epoch_and_split_over_ranks_as_one_
         assert ranks[0].drawn(k) + ranks[1].drawn(k) == one.drawn(k)
 
 
-def _fit(tmp_path, module, steps: int = 1, **data_kwargs):
+def _fit(tmp_path, module, steps: int = 1, trainer=None, **data_kwargs):
     L.seed_everything(0)
     data = EpisodeDataModule(
         train_path=str(CORRIDOR / "train.jsonl"),
@@ -39,7 +39,7 @@ def _fit(tmp_path, module, steps: int = 1, **data_kwargs):
         sampling={"max_new_tokens": 6, "temperature": 1.5},
         **data_kwargs,
     )
-    trainer = make_trainer(tmp_path, limit_train_batches=steps, limit_val_batches=0)
+    trainer = trainer or make_trainer(tmp_path, limit_train_batches=steps, limit_val_batches=0)
     trainer.fit(module, datamodule=data)
     return trainer.callback_metrics
 
@@ -71,10 +71,22 @@ def test_ppo_learns_the_demonstrations_beside_its_rollouts(tmp_path):
     assert resumed.demo_draws == 4
 
 
+def test_the_critic_warm_up_draws_no_demonstrations(tmp_path):
+    """While PPO's critic warms up the policy rests: a demonstrations term would be computed and dropped."""
+    module = PPO(model="tiny-random", critic={"warmup": 1}, update={"sft_coef": 0.5})
+    metrics = _fit(tmp_path, module, steps=2, reward_density="dense")
+    assert module.demo_draws == 1 and torch.isfinite(metrics["train/sft_loss"])  # the second step's only
+
+
 def test_sft_coef_is_refused_without_demonstrations_or_beside_skipped_steps(tmp_path):
     data = EpisodeDataModule(train_path=str(CORRIDOR / "train.jsonl"), env="corridor", tasks_per_step=2)
     with pytest.raises(ConfigError, match=r"model.update.sft_coef=0.5: .* set data.demos.path"):
         make_trainer(tmp_path).fit(PPO(model="tiny-random", update={"sft_coef": 0.5}), datamodule=data)
+    from lit_marl.callbacks import PhaseSwitch
+
+    more = make_trainer(tmp_path, callbacks=[PhaseSwitch(budget=8, split="4:4")])  # the file holds 45
+    with pytest.raises(ConfigError, match="model.update.sft_coef: RL keeps learning .* 45 .* give a file of exactly 4"):
+        _fit(tmp_path, PPO(model="tiny-random", update={"sft_coef": 0.5}), trainer=more)
     skipping = GRPO(model="tiny-random", update={"sft_coef": 0.5, "skip_signalless_steps": True})
     with pytest.raises(ConfigError, match="model.update.skip_signalless_steps: GRPO's steps all carry a gradient"):
         _fit(tmp_path, skipping, num_generations=2)

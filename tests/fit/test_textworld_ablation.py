@@ -141,6 +141,8 @@ def test_bad_grid_settings_are_named():
     too_many = r"--budget 300 --splits 1:1: 150 demonstrations: count=150: split 'validation' has only 100 seeds"
     with pytest.raises(SystemExit, match=too_many):
         ablation.main(["--budget", "300", "--splits", "1:1"])
+    with pytest.raises(SystemExit, match=r"--splits 0:1 has no demonstrations for model.update.sft_coef"):
+        ablation.main(["--splits", "1:1", "0:1", "--set", "model.init_args.update.sft_coef=0.5"])
 
 
 LORA_TINY = [*TINY, "model.init_args.lora={r: 2, alpha: 4}", "data.init_args.max_turns=2"]
