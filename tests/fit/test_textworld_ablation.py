@@ -142,7 +142,7 @@ def test_bad_grid_settings_are_named():
     with pytest.raises(SystemExit, match=too_many):
         ablation.main(["--budget", "300", "--splits", "1:1"])
     with pytest.raises(SystemExit, match=r"--splits 0:1 has no demonstrations for model.update.sft_coef"):
-        ablation.main(["--splits", "1:1", "0:1", "--set", "model.init_args.update.sft_coef=0.5"])
+        ablation.main(["--budget", "100", "--splits", "1:1", "0:1", "--set", "model.init_args.update.sft_coef=0.5"])
 
 
 LORA_TINY = [*TINY, "model.init_args.lora={r: 2, alpha: 4}", "data.init_args.max_turns=2"]
