@@ -81,8 +81,7 @@ class OptimizerSteps:
         parameter and token the passes compute). ``also``: ``(rows, loss_fn, count, model)`` of a second
         term of the same step (RL's demonstrations: ``model.update.sft_coef``), its summed loss divided by
         its own count summed over ranks, its passes (forwarding ``model`` alone) after the first's; every
-        rank gives one or none. Returns
-        the loss of ``rows``, and with ``also`` the pair."""
+        rank gives one or none. Returns the loss of ``rows``, and with ``also`` the pair."""
         # full rows under checkpointing (a checkpointed layer drops the shared cache) and per-layer FSDP
         shared_prompts = shared_prompts and not self.memory.activation_checkpointing and not self.per_layer_fsdp
         local = count if isinstance(count, tuple) else (count if count is not None else len(rows or ()),)
@@ -90,17 +89,17 @@ class OptimizerSteps:
         tokens = 0
         params = [p for group in optimizer.param_groups for p in group["params"]]
         models = self.shards.roots_of(params) if self.shards is not None else []
-        terms = [(rows, loss_fn, totals, shared_prompts)]
+        terms = [(rows, loss_fn, totals, shared_prompts, models)]  # each: rows, loss, counts, shared, forwarded
         if also is not None:
             extra_rows, extra_fn, extra_count, extra_model = also
             extra_total = [all_ranks_sum(float(extra_count), self.device)]
-            terms.append((extra_rows, extra_fn, extra_total, False, [extra_model] if self.shards is not None else []))
+            terms.append((extra_rows, extra_fn, extra_total, False, [extra_model] if models else []))
         sums = []
         with checkpointed_passes(self):
-            for term_rows, term_fn, term_totals, shared, *forwarded in terms:
+            for term_rows, term_fn, term_totals, shared, forwarded in terms:
                 sums.append(0.0)
                 mine = term_rows if term_rows is not None and len(term_rows) and max(term_totals) > 0 else None
-                for chunk in self.passes(mine, forwarded[0] if forwarded else models, True, shared):
+                for chunk in self.passes(mine, forwarded, True, shared):
                     micro = term_rows.select(chunk)
                     loss = sum(term / n for term, n in zip(term_fn(micro).reshape(-1), term_totals) if n > 0)
                     self.manual_backward(loss)
