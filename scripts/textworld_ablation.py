@@ -312,6 +312,11 @@ def sft_stage(args, config: dict, key: dict, stages: Path) -> tuple[Path, list[d
     return out, load_rows(done)
 
 
+def learns_demos(config: dict) -> bool:
+    """Whether a cell's RL steps keep learning the demonstrations (``model.update.sft_coef``)."""
+    return bool((config["model"]["init_args"].get("update") or {}).get("sft_coef"))
+
+
 def run_after_shared_sft(args, key: dict, config: dict, out: Path) -> list[dict]:
     """A cell as two runs: its SFT stage (shared, ``sft_stage``) then RL from the stage's adapters
     (``InitialWeights``) with the RL share of the budget; its config.yaml is the RL run's."""
@@ -322,7 +327,7 @@ def run_after_shared_sft(args, key: dict, config: dict, out: Path) -> list[dict]
     after = [{**row, **key, "demos": demos, "train_s": sft_s, "sft_stage": stage.name} for row in sft_rows]
     if not episodes:  # SFT only: the end is where SFT left it
         return after + [{**row, "stage": "end"} for row in after]
-    if not (config["model"]["init_args"].get("update") or {}).get("sft_coef"):  # RL learning demos keeps them
+    if not learns_demos(config):  # RL that keeps learning the demonstrations keeps them
         config["data"]["init_args"]["demos"]["path"] = None
     config["trainer"]["callbacks"] = [
         {"class_path": "lit_marl.callbacks.InitialWeights", "init_args": {"path": str(stage / "export")}},
@@ -497,14 +502,11 @@ def check_grid(args) -> None:
     from lit_marl.callbacks.phase_switch import parse_split
     from lit_marl.envs.textworld.games import Complexity, split_seeds
 
-    learns_demos = any(
-        key.endswith("update.sft_coef") and (yaml.safe_load(value) or 0) > 0
-        for key, _, value in (item.partition("=") for item in args.set)
-    )
+    first = cell_config(args, args.algorithms[0], args.densities[0], args.splits[0], args.train[0], args.seeds[0], None)
     for split in args.splits:
         parse_split(split)
         demos, _ = budget(args, split)
-        if learns_demos and not demos:
+        if learns_demos(first) and not demos:
             raise ConfigError(
                 f"--splits {split} has no demonstrations for model.update.sft_coef to keep learning in RL: leave "
                 "the split out, or run it in a grid of its own without sft_coef"

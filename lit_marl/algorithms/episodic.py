@@ -91,8 +91,7 @@ class EpisodicModule(AgentTeamModule):
                 "value loss, a KL term or demonstrations: model.update.sft_coef): use it with GRPO or RLOO without "
                 "model.kl.coef and model.update.sft_coef, or leave it out"
             )
-        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
-        if stage == "fit" and self.update.sft_coef > 0 and not getattr(datamodule, "demos", None):
+        if stage == "fit" and self.update.sft_coef > 0 and not (self.rollout_settings and self.rollout_settings.demos):
             raise ConfigError(
                 f"model.update.sft_coef={self.update.sft_coef:g}: RL steps learn demonstrations too, and there are "
                 "none; set data.demos.path (the SFT phase's: scripts/make_demos.py) or model.update.sft_coef: 0"
