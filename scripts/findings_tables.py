@@ -4,7 +4,8 @@
 
 Every ``<!-- results: <path> -->`` ... ``<!-- end results -->`` block of the page is replaced by the
 table lines of ``<path>`` (a grid's ``results.md``, written by ``scripts/textworld_ablation.py``), and
-every ``<!-- diagnostics: <grid> -->`` ... ``<!-- end diagnostics -->`` block by the table
+a block may keep only some lines (``<!-- results: <path> algorithm=base,ppo rewards=-,dense -->``:
+the lines whose named columns hold one of the listed values); every ``<!-- diagnostics: <grid> -->`` ... ``<!-- end diagnostics -->`` block by the table
 ``scripts/rl_diagnostics.py <grid>`` prints from the grid's committed logs, so the page shows what
 the grids wrote; ``tests/configs/test_findings.py`` checks that they are equal.
 """
@@ -17,8 +18,30 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-BLOCK = re.compile(r"(<!-- results: (\S+) -->\n)(.*?)(<!-- end results -->)", re.S)
+BLOCK = re.compile(r"(<!-- results: (\S+)((?: \w+=\S+)*) -->\n)(.*?)(<!-- end results -->)", re.S)
 DIAGNOSTICS = re.compile(r"(<!-- diagnostics: (\S+) -->\n)(.*?)(<!-- end diagnostics -->)", re.S)
+CELL = re.compile(r"(?<!\\)\|")  # a column separator (a cell's own ``|`` is escaped)
+
+
+def cells(line: str) -> list[str]:
+    return [cell.strip() for cell in CELL.split(line.strip().strip("|"))]
+
+
+def select(lines: list[str], where: str) -> list[str]:
+    """A table's lines (head and separator first) that hold, in each column ``where`` names
+    (``algorithm=base,ppo rewards=-,dense``), one of its comma-separated values."""
+    conditions = {name: values.split(",") for name, _, values in (part.partition("=") for part in where.split())}
+    if not conditions:
+        return lines
+    head, separator, *rows = lines
+    names = cells(head)
+    unknown = sorted(set(conditions) - set(names))
+    if unknown:
+        raise ValueError(f"results block: no column {unknown} (the table has {names})")
+    index = {name: names.index(name) for name in conditions}
+    kept = [row for row in rows if all(cells(row)[index[name]] in values for name, values in conditions.items())]
+    return [head, separator, *kept]
+
 
 
 def diagnostics_table(grid: Path) -> str:
@@ -35,8 +58,8 @@ def refresh(page: str, root: Path = REPO) -> str:
         path = root / match.group(2)
         if not path.is_file():
             sys.exit(f"findings_tables: {match.group(2)} does not exist (run its grid first)")
-        lines = [line for line in path.read_text().splitlines() if line.startswith("|")]
-        return match.group(1) + "\n".join(lines) + "\n" + match.group(4)
+        lines = select([line for line in path.read_text().splitlines() if line.startswith("|")], match.group(3))
+        return match.group(1) + "\n".join(lines) + "\n" + match.group(5)
 
     def diagnostics(match: re.Match) -> str:
         return match.group(1) + diagnostics_table(root / match.group(2)) + "\n" + match.group(4)

@@ -7,10 +7,12 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from helpers import REPO_ROOT
 
 PAGE = REPO_ROOT / "docs" / "findings.md"
-BLOCK = re.compile(r"<!-- results: (\S+) -->\n(.*?)<!-- end results -->", re.S)
+BLOCK = re.compile(r"<!-- results: (\S+)((?: \w+=\S+)*) -->\n(.*?)<!-- end results -->", re.S)
 DIAGNOSTICS = re.compile(r"<!-- diagnostics: (\S+) -->\n(.*?)<!-- end diagnostics -->", re.S)
 VERDICTS = ("reproduced", "not at this scale", "contradicted", "pending")
 
@@ -23,23 +25,30 @@ def sections(page: str) -> list[str]:
     return re.split(r"\n(?=## )", page)[1:]
 
 
-def ablation_script():
+def script(name: str):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("ablation", REPO_ROOT / "scripts" / "textworld_ablation.py")
+    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
+def ablation_script():
+    return script("textworld_ablation")
+
+
 def test_the_page_tables_are_the_grids_results():
-    """Each table on the page is its grid's results.md, and that is the table of the grid's rows
-    (results.jsonl) as the grid script makes it now: neither edited by hand nor stale."""
-    page, ablation = PAGE.read_text(), ablation_script()
-    for path, block in BLOCK.findall(page):
+    """Each table on the page is its grid's results.md (or the lines of it the block names), and that
+    is the table of the grid's rows (results.jsonl) as the grid script makes it now: neither edited by
+    hand nor stale."""
+    page, ablation, select = PAGE.read_text(), ablation_script(), script("findings_tables").select
+    for path, where, block in BLOCK.findall(page):
         results = REPO_ROOT / path
         assert results.is_file(), f"docs/findings.md cites {path}, which is not committed"
-        assert table_lines(block) == table_lines(results.read_text()), f"docs/findings.md's copy of {path} differs"
+        copied = select(table_lines(results.read_text()), where)
+        assert table_lines(block) == copied, f"docs/findings.md's copy of {path}{where} differs"
+        assert len(copied) > 2, f"docs/findings.md: {path}{where} keeps no line"
         rows = ablation.load_rows(results.parent / "results.jsonl")
         made = ablation.table(ablation.summarize(rows))
         assert table_lines(results.read_text()) == table_lines(made), f"{path} is not the table of its rows"
@@ -48,13 +57,9 @@ def test_the_page_tables_are_the_grids_results():
 def test_the_page_diagnostics_are_the_logs_figures():
     """Each RL diagnostics table on the page is what scripts/rl_diagnostics.py makes of the grid's
     committed logs now."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("rl_diagnostics", REPO_ROOT / "scripts" / "rl_diagnostics.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    diagnostics = script("rl_diagnostics")
     for grid, block in DIAGNOSTICS.findall(PAGE.read_text()):
-        made = script.table(script.cell_rows(REPO_ROOT / grid))
+        made = diagnostics.table(diagnostics.cell_rows(REPO_ROOT / grid))
         assert table_lines(block) == table_lines(made), f"docs/findings.md's diagnostics of {grid} differ from its logs"
 
 
@@ -78,7 +83,7 @@ def test_a_verdict_needs_three_seeds_in_every_line():
         found = VERDICT.findall(section)
         for _, verdict in found:
             assert verdict in VERDICTS, f"{heading}: unknown verdict {verdict!r}"
-        rows = [row for _, block in BLOCK.findall(section) for row in table_rows(block)]
+        rows = [row for _, _, block in BLOCK.findall(section) for row in table_rows(block)]
         if heading.startswith("## ALFWorld"):
             (verdict,) = [v for _, v in found]
             three = {(r["settings"], r["budget"]) for r in rows if r["stage"] == "end" and int(r["seeds"]) >= 3}
@@ -102,7 +107,7 @@ def test_a_verdict_needs_three_seeds_in_every_line():
 
 def test_grid_commands_write_where_their_tables_come_from():
     page = PAGE.read_text()
-    cited = {Path(path).parent for path, _ in BLOCK.findall(page)}
+    cited = {Path(path).parent for path, _, _ in BLOCK.findall(page)}
     outs = {Path(out) for out in re.findall(r"textworld_ablation\.py[^`]*?--out (\S+)", page, re.S)}
     assert outs, "docs/findings.md gives no grid command"
     assert cited <= outs, f"tables without the command that made them: {sorted(map(str, cited - outs))}"
@@ -111,18 +116,21 @@ def test_grid_commands_write_where_their_tables_come_from():
 
 
 def test_the_refresh_script_copies_each_grids_table(tmp_path):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("findings_tables", REPO_ROOT / "scripts" / "findings_tables.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    """A block gets its grid's table, or the lines whose named columns hold the listed values."""
+    tables = script("findings_tables")
     (tmp_path / "grid").mkdir()
-    (tmp_path / "grid" / "results.md").write_text("# title\n\n| a | b |\n|---|---|\n| 1 | 2 |\n\nfoot\n")
+    (tmp_path / "grid" / "results.md").write_text(
+        "# title\n\n| a | b c |\n|---|---|\n| 1 | x \\| y |\n| 2 | z |\n| 3 | w |\n\nfoot\n"
+    )
     page = "## 1.\n<!-- results: grid/results.md -->\n| old |\n<!-- end results -->\ntext\n"
-    refreshed = script.refresh(page, tmp_path)
-    table = "| a | b |\n|---|---|\n| 1 | 2 |\n"
+    refreshed = tables.refresh(page, tmp_path)
+    table = "| a | b c |\n|---|---|\n| 1 | x \\| y |\n| 2 | z |\n| 3 | w |\n"
     assert refreshed == f"## 1.\n<!-- results: grid/results.md -->\n{table}<!-- end results -->\ntext\n"
-    assert BLOCK.findall(refreshed)[0][1] == table  # what the equality test reads
+    assert BLOCK.findall(refreshed)[0][2] == table  # what the equality test reads
+    some = tables.refresh(page.replace(".md -->", ".md a=1,3 -->"), tmp_path)
+    assert BLOCK.findall(some)[0][1:] == (" a=1,3", "| a | b c |\n|---|---|\n| 1 | x \\| y |\n| 3 | w |\n")
+    with pytest.raises(ValueError, match="no column"):
+        tables.refresh(page.replace(".md -->", ".md c=1 -->"), tmp_path)
 
 
 def test_every_grid_command_on_the_page_parses():
@@ -163,12 +171,9 @@ def sft_stage_name(ablation, args, key: dict) -> str:
 def test_the_overlap_table_in_generation_md_is_its_grids_results():
     """docs/generation.md's table of the quickstart on vLLM servers (on-policy against one step off-policy)
     is the committed results.md, and that is overlap_curves.py's table of the grid's rows."""
-    import importlib.util
     import json
 
-    spec = importlib.util.spec_from_file_location("overlap_curves", REPO_ROOT / "scripts" / "overlap_curves.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    overlap = script("overlap_curves")
     page = (REPO_ROOT / "docs" / "generation.md").read_text()
     blocks = re.findall(r"<!-- overlap results: (\S+) -->\n(.*?)<!-- end overlap results -->", page, re.S)
     assert blocks, "docs/generation.md quotes no overlap results"
@@ -176,4 +181,4 @@ def test_the_overlap_table_in_generation_md_is_its_grids_results():
         results = REPO_ROOT / path
         assert table_lines(block) == table_lines(results.read_text()), f"docs/generation.md's copy of {path} differs"
         rows = [json.loads(line) for line in (results.parent / "results.jsonl").read_text().splitlines()]
-        assert table_lines(results.read_text()) == table_lines(script.table(rows)), f"{path} is not its rows' table"
+        assert table_lines(results.read_text()) == table_lines(overlap.table(rows)), f"{path} is not its rows' table"
