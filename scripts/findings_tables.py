@@ -3,9 +3,10 @@
     python scripts/findings_tables.py [--page docs/findings.md]
 
 Every ``<!-- results: <path> -->`` ... ``<!-- end results -->`` block of the page is replaced by the
-table lines of ``<path>`` (a grid's ``results.md``, written by ``scripts/textworld_ablation.py``), and
-a block may keep only some lines (``<!-- results: <path> algorithm=base,ppo rewards=-,dense -->``:
-the lines whose named columns hold one of the listed values); every ``<!-- diagnostics: <grid> -->`` ... ``<!-- end diagnostics -->`` block by the table
+table lines of ``<path>`` (a grid's ``results.md``, written by ``scripts/textworld_ablation.py``) or,
+where the block names columns and values (``<!-- results: <path> algorithm=base,ppo rewards=-,dense
+-->``), by the lines holding one of the listed values in each named column. Every ``<!-- diagnostics:
+<grid> -->`` ... ``<!-- end diagnostics -->`` block is replaced by the table
 ``scripts/rl_diagnostics.py <grid>`` prints from the grid's committed logs, so the page shows what
 the grids wrote; ``tests/configs/test_findings.py`` checks that they are equal.
 """
@@ -41,7 +42,6 @@ def select(lines: list[str], where: str) -> list[str]:
     index = {name: names.index(name) for name in conditions}
     kept = [row for row in rows if all(cells(row)[index[name]] in values for name, values in conditions.items())]
     return [head, separator, *kept]
-
 
 
 def diagnostics_table(grid: Path) -> str:
