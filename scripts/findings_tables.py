@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-BLOCK = re.compile(r"(<!-- results: (\S+)((?: \w+=\S+)*) -->\n)(.*?)(<!-- end results -->)", re.S)
+BLOCK = re.compile(r"(<!-- results: (\S+)((?: [\w:]+=\S+)*) -->\n)(.*?)(<!-- end results -->)", re.S)
 DIAGNOSTICS = re.compile(r"(<!-- diagnostics: (\S+) -->\n)(.*?)(<!-- end diagnostics -->)", re.S)
 CELL = re.compile(r"(?<!\\)\|")  # a column separator (a cell's own ``|`` is escaped)
 

@@ -12,7 +12,7 @@ import pytest
 from helpers import REPO_ROOT
 
 PAGE = REPO_ROOT / "docs" / "findings.md"
-BLOCK = re.compile(r"<!-- results: (\S+)((?: \w+=\S+)*) -->\n(.*?)<!-- end results -->", re.S)
+BLOCK = re.compile(r"<!-- results: (\S+)((?: [\w:]+=\S+)*) -->\n(.*?)<!-- end results -->", re.S)
 DIAGNOSTICS = re.compile(r"<!-- diagnostics: (\S+) -->\n(.*?)<!-- end diagnostics -->", re.S)
 VERDICTS = ("reproduced", "not at this scale", "contradicted", "pending")
 
@@ -129,6 +129,9 @@ def test_the_refresh_script_copies_each_grids_table(tmp_path):
     assert BLOCK.findall(refreshed)[0][2] == table  # what the equality test reads
     some = tables.refresh(page.replace(".md -->", ".md a=1,3 -->"), tmp_path)
     assert BLOCK.findall(some)[0][1:] == (" a=1,3", "| a | b c |\n|---|---|\n| 1 | x \\| y |\n| 3 | w |\n")
+    (tmp_path / "grid" / "results.md").write_text("| SFT:RL | n |\n|---|---|\n| 20:80 | 1 |\n| 60:40 | 2 |\n")
+    some = tables.refresh(page.replace(".md -->", ".md SFT:RL=60:40 -->"), tmp_path)
+    assert BLOCK.findall(some)[0][1:] == (" SFT:RL=60:40", "| SFT:RL | n |\n|---|---|\n| 60:40 | 2 |\n")
     with pytest.raises(ValueError, match="no column"):
         tables.refresh(page.replace(".md -->", ".md c=1 -->"), tmp_path)
 
