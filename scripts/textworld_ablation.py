@@ -553,9 +553,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"textworld_ablation: {err}")
     args.out.mkdir(parents=True, exist_ok=True)
     results = args.out / "results.jsonl"
-    done = {row["cell"] for row in load_rows(results)}
     for name, key in grid_cells(args):
-        if name in done:
+        if name in {row["cell"] for row in load_rows(results)}:  # read per cell: another grid may share --out
             print(f"[ablation] {name}: done before, kept", flush=True)
             continue
         print(f"[ablation] {name} ...", flush=True)

@@ -118,6 +118,28 @@ def test_a_set_sweep_is_separate_lines_and_seeds_average_within_each(tmp_path, m
     assert sum("learning_rate=1e-2" in (e.text or "") for e in plot.iter()) == 1
 
 
+def test_a_cell_another_grid_finished_meanwhile_is_not_run_again(tmp_path, monkeypatch, capsys):
+    """Two grids writing into one --out (one process a core): a cell whose rows the other grid wrote
+    while this one ran an earlier cell is kept, not run twice (its seed would be counted twice)."""
+    out, ran = tmp_path / "shared", []
+    argv = ["--splits", "0:1", "--budget", "4", "--seeds", "0", "1", "--out", str(out)]
+    names = [name for name, _ in ablation.grid_cells(ablation.parse_args(argv))]
+
+    def cell(args, key, cell_out):
+        ran.append(key["seed"])
+        row = {**key, "demos": 0, "train_episodes": 4, "train_s": 1.0, "stage": "end", "eval_episodes": 2,
+               "eval": "w2-o3-q4", "won": 0.5}  # fmt: skip
+        if key["seed"] == 0:  # meanwhile the other grid finishes seed 1
+            with open(out / "results.jsonl", "a") as f:
+                f.write(json.dumps({"cell": names[1], **row, "seed": 1}) + "\n")
+        return [row]
+
+    monkeypatch.setattr(ablation, "run_cell", cell)
+    ablation.main(argv)
+    assert ran == [0] and "done before, kept" in capsys.readouterr().out
+    assert sorted(r["seed"] for r in ablation.load_rows(out / "results.jsonl")) == [0, 1]
+
+
 def test_rows_without_their_settings_are_kept_apart_by_the_cell_hash():
     row = {"algorithm": "ppo", "density": "dense", "split": "0:1", "budget": 4, "train": "w", "stage": "end",
            "eval": "w", "won": 0.5, "eval_episodes": 2, "train_episodes": 4, "demos": 0, "train_s": 1.0}  # fmt: skip
