@@ -12,17 +12,6 @@ import pytest
 from helpers import REPO_ROOT
 
 PAGE = REPO_ROOT / "docs" / "findings.md"
-BLOCK = re.compile(r"<!-- results: (\S+)((?: [\w:]+=\S+)*) -->\n(.*?)<!-- end results -->", re.S)
-DIAGNOSTICS = re.compile(r"<!-- diagnostics: (\S+) -->\n(.*?)<!-- end diagnostics -->", re.S)
-VERDICTS = ("reproduced", "not at this scale", "contradicted", "pending")
-
-
-def table_lines(text: str) -> list[str]:
-    return [line for line in text.splitlines() if line.startswith("|")]
-
-
-def sections(page: str) -> list[str]:
-    return re.split(r"\n(?=## )", page)[1:]
 
 
 def script(name: str):
@@ -34,16 +23,35 @@ def script(name: str):
     return module
 
 
-def ablation_script():
-    return script("textworld_ablation")
+TABLES = script("findings_tables")  # the page's block syntax, as the refresh script reads it
+
+
+def blocks(text: str) -> list[tuple[str, str, str]]:
+    """Each results block of ``text``: the grid's results.md, the lines it keeps (``""``: all), the table."""
+    return [(path, where, table) for _, path, where, table, _ in TABLES.BLOCK.findall(text)]
+
+
+def diagnostics_blocks(text: str) -> list[tuple[str, str]]:
+    return [(grid, table) for _, grid, table, _ in TABLES.DIAGNOSTICS.findall(text)]
+
+
+VERDICTS = ("reproduced", "not at this scale", "contradicted", "pending")
+
+
+def table_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("|")]
+
+
+def sections(page: str) -> list[str]:
+    return re.split(r"\n(?=## )", page)[1:]
 
 
 def test_the_page_tables_are_the_grids_results():
     """Each table on the page is its grid's results.md (or the lines of it the block names), and that
     is the table of the grid's rows (results.jsonl) as the grid script makes it now: neither edited by
     hand nor stale."""
-    page, ablation, select = PAGE.read_text(), ablation_script(), script("findings_tables").select
-    for path, where, block in BLOCK.findall(page):
+    page, ablation, select = PAGE.read_text(), script("textworld_ablation"), TABLES.select
+    for path, where, block in blocks(page):
         results = REPO_ROOT / path
         assert results.is_file(), f"docs/findings.md cites {path}, which is not committed"
         copied = select(table_lines(results.read_text()), where)
@@ -58,7 +66,7 @@ def test_the_page_diagnostics_are_the_logs_figures():
     """Each RL diagnostics table on the page is what scripts/rl_diagnostics.py makes of the grid's
     committed logs now."""
     diagnostics = script("rl_diagnostics")
-    for grid, block in DIAGNOSTICS.findall(PAGE.read_text()):
+    for grid, block in diagnostics_blocks(PAGE.read_text()):
         made = diagnostics.table(diagnostics.cell_rows(REPO_ROOT / grid))
         assert table_lines(block) == table_lines(made), f"docs/findings.md's diagnostics of {grid} differ from its logs"
 
@@ -68,8 +76,7 @@ VERDICT = re.compile(r"\*\*Verdict(?: \(claim (\d)\))?:(?:\*\*)? ([a-z][a-z ]*?)
 
 def table_rows(block: str) -> list[dict]:
     head, _, *rows = table_lines(block)
-    names = [c.strip() for c in head.strip("|").split("|")]
-    return [dict(zip(names, (c.strip() for c in row.strip("|").split("|")))) for row in rows]
+    return [dict(zip(TABLES.cells(head), TABLES.cells(row))) for row in rows]
 
 
 def test_a_verdict_needs_three_seeds_in_every_line():
@@ -83,7 +90,7 @@ def test_a_verdict_needs_three_seeds_in_every_line():
         found = VERDICT.findall(section)
         for _, verdict in found:
             assert verdict in VERDICTS, f"{heading}: unknown verdict {verdict!r}"
-        rows = [row for _, _, block in BLOCK.findall(section) for row in table_rows(block)]
+        rows = [row for _, _, block in blocks(section) for row in table_rows(block)]
         if heading.startswith("## ALFWorld"):
             (verdict,) = [v for _, v in found]
             three = {(r["settings"], r["budget"]) for r in rows if r["stage"] == "end" and int(r["seeds"]) >= 3}
@@ -107,7 +114,7 @@ def test_a_verdict_needs_three_seeds_in_every_line():
 
 def test_grid_commands_write_where_their_tables_come_from():
     page = PAGE.read_text()
-    cited = {Path(path).parent for path, _, _ in BLOCK.findall(page)}
+    cited = {Path(path).parent for path, _, _ in blocks(page)}
     outs = {Path(out) for out in re.findall(r"textworld_ablation\.py[^`]*?--out (\S+)", page, re.S)}
     assert outs, "docs/findings.md gives no grid command"
     assert cited <= outs, f"tables without the command that made them: {sorted(map(str, cited - outs))}"
@@ -117,30 +124,29 @@ def test_grid_commands_write_where_their_tables_come_from():
 
 def test_the_refresh_script_copies_each_grids_table(tmp_path):
     """A block gets its grid's table, or the lines whose named columns hold the listed values."""
-    tables = script("findings_tables")
     (tmp_path / "grid").mkdir()
     (tmp_path / "grid" / "results.md").write_text(
         "# title\n\n| a | b c |\n|---|---|\n| 1 | x \\| y |\n| 2 | z |\n| 3 | w |\n\nfoot\n"
     )
     page = "## 1.\n<!-- results: grid/results.md -->\n| old |\n<!-- end results -->\ntext\n"
-    refreshed = tables.refresh(page, tmp_path)
+    refreshed = TABLES.refresh(page, tmp_path)
     table = "| a | b c |\n|---|---|\n| 1 | x \\| y |\n| 2 | z |\n| 3 | w |\n"
     assert refreshed == f"## 1.\n<!-- results: grid/results.md -->\n{table}<!-- end results -->\ntext\n"
-    assert BLOCK.findall(refreshed)[0][2] == table  # what the equality test reads
-    some = tables.refresh(page.replace(".md -->", ".md a=1,3 -->"), tmp_path)
-    assert BLOCK.findall(some)[0][1:] == (" a=1,3", "| a | b c |\n|---|---|\n| 1 | x \\| y |\n| 3 | w |\n")
+    assert blocks(refreshed)[0][2] == table  # what the equality test reads
+    some = TABLES.refresh(page.replace(".md -->", ".md a=1,3 -->"), tmp_path)
+    assert blocks(some)[0][1:] == (" a=1,3", "| a | b c |\n|---|---|\n| 1 | x \\| y |\n| 3 | w |\n")
     (tmp_path / "grid" / "results.md").write_text("| SFT:RL | n |\n|---|---|\n| 20:80 | 1 |\n| 60:40 | 2 |\n")
-    some = tables.refresh(page.replace(".md -->", ".md SFT:RL=60:40 -->"), tmp_path)
-    assert BLOCK.findall(some)[0][1:] == (" SFT:RL=60:40", "| SFT:RL | n |\n|---|---|\n| 60:40 | 2 |\n")
+    some = TABLES.refresh(page.replace(".md -->", ".md SFT:RL=60:40 -->"), tmp_path)
+    assert blocks(some)[0][1:] == (" SFT:RL=60:40", "| SFT:RL | n |\n|---|---|\n| 60:40 | 2 |\n")
     with pytest.raises(ValueError, match="no column"):
-        tables.refresh(page.replace(".md -->", ".md c=1 -->"), tmp_path)
+        TABLES.refresh(page.replace(".md -->", ".md c=1 -->"), tmp_path)
 
 
 def test_every_grid_command_on_the_page_parses():
     """The page's grid commands run as written: their options exist and the grid is well formed."""
     import shlex
 
-    ablation = ablation_script()
+    ablation = script("textworld_ablation")
     page = PAGE.read_text()
     commands = [
         shlex.split(line.split("textworld_ablation.py", 1)[1])
