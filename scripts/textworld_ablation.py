@@ -11,8 +11,10 @@ A cell is one run of ``configs/textworld/<algorithm>_cpu.yaml`` (the ``*_guide.y
 the train and test games). Its full config is written to ``<out>/cells/<cell>/config.yaml``: rerun a
 cell with ``lit-marl fit --config`` that file. A finished cell appends its evaluations (after SFT
 where it has an SFT phase, and at the end) to ``<out>/results.jsonl``; a cell already there with
-the same settings is not run again, so a killed grid resumes at the cell it was in. Then the
-table ``<out>/results.md`` (held-out success per cell and eval complexity, mean +- std over seeds,
+the same settings is not run again, so a killed grid resumes at the cell it was in. Grids may
+share ``--out`` (one process a core): a cell or SFT stage a grid runs is locked (``.<name>.lock``
+beside its folder), so another grid leaves that cell to it and waits for that stage, never running
+either twice. Then the table ``<out>/results.md`` (held-out success per cell and eval complexity, mean +- std over seeds,
 with the number of episodes behind each figure) and the plot ``<out>/success.svg`` are rewritten.
 Cells that differ only in their seed share a line; cells whose shared settings differ (another
 ``--set`` value or option, e.g. a sweep written into one ``--out``) get lines of their own, each
@@ -26,6 +28,8 @@ smoke run: ``--set model.init_args.model=tiny-random``.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import functools
 import hashlib
 import html
@@ -214,6 +218,25 @@ def after_sft(args, key: dict, rows: list[dict]):
     return AfterSFT()
 
 
+@contextlib.contextmanager
+def held(folder: Path, wait: bool = True):
+    """This process's exclusive lock on ``folder`` (a hidden ``.<name>.lock`` beside it) while the block
+    runs; yields whether it holds it: with ``wait`` it says it waits and waits for another grid to let
+    go; without, it yields False at once. An flock: the kernel lets go when the process ends, killed or
+    not, so no lock outlives the grid that took it."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f".{folder.name}.lock", "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if not wait:
+                yield False
+                return
+            print(f"[ablation] {folder.name}: another grid is running it; waiting for it", flush=True)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        yield True
+
+
 def build(config: dict, out: Path):
     """The cell's config written to ``out/config.yaml`` (rerunnable) and built from there."""
     from lit_marl.cli import build_cli
@@ -282,13 +305,24 @@ def sft_stage_id(args, config: dict, switch: dict, train: str, seed: int) -> str
     return f"sft{switch['budget']:g}x{switch['sft_epochs']}-{train}-s{seed}-{digest}"
 
 
+def sft_stage_of(args, config: dict, key: dict, stages: Path) -> tuple[dict, Path]:
+    """The SFT stage's phase switch (the demonstrations budget alone) and its folder under ``stages``."""
+    (phase,) = [c for c in config["trainer"]["callbacks"] if c["class_path"].endswith("PhaseSwitch")]
+    switch = {**phase["init_args"], "budget": budget(args, key["split"])[0] * args.demo_cost, "split": "1:0"}
+    return switch, stages / sft_stage_id(args, config, switch, key["train"], key["seed"])
+
+
 def sft_stage(args, config: dict, key: dict, stages: Path) -> tuple[Path, list[dict]]:
     """The SFT run a cell starts from: run once (the demonstrations budget alone, evaluated after
     SFT, its LoRA adapters exported) and reused by every cell with the same SFT settings. Written
     last, ``after_sft.jsonl`` marks it finished; a killed stage runs again from the start."""
-    (phase,) = [c for c in config["trainer"]["callbacks"] if c["class_path"].endswith("PhaseSwitch")]
-    switch = {**phase["init_args"], "budget": budget(args, key["split"])[0] * args.demo_cost, "split": "1:0"}
-    out = stages / sft_stage_id(args, config, switch, key["train"], key["seed"])
+    switch, out = sft_stage_of(args, config, key, stages)
+    with held(out):  # another grid running this stage finishes it first: it is then reused
+        return run_sft_stage(args, config, switch, out)
+
+
+def run_sft_stage(args, config: dict, switch: dict, out: Path) -> tuple[Path, list[dict]]:
+    """``sft_stage`` under its lock: run unless finished (its rows and its adapters both there)."""
     done = out / "after_sft.jsonl"
     if not (done.exists() and (out / "export" / "team.json").exists()):  # git holds the rows, not the adapters
         partial = out / "export.partial"
@@ -554,15 +588,19 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     results = args.out / "results.jsonl"
     for name, key in grid_cells(args):
-        if name in {row["cell"] for row in load_rows(results)}:  # read per cell: another grid may share --out
-            print(f"[ablation] {name}: done before, kept", flush=True)
-            continue
-        print(f"[ablation] {name} ...", flush=True)
         cell_out = args.out / "cells" / name
-        rows = run_baseline(args, cell_out) if key is None else run_cell(args, key, cell_out)
-        with open(results, "a") as f:
-            for row in rows:
-                f.write(json.dumps({"cell": name, **row, "settings": shared_settings(args)}) + "\n")
+        with held(cell_out, wait=False) as free:
+            if not free:
+                print(f"[ablation] {name}: another grid is running it; left to that grid", flush=True)
+                continue
+            if name in {row["cell"] for row in load_rows(results)}:  # read under the lock: a grid may share --out
+                print(f"[ablation] {name}: done before, kept", flush=True)
+                continue
+            print(f"[ablation] {name} ...", flush=True)
+            rows = run_baseline(args, cell_out) if key is None else run_cell(args, key, cell_out)
+            with open(results, "a") as f:
+                for row in rows:
+                    f.write(json.dumps({"cell": name, **row, "settings": shared_settings(args)}) + "\n")
         for row in rows:
             print(f"[ablation] {name} -> {row['eval']}: won {row['won']:.3f} of {row['eval_episodes']}", flush=True)
         write_reports(args.out, load_rows(results))

@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
+import threading
+import time
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -138,6 +140,44 @@ def test_a_cell_another_grid_finished_meanwhile_is_not_run_again(tmp_path, monke
     ablation.main(argv)
     assert ran == [0] and "done before, kept" in capsys.readouterr().out
     assert sorted(r["seed"] for r in ablation.load_rows(out / "results.jsonl")) == [0, 1]
+
+
+def test_a_cell_or_stage_another_grid_is_running_is_not_run_twice(tmp_path, monkeypatch, capsys):
+    """Two grids on one --out, each a process: a cell the other grid holds is left to it (this grid goes
+    on to the next), and an SFT stage the other is running is waited for, then reused rather than run
+    again. (flock: a second open file conflicts with the first within one process too.)"""
+    out, ran = tmp_path / "shared", []
+    argv = ["--splits", "0:1", "--budget", "4", "--seeds", "0", "1", "--out", str(out)]
+    names = [name for name, _ in ablation.grid_cells(ablation.parse_args(argv))]
+    row = {"demos": 0, "train_episodes": 4, "train_s": 1.0, "stage": "end", "eval_episodes": 2, "eval": "w2-o3-q4"}
+    monkeypatch.setattr(ablation, "run_cell", lambda _, key, __: ran.append(key["seed"]) or [{**key, **row, "won": 0}])
+    with ablation.held(out / "cells" / names[0]):  # the other grid runs seed 0's cell
+        ablation.main(argv)
+    assert ran == [1] and f"{names[0]}: another grid is running it; left to that grid" in capsys.readouterr().out
+    assert [r["seed"] for r in ablation.load_rows(out / "results.jsonl")] == [1]
+
+    args = ablation.parse_args(["--budget", "2", "--splits", "1:1"])
+    config, key = ablation.cell_config(args, "ppo", "dense", "1:1", "w2-o3-q4", 0, tmp_path), {"split": "1:1"}
+    key.update(train="w2-o3-q4", seed=0)
+    _, stage = ablation.sft_stage_of(args, config, key, tmp_path / "sft")
+    taken = threading.Event()
+
+    def other_grid():  # holds the stage until it has written the rows and the adapters
+        with ablation.held(stage):
+            taken.set()
+            time.sleep(0.3)
+            (stage / "export").mkdir(parents=True)
+            (stage / "export" / "team.json").write_text("{}")
+            (stage / "after_sft.jsonl").write_text(json.dumps({"won": 0.25, "sft_s": 9.0}) + "\n")
+
+    monkeypatch.setattr(ablation, "build", lambda *_: pytest.fail("the stage ran twice"))
+    thread = threading.Thread(target=other_grid)
+    thread.start()
+    taken.wait()
+    found, rows = ablation.sft_stage(args, config, key, tmp_path / "sft")
+    thread.join()
+    assert found == stage and rows == [{"won": 0.25, "sft_s": 9.0}]
+    assert f"{stage.name}: another grid is running it; waiting for it" in capsys.readouterr().out
 
 
 def test_rows_without_their_settings_are_kept_apart_by_the_cell_hash():
