@@ -221,7 +221,7 @@ def test_cells_of_one_seed_start_rl_from_one_sft_run(tmp_path, capsys):
         ["--algorithms", "ppo", "--splits", "1:0", "--budget", "1", *argv[7:]]
     )  # SFT only, 1 demonstration: same stage
     capsys.readouterr()
-    (stage,) = (out / "sft").iterdir()
+    (stage,) = (out / "sft").glob("sft*")  # beside it, the hidden lock its grid held
     assert stage.name.startswith("sft1x1-w2-o3-q4-s0-") and (stage / "export" / "team.json").exists()
     assert len((stage / "after_sft.jsonl").read_text().splitlines()) == 1  # ran once
     rows = ablation.load_rows(out / "results.jsonl")
@@ -242,7 +242,7 @@ def test_cells_of_one_seed_start_rl_from_one_sft_run(tmp_path, capsys):
     ablation.main(["--algorithms", "rloo", *argv[3:], "model.init_args.update.sft_coef=0.5"])  # an RL-only setting
     capsys.readouterr()
     assert (stage / "export" / "team.json").exists()  # the stage ran again rather than start RL from nothing
-    assert [path.name for path in (out / "sft").iterdir()] == [stage.name]
+    assert [path.name for path in (out / "sft").glob("sft*")] == [stage.name]
     (learning,) = [r["cell"] for r in ablation.load_rows(out / "results.jsonl") if r["algorithm"] == "rloo"][-1:]
     cell = yaml.safe_load((out / "cells" / learning / "config.yaml").read_text())
     assert cell["data"]["init_args"]["demos"]["path"] == "textworld:w2-o3-q4:validation:1"  # RL learns them too
