@@ -14,8 +14,9 @@ where it has an SFT phase, and at the end) to ``<out>/results.jsonl``; a cell al
 the same settings is not run again, so a killed grid resumes at the cell it was in. Grids may
 share ``--out`` (one process a core): a cell or SFT stage a grid runs is locked (``.<name>.lock``
 beside its folder), so another grid leaves that cell to it and waits for that stage, never running
-either twice. Then the table ``<out>/results.md`` (held-out success per cell and eval complexity, mean +- std over seeds,
-with the number of episodes behind each figure) and the plot ``<out>/success.svg`` are rewritten.
+either twice. Then the table ``<out>/results.md`` (held-out success per cell and eval complexity,
+mean +- std over seeds, with the number of episodes behind each figure) and the plot
+``<out>/success.svg`` are rewritten.
 Cells that differ only in their seed share a line; cells whose shared settings differ (another
 ``--set`` value or option, e.g. a sweep written into one ``--out``) get lines of their own, each
 labelled with its options.
