@@ -120,17 +120,24 @@ def test_a_set_sweep_is_separate_lines_and_seeds_average_within_each(tmp_path, m
     assert sum("learning_rate=1e-2" in (e.text or "") for e in plot.iter()) == 1
 
 
+def shared_out_grid(tmp_path) -> tuple:
+    """A grid of two seeds (one cell each) writing into a shared --out: its folder, argv, cell names
+    and the row a fake cell returns."""
+    out = tmp_path / "shared"
+    argv = ["--splits", "0:1", "--budget", "4", "--seeds", "0", "1", "--out", str(out)]
+    names = [name for name, _ in ablation.grid_cells(ablation.parse_args(argv))]
+    row = {"demos": 0, "train_episodes": 4, "train_s": 1.0, "stage": "end", "eval_episodes": 2, "eval": "w2-o3-q4"}
+    return out, argv, names, {**row, "won": 0.5}
+
+
 def test_a_cell_another_grid_finished_meanwhile_is_not_run_again(tmp_path, monkeypatch, capsys):
     """Two grids writing into one --out (one process a core): a cell whose rows the other grid wrote
     while this one ran an earlier cell is kept, not run twice (its seed would be counted twice)."""
-    out, ran = tmp_path / "shared", []
-    argv = ["--splits", "0:1", "--budget", "4", "--seeds", "0", "1", "--out", str(out)]
-    names = [name for name, _ in ablation.grid_cells(ablation.parse_args(argv))]
+    (out, argv, names, fake), ran = shared_out_grid(tmp_path), []
 
     def cell(args, key, cell_out):
         ran.append(key["seed"])
-        row = {**key, "demos": 0, "train_episodes": 4, "train_s": 1.0, "stage": "end", "eval_episodes": 2,
-               "eval": "w2-o3-q4", "won": 0.5}  # fmt: skip
+        row = {**key, **fake}
         if key["seed"] == 0:  # meanwhile the other grid finishes seed 1
             with open(out / "results.jsonl", "a") as f:
                 f.write(json.dumps({"cell": names[1], **row, "seed": 1}) + "\n")
@@ -146,11 +153,8 @@ def test_a_cell_or_stage_another_grid_is_running_is_not_run_twice(tmp_path, monk
     """Two grids on one --out, each a process: a cell the other grid holds is left to it (this grid goes
     on to the next), and an SFT stage the other is running is waited for, then reused rather than run
     again. (flock: a second open file conflicts with the first within one process too.)"""
-    out, ran = tmp_path / "shared", []
-    argv = ["--splits", "0:1", "--budget", "4", "--seeds", "0", "1", "--out", str(out)]
-    names = [name for name, _ in ablation.grid_cells(ablation.parse_args(argv))]
-    row = {"demos": 0, "train_episodes": 4, "train_s": 1.0, "stage": "end", "eval_episodes": 2, "eval": "w2-o3-q4"}
-    monkeypatch.setattr(ablation, "run_cell", lambda _, key, __: ran.append(key["seed"]) or [{**key, **row, "won": 0}])
+    (out, argv, names, fake), ran = shared_out_grid(tmp_path), []
+    monkeypatch.setattr(ablation, "run_cell", lambda _, key, __: ran.append(key["seed"]) or [{**key, **fake}])
     with ablation.held(out / "cells" / names[0]):  # the other grid runs seed 0's cell
         ablation.main(argv)
     assert ran == [1] and f"{names[0]}: another grid is running it; left to that grid" in capsys.readouterr().out
